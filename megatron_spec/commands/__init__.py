@@ -1,0 +1,1 @@
+"""Subcommands of the ``megatron-spec`` console script (see ``megatron_spec.cli``)."""

@@ -1,0 +1,116 @@
+"""Build and install megatron-spec.
+
+The extension ``megatron_spec._C`` is built from ``csrc/`` with torch's cpp_extension:
+
+* C++ CPU kernels (``csrc/*.cpp``) always;
+* CUDA kernels (``csrc/cuda/*.cu`` plus the torch binding ``csrc/cuda/*_binding.cpp``) only
+  when torch was built with CUDA and ``CUDA_HOME`` is found.
+
+Environment switches (flash-attention / extension-cpp style):
+
+* ``MEGATRON_SPEC_SKIP_CUDA_BUILD=1``  build the CPU kernels only, even on a CUDA machine.
+* ``MEGATRON_SPEC_SKIP_EXTENSION=1``   build no extension at all (pure-PyTorch fallbacks).
+* ``MEGATRON_SPEC_CUDA_ARCHS="90;100"`` CUDA architectures (default ``80;90``).
+* ``MAX_JOBS=N``                       parallel compile jobs (read by torch's ninja builder).
+
+Install with ``pip install --no-build-isolation -e .``: the build needs the torch that is
+already installed (an isolated build environment would download a different torch).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _extensions():
+    if _env_flag("MEGATRON_SPEC_SKIP_EXTENSION"):
+        print("megatron-spec: MEGATRON_SPEC_SKIP_EXTENSION set, building no extension", file=sys.stderr)
+        return [], {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("megatron-spec: torch not importable at build time; building no extension "
+              "(install torch first and use --no-build-isolation)", file=sys.stderr)
+        return [], {}
+
+    cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    if not cpu_sources:
+        return [], {}
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-DMEGATRON_SPEC_CPU"]
+    # Vectorise for the build machine's ISA unless asked to build portable binaries.
+    if not _env_flag("MEGATRON_SPEC_PORTABLE"):
+        cxx_flags.append("-march=native")
+    extra_link = ["-fopenmp"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
+
+    want_cuda = (
+        not _env_flag("MEGATRON_SPEC_SKIP_CUDA_BUILD")
+        and torch.version.cuda is not None
+        and cpp_extension.CUDA_HOME is not None
+    )
+    if want_cuda:
+        cu_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        binding_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        archs = os.environ.get("MEGATRON_SPEC_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
+        nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "-DMEGATRON_SPEC_CUDA"]
+        for arch in filter(None, (a.strip() for a in archs)):
+            nvcc_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+        ext = cpp_extension.CUDAExtension(
+            name="megatron_spec._C",
+            sources=cpu_sources + binding_sources + cu_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags + ["-DMEGATRON_SPEC_WITH_CUDA"], "nvcc": nvcc_flags},
+            extra_link_args=extra_link,
+        )
+        print(f"megatron-spec: building CPU + CUDA kernels for sm {archs}", file=sys.stderr)
+    else:
+        ext = cpp_extension.CppExtension(
+            name="megatron_spec._C",
+            sources=cpu_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=extra_link,
+        )
+        print("megatron-spec: building CPU kernels only", file=sys.stderr)
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="megatron-spec",
+    version="0.1.0",
+    description="Verifier-exact speculative decoding for GRPO rollouts on megatron-core",
+    packages=find_packages(include=["megatron_spec", "megatron_spec.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "safetensors>=0.4",
+        "numpy",
+        "tqdm",
+        "pyyaml",
+    ],
+    extras_require={
+        # The CPU stack known to work is pinned in requirements/cpu.txt.
+        "modelopt": ["nvidia-modelopt==0.47.0", "transformers>=4.57,<5.15"],
+        "rl": ["datasets>=3.0", "math-verify>=0.7", "tensorboard", "matplotlib"],
+        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.23"],
+        "dev": ["pytest>=8", "hypothesis", "scipy", "ninja", "transformers>=4.57,<5.15"],
+    },
+    entry_points={"console_scripts": ["megatron-spec=megatron_spec.cli:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    zip_safe=False,
+)
