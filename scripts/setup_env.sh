@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create .venv in this repository (if missing), install the pinned CPU stack and this
+# package (which builds the C++ extension megatron_spec._C). Idempotent and fast when
+# nothing changed. Usage: scripts/setup_env.sh [--with-sglang]
+#   --with-sglang  also install sglang's own classes for the CPU contract tests
+#                  (sglang with --no-deps plus its small import-time dependencies).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1   # cache nothing outside the repo
+
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+
+stamp=.venv/.requirements-stamp
+want=$(cat requirements/cpu.txt | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing the pinned CPU stack (requirements/cpu.txt)"
+  pip install -q --upgrade "pip>=24"
+  pip install -q -r requirements/cpu.txt
+  echo "$want" > "$stamp"
+fi
+
+if [ "${1:-}" = "--with-sglang" ]; then
+  sstamp=.venv/.sglang-stamp
+  swant=$(cat requirements/sglang-cpu.txt requirements/sglang-cpu-deps.txt | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$sstamp" 2>/dev/null)" != "$swant" ]; then
+    echo "[setup] installing sglang's classes for contract tests (--no-deps)"
+    pip install -q --no-deps -r requirements/sglang-cpu.txt
+    pip install -q -r requirements/sglang-cpu-deps.txt
+    echo "$swant" > "$sstamp"
+  fi
+fi
+
+echo "[setup] building megatron-spec (C++ extension megatron_spec._C)"
+MAX_JOBS=${MAX_JOBS:-2} pip install -q --no-build-isolation --no-deps -e . 2> .venv/build.log || {
+  cat .venv/build.log >&2; exit 1; }
+python -c "import megatron_spec._C" 2>/dev/null && echo "[setup] compiled ops: yes" || echo "[setup] compiled ops: no (pure-PyTorch fallbacks)"
