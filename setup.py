@@ -47,7 +47,9 @@ def _extensions():
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     if not cpu_sources:
         return [], {}
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-DMEGATRON_SPEC_CPU"]
+    # -ffp-contract=off: GCC otherwise fuses a*b+c into FMAs (even with -std=c++17), and the kernels
+    # must round every operation exactly as their pure-PyTorch references do (csrc/ms_math.h).
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-DMEGATRON_SPEC_CPU"]
     # Vectorise for the build machine's ISA unless asked to build portable binaries.
     if not _env_flag("MEGATRON_SPEC_PORTABLE"):
         cxx_flags.append("-march=native")

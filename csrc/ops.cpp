@@ -1,0 +1,41 @@
+// The one schema file of the megatron_spec operator library (pytorch/extension-cpp layout).
+//
+// Schemas only: CPU implementations live in csrc/*_cpu.cpp, CUDA ones in csrc/cuda/, fake (meta)
+// kernels and the pure-PyTorch references in megatron_spec/ops/. Every op here has a reference that
+// is its fallback and its test oracle.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// `import megatron_spec._C` loads this shared object, which runs the TORCH_LIBRARY registrations.
+// The module itself is empty: everything is reached through torch.ops.megatron_spec.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", "megatron_spec compiled ops (see torch.ops.megatron_spec)", -1,
+      nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(megatron_spec, m) {
+  // w [N, K] float32/bfloat16/float16 -> (w_fp8 float8_e4m3fn [N, K],
+  //                                        weight_scale_inv float32 [ceil(N/bn), ceil(K/bk)])
+  m.def("fp8_block_quantize(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)",
+        {at::Tag::pt2_compliant_tag});
+  // (w_fp8 [N, K], weight_scale_inv [ceil(N/bn), ceil(K/bk)]) -> w [N, K] of `dtype`
+  m.def(
+      "fp8_block_dequantize(Tensor w_fp8, Tensor scale_inv, int block_n, int block_k, "
+      "ScalarType dtype) -> Tensor",
+      {at::Tag::pt2_compliant_tag});
+  // Chain verification of k drafted tokens per row, uniforms given:
+  //   target_logprobs [B, k+1, V] f32, draft_tokens [B, k] i64 (target ids, <0 ends the chain),
+  //   draft_probs [B, k, Vd] f32 or None (point mass), d2t [Vd] i64 or None, greedy [B] bool,
+  //   u_accept [B, k] f64, u_sample [B] f64
+  //   -> (tokens [B, k+1] i64 padded with -1, num_accepted [B] i64)
+  m.def(
+      "verify_chain(Tensor target_logprobs, Tensor draft_tokens, Tensor? draft_probs, Tensor? d2t, "
+      "Tensor greedy, Tensor u_accept, Tensor u_sample) -> (Tensor, Tensor)",
+      {at::Tag::pt2_compliant_tag});
+  // The verifier's float32 exp of log-probabilities (exposed so tests can compare it bit for bit).
+  m.def("spec_exp(Tensor x) -> Tensor", {at::Tag::pt2_compliant_tag});
+}
