@@ -1,0 +1,42 @@
+"""Fake (meta) kernels of the compiled ops: output shapes and dtypes only, no data.
+
+Imported by ``megatron_spec.ops`` once ``megatron_spec._C`` has registered the op schemas. Value
+checks that need data (token ranges, uniforms in [0, 1), d2t being injective) stay in the real
+kernels; shape and dtype checks are repeated here so tracing fails as early as eager does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.register_fake("megatron_spec::fp8_block_quantize")
+def _fp8_block_quantize_fake(w: torch.Tensor, block_n: int, block_k: int):
+    torch._check(block_n > 0 and block_k > 0, lambda: f"fp8 block size must be positive, got [{block_n}, {block_k}]")
+    torch._check(w.dim() == 2, lambda: f"fp8_block_quantize expects a 2-D weight, got {w.dim()}-D")
+    n, k = w.shape
+    w_fp8 = w.new_empty((n, k), dtype=torch.float8_e4m3fn)
+    scale_inv = w.new_empty(((n + block_n - 1) // block_n, (k + block_k - 1) // block_k), dtype=torch.float32)
+    return w_fp8, scale_inv
+
+
+@torch.library.register_fake("megatron_spec::fp8_block_dequantize")
+def _fp8_block_dequantize_fake(w_fp8, scale_inv, block_n: int, block_k: int, dtype: torch.dtype):
+    torch._check(w_fp8.dim() == 2, lambda: "fp8_block_dequantize expects a 2-D weight")
+    torch._check(scale_inv.dim() == 2, lambda: "fp8_block_dequantize expects a 2-D weight_scale_inv")
+    return w_fp8.new_empty(w_fp8.shape, dtype=dtype)
+
+
+@torch.library.register_fake("megatron_spec::verify_chain")
+def _verify_chain_fake(target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_accept, u_sample):
+    torch._check(target_logprobs.dim() == 3, lambda: "verify_chain: target_logprobs must be [B, k+1, V]")
+    b, k1, _ = target_logprobs.shape
+    torch._check(draft_tokens.dim() == 2, lambda: "verify_chain: draft_tokens must be [B, k]")
+    tokens = draft_tokens.new_empty((b, k1), dtype=torch.int64)
+    num_accepted = draft_tokens.new_empty((b,), dtype=torch.int64)
+    return tokens, num_accepted
+
+
+@torch.library.register_fake("megatron_spec::spec_exp")
+def _spec_exp_fake(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
