@@ -1,0 +1,164 @@
+"""Chain verification: accept drafted tokens so the emitted stream follows the target exactly.
+
+For a row with drafts ``x_1..x_k`` drawn from ``q`` (or proposed without a distribution), the target
+accepts ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection it emits a
+token from ``normalize(max(0, p_i - q_i))``; if all ``k`` pass it emits a bonus token from
+``p_{k+1}``. Each emitted token is then distributed exactly as ``p`` (Leviathan et al. 2023, Thm. 1;
+Chen et al. 2023). Drafters without a distribution (n-gram) use a point mass ``q = 1[x_i]``: accept
+with ``p(x_i)``, else sample ``p`` without ``x_i``. Greedy rows (temperature 0) accept while the draft
+equals the target argmax, so their output equals argmax decoding token for token.
+
+``p`` must already be the processed distribution (``process_logits``): the verifier never applies
+temperature or truncation itself. Randomness is explicit: pre-drawn uniforms or a
+``torch.Generator``. The arithmetic (and the compiled kernels that run it) is documented in
+``megatron_spec/ops/verify_reference.py``.
+
+This module does not know where logits come from, how drafts were made, or any engine state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_spec.ops import verify_chain_op
+
+__all__ = [
+    "VerifyResult",
+    "acceptance_probability",
+    "expected_num_accepted",
+    "sample_from_logprobs",
+    "verify_chain",
+]
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Outcome of verifying one chain per row."""
+
+    tokens: torch.Tensor
+    """``[B, k+1]`` int64: the accepted drafts, then the correction or bonus token, then -1 padding."""
+    num_accepted: torch.Tensor
+    """``[B]`` int64 in ``[0, k]``: drafts accepted."""
+    logprobs: torch.Tensor
+    """``[B, k+1]`` float32: the target log-prob of each emitted token under the processed
+    distribution (what the engine reports); 0 on padding."""
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        """``[B]`` int64: ``num_accepted + 1`` tokens emitted per row."""
+        return self.num_accepted + 1
+
+    def emitted(self) -> list[list[int]]:
+        """Emitted token ids per row as python lists (one host sync)."""
+        return [row[row >= 0].tolist() for row in self.tokens.cpu()]
+
+
+def _draw_uniforms(
+    B: int, k: int, device: torch.device, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Order is part of the contract: u_accept first, then u_sample (reproducible for a given seed).
+    u_accept = torch.rand((B, k), dtype=torch.float64, generator=generator, device=device)
+    u_sample = torch.rand((B,), dtype=torch.float64, generator=generator, device=device)
+    return u_accept, u_sample
+
+
+def verify_chain(
+    target_logprobs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    d2t: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
+    u_accept: torch.Tensor | None = None,
+    u_sample: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Verify ``k`` drafted tokens per row against the target's processed distribution.
+
+    Args:
+        target_logprobs: ``[B, k+1, V]`` log-probs from ``process_logits`` at the k+1 positions
+            (position i conditions on the drafts before it).
+        draft_tokens: ``[B, k]`` drafted target ids; a negative id ends that row's chain early
+            (ragged drafts, e.g. n-gram lookups that matched fewer than k tokens).
+        draft_probs: ``[B, k, Vd]`` draft distributions the drafts were sampled from, over the target
+            vocabulary (``Vd == V``) or the draft vocabulary when ``d2t`` is given; None for drafters
+            without a distribution (point mass at the draft).
+        d2t: ``[Vd]`` int64 offsets of a reduced draft vocabulary: ``target_id = draft_id + d2t[draft_id]``
+            (EAGLE-3 ``d2t``); q is zero on target ids outside the draft vocabulary.
+        greedy: ``[B]`` bool rows verified by argmax (temperature 0); default none.
+        u_accept: ``[B, k]`` float64 uniforms in [0, 1) for the acceptance tests.
+        u_sample: ``[B]`` float64 uniforms in [0, 1) for the correction / bonus token.
+        generator: draws ``u_accept`` then ``u_sample`` when the uniforms are not given.
+
+    Returns:
+        :class:`VerifyResult` with ``tokens [B, k+1]``, ``num_accepted [B]``, ``logprobs [B, k+1]``.
+    """
+    if target_logprobs.dim() != 3:
+        raise ValueError(f"verify_chain: target_logprobs must be [B, k+1, V], got shape {tuple(target_logprobs.shape)}")
+    B, K1, _ = target_logprobs.shape
+    k = K1 - 1
+    device = target_logprobs.device
+    lp = target_logprobs.float().contiguous()
+    x = draft_tokens.to(device=device, dtype=torch.int64).contiguous()
+    q = draft_probs.to(device=device, dtype=torch.float32).contiguous() if draft_probs is not None else None
+    m = d2t.to(device=device, dtype=torch.int64).contiguous() if d2t is not None else None
+    g = (
+        torch.zeros(B, dtype=torch.bool, device=device)
+        if greedy is None
+        else greedy.to(device=device, dtype=torch.bool).contiguous()
+    )
+    given = (u_accept is not None, u_sample is not None)
+    if any(given):
+        if not all(given):
+            raise ValueError("verify_chain: pass both u_accept and u_sample, or a generator")
+        if generator is not None:
+            raise ValueError("verify_chain: pass uniforms or a generator, not both")
+        ua = u_accept.to(device=device, dtype=torch.float64).contiguous()
+        us = u_sample.to(device=device, dtype=torch.float64).contiguous()
+    elif generator is not None:
+        ua, us = _draw_uniforms(B, k, device, generator)
+    else:
+        raise ValueError("verify_chain: randomness must be explicit: pass u_accept and u_sample, or a generator")
+    tokens, num_accepted = verify_chain_op(lp, x, q, m, g, ua, us)
+    logprobs = lp.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]  # [B, k+1]
+    logprobs = torch.where(tokens >= 0, logprobs, torch.zeros_like(logprobs))
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, logprobs=logprobs)
+
+
+def sample_from_logprobs(
+    logprobs: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    *,
+    u: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of ``logprobs [B, V]`` (autoregressive step): ``[B]`` int64.
+
+    The same inverse-CDF draw the verifier uses for its bonus token (a chain with k = 0), so plain
+    and speculative decoding share one sampler. ``u [B]`` float64 in [0, 1), or a ``generator``.
+    """
+    if logprobs.dim() != 2:
+        raise ValueError(f"sample_from_logprobs: logprobs must be [B, V], got shape {tuple(logprobs.shape)}")
+    B = logprobs.shape[0]
+    empty_draft = torch.empty((B, 0), dtype=torch.int64, device=logprobs.device)
+    if u is not None:
+        res = verify_chain(
+            logprobs[:, None, :], empty_draft, greedy=greedy, generator=generator,
+            u_accept=torch.empty((B, 0), dtype=torch.float64, device=logprobs.device), u_sample=u,
+        )
+    else:
+        res = verify_chain(logprobs[:, None, :], empty_draft, greedy=greedy, generator=generator)
+    return res.tokens[:, 0]
+
+
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_x min(p(x), q(x)) over the last dim: the chance a draft from q is accepted."""
+    return torch.minimum(p, q).sum(dim=-1)
+
+
+def expected_num_accepted(alpha: torch.Tensor) -> torch.Tensor:
+    """Expected accepted drafts of a chain with per-position acceptance ``alpha [..., k]``:
+    ``sum_i prod_{j<=i} alpha_j`` (positions independent of earlier draws)."""
+    return torch.cumprod(alpha, dim=-1).sum(dim=-1)
