@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_spec.draft.rope import ScaledRotary, rope_frequencies, rope_type_of
+from megatron_spec.draft.rope import ScaledRotary, rope_frequencies
 from megatron_spec.models.hf_config import DecoderConfig
 from megatron_spec.rollout.native.kv_cache import KVCache
 from megatron_spec.rollout.native.model import MLP, Attention, RMSNorm
@@ -84,7 +84,8 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
-    """``None``/default or a YaRN dict; what the serving engine applies (see :mod:`.rope`)."""
+    """``None``, a ``rope_type: default`` or a YaRN dict, as exported; what the serving engine
+    applies (see :mod:`.rope`). ModelOpt trains with plain RoPE whatever it exports."""
     max_position_embeddings: int = 4096
     norm_output: bool = False
     """Feed ``norm(h2)`` (EAGLE 3.1) instead of ``h2`` to the next draft step."""
@@ -188,10 +189,8 @@ class Eagle3Config:
         theta = cfg.get("rope_theta")
         if theta is None and rope is not None:
             theta = rope.get("rope_theta")
-        if rope is not None:
-            rope.pop("rope_theta", None)  # kept in rope_theta; SGLang reads theta separately
-            if rope_type_of(rope) == "default":
-                rope = None
+        if rope is not None and rope.get("rope_theta") not in (None, theta):
+            raise ValueError(f"{source}: rope_scaling.rope_theta {rope['rope_theta']} != rope_theta {theta}")
         vocab = int(need("vocab_size"))
         known = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
