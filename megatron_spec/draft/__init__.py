@@ -1,7 +1,9 @@
 """Drafters for speculative decoding: the EAGLE-3 head and its ModelOpt checkpoint I/O.
 
-- :mod:`.eagle3`: :class:`Eagle3Config`, :class:`Eagle3Head` (engine mode over the native KV
-  cache and a full-sequence mode for training), the aux-feature convention.
+- :mod:`.eagle3_config`: :class:`Eagle3Config` (parsed from an export's config.json, validated
+  against the target), ``d2t`` checks.
+- :mod:`.eagle3`: :class:`Eagle3Head` (engine mode over the native KV cache and a full-sequence
+  mode for training), the aux-feature convention, the TTT attention mask.
 - :mod:`.rope`: default / YaRN RoPE as the serving engine applies it to an exported draft.
 - :mod:`.modelopt_io`: :func:`load_eagle3` / :func:`save_eagle3` for the format
   ``export_speculative_decoding`` writes.

@@ -239,3 +239,26 @@ def test_d2t_is_modelopt_calibration(drafts):
     in_draft[head.target_ids] = True
     assert counts[in_draft].min() >= counts[~in_draft].max()  # the 32 most frequent training tokens
     assert torch.equal(head.draft_to_target(torch.arange(32)), head.target_ids)
+
+
+def test_native_target_aux_feeds_head_like_modelopt(drafts):
+    # The engine's path end to end: the native CausalLM's aux output (outputs of aux_layer_ids) -> fuse ->
+    # the head over its KV cache, with next-token embeddings at the same positions, equals ModelOpt's forward.
+    from megatron_spec.models.checkpoint import HFCheckpoint
+    from megatron_spec.rollout.native.model import CausalLM
+
+    res = drafts.full
+    head = load_eagle3(res.path, drafts.target_cfg, rope_scaling=None, double_hidden_norm=True)
+    target = CausalLM(drafts.target_cfg, max_positions=64)
+    ckpt = HFCheckpoint(drafts.target_dir)
+    target.load_weights((n, ckpt.get(n)) for n in sorted(ckpt.names()))
+    b, t = 2, 13
+    ids = torch.randint(4, drafts.target_cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(10))
+    (ref_logits, ref_hidden), = modelopt_forward(res.model, ids)
+    pos, lens = torch.arange(t).expand(b, t), torch.full((b,), t)
+    with torch.no_grad():
+        _, aux = target(ids, pos, target.new_cache(b, 32), lens, aux_layers=head.cfg.aux_layer_ids)
+        embeds = target.embed_tokens(ids.roll(-1, 1))
+        logits, hidden = head(embeds, head.fuse(aux), pos, head.new_cache(b, 32), lens)
+    torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(hidden, ref_hidden, atol=ATOL, rtol=0)
