@@ -21,32 +21,74 @@
 
 #include "ms_math.h"
 
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on _mm512_undefined_*() (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace megatron_spec {
 namespace {
 
 // Columns per work unit: 16 blocks of 128 -> bn x 2048 elements (512 KiB of bf16 for bn = 128).
 constexpr int64_t kUnitCols = 2048;
 
+// Input traits. Pass 1 takes the max of |x| as ordered integer bits in the input's own width
+// (u16 for 16-bit floats: twice the lanes), then converts that one value to float32.
 struct F32In {
   using T = float;
+  using Bits = uint32_t;
   static inline uint32_t abs_bits(float x) { return f32_abs_bits(x); }
+  static inline float amax_f32(uint32_t m) { return f32_from_bits(m); }
   static inline float load(float x) { return x; }
+#if defined(MS_HAVE_AVX512)
+  static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#endif
 };
 struct BF16In {
   using T = uint16_t;
-  static inline uint32_t abs_bits(uint16_t x) { return bf16_abs_bits(x); }
+  using Bits = uint16_t;
+  static inline uint16_t abs_bits(uint16_t x) { return static_cast<uint16_t>(x & 0x7FFFu); }
+  static inline float amax_f32(uint16_t m) { return bf16_to_f32(m); }
   static inline float load(uint16_t x) { return bf16_to_f32(x); }
+#if defined(MS_HAVE_AVX512)
+  static inline __m512 load16(const uint16_t* p) { return bf16x16_to_f32(p); }
+#endif
 };
 struct F16In {
   using T = uint16_t;
-  static inline uint32_t abs_bits(uint16_t x) { return f32_abs_bits(f16_to_f32(x)); }
+  using Bits = uint16_t;
+  static inline uint16_t abs_bits(uint16_t x) { return static_cast<uint16_t>(x & 0x7FFFu); }
+  static inline float amax_f32(uint16_t m) { return f16_to_f32(m); }
   static inline float load(uint16_t x) { return f16_to_f32(x); }
+#if defined(MS_HAVE_AVX512)
+  static inline __m512 load16(const uint16_t* p) { return f16x16_to_f32(p); }
+#endif
 };
+
+// Quantise row[a, b) of one block with multiplier s into orow[a, b).
+template <typename In>
+inline void quantize_run(const typename In::T* __restrict row, uint8_t* __restrict orow, int64_t a, int64_t b,
+                         float s, bool finite) {
+  int64_t c = a;
+#if defined(MS_HAVE_AVX512)
+  if (finite) {
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; c + 16 <= b; c += 16) {
+      const __m128i q = fp8e4m3_from_f32_finite_x16(_mm512_mul_ps(In::load16(row + c), vs));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(orow + c), q);
+    }
+  }
+#else
+  (void)finite;
+#endif
+  for (; c < b; ++c) orow[c] = fp8e4m3_from_f32_sat(fmul_rn(In::load(row[c]), s));
+}
 
 template <typename In>
 void quantize_impl(const typename In::T* __restrict w, int64_t N, int64_t K, int64_t bn, int64_t bk,
                    uint8_t* __restrict out, float* __restrict scale_inv) {
   using T = typename In::T;
+  using Bits = typename In::Bits;
   const int64_t nbn = (N + bn - 1) / bn;
   const int64_t nbk = (K + bk - 1) / bk;
   // A unit spans whole column blocks: at least one, about kUnitCols columns.
@@ -54,8 +96,9 @@ void quantize_impl(const typename In::T* __restrict w, int64_t N, int64_t K, int
   const int64_t units_per_row = (nbk + blocks_per_unit - 1) / blocks_per_unit;
   const int64_t num_units = nbn * units_per_row;
   at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> colmax;  // running max of |x| bits per column of the unit
-    std::vector<float> mult;       // quantisation multiplier per column block of the unit
+    std::vector<Bits> colmax;     // running max of |x| bits per column of the unit
+    std::vector<float> mult;      // quantisation multiplier per column block of the unit
+    std::vector<uint8_t> finite;  // whether the block's amax is finite (vector fast path)
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t bi = unit / units_per_row;
       const int64_t bj0 = (unit % units_per_row) * blocks_per_unit;
@@ -63,24 +106,28 @@ void quantize_impl(const typename In::T* __restrict w, int64_t N, int64_t K, int
       const int64_t r0 = bi * bn, r1 = std::min(N, r0 + bn);
       const int64_t c0 = bj0 * bk, c1 = std::min(K, bj1 * bk);
       const int64_t nc = c1 - c0;
-      colmax.assign(static_cast<size_t>(nc), 0u);
-      uint32_t* __restrict cm = colmax.data();
+      colmax.assign(static_cast<size_t>(nc), Bits{0});
+      Bits* __restrict cm = colmax.data();
       // Pass 1: column-wise max of |x| over the block-row (integer max: NaN/inf propagate).
       for (int64_t r = r0; r < r1; ++r) {
         const T* __restrict row = w + r * K + c0;
         for (int64_t c = 0; c < nc; ++c) {
-          const uint32_t v = In::abs_bits(row[c]);
+          const Bits v = In::abs_bits(row[c]);
           cm[c] = v > cm[c] ? v : cm[c];
         }
       }
-      mult.resize(static_cast<size_t>(bj1 - bj0));
+      const size_t nb = static_cast<size_t>(bj1 - bj0);
+      mult.resize(nb);
+      finite.resize(nb);
       for (int64_t bj = bj0; bj < bj1; ++bj) {
         const int64_t a = (bj - bj0) * bk, b = std::min(nc, a + bk);
-        uint32_t m = 0u;
+        Bits m = 0;
         for (int64_t c = a; c < b; ++c) m = cm[c] > m ? cm[c] : m;
-        const float amax = fp8_block_amax_clamped(f32_from_bits(m));
+        const float raw = In::amax_f32(m);
+        const float amax = fp8_block_amax_clamped(raw);
         scale_inv[bi * nbk + bj] = fp8_block_scale_inv(amax);
         mult[static_cast<size_t>(bj - bj0)] = fp8_block_quant_mult(amax);
+        finite[static_cast<size_t>(bj - bj0)] = f32_abs_bits(raw) < 0x7F800000u;
       }
       // Pass 2: quantise, one column block at a time so the multiplier is a loop constant.
       for (int64_t r = r0; r < r1; ++r) {
@@ -88,8 +135,8 @@ void quantize_impl(const typename In::T* __restrict w, int64_t N, int64_t K, int
         uint8_t* __restrict orow = out + r * K + c0;
         for (int64_t bj = bj0; bj < bj1; ++bj) {
           const int64_t a = (bj - bj0) * bk, b = std::min(nc, a + bk);
-          const float s = mult[static_cast<size_t>(bj - bj0)];
-          for (int64_t c = a; c < b; ++c) orow[c] = fp8e4m3_from_f32_sat(fmul_rn(In::load(row[c]), s));
+          const size_t ib = static_cast<size_t>(bj - bj0);
+          quantize_run<In>(row, orow, a, b, mult[ib], finite[ib] != 0);
         }
       }
     }
@@ -134,22 +181,30 @@ void check_blocks(int64_t block_n, int64_t block_k) {
                     block_n, ", ", block_k, "]");
 }
 
-std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& w, int64_t block_n,
-                                                          int64_t block_k) {
+void fp8_block_quantize_out_cpu(const at::Tensor& w, int64_t block_n, int64_t block_k, at::Tensor& out,
+                                at::Tensor& scale_inv) {
   check_blocks(block_n, block_k);
-  TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ",
-                    w.sizes());
+  TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
   const auto dt = w.scalar_type();
   TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
                     "fp8_block_quantize expects float32, bfloat16 or float16 weights, got ", dt);
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t sn = (N + block_n - 1) / block_n, sk = (K + block_k - 1) / block_k;
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat8_e4m3fn && out.dim() == 2 && out.size(0) == N &&
+                        out.size(1) == K && out.is_contiguous(),
+                    "fp8_block_quantize: out must be a contiguous float8_e4m3fn [", N, ", ", K, "], got ",
+                    out.scalar_type(), " of shape ", out.sizes());
+  TORCH_CHECK_VALUE(scale_inv.scalar_type() == at::kFloat && scale_inv.dim() == 2 && scale_inv.size(0) == sn &&
+                        scale_inv.size(1) == sk && scale_inv.is_contiguous(),
+                    "fp8_block_quantize: scale_inv must be a contiguous float32 [", sn, ", ", sk, "], got ",
+                    scale_inv.scalar_type(), " of shape ", scale_inv.sizes());
+  if (N == 0 || K == 0) {
+    scale_inv.zero_();
+    return;
+  }
   const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
-  at::Tensor out = at::empty({N, K}, wc.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor scale =
-      at::empty({(N + block_n - 1) / block_n, (K + block_k - 1) / block_k}, wc.options().dtype(at::kFloat));
-  if (N == 0 || K == 0) return {out, scale.zero_()};
   auto* o = reinterpret_cast<uint8_t*>(out.data_ptr());
-  float* s = scale.data_ptr<float>();
+  float* s = scale_inv.data_ptr<float>();
   if (dt == at::kFloat) {
     quantize_impl<F32In>(wc.data_ptr<float>(), N, K, block_n, block_k, o, s);
   } else if (dt == at::kBFloat16) {
@@ -157,6 +212,17 @@ std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& w, i
   } else {
     quantize_impl<F16In>(reinterpret_cast<const uint16_t*>(wc.data_ptr()), N, K, block_n, block_k, o, s);
   }
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& w, int64_t block_n,
+                                                          int64_t block_k) {
+  check_blocks(block_n, block_k);
+  TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale =
+      at::empty({(N + block_n - 1) / block_n, (K + block_k - 1) / block_k}, w.options().dtype(at::kFloat));
+  fp8_block_quantize_out_cpu(w, block_n, block_k, out, scale);
   return {out, scale};
 }
 
@@ -195,6 +261,7 @@ at::Tensor fp8_block_dequantize_cpu(const at::Tensor& w_fp8, const at::Tensor& s
 
 TORCH_LIBRARY_IMPL(megatron_spec, CPU, m) {
   m.impl("fp8_block_quantize", &fp8_block_quantize_cpu);
+  m.impl("fp8_block_quantize_out", &fp8_block_quantize_out_cpu);
   m.impl("fp8_block_dequantize", &fp8_block_dequantize_cpu);
 }
 

@@ -25,6 +25,11 @@
 
 #include <cstring>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(__CUDACC__)
+#include <immintrin.h>
+#define MS_HAVE_AVX512 1
+#endif
+
 #if defined(__CUDACC__)
 #define MS_HD __host__ __device__ __forceinline__
 #else
@@ -170,6 +175,38 @@ MS_HD float fp8_block_quant_mult(float amax_clamped) {
   return fmul_rn(fdiv_rn(1.0f, amax_clamped), kFp8E4M3Max);
 }
 
+// 16-lane AVX-512 forms of the conversions above for the CPU hot loops. Same integer and float
+// steps as the scalar functions, so lanes and scalars agree bit for bit (tests compare the CPU
+// kernels, which use both, with the references over every shape and edge value).
+#if defined(MS_HAVE_AVX512)
+inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+inline __m512 f16x16_to_f32(const uint16_t* p) {  // F16C conversion is exact
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// fp8e4m3_from_f32_sat for 16 finite values with |v| < 464. Inside a block quantised with its own
+// (finite) amax, |x * mult| <= 448 (1 + 3 * 2^-24), so NaN and saturation cannot occur and the
+// normal-path rounding already yields 0x7E at the top, exactly like the scalar function.
+inline __m128i fp8e4m3_from_f32_finite_x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16384.0f))),
+      _mm512_set1_epi32(static_cast<int>(141u << 23)));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i nrm = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(0x7FFFFu - (120u << 23)))), odd), 20);
+  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(121u << 23)));
+  const __m512i r = _mm512_mask_blend_epi32(is_sub, nrm, sub);
+  // r | ((bits >> 24) & 0x80): ternary logic A | (B & C)
+  const __m512i out = _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
+  return _mm512_cvtepi32_epi8(out);
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Speculative sampling.
 // ---------------------------------------------------------------------------------------------
@@ -187,9 +224,10 @@ constexpr int64_t kSampleChunk = 256;
 // Constants are the float32 values of Cephes' decimal ones, written exactly (hex) so that C++, CUDA
 // and Python (float.fromhex) cannot round them differently.
 MS_HD float spec_expf(float x) {
-  const bool isnan_x = !(x == x);
+  // Selects only (no && / ||): keeps the loop branch-free so GCC vectorises it.
   float xc = x > 88.0f ? 88.0f : x;
-  xc = (xc < -86.0f || isnan_x) ? -86.0f : xc;
+  xc = xc < -86.0f ? -86.0f : xc;
+  xc = x == x ? xc : -86.0f;  // NaN: compute on a dummy, return NaN below
   const float magic = 12582912.0f;  // 1.5 * 2^23
   const float n = fsub_rn(fadd_rn(fmul_rn(xc, 0x1.715476p+0f), magic), magic);
   const float r = fsub_rn(fsub_rn(xc, fmul_rn(n, 0x1.63p-1f)), fmul_rn(n, -0x1.bd0106p-13f));
@@ -203,8 +241,8 @@ MS_HD float spec_expf(float x) {
   y = fadd_rn(fadd_rn(fmul_rn(y, z), r), 1.0f);
   const int32_t ni = static_cast<int32_t>(n);  // in [-124, 127]
   const float scale = f32_from_bits(static_cast<uint32_t>(ni + 127) << 23);
-  const float out = fmul_rn(y, scale);
-  return isnan_x ? x : (x < -86.0f ? 0.0f : out);
+  const float out = x < -86.0f ? 0.0f : fmul_rn(y, scale);
+  return x == x ? out : x;
 }
 
 // Draft probabilities below the smallest normal float32 (and negative or NaN ones) count as 0.

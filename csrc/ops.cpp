@@ -22,6 +22,10 @@ TORCH_LIBRARY(megatron_spec, m) {
   //                                        weight_scale_inv float32 [ceil(N/bn), ceil(K/bk)])
   m.def("fp8_block_quantize(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
+  // Same, written into preallocated contiguous outputs (e.g. views into a flattened weight bucket).
+  m.def(
+      "fp8_block_quantize_out(Tensor w, int block_n, int block_k, *, Tensor(a!) out, Tensor(b!) scale_inv) -> ()",
+      {at::Tag::pt2_compliant_tag});
   // (w_fp8 [N, K], weight_scale_inv [ceil(N/bn), ceil(K/bk)]) -> w [N, K] of `dtype`
   m.def(
       "fp8_block_dequantize(Tensor w_fp8, Tensor scale_inv, int block_n, int block_k, "

@@ -25,11 +25,12 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "ms_math.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on _mm512_undefined_*() (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 namespace megatron_spec {
 namespace {
@@ -139,13 +140,8 @@ int64_t sample_position(QMode mode, const float* lp, const QSource& s, int64_t V
 }
 
 // First index of the maximum (lowest index on ties), like torch.argmax for NaN-free input.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-// GCC 12 reports _mm512_undefined_ps() inside _mm512_max_ps as maybe-uninitialized (false positive).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 int64_t argmax_first(const float* __restrict x, int64_t V) {
-#if defined(__AVX512F__)
+#if defined(MS_HAVE_AVX512)
   if (V >= 16) {
     __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     int64_t t = 0;
@@ -175,9 +171,6 @@ int64_t argmax_first(const float* __restrict x, int64_t V) {
   }
   return best;
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 
 enum RowError : int8_t { kOk = 0, kNoMass = 1 };
 

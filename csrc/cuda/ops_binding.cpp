@@ -30,22 +30,43 @@ void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "megatron_spec ", what, " launch failed: ", cudaGetErrorString(err));
 }
 
-std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cuda(const at::Tensor& w, int64_t block_n, int64_t block_k) {
+void fp8_block_quantize_out_cuda(const at::Tensor& w, int64_t block_n, int64_t block_k, at::Tensor& out,
+                                 at::Tensor& scale_inv) {
   TORCH_CHECK_VALUE(block_n > 0 && block_k > 0, "megatron_spec fp8 block size must be positive, got [", block_n,
                     ", ", block_k, "]");
   TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
   const cuda::FloatKind kind = kind_of(w.scalar_type());
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t sn = (N + block_n - 1) / block_n, sk = (K + block_k - 1) / block_k;
+  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat8_e4m3fn && out.dim() == 2 && out.size(0) == N &&
+                        out.size(1) == K && out.is_contiguous() && out.device() == w.device(),
+                    "fp8_block_quantize: out must be a contiguous float8_e4m3fn [", N, ", ", K, "] on ", w.device());
+  TORCH_CHECK_VALUE(scale_inv.scalar_type() == at::kFloat && scale_inv.dim() == 2 && scale_inv.size(0) == sn &&
+                        scale_inv.size(1) == sk && scale_inv.is_contiguous() && scale_inv.device() == w.device(),
+                    "fp8_block_quantize: scale_inv must be a contiguous float32 [", sn, ", ", sk, "] on ",
+                    w.device());
+  TORCH_CHECK_VALUE(sn <= 65535, "fp8_block_quantize: too many block rows for one grid");
   const c10::cuda::CUDAGuard guard(w.device());
+  if (N == 0 || K == 0) {
+    scale_inv.zero_();
+    return;
+  }
   const at::Tensor wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1);
-  TORCH_CHECK_VALUE((N + block_n - 1) / block_n <= 65535, "fp8_block_quantize: too many block rows for one grid");
-  at::Tensor out = at::empty({N, K}, wc.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor scale = at::zeros({(N + block_n - 1) / block_n, (K + block_k - 1) / block_k},
-                               wc.options().dtype(at::kFloat));
   check_cuda(cuda::launch_fp8_block_quantize(wc.data_ptr(), kind, N, K, block_n, block_k,
-                                             reinterpret_cast<uint8_t*>(out.data_ptr()), scale.data_ptr<float>(),
+                                             reinterpret_cast<uint8_t*>(out.data_ptr()), scale_inv.data_ptr<float>(),
                                              c10::cuda::getCurrentCUDAStream()),
              "fp8_block_quantize");
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cuda(const at::Tensor& w, int64_t block_n, int64_t block_k) {
+  TORCH_CHECK_VALUE(block_n > 0 && block_k > 0, "megatron_spec fp8 block size must be positive, got [", block_n,
+                    ", ", block_k, "]");
+  TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor scale = at::empty({(N + block_n - 1) / block_n, (K + block_k - 1) / block_k},
+                               w.options().dtype(at::kFloat));
+  fp8_block_quantize_out_cuda(w, block_n, block_k, out, scale);
   return {out, scale};
 }
 
@@ -180,6 +201,7 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cuda(const at::Tensor& target_lo
 
 TORCH_LIBRARY_IMPL(megatron_spec, CUDA, m) {
   m.impl("fp8_block_quantize", &fp8_block_quantize_cuda);
+  m.impl("fp8_block_quantize_out", &fp8_block_quantize_out_cuda);
   m.impl("fp8_block_dequantize", &fp8_block_dequantize_cuda);
   m.impl("spec_exp", &spec_exp_cuda);
   m.impl("verify_chain", &verify_chain_cuda);
