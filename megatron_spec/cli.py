@@ -15,7 +15,9 @@ import sys
 
 # command name -> module; keep sorted.
 COMMANDS: dict[str, str] = {
+    "generate": "megatron_spec.commands.generate",
     "info": "megatron_spec.commands.info",
+    "simulate": "megatron_spec.commands.simulate",
 }
 
 

@@ -164,8 +164,9 @@ class Eagle3Head(nn.Module):
         kv_lens: torch.Tensor,
         *,
         logits_index: torch.Tensor | None = None,
+        slot_offset: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Engine mode: new rows of slots ``0..B-1`` over the head's KV cache.
+        """Engine mode: new rows of slots ``slot_offset..slot_offset+B-1`` over the head's KV cache.
 
         Args:
             embeds: ``[B, T, H]`` target embeddings of the tokens at ``positions + 1``.
@@ -181,7 +182,7 @@ class Eagle3Head(nn.Module):
         embeds, hidden = embeds.to(dtype), hidden.to(dtype)
         read_len = int(kv_lens.max())  # host sync, as the target's forward: sizes the cache view
         attn_out = self.self_attn(self._attention_input(embeds, hidden), positions, self.rotary, cache, 0,
-                                  kv_lens, read_len)
+                                  kv_lens, read_len, slot_offset)
         return self._finish(hidden, attn_out, logits_index)
 
     def forward_full(
@@ -252,6 +253,11 @@ class Eagle3Head(nn.Module):
         yield "lm_head.weight", self.lm_head.weight
         if self.d2t is not None:
             yield "d2t", self.d2t
+
+    def expected_hf_names(self) -> set[str]:
+        """Names a complete weight update carries: every export tensor but ``d2t``, which
+        engines read once at start-up (SGLang does) and which must not change afterwards."""
+        return {name for name, _ in self.named_export_tensors() if name != "d2t"}
 
     def export_shapes(self) -> dict[str, tuple[int, ...]]:
         """Expected export name -> shape (``d2t`` only with a reduced vocabulary)."""

@@ -1,0 +1,116 @@
+"""``megatron-spec generate``: run the rollout engine alone on an HF checkpoint (DESIGN.md 3.1).
+
+Reads prompts from JSONL (``{"id", "prompt"}`` or ``{"id", "input_ids"}``), writes one JSON
+line per sample, shows a progress bar on stderr, and ends stdout with one JSON summary line
+(tokens/s, accept length, per-position acceptance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HELP = "generate samples with the rollout engine (optionally speculative) from a prompts JSONL file"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF checkpoint directory of the target")
+    p.add_argument("--draft-kind", default="none", choices=["none", "eagle3", "model", "mtp", "ngram"])
+    p.add_argument("--draft-path", default=None, help="EAGLE-3 export (ModelOpt) or draft-model checkpoint")
+    p.add_argument("--num-draft-tokens", type=int, default=3, help="k, tokens drafted per verify step")
+    p.add_argument("--prompts", required=True, help="JSONL: {'id', 'prompt'} or {'id', 'input_ids'} per line")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's prefill)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's EOS")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32, help="sequences decoded at once")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="engine context (default: longest prompt + max-new-tokens)")
+    p.add_argument("--backend", default="native", choices=["native", "sglang"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
+    p.add_argument("--output", required=True, help="output JSONL, one line per sample")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def read_prompts(path: str, tokenizer_dir: str) -> list[tuple[str, list[int]]]:
+    """``(id, input_ids)`` per line; text prompts are tokenised with the model's tokenizer."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    rows, tokenizer = [], None
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not JSON ({exc})") from exc
+            rid = str(obj.get("id", lineno - 1))
+            if "input_ids" in obj:
+                ids = obj["input_ids"]
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError(f"{path}:{lineno}: input_ids must be a list of ints")
+            elif "prompt" in obj:
+                if tokenizer is None:
+                    from transformers import AutoTokenizer
+
+                    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+                ids = tokenizer(obj["prompt"], add_special_tokens=False)["input_ids"]
+            else:
+                raise ValueError(f"{path}:{lineno}: needs 'prompt' or 'input_ids'")
+            if not ids:
+                raise ValueError(f"{path}:{lineno}: empty prompt")
+            rows.append((rid, ids))
+    if not rows:
+        raise ValueError(f"prompts file {path} has no prompts")
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_spec.rollout import make_engine
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    try:
+        prompts = read_prompts(args.prompts, args.model)
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                  min_p=args.min_p, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
+        requests = [GenerateRequest(rid, ids, sampling, n=args.n) for rid, ids in prompts]
+        context = args.context_length or max(len(ids) for _, ids in prompts) + args.max_new_tokens
+        config = EngineConfig(model_path=args.model, draft_kind=args.draft_kind, draft_path=args.draft_path,
+                              num_draft_tokens=args.num_draft_tokens, dtype=args.dtype,
+                              max_batch_size=max(args.batch_size, args.n), context_length=context, seed=args.seed,
+                              num_threads=args.num_threads)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
+        return 2
+
+    from tqdm import tqdm
+
+    total = len(requests) * args.n
+    with make_engine(config, backend=args.backend) as engine:
+        bar = tqdm(total=total, desc="generate", unit="sample", disable=args.no_progress, file=sys.stderr)
+        seen = [0]
+
+        def on_progress(n: int) -> None:
+            bar.update(n - seen[0])
+            seen[0] = n
+
+        samples, stats = engine.generate(requests, on_progress=on_progress)
+        bar.update(total - seen[0])
+        bar.close()
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    tmp = args.output + ".tmp"
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps(s.to_json()) + "\n")
+    os.replace(tmp, args.output)
+    print(json.dumps(stats.summary()))
+    return 0

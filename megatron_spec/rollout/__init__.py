@@ -1,0 +1,32 @@
+"""Rollout engines behind one interface.
+
+``make_engine(config, backend)`` starts the embedded native engine (``native/``: pure
+PyTorch in its own process, the default without a GPU) or the SGLang backend
+(``sglang_backend``: ``sglang.Engine`` with EAGLE-3, GPU only). Both take
+``types.GenerateRequest`` and return ``types.SampleOutput`` + ``types.GenerateStats``, and
+both take weight updates as flattened-bucket payloads with a ``target``/``draft`` selector.
+"""
+
+from __future__ import annotations
+
+from megatron_spec.rollout.config import EngineConfig
+
+
+def default_backend() -> str:
+    import torch
+
+    return "sglang" if torch.cuda.is_available() else "native"
+
+
+def make_engine(config: EngineConfig, backend: str | None = None):
+    """Start a rollout engine; the caller shuts it down (it is a context manager)."""
+    backend = backend or default_backend()
+    if backend == "native":
+        from megatron_spec.rollout.native.handle import NativeEngine
+
+        return NativeEngine(config)
+    if backend == "sglang":
+        from megatron_spec.rollout.sglang_backend import SGLangEngine
+
+        return SGLangEngine(config)
+    raise ValueError(f"rollout backend must be 'native' or 'sglang', got {backend!r}")

@@ -1,0 +1,65 @@
+"""What a rollout engine is started with (both backends read the same record).
+
+:class:`EngineConfig` is plain data, picklable into the engine process. The trainer builds
+it from its ``RolloutConfig``/``SpecConfig`` (``megatron_spec.config``); ``megatron-spec
+generate`` builds it from its flags.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+DRAFT_KINDS = ("none", "eagle3", "model", "mtp", "ngram")
+BACKENDS = ("native", "sglang")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    """HF checkpoint directory of the target (config.json, safetensors, tokenizer)."""
+    draft_kind: str = "none"
+    """none | eagle3 | model | mtp | ngram."""
+    draft_path: str | None = None
+    """EAGLE-3 export (ModelOpt) or draft-model HF checkpoint; MTP heads come from the trainer."""
+    num_draft_tokens: int = 3
+    """k: tokens drafted per verify step."""
+    dtype: str = "float32"
+    """Engine compute dtype: float32 | bfloat16."""
+    max_batch_size: int = 32
+    """Sequences decoded at once (KV-cache slots)."""
+    context_length: int = 2048
+    """Longest prompt + generation the engine accepts."""
+    seed: int = 0
+    ngram_min: int = 1
+    ngram_max: int = 4
+    num_threads: int | None = None
+    """torch intra-op threads in the engine process (None: torch's default)."""
+    load_weights: bool = True
+    """Read the target weights from ``model_path``; False waits for a weight update instead."""
+    fp8_weights: bool = False
+    """Expect block-FP8 target weights (``weight_scale_inv``) in updates and dequantise them."""
+    mtp_num_layers: int = 1
+    """MTP heads the trainer streams (draft_kind mtp)."""
+    startup_timeout_s: float = 600.0
+    call_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.draft_kind not in DRAFT_KINDS:
+            raise ValueError(f"draft_kind must be one of {DRAFT_KINDS}, got {self.draft_kind!r}")
+        if self.draft_kind in ("eagle3", "model") and not self.draft_path:
+            raise ValueError(f"draft_kind {self.draft_kind} needs a draft_path")
+        if self.draft_kind != "none" and self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.max_batch_size < 1 or self.context_length < 2:
+            raise ValueError("max_batch_size must be >= 1 and context_length >= 2")
+        if not os.path.isdir(self.model_path):
+            raise FileNotFoundError(f"model_path {self.model_path} is not a directory")
+        if self.draft_path and self.draft_kind in ("eagle3", "model") and not os.path.isdir(self.draft_path):
+            raise FileNotFoundError(f"draft_path {self.draft_path} is not a directory")
+
+    @property
+    def k(self) -> int:
+        return self.num_draft_tokens if self.draft_kind != "none" else 0

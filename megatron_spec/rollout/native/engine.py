@@ -1,0 +1,301 @@
+"""The native engine's scheduler: continuous batching with optional speculative decoding.
+
+One :meth:`EngineCore.generate` call runs a list of requests to completion:
+
+* **Admission.** Waiting prompts join whenever enough slots are free. Their prompts are
+  prefilled together (padded batch), then each prompt's cache is copied into the slots of its
+  ``n`` samples, whose first tokens are sampled from the shared prefill logits.
+* **Steps.** Every step advances all running rows at once: a plain step decodes one token;
+  a speculative step asks the drafter for k tokens per row, runs the target once over the
+  k+1 positions, and verifies with ``megatron_spec.spec.verify_chain`` (accept with
+  min(1, p/q), residual on rejection, bonus token when all pass). Rejected positions are
+  rolled back by resetting cache lengths.
+* **Retirement.** A row finishes at a stop token or ``max_new_tokens``; its slot is refilled by
+  moving the last running row into it, so the batch stays in slots ``0..B-1``.
+
+The target cache always holds every token of a row but its last one (which is the input of
+the next step). Log-probs reported per token are the target's under the processed
+distribution it was sampled from (greedy rows: the unscaled policy), taken from the same
+forward that verified it.
+
+This module runs in the engine process (see ``server.py``); it knows nothing of IPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron_spec.rollout.native.drafters import Drafter
+from megatron_spec.rollout.native.model import CausalLM
+from megatron_spec.rollout.types import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    GenerateRequest,
+    GenerateStats,
+    SampleOutput,
+)
+from megatron_spec.spec import SamplingTensors, process_logits
+from megatron_spec.spec.verify import sample_from_logprobs, verify_chain
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (too long for the context, bad parameters)."""
+
+
+@dataclasses.dataclass
+class _Row:
+    req: GenerateRequest
+    sample_index: int
+    tokens: list[int]
+    stop_ids: frozenset[int]
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    verify_steps: int = 1  # the prefill produced the first token
+    finish: str | None = None
+
+    def emit(self, token: int, logprob: float) -> bool:
+        """Append one token; returns True when the row is finished."""
+        self.tokens.append(token)
+        self.out.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish = FINISH_STOP
+        elif len(self.out) >= self.req.sampling.max_new_tokens:
+            self.finish = FINISH_LENGTH
+        return self.finish is not None
+
+
+class EngineCore:
+    """Target model + drafter + caches; generates batches of requests."""
+
+    def __init__(self, model: CausalLM, drafter: Drafter | None, *, num_draft_tokens: int = 3,
+                 max_batch_size: int = 32, context_length: int = 2048, seed: int = 0,
+                 prefill_token_budget: int = 8192, eos_token_ids: Sequence[int] = ()):
+        if drafter is not None and num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
+        self.model = model
+        self.drafter = drafter
+        self.k = num_draft_tokens if drafter is not None else 0
+        self.max_batch_size = max_batch_size
+        self.context_length = context_length
+        self.prefill_token_budget = prefill_token_budget
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.cache = None
+        self.spec_enabled = drafter is not None
+        """The acceptance-collapse watchdog may turn speculation off (see ``sync``/``rl``)."""
+
+    # ------------------------------------------------------------------ memory
+    def allocate(self) -> None:
+        # k + 1 spare positions: a verify step writes up to k+1 entries past a row's length
+        max_len = self.context_length + self.k + 1
+        self.cache = self.model.new_cache(self.max_batch_size, max_len)
+        if self.drafter is not None:
+            self.drafter.allocate(self.max_batch_size, max_len)
+
+    def release(self) -> None:
+        self.cache = None
+        if self.drafter is not None:
+            self.drafter.release()
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes if self.cache is not None else 0
+
+    # ------------------------------------------------------------------ api
+    def validate(self, req: GenerateRequest) -> None:
+        need = len(req.input_ids) + req.sampling.max_new_tokens
+        if need > self.context_length:
+            raise RequestError(f"request {req.request_id}: prompt of {len(req.input_ids)} tokens + max_new_tokens "
+                               f"{req.sampling.max_new_tokens} exceeds the engine context of {self.context_length}")
+        if req.n > self.max_batch_size:
+            raise RequestError(f"request {req.request_id}: n={req.n} exceeds max_batch_size {self.max_batch_size}")
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in req.input_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"request {req.request_id}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+
+    @torch.inference_mode()
+    def generate(self, requests: Sequence[GenerateRequest],
+                 on_sample_done: Callable[[SampleOutput], None] | None = None
+                 ) -> tuple[list[SampleOutput], GenerateStats]:
+        """Run ``requests`` to completion; returns samples (request order, then sample index)."""
+        for r in requests:
+            self.validate(r)
+        if self.cache is None:
+            self.allocate()
+        t0 = time.perf_counter()
+        stats = GenerateStats(num_draft_tokens=self.k if self.spec_enabled else 0)
+        waiting = deque(requests)
+        rows: list[_Row] = []
+        done: list[SampleOutput] = []
+        sampling = None
+        while waiting or rows:
+            admitted = self._admit(waiting, rows, stats)
+            if admitted or sampling is None or sampling.batch_size != len(rows):
+                sampling = self._sampling(rows)
+            finished = self._retire(rows, on_sample_done, done)
+            if finished:
+                sampling = self._sampling(rows)
+            if not rows:
+                continue
+            if self.spec_enabled and self.drafter is not None:
+                self._spec_step(rows, sampling, stats)
+            else:
+                self._plain_step(rows, sampling, stats)
+            if self._retire(rows, on_sample_done, done):
+                sampling = self._sampling(rows)
+        stats.wall_s = time.perf_counter() - t0
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        done.sort(key=lambda s: (order[s.request_id], s.sample_index))
+        stats.num_tokens = sum(len(s.output_ids) for s in done)
+        stats.num_verify_steps = sum(s.num_verify_steps for s in done)
+        return done, stats
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _sampling(rows: Sequence[_Row]) -> SamplingTensors:
+        if not rows:
+            return SamplingTensors.from_values(1.0, 0, 1.0, 0.0, batch_size=0)
+        sp = [r.req.sampling for r in rows]
+        return SamplingTensors.from_values([s.temperature for s in sp], [s.top_k for s in sp],
+                                           [s.top_p for s in sp], [s.min_p for s in sp])
+
+    def _stop_ids(self, req: GenerateRequest) -> frozenset[int]:
+        ids = set(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+            ids |= self.eos_token_ids
+        return frozenset(ids)
+
+    def _token_logprobs(self, logits: torch.Tensor, lp: torch.Tensor, tokens: torch.Tensor,
+                        greedy: torch.Tensor) -> torch.Tensor:
+        """Reported log-probs ``[B, T]``: processed for sampled rows, unscaled for greedy rows."""
+        out = lp.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        if bool(greedy.any()):
+            raw = torch.log_softmax(logits, dim=-1).gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            out = torch.where(greedy.view(-1, *([1] * (out.dim() - 1))), raw, out)
+        return out
+
+    def _admit(self, waiting: deque, rows: list[_Row], stats: GenerateStats) -> bool:
+        free = self.max_batch_size - len(rows)
+        batch: list[GenerateRequest] = []
+        tokens = 0
+        while waiting and waiting[0].n <= free - sum(r.n for r in batch):
+            nxt = waiting[0]
+            if batch and tokens + len(nxt.input_ids) > self.prefill_token_budget:
+                break
+            batch.append(waiting.popleft())
+            tokens += len(nxt.input_ids)
+        if not batch:
+            return False
+        base = len(rows)
+        p = len(batch)
+        lens = torch.tensor([len(r.input_ids) for r in batch])
+        t = int(lens.max())
+        ids = torch.zeros(p, t, dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, :len(r.input_ids)] = torch.tensor(r.input_ids)
+        positions = torch.arange(t).expand(p, t)
+        aux_layers = self.drafter.aux_layers if self.drafter is not None else ()
+        logits, aux = self.model(ids, positions, self.cache, lens, logits_index=(lens - 1).unsqueeze(1),
+                                 aux_layers=aux_layers, slot_offset=base)
+        self.cache.lens[base:base + p] = lens  # the sampled first token is the next step's input
+        if self.drafter is not None:
+            self.drafter.prefill(base, [r.input_ids for r in batch], aux)
+        # spread each prompt to the slots of its samples (backwards: targets lie at or after sources)
+        starts = [base + sum(r.n for r in batch[:i]) for i in range(p)]
+        for i in reversed(range(p)):
+            dsts = list(range(starts[i], starts[i] + batch[i].n))
+            if starts[i] != base + i:
+                self.cache.move(base + i, starts[i])
+                if self.drafter is not None:
+                    self.drafter.move(base + i, starts[i])
+            self.cache.copy_prefix(starts[i], dsts, int(lens[i]))
+            if self.drafter is not None:
+                self.drafter.copy_prefix(starts[i], dsts)
+        # first tokens, one per sample, from each prompt's last-position logits
+        reps = torch.tensor([r.n for r in batch])
+        first_logits = logits[:, 0].repeat_interleave(reps, dim=0)  # [N, V]
+        new_rows = [_Row(r, s, list(r.input_ids), self._stop_ids(r)) for r in batch for s in range(r.n)]
+        sampling = self._sampling(new_rows)
+        lp = process_logits(first_logits, sampling)
+        tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
+        tok_lp = self._token_logprobs(first_logits, lp, tok, sampling.greedy)
+        prompt_of_row = [i for i, r in enumerate(batch) for _ in range(r.n)]
+        for j, (row, t_, l_) in enumerate(zip(new_rows, tok.tolist(), tok_lp.tolist())):
+            slot = base + j
+            if self.drafter is not None:
+                prompt_idx = prompt_of_row[j]
+                last_aux = aux[prompt_idx, int(lens[prompt_idx]) - 1] if aux is not None else None
+                self.drafter.start(slot, row.req.input_ids, t_, last_aux)
+            row.emit(t_, l_)
+        rows.extend(new_rows)
+        return True
+
+    def _retire(self, rows: list[_Row], on_done, done: list[SampleOutput]) -> bool:
+        finished = [i for i, r in enumerate(rows) if r.finish is not None]
+        if not finished:
+            return False
+        for i in reversed(finished):
+            r = rows[i]
+            out = SampleOutput(r.req.request_id, r.sample_index, r.out, r.logprobs, r.finish, r.verify_steps,
+                               r.accepted, weight_version=getattr(self, "weight_version", None),
+                               draft_weight_version=getattr(self, "draft_weight_version", None))
+            done.append(out)
+            if on_done is not None:
+                on_done(out)
+            last = len(rows) - 1
+            if i != last:
+                self.cache.move(last, i)
+                if self.drafter is not None:
+                    self.drafter.move(last, i)
+                rows[i] = rows[last]
+            rows.pop()
+        return True
+
+    def _plain_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats) -> None:
+        b = len(rows)
+        ids = torch.tensor([[r.tokens[-1]] for r in rows])
+        pos = self.cache.lens[:b].unsqueeze(1).clone()  # [B, 1]
+        logits, _ = self.model(ids, pos, self.cache, pos.squeeze(1) + 1)
+        lp = process_logits(logits[:, 0], sampling)
+        tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
+        tok_lp = self._token_logprobs(logits[:, 0], lp, tok, sampling.greedy)
+        self.cache.lens[:b] += 1
+        for r, t_, l_ in zip(rows, tok.tolist(), tok_lp.tolist()):
+            r.verify_steps += 1
+            r.emit(t_, l_)
+
+    def _spec_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats) -> None:
+        b, k = len(rows), self.k
+        drafts, q = self.drafter.propose([r.tokens for r in rows], k, sampling, self.generator)  # [B, k]
+        inputs = torch.cat([torch.tensor([[r.tokens[-1]] for r in rows]), drafts.clamp(min=0)], dim=1)
+        base = self.cache.lens[:b].clone()
+        pos = base.unsqueeze(1) + torch.arange(k + 1)  # [B, k+1]
+        logits, aux = self.model(inputs, pos, self.cache, base + k + 1, aux_layers=self.drafter.aux_layers)
+        lp = process_logits(logits, sampling)  # [B, k+1, V]
+        res = verify_chain(lp, drafts, q, d2t=self.drafter.d2t, greedy=sampling.greedy, generator=self.generator)
+        tok_lp = res.logprobs
+        if bool(sampling.greedy.any()):
+            tok_lp = self._token_logprobs(logits, lp, res.tokens, sampling.greedy)
+        emitted = res.emitted()
+        accepted = res.num_accepted.tolist()
+        self.cache.lens[:b] = base + res.num_accepted + 1  # last token + accepted drafts are cached
+        self.drafter.commit(emitted, accepted, aux)
+        lps = tok_lp.tolist()
+        for r, em, a, l_ in zip(rows, emitted, accepted, lps):
+            r.verify_steps += 1
+            r.accepted.append(a)
+            stats.add_spec_step(a, k)
+            for j, t_ in enumerate(em):
+                if r.emit(t_, l_[j]):
+                    break

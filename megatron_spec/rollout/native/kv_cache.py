@@ -1,0 +1,87 @@
+"""Preallocated, slot-based KV cache for the native engine (target and draft alike).
+
+Layout per layer: ``k, v: [num_slots, num_kv_heads, max_len, head_dim]``. A running sequence
+owns one slot; ``lens[slot]`` is how many positions of it are valid. The scheduler keeps the
+running batch *compacted* in slots ``0..B-1`` (a finished row's slot is refilled by moving
+the last row into it), so attention reads a strided view ``k[:B, :, :L]`` and never copies.
+
+Rolling back rejected speculative tokens is setting ``lens`` back: entries past ``lens``
+are masked out by attention and overwritten by the next write.
+
+It does not know about models, sampling or requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K/V tensors for ``num_layers`` layers and ``num_slots`` sequences of up to ``max_len``."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if min(num_layers, num_slots, num_kv_heads, max_len, head_dim) <= 0:
+            raise ValueError("KVCache sizes must be positive")
+        self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.lens = torch.zeros(num_slots, dtype=torch.long)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def write(self, layer: int, batch: int, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+              slot_offset: int = 0) -> None:
+        """Store new entries for slots ``offset..offset+batch-1`` at ``positions [B, T]``.
+
+        k_new/v_new are ``[B, nkv, T, d]``. Positions are checked against ``max_len`` by the
+        scheduler before a step (a host sync here on every layer would cost more than it saves).
+        """
+        rows = torch.arange(slot_offset, slot_offset + batch).unsqueeze(1)  # [B, 1]
+        # advanced indexing on dims (0, 2) moves the indexed dims first: [B, T, nkv, d]
+        self.k[layer][rows, :, positions] = k_new.transpose(1, 2).to(self.dtype)
+        self.v[layer][rows, :, positions] = v_new.transpose(1, 2).to(self.dtype)
+
+    def view(self, layer: int, batch: int, length: int, slot_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Strided views ``[B, nkv, length, d]`` of slots ``offset..offset+batch-1`` (no copy)."""
+        rows = slice(slot_offset, slot_offset + batch)
+        return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src`` into ``dst`` (compaction after a row leaves)."""
+        if src == dst:
+            return
+        n = int(self.lens[src])
+        for t in self.k + self.v:
+            t[dst, :, :n] = t[src, :, :n]
+        self.lens[dst] = n
+
+    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
+        """Share a prompt prefill: copy the first ``length`` positions of ``src`` into ``dsts``."""
+        dsts = [d for d in dsts if d != src]
+        if not dsts:
+            return
+        idx = torch.tensor(dsts)
+        for t in self.k + self.v:
+            t[idx, :, :length] = t[src, :, :length].unsqueeze(0)
+        self.lens[idx] = length
+
+
+
+def attention_mask(q_positions: torch.Tensor, kv_lens: torch.Tensor, length: int) -> torch.Tensor:
+    """Causal mask over cached keys: query at absolute position p sees keys 0..p.
+
+    Args:
+        q_positions: ``[B, T]`` absolute positions of the new tokens.
+        kv_lens: ``[B]`` valid cache entries per row *including* the new tokens.
+        length: cache length read (``>= kv_lens.max()``).
+    Returns:
+        ``[B, 1, T, length]`` bool, True where attention is allowed.
+    """
+    keys = torch.arange(length).view(1, 1, 1, length)
+    allowed = keys <= q_positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, L]
+    return allowed & (keys < kv_lens.view(-1, 1, 1, 1))

@@ -1,0 +1,256 @@
+"""The native engine's decoder: Llama / Qwen2 / Qwen3 in plain PyTorch with a KV cache.
+
+Same math as transformers' models (RMSNorm in fp32, rotate-half RoPE with Llama 3.x
+frequency scaling, GQA, Qwen2 q/k/v biases, Qwen3 per-head q/k norms), laid out for
+inference: q/k/v fused into ``qkv_proj`` and gate/up into ``gate_up_proj`` (the layout
+SGLang and vLLM use), attention over the slot cache of ``kv_cache.KVCache``.
+
+A forward can also return the outputs of chosen decoder layers (the auxiliary hidden
+states EAGLE-3 fuses) and compute logits only at chosen positions (a prefill needs only the
+last one).
+
+Weights arrive by HF name (:meth:`CausalLM.load_weights`), from a checkpoint or from a
+weight-update payload; an unknown or missing name is an error, never skipped.
+
+This module does not know about requests, sampling or drafting.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_spec.models.hf_config import DecoderConfig
+from megatron_spec.rollout.native.kv_cache import KVCache, attention_mask
+
+
+class RMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, llama3_factor: float | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies; Llama 3.x scaling with the (1, 4, 8192) factors megatron-core uses."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if llama3_factor is None:
+        return inv
+    low, high, old = 1.0, 4.0, 8192
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / llama3_factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / llama3_factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for all positions; applied rotate-half style (HF, Megatron non-interleaved)."""
+
+    def __init__(self, head_dim: int, max_pos: int, theta: float, llama3_factor: float | None):
+        super().__init__()
+        inv = rope_inv_freq(head_dim, theta, llama3_factor)
+        freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv)  # [P, d/2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [P, d]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[B, nq, T, d]``, k ``[B, nkv, T, d]``, positions ``[B, T]``."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [B, 1, T, d]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+
+        def rot(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat([-x2, x1], dim=-1)
+
+        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+class Attention(nn.Module):
+    """GQA self-attention over the slot cache. ``in_features`` is 2H for an EAGLE-3 layer."""
+
+    def __init__(self, cfg: DecoderConfig, in_features: int | None = None, qkv_bias: bool | None = None,
+                 qk_norm: bool | None = None):
+        super().__init__()
+        self.nq, self.nkv, self.d = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+        in_features = in_features or cfg.hidden_size
+        bias = cfg.qkv_bias if qkv_bias is None else qkv_bias
+        self.qkv_proj = nn.Linear(in_features, cfg.q_size + 2 * cfg.kv_size, bias=bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        use_qk_norm = cfg.qk_norm if qk_norm is None else qk_norm
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps) if use_qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps) if use_qk_norm else None
+        self.scale = self.d ** -0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache, layer: int,
+                kv_lens: torch.Tensor, read_len: int, slot_offset: int = 0) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x)  # [B, T, (nq + 2 nkv) d]
+        q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q = q.view(b, t, self.nq, self.d)
+        k = k.view(b, t, self.nkv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), positions)  # [B, n, T, d]
+        v = v.view(b, t, self.nkv, self.d).transpose(1, 2)
+        cache.write(layer, b, positions, k, v, slot_offset)
+        k_all, v_all = cache.view(layer, b, read_len, slot_offset)
+        mask = attention_mask(positions, kv_lens, read_len)
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rotary, cache, layer, kv_lens, read_len, slot_offset=0):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, layer, kv_lens, read_len,
+                               slot_offset)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# HF name pieces that load into a fused parameter: (hf piece, fused piece, shard index)
+STACKED = (
+    ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
+    ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
+)
+
+
+class CausalLM(nn.Module):
+    """The target model of the native engine."""
+
+    def __init__(self, cfg: DecoderConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                             cfg.rope_scaling_factor)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
+        return KVCache(self.cfg.num_layers, num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
+                       dtype or self.embed_tokens.weight.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        kv_lens: torch.Tensor,
+        *,
+        logits_index: torch.Tensor | None = None,
+        aux_layers: Sequence[int] = (),
+        slot_offset: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run new tokens of the batch in slots ``slot_offset..slot_offset+B-1``.
+
+        Args:
+            input_ids, positions: ``[B, T]`` (padded rows are fine: their extra positions are
+                beyond ``kv_lens`` and never attended to).
+            kv_lens: ``[B]`` valid cache length per row after this forward.
+            logits_index: ``[B, T']`` positions (into T) whose logits are wanted; None = all.
+            aux_layers: decoder-layer ids whose *outputs* are returned (EAGLE-3's aux states).
+
+        Returns:
+            logits ``[B, T', V]`` float32 and aux ``[B, T, len(aux_layers) * H]`` (or None).
+        """
+        read_len = int(kv_lens.max())
+        x = self.embed_tokens(input_ids)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, self.rotary, cache, i, kv_lens, read_len, slot_offset)
+            if i in aux_layers:
+                aux.append(x)
+        if logits_index is not None:
+            x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        logits = F.linear(self.norm(x), self.lm_head_weight).float()
+        order = sorted(aux_layers)
+        aux_out = torch.cat([aux[order.index(i)] for i in aux_layers], -1) if aux_layers else None
+        return logits, aux_out
+
+    # ---------------------------------------------------------------- weights
+    def expected_hf_names(self) -> set[str]:
+        from megatron_spec.models.convert import expected_hf_shapes
+
+        return set(expected_hf_shapes(self.cfg))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the names loaded.
+
+        Raises:
+            KeyError: a name this model does not have (never skipped silently).
+            ValueError: a shape that does not fit; with ``strict_complete``, names missing.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        cfg = self.cfg
+        sizes = {"qkv_proj": (cfg.q_size, cfg.kv_size, cfg.kv_size),
+                 "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+        with torch.no_grad():
+            for name, tensor in weights:
+                if name == "lm_head.weight" and self.lm_head is None:
+                    raise KeyError(f"lm_head.weight sent to a model with tied embeddings ({cfg.architecture})")
+                target, shard = self._target(name)
+                if target not in params:
+                    raise KeyError(f"unknown weight {name} for {cfg.architecture} (no parameter {target})")
+                param = params[target]
+                if shard is None:
+                    dst = param
+                else:
+                    piece, idx = shard
+                    offset = sum(sizes[piece][:idx])
+                    dst = param.narrow(0, offset, sizes[piece][idx])
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(tensor.to(dst.dtype))
+                loaded.add(name)
+        if strict_complete:
+            missing = self.expected_hf_names() - loaded
+            if missing:
+                raise ValueError(f"weights missing after load: {sorted(missing)[:3]} ({len(missing)} in all)")
+        return loaded
+
+    @staticmethod
+    def _target(hf_name: str) -> tuple[str, tuple[str, int] | None]:
+        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+        for piece, fused, idx in STACKED:
+            token = f".{piece}."
+            if token in name:
+                return name.replace(token, f".{fused}."), (fused, idx)
+        return name, None

@@ -1,0 +1,271 @@
+"""The native engine process: builds the engine, serves calls from :class:`NativeEngine`.
+
+Calls mirror SGLang's engine API: ``generate``, ``begin_weight_update`` /
+``update_weights_from_tensor`` / ``end_weight_update``, ``release_memory`` /
+``resume_memory``, ``health``. Weight updates carry a selector (``target`` or ``draft``) and a
+version; after ``end_weight_update`` every group that was touched must be complete, and
+``health`` reports each group's version and checksum so the trainer can verify what the
+engine really holds.
+
+Memory release drops the KV caches and, with the ``weights`` tag, the weights themselves
+(as SGLang's release_memory_occupation does without a CPU backup): generation is refused
+until both groups have been pushed again. This is the failure peers hit silently (a draft
+lost across sleep); here it is an error.
+
+Runs in a spawned process; the only way in is the connection from the handle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from megatron_spec.models import HFCheckpoint
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, NgramDrafter
+from megatron_spec.rollout.native.engine import EngineCore
+from megatron_spec.rollout.native.model import CausalLM
+from megatron_spec.rollout.types import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def tensor_group_checksum(tensors) -> dict[str, float]:
+    """Cheap, layout-independent fingerprint of a group of tensors: count, sum, sum of |x|
+    (float64). Equal on both sides when the same values are held, whatever the fusion."""
+    n, s, a = 0, 0.0, 0.0
+    for t in tensors:
+        x = t.detach()
+        if x.dtype.is_floating_point and x.element_size() == 1:  # fp8: compare the bytes' values
+            x = x.float()
+        x = x.double()
+        n += x.numel()
+        s += float(x.sum())
+        a += float(x.abs().sum())
+    return {"numel": n, "sum": s, "abs_sum": a}
+
+
+class EngineServer:
+    """Engine state and the calls the handle makes."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = _DTYPES[config.dtype]
+        ckpt = HFCheckpoint(config.model_path)
+        self.target_cfg = ckpt.decoder_config
+        self.target = CausalLM(self.target_cfg, max_positions=config.context_length + config.k + 1)
+        self.target.to(self.dtype).eval()
+        self.versions: dict[str, str | None] = {"target": None, "draft": None}
+        if config.load_weights:
+            self.target.load_weights((n, ckpt.get(n)) for n in ckpt.names() if self._is_target_name(n))
+            self.versions["target"] = "init"
+        self.drafter = self._build_drafter()
+        self.core = EngineCore(self.target, self.drafter, num_draft_tokens=config.num_draft_tokens,
+                               max_batch_size=config.max_batch_size, context_length=config.context_length,
+                               seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
+        self.core.allocate()
+        self._updating: dict[str, set[str]] | None = None
+        self._released: set[str] = set()
+        self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
+                              for m in (self.target, self._draft_module()) if m is not None}
+
+    def _is_target_name(self, name: str) -> bool:
+        return not (self.target_cfg.tie_word_embeddings and name == "lm_head.weight") and "rotary_emb" not in name
+
+    def _build_drafter(self) -> Drafter | None:
+        cfg = self.config
+        if cfg.draft_kind == "none":
+            return None
+        if cfg.draft_kind == "ngram":
+            return NgramDrafter(cfg.ngram_min, cfg.ngram_max)
+        if cfg.draft_kind == "model":
+            dck = HFCheckpoint(cfg.draft_path)
+            dcfg = dck.decoder_config
+            if dcfg.vocab_size != self.target_cfg.vocab_size:
+                raise ValueError(f"draft model {cfg.draft_path} has vocab_size {dcfg.vocab_size}, the target "
+                                 f"{self.target_cfg.vocab_size}: a draft model must share the target's tokenizer")
+            model = CausalLM(dcfg, max_positions=cfg.context_length + cfg.k + 1).to(self.dtype).eval()
+            model.load_weights((n, dck.get(n)) for n in dck.names()
+                               if not (dcfg.tie_word_embeddings and n == "lm_head.weight"))
+            self.versions["draft"] = "init"
+            return ModelDrafter(model)
+        if cfg.draft_kind == "eagle3":
+            from megatron_spec.draft.eagle3 import load_eagle3
+
+            head = load_eagle3(cfg.draft_path, self.target_cfg, dtype=self.dtype).eval()
+            self.versions["draft"] = "init"
+            return Eagle3Drafter(head, self.target.embed_tokens)
+        raise ValueError(f"draft_kind {cfg.draft_kind!r} is not available in the native engine yet")
+
+    def _draft_module(self) -> torch.nn.Module | None:
+        if isinstance(self.drafter, ModelDrafter):
+            return self.drafter.model
+        if isinstance(self.drafter, Eagle3Drafter):
+            return self.drafter.head
+        return None
+
+    # ------------------------------------------------------------------ calls
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "architecture": self.target_cfg.architecture, "draft_kind": self.config.draft_kind,
+                "num_draft_tokens": self.config.k, "dtype": self.config.dtype,
+                "max_batch_size": self.config.max_batch_size, "context_length": self.config.context_length,
+                "torch_threads": torch.get_num_threads()}
+
+    def generate(self, requests: list[GenerateRequest], progress=None):
+        if self._updating is not None:
+            raise RuntimeError("generate called during a weight update (call end_weight_update first)")
+        if "kv_cache" in self._released:
+            raise RuntimeError("generate called while memory is released (call resume_memory first)")
+        missing = [g for g in ("target", "draft") if self._has_group(g) and self.versions[g] is None]
+        if missing:
+            raise RuntimeError(f"generate refused: no weights loaded for {missing} (released or never sent); "
+                               f"push them with update_weights_from_tensor")
+        self.core.weight_version = self.versions["target"]
+        self.core.draft_weight_version = self.versions["draft"]
+        done = [0]
+
+        def on_done(_sample):
+            done[0] += 1
+            if progress is not None:
+                progress(done[0])
+
+        return self.core.generate(requests, on_done)
+
+    def _has_group(self, group: str) -> bool:
+        return group == "target" or self._draft_module() is not None
+
+    def begin_weight_update(self) -> None:
+        if self._updating is not None:
+            raise RuntimeError("begin_weight_update called twice without end_weight_update")
+        self._updating = {}
+
+    def update_weights_from_tensor(self, payloads: list[bytes], selector: str, weight_version: str | None = None,
+                                   flush_cache: bool = True) -> dict[str, Any]:
+        from megatron_spec.sync.transport import read_bucket_payload
+
+        if self._updating is None:
+            raise RuntimeError("update_weights_from_tensor outside begin_weight_update/end_weight_update")
+        if selector not in ("target", "draft"):
+            raise ValueError(f"selector must be 'target' or 'draft' (never 'all': it overwrites the draft with "
+                             f"target tensors), got {selector!r}")
+        if len(payloads) != 1:
+            raise ValueError(f"the native engine has one TP rank; got {len(payloads)} payloads")
+        module = self.target if selector == "target" else self._draft_module()
+        if module is None:
+            raise ValueError(f"selector 'draft' but the engine has no draft weights (draft_kind "
+                             f"{self.config.draft_kind!r})")
+        named = read_bucket_payload(payloads[0])
+        if self.config.fp8_weights and selector == "target":
+            from megatron_spec.sync.fp8 import dequantize_named
+
+            named = dequantize_named(named, self.dtype)
+        loaded = module.load_weights(named, strict_complete=False)
+        self._updating.setdefault(selector, set()).update(loaded)
+        self._updating.setdefault(f"{selector}:version", set()).add(str(weight_version))
+        return {"loaded": len(loaded)}
+
+    def end_weight_update(self) -> dict[str, Any]:
+        if self._updating is None:
+            raise RuntimeError("end_weight_update without begin_weight_update")
+        updating, self._updating = self._updating, None
+        for group in ("target", "draft"):
+            names = updating.get(group)
+            if names is None:
+                continue
+            module = self.target if group == "target" else self._draft_module()
+            missing = module.expected_hf_names() - names
+            if missing:
+                self.versions[group] = None
+                raise RuntimeError(f"{group} weight update incomplete: {len(missing)} tensors never arrived, "
+                                   f"e.g. {sorted(missing)[:3]}")
+            versions = updating[f"{group}:version"]
+            if len(versions) != 1:
+                raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")
+            self.versions[group] = versions.pop()
+        if "weights" in self._released and all(self.versions[g] is not None for g in ("target", "draft")
+                                               if self._has_group(g)):
+            self._released.discard("weights")
+        return self.health()
+
+    def release_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
+        for tag in tags:
+            if tag not in ("kv_cache", "weights"):
+                raise ValueError(f"unknown memory tag {tag!r}")
+        if "kv_cache" in tags:
+            self.core.release()
+        if "weights" in tags:
+            for module in (self.target, self._draft_module()):
+                if module is None:
+                    continue
+                for p in module.parameters():
+                    p.data = torch.empty(0, dtype=p.dtype)
+            self.versions = {"target": None, "draft": None}
+        self._released |= set(tags)
+
+    def resume_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
+        """Re-allocate what was released. Weights come back as zeros with no version: they must
+        be pushed again (target *and* draft) before ``generate`` is accepted."""
+        if "weights" in tags and "weights" in self._released:
+            for module in (self.target, self._draft_module()):
+                if module is not None:
+                    for name, p in module.named_parameters():
+                        p.data = torch.zeros(self._param_shapes[id(module)][name], dtype=p.dtype)
+        if "kv_cache" in tags and self.core.cache is None:
+            self.core.allocate()
+        self._released -= {"kv_cache"} & set(tags)
+
+    def health(self) -> dict[str, Any]:
+        out = {"alive": True, "pid": os.getpid(), "weight_version": self.versions["target"],
+               "draft_weight_version": self.versions["draft"], "released": sorted(self._released),
+               "kv_cache_bytes": self.core.cache_bytes, "checksums": {}}
+        for group in ("target", "draft"):
+            module = self.target if group == "target" else self._draft_module()
+            if module is not None and self.versions[group] is not None:
+                out["checksums"][group] = tensor_group_checksum(module.parameters())
+        return out
+
+
+def serve(config: EngineConfig, conn) -> None:
+    """Entry point of the engine process."""
+    logging.basicConfig(level=os.environ.get("MEGATRON_SPEC_ENGINE_LOG", "WARNING"))
+    try:
+        server = EngineServer(config)
+        conn.send(("ready", server.info()))
+    except Exception as exc:  # report the failure instead of dying silently
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            call_id, method, args, kwargs = conn.recv()
+        except (EOFError, OSError):  # the trainer went away: nothing left to serve
+            return
+        if method == "shutdown":
+            conn.send((call_id, "ok", None))
+            return
+        try:
+            fn = getattr(server, method, None)
+            if fn is None or method.startswith("_"):
+                raise AttributeError(f"the native engine has no call {method!r}")
+            if method == "generate":
+                last = [0.0]
+
+                def progress(n, call_id=call_id):
+                    now = time.monotonic()
+                    if now - last[0] > 0.2:
+                        last[0] = now
+                        conn.send((call_id, "progress", n))
+
+                kwargs = dict(kwargs, progress=progress)
+            result = fn(*args, **kwargs)
+            conn.send((call_id, "ok", result))
+        except Exception as exc:
+            conn.send((call_id, "error", (type(exc).__name__, str(exc), traceback.format_exc())))

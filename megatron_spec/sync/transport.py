@@ -1,0 +1,106 @@
+"""Serialising weight payloads across processes, the way SGLang does, with an allowlist.
+
+Sending side: ``ForkingPickler`` (torch's multiprocessing reductions are registered), so a
+CUDA tensor travels as a CUDA IPC handle and a CPU tensor as a shared-memory file
+descriptor: the bytes on the wire are a few hundred, whatever the tensor size. The sender
+must keep the tensors alive until the receiver has copied them (the caller holds the
+returned buffers until the engine acknowledges the update).
+
+Receiving side: :func:`deserialize` refuses every global that is not on an explicit
+allowlist of containers, torch rebuild functions, dtypes and bucket metadata. A payload that
+carries anything else (an arbitrary callable, a custom object) raises
+:class:`UnsafePayloadError` before any of it runs.
+
+A bucket payload is ``{"flattened_tensor": uint8 tensor, "metadata": [records]}``, exactly
+what SGLang's ``update_weights_from_tensor(load_format="flattened_bucket")`` reads.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing  # noqa: F401  (registers the tensor/storage reductions)
+from multiprocessing.reduction import ForkingPickler
+
+from megatron_spec.sync.bucket import FlattenedTensorMetadata, unpack_bucket
+
+
+class UnsafePayloadError(pickle.UnpicklingError):
+    """A payload referenced something outside the allowlist."""
+
+
+_DTYPE_NAMES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+
+_ALLOWED: set[tuple[str, str]] = {
+    ("builtins", n) for n in ("bool", "bytearray", "bytes", "dict", "float", "int", "list", "set",
+                              "frozenset", "slice", "str", "tuple", "complex")
+} | {
+    ("collections", "OrderedDict"),
+    ("copyreg", "__newobj__"),
+    ("copyreg", "_reconstructor"),
+    ("torch", "Size"), ("torch", "device"), ("torch", "dtype"), ("torch", "Tensor"),
+    ("torch._utils", "_rebuild_tensor"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"), ("torch._utils", "_rebuild_parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"),
+    ("torch.multiprocessing.reductions", "rebuild_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_fd"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+} | {("torch", n) for n in _DTYPE_NAMES}
+
+# Bucket metadata: ours, and SGLang's class of the same shape (read as ours).
+_METADATA_CLASSES = {
+    ("megatron_spec.sync.bucket", "FlattenedTensorMetadata"),
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+}
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return FlattenedTensorMetadata
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        raise UnsafePayloadError(f"payload refused: global {module}.{name} is not allowed in a weight payload")
+
+
+def serialize(obj: Any) -> bytes:
+    """ForkingPickler bytes (tensors by IPC handle / shared memory), like SGLang's serializer."""
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def deserialize(data: bytes | bytearray | memoryview) -> Any:
+    """Inverse of :func:`serialize`, refusing anything outside the allowlist."""
+    return _AllowlistUnpickler(io.BytesIO(bytes(data))).load()
+
+
+def make_bucket_payload(flat: torch.Tensor, metadata: Sequence, *, for_sglang: bool = False) -> bytes:
+    """Serialise one bucket; with ``for_sglang`` the metadata become SGLang's own class."""
+    if for_sglang:
+        from megatron_spec.sync.bucket import to_sglang_metadata
+
+        metadata = to_sglang_metadata(metadata)
+    return serialize({"flattened_tensor": flat, "metadata": list(metadata)})
+
+
+def read_bucket_payload(data: bytes) -> list[tuple[str, torch.Tensor]]:
+    """Deserialise a bucket payload into ``(name, tensor view)`` pairs."""
+    obj = deserialize(data)
+    if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
+        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise UnsafePayloadError(f"payload is not a flattened bucket (got {keys})")
+    flat, meta = obj["flattened_tensor"], obj["metadata"]
+    if not isinstance(flat, torch.Tensor) or not all(isinstance(m, FlattenedTensorMetadata) for m in meta):
+        raise UnsafePayloadError("payload bucket must hold a tensor and FlattenedTensorMetadata records")
+    return unpack_bucket(flat, meta)
