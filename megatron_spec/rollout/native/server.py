@@ -99,7 +99,7 @@ class EngineServer:
             self.versions["draft"] = "init"
             return ModelDrafter(model)
         if cfg.draft_kind == "eagle3":
-            from megatron_spec.draft.eagle3 import load_eagle3
+            from megatron_spec.draft.modelopt_io import load_eagle3
 
             head = load_eagle3(cfg.draft_path, self.target_cfg, dtype=self.dtype).eval()
             self.versions["draft"] = "init"

@@ -1,0 +1,136 @@
+"""The native engine against transformers: greedy identity for every drafter, exact log-probs.
+
+Runs ``EngineServer`` in-process (the same object the engine process runs) to keep the
+tests fast; the process boundary has its own tests in test_engine_process.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.native.server import EngineServer
+from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+from megatron_spec.spec import SamplingTensors, process_logits
+
+KINDS = ["none", "ngram", "model", "eagle3"]
+
+
+def _server(setup, kind: str, **kw) -> EngineServer:
+    draft_path = {"eagle3": setup.eagle3, "model": setup.draft_model}.get(kind)
+    return EngineServer(EngineConfig(model_path=setup.target, draft_kind=kind, draft_path=draft_path,
+                                     context_length=96, **kw))
+
+
+def _prompts(cfg, n: int, seed: int = 11) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, cfg.vocab_size, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def hf_target(setup):
+    return transformers.AutoModelForCausalLM.from_pretrained(setup.target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(setup, hf_target):
+    """transformers' generate(do_sample=False), stopping at EOS like the engine."""
+    prompts = _prompts(setup.cfg, 10)
+    ref = []
+    for p in prompts:
+        out = hf_target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=40, pad_token_id=0)
+        ref.append(out[0, len(p):].tolist())
+    return prompts, ref
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_identical_to_transformers_and_engine_ar(setup, greedy_reference, kind, k):
+    if kind == "none" and k == 3:
+        pytest.skip("plain decoding has no k")
+    prompts, ref = greedy_reference
+    server = _server(setup, kind, num_draft_tokens=k, max_batch_size=4)  # fewer slots than samples
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40), n=1 + i % 2)
+            for i, p in enumerate(prompts)]
+    samples, stats = server.generate(reqs)
+    assert len(samples) == sum(r.n for r in reqs)
+    for s in samples:
+        i = int(s.request_id[1:])
+        assert s.output_ids == ref[i], (kind, k, s.request_id, s.sample_index)
+        assert s.finish_reason == ("stop" if ref[i][-1] == 2 else "length")
+    if kind != "none":
+        assert stats.spec_steps > 0 and len(stats.accept_rate_per_position) == k
+
+
+@pytest.mark.parametrize("kind", ["none", "eagle3", "model"])
+def test_logprobs_equal_transformers_processed(setup, hf_target, kind):
+    """Each reported log-prob is log_softmax of transformers' processed logits (fp32, 1e-5)."""
+    server = _server(setup, kind, num_draft_tokens=3, max_batch_size=8, seed=5)
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, ignore_eos=True)
+    prompts = _prompts(setup.cfg, 3, seed=2)
+    samples, _ = server.generate([GenerateRequest(f"r{i}", p, sp, n=3) for i, p in enumerate(prompts)])
+    worst = 0.0
+    for s in samples:
+        p = prompts[int(s.request_id[1:])]
+        with torch.no_grad():
+            logits = hf_target(torch.tensor([p + s.output_ids])).logits[0, len(p) - 1:-1]
+        lp = process_logits(logits, SamplingTensors.from_values(0.7, 20, 0.9, 0.0, batch_size=logits.shape[0]))
+        ref = lp.gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
+        assert torch.isfinite(ref).all(), "engine emitted a token outside the processed support"
+        worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
+    assert worst < 1e-5
+
+
+def test_greedy_logprobs_are_unscaled_policy(setup, hf_target):
+    server = _server(setup, "eagle3", num_draft_tokens=2, max_batch_size=2)
+    p = _prompts(setup.cfg, 1, seed=3)[0]
+    (s,), _ = server.generate([GenerateRequest("g", p, SamplingParams(temperature=0.0, max_new_tokens=10,
+                                                                        ignore_eos=True))])
+    with torch.no_grad():
+        logits = hf_target(torch.tensor([p + s.output_ids])).logits[0, len(p) - 1:-1]
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
+    assert (ref - torch.tensor(s.logprobs)).abs().max().item() < 1e-5
+
+
+def test_stop_tokens_max_new_tokens_and_continuous_batching(setup):
+    """Mixed lengths and stop ids, more samples than slots: each sample equals running it alone."""
+    alone = _server(setup, "ngram", max_batch_size=1)
+    batched = _server(setup, "ngram", max_batch_size=3)
+    prompts = _prompts(setup.cfg, 6, seed=4)
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=3 + 5 * i,
+                                                         stop_token_ids=(17, 23)), n=2 if i == 2 else 1)
+            for i, p in enumerate(prompts)]
+    got, _ = batched.generate(reqs)
+    for r in reqs:
+        ref, _ = alone.generate([GenerateRequest(r.request_id, r.input_ids, r.sampling)])
+        for s in (x for x in got if x.request_id == r.request_id):
+            assert s.output_ids == ref[0].output_ids
+            assert len(s.output_ids) <= r.sampling.max_new_tokens
+            if s.finish_reason == "stop":
+                assert s.output_ids[-1] in (17, 23, 2)
+            assert not set(s.output_ids[:-1]) & {17, 23, 2}
+
+
+def test_bf16_engine_runs_and_mostly_agrees(setup):
+    srv32 = _server(setup, "eagle3", max_batch_size=4)
+    srv16 = _server(setup, "eagle3", max_batch_size=4, dtype="bfloat16")
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+            for i, p in enumerate(_prompts(setup.cfg, 4, seed=8))]
+    a, _ = srv32.generate(reqs)
+    b, _ = srv16.generate(reqs)
+    first_agree = sum(x.output_ids[0] == y.output_ids[0] for x, y in zip(a, b))
+    assert first_agree >= 3  # bf16 rounding may flip a near-tie, not the typical argmax
+
+
+def test_request_errors_are_named(setup):
+    server = _server(setup, "none", max_batch_size=2)
+    too_long = GenerateRequest("long", [5] * 90, SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="request long: prompt of 90 tokens"):
+        server.generate([too_long])
+    with pytest.raises(ValueError, match="token id 999 outside the vocabulary"):
+        server.generate([GenerateRequest("bad", [5, 999], SamplingParams(max_new_tokens=2))])
+    with pytest.raises(ValueError, match="n=3 exceeds max_batch_size 2"):
+        server.generate([GenerateRequest("n", [5, 6], SamplingParams(max_new_tokens=2), n=3)])
