@@ -1,0 +1,85 @@
+"""``megatron-spec simulate``: JSON contract, sweep outputs, and non-zero exits with a reason."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_spec.cli import main
+
+BASE = ["simulate", "--model", "qwen3-8b", "--hardware", "gb200", "--num-gpus", "32", "--mode", "sync",
+        "--num-draft-tokens", "3", "--accept-length", "2.7", "--k-max", "4"]
+
+
+def test_prints_one_json_object_with_the_contract_keys(capsys):
+    assert main(BASE) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    d = json.loads(out[0])
+    for key in ("rollout_speedup", "e2e_speedup", "step_time_ar_s", "step_time_spec_s", "optimal_k"):
+        assert key in d
+    for stage in ("data", "prepare", "gen", "logprob", "train", "step"):
+        assert stage in d["stages_ar"] and stage in d["stages_spec"]
+    assert d["step_time_ar_s"] == pytest.approx(d["stages_ar"]["step"])
+    assert d["calibration"]["fit_max_abs_rel_error"] <= 0.10
+
+
+def test_accept_rates_and_async(capsys):
+    args = [a for a in BASE if a not in ("--accept-length", "2.7")]
+    args = [*args[:args.index("sync")], "async", *args[args.index("sync") + 1:]]
+    assert main(args + ["--accept-rates", "0.8,0.6,0.4", "--policy-lag", "2", "--train-gpus", "8"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mode"] == "async" and d["policy_lag"] == 2 and "exposed_gen" in d["stages_spec"]
+    assert d["accept_length"] == pytest.approx(2.8)
+
+
+def test_sweep_prints_table_and_writes_png(tmp_path, capsys):
+    png = tmp_path / "sweep.png"
+    assert main(BASE + ["--sweep", "--output", str(png), "--k-max", "3"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].split()[:3] == ["model", "profile", "k"]
+    assert any("<- best k" in line for line in out)
+    summary = json.loads(out[-1])
+    assert summary["sweep_png"] == str(png) and png.stat().st_size > 10_000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"--model": "qwen3-235b-a22b", "--hardware": "h100"}, "does not fit"),
+    ({"--num-draft-tokens": "0"}, "must be >= 1"),
+    ({"--accept-length": "5.0"}, "impossible with k=3"),
+    ({"--model": "mystery-7b"}, "unknown model 'mystery-7b'"),
+])
+def test_impossible_configs_exit_non_zero_with_the_reason(change, message, capsys):
+    args = list(BASE)
+    for flag, value in change.items():
+        args[args.index(flag) + 1] = value
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "megatron-spec simulate: error:" in err and message in err
+
+
+def test_rates_outside_unit_interval(capsys):
+    args = [a for a in BASE if a not in ("--accept-length", "2.7")] + ["--accept-rates", "0.9,1.4,0.2"]
+    assert main(args) == 2
+    assert "outside [0, 1]" in capsys.readouterr().err
+
+
+def test_unknown_hardware_is_refused_by_argparse(capsys):
+    args = list(BASE)
+    args[args.index("--hardware") + 1] = "tpu"
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and "invalid choice: 'tpu'" in capsys.readouterr().err
+
+
+def test_console_entry_exits_non_zero():
+    args = list(BASE)
+    args[args.index("--accept-length") + 1] = "9"
+    proc = subprocess.run([sys.executable, "-m", "megatron_spec", *args], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2 and "impossible" in proc.stderr and proc.stdout == ""
