@@ -41,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="simulate_sweep.png", help="PNG path for --sweep")
     p.add_argument("--sweep-models", type=lambda s: [m for m in s.split(",") if m],
                    help="comma-separated models for --sweep (default: --model)")
+    p.add_argument("--sweep-hardware", type=lambda s: [h.lower() for h in s.split(",") if h],
+                   help="comma-separated hardware for --sweep (default: --hardware)")
     g = p.add_argument_group("workload (defaults: the preset)")
     g.add_argument("--workload", default="rl-zero", choices=tuple(PRESETS))
     g.add_argument("--prompts-per-step", type=int)
@@ -57,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--train-mfu", type=float, help="override the fitted training MFU")
     e.add_argument("--max-num-seqs", type=int, help="engine max running sequences")
     e.add_argument("--mem-util", type=float, help="fraction of device memory the engine uses")
+    e.add_argument("--fused-verify-max-q", type=int,
+                   help="most tokens per sequence the engine verifies in one pass over the KV cache "
+                        "(GPU default 4, as calibrated; 0: any k in one pass)")
     e.add_argument("--params", help="calibration JSON (default: megatron_spec/sim/data/calibration.json)")
     e.add_argument("--k-max", type=int, default=10, help="largest k searched for the optimal k")
     p.add_argument("--validate-engine-bench", metavar="FILE",
@@ -92,6 +97,8 @@ def build_config(args: argparse.Namespace):
         engine = engine.replace(max_num_seqs=args.max_num_seqs)
     if args.mem_util is not None:
         engine = engine.replace(mem_util=args.mem_util)
+    if args.fused_verify_max_q is not None:
+        engine = engine.replace(fused_verify_max_q=args.fused_verify_max_q)
     return SimConfig(
         model=args.model, hardware=hw, num_gpus=args.num_gpus, mode=args.mode, policy_lag=args.policy_lag,
         draft_kind=args.draft_kind, num_draft_tokens=args.num_draft_tokens,
@@ -107,7 +114,8 @@ def _calibration_summary(hardware_kind: str, path) -> dict:
     if hardware_kind == "cpu":
         return {"source": "measured cpu profile (megatron_spec/sim/data/cpu_profile.json)"}
     cal = load_calibration(path or CALIBRATION_PATH)
-    return {"source": str(path or CALIBRATION_PATH), "generated_at": cal.get("generated_at"),
+    source = str(path) if path else "megatron_spec/sim/data/calibration.json"
+    return {"source": source, "generated_at": cal.get("generated_at"),
             "fit_max_abs_rel_error": cal["fit"]["max_abs_rel_error"]}
 
 
@@ -124,11 +132,12 @@ def run(args: argparse.Namespace) -> int:
         if args.sweep:
             from megatron_spec.sim import sweep as sw
 
-            rows = sw.sweep(cfg, models=args.sweep_models, k_values=range(1, args.k_max + 1))
+            rows = sw.sweep(cfg, models=args.sweep_models, k_values=range(1, args.k_max + 1),
+                            hardware=args.sweep_hardware)
             print(sw.format_table(rows))
-            title = f"{cfg.hardware.name} x {cfg.num_gpus}, {cfg.mode}, {cfg.draft_kind}, workload {cfg.workload.name}"
+            title = f"{cfg.num_gpus} devices, {cfg.mode}, {cfg.draft_kind}, workload {cfg.workload.name}"
             png = sw.plot(rows, args.output, title=title)
-            best = {f"{r['model']}/{r['profile']}": r["k"] for r in rows if r["optimal"]}
+            best = {f"{r['model']}@{r['hardware']}/{r['profile']}": r["k"] for r in rows if r["optimal"]}
             print(json.dumps({"sweep_png": str(png), "optimal_k": best, "rows": len(rows)}))
             return 0
         result = simulate(cfg)

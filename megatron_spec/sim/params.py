@@ -102,6 +102,9 @@ class EngineSettings:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if not 0.0 < self.mem_util <= 1.0:
             raise ValueError(f"mem_util={self.mem_util} must be in (0, 1]")
+        if self.fused_verify_max_q < 0 or self.max_batched_tokens < 0:
+            raise ValueError(f"fused_verify_max_q={self.fused_verify_max_q} and max_batched_tokens="
+                             f"{self.max_batched_tokens} must be >= 0")
 
     def replace(self, **changes) -> EngineSettings:
         return dataclasses.replace(self, **changes)

@@ -280,9 +280,10 @@ def speedup_by_k(cfg: SimConfig, k_values: range | list[int] = range(1, 11)) -> 
 
 
 def optimal_k(cfg: SimConfig, k_max: int = 10, metric: str = "e2e_speedup") -> tuple[int, list[dict]]:
-    """The k in 1..k_max that maximises ``metric`` for cfg's acceptance profile."""
+    """The k in 1..k_max that maximises ``metric`` for cfg's acceptance profile (ties, e.g. when
+    async training hides generation whatever k, go to the better rollout speedup)."""
     if k_max < 1:
         raise ValueError(f"k_max={k_max} must be >= 1")
     rows = speedup_by_k(cfg, range(1, k_max + 1))
-    best = max(rows, key=lambda r: r[metric])
+    best = max(rows, key=lambda r: (round(r[metric], 9), r["rollout_speedup"]))
     return best["k"], rows

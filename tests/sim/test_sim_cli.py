@@ -41,7 +41,7 @@ def test_sweep_prints_table_and_writes_png(tmp_path, capsys):
     png = tmp_path / "sweep.png"
     assert main(BASE + ["--sweep", "--output", str(png), "--k-max", "3"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].split()[:3] == ["model", "profile", "k"]
+    assert out[0].split()[:4] == ["model", "hardware", "profile", "k"]
     assert any("<- best k" in line for line in out)
     summary = json.loads(out[-1])
     assert summary["sweep_png"] == str(png) and png.stat().st_size > 10_000
