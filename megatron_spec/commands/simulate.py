@@ -25,14 +25,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_spec.sim.workload import PRESETS
 
     p = parser
-    p.add_argument("--model", required=True, help=f"NAME ({', '.join(MODEL_NAMES)}) or an HF config.json")
-    p.add_argument("--hardware", required=True, type=str.lower, choices=HARDWARE_NAMES)
-    p.add_argument("--num-gpus", required=True, type=int, help="GPUs (devices) in the job")
+    # --model, --hardware, --num-gpus, -k and the acceptance are required unless
+    # --validate-engine-bench is given (checked in run()).
+    p.add_argument("--model", help=f"NAME ({', '.join(MODEL_NAMES)}) or an HF config.json")
+    p.add_argument("--hardware", type=str.lower, choices=HARDWARE_NAMES)
+    p.add_argument("--num-gpus", type=int, help="GPUs (devices) in the job")
     p.add_argument("--mode", default="sync", choices=("sync", "async"))
     p.add_argument("--policy-lag", type=int, default=1, help="async: max policy versions a rollout lags")
     p.add_argument("--draft-kind", default="eagle3", choices=DRAFT_KINDS)
-    p.add_argument("--num-draft-tokens", "-k", type=int, required=True, help="draft tokens per verify step")
-    acc = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--num-draft-tokens", "-k", type=int, help="draft tokens per verify step")
+    acc = p.add_mutually_exclusive_group()
     acc.add_argument("--accept-length", type=float, help="mean tokens per verify step at this k")
     acc.add_argument("--accept-rates", type=_rates, help="marginal per-position accept rates A1,A2,...")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size of a rollout engine")
@@ -128,6 +130,13 @@ def run(args: argparse.Namespace) -> int:
 
             print(json.dumps(validate_engine_benchmark(args.validate_engine_bench, calibration_path=args.params)))
             return 0
+        missing = [flag for flag, value in (("--model", args.model), ("--hardware", args.hardware),
+                                            ("--num-gpus", args.num_gpus),
+                                            ("--num-draft-tokens", args.num_draft_tokens)) if value is None]
+        if args.accept_length is None and args.accept_rates is None:
+            missing.append("--accept-length or --accept-rates")
+        if missing:
+            raise ValueError(f"the following arguments are required: {', '.join(missing)}")
         cfg = build_config(args)
         if args.sweep:
             from megatron_spec.sim import sweep as sw

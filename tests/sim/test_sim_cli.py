@@ -83,3 +83,21 @@ def test_console_entry_exits_non_zero():
     proc = subprocess.run([sys.executable, "-m", "megatron_spec", *args], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 2 and "impossible" in proc.stderr and proc.stdout == ""
+
+
+def test_missing_required_flags(capsys):
+    assert main(["simulate", "--model", "qwen3-8b", "--hardware", "gb200", "--num-draft-tokens", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "--num-gpus" in err and "--accept-length or --accept-rates" in err
+
+
+def test_validate_engine_bench_needs_only_the_file(tmp_path, capsys):
+    bench = {"hardware": "cpu", "model": "qwen3-0.6b", "dtype": "bfloat16", "draft_kind": "ngram",
+             "prompt_len": 16, "max_new_tokens": 32,
+             "results": [{"batch_size": 2, "ar_tokens_per_s": 10.0,
+                          "spec": [{"k": 2, "accept_length": 1.8, "tokens_per_s": 14.0}]}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    assert main(["simulate", "--validate-engine-bench", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"][0]["measured_speedup"] == pytest.approx(1.4) and out["tolerance"] == 0.2
