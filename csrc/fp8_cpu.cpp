@@ -176,6 +176,11 @@ void dequantize_impl(const uint8_t* __restrict q, const float* __restrict scale_
   });
 }
 
+// FP8 data crosses the op boundary as e4m3 bytes (uint8); float8_e4m3fn views are accepted too.
+bool is_fp8_bytes(const at::Tensor& t) {
+  return t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e4m3fn;
+}
+
 void check_blocks(int64_t block_n, int64_t block_k) {
   TORCH_CHECK_VALUE(block_n > 0 && block_k > 0, "megatron_spec fp8 block size must be positive, got [",
                     block_n, ", ", block_k, "]");
@@ -190,9 +195,9 @@ void fp8_block_quantize_out_cpu(const at::Tensor& w, int64_t block_n, int64_t bl
                     "fp8_block_quantize expects float32, bfloat16 or float16 weights, got ", dt);
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t sn = (N + block_n - 1) / block_n, sk = (K + block_k - 1) / block_k;
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat8_e4m3fn && out.dim() == 2 && out.size(0) == N &&
+  TORCH_CHECK_VALUE(is_fp8_bytes(out) && out.dim() == 2 && out.size(0) == N &&
                         out.size(1) == K && out.is_contiguous(),
-                    "fp8_block_quantize: out must be a contiguous float8_e4m3fn [", N, ", ", K, "], got ",
+                    "fp8_block_quantize: out must be a contiguous uint8 / float8_e4m3fn [", N, ", ", K, "], got ",
                     out.scalar_type(), " of shape ", out.sizes());
   TORCH_CHECK_VALUE(scale_inv.scalar_type() == at::kFloat && scale_inv.dim() == 2 && scale_inv.size(0) == sn &&
                         scale_inv.size(1) == sk && scale_inv.is_contiguous(),
@@ -219,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& w, i
   check_blocks(block_n, block_k);
   TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1);
-  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kByte));  // e4m3 bytes
   at::Tensor scale =
       at::empty({(N + block_n - 1) / block_n, (K + block_k - 1) / block_k}, w.options().dtype(at::kFloat));
   fp8_block_quantize_out_cpu(w, block_n, block_k, out, scale);
@@ -229,8 +234,8 @@ std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& w, i
 at::Tensor fp8_block_dequantize_cpu(const at::Tensor& w_fp8, const at::Tensor& scale_inv,
                                     int64_t block_n, int64_t block_k, at::ScalarType dtype) {
   check_blocks(block_n, block_k);
-  TORCH_CHECK_VALUE(w_fp8.dim() == 2 && w_fp8.scalar_type() == at::kFloat8_e4m3fn,
-                    "fp8_block_dequantize expects a 2-D float8_e4m3fn weight, got ", w_fp8.scalar_type(),
+  TORCH_CHECK_VALUE(w_fp8.dim() == 2 && is_fp8_bytes(w_fp8),
+                    "fp8_block_dequantize expects a 2-D uint8 / float8_e4m3fn weight, got ", w_fp8.scalar_type(),
                     " of shape ", w_fp8.sizes());
   const int64_t N = w_fp8.size(0), K = w_fp8.size(1);
   const int64_t sn = (N + block_n - 1) / block_n, sk = (K + block_k - 1) / block_k;

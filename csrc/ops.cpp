@@ -18,7 +18,11 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(megatron_spec, m) {
-  // w [N, K] float32/bfloat16/float16 -> (w_fp8 float8_e4m3fn [N, K],
+  // FP8 E4M3 data crosses these ops as raw bytes (uint8; float8_e4m3fn views are accepted as
+  // inputs): float8 tensors lack basic CPU ops (torch.allclose, mul) that torch.library.opcheck and
+  // other generic tooling run on op arguments. megatron_spec.ops returns float8_e4m3fn views.
+  //
+  // w [N, K] float32/bfloat16/float16 -> (w_fp8 e4m3 bytes uint8 [N, K],
   //                                        weight_scale_inv float32 [ceil(N/bn), ceil(K/bk)])
   m.def("fp8_block_quantize(Tensor w, int block_n, int block_k) -> (Tensor, Tensor)",
         {at::Tag::pt2_compliant_tag});
@@ -26,7 +30,7 @@ TORCH_LIBRARY(megatron_spec, m) {
   m.def(
       "fp8_block_quantize_out(Tensor w, int block_n, int block_k, *, Tensor(a!) out, Tensor(b!) scale_inv) -> ()",
       {at::Tag::pt2_compliant_tag});
-  // (w_fp8 [N, K], weight_scale_inv [ceil(N/bn), ceil(K/bk)]) -> w [N, K] of `dtype`
+  // (w_fp8 e4m3 bytes [N, K], weight_scale_inv [ceil(N/bn), ceil(K/bk)]) -> w [N, K] of `dtype`
   m.def(
       "fp8_block_dequantize(Tensor w_fp8, Tensor scale_inv, int block_n, int block_k, "
       "ScalarType dtype) -> Tensor",

@@ -26,6 +26,11 @@ cuda::FloatKind kind_of(at::ScalarType t) {
   }
 }
 
+// FP8 data crosses the op boundary as e4m3 bytes (uint8); float8_e4m3fn views are accepted too.
+bool is_fp8_bytes(const at::Tensor& t) {
+  return t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e4m3fn;
+}
+
 void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "megatron_spec ", what, " launch failed: ", cudaGetErrorString(err));
 }
@@ -38,9 +43,9 @@ void fp8_block_quantize_out_cuda(const at::Tensor& w, int64_t block_n, int64_t b
   const cuda::FloatKind kind = kind_of(w.scalar_type());
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t sn = (N + block_n - 1) / block_n, sk = (K + block_k - 1) / block_k;
-  TORCH_CHECK_VALUE(out.scalar_type() == at::kFloat8_e4m3fn && out.dim() == 2 && out.size(0) == N &&
+  TORCH_CHECK_VALUE(is_fp8_bytes(out) && out.dim() == 2 && out.size(0) == N &&
                         out.size(1) == K && out.is_contiguous() && out.device() == w.device(),
-                    "fp8_block_quantize: out must be a contiguous float8_e4m3fn [", N, ", ", K, "] on ", w.device());
+                    "fp8_block_quantize: out must be a contiguous uint8 / float8_e4m3fn [", N, ", ", K, "] on ", w.device());
   TORCH_CHECK_VALUE(scale_inv.scalar_type() == at::kFloat && scale_inv.dim() == 2 && scale_inv.size(0) == sn &&
                         scale_inv.size(1) == sk && scale_inv.is_contiguous() && scale_inv.device() == w.device(),
                     "fp8_block_quantize: scale_inv must be a contiguous float32 [", sn, ", ", sk, "] on ",
@@ -63,7 +68,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cuda(const at::Tensor& w, 
                     ", ", block_k, "]");
   TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1);
-  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor out = at::empty({N, K}, w.options().dtype(at::kByte));  // e4m3 bytes
   at::Tensor scale = at::empty({(N + block_n - 1) / block_n, (K + block_k - 1) / block_k},
                                w.options().dtype(at::kFloat));
   fp8_block_quantize_out_cuda(w, block_n, block_k, out, scale);
@@ -74,8 +79,8 @@ at::Tensor fp8_block_dequantize_cuda(const at::Tensor& w_fp8, const at::Tensor& 
                                      int64_t block_k, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(block_n > 0 && block_k > 0, "megatron_spec fp8 block size must be positive, got [", block_n,
                     ", ", block_k, "]");
-  TORCH_CHECK_VALUE(w_fp8.dim() == 2 && w_fp8.scalar_type() == at::kFloat8_e4m3fn,
-                    "fp8_block_dequantize expects a 2-D float8_e4m3fn weight, got ", w_fp8.scalar_type(),
+  TORCH_CHECK_VALUE(w_fp8.dim() == 2 && is_fp8_bytes(w_fp8),
+                    "fp8_block_dequantize expects a 2-D uint8 / float8_e4m3fn weight, got ", w_fp8.scalar_type(),
                     " of shape ", w_fp8.sizes());
   const int64_t N = w_fp8.size(0), K = w_fp8.size(1);
   const int64_t sn = (N + block_n - 1) / block_n, sk = (K + block_k - 1) / block_k;

@@ -4,7 +4,8 @@ Each public function runs ``torch.ops.megatron_spec.<op>`` when ``megatron_spec.
 has a kernel for the tensors' device, and otherwise the reference in this package, which computes
 the same bits (``fp8_reference``, ``verify_reference``). ``MEGATRON_SPEC_FORCE_REFERENCE=1`` forces
 the references. Fake (meta) kernels for the compiled ops are registered in ``_fake`` so the ops
-trace under ``torch.compile`` and pass ``torch.library.opcheck``.
+trace under ``torch.compile`` and pass ``torch.library.opcheck``. At the op level FP8 data is raw
+e4m3 bytes (uint8); the functions here take and return ``float8_e4m3fn`` views of them.
 
 This package holds kernels and their references only; the sampling API the engine and the GRPO side
 call is ``megatron_spec.spec``.
@@ -56,6 +57,11 @@ def compiled_kernel_for(op_name: str, device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_spec::{op_name}", key)
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> uint8 view (the compiled ops take FP8 as raw bytes, see csrc/ops.cpp)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def _block(block_size: tuple[int, int]) -> tuple[int, int]:
     if len(block_size) != 2:
         raise ValueError(f"block_size must be (block_n, block_k), got {block_size!r}")
@@ -63,13 +69,19 @@ def _block(block_size: tuple[int, int]) -> tuple[int, int]:
 
 
 def fp8_block_quantize(
-    w: torch.Tensor, block_size: tuple[int, int] = (128, 128), *, check_finite: bool = True
+    w: torch.Tensor,
+    block_size: tuple[int, int] = (128, 128),
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a linear weight to FP8 E4M3 with one float32 scale per block.
 
     Args:
         w: ``[N, K]`` float32 / bfloat16 / float16 weight.
         block_size: ``(block_n, block_k)``; SGLang's ``weight_block_size`` is ``[128, 128]``.
+        out: optional preallocated contiguous ``(w_fp8 [N, K] float8_e4m3fn, scale_inv float32
+            [ceil(N/bn), ceil(K/bk)])`` to write into (e.g. views into a flattened weight bucket).
         check_finite: refuse weights with NaN or inf (one host sync on the small scale tensor).
 
     Returns:
@@ -77,8 +89,25 @@ def fp8_block_quantize(
         ``w ~= w_fp8 * weight_scale_inv`` (see ``fp8_reference`` for the exact bits).
     """
     bn, bk = _block(block_size)
-    if compiled_kernel_for("fp8_block_quantize", w.device):
-        w_fp8, scale_inv = torch.ops.megatron_spec.fp8_block_quantize(w, bn, bk)
+    if out is not None:
+        w_fp8, scale_inv = out
+        if w_fp8.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8_block_quantize: out must be float8_e4m3fn, got {w_fp8.dtype}")
+        if compiled_kernel_for("fp8_block_quantize_out", w.device):
+            torch.ops.megatron_spec.fp8_block_quantize_out(w, bn, bk, out=_as_bytes(w_fp8), scale_inv=scale_inv)
+        else:
+            ref_q, ref_s = fp8_block_quantize_reference(w, bn, bk)
+            if ref_q.shape != w_fp8.shape:
+                raise ValueError(f"fp8_block_quantize: out must be float8_e4m3fn {list(ref_q.shape)}, got "
+                                 f"{w_fp8.dtype} of shape {tuple(w_fp8.shape)}")
+            if ref_s.shape != scale_inv.shape or scale_inv.dtype != torch.float32:
+                raise ValueError(f"fp8_block_quantize: scale_inv must be float32 {list(ref_s.shape)}, got "
+                                 f"{scale_inv.dtype} of shape {tuple(scale_inv.shape)}")
+            w_fp8.copy_(ref_q)
+            scale_inv.copy_(ref_s)
+    elif compiled_kernel_for("fp8_block_quantize", w.device):
+        w_bytes, scale_inv = torch.ops.megatron_spec.fp8_block_quantize(w, bn, bk)
+        w_fp8 = w_bytes.view(torch.float8_e4m3fn)
     else:
         w_fp8, scale_inv = fp8_block_quantize_reference(w, bn, bk)
     # Host sync: a non-finite weight must stop the weight push here, not corrupt the engine.
@@ -100,7 +129,9 @@ def fp8_block_dequantize(
     """Inverse of :func:`fp8_block_quantize`: ``w_fp8 [N, K] * weight_scale_inv`` in float32, cast to ``dtype``."""
     bn, bk = _block(block_size)
     if compiled_kernel_for("fp8_block_dequantize", w_fp8.device):
-        return torch.ops.megatron_spec.fp8_block_dequantize(w_fp8, scale_inv, bn, bk, dtype)
+        if w_fp8.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"fp8_block_dequantize expects a float8_e4m3fn weight, got {w_fp8.dtype}")
+        return torch.ops.megatron_spec.fp8_block_dequantize(_as_bytes(w_fp8), scale_inv, bn, bk, dtype)
     return fp8_block_dequantize_reference(w_fp8, scale_inv, bn, bk, dtype)
 
 

@@ -15,9 +15,15 @@ def _fp8_block_quantize_fake(w: torch.Tensor, block_n: int, block_k: int):
     torch._check(block_n > 0 and block_k > 0, lambda: f"fp8 block size must be positive, got [{block_n}, {block_k}]")
     torch._check(w.dim() == 2, lambda: f"fp8_block_quantize expects a 2-D weight, got {w.dim()}-D")
     n, k = w.shape
-    w_fp8 = w.new_empty((n, k), dtype=torch.float8_e4m3fn)
+    w_fp8 = w.new_empty((n, k), dtype=torch.uint8)  # e4m3 bytes (see csrc/ops.cpp)
     scale_inv = w.new_empty(((n + block_n - 1) // block_n, (k + block_k - 1) // block_k), dtype=torch.float32)
     return w_fp8, scale_inv
+
+
+@torch.library.register_fake("megatron_spec::fp8_block_quantize_out")
+def _fp8_block_quantize_out_fake(w: torch.Tensor, block_n: int, block_k: int, *, out, scale_inv) -> None:
+    torch._check(w.dim() == 2, lambda: f"fp8_block_quantize expects a 2-D weight, got {w.dim()}-D")
+    return None
 
 
 @torch.library.register_fake("megatron_spec::fp8_block_dequantize")

@@ -47,14 +47,28 @@ class LossyConfigError(ValueError):
     """A rollout setting would make speculative outputs deviate from the target distribution."""
 
 
+def _is_config(value: Any) -> bool:
+    return isinstance(value, Mapping) or (
+        not isinstance(value, type)
+        and (dataclasses.is_dataclass(value) or hasattr(type(value), "__struct_fields__"))
+    )
+
+
 def _fields(obj: Any) -> dict[str, Any]:
+    """Field name -> value of a dict, dataclass, msgspec Struct (SGLang's ServerArgs) or namespace."""
     if isinstance(obj, Mapping):
         return dict(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    struct_fields = getattr(type(obj), "__struct_fields__", None)
+    if struct_fields is not None:
+        return {name: getattr(obj, name) for name in struct_fields}
     if hasattr(obj, "__dict__"):
         return {k: v for k, v in vars(obj).items() if not k.startswith("__")}
-    raise TypeError(f"check_lossless: cannot read fields of {type(obj).__name__}; pass a dataclass, dict or object")
+    raise TypeError(
+        f"check_lossless: cannot read the fields of {type(obj).__name__}; pass a dataclass, dict, "
+        f"msgspec Struct or object with attributes"
+    )
 
 
 def _flatten(obj: Any, prefix: str = "", depth: int = 0) -> dict[str, Any]:
@@ -62,8 +76,7 @@ def _flatten(obj: Any, prefix: str = "", depth: int = 0) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in _fields(obj).items():
         path = f"{prefix}{name}"
-        nested = isinstance(value, Mapping) or (dataclasses.is_dataclass(value) and not isinstance(value, type))
-        if nested and depth < 2:
+        if _is_config(value) and depth < 2:
             out.update(_flatten(value, f"{path}.", depth + 1))
         else:
             out[path] = value
