@@ -1,0 +1,51 @@
+"""CUDA kernels == CPU references (runs only where a GPU and a CUDA build of _C exist)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_spec import ops
+from megatron_spec.ops import fp8_block_quantize_reference, verify_chain_reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not ops.compiled_kernel_for("verify_chain", torch.device("cuda")),
+                       reason="needs a CUDA device and megatron_spec._C built with CUDA"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_cuda_matches_reference(dtype):
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 1), (127, 129), (300, 1000), (1024, 4096)]:
+        w = (torch.randn(shape, generator=g) * torch.logspace(-3, 3, shape[0])[:, None]).to(dtype)
+        q, s = torch.ops.megatron_spec.fp8_block_quantize(w.cuda(), 128, 128)
+        q_r, s_r = fp8_block_quantize_reference(w)
+        assert torch.equal(q.cpu(), q_r.view(torch.uint8))
+        assert torch.equal(s.cpu(), s_r)
+        d = torch.ops.megatron_spec.fp8_block_dequantize(q, s, 128, 128, dtype)
+        assert torch.equal(d.cpu(), ops.fp8_block_dequantize_reference(q_r, s_r, 128, 128, dtype))
+
+
+@pytest.mark.parametrize("mode", ["point", "dense", "mapped"])
+def test_verify_cuda_matches_cpu_reference(mode):
+    g = torch.Generator().manual_seed(1)
+    for B, k, V in [(1, 0, 7), (17, 3, 1000), (64, 3, 32768), (8, 5, 152064)]:
+        lp = torch.log_softmax(torch.randn(B, k + 1, V, generator=g) * 3, -1)
+        x = torch.randint(0, V, (B, k), generator=g)
+        q = d2t = None
+        if mode == "dense":
+            q = torch.softmax(torch.randn(B, k, V, generator=g) * 3, -1)
+        elif mode == "mapped":
+            Vd = V // 2 + 1
+            d2t = torch.randperm(V, generator=g)[:Vd].sort().values - torch.arange(Vd)
+            q = torch.softmax(torch.randn(B, k, Vd, generator=g) * 3, -1)
+        greedy = torch.rand(B, generator=g) < 0.3
+        ua = torch.rand(B, k, dtype=torch.float64, generator=g)
+        us = torch.rand(B, dtype=torch.float64, generator=g)
+        args = (lp, x, q, d2t, greedy, ua, us)
+        cuda_args = tuple(a.cuda() if a is not None else None for a in args)
+        t, n = torch.ops.megatron_spec.verify_chain(*cuda_args)
+        t_r, n_r = verify_chain_reference(*args)
+        assert torch.equal(t.cpu(), t_r) and torch.equal(n.cpu(), n_r)

@@ -1,0 +1,175 @@
+"""Compiled chain verification == pure-PyTorch reference, bit for bit, for identical uniforms."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from megatron_spec import ops
+from megatron_spec.ops import SAMPLE_CHUNK, spec_exp_reference, verify_chain_reference
+
+requires_cpu_kernel = pytest.mark.skipif(
+    not ops.compiled_kernel_for("verify_chain", torch.device("cpu")),
+    reason="compiled ops unavailable: megatron_spec._C not built (pip install --no-build-isolation -e .) or MEGATRON_SPEC_FORCE_REFERENCE=1",
+)
+
+
+def compiled(*args):
+    return torch.ops.megatron_spec.verify_chain(*args)
+
+
+def make_inputs(B, k, V, mode, g, greedy_frac=0.3, neg_frac=0.05, hole_frac=0.2, Vd=None):
+    lp = torch.log_softmax(torch.randn(B, k + 1, V, generator=g) * 3, -1)
+    lp = lp.masked_fill(torch.rand(B, k + 1, V, generator=g) < hole_frac, float("-inf"))
+    lp[..., 0] = lp[..., 0].clamp(min=-5.0)  # every position keeps some mass
+    q = d2t = None
+    if mode == "dense":
+        q = torch.softmax(torch.randn(B, k, V, generator=g) * 3, -1)
+        q = q.masked_fill(torch.rand(B, k, V, generator=g) < 0.3, 0.0)
+    elif mode == "mapped":
+        Vd = Vd or max(1, V // 2)
+        ids = torch.randperm(V, generator=g)[:Vd].sort().values
+        d2t = ids - torch.arange(Vd)
+        q = torch.softmax(torch.randn(B, k, Vd, generator=g) * 3, -1)
+    x = torch.randint(0, V, (B, k), generator=g)
+    x = x.masked_fill(torch.rand(B, k, generator=g) < neg_frac, -1)
+    greedy = torch.rand(B, generator=g) < greedy_frac
+    ua = torch.rand(B, k, dtype=torch.float64, generator=g)
+    us = torch.rand(B, dtype=torch.float64, generator=g)
+    return lp, x, q, d2t, greedy, ua, us
+
+
+def assert_same(args):
+    t_k, n_k = compiled(*args)
+    t_r, n_r = verify_chain_reference(*args)
+    assert torch.equal(t_k, t_r), (t_k != t_r).any(1).nonzero()[:5].tolist()
+    assert torch.equal(n_k, n_r)
+    return t_k, n_k
+
+
+SHAPES = list(itertools.product([1, 5, 33], [0, 1, 3, 5], [1, 2, 7, 255, 256, 257, 1000, 2047, 2049, 4097]))
+
+
+@requires_cpu_kernel
+@pytest.mark.parametrize("mode", ["point", "dense", "mapped"])
+def test_random_shapes_identical(mode):
+    g = torch.Generator().manual_seed(["point", "dense", "mapped"].index(mode))
+    for B, k, V in SHAPES:
+        assert_same(make_inputs(B, k, V, mode, g))
+
+
+@requires_cpu_kernel
+def test_empty_batch_and_k_zero():
+    for mode in ["point", "dense", "mapped"]:
+        args = make_inputs(0, 3, 10, mode, torch.Generator().manual_seed(0))
+        t, n = assert_same(args)
+        assert t.shape == (0, 4) and n.shape == (0,)
+    assert_same(make_inputs(9, 0, 300, "point", torch.Generator().manual_seed(1)))
+
+
+@requires_cpu_kernel
+def test_bucket_boundaries_and_extreme_uniforms():
+    """Uniform p makes every chunk boundary a potential tie; u at 0 and just below 1."""
+    g = torch.Generator().manual_seed(3)
+    for V in [SAMPLE_CHUNK - 1, SAMPLE_CHUNK, 3 * SAMPLE_CHUNK, 8 * SAMPLE_CHUNK, 8 * SAMPLE_CHUNK + 7, 5000]:
+        B, k = 64, 2
+        lp = torch.full((B, k + 1, V), -math.log(V))
+        x = torch.full((B, k), -1, dtype=torch.int64)  # no drafts: straight inverse-CDF draws
+        greedy = torch.zeros(B, dtype=torch.bool)
+        j = torch.arange(B, dtype=torch.float64)
+        # u exactly at multiples of 1/B (bucket edges of the uniform distribution), 0, 1 - 2^-53
+        us = torch.cat([j[:-2] / (B - 2), torch.tensor([0.0, 1.0 - 2.0**-53], dtype=torch.float64)])
+        ua = torch.rand(B, k, dtype=torch.float64, generator=g)
+        t, _ = assert_same((lp, x, None, None, greedy, ua, us))
+        assert t[-2, 0] == 0 and t[-1, 0] == V - 1
+
+
+@requires_cpu_kernel
+def test_degenerate_residuals():
+    g = torch.Generator().manual_seed(4)
+    B, k, V = 40, 3, 600
+    lp = torch.log_softmax(torch.randn(B, k + 1, V, generator=g), -1)
+    # q == p exactly: the residual is empty (rejections only through rounding) -> falls back to p
+    q = lp[:, :k].exp()
+    x = torch.randint(0, V, (B, k), generator=g)
+    greedy = torch.zeros(B, dtype=torch.bool)
+    ua = torch.rand(B, k, dtype=torch.float64, generator=g)
+    us = torch.rand(B, dtype=torch.float64, generator=g)
+    assert_same((lp, x, q, None, greedy, ua, us))
+    # q larger than p everywhere except one token; one-hot targets; positive log-probs; NaN tokens
+    q2 = torch.full((B, k, V), 1.0 / V)
+    lp2 = lp.clone()
+    lp2[:, :, 5] = 0.5  # not a log-prob, still defined (clamped exp)
+    lp2[:, :, 7] = float("nan")  # NaN tokens are never sampled
+    lp2[::3] = torch.where(torch.arange(V) == 11, 0.0, float("-inf"))
+    t, _ = assert_same((lp2, x, q2, None, greedy, ua, us))
+    assert (t != 7).all()
+    # tiny and subnormal draft probabilities count as 0 in both implementations
+    q3 = q2.clone()
+    q3[:, :, :50] = 1e-40
+    assert_same((lp, x, q3, None, greedy, ua, us))
+
+
+@requires_cpu_kernel
+def test_same_errors_as_reference():
+    g = torch.Generator().manual_seed(5)
+    lp, x, q, d2t, greedy, ua, us = make_inputs(4, 2, 20, "mapped", g, neg_frac=0.0)
+    bad_token = x.clone()
+    bad_token[1, 1] = 99
+    collide = d2t.clone()
+    collide[1] = collide[0] - 1  # draft ids 0 and 1 -> the same target id
+    cases = [
+        ((lp, bad_token, q, d2t, greedy, ua, us), IndexError, r"draft_tokens\[1, 1\] = 99"),
+        ((lp, x, q, d2t, greedy, torch.ones_like(ua), us), ValueError, "u_accept"),
+        ((lp, x, q, d2t, greedy, ua, us + 1.0), ValueError, "u_sample"),
+        ((lp, x, q, collide, greedy, ua, us), ValueError, "same target id"),
+        ((lp, x, q, d2t + 100, greedy, ua, us), ValueError, "outside the target vocabulary"),
+        ((lp.double(), x, q, d2t, greedy, ua, us), ValueError, "float32"),
+        ((lp, x, None, d2t, greedy, ua, us), ValueError, "without draft_probs"),
+    ]
+    for args, exc, match in cases:
+        for fn in (compiled, verify_chain_reference):
+            with pytest.raises(exc, match=match):
+                fn(*args)
+
+
+def test_reference_cumsum_is_sequential_float64():
+    """The reference's sampling order relies on torch.cumsum summing left to right on CPU."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(3, 40000, dtype=torch.float64, generator=g) ** 8
+    c = torch.cumsum(x, -1)
+    for r in range(3):
+        acc = 0.0
+        seq = []
+        for v in x[r].tolist():
+            acc += v
+            seq.append(acc)
+        assert torch.equal(c[r], torch.tensor(seq, dtype=torch.float64))
+
+
+@requires_cpu_kernel
+def test_spec_exp_bit_identical_and_accurate():
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([
+        torch.randn(200000, generator=g) * 30 - 20,
+        torch.linspace(-87, 1, 200001),
+        torch.tensor([float("-inf"), float("inf"), float("nan"), 0.0, -0.0, -86.0, -86.00001, -85.99999,
+                      88.0, 88.5, 100.0, 1e-40, -1e-40, -1e-8]),
+    ])
+    a = torch.ops.megatron_spec.spec_exp(x)
+    b = spec_exp_reference(x)
+    assert torch.equal(a.view(torch.int32)[~x.isnan()], b.view(torch.int32)[~x.isnan()])
+    assert a[x.isnan()].isnan().all() and b[x.isnan()].isnan().all()
+    ok = (x > -86) & (x <= 88)
+    exact = x[ok].double().exp()
+    rel = ((a[ok].double() - exact).abs() / exact).max().item()
+    assert rel < 2.5 * 2.0**-24  # within ~2 ulp of float32
+    assert (a[x < -86] == 0).all()
+
+
+def test_spec_exp_reference_matches_torch_exp_closely():
+    x = torch.linspace(-86, 0, 100001)
+    assert torch.allclose(spec_exp_reference(x), x.exp(), rtol=3e-7, atol=0)
