@@ -17,7 +17,12 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "ms_math.h"
 
@@ -176,6 +181,21 @@ void dequantize_impl(const uint8_t* __restrict q, const float* __restrict scale_
   });
 }
 
+// A freshly allocated large output is untouched mmap memory: faulting it in 4 KiB pages costs about
+// as much as quantising into it. Ask for transparent huge pages before the first write (what torch's
+// own allocator does under THP_MEM_ALLOC_ENABLE=1); purely advisory, results are unaffected.
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(t.nbytes());
+  const uintptr_t a = (begin + kHuge - 1) & ~(kHuge - 1), b = end & ~(kHuge - 1);
+  if (b > a) (void)madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
 // FP8 data crosses the op boundary as e4m3 bytes (uint8); float8_e4m3fn views are accepted too.
 bool is_fp8_bytes(const at::Tensor& t) {
   return t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e4m3fn;
@@ -225,6 +245,7 @@ std::tuple<at::Tensor, at::Tensor> fp8_block_quantize_cpu(const at::Tensor& w, i
   TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1);
   at::Tensor out = at::empty({N, K}, w.options().dtype(at::kByte));  // e4m3 bytes
+  advise_huge_pages(out);
   at::Tensor scale =
       at::empty({(N + block_n - 1) / block_n, (K + block_k - 1) / block_k}, w.options().dtype(at::kFloat));
   fp8_block_quantize_out_cpu(w, block_n, block_k, out, scale);
@@ -250,6 +271,7 @@ at::Tensor fp8_block_dequantize_cpu(const at::Tensor& w_fp8, const at::Tensor& s
   const at::Tensor sc = scale_inv.contiguous();
   at::Tensor out = at::empty({N, K}, qc.options().dtype(dtype));
   if (N == 0 || K == 0) return out;
+  advise_huge_pages(out);
   const auto* q = reinterpret_cast<const uint8_t*>(qc.data_ptr());
   const float* s = sc.data_ptr<float>();
   if (dtype == at::kFloat) {
