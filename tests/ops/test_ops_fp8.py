@@ -264,3 +264,27 @@ def test_bit_identical_to_sglang_per_block_cast(dtype):
             q, s = ops.fp8_block_quantize(w)
             assert_bits_equal(q, q_s)
             assert_bits_equal(s, s_s.float())
+
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    given = None
+
+if given is not None:
+
+    @requires_cpu_kernel
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(n=st.integers(0, 400), k=st.integers(0, 400), dtype=st.sampled_from(DTYPES),
+           kind=st.sampled_from(["randn", "wide", "heavy", "zeros"]), bn=st.sampled_from([1, 7, 128]),
+           bk=st.sampled_from([1, 16, 128]), seed=st.integers(0, 2**31 - 1))
+    def test_property_kernel_equals_reference(n, k, dtype, kind, bn, bk, seed):
+        w = weights((n, k), dtype, torch.Generator().manual_seed(seed), kind)
+        q_k, s_k = kernel_quantize(w, bn, bk)
+        q_r, s_r = fp8_block_quantize_reference(w, bn, bk)
+        assert_bits_equal(q_k, q_r)
+        assert_bits_equal(s_k, s_r)
+        d_k = torch.ops.megatron_spec.fp8_block_dequantize(q_k.view(torch.uint8), s_k, bn, bk, dtype)
+        d_r = ops.fp8_block_dequantize_reference(q_r, s_r, bn, bk, dtype)
+        assert torch.equal(d_k, d_r)

@@ -173,3 +173,21 @@ def test_spec_exp_bit_identical_and_accurate():
 def test_spec_exp_reference_matches_torch_exp_closely():
     x = torch.linspace(-86, 0, 100001)
     assert torch.allclose(spec_exp_reference(x), x.exp(), rtol=3e-7, atol=0)
+
+
+try:
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    given = None
+
+if given is not None:
+
+    @requires_cpu_kernel
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(B=st.integers(0, 9), k=st.integers(0, 6), V=st.integers(1, 3000),
+           mode=st.sampled_from(["point", "dense", "mapped"]), seed=st.integers(0, 2**31 - 1),
+           greedy_frac=st.sampled_from([0.0, 0.5, 1.0]), hole_frac=st.sampled_from([0.0, 0.5, 0.95]))
+    def test_property_kernel_equals_reference(B, k, V, mode, seed, greedy_frac, hole_frac):
+        g = torch.Generator().manual_seed(seed)
+        assert_same(make_inputs(B, k, V, mode, g, greedy_frac=greedy_frac, hole_frac=hole_frac))
