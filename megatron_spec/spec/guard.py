@@ -21,9 +21,13 @@ knobs of other engines:
   STANDALONE, NGRAM: they go through ``eagle_sample``). DFLASH falls back to argmax verification on
   builds without its sampling kernel; the others (DSPARK, UNO, FROZEN_KV_MTP, ...) are unreviewed.
 
-Field names of our own rollout config that the guard reads (any nesting level up to two, so a
-``spec`` sub-config works): the threshold names above with or without the ``speculative_`` prefix,
-``acceptance_method``, ``speculative_algorithm``, ``backend``/``rollout_backend`` and ``device``.
+The SGLang-specific rules apply when the config targets SGLang (``speculative_algorithm`` set, or
+``backend``/``rollout_backend == "sglang"``) with speculation on (an algorithm, or ``spec_draft_kind``
+other than ``"none"``). Field names of our own config that the guard reads (nested configs up to two
+levels, e.g. ``RunConfig.rollout`` / ``RunConfig.spec``): the threshold names above with or without the
+``speculative_`` prefix, ``acceptance_method``, ``speculative_algorithm``, ``spec_draft_kind``,
+``backend``/``rollout_backend``, ``device``, and ``temperature``/``rollout_temperature`` and
+``min_p``/``rollout_min_p`` when no ``sampling`` is passed.
 It does not decide which draft or sampling settings are *useful*; only which ones are lossy.
 """
 
@@ -134,6 +138,9 @@ def check_lossless(
     flat = _flatten(config)
     env = os.environ if environ is None else environ
     rocm = bool(torch.version.hip) if is_rocm is None else is_rocm
+    if sampling is None:  # our RunConfig carries the sampling parameters itself
+        found = {key: _find(flat, key, f"rollout_{key}")[1] for key in ("temperature", "min_p")}
+        sampling = {key: v for key, v in found.items() if v is not _MISSING and v is not None} or None
     all_greedy, max_min_p = _sampling_stats(sampling)
     problems: list[str] = []
 
@@ -152,9 +159,12 @@ def check_lossless(
             problems.append(f"{path} = {value}: relaxed acceptance is lossy")
 
     _, algo = _find(flat, "speculative_algorithm")
+    _, draft_kind = _find(flat, "spec_draft_kind", "draft_kind")
     _, backend = _find(flat, "backend", "rollout_backend")
-    sglang = (algo is not _MISSING and algo is not None) or backend == "sglang"
-    if sglang:
+    has_algo = algo is not _MISSING and algo is not None
+    speculative = has_algo or (draft_kind not in (_MISSING, None) and str(draft_kind).lower() != "none")
+    sglang = has_algo or backend == "sglang"
+    if sglang and speculative:
         algo_name = None if algo is _MISSING or algo is None else str(algo).upper()
         if algo_name is not None and algo_name not in SGLANG_EXACT_ALGORITHMS:
             problems.append(

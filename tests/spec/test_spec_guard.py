@@ -70,6 +70,35 @@ def test_our_nested_dataclass_config():
         check_lossless(Rollout(spec=Spec(acceptance_method="typical")), environ={}, is_rocm=False)
 
 
+def test_run_config_shape_with_sampling_inside():
+    """Our RunConfig layout: rollout.rollout_* sampling fields, spec.spec_draft_kind."""
+
+    @dataclasses.dataclass
+    class Rollout:
+        rollout_backend: str = "sglang"
+        rollout_temperature: float = 1.0
+        rollout_min_p: float = 0.0
+
+    @dataclasses.dataclass
+    class Spec:
+        spec_draft_kind: str = "eagle3"
+        spec_num_draft_tokens: int = 3
+
+    @dataclasses.dataclass
+    class Run:
+        rollout: Rollout = dataclasses.field(default_factory=Rollout)
+        spec: Spec = dataclasses.field(default_factory=Spec)
+
+    check_lossless(Run(), environ={}, is_rocm=False)
+    with pytest.raises(LossyConfigError, match="min_p = 0.05"):
+        check_lossless(Run(rollout=Rollout(rollout_min_p=0.05)), environ={}, is_rocm=False)
+    # greedy rows ignore min_p; the native engine applies it; no speculation, no SGLang verify
+    check_lossless(Run(rollout=Rollout(rollout_min_p=0.05, rollout_temperature=0.0)), environ={}, is_rocm=False)
+    check_lossless(Run(rollout=Rollout(rollout_backend="native", rollout_min_p=0.05)), environ={}, is_rocm=False)
+    check_lossless(Run(rollout=Rollout(rollout_min_p=0.05), spec=Spec(spec_draft_kind="none")), environ={},
+                   is_rocm=False)
+
+
 def test_other_engines_lossy_acceptance():
     with pytest.raises(LossyConfigError, match="typical"):
         check_lossless({"spec_decoding_acceptance_method": "typical_acceptance_sampler"}, environ={}, is_rocm=False)
