@@ -221,12 +221,13 @@ def verify_chain_reference(
     if g_rows.numel() and k:
         accept[g_rows] = lp[g_rows, :k].argmax(dim=-1) == x[g_rows]
     accept &= valid
-    n_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1) if k else torch.zeros(B, dtype=torch.int64,
-                                                                                   device=device)
-    rows = torch.arange(B, device=device)
+    # The chain stops at the first rejection or empty slot: j = n_acc is where the emitted token goes.
+    n_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B] (0 when k = 0)
     j = n_acc
-    drafted = (j < k) & valid.gather(1, j.clamp(max=max(k - 1, 0))[:, None])[:, 0] if k else \
-        torch.zeros(B, dtype=torch.bool, device=device)
+    # drafted: position j holds a rejected draft (residual), not an empty slot or the bonus (plain p)
+    drafted = torch.zeros(B, dtype=torch.bool, device=device)
+    if k:
+        drafted = (j < k) & valid.gather(1, j.clamp(max=k - 1)[:, None])[:, 0]
 
     tok = torch.empty(B, dtype=torch.int64, device=device)
     if g_rows.numel():
@@ -268,5 +269,4 @@ def verify_chain_reference(
     pos = torch.arange(K1, device=device)[None, :]
     x_pad = torch.cat([x, torch.full((B, 1), -1, dtype=torch.int64, device=device)], dim=1)
     tokens = torch.where(pos < j[:, None], x_pad, torch.where(pos == j[:, None], tok[:, None], tokens))
-    del rows
     return tokens, n_acc

@@ -149,8 +149,8 @@ def check_lossless(
         if leaf.endswith("accept_threshold_single") or leaf.endswith("accept_threshold_acc"):
             if value is not None and float(value) != 1.0:
                 problems.append(
-                    f"{path} = {value}: must be 1.0 (a threshold below 1 accepts drafts more often than "
-                    f"min(1, p/q); SGLang is exact only at 1.0)"
+                    f"{path} = {value}: must be 1.0; any other value moves SGLang's acceptance rule away "
+                    f"from min(1, p/q) (below 1 it accepts drafts the target would not have sampled)"
                 )
         elif leaf.endswith("acceptance_method") and isinstance(value, str):
             if any(word in value.lower() for word in _LOSSY_METHOD_WORDS):
