@@ -27,9 +27,18 @@ autoregressive and speculative decoding side by side and writes one JSON object:
 Every sequence of a batch decodes the same number of tokens (no long tail), so the simulator's
 prediction is the steady-state step ratio at that batch and the mean context
 prompt_len + max_new_tokens / 2:  speedup = tau * t_AR(b) / t_spec(b, k).
-The prediction uses the measured accept length (acceptance is an input of the simulator, not a
-prediction) and nothing else from the benchmark: v and c are reported beside the simulator's own
-v and c to show which term is off. Nothing is fitted to these points.
+
+Two predictions per row, neither fitted to the speculative points:
+* ``predicted_speedup_profile_only``: the measured CPU profile alone (kernel roofline plus the
+  measured per-layer launch cost). An eager Python engine also pays a host cost per forward
+  (scheduling, sampling, bookkeeping) that no kernel benchmark sees, so this one is optimistic
+  about short forwards.
+* ``predicted_speedup`` (the one checked against the tolerance): the same, with that per-forward
+  host cost taken from the *autoregressive* measurement of the same batch size,
+  ``b / ar_tokens_per_s - t_AR_model(b)``, and charged to every target forward (AR and verify).
+  Draft forwards pay only their modelled per-layer cost.
+Both use the measured accept length (acceptance is an input of the simulator, not a prediction);
+v and c are reported beside the simulator's own v and c to show which term is off.
 
 What it does not know: the engine itself; it reads what the benchmark wrote.
 """
@@ -83,26 +92,32 @@ def validate_engine_benchmark(bench: str | Path | dict, tolerance: float = 0.2,
     for res in data["results"]:
         b = float(res["batch_size"])
         ar_tps = float(res["ar_tokens_per_s"])
+        if ar_tps <= 0:
+            raise ValueError(f"engine benchmark: ar_tokens_per_s={ar_tps} at batch {int(b)} must be > 0")
         ctx = np.array([b * ctx_per_seq])
         bb = np.array([b])
-        t_ar = float(target.forward(bb, 1, ctx, eff.step_overhead_s)["total"][0])
+        t_ar_model = float(target.forward(bb, 1, ctx, eff.step_overhead_s)["total"][0])
+        host = max(0.0, b / ar_tps - t_ar_model)  # per-forward host cost seen only by the engine
         for sp in res.get("spec", []):
             k, tau = int(sp["k"]), float(sp["accept_length"])
             if not 1.0 <= tau <= k + 1:
                 raise ValueError(f"engine benchmark: accept_length {tau} impossible for k={k}")
-            step = StepModel(target, draft, data["draft_kind"], k).spec_step(bb, ctx)
+            steps = StepModel(target, draft, data["draft_kind"], k)
+            t_spec_model = float(steps.spec_step(bb, ctx)["total"][0])
             t_verify = float(target.forward(bb, k + 1, ctx, eff.step_overhead_s)["total"][0])
             t_draft1 = (float(draft.forward(bb, 1, ctx, eff.draft_pass_overhead_s)["total"][0])
                         if draft is not None else 0.0)
-            predicted = tau * t_ar / float(step["total"][0])
+            predicted = tau * (t_ar_model + host) / (t_spec_model + host)
             measured = float(sp["tokens_per_s"]) / ar_tps
             rows.append({
                 "batch_size": int(b), "k": k, "accept_length": tau,
                 "measured_speedup": measured, "predicted_speedup": predicted,
+                "predicted_speedup_profile_only": tau * t_ar_model / t_spec_model,
                 "rel_error": predicted / measured - 1.0,
-                "v_measured": sp.get("v"), "v_predicted": t_verify / t_ar,
-                "c_measured": sp.get("c"), "c_predicted": t_draft1 / t_ar,
-                "ar_tokens_per_s_measured": ar_tps, "ar_tokens_per_s_predicted": b / t_ar,
+                "v_measured": sp.get("v"), "v_predicted": (t_verify + host) / (t_ar_model + host),
+                "c_measured": sp.get("c"), "c_predicted": t_draft1 / (t_ar_model + host),
+                "ar_tokens_per_s_measured": ar_tps, "ar_tokens_per_s_profile_only": b / t_ar_model,
+                "host_s_per_forward_from_ar": host,
             })
     within = [r for r in rows if abs(r["rel_error"]) <= tolerance]
     return {"hardware": hw.name, "model": model.name, "tolerance": tolerance, "rows": rows,

@@ -58,9 +58,19 @@ def test_engine_benchmark_rows_and_fields():
         assert r["measured_speedup"] == pytest.approx(1.5)
         assert r["rel_error"] == pytest.approx(r["predicted_speedup"] / 1.5 - 1)
         assert r["v_predicted"] > 0 and r["c_predicted"] > 0
-    # the prediction follows the measured acceptance: more tokens per step, more speedup
-    pred = [r["predicted_speedup"] for r in out["rows"]]
-    assert np.all(np.diff(pred) > 0)
+        # the host cost is what the AR measurement leaves after the modelled forward
+        assert r["host_s_per_forward_from_ar"] == pytest.approx(
+            max(0.0, 1 / 20.0 - 1 / r["ar_tokens_per_s_profile_only"]))
+
+
+def test_host_cost_from_ar_makes_a_slow_engine_host_bound():
+    """A host cost per forward, read off the AR rate, is added to the AR and the verify step:
+    tau (t_ar + h) / (t_spec + h) -> tau when h dominates (one token per second here)."""
+    slow = _bench()
+    slow["results"][0]["ar_tokens_per_s"] = 1.0
+    for r in validate_engine_benchmark(slow)["rows"]:
+        assert r["host_s_per_forward_from_ar"] > 0.5
+        assert r["predicted_speedup"] == pytest.approx(r["accept_length"], rel=0.1)
 
 
 def test_engine_benchmark_errors(tmp_path):
