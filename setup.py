@@ -97,6 +97,7 @@ setup(
     version="0.1.0",
     description="Verifier-exact speculative decoding for GRPO rollouts on megatron-core",
     packages=find_packages(include=["megatron_spec", "megatron_spec.*"]),
+    package_data={"megatron_spec": ["sim/data/*.json"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.6",
