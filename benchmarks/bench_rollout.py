@@ -1,0 +1,239 @@
+"""Rollout throughput of the native engine, side by side in one run.
+
+    python benchmarks/bench_rollout.py [--base DIR] [--dtypes bfloat16,float32] [--batch-sizes 1,4,16]
+
+Target: 109M parameters (hidden 1024, 8 layers, 32 heads / 8 KV heads, SwiGLU 3584; fp32
+weights 437 MB, bf16 218 MB: far larger than the caches, so decode is memory-bound as on a
+GPU). Its function is that of a small model trained on the demo task (``--base``, or one made
+here with launch/sft_base.py), embedded exactly in the wider network (benchmarks/_expand.py):
+the cost of a 109M model, the predictable step-by-step outputs of a trained one.
+Drafts: an EAGLE-3 head trained by ModelOpt on the small model's own continuations and
+widened the same way; the small model itself as the draft model (same tokenizer); n-gram.
+Workload: the demo task's prompts (``sum``), greedy, responses end at EOS.
+
+Measured per dtype and batch size B (tokens/s, all through the same engine code):
+  * this engine, plain decoding (greedy, and sampling at T=1 for the transformers comparison);
+  * EAGLE-3 with k = 1..5, the draft model and n-gram prompt lookup (k=3), with acceptance lengths;
+  * transformers ``generate`` sampling at T=1; transformers assisted generation with the same
+    draft model (batch 1 only: it supports no more).
+Then the cost model: v = (target forward over k+1 tokens) / (one AR step), c = (one draft
+step) / (one AR step), measured on the same batch, and the speculation ceiling
+tau / (v + k c) with tau the measured acceptance length. Speculation pays only while v is
+close to 1 (memory-bound decode); on 2 CPU cores that regime ends at a small batch.
+
+Prints a table and, last, one JSON line with the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+WIDE = dict(hidden=1024, heads=32, kv_heads=8, intermediate=3584)
+
+
+def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+    from megatron_spec.rl.tasks import generate
+
+    return [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in generate("sum", n, seed)]
+
+
+def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int) -> dict[str, str]:
+    """Small base (trained), its ModelOpt EAGLE-3 draft, and both widened; cached in ``work``."""
+    from transformers import AutoTokenizer
+
+    from _expand import expand_decoder, expand_eagle3
+    from megatron_spec.draft.modelopt_train import train_and_export_eagle3
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    os.makedirs(work, exist_ok=True)
+    small = base or os.path.join(work, "small")
+    if not os.path.isdir(small):
+        print("[setup] training the small base model (launch/sft_base.py)", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", small,
+                        "--steps", str(sft_steps)], check=True)
+    paths = {"small": small, "target": os.path.join(work, "target"), "eagle3": os.path.join(work, "eagle3"),
+             "eagle3_small": os.path.join(work, "eagle3_small"), "draft_model": small}
+    if not os.path.isdir(paths["eagle3_small"]):
+        print("[setup] EAGLE-3 draft trained by ModelOpt on the base's continuations", file=sys.stderr, flush=True)
+        tok = AutoTokenizer.from_pretrained(small)
+        prompts = task_prompts(tok, 512, seed=777)
+        srv = EngineServer(EngineConfig(model_path=small, max_batch_size=64, context_length=160))
+        samples, _ = srv.generate([GenerateRequest(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=96))
+                                   for i, p in enumerate(prompts)])
+        seqs = [p + s.output_ids for p, s in zip(prompts, samples)]
+        train_and_export_eagle3(small, paths["eagle3_small"], seqs, steps=eagle_steps, batch_size=16, max_len=96,
+                                ttt_steps=3, lr=3e-3, export_rope_scaling={}, progress=True)
+    if not os.path.isdir(paths["target"]):
+        expand_decoder(small, paths["target"], **WIDE)
+    if not os.path.isdir(paths["eagle3"]):
+        expand_eagle3(paths["eagle3_small"], paths["eagle3"], **WIDE)
+    return paths
+
+
+def _server(paths, dtype: str, kind: str, k: int, batch: int, new_tokens: int):
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+
+    draft = {"eagle3": paths["eagle3"], "model": paths["draft_model"]}.get(kind)
+    return EngineServer(EngineConfig(model_path=paths["target"], draft_kind=kind, draft_path=draft,
+                                     num_draft_tokens=k, dtype=dtype, max_batch_size=batch,
+                                     context_length=32 + new_tokens, num_threads=2))
+
+
+def run_engine(server, prompts, new_tokens: int, temperature: float = 0.0):
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
+    reqs = [GenerateRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    server.generate(reqs[:1])  # warm-up: oneDNN primitives for these shapes
+    _, stats = server.generate(reqs)
+    return stats
+
+
+def forward_costs(server, batch: int, k: int, reps: int = 8) -> tuple[float, float]:
+    """v = target forward over k+1 tokens / AR step; c = one draft step / AR step (same batch)."""
+    model, drafter = server.target, server.drafter
+    cache = model.new_cache(batch, 128)
+    pos1 = torch.full((batch, 1), 64)
+    posk = 64 + torch.arange(k + 1).expand(batch, k + 1)
+    ids1 = torch.randint(4, 1000, (batch, 1))
+    idsk = torch.randint(4, 1000, (batch, k + 1))
+    aux = drafter.aux_layers
+
+    def t(fn):
+        for _ in range(2):
+            fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    with torch.inference_mode():
+        ar = t(lambda: model(ids1, pos1, cache, pos1[:, 0] + 1))
+        ver = t(lambda: model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux))
+        head = drafter.head
+        dcache = head.new_cache(batch, 128)
+        emb = model.embed_tokens(ids1)
+        hid = torch.randn(batch, 1, head.cfg.hidden_size, dtype=emb.dtype)
+        draft = t(lambda: head(emb, hid, pos1, dcache, pos1[:, 0] + 1))
+    return ver / ar, draft / ar
+
+
+def hf_generate(path: str, dtype: str, prompts, new_tokens: int, assistant: str | None = None) -> float:
+    import transformers
+
+    torch_dtype = getattr(torch, dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    kw = {}
+    if assistant is not None:
+        kw["assistant_model"] = transformers.AutoModelForCausalLM.from_pretrained(assistant, dtype=torch_dtype).eval()
+    eos = model.generation_config.eos_token_id
+    sample = assistant is None
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        model.generate(ids[:1], attention_mask=attn[:1], do_sample=sample, max_new_tokens=4, pad_token_id=0, **kw)
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=attn, do_sample=sample, max_new_tokens=new_tokens, pad_token_id=0,
+                             **kw)
+        seconds = time.perf_counter() - t0
+    tokens = 0
+    for row in out[:, width:].tolist():
+        tokens += row.index(eos) + 1 if eos in row else len(row)
+    return tokens / seconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default=None, help="small trained base model (default: train one here)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--batch-sizes", default="1,4,16")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--sft-steps", type=int, default=500)
+    ap.add_argument("--eagle-steps", type=int, default=300)
+    ap.add_argument("--prompts-per-row", type=int, default=2, help="requests per batch slot (continuous batching)")
+    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
+    from transformers import AutoTokenizer
+
+    ks = [int(x) for x in args.ks.split(",")]
+    tok = AutoTokenizer.from_pretrained(paths["target"])
+    results: dict = {}
+    for dtype in args.dtypes.split(","):
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)
+            row: dict = {}
+            srv = _server(paths, dtype, "none", 1, b, args.new_tokens)
+            row["ar"] = run_engine(srv, prompts, args.new_tokens).tokens_per_s
+            row["ar_sampling"] = run_engine(srv, prompts, args.new_tokens, temperature=1.0).tokens_per_s
+            del srv
+            for k in ks:
+                srv = _server(paths, dtype, "eagle3", k, b, args.new_tokens)
+                st = run_engine(srv, prompts, args.new_tokens)
+                row[f"eagle3_k{k}"] = st.tokens_per_s
+                row[f"accept_k{k}"] = st.spec_accept_length
+                if k == 3:
+                    row["v"], row["c"] = forward_costs(srv, b, k)
+                del srv
+            for kind in ("model", "ngram"):
+                srv = _server(paths, dtype, kind, 3, b, args.new_tokens)
+                st = run_engine(srv, prompts, args.new_tokens)
+                row[kind] = st.tokens_per_s
+                row[f"accept_{kind}"] = st.spec_accept_length
+                del srv
+            row["hf_generate"] = hf_generate(paths["target"], dtype, prompts[:b], args.new_tokens)
+            if b == 1:
+                row["hf_assisted"] = hf_generate(paths["target"], dtype, prompts[:1], args.new_tokens,
+                                                 assistant=paths["draft_model"])
+            tau = row["accept_k3"]
+            row["ceiling_k3"] = tau / (row["v"] + 3 * row["c"])
+            row["eagle3_k3_over_ar"] = row["eagle3_k3"] / row["ar"]
+            row["fraction_of_ceiling_k3"] = row["eagle3_k3_over_ar"] / row["ceiling_k3"]
+            results[f"{dtype}_b{b}"] = row
+            print(f"{dtype} B={b}: " + ", ".join(f"{k}={v:.3g}" for k, v in row.items()), file=sys.stderr, flush=True)
+
+    # table
+    cols = ["ar", "ar_sampling", *[f"eagle3_k{k}" for k in ks], "model", "ngram", "hf_generate", "hf_assisted"]
+    print(f"{'config':<14}" + "".join(f"{c:>13}" for c in cols) + f"{'tau_k3':>8}{'v':>6}{'c':>6}{'ceil':>6}{'frac':>6}")
+    for key, row in results.items():
+        print(f"{key:<14}" + "".join(f"{row.get(c, float('nan')):>13.1f}" for c in cols)
+              + f"{row['accept_k3']:>8.2f}{row['v']:>6.2f}{row['c']:>6.2f}{row['ceiling_k3']:>6.2f}"
+              + f"{row['fraction_of_ceiling_k3']:>6.2f}")
+    print("acceptance lengths: " + json.dumps({k: {a: round(v, 2) for a, v in r.items() if a.startswith("accept")}
+                                              for k, r in results.items()}))
+    main_dtype = "bfloat16" if any(k.startswith("bfloat16") for k in results) else args.dtypes.split(",")[0]
+    summary = {
+        "eagle3_k3_over_ar_b1": round(results[f"{main_dtype}_b1"]["eagle3_k3_over_ar"], 3),
+        "accept_length_k3_b1": round(results[f"{main_dtype}_b1"]["accept_k3"], 3),
+        "fraction_of_ceiling_k3_min": round(min(r["fraction_of_ceiling_k3"] for r in results.values()), 3),
+        "ar_over_hf_generate_b16": round(results[f"{main_dtype}_b16"]["ar_sampling"]
+                                         / results[f"{main_dtype}_b16"]["hf_generate"], 3)
+        if f"{main_dtype}_b16" in results else None,
+        "eagle3_k3_over_hf_assisted_b1": round(results[f"{main_dtype}_b1"]["eagle3_k3"]
+                                               / results[f"{main_dtype}_b1"]["hf_assisted"], 3),
+        "dtype": main_dtype,
+        "per_config": {k: {a: round(v, 3) for a, v in r.items()} for k, r in results.items()},
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
