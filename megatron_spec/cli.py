@@ -17,6 +17,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "generate": "megatron_spec.commands.generate",
     "info": "megatron_spec.commands.info",
+    "report": "megatron_spec.commands.report",
     "simulate": "megatron_spec.commands.simulate",
 }
 

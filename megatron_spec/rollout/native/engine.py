@@ -126,11 +126,17 @@ class EngineCore:
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerateRequest],
-                 on_sample_done: Callable[[SampleOutput], None] | None = None
+                 on_sample_done: Callable[[SampleOutput], None] | None = None, seed: int | None = None
                  ) -> tuple[list[SampleOutput], GenerateStats]:
-        """Run ``requests`` to completion; returns samples (request order, then sample index)."""
+        """Run ``requests`` to completion; returns samples (request order, then sample index).
+
+        ``seed`` re-seeds the sampling generator first, so a call's samples depend only on
+        its requests and seed (what makes a resumed RL run reproduce its rollouts).
+        """
         for r in requests:
             self.validate(r)
+        if seed is not None:
+            self.generator.manual_seed(seed)
         if self.cache is None:
             self.allocate()
         t0 = time.perf_counter()

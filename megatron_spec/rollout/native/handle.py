@@ -127,12 +127,18 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ engine API
     def generate(self, requests: Sequence[GenerateRequest], *, on_progress: Callable[[int], None] | None = None,
-                 timeout: float | None = None) -> tuple[list[SampleOutput], GenerateStats]:
-        """Generate all samples of ``requests``; ``on_progress(n_samples_done)`` while it runs."""
-        return self._call("generate", list(requests), on_progress=on_progress, timeout=timeout)
+                 timeout: float | None = None, seed: int | None = None) -> tuple[list[SampleOutput], GenerateStats]:
+        """Generate all samples of ``requests``; ``on_progress(n_samples_done)`` while it runs.
+        ``seed`` makes the call's sampling independent of earlier calls."""
+        return self._call("generate", list(requests), on_progress=on_progress, timeout=timeout, seed=seed)
 
-    def begin_weight_update(self) -> None:
-        self._call("begin_weight_update")
+    def set_speculation(self, enabled: bool) -> bool:
+        """Autoregressive fallback (False) or speculative decoding (True); returns the new state."""
+        return self._call("set_speculation", enabled)
+
+    def begin_weight_update(self, selector: str = "all") -> None:
+        """Open a weight-update session for ``target``, ``draft`` or ``all``."""
+        self._call("begin_weight_update", selector)
 
     def update_weights_from_tensor(self, payloads: bytes | Sequence[bytes], selector: str,
                                    weight_version: str | None = None, flush_cache: bool = True) -> dict[str, Any]:

@@ -27,7 +27,7 @@ import torch
 
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, NgramDrafter
+from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, MtpDrafter, NgramDrafter
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.types import GenerateRequest
@@ -37,19 +37,13 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def tensor_group_checksum(tensors) -> dict[str, float]:
-    """Cheap, layout-independent fingerprint of a group of tensors: count, sum, sum of |x|
-    (float64). Equal on both sides when the same values are held, whatever the fusion."""
-    n, s, a = 0, 0.0, 0.0
-    for t in tensors:
-        x = t.detach()
-        if x.dtype.is_floating_point and x.element_size() == 1:  # fp8: compare the bytes' values
-            x = x.float()
-        x = x.double()
-        n += x.numel()
-        s += float(x.sum())
-        a += float(x.abs().sum())
-    return {"numel": n, "sum": s, "abs_sum": a}
+def tensor_group_checksum(tensors) -> dict:
+    """Exact, layout-independent fingerprint of a group of tensors (``megatron_spec.sync.fingerprint``:
+    per dtype, element count and sums of the bit patterns and their squares). Equal to the
+    trainer's fingerprint of what it sent exactly when the same values are held, whatever the fusion."""
+    from megatron_spec.sync.fingerprint import fingerprint_dict
+
+    return fingerprint_dict(tensors)
 
 
 class EngineServer:
@@ -104,12 +98,22 @@ class EngineServer:
             head = load_eagle3(cfg.draft_path, self.target_cfg, dtype=self.dtype).eval()
             self.versions["draft"] = "init"
             return Eagle3Drafter(head, self.target.embed_tokens)
-        raise ValueError(f"draft_kind {cfg.draft_kind!r} is not available in the native engine yet")
+        if cfg.draft_kind == "mtp":  # heads streamed by the trainer; an MTP export dir optionally
+            from megatron_spec.draft.mtp import load_mtp_head
+            from megatron_spec.draft.mtp_head import MtpHead
+
+            if cfg.draft_path:
+                head = load_mtp_head(cfg.draft_path, self.target_cfg, dtype=self.dtype, num_layers=cfg.mtp_num_layers)
+                self.versions["draft"] = "init"
+            else:
+                head = MtpHead(self.target_cfg, cfg.mtp_num_layers).to(self.dtype).eval()
+            return MtpDrafter(head, self.target, cfg.num_draft_tokens)
+        raise ValueError(f"draft_kind {cfg.draft_kind!r} is not available in the native engine")
 
     def _draft_module(self) -> torch.nn.Module | None:
         if isinstance(self.drafter, ModelDrafter):
             return self.drafter.model
-        if isinstance(self.drafter, Eagle3Drafter):
+        if isinstance(self.drafter, (Eagle3Drafter, MtpDrafter)):
             return self.drafter.head
         return None
 
@@ -120,7 +124,12 @@ class EngineServer:
                 "max_batch_size": self.config.max_batch_size, "context_length": self.config.context_length,
                 "torch_threads": torch.get_num_threads()}
 
-    def generate(self, requests: list[GenerateRequest], progress=None):
+    def set_speculation(self, enabled: bool) -> bool:
+        """Turn speculative decoding off (autoregressive fallback) or back on; returns the new state."""
+        self.core.spec_enabled = bool(enabled) and self.drafter is not None
+        return self.core.spec_enabled
+
+    def generate(self, requests: list[GenerateRequest], progress=None, seed: int | None = None):
         if self._updating is not None:
             raise RuntimeError("generate called during a weight update (call end_weight_update first)")
         if "kv_cache" in self._released:
@@ -138,14 +147,19 @@ class EngineServer:
             if progress is not None:
                 progress(done[0])
 
-        return self.core.generate(requests, on_done)
+        return self.core.generate(requests, on_done, seed=seed)
 
     def _has_group(self, group: str) -> bool:
         return group == "target" or self._draft_module() is not None
 
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, selector: str = "all") -> None:
+        """Open an update session for ``selector`` (``target``, ``draft`` or both: ``all``); updates
+        to a group outside it are refused (SGLang's session semantics)."""
         if self._updating is not None:
             raise RuntimeError("begin_weight_update called twice without end_weight_update")
+        if selector not in ("target", "draft", "all"):
+            raise ValueError(f"begin_weight_update selector must be 'target', 'draft' or 'all', got {selector!r}")
+        self._session_groups = {"target", "draft"} if selector == "all" else {selector}
         self._updating = {}
 
     def update_weights_from_tensor(self, payloads: list[bytes], selector: str, weight_version: str | None = None,
@@ -157,6 +171,9 @@ class EngineServer:
         if selector not in ("target", "draft"):
             raise ValueError(f"selector must be 'target' or 'draft' (never 'all': it overwrites the draft with "
                              f"target tensors), got {selector!r}")
+        if selector not in self._session_groups:
+            raise ValueError(f"update for {selector!r} in a weight-update session opened for "
+                             f"{sorted(self._session_groups)}")
         if len(payloads) != 1:
             raise ValueError(f"the native engine has one TP rank; got {len(payloads)} payloads")
         module = self.target if selector == "target" else self._draft_module()

@@ -1,0 +1,214 @@
+"""Configuration of a GRPO run: one dataclass per subsystem, CLI flags generated from them.
+
+Every field becomes a kebab-case flag (``micro_batch_size`` -> ``--micro-batch-size``), with
+its docstring as help (the ``field(metadata={"help": ...})``), so the flags, their defaults
+and ``--help`` can never drift apart. ``--config FILE.yaml`` supplies values for long runs;
+flags given on the command line override the file. The resolved :class:`RunConfig` is
+printed once at start and saved with the run (``config.yaml``).
+
+Cross-field checks raise ``ValueError`` naming the flags involved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None) -> Any:
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    if flag:
+        meta["flag"] = flag
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    hf_checkpoint: str = _f(None, "HF checkpoint directory of the policy (config.json, safetensors, tokenizer)")
+    tensor_model_parallel_size: int = _f(1, "tensor-parallel size (divides the world size; the rest is data parallel)")
+    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this times TP (Megatron-LM)")
+    bf16: bool = _f(False, "train the policy in bfloat16 (default float32)")
+    seed: int = _f(1234, "base seed: model-parallel RNG, data order, sampling")
+
+
+@dataclass
+class DataConfig:
+    prompt_data: str = _f(None, "prompt set: a JSONL or Parquet file, or 'synthetic:<task>' (see megatron_spec.rl.tasks)")
+    prompt_key: str = _f("prompt", "column holding the prompt text")
+    answer_key: str = _f("answer", "column holding the reference answer passed to the reward")
+    reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact) or 'module:function'")
+    num_synthetic_prompts: int = _f(2048, "prompts generated for a synthetic task")
+    max_prompt_length: int = _f(256, "longest prompt in tokens; longer prompts are an error")
+
+
+@dataclass
+class RolloutConfig:
+    rollout_backend: str = _f(None, "rollout engine (default: sglang with a GPU, native without)", ("native", "sglang"))
+    rollout_dtype: str = _f("float32", "engine compute dtype", ("float32", "bfloat16"))
+    rollout_weight_dtype: str = _f("fp32", "dtype of streamed weights (fp8: block-FP8 target, draft unquantised)",
+                                   ("fp32", "bf16", "fp8"))
+    rollout_max_batch_size: int = _f(16, "sequences the engine decodes at once")
+    rollout_max_new_tokens: int = _f(64, "longest response")
+    rollout_temperature: float = _f(1.0, "sampling temperature (0 = greedy)")
+    rollout_top_p: float = _f(1.0, "nucleus sampling (1 = off)")
+    rollout_top_k: int = _f(0, "top-k sampling (0 = off)")
+    rollout_min_p: float = _f(0.0, "min-p sampling (0 = off)")
+    rollout_num_threads: int = _f(None, "torch threads in the native engine process")
+    rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
+    async_policy_lag: int = _f(0, "generate up to L steps ahead of training (0 = synchronous)")
+    rollout_release_memory: bool = _f(True, "release engine memory (KV cache, weights) while the trainer trains")
+    engine_restarts: int = _f(2, "restarts of a dead engine per step before the run fails")
+
+
+@dataclass
+class SpecConfig:
+    spec_draft_kind: str = _f("none", "drafter", ("none", "eagle3", "model", "mtp", "ngram"))
+    spec_draft_path: str = _f(None, "ModelOpt-exported EAGLE-3 directory, or draft-model HF checkpoint")
+    spec_num_draft_tokens: int = _f(3, "k: tokens drafted per verify step")
+    spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
+    spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
+    spec_draft_lr: float = _f(1e-3, "online draft learning rate")
+    spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off)")
+    spec_watchdog_fallback: bool = _f(False, "on acceptance collapse fall back to autoregressive decoding")
+
+
+@dataclass
+class GRPOConfig:
+    train_iters: int = _f(20, "RL steps")
+    prompts_per_step: int = _f(8, "prompts sampled per step")
+    grpo_group_size: int = _f(8, "G: samples per prompt")
+    micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the rest)")
+    grpo_num_minibatches: int = _f(1, "optimizer steps per rollout batch (1 = strictly on-policy)")
+    lr: float = _f(1e-5, "policy learning rate (AdamW)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    clip_grad: float = _f(1.0, "policy gradient-norm clip (0 = off)")
+    clip_eps_low: float = _f(0.2, "ratio clip below: 1 - eps_low")
+    clip_eps_high: float = _f(0.28, "ratio clip above: 1 + eps_high")
+    kl_coef: float = _f(0.0, "coefficient of the k3 KL estimate to a frozen reference (0 = no reference model)")
+    loss_agg: str = _f("token", "loss aggregation", ("token", "sequence"))
+    advantage_baseline: str = _f("group", "baseline of the advantage", ("group", "batch"))
+    advantage_normalize_std: bool = _f(True, "divide advantages by the group (or batch) std")
+    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off)")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str = _f(None, "directory for checkpoints (and the run's files)")
+    load: str = _f(None, "resume from this checkpoint directory (latest iteration)")
+    save_interval: int = _f(0, "save every N steps (0 = only at the end)")
+
+
+@dataclass
+class LoggingConfig:
+    metrics_path: str = _f(None, "metrics JSONL (default <save>/metrics.jsonl)")
+    tensorboard_dir: str = _f(None, "TensorBoard directory (default <save>/tensorboard; 'none' = off)")
+    log_interval: int = _f(1, "progress line every N steps")
+    quiet: bool = _f(False, "no progress line")
+
+
+GROUPS: dict[str, type] = {
+    "model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "spec": SpecConfig,
+    "grpo": GRPOConfig, "checkpoint": CheckpointConfig, "logging": LoggingConfig,
+}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> "RunConfig":
+        m, r, s, g = self.model, self.rollout, self.spec, self.grpo
+        if not m.hf_checkpoint:
+            raise ValueError("--hf-checkpoint is required")
+        if not self.data.prompt_data:
+            raise ValueError("--prompt-data is required")
+        if s.spec_draft_kind in ("eagle3", "model") and not s.spec_draft_path:
+            raise ValueError(f"--spec-draft-kind {s.spec_draft_kind} needs --spec-draft-path")
+        if s.spec_online_draft_training and s.spec_draft_kind not in ("eagle3", "mtp"):
+            raise ValueError("--spec-online-draft-training needs --spec-draft-kind eagle3 or mtp")
+        if s.spec_draft_kind != "none" and s.spec_num_draft_tokens < 1:
+            raise ValueError(f"--spec-num-draft-tokens must be >= 1, got {s.spec_num_draft_tokens}")
+        if g.grpo_group_size < 1 or g.prompts_per_step < 1:
+            raise ValueError("--grpo-group-size and --prompts-per-step must be >= 1")
+        if g.micro_batch_size < 1:
+            raise ValueError("--micro-batch-size must be >= 1")
+        rollouts = g.grpo_group_size * g.prompts_per_step
+        if rollouts % g.grpo_num_minibatches:
+            raise ValueError(f"--grpo-num-minibatches {g.grpo_num_minibatches} does not divide the "
+                             f"{rollouts} rollouts of a step (prompts-per-step x group-size)")
+        if not 0 <= g.clip_eps_low < 1 or g.clip_eps_high < 0:
+            raise ValueError("--clip-eps-low must be in [0, 1) and --clip-eps-high >= 0")
+        if r.async_policy_lag < 0:
+            raise ValueError("--async-policy-lag must be >= 0")
+        if r.rollout_weight_dtype == "fp8" and r.rollout_dtype == "float32" and r.rollout_backend == "sglang":
+            raise ValueError("--rollout-weight-dtype fp8 with SGLang runs the FP8 kernels; set --rollout-dtype bfloat16")
+        if self.checkpoint.save_interval < 0:
+            raise ValueError("--save-interval must be >= 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(cls)[f.name]
+    return hint
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument group per subsystem; defaults are None so the YAML file can fill in."""
+    parser.add_argument("--config", default=None, help="YAML file with values for any of the flags below")
+    for group_name, cls in GROUPS.items():
+        group = parser.add_argument_group(group_name)
+        for f in dataclasses.fields(cls):
+            kind = _field_type(cls, f)
+            kw: dict[str, Any] = {"dest": f"{group_name}.{f.name}", "default": None,
+                                  "help": f"{f.metadata['help']} (default: {f.default})"}
+            if kind is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = {int: int, float: float}.get(kind, str)
+                if "choices" in f.metadata:
+                    kw["choices"] = f.metadata["choices"]
+            group.add_argument(_flag(f), **kw)
+
+
+def from_args(args: argparse.Namespace) -> RunConfig:
+    """RunConfig from parsed flags, with ``--config`` YAML values under the flags."""
+    values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
+    if getattr(args, "config", None):
+        with open(args.config) as f:
+            data = yaml.safe_load(f) or {}
+        for group_name, body in data.items():
+            if group_name not in GROUPS:
+                raise ValueError(f"{args.config}: unknown section {group_name!r}; expected {sorted(GROUPS)}")
+            known = {f.name for f in dataclasses.fields(GROUPS[group_name])}
+            for key, value in (body or {}).items():
+                if key not in known:
+                    raise ValueError(f"{args.config}: unknown key {group_name}.{key}")
+                values[group_name][key] = value
+    for key, value in vars(args).items():
+        if "." in key and value is not None:
+            group_name, name = key.split(".", 1)
+            values[group_name][name] = value
+    return RunConfig(**{g: GROUPS[g](**values[g]) for g in GROUPS}).validate()

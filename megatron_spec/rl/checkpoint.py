@@ -1,0 +1,123 @@
+"""Atomic, resumable checkpoints of a GRPO run.
+
+Layout under ``--save``::
+
+    latest_checkpointed_iteration.txt     # the last *complete* iteration (replaced atomically)
+    iter_0000010/
+        rank_00000.pt ...                 # per rank: policy shard, optimizer, RNG states
+        trainer_state.json                # step, policy version, data position, world layout
+        draft/                            # draft trainer state + its ModelOpt-format export
+        COMPLETE
+
+Every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 marks it COMPLETE,
+renames it into place and only then moves the ``latest`` pointer. A process killed at any
+moment (``kill -9`` included) leaves the previous checkpoint and pointer intact; the stale
+``.tmp`` directory is removed by the next save. Loading checks the world layout it was saved
+with (TP and DP sizes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint cannot be resumed into this run."""
+
+
+def _iter_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def _atomic_write(path: str, write) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    write(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def rng_state() -> dict[str, Any]:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_checkpoint(root: str, step: int, *, rank: int, rank_state: dict[str, Any], trainer_state: dict[str, Any],
+                    draft_saver=None) -> str:
+    """Collective: every rank calls it. Returns the final directory."""
+    final = _iter_dir(root, step)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        for stale in os.listdir(root):  # leftovers of a save that was killed
+            if stale.endswith(".tmp"):
+                shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    _atomic_write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda p: torch.save(rank_state, p))
+    if rank == 0:
+        _atomic_write(os.path.join(tmp, "trainer_state.json"),
+                      lambda p: open(p, "w").write(json.dumps(trainer_state, indent=2)))
+        if draft_saver is not None:
+            draft_saver(os.path.join(tmp, "draft"))
+    _barrier()
+    if rank == 0:
+        _atomic_write(os.path.join(tmp, "COMPLETE"), lambda p: open(p, "w").write("ok\n"))
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write(os.path.join(root, LATEST), lambda p: open(p, "w").write(f"{step}\n"))
+    _barrier()
+    return final
+
+
+def latest_step(root: str) -> int | None:
+    path = os.path.join(root, LATEST)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return int(f.read().strip())
+
+
+def load_checkpoint(root: str, *, rank: int, world_size: int, tp_size: int) -> tuple[int, dict, dict, str]:
+    """(step, this rank's state, trainer state, iteration dir) of the latest complete checkpoint."""
+    step = latest_step(root)
+    if step is None:
+        raise CheckpointLoadError(f"no {LATEST} in {root}: nothing to resume")
+    path = _iter_dir(root, step)
+    if not os.path.isfile(os.path.join(path, "COMPLETE")):
+        raise CheckpointLoadError(f"{path} is not a complete checkpoint")
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    saved = (trainer_state.get("world_size"), trainer_state.get("tp_size"))
+    if saved != (world_size, tp_size):
+        raise CheckpointLoadError(f"{path} was saved with world size {saved[0]} and TP {saved[1]}; this run has "
+                                  f"world size {world_size} and TP {tp_size}")
+    state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
+    return step, state, trainer_state, path

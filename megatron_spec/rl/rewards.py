@@ -1,0 +1,77 @@
+"""Reward functions: plain Python callables chosen by name or ``module:function``.
+
+Signature: ``reward(prompt: str, response: str, answer: str) -> float``. A reward that raises
+stops the run with an error naming the function and the sample (a silently zeroed reward
+would bias training without anyone noticing).
+
+* ``synthetic``: the synthetic tasks' checker (``megatron_spec.rl.tasks.final_answer``).
+* ``math``: a math answer verifier built on the ``math-verify`` package (LaTeX / expressions
+  compared symbolically).
+* ``exact``: stripped string equality.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from megatron_spec.rl.tasks import final_answer
+
+RewardFn = Callable[[str, str, str], float]
+
+
+class RewardError(RuntimeError):
+    """A reward function failed on a sample."""
+
+
+def synthetic_reward(prompt: str, response: str, answer: str) -> float:
+    return 1.0 if final_answer(response) == answer.strip() else 0.0
+
+
+def math_reward(prompt: str, response: str, answer: str) -> float:
+    """1.0 when math-verify finds the response's final answer equal to the reference."""
+    from math_verify import parse, verify
+
+    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
+    pred = parse(response)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
+
+
+def exact_reward(prompt: str, response: str, answer: str) -> float:
+    return 1.0 if response.strip() == answer.strip() else 0.0
+
+
+REGISTRY: dict[str, RewardFn] = {"synthetic": synthetic_reward, "math": math_reward, "exact": exact_reward}
+
+
+def get_reward(spec: str) -> RewardFn:
+    """A registered name, or ``package.module:function``."""
+    if spec in REGISTRY:
+        return REGISTRY[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward {spec!r} is neither a registered name {sorted(REGISTRY)} nor 'module:function'")
+    module_name, fn_name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward {spec!r} cannot be imported: {exc}") from exc
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r} is not callable")
+    return fn
+
+
+def score(fn: RewardFn, name: str, prompts: list[str], responses: list[str], answers: list[str]) -> list[float]:
+    """Apply ``fn`` to every sample; any exception or non-finite value is a :class:`RewardError`."""
+    out = []
+    for i, (p, r, a) in enumerate(zip(prompts, responses, answers)):
+        try:
+            value = float(fn(p, r, a))
+        except Exception as exc:
+            raise RewardError(f"reward function {name!r} raised on sample {i} (prompt {p[:60]!r}): "
+                              f"{type(exc).__name__}: {exc}") from exc
+        if value != value or value in (float("inf"), float("-inf")):
+            raise RewardError(f"reward function {name!r} returned {value} on sample {i}")
+        out.append(value)
+    return out

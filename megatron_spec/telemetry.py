@@ -1,0 +1,113 @@
+"""Stage timers, metrics writers (JSONL + TensorBoard) and the live progress line.
+
+* :class:`StageTimer` times the stages of a step (``with timer("gen"): ...``) and reports
+  ``time/<stage>`` plus ``time/step``.
+* :class:`MetricsWriter` appends one JSON object per step to the metrics file (flushed and
+  fsynced, so a crash loses at most the step in flight) and mirrors scalars to TensorBoard.
+* :func:`progress_line` formats reward, acceptance length and stage times for the console.
+
+Metric names are a contract (docs/metrics.md); this module does not invent any.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+STAGES = ("data", "prepare", "gen", "reward", "logprob", "train")
+
+
+class StageTimer:
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._t0 = time.perf_counter()
+
+    def reset(self) -> None:
+        self.times = {}
+        self._t0 = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[stage] = self.times.get(stage, 0.0) + time.perf_counter() - t
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{s}": self.times.get(s, 0.0) for s in STAGES}
+        out.update({f"time/{s}": v for s, v in self.times.items() if s not in STAGES})
+        out["time/step"] = time.perf_counter() - self._t0
+        return out
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Metrics JSONL (append, fsync per line) and optional TensorBoard scalars."""
+
+    def __init__(self, path: str, tensorboard_dir: str | None = None):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._f = open(path, "a", buffering=1)
+        self._tb = None
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(tensorboard_dir)
+
+    def write(self, metrics: Mapping[str, Any]) -> None:
+        self._f.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        if self._tb is not None:
+            step = int(metrics["step"])
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """All step records of a metrics file (a truncated last line from a crash is skipped)."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def progress_line(m: Mapping[str, Any], total_steps: int) -> str:
+    acc = m.get("spec/accept_length")
+    parts = [
+        f"step {m['step']:>4}/{total_steps}",
+        f"reward {m.get('reward/mean', float('nan')):.3f}",
+        f"accept {acc:.2f}" if acc else "accept  -  ",
+        f"len {m.get('rollout/response_length_mean', 0):.0f}",
+        "gen {:.1f}s prep {:.1f}s lp {:.1f}s train {:.1f}s step {:.1f}s".format(
+            m.get("time/gen", 0), m.get("time/prepare", 0), m.get("time/logprob", 0), m.get("time/train", 0),
+            m.get("time/step", 0)),
+    ]
+    return " | ".join(parts)
+
+
+def print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,104 @@
+"""Prompt data, rewards, synthetic tasks and the run configuration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from megatron_spec.config import RunConfig, add_arguments, from_args
+from megatron_spec.rl.data import PromptSampler, load_prompts
+from megatron_spec.rl.rewards import RewardError, get_reward, score
+from megatron_spec.rl.tasks import final_answer, generate
+
+
+def test_sum_task_solutions_are_correct_and_rewarded():
+    for ex in generate("sum", 50, seed=3):
+        terms = [int(t) for t in ex.prompt[:-1].split("+")]
+        assert ex.answer == str(sum(terms))
+        assert final_answer(ex.solution) == ex.answer
+        assert get_reward("synthetic")(ex.prompt, ex.solution, ex.answer) == 1.0
+        assert get_reward("synthetic")(ex.prompt, ex.solution + "1", ex.answer) == 0.0
+    assert final_answer("3+4=7;7+1=8") is None
+
+
+def test_math_reward_uses_math_verify():
+    math = get_reward("math")
+    assert math("", "so the answer is $\\frac{1}{2}$", "0.5") == 1.0
+    assert math("", "the answer is \\boxed{3}", "4") == 0.0
+
+
+def test_reward_by_import_path_and_errors():
+    assert get_reward("megatron_spec.rl.rewards:exact_reward")("", " a ", "a") == 1.0
+    with pytest.raises(ValueError, match="neither a registered name"):
+        get_reward("nope")
+    with pytest.raises(ValueError, match="cannot be imported"):
+        get_reward("megatron_spec.rl.rewards:missing")
+
+    def boom(p, r, a):
+        raise KeyError("x")
+
+    with pytest.raises(RewardError, match="reward function 'boom' raised on sample 1"):
+        score(lambda p, r, a: 1.0 if r == "ok" else boom(p, r, a), "boom", ["p", "q"], ["ok", "bad"], ["a", "a"])
+    with pytest.raises(RewardError, match="returned nan"):
+        score(lambda p, r, a: float("nan"), "nanny", ["p"], ["r"], ["a"])
+
+
+def test_jsonl_and_parquet_prompt_sets(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(5)]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    got = load_prompts(str(jl), cache_dir=str(tmp_path))
+    assert [(e.prompt, e.answer) for e in got] == [(r["prompt"], r["answer"]) for r in rows]
+    import datasets
+
+    pq = tmp_path / "p.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(pq))
+    assert len(load_prompts(str(pq), cache_dir=str(tmp_path))) == 5
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        load_prompts(str(empty), cache_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="no column 'question'"):
+        load_prompts(str(jl), prompt_key="question", cache_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_sampler_is_resumable_and_covers_epochs():
+    a = PromptSampler(7, seed=1)
+    first = a.next(5)
+    state = a.state_dict()
+    rest = a.next(9)
+    b = PromptSampler(7, seed=1)
+    b.load_state_dict(state)
+    assert b.next(9) == rest
+    assert sorted(first + rest[:2]) == list(range(7))  # one full epoch
+    with pytest.raises(ValueError, match="empty"):
+        PromptSampler(0, seed=1)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return from_args(p.parse_args(argv))
+
+
+def test_flags_yaml_and_validation(tmp_path):
+    y = tmp_path / "run.yaml"
+    y.write_text("grpo:\n  grpo_group_size: 4\n  lr: 0.001\nspec:\n  spec_num_draft_tokens: 5\n")
+    cfg = _parse(["--hf-checkpoint", "m", "--prompt-data", "synthetic:sum", "--config", str(y), "--lr", "0.002",
+                  "--spec-draft-kind", "ngram", "--no-rollout-release-memory"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.grpo.grpo_group_size == 4 and cfg.grpo.lr == 0.002  # the flag overrides the file
+    assert cfg.spec.spec_num_draft_tokens == 5 and cfg.rollout.rollout_release_memory is False
+    assert "spec_draft_kind: ngram" in cfg.to_yaml()
+    with pytest.raises(ValueError, match="needs --spec-draft-path"):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--spec-draft-kind", "eagle3"])
+    with pytest.raises(ValueError, match="does not divide"):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--grpo-num-minibatches", "3"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo:\n  nope: 1\n")
+    with pytest.raises(ValueError, match="unknown key grpo.nope"):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(bad)])
