@@ -12,6 +12,12 @@ which dimension tensor parallelism splits it, and how to go between the two layo
 * embeddings and the output layer are split along the (padded) vocabulary; padding rows
   are zero on load and dropped on export.
 
+``to_hf_views`` gives each HF tensor as a *view* of the gathered tensor whose row-major
+element order is the HF tensor's (its shape may be blocked, e.g. ``[groups, rows, H]`` for
+q/k/v, or ``[H, tp, K/tp]`` for a gather along dimension 1); ``to_hf`` materialises those
+views as contiguous HF-shaped tensors. Weight streaming copies the views straight into a
+bucket, so no per-tensor copy is made on the way.
+
 The same rules serve checkpoint loading, export and weight streaming to the rollout
 engine (which gathers one parameter at a time, see ``iter_hf_tensors``). Names follow the
 local layer spec; TransformerEngine names (norms fused into ``linear_qkv`` / ``linear_fc1``)
@@ -68,12 +74,23 @@ class ParamRule:
     """Shape of the gathered Megatron tensor (padded vocabulary included)."""
     to_hf: Callable[[torch.Tensor], dict[str, torch.Tensor]]
     from_hf: Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
+    to_hf_views: Callable[[torch.Tensor], dict[str, torch.Tensor]] | None = None
+    """Like ``to_hf`` but views in HF element order (blocked shapes allowed, no copies)."""
 
     def shard_shape(self, tp_size: int) -> tuple[int, ...]:
         shape = list(self.full_shape)
         if self.partition_dim is not None:
             shape[self.partition_dim] //= tp_size
         return tuple(shape)
+
+
+def _materialise(views: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+                 shapes: Mapping[str, tuple[int, ...]]) -> Callable[[torch.Tensor], dict[str, torch.Tensor]]:
+    """``to_hf`` from ``to_hf_views``: reshape each view to its HF shape, contiguous."""
+    def to_hf(full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: v.reshape(shapes[name]).contiguous() for name, v in views(full).items()}
+
+    return to_hf
 
 
 def _qkv_rules(cfg: DecoderConfig, prefix: str, hf: str, bias: bool) -> ParamRule:
@@ -89,15 +106,14 @@ def _qkv_rules(cfg: DecoderConfig, prefix: str, hf: str, bias: bool) -> ParamRul
         v = t[names[2]].reshape(ng, d, *tail)
         return torch.cat([q, k, v], dim=1).reshape(ng * (qpg + 2) * d, *tail)  # [ng*(qpg+2)*d, H]
 
-    def to_hf(full: torch.Tensor) -> dict[str, torch.Tensor]:
+    def views(full: torch.Tensor) -> dict[str, torch.Tensor]:
         grouped = full.reshape(ng, (qpg + 2) * d, *tail)
-        q, k, v = torch.split(grouped, [qpg * d, d, d], dim=1)
-        return {names[0]: q.reshape(ng * qpg * d, *tail).contiguous(),
-                names[1]: k.reshape(ng * d, *tail).contiguous(),
-                names[2]: v.reshape(ng * d, *tail).contiguous()}
+        q, k, v = torch.split(grouped, [qpg * d, d, d], dim=1)  # [ng, rows, H] each, HF row order
+        return {names[0]: q, names[1]: k, names[2]: v}
 
+    shapes = {names[0]: (ng * qpg * d, *tail), names[1]: (ng * d, *tail), names[2]: (ng * d, *tail)}
     return ParamRule(f"{prefix}.self_attention.linear_qkv.{suffix}", names, 0,
-                     (ng * (qpg + 2) * d, *tail), to_hf, from_hf)
+                     (ng * (qpg + 2) * d, *tail), _materialise(views, shapes), from_hf, views)
 
 
 def _fc1_rule(cfg: DecoderConfig, prefix: str, hf: str, tp_size: int) -> ParamRule:
@@ -109,17 +125,20 @@ def _fc1_rule(cfg: DecoderConfig, prefix: str, hf: str, tp_size: int) -> ParamRu
         up = t[names[1]].reshape(tp_size, f // tp_size, h)
         return torch.cat([gate, up], dim=1).reshape(2 * f, h)  # [gate_0; up_0; gate_1; up_1; ...]
 
-    def to_hf(full: torch.Tensor) -> dict[str, torch.Tensor]:
+    def views(full: torch.Tensor) -> dict[str, torch.Tensor]:
         per_rank = full.reshape(tp_size, 2, f // tp_size, h)
-        return {names[0]: per_rank[:, 0].reshape(f, h).contiguous(),
-                names[1]: per_rank[:, 1].reshape(f, h).contiguous()}
+        return {names[0]: per_rank[:, 0], names[1]: per_rank[:, 1]}  # [tp, f/tp, h], HF row order
 
-    return ParamRule(f"{prefix}.mlp.linear_fc1.weight", names, 0, (2 * f, h), to_hf, from_hf)
+    shapes = {names[0]: (f, h), names[1]: (f, h)}
+    return ParamRule(f"{prefix}.mlp.linear_fc1.weight", names, 0, (2 * f, h), _materialise(views, shapes),
+                     from_hf, views)
 
 
 def _copy_rule(meg: str, hf: str, shape: tuple[int, ...], partition_dim: int | None) -> ParamRule:
-    return ParamRule(meg, (hf,), partition_dim, shape,
-                     lambda full: {hf: full.contiguous()}, lambda t: t[hf])
+    def views(full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {hf: full}  # may be blocked [N, tp, K/tp] when gathered along dimension 1
+
+    return ParamRule(meg, (hf,), partition_dim, shape, _materialise(views, {hf: shape}), lambda t: t[hf], views)
 
 
 def _vocab_rule(meg: str, hf: str, cfg: DecoderConfig, padded_vocab: int) -> ParamRule:
@@ -131,8 +150,10 @@ def _vocab_rule(meg: str, hf: str, cfg: DecoderConfig, padded_vocab: int) -> Par
             return w
         return torch.cat([w, w.new_zeros(padded_vocab - v, h)], dim=0)
 
-    return ParamRule(meg, (hf,), 0, (padded_vocab, h),
-                     lambda full: {hf: full[:v].contiguous()}, from_hf)
+    def views(full: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {hf: full[:v]}  # padded rows dropped
+
+    return ParamRule(meg, (hf,), 0, (padded_vocab, h), _materialise(views, {hf: (v, h)}), from_hf, views)
 
 
 def megatron_rules(cfg: DecoderConfig, tp_size: int, padded_vocab: int) -> dict[str, ParamRule]:

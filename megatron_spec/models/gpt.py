@@ -4,8 +4,9 @@
   and CUDA exists, megatron-core's local spec otherwise) + GPTModel with RoPE.
 * :func:`load_hf_weights`: fill this rank's shards from an HF checkpoint (lazy reads).
 * :func:`iter_hf_tensors` / :func:`export_hf_state_dict`: gather shards across the TP group
-  one parameter at a time and yield HF-named full tensors (checkpoint export and weight
-  streaming share this path).
+  one parameter at a time and yield HF-named full tensors (checkpoint export);
+  :func:`iter_hf_views` yields the same tensors as views, without per-tensor copies (weight
+  streaming packs them straight into buckets).
 
 The vocabulary is padded Megatron-style; padded logits are masked by the log-prob code
 (``megatron_spec.capture.logprobs``) and padded rows are dropped on export.
@@ -192,28 +193,45 @@ def load_hf_weights(model: torch.nn.Module, ckpt: HFCheckpoint | str) -> None:
             param.copy_(shard.to(param.dtype))
 
 
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _gather(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Every rank's shard joined along ``dim`` in one buffer (one collective, no concatenation copy).
+
+    For ``dim > 0`` the result is a view of shape ``[..., size, n_dim, ...]`` whose row-major
+    order is that of ``torch.cat(shards, dim)``; ``reshape`` it to get the plain layout.
+    """
     if size == 1:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    shard = tensor.contiguous()
+    out = shard.new_empty((size * shard.shape[0], *shard.shape[1:]))  # shards stacked along dim 0
+    _all_gather_single(out, shard, group=group)
+    if dim == 0:
+        return out
+    return out.view(size, *shard.shape).movedim(0, dim)  # [..., tp, n_dim, ...]
 
 
-def iter_hf_tensors(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None,
-                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` for every policy weight, gathering one parameter at a time.
+def iter_hf_views(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None,
+                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """Yield ``(hf_name, view, hf_shape)`` for every policy weight, gathering one parameter at a time.
 
-    Collective over the TP group: every TP rank must iterate to the end. Peak extra memory
-    is one gathered parameter.
+    ``view`` holds the HF tensor's elements in row-major order but may have a blocked shape
+    and strides (a view of the parameter at TP=1, of the gathered buffer otherwise); copy it
+    with ``dst.view(view.shape).copy_(view)`` into a ``hf_shape`` destination. Valid until
+    the next iteration. Collective over the TP group exactly like :func:`iter_hf_tensors`
+    (the same gathers in the same order), so ranks may mix the two.
     """
     from megatron.core import parallel_state as ps
+
+    from megatron_spec.models.convert import expected_hf_shapes
 
     gpt = unwrap(model)
     cfg: DecoderConfig = gpt.decoder_config
     group = tp_group or ps.get_tensor_model_parallel_group()
     tp_size = dist.get_world_size(group) if dist.is_initialized() else 1
     rules = megatron_rules(cfg, tp_size, gpt.vocab_size)
+    shapes = expected_hf_shapes(cfg)
     with torch.no_grad():
         for name, param in _policy_params(model):
             rule = rules.get(canonical_name(name))
@@ -223,7 +241,19 @@ def iter_hf_tensors(model: torch.nn.Module, tp_group: dist.ProcessGroup | None =
             if dtype is not None:
                 data = data.to(dtype)
             full = data if rule.partition_dim is None else _gather(data, rule.partition_dim, group, tp_size)
-            yield from rule.to_hf(full).items()
+            for hf_name, view in rule.to_hf_views(full).items():
+                yield hf_name, view, shapes[hf_name]
+
+
+def iter_hf_tensors(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None,
+                    dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for every policy weight, gathering one parameter at a time.
+
+    Collective over the TP group: every TP rank must iterate to the end. Peak extra memory
+    is one gathered parameter (plus one HF tensor where the layouts differ).
+    """
+    for name, view, shape in iter_hf_views(model, tp_group, dtype):
+        yield name, view.reshape(shape).contiguous()
 
 
 def export_hf_state_dict(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
