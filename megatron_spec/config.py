@@ -111,6 +111,7 @@ class LoggingConfig:
     tensorboard_dir: str = _f(None, "TensorBoard directory (default <save>/tensorboard; 'none' = off)")
     log_interval: int = _f(1, "progress line every N steps")
     quiet: bool = _f(False, "no progress line")
+    dump_rollouts: bool = _f(False, "write every step's rollouts to <save>/rollouts/step_NNNNNN.jsonl")
 
 
 GROUPS: dict[str, type] = {

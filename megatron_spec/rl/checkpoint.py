@@ -81,6 +81,10 @@ def save_checkpoint(root: str, step: int, *, rank: int, rank_state: dict[str, An
         os.makedirs(tmp)
     _barrier()
     _atomic_write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda p: torch.save(rank_state, p))
+    from megatron_spec import faults
+
+    if faults.should_fire("kill_in_save", step):
+        faults.kill_self()
     if rank == 0:
         _atomic_write(os.path.join(tmp, "trainer_state.json"),
                       lambda p: open(p, "w").write(json.dumps(trainer_state, indent=2)))

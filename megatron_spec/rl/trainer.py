@@ -150,6 +150,10 @@ class GRPOTrainer:
         self.engine = None
         self.streamer = None
         self.watchdog = None
+        if not self.rank0 and self.streams:
+            from megatron_spec.sync.streamer import WeightStreamer
+
+            self.streamer = WeightStreamer(None, weight_dtype=self.cfg.rollout.rollout_weight_dtype)  # gathers only
         if self.rank0:
             self.writer = MetricsWriter(
                 cfg.logging.metrics_path or os.path.join(self.run_dir, "metrics.jsonl"),
@@ -229,9 +233,8 @@ class GRPOTrainer:
             self.engine.resume_memory()
         if self.target_synced_version != version:
             swapped = self._swap_in(self.snapshots[version]) if version != self.policy_version else None
-            try:
-                rep = self.streamer.sync_target(self.model, str(version), tp_group=self.info.tp_group) \
-                    if self.rank0 else self._stream_follow()
+            try:  # every rank of the streaming TP group takes part in the gathers
+                rep = self.streamer.sync_target(self.model, str(version), tp_group=self.info.tp_group)
             finally:
                 if swapped is not None:
                     self._swap_in(swapped)
@@ -239,20 +242,36 @@ class GRPOTrainer:
                 out["sync/bytes"] += rep.bytes
                 out["sync/seconds"] += rep.seconds
             self.target_synced_version = version
-        if self.rank0 and self.draft_trainer is not None and self.draft_synced_version != self.draft_version:
-            rep = self.streamer.sync_draft(self.draft_trainer.named_update_tensors(), f"d{self.draft_version}")
-            out["sync/bytes"] += rep.bytes
-            out["sync/seconds"] += rep.seconds
+        if self.rank0 and self.draft_synced_version != self.draft_version:
+            named = (self.draft_trainer.named_update_tensors() if self.draft_trainer is not None
+                     else self._static_draft())
+            if named is not None:  # n-gram and plain decoding have no draft weights
+                rep = self.streamer.sync_draft(named, f"d{self.draft_version}")
+                out["sync/bytes"] += rep.bytes
+                out["sync/seconds"] += rep.seconds
             self.draft_synced_version = self.draft_version
         return out
 
-    def _stream_follow(self):
-        """Non-zero TP ranks of the streaming group take part in the gathers."""
-        from megatron_spec.models.gpt import iter_hf_tensors
+    def _static_draft(self) -> list[tuple[str, torch.Tensor]] | None:
+        """The draft's weights as loaded at start-up (kept to re-push after a memory release:
+        an engine that released its weights has lost the draft too)."""
+        kind = self.cfg.spec.spec_draft_kind
+        if kind not in ("eagle3", "model"):
+            return None
+        if not hasattr(self, "_static_draft_cache"):
+            path = self.cfg.spec.spec_draft_path
+            if kind == "eagle3":
+                from megatron_spec.draft.modelopt_io import load_eagle3
 
-        for _ in iter_hf_tensors(self.model, self.info.tp_group):
-            pass
-        return None
+                head = load_eagle3(path, self.dcfg)
+                self._static_draft_cache = [(n, t.detach().clone()) for n, t in head.named_export_tensors()
+                                            if n != "d2t"]
+            else:
+                dck = HFCheckpoint(path)
+                tied = dck.decoder_config.tie_word_embeddings
+                self._static_draft_cache = [(n, dck.get(n)) for n in sorted(dck.names())
+                                            if not (tied and n == "lm_head.weight") and "rotary_emb" not in n]
+        return self._static_draft_cache
 
     # ------------------------------------------------------------------ data + gen
     def _requests(self, indices: list[int]) -> tuple[list[GenerateRequest], list[str]]:
@@ -442,6 +461,10 @@ class GRPOTrainer:
                 loss, st = grpo_loss(lp, old, batch.advantages, batch.mask, clip_eps_low=g.clip_eps_low,
                                      clip_eps_high=g.clip_eps_high, ref_logprobs=ref, kl_coef=g.kl_coef,
                                      agg=g.loss_agg, normalizer=max(normalizer, 1.0), is_weights=is_w)
+                from megatron_spec import faults
+
+                if faults.should_fire("nan_loss", self.step + 1):
+                    loss = loss * float("nan")
                 if not torch.isfinite(loss):
                     raise TrainingDivergedError(f"non-finite GRPO loss ({float(loss)}) at step {self.step}; "
                                                 f"stopping before the optimizer step and any checkpoint")
@@ -507,6 +530,7 @@ class GRPOTrainer:
             self.engine.release_memory()
             self.target_synced_version = self.draft_synced_version = -1  # released weights must be re-pushed
         batch = self._broadcast(batch)
+        self._last_batch = batch
         mine = split(batch.rollouts, self.info.dp_size)[self.info.dp_rank]
         with self.timer("logprob"):
             microbatches, mism = self._old_logprobs(mine)
@@ -553,6 +577,19 @@ class GRPOTrainer:
             out["draft/loss"] = None
         return out
 
+    def _dump_rollouts(self, batch: _Batch) -> None:
+        import json
+
+        path = os.path.join(self.run_dir, "rollouts", f"step_{self.step:06d}.jsonl")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            for ro in batch.rollouts:
+                f.write(json.dumps({"prompt_index": ro.prompt_index, "sample": ro.sample_index,
+                                    "prompt_ids": ro.prompt_ids, "response_ids": ro.response_ids,
+                                    "reward": ro.reward, "advantage": ro.advantage,
+                                    "policy_version": ro.policy_version, "finish_reason": ro.finish_reason,
+                                    "engine_logprobs": ro.engine_logprobs}) + "\n")
+
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
         rank_state = {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -588,11 +625,17 @@ class GRPOTrainer:
         try:
             while self.step < cfg.grpo.train_iters:
                 m = self.train_step()
-                if self.watchdog is not None and self.rank0:
+                if self.watchdog is not None and self.rank0 and self.engine is not None:
+                    from megatron_spec.sync.watchdog import Action
+
                     action = self.watchdog.observe(m["spec/accept_length"])
-                    m["spec/watchdog"] = action
+                    m["spec/watchdog"] = action.value
+                    if action is Action.FALLBACK and self.cfg.spec.spec_watchdog_fallback:
+                        self.engine.set_speculation(False)
                 if self.rank0:
                     self.writer.write(m)
+                    if cfg.logging.dump_rollouts:
+                        self._dump_rollouts(self._last_batch)
                     if not cfg.logging.quiet and self.step % cfg.logging.log_interval == 0:
                         print_progress(progress_line(m, cfg.grpo.train_iters))
                 history.append(m)

@@ -81,7 +81,7 @@ def test_killed_engine_raises_within_seconds(setup):
 
 
 def test_target_update_changes_outputs_and_leaves_draft_untouched(setup, engine):
-    from tests.rollout.conftest import load_native
+    from tests.conftest import load_native
 
     before = engine.health()
     other = HFCheckpoint(setup.other_target)

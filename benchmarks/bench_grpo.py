@@ -1,0 +1,115 @@
+"""The same short GRPO run with and without speculative rollouts, side by side.
+
+    python benchmarks/bench_grpo.py [--base DIR --draft DIR] [--steps 12] [--nproc 1]
+
+Runs ``launch/pretrain_grpo_spec.py`` twice from the same base policy, seed and prompts:
+once with the EAGLE-3 draft (k=3), once with ``--spec-draft-kind none``. Reports, from the
+two metrics files:
+
+* ``gen_speedup`` = mean AR generation time / mean speculative generation time;
+* ``step_speedup`` = mean AR step time / mean speculative step time;
+* ``gen_fraction_ar`` = generation's share of the AR step, and the Amdahl bound
+  1 / ((1 - f) + f / gen_speedup) that ``step_speedup`` is compared with;
+* ``accept_length`` and the reward at the start and end of each run.
+
+The first step of each run is excluded from the timings (engine warm-up). The base policy
+and draft are made with launch/sft_base.py and launch/make_draft.py when not given (or
+reused from the demo's run directory). The decode regime: see docs/demo.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def run(cmd: list[str]) -> None:
+    print("[bench_grpo] " + " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True)
+
+
+def grpo_cmd(args, run_dir: str, draft_kind: str) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+           f"--master_port={args.port}", os.path.join(ROOT, "launch", "pretrain_grpo_spec.py"),
+           "--config", args.config, "--hf-checkpoint", args.base, "--train-iters", str(args.steps),
+           "--save", run_dir, "--spec-draft-kind", draft_kind, "--quiet"]
+    if draft_kind == "eagle3":
+        cmd += ["--spec-draft-path", args.draft]
+    return cmd
+
+
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
+    ap.add_argument("--base", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--config", default=os.path.join(ROOT, "launch", "configs", "demo.yaml"))
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--port", type=int, default=29611)
+    ap.add_argument("--sft-steps", type=int, default=400)
+    args = ap.parse_args()
+    os.makedirs(args.work_dir, exist_ok=True)
+    if args.base is None:
+        args.base = os.path.join(args.work_dir, "base")
+        if not os.path.isdir(args.base):
+            run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", args.base,
+                 "--steps", str(args.sft_steps)])
+    if args.draft is None:
+        args.draft = os.path.join(args.work_dir, "eagle3")
+        if not os.path.isdir(args.draft):
+            run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", args.base,
+                 "--out", args.draft])
+
+    from megatron_spec.telemetry import read_metrics
+
+    runs = {}
+    for name, kind in (("spec", "eagle3"), ("ar", "none")):
+        run_dir = os.path.join(args.work_dir, name)
+        if os.path.isdir(run_dir):
+            import shutil
+
+            shutil.rmtree(run_dir)
+        run(grpo_cmd(args, run_dir, kind))
+        runs[name] = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    spec, ar = runs["spec"][1:], runs["ar"][1:]
+    gen_s, gen_a = mean([r["time/gen"] for r in spec]), mean([r["time/gen"] for r in ar])
+    step_s, step_a = mean([r["time/step"] for r in spec]), mean([r["time/step"] for r in ar])
+    f = gen_a / step_a
+    gen_speedup = gen_a / gen_s
+    amdahl = 1.0 / ((1.0 - f) + f / gen_speedup)
+    step_speedup = step_a / step_s
+    from megatron_spec.rl.report import write_report
+
+    write_report(os.path.join(args.work_dir, "spec"), os.path.join(args.work_dir, "ar"))
+    print(f"{'':<8}{'gen s':>8}{'step s':>8}{'accept':>8}{'reward start->end':>20}")
+    for name, rows in runs.items():
+        print(f"{name:<8}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
+              f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
+              f"{rows[0]['reward/mean']:>10.3f} -> {rows[-1]['reward/mean']:.3f}")
+    summary = {
+        "gen_speedup": round(gen_speedup, 3), "step_speedup": round(step_speedup, 3),
+        "gen_fraction_ar": round(f, 3), "amdahl_step_speedup": round(amdahl, 3),
+        "step_speedup_over_amdahl": round(step_speedup / amdahl, 3),
+        "accept_length": round(mean([r["spec/accept_length"] for r in runs["spec"]]), 3),
+        "reward_start": round(runs["spec"][0]["reward/mean"], 3), "reward_end": round(runs["spec"][-1]["reward/mean"], 3),
+        "reward_start_ar": round(runs["ar"][0]["reward/mean"], 3), "reward_end_ar": round(runs["ar"][-1]["reward/mean"], 3),
+        "steps": args.steps, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""Train and export an EAGLE-3 draft for a policy with NVIDIA ModelOpt.
+
+    python launch/make_draft.py --target runs/demo/base --out runs/demo/eagle3 --task sum
+
+The training set is the policy's own rollouts: prompts of the task, continued by the native
+engine at the RL sampling temperature, so the draft learns the distribution it will have to
+predict during GRPO. ModelOpt converts the target (transformers) to an EAGLE-3 model, trains
+the draft with its training-time test, and exports it (``export_speculative_decoding``); the
+export is what ``--spec-draft-path`` takes. RoPE scaling is exported as trained (the short
+contexts of the demo do not need ModelOpt's default YaRN extension).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="policy HF checkpoint")
+    ap.add_argument("--out", required=True, help="output directory (ModelOpt export)")
+    ap.add_argument("--task", default="sum", help="synthetic task whose prompts are continued")
+    ap.add_argument("--prompt-data", default=None, help="or a JSONL/Parquet prompt set (column 'prompt')")
+    ap.add_argument("--num-prompts", type=int, default=512)
+    ap.add_argument("--samples-per-prompt", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--ttt-steps", type=int, default=3)
+    ap.add_argument("--draft-vocab-size", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from megatron_spec.draft.modelopt_train import train_and_export_eagle3
+    from megatron_spec.rl.data import load_prompts
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(args.target)
+    spec = args.prompt_data or f"synthetic:{args.task}"
+    examples = load_prompts(spec, num_synthetic=args.num_prompts, seed=args.seed + 99)[: args.num_prompts]
+    prompts = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    context = max(map(len, prompts)) + args.max_new_tokens
+    srv = EngineServer(EngineConfig(model_path=args.target, max_batch_size=64, context_length=context, seed=args.seed))
+    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    samples, stats = srv.generate([GenerateRequest(str(i), p, sp, n=args.samples_per_prompt)
+                                   for i, p in enumerate(prompts)])
+    seqs = [prompts[int(s.request_id)] + s.output_ids for s in samples]
+    print(f"[make_draft] {len(seqs)} rollouts, {stats.num_tokens} tokens at {stats.tokens_per_s:.0f} tokens/s",
+          file=sys.stderr, flush=True)
+    del srv
+    res = train_and_export_eagle3(args.target, args.out, seqs, steps=args.steps, batch_size=args.batch_size,
+                                  max_len=min(context, max(map(len, seqs))), ttt_steps=args.ttt_steps, lr=args.lr,
+                                  draft_vocab_size=args.draft_vocab_size, seed=args.seed, export_rope_scaling={},
+                                  progress=True)
+    print(json.dumps({"out": args.out, "steps": args.steps, "final_loss": res.losses[-1] if res.losses else None,
+                      "final_top1": [round(a, 3) for a in res.accuracies[-1]] if res.accuracies else None,
+                      "seconds": round(res.seconds, 1)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

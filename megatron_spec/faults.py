@@ -1,0 +1,44 @@
+"""Fault injection for the fault-tolerance tests (off unless ``MEGATRON_SPEC_FAULTS`` is set).
+
+``MEGATRON_SPEC_FAULTS="kill_in_save=3,engine_exit_at_generate=2"`` makes the named point
+fail the given time it is reached: ``kill_in_save`` SIGKILLs the trainer after its rank file
+of the checkpoint for step N is written and before the checkpoint is complete;
+``engine_exit_at_generate`` makes the engine process exit abruptly at its N-th generate call;
+``nan_loss`` turns the GRPO loss of step N into NaN. Each fires once per run when
+``MEGATRON_SPEC_FAULTS_DIR`` is set (a marker file there records that it fired).
+
+Real failures come without warning; these points exist so tests can show what the run does
+when a process dies at the worst moment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+
+def _config() -> dict[str, int]:
+    spec = os.environ.get("MEGATRON_SPEC_FAULTS", "")
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        out[name] = int(value or 1)
+    return out
+
+
+def should_fire(point: str, count: int) -> bool:
+    """True when ``point`` is configured to fail at ``count`` and has not fired in this run."""
+    cfg = _config()
+    if cfg.get(point) != count:
+        return False
+    marker_dir = os.environ.get("MEGATRON_SPEC_FAULTS_DIR")
+    if marker_dir:
+        marker = os.path.join(marker_dir, f"fired-{point}")
+        if os.path.exists(marker):
+            return False
+        open(marker, "w").close()
+    return True
+
+
+def kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)

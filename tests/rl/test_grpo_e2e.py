@@ -1,0 +1,146 @@
+"""The GRPO launcher end to end (torchrun, gloo): exactness, resumption, faults, bad input.
+
+Each test runs ``launch/pretrain_grpo_spec.py`` on the session's small target with its
+ModelOpt-trained EAGLE-3 draft (tests/conftest.py). Rewards come from
+tests/rl/rewards_for_tests.py by import path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_utils import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "launch" / "pretrain_grpo_spec.py"
+
+pytestmark = pytest.mark.dist
+
+
+def grpo(setup, run_dir: Path, *extra: str, nproc: int = 1, env: dict | None = None, check: bool = True,
+         timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(LAUNCH),
+           "--hf-checkpoint", setup.target, "--prompt-data", "synthetic:sum",
+           "--reward", "tests.rl.rewards_for_tests:digit_share", "--make-vocab-size-divisible-by", "8",
+           "--prompts-per-step", "4", "--grpo-group-size", "2", "--micro-batch-size", "4",
+           "--rollout-max-new-tokens", "12", "--rollout-max-batch-size", "8", "--rollout-num-threads", "1",
+           "--lr", "1e-3", "--save", str(run_dir), "--quiet", "--tensorboard-dir", "none", *extra]
+    full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"GRPO run failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollouts(run_dir: Path, step: int) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+    return [(r["prompt_ids"], r["response_ids"]) for r in rows]
+
+
+def model_state(run_dir: Path, step: int, rank: int = 0) -> dict:
+    state = torch.load(run_dir / f"iter_{step:07d}" / f"rank_{rank:05d}.pt", weights_only=False)["model"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}  # skip TE/None extra state
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_speculation_on_off_identical_rollouts_and_checkpoints(setup, tmp_path, tp):
+    common = ["--rollout-temperature", "0", "--rollout-dtype", "float32", "--rollout-weight-dtype", "fp32",
+              "--advantage-baseline", "batch", "--train-iters", "5", "--dump-rollouts",
+              "--tensor-model-parallel-size", str(tp)]
+    spec, ar = tmp_path / "spec", tmp_path / "ar"
+    grpo(setup, spec, *common, "--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3, nproc=tp)
+    grpo(setup, ar, *common, "--spec-draft-kind", "none", nproc=tp)
+    for step in range(1, 6):
+        assert rollouts(spec, step) == rollouts(ar, step), f"step {step} rollouts differ"
+    m = metrics(spec)
+    assert all(r["spec/num_draft_tokens"] == 3 for r in m) and any(r["spec/accept_length"] > 1.0 for r in m)
+    assert metrics(ar)[0]["spec/accept_length"] == 1.0
+    for rank in range(tp):
+        a, b = model_state(spec, 5, rank), model_state(ar, 5, rank)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {rank} checkpoints differ"
+    assert any(r["train/grad_norm"] > 0 for r in m), "the policy must actually change in this test"
+
+
+def test_kill_during_checkpoint_write_then_resume_exactly(setup, tmp_path):
+    base = ["--rollout-temperature", "1.0", "--rollout-dtype", "float32", "--save-interval", "1",
+            "--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3]
+    straight = tmp_path / "straight"
+    grpo(setup, straight, *base, "--train-iters", "4")
+    crashed = tmp_path / "crashed"
+    proc = grpo(setup, crashed, *base, "--train-iters", "4", check=False,
+                env={"MEGATRON_SPEC_FAULTS": "kill_in_save=3", "MEGATRON_SPEC_FAULTS_DIR": str(tmp_path)})
+    assert proc.returncode != 0
+    assert (crashed / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert not (crashed / "iter_0000003" / "COMPLETE").exists()
+    grpo(setup, crashed, *base, "--train-iters", "4", "--load", str(crashed))
+    a, b = model_state(straight, 4), model_state(crashed, 4)
+    assert all(torch.equal(a[k], b[k]) for k in a), "resumed run diverged from the uninterrupted one"
+    steps = [r["step"] for r in metrics(crashed)]
+    assert steps[-2:] == [3, 4]
+
+
+def test_dead_engine_is_restarted_and_the_step_retried(setup, tmp_path):
+    run = tmp_path / "run"
+    proc = grpo(setup, run, "--train-iters", "3", "--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3,
+                env={"MEGATRON_SPEC_FAULTS": "engine_exit_at_generate=2", "MEGATRON_SPEC_FAULTS_DIR": str(tmp_path)})
+    assert "restarting it" in proc.stderr
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3]
+
+
+def test_nan_loss_stops_before_a_checkpoint(setup, tmp_path):
+    run = tmp_path / "run"
+    proc = grpo(setup, run, "--train-iters", "4", "--save-interval", "1", check=False,
+                env={"MEGATRON_SPEC_FAULTS": "nan_loss=2", "MEGATRON_SPEC_FAULTS_DIR": str(tmp_path)})
+    assert proc.returncode != 0
+    assert "non-finite GRPO loss" in proc.stderr and "stopping before the optimizer step" in proc.stderr
+    assert (run / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (run / "iter_0000002").exists()
+    assert [r["step"] for r in metrics(run)] == [1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--max-prompt-length", "3"], "more than --max-prompt-length 3"),
+    (["--reward", "tests.rl.rewards_for_tests:raises"], "reward function 'tests.rl.rewards_for_tests:raises' raised"),
+    (["--tensor-model-parallel-size", "2"], "does not divide num_attention_heads|does not divide num_key_value_heads"),
+])
+def test_bad_input_is_named(setup, tmp_path, extra, message):
+    nproc = 2 if "--tensor-model-parallel-size" in extra else 1
+    if nproc == 2:
+        from megatron_spec.models.tiny import make_hf_checkpoint
+
+        odd = make_hf_checkpoint(tmp_path / "odd", family="qwen3", num_attention_heads=3, num_kv_heads=1,
+                                 hidden_size=48, head_dim=16)
+        setup = type(setup)(odd, setup.cfg, setup.eagle3, setup.draft_model, setup.other_target)
+    proc = grpo(setup, tmp_path / "run", "--train-iters", "1", *extra, nproc=nproc, check=False)
+    assert proc.returncode != 0
+    import re
+
+    assert re.search(message, proc.stderr), proc.stderr[-3000:]
+
+
+def test_empty_dataset_and_foreign_draft_are_named(setup, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = grpo(setup, tmp_path / "a", "--train-iters", "1", "--prompt-data", str(empty), check=False)
+    assert proc.returncode != 0 and "is empty" in proc.stderr
+    from megatron_spec.models.tiny import make_hf_checkpoint
+
+    other = make_hf_checkpoint(tmp_path / "wide", family="qwen3", hidden_size=96, num_layers=4,
+                               num_attention_heads=4, num_kv_heads=2)
+    setup2 = type(setup)(other, setup.cfg, setup.eagle3, setup.draft_model, setup.other_target)
+    proc = grpo(setup2, tmp_path / "b", "--train-iters", "1", "--spec-draft-kind", "eagle3",
+                "--spec-draft-path", setup.eagle3, check=False)
+    assert proc.returncode != 0 and "hidden_size" in proc.stderr
