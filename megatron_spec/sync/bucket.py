@@ -11,6 +11,11 @@ payload goes to SGLang, :func:`to_sglang_metadata` converts the records to SGLan
 class so its allowlist unpickler accepts them. The native engine's unpickler maps SGLang's
 class to this one, so both engines read the same payloads.
 
+:class:`BucketWriter` fills a preallocated buffer one tensor at a time (the streamer packs
+straight from strided views of the trainer's parameters, casting on the way);
+:func:`alloc_bucket_buffer` allocates that buffer where the receiver can map it (shared
+memory on CPU, ordinary device memory on GPU, which travels as a CUDA IPC handle).
+
 This module does not know about models, processes or transport.
 """
 
@@ -96,3 +101,79 @@ def to_sglang_metadata(metadata: Sequence[FlattenedTensorMetadata]) -> list:
 
     return [SglMeta(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx,
                     numel=m.numel) for m in metadata]
+
+
+def alloc_bucket_buffer(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A ``[nbytes] uint8`` buffer the engine can map: CPU buffers are placed in shared memory
+    once (serialising an ordinary CPU tensor would copy it into shared memory every time)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if buf.device.type == "cpu":
+        buf.share_memory_()
+    return buf
+
+
+class BucketWriter:
+    """Packs tensors into a preallocated ``uint8`` buffer with dtype-aligned offsets.
+
+    ``reserve`` hands out a destination view for one tensor (callers write into it, e.g. an
+    FP8 quantiser with ``out=``); ``add`` reserves and copies, casting to the bucket dtype.
+    """
+
+    def __init__(self, buffer: torch.Tensor):
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+            raise ValueError(f"bucket buffer must be a 1-D uint8 tensor, got {buffer.dtype} {tuple(buffer.shape)}")
+        self.buffer = buffer
+        self.offset = 0
+        self.metadata: list[FlattenedTensorMetadata] = []
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer.numel()
+
+    def __len__(self) -> int:
+        return len(self.metadata)
+
+    def bytes_needed(self, entries: Sequence[tuple[Sequence[int], torch.dtype]]) -> int:
+        """Bytes from the current offset to the end of ``entries`` packed after it."""
+        offset = self.offset
+        for shape, dtype in entries:
+            offset = _align(offset, dtype.itemsize) + torch.Size(shape).numel() * dtype.itemsize
+        return offset - self.offset
+
+    def fits(self, entries: Sequence[tuple[Sequence[int], torch.dtype]]) -> bool:
+        return self.offset + self.bytes_needed(entries) <= self.capacity
+
+    def reserve(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The destination view ``shape``/``dtype`` for ``name`` (recorded in the metadata)."""
+        shape = torch.Size(shape)
+        start = _align(self.offset, dtype.itemsize)
+        nbytes = shape.numel() * dtype.itemsize
+        if start + nbytes > self.capacity:
+            raise ValueError(f"tensor {name} ({nbytes} bytes) does not fit in the bucket "
+                             f"({self.capacity - start} of {self.capacity} bytes left)")
+        self.metadata.append(FlattenedTensorMetadata(name, shape, dtype, start, start + nbytes, nbytes))
+        self.offset = start + nbytes
+        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+
+    def add(self, name: str, src: torch.Tensor, shape: Sequence[int] | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Copy ``src`` (any strides; elements in row-major order of ``shape``) as ``dtype``."""
+        shape = torch.Size(src.shape if shape is None else shape)
+        if shape.numel() != src.numel():
+            raise ValueError(f"tensor {name}: {src.numel()} elements cannot take shape {tuple(shape)}")
+        dst = self.reserve(name, shape, dtype or src.dtype)
+        if dst.numel():
+            dst.view(src.shape).copy_(src)
+        return dst
+
+    def finish(self) -> tuple[torch.Tensor, list[FlattenedTensorMetadata]]:
+        """(flat ``[used bytes]`` view of the buffer, metadata)."""
+        if not self.metadata:
+            raise ValueError("cannot finish an empty bucket")
+        return self.buffer[:self.offset], list(self.metadata)
+
+    def reset(self, buffer: torch.Tensor | None = None) -> None:
+        if buffer is not None:
+            self.buffer = buffer
+        self.offset = 0
+        self.metadata = []

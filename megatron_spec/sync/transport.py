@@ -87,20 +87,62 @@ def deserialize(data: bytes | bytearray | memoryview) -> Any:
 
 def make_bucket_payload(flat: torch.Tensor, metadata: Sequence, *, for_sglang: bool = False) -> bytes:
     """Serialise one bucket; with ``for_sglang`` the metadata become SGLang's own class."""
+    return make_bucket_payloads(flat, metadata, 1, for_sglang=for_sglang)[0]
+
+
+def make_bucket_payloads(flat: torch.Tensor, metadata: Sequence, num_ranks: int, *,
+                         for_sglang: bool = False) -> list[bytes]:
+    """One payload per engine TP rank, each referencing the same buffer.
+
+    Each engine rank must deserialise its own payload exactly once (a shared-memory handle
+    is handed over once; SGLang's CUDA IPC refcounting expects one consumer per payload).
+    With ``for_sglang`` the metadata become SGLang's own class and, for CUDA buffers,
+    SGLang's torch-reduction patch is applied (devices travel by UUID, so ranks with other
+    ``CUDA_VISIBLE_DEVICES`` open the right GPU), as SGLang's RL integrations do.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise ValueError(f"bucket must be a 1-D uint8 tensor, got {flat.dtype} {tuple(flat.shape)}")
     if for_sglang:
         from megatron_spec.sync.bucket import to_sglang_metadata
 
         metadata = to_sglang_metadata(metadata)
-    return serialize({"flattened_tensor": flat, "metadata": list(metadata)})
+        if flat.is_cuda:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()
+    obj = {"flattened_tensor": flat, "metadata": list(metadata)}
+    return [serialize(obj) for _ in range(num_ranks)]
+
+
+def _check_record(m: FlattenedTensorMetadata) -> None:
+    ints = (m.start_idx, m.end_idx, m.numel)
+    if not isinstance(m.name, str) or not all(type(v) is int for v in ints):
+        raise UnsafePayloadError(f"bucket metadata record has wrong field types: {m!r}")
+    shape = m.shape
+    if not isinstance(shape, (torch.Size, tuple, list)) or not all(type(d) is int and d >= 0 for d in shape):
+        raise UnsafePayloadError(f"bucket tensor {m.name}: shape {shape!r} is not a tuple of sizes")
+    if not isinstance(m.dtype, torch.dtype):
+        raise UnsafePayloadError(f"bucket tensor {m.name}: dtype {m.dtype!r} is not a torch.dtype")
 
 
 def read_bucket_payload(data: bytes) -> list[tuple[str, torch.Tensor]]:
-    """Deserialise a bucket payload into ``(name, tensor view)`` pairs."""
+    """Deserialise a bucket payload into ``(name, tensor view)`` pairs.
+
+    Raises:
+        UnsafePayloadError: a global outside the allowlist, or a payload that is not exactly
+            ``{"flattened_tensor": uint8 tensor, "metadata": [records]}`` with well-typed records.
+        ValueError: records that do not fit the bucket (misaligned, out of bounds).
+    """
     obj = deserialize(data)
     if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise UnsafePayloadError(f"payload is not a flattened bucket (got {keys})")
     flat, meta = obj["flattened_tensor"], obj["metadata"]
-    if not isinstance(flat, torch.Tensor) or not all(isinstance(m, FlattenedTensorMetadata) for m in meta):
-        raise UnsafePayloadError("payload bucket must hold a tensor and FlattenedTensorMetadata records")
+    if not isinstance(flat, torch.Tensor) or not isinstance(meta, list) \
+            or not all(isinstance(m, FlattenedTensorMetadata) for m in meta):
+        raise UnsafePayloadError("payload bucket must hold a tensor and a list of FlattenedTensorMetadata records")
+    for m in meta:
+        _check_record(m)
     return unpack_bucket(flat, meta)

@@ -1,0 +1,139 @@
+"""Exact, layout-independent fingerprints of a group of weight tensors.
+
+The trainer and the engine hold the same weights in different layouts: the engine fuses
+q/k/v and gate/up, stores linear weights transposed, may shard them. A fingerprint that
+both sides can compute must therefore be a function of the *multiset* of element values,
+and it must be exact: one policy step changes bf16 weights by an ulp here and there, and a
+float sum with a tolerance cannot tell a stale engine from a fresh one.
+
+For every tensor we read each element's bit pattern ``b`` as a signed integer of the
+element's width (int16 for bf16, int32 for fp32, ...) and accumulate, per dtype,
+
+    numel,   s1 = sum(b) mod 2**64,   s2 = sum(b * b) mod 2**64.
+
+Both sums are exact and order-free (integer addition mod 2**64), so concatenating,
+splitting, transposing or sharding the tensors does not change them. ``s1`` alone misses
+two elements moving by +1 and -1 ulp; ``s2`` (a non-linear term) catches that.
+
+The fingerprint is of the values *as the engine holds them*: compute it on tensors in the
+engine's dtype (:func:`fingerprint_tensors` casts when asked).
+
+This module knows nothing about models, engines or processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+_MOD = 1 << 64
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 15  # elements per step of the s2 pass (bounds its temporary to 256 KiB)
+
+
+class Fingerprint:
+    """Per-dtype ``[numel, s1, s2]`` accumulator (see the module docstring)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Mapping[str, list[int]] | None = None):
+        self.parts: dict[str, list[int]] = {k: list(v) for k, v in (parts or {}).items()}
+
+    @property
+    def numel(self) -> int:
+        return sum(p[0] for p in self.parts.values())
+
+    def add(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> "Fingerprint":
+        """Accumulate ``tensor`` (cast to ``dtype`` first when given). Returns self."""
+        x = tensor.detach()
+        if dtype is not None and x.dtype != dtype:
+            x = x.to(dtype)
+        n, s1, s2 = _bits_sums(x)
+        part = self.parts.setdefault(str(x.dtype).removeprefix("torch."), [0, 0, 0])
+        part[0] += n
+        part[1] = (part[1] + s1) % _MOD
+        part[2] = (part[2] + s2) % _MOD
+        return self
+
+    def merge(self, other: "Fingerprint") -> "Fingerprint":
+        for key, (n, s1, s2) in other.parts.items():
+            part = self.parts.setdefault(key, [0, 0, 0])
+            part[0] += n
+            part[1] = (part[1] + s1) % _MOD
+            part[2] = (part[2] + s2) % _MOD
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (picklable, JSON-able): ``{"numel": n, "bits": {dtype: [numel, s1, s2]}}``."""
+        return {"numel": self.numel, "bits": {k: list(v) for k, v in sorted(self.parts.items())}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Fingerprint":
+        if "bits" not in d:
+            raise ValueError(f"not a bit fingerprint: keys {sorted(d)}")
+        return cls(d["bits"])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Fingerprint):
+            return NotImplemented
+        return {k: v for k, v in self.parts.items() if v[0]} == {k: v for k, v in other.parts.items() if v[0]}
+
+    def __repr__(self) -> str:
+        return f"Fingerprint({self.to_dict()['bits']})"
+
+
+def _bits_sums(x: torch.Tensor) -> tuple[int, int, int]:
+    """(numel, sum of bit patterns, sum of their squares), the sums mod 2**64."""
+    n = x.numel()
+    if n == 0:
+        return 0, 0, 0
+    if x.dtype == torch.bool:
+        x = x.to(torch.uint8)
+    width = x.element_size()
+    if width not in _INT_VIEW:
+        raise TypeError(f"cannot fingerprint a tensor of dtype {x.dtype}")
+    bits = x.contiguous().reshape(-1).view(_INT_VIEW[width])
+    if bits.device.type == "cpu":
+        return n, *_numpy_sums(bits.numpy())
+    return n, *_torch_sums(bits)
+
+
+def _numpy_sums(a: np.ndarray) -> tuple[int, int]:
+    # numpy's integer reductions are vectorised (torch's CPU integer sums are ~10x slower here).
+    s1 = 0
+    s2 = 0
+    wide = np.empty(min(a.size, _CHUNK), dtype=np.uint64)
+    for i in range(0, a.size, _CHUNK):
+        chunk = a[i:i + _CHUNK]
+        s1 += int(np.add.reduce(chunk, dtype=np.int64))
+        w = wide[:chunk.size]
+        np.copyto(w, chunk, casting="unsafe")  # two's complement: b mod 2**64
+        np.multiply(w, w, out=w)  # wraps mod 2**64 (uint64), still b*b mod 2**64
+        s2 += int(np.add.reduce(w, dtype=np.uint64))
+    return s1 % _MOD, s2 % _MOD
+
+
+def _torch_sums(bits: torch.Tensor) -> tuple[int, int]:
+    s1 = 0
+    s2 = 0
+    for i in range(0, bits.numel(), _CHUNK):
+        w = bits[i:i + _CHUNK].to(torch.int64)
+        s1 += int(w.sum())
+        s2 += int((w * w).sum())  # int64 wrap-around == mod 2**64 arithmetic
+    return s1 % _MOD, s2 % _MOD
+
+
+def fingerprint_tensors(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> Fingerprint:
+    """Fingerprint of a group of tensors, each cast to ``dtype`` (the engine's) when given."""
+    fp = Fingerprint()
+    for t in tensors:
+        fp.add(t, dtype)
+    return fp
+
+
+def fingerprint_dict(tensors: Iterable[torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """:func:`fingerprint_tensors` as plain data (what an engine's ``health()`` reports)."""
+    return fingerprint_tensors(tensors, dtype).to_dict()

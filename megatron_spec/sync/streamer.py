@@ -1,0 +1,422 @@
+"""Stream the policy (and the draft) from Megatron into the rollout engine, then verify.
+
+Data flow of :meth:`WeightStreamer.sync_target`::
+
+    Megatron shards --gather (TP group, one parameter at a time)--> HF-named views
+      --(cast | block-FP8 quantise) straight into bucket A--> payload (one per engine TP rank)
+      --sender thread: engine.update_weights_from_tensor(selector="target")--> ack frees A
+    meanwhile the next tensors are packed into bucket B (double buffering)
+
+Peak extra memory is the two bucket buffers (plus, under TP>1, one gathered parameter):
+views of the parameters are copied once, into the bucket, with the dtype cast or the FP8
+quantisation done on the way. A buffer is reused only after the engine acknowledged the
+update that referenced it, so the engine never reads a buffer being rewritten (CPU buffers
+live in shared memory, GPU buffers travel as CUDA IPC handles; both are zero-copy).
+
+Every sync is wrapped in ``begin_weight_update(selector)`` / ``end_weight_update`` and then
+verified (``megatron_spec.sync.verify``): the engine must report the version sent and a
+checksum consistent with the fingerprint of what was sent, and the other group must be
+untouched; anything else raises :class:`WeightSyncError` naming the group.
+
+Process topology: only the process holding the engine handle (global rank 0) talks to the
+engine. Every rank of its tensor-parallel group must call :meth:`sync_target` too (with
+``engine=None``): the gathers are collective. Ranks of other data-parallel replicas return
+at once (their shards equal replica 0's). :meth:`sync_draft` is local to rank 0.
+
+This module does not know how engines load weights, only their update API and ``health()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_spec.sync import fp8 as fp8_names
+from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata, alloc_bucket_buffer
+from megatron_spec.sync.fingerprint import Fingerprint
+from megatron_spec.sync.memory import PeakMemory
+from megatron_spec.sync.transport import make_bucket_payloads
+from megatron_spec.sync.verify import (
+    DigestLedger,
+    WeightSyncError,
+    check_fingerprint,
+    check_untouched,
+    check_version,
+    reported_checksum,
+)
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_DTYPES = ("fp32", "bf16", "fp8")
+_TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+                 "bfloat16": torch.bfloat16}
+_ALIGN_SLACK = 16  # worst-case alignment padding in front of one tensor
+
+__all__ = ["SyncReport", "WeightStreamer", "WeightSyncError", "WEIGHT_DTYPES"]
+
+
+@dataclasses.dataclass
+class SyncReport:
+    """What one sync moved and how long it took (``bytes``/``seconds`` go to the step metrics)."""
+
+    group: str
+    version: str
+    bytes: int = 0
+    """Bucket bytes sent (once, however many engine TP ranks read them)."""
+    seconds: float = 0.0
+    """The whole sync: begin_weight_update .. verified."""
+    num_buckets: int = 0
+    num_tensors: int = 0
+    checksums: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``{"sent": fingerprint of what was sent (engine dtype), "engine": what the engine reported}``."""
+    stream_seconds: float = 0.0
+    """begin_weight_update .. last bucket acknowledged (the data movement)."""
+    verify_seconds: float = 0.0
+    """end_weight_update (engine-side checksum) + comparison."""
+    bucket_capacity: int = 0
+    peak_extra_bytes: int | None = None
+    """Peak memory this process added during the sync (with ``measure_memory``)."""
+    skipped: bool = False
+    """This rank took no part (another data-parallel replica)."""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.stream_seconds / 1e9 if self.stream_seconds > 0 else 0.0
+
+
+@dataclasses.dataclass
+class _Bucket:
+    index: int
+    flat: torch.Tensor
+    metadata: list[FlattenedTensorMetadata]
+    last: bool
+    ready: Any = None  # a CUDA event to wait for before the engine may read the buffer
+
+
+class WeightStreamer:
+    """Trainer-side weight streaming into one rollout engine.
+
+    Args:
+        engine: a rollout engine handle (``NativeEngine`` / ``SGLangEngine``), or None on the
+            ranks that only take part in the gathers.
+        bucket_bytes: bucket size; grown to the largest single tensor if that is larger.
+        weight_dtype: ``fp32`` | ``bf16`` | ``fp8`` (block-FP8 linear weights of the target;
+            other target tensors and the whole draft travel in the engine's dtype).
+        for_sglang: build payloads SGLang's loader reads (its metadata class, CUDA patch).
+        verify: compare the engine's checksums with fingerprints of what was sent (costs one
+            read pass over the weights on each side); versions are always checked.
+        engine_dtype: the dtype the engine holds (default: ``engine.config.dtype``).
+        engine_tp_size: payloads per bucket (default: ``engine.tp_size``, else 1).
+        keep_buffers: keep the two bucket buffers between syncs instead of freeing them.
+        measure_memory: record :attr:`SyncReport.peak_extra_bytes`.
+    """
+
+    def __init__(self, engine: Any, *, bucket_bytes: int = 256 << 20, weight_dtype: str = "bf16",
+                 for_sglang: bool = False, verify: bool = True, engine_dtype: str | torch.dtype | None = None,
+                 engine_tp_size: int | None = None, keep_buffers: bool = False, measure_memory: bool = False):
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+        if bucket_bytes < 1 << 10:
+            raise ValueError(f"bucket_bytes must be at least 1 KiB, got {bucket_bytes}")
+        self.engine = engine
+        self.bucket_bytes = int(bucket_bytes)
+        self.weight_dtype = weight_dtype
+        self.for_sglang = for_sglang
+        self.verify = verify
+        self.keep_buffers = keep_buffers
+        self.measure_memory = measure_memory
+        if engine_dtype is None:
+            engine_dtype = getattr(getattr(engine, "config", None), "dtype", "bfloat16")
+        self.engine_dtype = engine_dtype if isinstance(engine_dtype, torch.dtype) else _TORCH_DTYPES[engine_dtype]
+        self.engine_tp_size = int(engine_tp_size or getattr(engine, "tp_size", 1) or 1)
+        self._buffers: list[torch.Tensor] = []
+        self._verified: dict[str, tuple[str, dict]] = {}
+        self._ledger = DigestLedger()
+
+    # ------------------------------------------------------------------ public API
+    def sync_target(self, model: torch.nn.Module, version: str, tp_group: dist.ProcessGroup | None = None
+                    ) -> SyncReport:
+        """Stream the Megatron policy ``model`` as ``version`` (collective over ``tp_group``)."""
+        from megatron_spec.models.convert import expected_hf_shapes
+        from megatron_spec.models.gpt import iter_hf_views, unwrap
+
+        version = str(version)
+        if self.engine is None:
+            group = tp_group
+            if group is None and dist.is_initialized():
+                from megatron.core import parallel_state as ps
+
+                group = ps.get_tensor_model_parallel_group()
+            if dist.is_initialized() and 0 not in dist.get_process_group_ranks(group):
+                return SyncReport("target", version, skipped=True)  # another DP replica
+            for _ in iter_hf_views(model, tp_group):  # take part in the gathers only
+                pass
+            return SyncReport("target", version)
+        gpt = unwrap(model)
+        shapes = expected_hf_shapes(gpt.decoder_config)
+        device = next(gpt.parameters()).device
+        items = iter_hf_views(model, tp_group)
+        return self._sync("target", items, version, shapes.items(), device, quantize=self.weight_dtype == "fp8")
+
+    def sync_target_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, *,
+                            shapes: Mapping[str, Sequence[int]] | None = None,
+                            device: torch.device | str | None = None) -> SyncReport:
+        """Stream HF-named target tensors (a checkpoint, a non-Megatron trainer) as ``version``;
+        quantised like :meth:`sync_target` when ``weight_dtype`` is ``fp8``.
+
+        With ``shapes`` (name -> shape of every tensor to come) the iterable is consumed lazily,
+        one tensor at a time (e.g. read from a checkpoint as it is packed; ``device``: where the
+        tensors will be, default CPU); without, it is listed first to size the buckets.
+        """
+        if shapes is None:
+            named = [(n, t.detach()) for n, t in named_tensors]
+            if not named:
+                raise ValueError("sync_target_tensors got no tensors")
+            shapes = {n: tuple(t.shape) for n, t in named}
+            device = named[0][1].device
+            named_tensors = named
+        items = ((n, t.detach(), tuple(t.shape)) for n, t in named_tensors)
+        return self._sync("target", items, str(version), [(n, tuple(s)) for n, s in shapes.items()],
+                          torch.device(device or "cpu"), quantize=self.weight_dtype == "fp8")
+
+    def sync_draft(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> SyncReport:
+        """Stream draft tensors (HF / ModelOpt names, no ``d2t``) as ``version``; never quantised."""
+        version = str(version)
+        if self.engine is None:
+            return SyncReport("draft", version, skipped=True)
+        named = [(n, t.detach()) for n, t in named_tensors]
+        if not named:
+            raise ValueError("sync_draft got no tensors")
+        if any(n == "d2t" or n.endswith(".d2t") for n, _ in named):
+            raise ValueError("d2t must not be re-sent: engines read the draft-to-target map once at start-up "
+                             "(pass the draft tensors without it)")
+        items = ((n, t, tuple(t.shape)) for n, t in named)
+        rep = self._sync("draft", items, version, [(n, tuple(t.shape)) for n, t in named], named[0][1].device,
+                         quantize=False)
+        remember = getattr(self.engine, "remember_draft", None)
+        if remember is not None:  # engines that lose the draft on release push it again on resume
+            remember(named, version)
+        return rep
+
+    def close(self) -> None:
+        """Free kept bucket buffers."""
+        self._buffers = []
+
+    # ------------------------------------------------------------------ planning
+    def _send_dtype(self, t_dtype: torch.dtype) -> torch.dtype:
+        if not t_dtype.is_floating_point:
+            return t_dtype
+        if self.weight_dtype == "fp8":
+            return self.engine_dtype
+        return _TORCH_DTYPES[self.weight_dtype]
+
+    def _entries(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, quantize: bool
+                 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if quantize and fp8_names.is_fp8_weight(name, shape):
+            return [(name, shape, torch.float8_e4m3fn),
+                    (fp8_names.scale_name(name), fp8_names.scale_shape(shape), torch.float32)]
+        return [(name, shape, self._send_dtype(dtype))]
+
+    def _capacity(self, shapes: Iterable[tuple[str, tuple[int, ...]]], quantize: bool) -> int:
+        largest = 0
+        for name, shape in shapes:
+            need = sum(torch.Size(s).numel() * d.itemsize + _ALIGN_SLACK
+                       for _, s, d in self._entries(name, tuple(shape), torch.float32, quantize))
+            largest = max(largest, need)
+        if largest > self.bucket_bytes:
+            logger.warning("bucket_bytes %d is smaller than the largest tensor (%d bytes): buckets grown to fit it",
+                           self.bucket_bytes, largest)
+        return max(self.bucket_bytes, largest)
+
+    def _alloc(self, capacity: int, device: torch.device) -> list[torch.Tensor]:
+        bufs = self._buffers
+        if len(bufs) == 2 and bufs[0].numel() >= capacity and bufs[0].device == device:
+            return bufs
+        bufs = [alloc_bucket_buffer(capacity, device) for _ in range(2)]
+        if self.keep_buffers:
+            self._buffers = bufs
+        return bufs
+
+    # ------------------------------------------------------------------ the sync
+    def _sync(self, group: str, items: Iterator, version: str, shapes, device: torch.device, *,
+              quantize: bool) -> SyncReport:
+        rep = SyncReport(group, version)
+        t0 = time.perf_counter()
+        mem = PeakMemory(device) if self.measure_memory else None
+        digest_before = None
+        if self.verify and getattr(self.engine, "checksum_kind", "fingerprint") == "digest":
+            ck = reported_checksum(self.engine.health(), group)
+            digest_before = None if ck is None else ck.get("digest")
+        if mem is not None:
+            mem.__enter__()
+        try:
+            rep.bucket_capacity = self._capacity(shapes, quantize)
+            self.engine.begin_weight_update(selector=group)
+            try:
+                sent = self._stream(group, items, version, rep, quantize)
+            except BaseException:
+                try:  # close the session so the engine does not claim the partial update
+                    abort = getattr(self.engine, "abort_weight_update", None)
+                    abort() if abort is not None else self.engine.end_weight_update()
+                except Exception as exc:  # noqa: BLE001 (the first error is the one to report)
+                    logger.debug("closing the session after a failed %s sync: %s", group, exc)
+                raise
+            rep.stream_seconds = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            try:
+                health = self.engine.end_weight_update()
+            except Exception as exc:
+                raise WeightSyncError(group, f"engine refused to finish the update: {exc}") from exc
+        finally:
+            if mem is not None:
+                mem.__exit__(None, None, None)
+                rep.peak_extra_bytes = mem.peak_extra_bytes
+        self._check(group, version, sent, health, digest_before)
+        rep.checksums = {"sent": sent.to_dict() if sent is not None else None,
+                         "engine": reported_checksum(health, group)}
+        rep.verify_seconds = time.perf_counter() - t1
+        rep.seconds = time.perf_counter() - t0
+        logger.info("synced %s %s: %.1f MB in %d buckets, %.3f s (%.2f GB/s streaming)", group, version,
+                    rep.bytes / 1e6, rep.num_buckets, rep.seconds, rep.gb_per_s)
+        return rep
+
+    def _check(self, group: str, version: str, sent: Fingerprint | None, health: dict, digest_before) -> None:
+        if not isinstance(health, dict):
+            raise WeightSyncError(group, f"end_weight_update returned {type(health).__name__}, expected a health dict")
+        check_version(group, version, health)
+        held = reported_checksum(health, group)
+        if self.verify:
+            if held is None:
+                raise WeightSyncError(group, "engine reports no checksum for the group")
+            if "bits" in held:
+                check_fingerprint(group, sent, health)
+            elif "digest" in held:
+                startup = getattr(self.engine, "startup_fingerprint", None)
+                ledger = getattr(self.engine, "digest_ledger", None) or self._ledger
+                ledger.check(group, sent, digest_before, held["digest"],
+                                   None if startup is None else (lambda: startup(group)))
+            else:
+                raise WeightSyncError(group, f"engine checksum has an unknown form: keys {sorted(held)}")
+        other = "draft" if group == "target" else "target"
+        check_untouched(other, self._verified.get(other), health)
+        self._verified[group] = (version, dict(held) if held is not None else {})
+
+    def _stream(self, group: str, items: Iterator, version: str, rep: SyncReport, quantize: bool
+                ) -> Fingerprint | None:
+        """Pack ``items`` into double buffers while a sender thread ships full ones."""
+        buffers: list[torch.Tensor] | None = None
+        free = [threading.Semaphore(1), threading.Semaphore(1)]
+        todo: queue.Queue[_Bucket | None] = queue.Queue()
+        errors: list[BaseException] = []
+        sent = Fingerprint() if self.verify else None
+        stats = {"bytes": 0, "buckets": 0}
+
+        def sender() -> None:
+            while True:
+                b = todo.get()
+                if b is None:
+                    return
+                try:
+                    if not errors:
+                        if b.ready is not None:
+                            b.ready.synchronize()
+                        if sent is not None:
+                            self._fingerprint_bucket(b, sent)
+                        payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size,
+                                                        for_sglang=self.for_sglang)
+                        self.engine.update_weights_from_tensor(payloads, selector=group, weight_version=version,
+                                                               flush_cache=b.last)
+                        stats["bytes"] += b.flat.numel()
+                        stats["buckets"] += 1
+                except BaseException as exc:  # reported by the producer
+                    errors.append(exc)
+                finally:
+                    free[b.index].release()  # the engine has copied (or the update failed)
+
+        thread = threading.Thread(target=sender, name=f"weight-sender-{group}", daemon=True)
+        writer: BucketWriter | None = None
+        index = 0
+        produce_error: BaseException | None = None
+
+        def flush(last: bool) -> None:
+            nonlocal index
+            flat, meta = writer.finish()
+            ready = None
+            if flat.is_cuda:
+                ready = torch.cuda.Event()
+                ready.record()
+            todo.put(_Bucket(index, flat, meta, last, ready))
+            index ^= 1
+            free[index].acquire()  # wait until the engine acknowledged the bucket that used it
+            writer.reset(buffers[index])
+
+        thread.start()
+        try:
+            for name, src, shape in items:
+                if produce_error is not None or errors:
+                    continue  # keep iterating: the TP peers are inside the same gathers
+                try:
+                    entries = self._entries(name, tuple(shape), src.dtype, quantize)
+                    if buffers is None:
+                        buffers = self._alloc(rep.bucket_capacity, src.device)
+                        free[0].acquire()
+                        writer = BucketWriter(buffers[0])
+                    if len(writer) and not writer.fits([(s, d) for _, s, d in entries]):
+                        flush(last=False)
+                    self._pack(writer, entries, src)
+                    rep.num_tensors += 1
+                except Exception as exc:  # noqa: BLE001
+                    produce_error = exc
+            if produce_error is None and not errors:
+                if writer is None or not len(writer):
+                    raise WeightSyncError(group, "nothing to send")
+                flush(last=True)
+        finally:
+            todo.put(None)
+            thread.join()
+        if produce_error is not None:
+            raise WeightSyncError(group, f"packing failed: {produce_error}") from produce_error
+        if errors:
+            raise WeightSyncError(group, f"engine update failed: {errors[0]}") from errors[0]
+        rep.bytes, rep.num_buckets = stats["bytes"], stats["buckets"]
+        return sent
+
+    @staticmethod
+    def _pack(writer: BucketWriter, entries, src: torch.Tensor) -> None:
+        (name, shape, dtype), *rest = entries
+        if dtype == torch.float8_e4m3fn:
+            from megatron_spec.ops import fp8_block_quantize
+
+            w = writer.reserve(name, shape, dtype)
+            s = writer.reserve(rest[0][0], rest[0][1], rest[0][2])
+            fp8_block_quantize(src.reshape(shape), fp8_names.BLOCK, out=(w, s))
+        else:
+            writer.add(name, src, shape, dtype)
+
+    def _fingerprint_bucket(self, b: _Bucket, fp: Fingerprint) -> None:
+        """Fingerprint of the bucket's tensors as the engine will hold them (engine dtype;
+        FP8 pairs dequantised exactly as the receiving side does)."""
+        by_name = {m.name: m for m in b.metadata}
+        for m in b.metadata:
+            view = b.flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
+            if m.name.endswith(fp8_names.SCALE_SUFFIX) and m.dtype == torch.float32 \
+                    and m.name[: -len(fp8_names.SCALE_SUFFIX)] in by_name:
+                continue
+            if m.dtype == torch.float8_e4m3fn:
+                from megatron_spec.ops import fp8_block_dequantize
+
+                sm = by_name[fp8_names.scale_name(m.name)]
+                scale = b.flat[sm.start_idx:sm.end_idx].view(sm.dtype).view(sm.shape)
+                fp.add(fp8_block_dequantize(view, scale, self.engine_dtype, fp8_names.BLOCK))
+            elif view.dtype.is_floating_point:
+                fp.add(view, self.engine_dtype)
+            else:
+                fp.add(view)
