@@ -1,0 +1,357 @@
+"""The SGLang rollout backend (``--rollout-backend sglang``): ``sglang.Engine`` behind the native engine's API.
+
+:class:`SGLangEngine` takes the same :class:`EngineConfig` and offers the same calls as
+``NativeEngine``: ``generate``, ``begin_weight_update`` / ``update_weights_from_tensor`` /
+``end_weight_update`` (flattened-bucket payloads with an explicit ``target``/``draft``
+selector, sent as request objects through the engine's tokenizer manager because
+``Engine.update_weights_from_tensor`` has no selector), ``release_memory`` /
+``resume_memory`` for colocation, ``health``.
+
+What it adds on top of SGLang:
+
+* the launch arguments go through the lossless guard (``megatron_spec.spec.check_lossless``)
+  once at start and per ``generate`` with the requests' sampling parameters;
+* versions per group: SGLang keeps one global ``weight_version``; this handle records, for
+  each group, the version the engine reports right after that group's update;
+* checksums per group are SGLang's own per-engine digests (``check_weights`` action
+  ``checksum``), which ``megatron_spec.sync.verify.DigestLedger`` checks by consistency;
+* the draft is lost across ``release_memory_occupation`` (PR #31674): after a resume with
+  weights, the last verified draft (or the draft checkpoint) is pushed again and verified,
+  and ``generate`` is refused until the trainer has pushed the target again;
+* FP8: block-FP8 launch config, and with ``load_weights`` the checkpoint is quantised and
+  pushed at start (a bf16 checkpoint cannot be loaded into FP8 parameters).
+
+It needs a GPU and the full SGLang install; on CPU everything up to ``sglang.Engine`` is
+tested against SGLang's own classes (tests/sync/test_sglang_backend.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from megatron_spec.rollout import sglang_protocol as proto
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput, stats_from_samples
+
+logger = logging.getLogger(__name__)
+
+_GROUPS = ("target", "draft")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Targets whose SGLang 0.5.23 loader takes block-FP8 ``*.weight_scale_inv`` (checked by running the
+# loaders in tests/sync/test_sglang_backend.py). LlamaForCausalLM's loaders rename it to
+# ``*.weight_scale``, which a block-FP8 layer does not have, and go on after a log warning.
+FP8_TARGETS = frozenset({"Qwen3ForCausalLM", "Qwen2ForCausalLM"})
+
+
+class SGLangCallError(RuntimeError):
+    """SGLang answered a control call with ``success=False``."""
+
+
+def _launch_sglang(**kwargs) -> Any:
+    import sglang
+
+    return sglang.Engine(**kwargs)
+
+
+class SGLangEngine:
+    """Start with ``SGLangEngine(EngineConfig(...))``; a context manager, like ``NativeEngine``.
+
+    Args:
+        config: the engine record both backends read.
+        tp_size: SGLang tensor parallelism (payloads are made once per TP rank).
+        server_overrides: extra ``ServerArgs`` fields (e.g. ``mem_fraction_static``).
+        launch: ``(**server_kwargs) -> engine``; ``sglang.Engine`` by default (tests pass a stand-in).
+    """
+
+    backend = "sglang"
+    checksum_kind = "digest"
+
+    def __init__(self, config: EngineConfig, *, tp_size: int = 1, server_overrides: dict[str, Any] | None = None,
+                 launch: Callable[..., Any] | None = None):
+        self.config = config
+        self.tp_size = int(tp_size)
+        self._overrides = dict(server_overrides or {})
+        self._launch = launch or _launch_sglang
+        self.dtype = _DTYPES[config.dtype]
+        if config.fp8_weights:
+            from megatron_spec.models import HFCheckpoint
+
+            arch = HFCheckpoint(config.model_path).decoder_config.architecture
+            if arch not in FP8_TARGETS:
+                raise ValueError(f"FP8 rollout weights on SGLang need a target whose loader reads *.weight_scale_inv; "
+                                 f"{arch}'s loader (SGLang 0.5.23) renames it to *.weight_scale and drops it. "
+                                 f"Supported: {sorted(FP8_TARGETS)}; use --rollout-weight-dtype bf16")
+        self._speculation = config.draft_kind != "none"
+        self.server_kwargs = proto.server_kwargs(config, tp_size=self.tp_size, speculation=self._speculation,
+                                                 overrides=self._overrides)
+        self.server_args = self._checked_server_args(self.server_kwargs)
+        self._engine = self._launch(**self.server_kwargs)
+        self._closed = False
+        has_draft = self._speculation
+        start = proto.INITIAL_VERSION
+        self._versions: dict[str, str | None] = {
+            "target": start if config.load_weights and not config.fp8_weights else None,
+            "draft": start if has_draft else None}
+        self._session: dict[str, str] | None = None
+        self._released: set[str] = set()
+        self._draft_backup: tuple[list[tuple[str, torch.Tensor]], str] | None = None
+        from megatron_spec.sync.verify import DigestLedger
+
+        self.digest_ledger = DigestLedger()  # digests are this engine's: every streamer checks against one book
+        self.info = {"backend": "sglang", "draft_kind": config.draft_kind, "num_draft_tokens": config.k,
+                     "dtype": config.dtype, "tp_size": self.tp_size}
+        if config.fp8_weights and config.load_weights:
+            self._push_checkpoint_fp8()
+
+    # ------------------------------------------------------------------ plumbing
+    @staticmethod
+    def _checked_server_args(kwargs: dict[str, Any]):
+        """Construct SGLang's ``ServerArgs`` (unknown fields raise) and run the lossless guard on it."""
+        from sglang.srt.server_args import ServerArgs
+
+        from megatron_spec.spec import check_lossless
+
+        args = ServerArgs(**kwargs)
+        check_lossless(args)
+        return args
+
+    def _tm(self, method: str, obj) -> Any:
+        """Run a tokenizer-manager coroutine on the engine's loop (as ``sglang.Engine`` does)."""
+        if self._closed:
+            raise RuntimeError(f"SGLang engine is shut down (call {method})")
+        tm = self._engine.tokenizer_manager
+        return self._engine.loop.run_until_complete(getattr(tm, method)(obj, None))
+
+    def _ok(self, method: str, result) -> None:
+        success, message = result[0], result[1]
+        if not success:
+            raise SGLangCallError(f"SGLang {method} failed: {message}")
+
+    def _engine_version(self) -> str | None:
+        return self._engine.get_model_info().get("weight_version")
+
+    def is_alive(self) -> bool:
+        return not self._closed
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, requests: Sequence[GenerateRequest], *, on_progress: Callable[[int], None] | None = None,
+                 timeout: float | None = None, seed: int | None = None) -> tuple[list[SampleOutput], GenerateStats]:
+        """Generate every sample of ``requests`` in one SGLang batch.
+
+        ``seed`` is applied per sample through SGLang's ``sampling_seed`` only when the engine
+        runs with ``enable_deterministic_inference`` (its flashinfer sampler rejects seeds);
+        otherwise sampling follows the launch-time ``random_seed``. ``timeout`` is not
+        enforced here (SGLang has no per-call deadline).
+        """
+        from megatron_spec.spec import check_lossless
+
+        if self._session is not None:
+            raise RuntimeError("generate called during a weight update (call end_weight_update first)")
+        if "kv_cache" in self._released:
+            raise RuntimeError("generate called while memory is released (call resume_memory first)")
+        missing = [g for g in self._groups() if self._versions[g] is None]
+        if missing:
+            raise RuntimeError(f"generate refused: no weights loaded for {missing} (released, dummy-initialised or "
+                               f"never sent); push them with update_weights_from_tensor")
+        expanded = [(r, i) for r in requests for i in range(r.n)]
+        if not expanded:
+            return [], GenerateStats(num_draft_tokens=self._k())
+        check_lossless(self.server_args, sampling={"temperature": [r.sampling.temperature for r, _ in expanded],
+                                                   "min_p": [r.sampling.min_p for r, _ in expanded]})
+        deterministic = bool(getattr(self.server_args, "enable_deterministic_inference", False))
+        params = []
+        for j, (r, i) in enumerate(expanded):
+            p = r.sampling.to_sglang()
+            if seed is not None and deterministic:
+                p["sampling_seed"] = (int(seed) * 1_000_003 + j) % (1 << 63)
+            params.append(p)
+        t0 = time.perf_counter()
+        outs = self._engine.generate(input_ids=[list(r.input_ids) for r, _ in expanded], sampling_params=params,
+                                     return_logprob=True)
+        wall = time.perf_counter() - t0
+        if isinstance(outs, dict):
+            outs = [outs]
+        if len(outs) != len(expanded):
+            raise proto.SGLangOutputError(f"SGLang returned {len(outs)} outputs for {len(expanded)} samples")
+        samples = [proto.parse_output(o, r.request_id, i, speculative=self._speculation,
+                                      target_version=self._versions["target"],
+                                      draft_version=self._versions["draft"]) for o, (r, i) in zip(outs, expanded)]
+        if on_progress is not None:
+            on_progress(len(samples))
+        return samples, stats_from_samples(samples, wall, self._k())
+
+    def _k(self) -> int:
+        return self.config.k if self._speculation else 0
+
+    def _groups(self) -> tuple[str, ...]:
+        return _GROUPS if self._speculation else ("target",)
+
+    def set_speculation(self, enabled: bool) -> bool:
+        """Speculative decoding on or off. SGLang fixes the algorithm at launch, so switching
+        relaunches the engine: every group must then be pushed again (``generate`` refuses
+        until it is). Returns the new state."""
+        enabled = bool(enabled) and self.config.draft_kind != "none"
+        if enabled == self._speculation:
+            return enabled
+        logger.warning("relaunching SGLang with speculative decoding %s; weights must be pushed again",
+                       "on" if enabled else "off")
+        self.shutdown()
+        self._speculation = enabled
+        self.server_kwargs = proto.server_kwargs(self.config, tp_size=self.tp_size, speculation=enabled,
+                                                 overrides=self._overrides)
+        self.server_args = self._checked_server_args(self.server_kwargs)
+        self._engine = self._launch(**self.server_kwargs)
+        self._closed = False
+        self._versions = {"target": None, "draft": None if enabled else self._versions["draft"]}
+        if enabled and self._draft_backup is not None:
+            self._repush_draft()
+        return enabled
+
+    # ------------------------------------------------------------------ weights
+    def begin_weight_update(self, selector: str = "all") -> None:
+        if self._session is not None:
+            raise RuntimeError("begin_weight_update called twice without end_weight_update")
+        self._ok("begin_weight_update", self._tm("begin_weight_update", proto.session_request(True, selector)))
+        self._session = {"selector": selector}
+
+    def update_weights_from_tensor(self, payloads: bytes | Sequence[bytes], selector: str,
+                                   weight_version: str | None = None, flush_cache: bool = True) -> dict[str, Any]:
+        """Load one flattened bucket (one payload per SGLang TP rank) into ``target`` or ``draft``."""
+        if self._session is None:
+            raise RuntimeError("update_weights_from_tensor outside begin_weight_update/end_weight_update")
+        if isinstance(payloads, (bytes, bytearray)):
+            payloads = [bytes(payloads)]
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"SGLang runs TP={self.tp_size}: expected one payload per rank, got {len(payloads)}")
+        if self._session["selector"] not in ("all", selector):
+            raise ValueError(f"update for {selector!r} in a session opened for {self._session['selector']!r}")
+        if selector == "draft" and not self._speculation:
+            raise ValueError("selector 'draft' but the engine runs without a draft")
+        req = proto.update_request(payloads, selector, weight_version, flush_cache)
+        self._ok("update_weights_from_tensor", self._tm("update_weights_from_tensor", req))
+        self._session[selector] = self._engine_version()  # what the engine now reports
+        return {"selector": selector, "weight_version": self._session[selector]}
+
+    def end_weight_update(self) -> dict[str, Any]:
+        if self._session is None:
+            raise RuntimeError("end_weight_update without begin_weight_update")
+        session, self._session = self._session, None
+        self._ok("end_weight_update", self._tm("end_weight_update", proto.session_request(False)))
+        for group in _GROUPS:
+            if group in session:
+                self._versions[group] = session[group]
+        if "weights" in self._released and all(self._versions[g] is not None for g in self._groups()):
+            self._released.discard("weights")
+        return self.health()
+
+    def abort_weight_update(self) -> None:
+        """Close a session whose update failed part-way: SGLang has no completeness check, so
+        every group the session touched is marked as holding no valid weights."""
+        if self._session is None:
+            return
+        session, self._session = self._session, None
+        for group in _GROUPS:
+            if group in session:
+                self._versions[group] = None
+        self._ok("end_weight_update", self._tm("end_weight_update", proto.session_request(False)))
+
+    def remember_draft(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        """Keep a CPU copy of the last verified draft, to push it again after a memory resume
+        (the streamer calls this after a verified draft sync)."""
+        self._draft_backup = ([(n, t.detach().to("cpu", copy=True)) for n, t in named_tensors], str(version))
+
+    def _checkpoint_draft(self) -> list[tuple[str, torch.Tensor]]:
+        from megatron_spec.draft.modelopt_io import load_eagle3
+        from megatron_spec.models import HFCheckpoint
+
+        if self.config.draft_kind == "eagle3":
+            head = load_eagle3(self.config.draft_path, HFCheckpoint(self.config.model_path).decoder_config,
+                               dtype=self.dtype)
+            return [(n, t) for n, t in head.named_export_tensors() if n != "d2t"]
+        ck = HFCheckpoint(self.config.draft_path)
+        tied = ck.decoder_config.tie_word_embeddings
+        return [(n, ck.get(n)) for n in sorted(ck.names()) if not (tied and n == "lm_head.weight")
+                and "rotary_emb" not in n]
+
+    def _repush_draft(self) -> None:
+        from megatron_spec.sync.streamer import WeightStreamer
+
+        named, version = self._draft_backup or (self._checkpoint_draft(), proto.INITIAL_VERSION)
+        WeightStreamer(self, weight_dtype="bf16" if self.dtype == torch.bfloat16 else "fp32",
+                       for_sglang=True).sync_draft(named, version)
+
+    def _push_checkpoint_fp8(self) -> None:
+        from megatron_spec.models import HFCheckpoint
+        from megatron_spec.sync.streamer import WeightStreamer
+
+        ck = HFCheckpoint(self.config.model_path)
+        tied = ck.decoder_config.tie_word_embeddings
+        names = [n for n in sorted(ck.names()) if not (tied and n == "lm_head.weight") and "rotary_emb" not in n]
+        WeightStreamer(self, weight_dtype="fp8", for_sglang=True).sync_target_tensors(
+            ((n, ck.get(n)) for n in names), proto.INITIAL_VERSION, shapes={n: ck.shape(n) for n in names})
+
+    def startup_fingerprint(self, group: str):
+        """Fingerprint (engine dtype) of the weights the engine loaded at start, or None if it
+        started with dummy weights. Used once, when a first sync leaves a digest unchanged."""
+        from megatron_spec.models import HFCheckpoint
+        from megatron_spec.sync.fingerprint import fingerprint_tensors
+
+        if group == "target":
+            if not self.config.load_weights or self.config.fp8_weights:
+                return None
+            ck = HFCheckpoint(self.config.model_path)
+            tied = ck.decoder_config.tie_word_embeddings
+            names = [n for n in ck.names() if not (tied and n == "lm_head.weight") and "rotary_emb" not in n]
+            return fingerprint_tensors((ck.get(n) for n in names), self.dtype)
+        return fingerprint_tensors((t for _, t in self._checkpoint_draft()), self.dtype)
+
+    # ------------------------------------------------------------------ memory
+    def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        tags = tuple(tags)
+        for tag in tags:
+            if tag not in ("kv_cache", "weights", "cuda_graph"):
+                raise ValueError(f"unknown memory tag {tag!r}")
+        self._tm("release_memory_occupation", proto.memory_request(True, tags))
+        if "weights" in tags:
+            self._versions = {"target": None, "draft": None}  # contents are gone (draft: PR #31674)
+        self._released |= set(tags)
+
+    def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+        """Re-occupy memory. With ``weights``, the draft is pushed again at once (last verified
+        draft, else the checkpoint); the target must be pushed by the trainer."""
+        tags = tuple(tags)
+        self._tm("resume_memory_occupation", proto.memory_request(False, tags))
+        self._released -= {"kv_cache", "cuda_graph"} & set(tags)
+        if "weights" in tags and self._speculation and self.config.draft_kind in ("eagle3", "model"):
+            self._repush_draft()
+
+    # ------------------------------------------------------------------ health
+    def health(self, timeout: float = 60.0) -> dict[str, Any]:
+        out: dict[str, Any] = {"alive": not self._closed, "weight_version": self._versions["target"],
+                               "draft_weight_version": self._versions["draft"], "released": sorted(self._released),
+                               "engine_weight_version": self._engine_version(), "checksums": {}}
+        for group in self._groups():
+            if self._versions[group] is None:
+                continue
+            success, message, _ranks, digest = self._tm("check_weights", proto.checksum_request(group))
+            if not success or digest is None:
+                raise SGLangCallError(f"SGLang check_weights({group}) failed: {message}")
+            out["checksums"][group] = {"digest": digest}
+        return out
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.shutdown()
+
+    def __enter__(self) -> "SGLangEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

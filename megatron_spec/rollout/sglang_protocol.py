@@ -1,0 +1,208 @@
+"""What the SGLang backend sends to and reads from ``sglang.Engine`` (SGLang 0.5.23), as pure functions.
+
+* :func:`server_kwargs`: ``ServerArgs`` fields from our :class:`EngineConfig` (EAGLE-3 /
+  standalone draft model, exact verification, memory saver for colocation, block FP8).
+* :func:`update_request` / :func:`session_request` / :func:`checksum_request`: the request
+  objects of the weight-update protocol (``UpdateWeightsFromTensorReqInput`` with an explicit
+  selector, never SGLang's default ``"all"``, which loads target tensors into the EAGLE-3 draft).
+* :func:`parse_output`: one ``generate`` output (``output_ids`` + ``meta_info``) as our
+  :class:`SampleOutput`, counting verify steps the way the native engine does.
+
+Facts used (read from the 0.5.23 sources; DESIGN.md section 4):
+``spec_verify_ct`` counts decode verify passes only (``batch_result_processor`` increments it
+when a verify commits tokens); the prefill's token is in ``completion_tokens`` but not in
+``spec_verify_ct``. ``spec_correct_drafts_histogram[j]`` counts verify steps that accepted j
+drafts. ``output_token_logprobs`` entries are ``(logprob, token_id, text)`` with logprob =
+log_softmax(logits / T) (unscaled for greedy rows): temperature is applied, top-k/top-p
+renormalisation is not (``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset).
+
+This module imports nothing from SGLang at import time; the request builders take the
+request classes from ``sglang.srt.managers.io_struct`` when called.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.types import FINISH_LENGTH, FINISH_STOP, SampleOutput
+
+SELECTORS = ("target", "draft")
+INITIAL_VERSION = "init"
+# The EAGLE-3 draft reads the target's embedding (``set_embed``): keep it out of the draft digest,
+# or every target update would look like a change of the draft.
+DRAFT_SHARED_TENSORS = ("embed_tokens",)
+
+
+class SGLangOutputError(RuntimeError):
+    """A generate output that is inconsistent or reports an abort."""
+
+
+def speculative_kwargs(config: EngineConfig) -> dict[str, Any]:
+    """Speculative-decoding fields for ``config.draft_kind`` (empty for ``none``).
+
+    Exact verification: topk 1 (a chain), acceptance thresholds 1.0, and rejection sampling
+    with min(1, p/q) (SGLang's default verify accepts with p(x) only: exact, lower acceptance).
+
+    Raises:
+        ValueError: draft kinds this backend does not launch (n-gram, MTP: use ``native``).
+    """
+    kind, k = config.draft_kind, config.k
+    if kind == "none":
+        return {}
+    if kind in ("ngram", "mtp"):
+        raise ValueError(f"draft_kind {kind!r} is not launched by the SGLang backend (its n-gram / NEXTN "
+                         f"settings do not map onto ours); use --rollout-backend native")
+    algorithm = {"eagle3": "EAGLE3", "model": "STANDALONE"}[kind]
+    return {
+        "speculative_algorithm": algorithm,
+        "speculative_draft_model_path": config.draft_path,
+        "speculative_num_steps": k,
+        "speculative_eagle_topk": 1,
+        "speculative_num_draft_tokens": k + 1,
+        "speculative_accept_threshold_single": 1.0,
+        "speculative_accept_threshold_acc": 1.0,
+        "speculative_use_rejection_sampling": True,
+    }
+
+
+def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool = True,
+                  overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``sglang.Engine(**kwargs)`` for ``config``.
+
+    FP8 (``config.fp8_weights``): the target is launched as a block-FP8 model
+    (``quantization_config`` injected through ``json_model_override_args``) with dummy weights,
+    since a bf16 checkpoint cannot be loaded into FP8 parameters; the trainer (or
+    :class:`SGLangEngine` for ``load_weights``) pushes quantised weights before the first
+    generate. The draft stays unquantised and is read from its checkpoint (``d2t`` is read once).
+    """
+    from megatron_spec.sync.fp8 import quantization_config
+
+    kw: dict[str, Any] = {
+        "model_path": config.model_path,
+        "dtype": config.dtype,
+        "tp_size": tp_size,
+        "random_seed": config.seed,
+        "context_length": config.context_length,
+        "max_running_requests": config.max_batch_size,
+        "skip_tokenizer_init": True,  # we send token ids and read output_ids
+        "enable_memory_saver": True,  # release/resume around training (colocated)
+        "load_format": "auto" if config.load_weights else "dummy",
+        "weight_version": INITIAL_VERSION,  # what the native engine calls checkpoint weights
+    }
+    if speculation:
+        kw.update(speculative_kwargs(config))
+    if config.fp8_weights:
+        kw["json_model_override_args"] = json.dumps({"quantization_config": quantization_config()})
+        kw["load_format"] = "dummy"
+        if kw.get("speculative_algorithm"):
+            kw["speculative_draft_model_quantization"] = "unquant"
+            kw["speculative_draft_load_format"] = "auto"
+    if overrides:
+        kw.update(overrides)
+    return kw
+
+
+def _io_struct():
+    from sglang.srt.managers import io_struct
+
+    return io_struct
+
+
+def _check_selector(selector: str) -> None:
+    if selector not in SELECTORS:
+        raise ValueError(f"selector must be 'target' or 'draft' (SGLang's 'all' loads target tensors into the "
+                         f"EAGLE-3 draft), got {selector!r}")
+
+
+def update_request(payloads: Sequence[bytes], selector: str, weight_version: str | None, flush_cache: bool):
+    """``UpdateWeightsFromTensorReqInput`` for flattened-bucket payloads (one per engine TP rank)."""
+    _check_selector(selector)
+    if not payloads or not all(isinstance(p, (bytes, bytearray)) for p in payloads):
+        raise TypeError("payloads must be a non-empty list of serialized buckets (bytes), one per TP rank")
+    return _io_struct().UpdateWeightsFromTensorReqInput(
+        serialized_named_tensors=[bytes(p) for p in payloads], load_format="flattened_bucket",
+        flush_cache=flush_cache, weight_version=weight_version, selector=selector)
+
+
+def session_request(begin: bool, selector: str = "all"):
+    """``BeginWeightUpdateReqInput(selector)`` or ``EndWeightUpdateReqInput()``."""
+    io = _io_struct()
+    if not begin:
+        return io.EndWeightUpdateReqInput()
+    if selector not in (*SELECTORS, "all"):
+        raise ValueError(f"session selector must be 'target', 'draft' or 'all', got {selector!r}")
+    return io.BeginWeightUpdateReqInput(selector=selector)
+
+
+def checksum_request(selector: str):
+    """``CheckWeightsReqInput(action="checksum")`` for one group (the draft without shared tensors)."""
+    _check_selector(selector)
+    skip = list(DRAFT_SHARED_TENSORS) if selector == "draft" else None
+    return _io_struct().CheckWeightsReqInput(action="checksum", selector=selector, skip_tensor_list=skip)
+
+
+def memory_request(release: bool, tags: Sequence[str]):
+    io = _io_struct()
+    cls = io.ReleaseMemoryOccupationReqInput if release else io.ResumeMemoryOccupationReqInput
+    return cls(tags=list(tags))
+
+
+def parse_output(out: Mapping[str, Any], request_id: str, sample_index: int, *, speculative: bool,
+                 target_version: str | None, draft_version: str | None) -> SampleOutput:
+    """One SGLang ``generate`` result as a :class:`SampleOutput`.
+
+    ``num_verify_steps`` = ``spec_verify_ct + 1`` (the prefill counts as one, as in the native
+    engine) with speculation, else one per token. ``accepted_per_step`` is rebuilt from the
+    acceptance histogram (step order is not reported; the statistics do not need it).
+
+    Raises:
+        SGLangOutputError: an aborted request, or counts that contradict each other.
+    """
+    meta = out.get("meta_info")
+    if meta is None or "output_ids" not in out:
+        raise SGLangOutputError(f"request {request_id}: SGLang output lacks output_ids/meta_info: keys {sorted(out)}")
+    output_ids = [int(t) for t in out["output_ids"]]
+    finish = meta.get("finish_reason") or {}
+    ftype = finish.get("type") if isinstance(finish, Mapping) else finish
+    if ftype == "abort":
+        raise SGLangOutputError(f"request {request_id} aborted by SGLang: {finish.get('message')}")
+    if ftype not in (FINISH_STOP, FINISH_LENGTH):
+        raise SGLangOutputError(f"request {request_id}: unknown finish_reason {finish!r}")
+    completion = int(meta.get("completion_tokens", len(output_ids)))
+    if completion != len(output_ids):
+        raise SGLangOutputError(f"request {request_id}: completion_tokens {completion} != {len(output_ids)} output ids")
+    lps = meta.get("output_token_logprobs")
+    if lps is None or len(lps) != len(output_ids):
+        raise SGLangOutputError(f"request {request_id}: {0 if lps is None else len(lps)} output_token_logprobs for "
+                                f"{len(output_ids)} tokens (generate with return_logprob=True)")
+    logprobs = []
+    for i, (entry, tok) in enumerate(zip(lps, output_ids)):
+        lp, lp_tok = float(entry[0]), int(entry[1])
+        if lp_tok != tok:
+            raise SGLangOutputError(f"request {request_id}: logprob {i} is for token {lp_tok}, output has {tok}")
+        logprobs.append(lp)
+    verify_ct = int(meta.get("spec_verify_ct", 0) or 0)
+    accepted: list[int] = []
+    if speculative and verify_ct > 0:
+        steps = verify_ct + 1
+        hist = meta.get("spec_correct_drafts_histogram") or []
+        if hist:
+            if sum(hist) != verify_ct:
+                raise SGLangOutputError(f"request {request_id}: acceptance histogram covers {sum(hist)} steps, "
+                                        f"spec_verify_ct is {verify_ct}")
+            accepted = [j for j, c in enumerate(hist) for _ in range(int(c))]
+            if 1 + sum(accepted) + verify_ct < completion:
+                raise SGLangOutputError(f"request {request_id}: {completion} tokens from {verify_ct} verify steps "
+                                        f"accepting {sum(accepted)} drafts")
+    else:
+        steps = completion
+    version = meta.get("weight_version")
+    if version is not None and version not in (target_version, draft_version):
+        raise SGLangOutputError(f"request {request_id}: generated under weight_version {version!r}, the engine "
+                                f"should hold target {target_version!r} / draft {draft_version!r}")
+    return SampleOutput(request_id=request_id, sample_index=sample_index, output_ids=output_ids, logprobs=logprobs,
+                        finish_reason=ftype, num_verify_steps=steps, accepted_per_step=accepted,
+                        weight_version=target_version, draft_weight_version=draft_version)
