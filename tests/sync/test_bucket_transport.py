@@ -1,0 +1,120 @@
+"""Buckets, payloads and the allowlist receiver (ours and SGLang's)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import pytest
+import torch
+from multiprocessing.reduction import ForkingPickler
+
+from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata, alloc_bucket_buffer
+from megatron_spec.sync.transport import (
+    UnsafePayloadError,
+    make_bucket_payloads,
+    read_bucket_payload,
+    serialize,
+)
+
+
+def _mixed():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, generator=g)
+    return [
+        ("a.weight", torch.randn(3, 5, generator=g).to(torch.float8_e4m3fn)),  # 15 bytes: misaligns the next
+        ("a.weight_scale_inv", torch.rand(1, 1, generator=g)),
+        ("b.weight", base.t()),  # a strided view
+        ("c.bias", torch.randn(7, generator=g).to(torch.bfloat16)),
+        ("d.ids", torch.arange(3)),
+    ]
+
+
+def test_writer_aligns_offsets_and_copies_strided_views():
+    named = _mixed()
+    w = BucketWriter(alloc_bucket_buffer(4096))
+    for n, t in named:
+        w.add(n, t)
+    flat, meta = w.finish()
+    for m, (n, t) in zip(meta, named):
+        assert m.start_idx % t.dtype.itemsize == 0, n
+        got = flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
+        assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), n
+    assert meta[1].start_idx == 16  # 15 fp8 bytes, then the float32 scale at the next multiple of 4
+
+
+def test_writer_casts_and_reshapes_blocked_views():
+    src = torch.randn(2, 3, 4)  # e.g. q rows grouped per KV head: HF shape [6, 4]
+    w = BucketWriter(alloc_bucket_buffer(1024))
+    dst = w.add("q.weight", src, shape=(6, 4), dtype=torch.bfloat16)
+    assert dst.shape == (6, 4) and torch.equal(dst, src.reshape(6, 4).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        w.add("big.weight", torch.zeros(1000))
+
+
+def test_payload_round_trip_through_shared_memory():
+    named = _mixed()
+    w = BucketWriter(alloc_bucket_buffer(4096))
+    for n, t in named:
+        w.add(n, t)
+    flat, meta = w.finish()
+    assert flat.is_shared()
+    payloads = make_bucket_payloads(flat, meta, 2)
+    assert len(payloads) == 2 and all(len(p) < 4096 for p in payloads)  # handles, not data
+    for p in payloads:  # each engine rank reads its own payload once
+        got = read_bucket_payload(p)
+        assert [n for n, _ in got] == [n for n, _ in named]
+        for (_, a), (_, b) in zip(got, named):
+            assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.getcwd, ())
+
+
+def _forking_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def test_payload_with_a_non_tensor_object_is_refused():
+    flat = torch.zeros(8, dtype=torch.uint8)
+    meta = [FlattenedTensorMetadata("x", torch.Size([2]), torch.float32, 0, 8, 8)]
+    with pytest.raises(UnsafePayloadError, match="posix.getcwd"):
+        read_bucket_payload(serialize({"flattened_tensor": flat, "metadata": meta, "extra": Evil()}))
+    with pytest.raises(UnsafePayloadError, match="getcwd"):  # hidden inside a metadata record
+        bad = FlattenedTensorMetadata(Evil(), torch.Size([2]), torch.float32, 0, 8, 8)
+        read_bucket_payload(_forking_bytes({"flattened_tensor": flat, "metadata": [bad]}))
+    with pytest.raises(UnsafePayloadError, match="not a flattened bucket"):
+        read_bucket_payload(serialize({"flattened_tensor": flat, "metadata": meta, "x": 1}))
+    with pytest.raises(UnsafePayloadError, match="wrong field types"):
+        odd = FlattenedTensorMetadata(b"x", torch.Size([2]), torch.float32, 0, 8, 8)
+        read_bucket_payload(serialize({"flattened_tensor": flat, "metadata": [odd]}))
+    with pytest.raises(ValueError, match="do not match"):  # well-typed but out of bounds
+        oob = FlattenedTensorMetadata("x", torch.Size([4]), torch.float32, 0, 16, 16)
+        read_bucket_payload(serialize({"flattened_tensor": flat, "metadata": [oob]}))
+
+
+@pytest.mark.sglang
+def test_sglang_reads_our_payloads_into_its_bucket():
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    named = _mixed()
+    w = BucketWriter(alloc_bucket_buffer(4096))
+    for n, t in named:
+        w.add(n, t)
+    flat, meta = w.finish()
+    payload = make_bucket_payloads(flat, meta, 1, for_sglang=True)[0]
+    data = MultiprocessingSerializer.deserialize(payload)  # SGLang's allowlist unpickler
+    bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+    got = bucket.reconstruct_tensors()
+    assert [n for n, _ in got] == [n for n, _ in named]
+    for (_, a), (_, b) in zip(got, named):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
+    with pytest.raises(RuntimeError, match="Blocked unsafe global"):  # and it refuses what we refuse
+        MultiprocessingSerializer.deserialize(serialize({"flattened_tensor": flat, "x": Evil()}))

@@ -1,0 +1,227 @@
+"""WeightStreamer against the real native engine (separate process) and an in-process stand-in.
+
+The native engine shows the contract end to end: the engine holds exactly what was sent
+(fingerprints equal), updates never cross groups, a dropped/stale draft update is caught by
+the checksum, FP8 blocks are dequantised on arrival. The stand-in (``DictEngine``) makes the
+pipeline properties observable: overlap of packing and sending, peak memory, failures.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from megatron_spec.models import HFCheckpoint
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.native.handle import NativeEngine
+from megatron_spec.sync.bucket import BucketWriter, alloc_bucket_buffer
+from megatron_spec.sync.fingerprint import Fingerprint, fingerprint_tensors
+from megatron_spec.sync.fp8 import dequantize_named, quantize_named
+from megatron_spec.sync.streamer import WeightStreamer, WeightSyncError
+from megatron_spec.sync.transport import make_bucket_payloads, read_bucket_payload
+
+
+def ckpt_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    ck = HFCheckpoint(path)
+    tied = ck.decoder_config.tie_word_embeddings
+    return [(n, ck.get(n)) for n in sorted(ck.names()) if not (tied and n == "lm_head.weight")]
+
+
+def draft_tensors(path: str, cfg) -> list[tuple[str, torch.Tensor]]:
+    from megatron_spec.draft.modelopt_io import load_eagle3
+
+    return [(n, t.detach().clone()) for n, t in load_eagle3(path, cfg).named_export_tensors() if n != "d2t"]
+
+
+@pytest.fixture(scope="module")
+def engine(ckpts):
+    cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3, num_threads=1,
+                       max_batch_size=2, context_length=64)
+    with NativeEngine(cfg) as eng:
+        yield eng
+
+
+def test_target_sync_lands_exactly_and_leaves_the_draft_alone(engine, ckpts):
+    before = engine.health()
+    st = WeightStreamer(engine, bucket_bytes=16 << 10, weight_dtype="fp32")
+    named = ckpt_tensors(ckpts.qwen3_other)
+    rep = st.sync_target_tensors(named, "t1")
+    after = engine.health()
+    assert after["weight_version"] == "t1" and after["draft_weight_version"] == before["draft_weight_version"]
+    assert after["checksums"]["draft"] == before["checksums"]["draft"]
+    assert Fingerprint.from_dict(after["checksums"]["target"]) == fingerprint_tensors(t for _, t in named)
+    assert rep.checksums["sent"] == rep.checksums["engine"] == after["checksums"]["target"]
+    assert rep.num_buckets > 3 and rep.bytes == sum(t.numel() * 4 for _, t in named) + rep.bytes % 4
+    assert rep.num_tensors == len(named)
+
+
+def test_draft_sync_lands_exactly_and_leaves_the_target_alone(engine, ckpts):
+    before = engine.health()
+    st = WeightStreamer(engine, bucket_bytes=16 << 10, weight_dtype="fp32")
+    named = draft_tensors(ckpts.eagle3_other, ckpts.cfg)
+    st.sync_draft(named, "d1")
+    after = engine.health()
+    assert after["draft_weight_version"] == "d1" and after["weight_version"] == before["weight_version"]
+    assert after["checksums"]["target"] == before["checksums"]["target"]
+    assert Fingerprint.from_dict(after["checksums"]["draft"]) == fingerprint_tensors(t for _, t in named)
+    with pytest.raises(ValueError, match="d2t must not be re-sent"):
+        st.sync_draft(named + [("d2t", torch.zeros(3, dtype=torch.long))], "d1")
+
+
+class StaleDraft:
+    """An engine proxy that acknowledges draft updates but loads the previous draft instead:
+    version bookkeeping says "updated", the weights say otherwise (the peers' silent failure)."""
+
+    def __init__(self, engine, stale: list[tuple[str, torch.Tensor]]):
+        self._engine, self.config = engine, engine.config
+        w = BucketWriter(alloc_bucket_buffer(sum(t.numel() * 4 + 16 for _, t in stale)))
+        for n, t in stale:
+            w.add(n, t)
+        self._stale = w.finish()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def update_weights_from_tensor(self, payloads, selector, weight_version=None, flush_cache=True):
+        if selector == "draft":
+            payloads = make_bucket_payloads(*self._stale, 1)
+        return self._engine.update_weights_from_tensor(payloads, selector, weight_version, flush_cache)
+
+
+def test_dropped_draft_update_is_detected_by_the_checksum(engine, ckpts):
+    old = draft_tensors(ckpts.eagle3, ckpts.cfg)
+    new = draft_tensors(ckpts.eagle3_other, ckpts.cfg)
+    WeightStreamer(engine, weight_dtype="fp32").sync_draft(old, "d-old")
+    st = WeightStreamer(StaleDraft(engine, old), weight_dtype="fp32")
+    with pytest.raises(WeightSyncError, match="draft weight sync failed: engine holds different values") as err:
+        st.sync_draft(new, "d-new")
+    assert err.value.group == "draft"
+    assert engine.health()["draft_weight_version"] == "d-new"  # the version alone would not have told
+
+
+def test_bf16_streaming_is_verified_in_the_engine_dtype(engine, ckpts):
+    named = ckpt_tensors(ckpts.qwen3)
+    rep = WeightStreamer(engine, bucket_bytes=16 << 10, weight_dtype="bf16").sync_target_tensors(named, "t-bf16")
+    held = Fingerprint.from_dict(engine.health()["checksums"]["target"])
+    assert held == fingerprint_tensors((t.to(torch.bfloat16) for _, t in named), torch.float32)
+    assert rep.bytes < sum(t.numel() * 4 for _, t in named) * 0.51
+
+
+def test_native_engine_dequantises_fp8_blocks(ckpts):
+    cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3, num_threads=1,
+                       max_batch_size=2, context_length=64, load_weights=False, fp8_weights=True)
+    named = ckpt_tensors(ckpts.qwen3_other)
+    with NativeEngine(cfg) as eng:
+        st = WeightStreamer(eng, bucket_bytes=16 << 10, weight_dtype="fp8")
+        rep = st.sync_target_tensors(named, "t-fp8")
+        st.sync_draft(draft_tensors(ckpts.eagle3_other, ckpts.cfg), "d-fp8")  # the draft stays unquantised
+        held = Fingerprint.from_dict(eng.health()["checksums"]["target"])
+    expected = fingerprint_tensors(t for _, t in dequantize_named(quantize_named(named), torch.float32))
+    assert held == expected and held != fingerprint_tensors(t for _, t in named)
+    assert rep.bytes < sum(t.numel() * 4 for _, t in named) * 0.5
+
+
+# ------------------------------------------------------------------------- in-process stand-in
+class DictEngine:
+    """Reads payloads like an engine (allowlist, shared memory), keeps only fingerprints."""
+
+    def __init__(self, dtype="float32", delay_s=0.0, fail_at=None, cross=False):
+        self.config = type("C", (), {"dtype": dtype})()
+        self.delay_s, self.fail_at, self.cross = delay_s, fail_at, cross
+        self.fp = {"target": Fingerprint(), "draft": fingerprint_tensors([torch.ones(4)])}
+        self.versions = {"target": None, "draft": "init"}
+        self.calls: list[tuple[str, float, float]] = []
+        self.session = None
+        self.n = 0
+
+    def begin_weight_update(self, selector="all"):
+        self.session = {"selector": selector, "fp": Fingerprint(), "version": None}
+
+    def update_weights_from_tensor(self, payloads, selector, weight_version=None, flush_cache=True):
+        t0 = time.perf_counter()
+        self.n += 1
+        if self.fail_at == self.n:
+            raise RuntimeError("engine out of memory")
+        for _, t in read_bucket_payload(payloads[0]):
+            self.session["fp"].add(t, torch.float32)
+        time.sleep(self.delay_s)
+        self.session["version"] = weight_version
+        self.calls.append((selector, t0, time.perf_counter()))
+        return {}
+
+    def end_weight_update(self):
+        s, self.session = self.session, None
+        g = s["selector"]
+        if s["version"] is not None:
+            self.fp[g], self.versions[g] = s["fp"], s["version"]
+        if self.cross and g == "target":  # a buggy engine: the target update also touched the draft
+            self.fp["draft"] = fingerprint_tensors([torch.zeros(4)])
+        return self.health()
+
+    def health(self):
+        return {"weight_version": self.versions["target"], "draft_weight_version": self.versions["draft"],
+                "checksums": {g: f.to_dict() for g, f in self.fp.items()}}
+
+
+def _slow_items(named, per_item_s):
+    for n, t in named:
+        time.sleep(per_item_s)  # stands in for the TP gather of one parameter
+        yield n, t
+
+
+def test_packing_overlaps_sending():
+    named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(64, 64)) for i in range(6)]
+    eng = DictEngine(delay_s=0.15)
+    st = WeightStreamer(eng, bucket_bytes=64 * 64 * 4 + 64, weight_dtype="fp32")  # one tensor per bucket
+    st.sync_target_tensors([("warm.weight", torch.ones(1))], "w")
+    t0 = time.perf_counter()
+    rep = st.sync_target_tensors(_slow_items(named, 0.15), "v", shapes={n: t.shape for n, t in named})
+    elapsed = time.perf_counter() - t0
+    assert rep.num_buckets == 6
+    # serial: 6 x (0.15 pack + 0.15 send) = 1.8 s; double-buffered: ~0.15 + 6 x 0.15 = 1.05 s
+    assert elapsed < 1.5, elapsed
+    starts = [c[1] for c in eng.calls[1:]]
+    ends = [c[2] for c in eng.calls[1:]]
+    assert all(s < e for s, e in zip(starts[1:], ends[1:]))
+
+
+def test_peak_extra_memory_is_two_buckets():
+    g = torch.Generator().manual_seed(0)
+    named = [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 512, generator=g)) for i in range(24)]
+    st = WeightStreamer(DictEngine(), bucket_bytes=4 << 20, weight_dtype="fp32", measure_memory=True)
+    st.sync_target_tensors(named[:2], "warm")  # first-use costs (thread, imports) are not the streamer's
+    rep = st.sync_target_tensors(named, "v")
+    assert rep.num_buckets >= 6 and rep.peak_extra_bytes is not None
+    assert rep.peak_extra_bytes <= 2.2 * rep.bucket_capacity, (rep.peak_extra_bytes, rep.bucket_capacity)
+
+
+def test_engine_failure_mid_stream_is_named_and_does_not_hang():
+    named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(64, 64)) for i in range(6)]
+    eng = DictEngine(fail_at=2)
+    st = WeightStreamer(eng, bucket_bytes=64 * 64 * 4 + 64, weight_dtype="fp32")
+    with pytest.raises(WeightSyncError, match="target weight sync failed: engine update failed: engine out of memory"):
+        st.sync_target_tensors(named, "v")
+    assert eng.session is None  # the session was closed (the native engine then refuses the partial update)
+    assert threading.active_count() < 10
+
+
+def test_crossed_update_is_detected():
+    eng = DictEngine(cross=True)
+    st = WeightStreamer(eng, weight_dtype="fp32")
+    st.sync_draft([("layers.0.mlp.up_proj.weight", torch.randn(4, 4))], "d1")
+    with pytest.raises(WeightSyncError, match="draft weight sync failed: changed while the other group was updated"):
+        st.sync_target_tensors([("model.norm.weight", torch.ones(4))], "t1")
+
+
+def test_wrong_version_is_detected():
+    class Lagging(DictEngine):
+        def health(self):
+            h = super().health()
+            h["weight_version"] = "t0"
+            return h
+
+    with pytest.raises(WeightSyncError, match="engine reports version 't0', sent 't1'"):
+        WeightStreamer(Lagging(), weight_dtype="fp32").sync_target_tensors([("model.norm.weight", torch.ones(4))], "t1")

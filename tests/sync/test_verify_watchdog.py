@@ -1,0 +1,80 @@
+"""Digest-consistency checks (engines that hash their own layout) and the acceptance watchdog."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from megatron_spec.sync.fingerprint import fingerprint_tensors
+from megatron_spec.sync.verify import DigestLedger, WeightSyncError, check_untouched
+from megatron_spec.sync.watchdog import AcceptanceWatchdog, Action
+
+A = fingerprint_tensors([torch.ones(3)])
+B = fingerprint_tensors([torch.zeros(3)])
+
+
+def test_ledger_accepts_consistent_digests():
+    led = DigestLedger()
+    led.check("target", A, before="d0", after="dA")
+    led.check("target", B, before="dA", after="dB")
+    led.check("target", A, before="dB", after="dA")  # the same content again: the same digest
+
+
+def test_ledger_catches_a_dropped_update():
+    led = DigestLedger()
+    led.check("draft", A, before="d0", after="dA")
+    with pytest.raises(WeightSyncError, match="draft weight sync failed: .*older version \\(update dropped\\)"):
+        led.check("draft", B, before="dA", after="dA")
+    with pytest.raises(WeightSyncError, match="draft weight sync failed: engine digest did not change"):
+        DigestLedger().check("draft", B, before="d0", after="d0")  # start-up weights unknown
+
+
+def test_ledger_catches_stale_and_partial_contents():
+    led = DigestLedger()
+    led.check("target", A, before=None, after="dA")
+    led.check("target", B, before="dA", after="dB")
+    with pytest.raises(WeightSyncError, match="equals that of weights sent earlier"):
+        led.check("target", fingerprint_tensors([torch.full((3,), 2.0)]), before=None, after="dA")
+    with pytest.raises(WeightSyncError, match="differs from the last time these exact weights"):
+        led.check("target", A, before="dB", after="dPartial")
+
+
+def test_unchanged_digest_on_first_sync_is_resolved_by_the_startup_weights():
+    led = DigestLedger()
+    led.check("target", A, before="d0", after="d0", startup_fingerprint=lambda: A)  # identical to start-up
+    with pytest.raises(WeightSyncError, match="did not change"):
+        DigestLedger().check("target", A, before="d0", after="d0", startup_fingerprint=lambda: B)
+    with pytest.raises(WeightSyncError, match="did not change"):
+        DigestLedger().check("target", A, before="d0", after="d0", startup_fingerprint=lambda: None)
+
+
+def test_untouched_group():
+    check_untouched("draft", ("d1", {"digest": "x"}), {"draft_weight_version": "d1", "checksums": {"draft": {"digest": "x"}}})
+    check_untouched("draft", ("d1", {"digest": "x"}), {"draft_weight_version": None, "checksums": {}})  # released
+    with pytest.raises(WeightSyncError, match="draft weight sync failed: changed while the other group"):
+        check_untouched("draft", ("d1", {"digest": "x"}),
+                        {"draft_weight_version": "d1", "checksums": {"draft": {"digest": "y"}}})
+
+
+def test_watchdog_warns_once_then_keeps_advising(caplog):
+    wd = AcceptanceWatchdog(window=3, fallback=False)
+    with caplog.at_level(logging.WARNING, logger="megatron_spec.sync.watchdog"):
+        actions = [wd.observe(a) for a in (2.4, 1.02, 1.0, 1.05, 1.0, 1.01)]
+    assert actions == [Action.OK, Action.OK, Action.OK, Action.WARN, Action.WARN, Action.WARN]
+    assert sum("acceptance collapsed" in r.message for r in caplog.records) == 1
+    assert wd.observe(1.9) is Action.OK and wd.streak == 0  # one healthy step resets it
+    assert json.dumps({"spec/watchdog": Action.WARN}) == '{"spec/watchdog": "warn"}'
+
+
+def test_watchdog_fallback_and_arguments():
+    wd = AcceptanceWatchdog(window=2, fallback=True, threshold=1.2)
+    assert [wd.observe(a) for a in (1.15, 1.2)] == [Action.OK, Action.FALLBACK]
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        AcceptanceWatchdog(window=0)
+    with pytest.raises(ValueError, match="accept length"):
+        AcceptanceWatchdog(threshold=0.5)
+    with pytest.raises(ValueError, match="must be a number"):
+        wd.observe(float("nan"))
