@@ -1,0 +1,73 @@
+"""Draft losses, with hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_spec.draft.losses import (
+    hard_cross_entropy_sum,
+    soft_cross_entropy_sum,
+    top1_agreement_sum,
+    ttt_step_weights,
+    ttt_valid_rows,
+)
+
+
+def test_soft_ce_full_teacher_is_cross_entropy():
+    # p = (0.5, 0.5), q = (0.25, 0.75): -(0.5 ln 0.25 + 0.5 ln 0.75) = 0.5 (1.3863 + 0.2877) = 0.8370
+    logq = torch.log(torch.tensor([[0.25, 0.75]]))
+    logp = torch.log(torch.tensor([[0.5, 0.5]]))
+    loss, n = soft_cross_entropy_sum(logq, logp, torch.tensor([True]))
+    assert n == 1
+    assert loss.item() == pytest.approx(0.5 * (math.log(4) + math.log(4 / 3)), abs=1e-6)
+
+
+def test_soft_ce_topk_keeps_the_rest_as_one_class():
+    # top-2 teacher p = (0.5, 0.2), rest 0.3; draft q at those ids (0.4, 0.4), rest 0.2:
+    # -(0.5 ln 0.4 + 0.2 ln 0.4 + 0.3 ln 0.2) = 0.7 * 0.9163 + 0.3 * 1.6094 = 1.1242
+    logq = torch.log(torch.tensor([[0.4, 0.4]]))
+    logp = torch.log(torch.tensor([[0.5, 0.2]]))
+    loss, _ = soft_cross_entropy_sum(logq, logp, torch.tensor([True]))
+    assert loss.item() == pytest.approx(0.7 * math.log(2.5) + 0.3 * math.log(5), abs=1e-6)
+
+
+def test_soft_ce_topk_minimum_matches_teacher_mass_not_renormalised():
+    # Over q = (a, b, rest), the loss is minimised at q = p = (0.5, 0.2, 0.3), not at (5/7, 2/7, 0).
+    logp = torch.log(torch.tensor([[0.5, 0.2]]))
+    z = torch.zeros(1, 3, requires_grad=True)  # logits of (id0, id1, rest)
+    opt = torch.optim.SGD([z], lr=1.0)
+    for _ in range(500):
+        logq = torch.log_softmax(z, -1)[:, :2]
+        loss, _ = soft_cross_entropy_sum(logq, logp, torch.tensor([True]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.testing.assert_close(torch.softmax(z, -1).detach(), torch.tensor([[0.5, 0.2, 0.3]]), atol=1e-3, rtol=0)
+
+
+def test_masked_rows_contribute_nothing_even_if_nan():
+    logq = torch.tensor([[0.0, float("nan")], [math.log(0.5), math.log(0.5)]])
+    logp = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    loss, n = soft_cross_entropy_sum(logq, logp, torch.tensor([False, True]))
+    assert n == 1 and loss.item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_hard_ce_and_agreement():
+    # -(ln 0.5 + ln 0.25) over the two unmasked rows = 0.6931 + 1.3863
+    lq = torch.log(torch.tensor([0.5, 0.25, 0.1]))
+    loss, n = hard_cross_entropy_sum(lq, torch.tensor([True, True, False]))
+    assert n == 2 and loss.item() == pytest.approx(math.log(2) + math.log(4), abs=1e-6)
+    a = top1_agreement_sum(torch.tensor([1, 2, 3]), torch.tensor([1, 0, 3]), torch.tensor([True, True, False]))
+    assert a.item() == 1
+
+
+def test_ttt_weights_and_valid_rows():
+    assert ttt_step_weights(3, 0.9) == pytest.approx([1.0, 0.9, 0.81])
+    with pytest.raises(ValueError):
+        ttt_step_weights(0, 0.9)
+    # segment lengths 3 and 1, padded to 3; step 1 scores rows q with 1 <= q < length
+    v = ttt_valid_rows(torch.tensor([3, 1]), 3, 1)
+    assert v.tolist() == [[False, True, True], [False, False, False]]
