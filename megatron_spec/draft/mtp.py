@@ -198,7 +198,10 @@ class MtpTrainer:
         self.dp_group, self.tp_group = dp_group, tp_group
         self.dp_rank, self.dp_size = _group_info(dp_group)
         self.tp_rank, self.tp_size = _group_info(tp_group)
-        self.optimizer = DraftOptimizer(list(self.draft.parameters()), config, dp_group=dp_group, tp_group=tp_group)
+        # q/k layernorms act on this rank's heads only: their gradients are partial sums over TP
+        partial = [p for n, p in self.draft.named_parameters() if "q_layernorm" in n or "k_layernorm" in n]
+        self.optimizer = DraftOptimizer(list(self.draft.parameters()), config, dp_group=dp_group, tp_group=tp_group,
+                                        tp_partial=partial)
         self.export_dir = os.fspath(export_dir) if export_dir is not None else None
         self.generator = torch.Generator().manual_seed(config.seed * 1000003 + self.dp_rank)  # same on TP ranks
         self.step = 0

@@ -122,17 +122,22 @@ class DraftOptimizer:
     """AdamW + LR schedule + gradient clipping + data-parallel gradient all-reduce for draft weights.
 
     Gradients are summed over ``dp_group`` (the losses are pre-normalised by global counts).
-    Under tensor parallelism (MTP), the gradient norm counts each TP shard once and each
+    Under tensor parallelism (MTP), ``tp_partial`` parameters hold per-rank partial gradients
+    that are first summed over ``tp_group`` (megatron-core's rule for q/k layernorms, which each
+    rank applies to its own heads only); the gradient norm counts each TP shard once and each
     replicated parameter once (parameters with ``tensor_model_parallel=True`` are shards).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], config: DraftTrainerConfig, *,
-                 dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None):
+                 dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
+                 tp_partial: Sequence[torch.nn.Parameter] = ()):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
             raise ValueError("draft optimizer has no trainable parameters")
         self.config = config
         self.dp_group, self.tp_group = dp_group, tp_group
+        partial = {id(p) for p in tp_partial}
+        self._partial = [i for i, p in enumerate(self.params) if id(p) in partial]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.eps,
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_factor)
@@ -144,6 +149,12 @@ class DraftOptimizer:
     def step(self) -> dict[str, float]:
         """Reduce, clip and apply the accumulated gradients; returns ``grad_norm`` and ``lr`` (pre-step)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self._partial and _group_info(self.tp_group)[1] > 1:
+            part = [grads[i] for i in self._partial]
+            flat = torch._utils._flatten_dense_tensors(part)
+            dist.all_reduce(flat, group=self.tp_group)
+            for i, g in zip(self._partial, torch._utils._unflatten_dense_tensors(flat, part)):
+                grads[i] = g
         if _group_info(self.dp_group)[1] > 1:
             flat = torch._utils._flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=self.dp_group)
