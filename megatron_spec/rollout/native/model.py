@@ -146,6 +146,18 @@ STACKED = (
 )
 
 
+def _copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, written through the contiguous side when ``dst`` is a (narrowed) ``[out, in]``
+    view of a transposed ``weight_t``: a strided write runs at ~0.3-1 GB/s here, while torch's blocked
+    transpose copy into a contiguous destination (via a temporary for a narrowed slice) runs 3-4x
+    faster (measured on this CPU, bf16 and fp32). Weight updates spend most of their engine time here."""
+    if dst.dim() == 2 and dst.stride(0) == 1 and dst.shape[0] > 1 and dst.shape[1] > 1:
+        dst_t = dst.t()  # rows contiguous
+        dst_t.copy_(src.t() if dst_t.is_contiguous() else src.t().contiguous())
+    else:
+        dst.copy_(src)
+
+
 class CausalLM(nn.Module):
     """The target model of the native engine."""
 
@@ -238,7 +250,7 @@ class CausalLM(nn.Module):
                     dst = param.narrow(0, offset, sizes[piece][idx])
                 if tuple(dst.shape) != tuple(tensor.shape):
                     raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-                dst.copy_(tensor.to(dst.dtype))
+                _copy_weight(dst, tensor.to(dst.dtype))
                 loaded.add(name)
         if strict_complete:
             missing = self.expected_hf_names() - loaded
