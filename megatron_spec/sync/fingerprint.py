@@ -32,6 +32,7 @@ import torch
 _MOD = 1 << 64
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 15  # elements per step of the s2 pass (bounds its temporary to 256 KiB)
+_CAST_CHUNK = 1 << 20  # elements cast to the engine dtype at a time
 
 
 class Fingerprint:
@@ -47,12 +48,18 @@ class Fingerprint:
         return sum(p[0] for p in self.parts.values())
 
     def add(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> "Fingerprint":
-        """Accumulate ``tensor`` (cast to ``dtype`` first when given). Returns self."""
+        """Accumulate ``tensor`` (cast to ``dtype`` first when given, a chunk at a time so the
+        temporary stays small). Returns self."""
         x = tensor.detach()
-        if dtype is not None and x.dtype != dtype:
-            x = x.to(dtype)
-        n, s1, s2 = _bits_sums(x)
-        part = self.parts.setdefault(str(x.dtype).removeprefix("torch."), [0, 0, 0])
+        if dtype is None or x.dtype == dtype:
+            return self._add_sums(x.dtype, *_bits_sums(x))
+        flat = x.contiguous().reshape(-1)
+        for i in range(0, flat.numel(), _CAST_CHUNK):
+            self._add_sums(dtype, *_bits_sums(flat[i:i + _CAST_CHUNK].to(dtype)))
+        return self
+
+    def _add_sums(self, dtype: torch.dtype, n: int, s1: int, s2: int) -> "Fingerprint":
+        part = self.parts.setdefault(str(dtype).removeprefix("torch."), [0, 0, 0])
         part[0] += n
         part[1] = (part[1] + s1) % _MOD
         part[2] = (part[2] + s2) % _MOD

@@ -28,6 +28,7 @@ This module does not know how engines load weights, only their update API and ``
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import queue
@@ -83,7 +84,8 @@ class SyncReport:
     """end_weight_update (engine-side checksum) + comparison."""
     bucket_capacity: int = 0
     peak_extra_bytes: int | None = None
-    """Peak memory this process added during the sync (with ``measure_memory``)."""
+    """Peak memory this process held for the sync (with ``measure_memory``): the rise during the
+    sync plus bucket buffers kept from an earlier one."""
     skipped: bool = False
     """This rank took no part (another data-parallel replica)."""
 
@@ -115,13 +117,20 @@ class WeightStreamer:
             read pass over the weights on each side); versions are always checked.
         engine_dtype: the dtype the engine holds (default: ``engine.config.dtype``).
         engine_tp_size: payloads per bucket (default: ``engine.tp_size``, else 1).
-        keep_buffers: keep the two bucket buffers between syncs instead of freeing them.
+        keep_buffers: keep the two bucket buffers between syncs. Default (None): keep CPU buffers
+            (shared memory: a fresh one costs page faults on every sync, ~30% of a CPU sync here),
+            free GPU buffers (the caching allocator makes them cheap to get back; training wants the memory).
         measure_memory: record :attr:`SyncReport.peak_extra_bytes`.
+        cpu_threads: torch intra-op threads while packing CPU buckets (restored afterwards; None:
+            leave torch's setting). Packing is memory-bound and one thread saturates it, while two
+            OpenMP threads on a busy 2-core machine stall each other: fp32->bf16 packing ran at
+            10-20 GB/s with 1 thread and 0.2-0.8 GB/s with 2 here (benchmarks/bench_sync.py).
     """
 
     def __init__(self, engine: Any, *, bucket_bytes: int = 256 << 20, weight_dtype: str = "bf16",
                  for_sglang: bool = False, verify: bool = True, engine_dtype: str | torch.dtype | None = None,
-                 engine_tp_size: int | None = None, keep_buffers: bool = False, measure_memory: bool = False):
+                 engine_tp_size: int | None = None, keep_buffers: bool | None = None, measure_memory: bool = False,
+                 cpu_threads: int | None = 1):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         if bucket_bytes < 1 << 10:
@@ -133,6 +142,7 @@ class WeightStreamer:
         self.verify = verify
         self.keep_buffers = keep_buffers
         self.measure_memory = measure_memory
+        self.cpu_threads = cpu_threads
         if engine_dtype is None:
             engine_dtype = getattr(getattr(engine, "config", None), "dtype", "bfloat16")
         self.engine_dtype = engine_dtype if isinstance(engine_dtype, torch.dtype) else _TORCH_DTYPES[engine_dtype]
@@ -240,8 +250,10 @@ class WeightStreamer:
         bufs = self._buffers
         if len(bufs) == 2 and bufs[0].numel() >= capacity and bufs[0].device == device:
             return bufs
+        self._buffers = []  # free the old pair before allocating the new one
         bufs = [alloc_bucket_buffer(capacity, device) for _ in range(2)]
-        if self.keep_buffers:
+        keep = self.keep_buffers if self.keep_buffers is not None else device.type == "cpu"
+        if keep:
             self._buffers = bufs
         return bufs
 
@@ -251,12 +263,16 @@ class WeightStreamer:
         rep = SyncReport(group, version)
         t0 = time.perf_counter()
         mem = PeakMemory(device) if self.measure_memory else None
+        held = sum(b.numel() for b in self._buffers)  # kept buffers are resident before the sync starts
         digest_before = None
         if self.verify and getattr(self.engine, "checksum_kind", "fingerprint") == "digest":
             ck = reported_checksum(self.engine.health(), group)
             digest_before = None if ck is None else ck.get("digest")
         if mem is not None:
             mem.__enter__()
+        threads = torch.get_num_threads()
+        if self.cpu_threads is not None and device.type == "cpu":
+            torch.set_num_threads(self.cpu_threads)
         try:
             rep.bucket_capacity = self._capacity(shapes, quantize)
             self.engine.begin_weight_update(selector=group)
@@ -276,9 +292,10 @@ class WeightStreamer:
             except Exception as exc:
                 raise WeightSyncError(group, f"engine refused to finish the update: {exc}") from exc
         finally:
+            torch.set_num_threads(threads)
             if mem is not None:
                 mem.__exit__(None, None, None)
-                rep.peak_extra_bytes = mem.peak_extra_bytes
+                rep.peak_extra_bytes = None if mem.peak_extra_bytes is None else mem.peak_extra_bytes + held
         self._check(group, version, sent, health, digest_before)
         rep.checksums = {"sent": sent.to_dict() if sent is not None else None,
                          "engine": reported_checksum(health, group)}
@@ -319,27 +336,34 @@ class WeightStreamer:
         sent = Fingerprint() if self.verify else None
         stats = {"bytes": 0, "buckets": 0}
 
+        def call_engine(payloads, last: bool) -> None:
+            self.engine.update_weights_from_tensor(payloads, selector=group, weight_version=version, flush_cache=last)
+
         def sender() -> None:
-            while True:
-                b = todo.get()
-                if b is None:
-                    return
-                try:
-                    if not errors:
-                        if b.ready is not None:
-                            b.ready.synchronize()
-                        if sent is not None:
-                            self._fingerprint_bucket(b, sent)
-                        payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size,
-                                                        for_sglang=self.for_sglang)
-                        self.engine.update_weights_from_tensor(payloads, selector=group, weight_version=version,
-                                                               flush_cache=b.last)
-                        stats["bytes"] += b.flat.numel()
-                        stats["buckets"] += 1
-                except BaseException as exc:  # reported by the producer
-                    errors.append(exc)
-                finally:
-                    free[b.index].release()  # the engine has copied (or the update failed)
+            # The fingerprint of a bucket is taken while the engine loads it (both only read it).
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weight-call-{group}") as pool:
+                while True:
+                    b = todo.get()
+                    if b is None:
+                        return
+                    try:
+                        if not errors:
+                            if b.ready is not None:
+                                b.ready.synchronize()
+                            payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size,
+                                                            for_sglang=self.for_sglang)
+                            call = pool.submit(call_engine, payloads, b.last)
+                            try:
+                                if sent is not None:
+                                    self._fingerprint_bucket(b, sent)
+                            finally:
+                                call.result()  # the engine has copied the bucket (or raised)
+                            stats["bytes"] += b.flat.numel()
+                            stats["buckets"] += 1
+                    except BaseException as exc:  # reported by the producer
+                        errors.append(exc)
+                    finally:
+                        free[b.index].release()  # acknowledged (or failed): the buffer may be rewritten
 
         thread = threading.Thread(target=sender, name=f"weight-sender-{group}", daemon=True)
         writer: BucketWriter | None = None
@@ -415,7 +439,11 @@ class WeightStreamer:
 
                 sm = by_name[fp8_names.scale_name(m.name)]
                 scale = b.flat[sm.start_idx:sm.end_idx].view(sm.dtype).view(sm.shape)
-                fp.add(fp8_block_dequantize(view, scale, self.engine_dtype, fp8_names.BLOCK))
+                rows = fp8_names.BLOCK[0] * 8  # dequantise a few row blocks at a time: a small temporary
+                for r in range(0, view.shape[0], rows):
+                    fp.add(fp8_block_dequantize(view[r:r + rows], scale[r // fp8_names.BLOCK[0]:
+                                                                       -(-(r + rows) // fp8_names.BLOCK[0])],
+                                                self.engine_dtype, fp8_names.BLOCK))
             elif view.dtype.is_floating_point:
                 fp.add(view, self.engine_dtype)
             else:

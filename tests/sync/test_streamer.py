@@ -128,9 +128,9 @@ def test_native_engine_dequantises_fp8_blocks(ckpts):
 class DictEngine:
     """Reads payloads like an engine (allowlist, shared memory), keeps only fingerprints."""
 
-    def __init__(self, dtype="float32", delay_s=0.0, fail_at=None, cross=False):
+    def __init__(self, dtype="float32", delay_s=0.0, fail_at=None, cross=False, fp8=False):
         self.config = type("C", (), {"dtype": dtype})()
-        self.delay_s, self.fail_at, self.cross = delay_s, fail_at, cross
+        self.delay_s, self.fail_at, self.cross, self.fp8 = delay_s, fail_at, cross, fp8
         self.fp = {"target": Fingerprint(), "draft": fingerprint_tensors([torch.ones(4)])}
         self.versions = {"target": None, "draft": "init"}
         self.calls: list[tuple[str, float, float]] = []
@@ -145,7 +145,10 @@ class DictEngine:
         self.n += 1
         if self.fail_at == self.n:
             raise RuntimeError("engine out of memory")
-        for _, t in read_bucket_payload(payloads[0]):
+        named = read_bucket_payload(payloads[0])
+        if self.fp8:
+            named = dequantize_named(named, torch.float32)
+        for _, t in named:
             self.session["fp"].add(t, torch.float32)
         time.sleep(self.delay_s)
         self.session["version"] = weight_version
@@ -225,3 +228,14 @@ def test_wrong_version_is_detected():
 
     with pytest.raises(WeightSyncError, match="engine reports version 't0', sent 't1'"):
         WeightStreamer(Lagging(), weight_dtype="fp32").sync_target_tensors([("model.norm.weight", torch.ones(4))], "t1")
+
+
+def test_fp8_fingerprint_of_tall_weights_matches_the_receivers_dequantisation():
+    g = torch.Generator().manual_seed(5)
+    named = [("model.layers.0.mlp.down_proj.weight", torch.randn(2500, 300, generator=g) * 0.02),
+             ("model.layers.0.mlp.up_proj.weight", torch.randn(1100, 130, generator=g)),
+             ("model.norm.weight", torch.randn(300, generator=g))]
+    eng = DictEngine(fp8=True)
+    rep = WeightStreamer(eng, bucket_bytes=1 << 20, weight_dtype="fp8").sync_target_tensors(named, "v")
+    expected = fingerprint_tensors((t for _, t in dequantize_named(quantize_named(named), torch.float32)), torch.float32)
+    assert Fingerprint.from_dict(rep.checksums["sent"]) == expected
