@@ -27,8 +27,17 @@ from collections.abc import Sequence
 
 import torch
 
-_ROW_FIELDS = ("tokens", "positions", "embeds", "aux", "hidden", "next_tokens", "next_logprobs",
-               "teacher_ids", "teacher_logprobs")
+_ROW_FIELDS = (
+    "tokens",
+    "positions",
+    "embeds",
+    "aux",
+    "hidden",
+    "next_tokens",
+    "next_logprobs",
+    "teacher_ids",
+    "teacher_logprobs",
+)
 
 
 @dataclasses.dataclass
@@ -66,7 +75,9 @@ class DraftCache:
             if t is not None and t.shape[0] != n:
                 raise ValueError(f"DraftCache.{name} has {t.shape[0]} rows, tokens has {n}")
         if self.cu_seqlens.dim() != 1 or int(self.cu_seqlens[0]) != 0 or int(self.cu_seqlens[-1]) != n:
-            raise ValueError(f"DraftCache.cu_seqlens must run from 0 to {n}, got {self.cu_seqlens.tolist()[:8]}...")
+            raise ValueError(
+                f"DraftCache.cu_seqlens must run from 0 to {n}, got {self.cu_seqlens.tolist()[:8]}..."
+            )
 
     # ------------------------------------------------------------------ size
     @property
@@ -132,17 +143,21 @@ class DraftCache:
             raise ValueError(f"DraftCache has no {field} (not captured for this draft kind)")
         return self.pad_rows(src, segments, pad_value)
 
-    def pad_rows(self, src: torch.Tensor, segments: Sequence[int], pad_value: float | int = 0) -> torch.Tensor:
+    def pad_rows(
+        self, src: torch.Tensor, segments: Sequence[int], pad_value: float | int = 0
+    ) -> torch.Tensor:
         """Any per-row tensor ``src [N, ...]`` right-padded by segment into ``[B, S_max, ...]``."""
         lens = [int(self.seqlens[s]) for s in segments]
         out = src.new_full((len(segments), max(lens, default=0), *src.shape[1:]), pad_value)
         for b, (s, n) in enumerate(zip(segments, lens)):
             start = int(self.cu_seqlens[s])
-            out[b, :n] = src[start:start + n]
+            out[b, :n] = src[start : start + n]
         return out
 
     def to(self, device: torch.device | str) -> DraftCache:
-        fields = {n: (getattr(self, n).to(device) if getattr(self, n) is not None else None) for n in _ROW_FIELDS}
+        fields = {
+            n: (getattr(self, n).to(device) if getattr(self, n) is not None else None) for n in _ROW_FIELDS
+        }
         return DraftCache(cu_seqlens=self.cu_seqlens, dropped_rows=self.dropped_rows, **fields)
 
 

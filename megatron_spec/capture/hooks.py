@@ -92,7 +92,9 @@ class CaptureConfig:
         if self.draft_kind not in ("eagle3", "mtp"):
             raise ValueError(f"capture draft_kind must be 'eagle3' or 'mtp', got {self.draft_kind!r}")
         if self.storage_dtype not in _DTYPES:
-            raise ValueError(f"capture storage_dtype must be one of {sorted(_DTYPES)}, got {self.storage_dtype!r}")
+            raise ValueError(
+                f"capture storage_dtype must be one of {sorted(_DTYPES)}, got {self.storage_dtype!r}"
+            )
         if self.teacher_topk is not None and self.teacher_topk < 1:
             raise ValueError(f"capture teacher_topk must be >= 1 or None, got {self.teacher_topk}")
         if self.max_bytes <= 0:
@@ -102,8 +104,10 @@ class CaptureConfig:
         if self.shard_across_tp is None:
             object.__setattr__(self, "shard_across_tp", self.draft_kind == "eagle3")
         if self.draft_kind == "mtp" and self.shard_across_tp:
-            raise ValueError("capture shard_across_tp=True with draft_kind 'mtp': MTP layers are tensor-parallel, "
-                             "every TP rank must hold the same rows")
+            raise ValueError(
+                "capture shard_across_tp=True with draft_kind 'mtp': MTP layers are tensor-parallel, "
+                "every TP rank must hold the same rows"
+            )
         if self.aux_layer_ids is not None:
             object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
             if self.draft_kind != "eagle3":
@@ -136,8 +140,9 @@ class Capture:
         self._segments_seen = 0  # round-robin position for TP sharding (same on all TP ranks)
 
     @classmethod
-    def for_trainer(cls, trainer: Any, base: CaptureConfig | None = None, *,
-                    tp_group: dist.ProcessGroup | None = None) -> Capture:
+    def for_trainer(
+        cls, trainer: Any, base: CaptureConfig | None = None, *, tp_group: dist.ProcessGroup | None = None
+    ) -> Capture:
         """A capture recording what ``trainer`` (``Eagle3Trainer`` / ``MtpTrainer``) trains on;
         ``base`` sets the rest (top-k, dtype, budget, which forward)."""
         return cls(trainer.capture_config(base), tp_group=tp_group)
@@ -179,8 +184,12 @@ class Capture:
         """Since the last :meth:`reset_metrics`: ``capture/bytes`` (peak cache size), ``capture/rows``
         (rows captured), ``capture/dropped_rows`` (turned away by the budget), ``capture/seconds``
         (time spent inside the hooks)."""
-        return {"capture/bytes": float(max(self.peak_bytes, self.bytes)), "capture/rows": float(self.rows),
-                "capture/dropped_rows": float(self.dropped_rows), "capture/seconds": self.seconds}
+        return {
+            "capture/bytes": float(max(self.peak_bytes, self.bytes)),
+            "capture/rows": float(self.rows),
+            "capture/dropped_rows": float(self.dropped_rows),
+            "capture/seconds": self.seconds,
+        }
 
     def reset_metrics(self) -> None:
         self.dropped_rows, self.seconds, self.rows, self.peak_bytes = 0, 0.0, 0, self.bytes
@@ -205,7 +214,9 @@ class Capture:
 def response_mask_from_targets(target_mask: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` token-aligned response mask from a ``[B, S-1]`` mask aligned with the targets
     ``input_ids[:, 1:]`` (the layout of GRPO's per-token log-prob masks)."""
-    out = torch.zeros(target_mask.shape[0], target_mask.shape[1] + 1, dtype=torch.bool, device=target_mask.device)
+    out = torch.zeros(
+        target_mask.shape[0], target_mask.shape[1] + 1, dtype=torch.bool, device=target_mask.device
+    )
     out[:, 1:] = target_mask > 0
     return out
 
@@ -243,23 +254,28 @@ class _Recorder:
             raise ValueError("capture supports pipeline_model_parallel_size 1 only")
         self.num_layers = len(self.gpt.decoder.layers)
         if self.num_layers != gpt_cfg.num_layers:
-            raise ValueError(f"capture needs all {gpt_cfg.num_layers} decoder layers on this rank, found "
-                             f"{self.num_layers}")
+            raise ValueError(
+                f"capture needs all {gpt_cfg.num_layers} decoder layers on this rank, found {self.num_layers}"
+            )
         self.aux_ids: tuple[int, ...] = ()
         if self.cfg.draft_kind == "eagle3":
             self.aux_ids = self.cfg.aux_layer_ids or default_aux_layer_ids(self.num_layers)
             bad = [i for i in self.aux_ids if not 0 <= i < self.num_layers]
             if bad:
-                raise ValueError(f"capture aux layer ids {list(self.aux_ids)} out of range for a policy with "
-                                 f"{self.num_layers} layers (valid 0..{self.num_layers - 1})")
+                raise ValueError(
+                    f"capture aux layer ids {list(self.aux_ids)} out of range for a policy with "
+                    f"{self.num_layers} layers (valid 0..{self.num_layers - 1})"
+                )
         self.sp = bool(getattr(gpt_cfg, "sequence_parallel", False))
         self.group = capture.tp_group()
         self.tp_rank = dist.get_rank(self.group) if self.group is not None else 0
         self.tp_size = dist.get_world_size(self.group) if self.group is not None else 1
         self.vocab_size = getattr(self.gpt, "true_vocab_size", None) or self.gpt.vocab_size
         if self.cfg.draft_target_ids is not None and int(self.cfg.draft_target_ids.max()) >= self.vocab_size:
-            raise ValueError(f"capture draft_target_ids reach id {int(self.cfg.draft_target_ids.max())}, outside "
-                             f"the policy vocabulary of {self.vocab_size}")
+            raise ValueError(
+                f"capture draft_target_ids reach id {int(self.cfg.draft_target_ids.max())}, outside "
+                f"the policy vocabulary of {self.vocab_size}"
+            )
 
     # ------------------------------------------------------------------ lifecycle
     def attach(self) -> None:
@@ -269,13 +285,17 @@ class _Recorder:
         self.handles.append(g.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self.handles.append(g.embedding.register_forward_hook(self._on_embedding))
         for pos, i in enumerate(self.aux_ids):
-            self.handles.append(g.decoder.layers[i].register_forward_hook(
-                lambda m, a, o, pos=pos: self._on_feature(f"aux{pos}", o)))
+            self.handles.append(
+                g.decoder.layers[i].register_forward_hook(
+                    lambda m, a, o, pos=pos: self._on_feature(f"aux{pos}", o)
+                )
+            )
         if self.cfg.draft_kind == "mtp":
             if g.decoder.final_layernorm is None:
                 raise ValueError("capture for MTP needs the decoder's final layernorm on this rank")
-            self.handles.append(g.decoder.final_layernorm.register_forward_hook(
-                lambda m, a, o: self._on_feature("hidden", o)))
+            self.handles.append(
+                g.decoder.final_layernorm.register_forward_hook(lambda m, a, o: self._on_feature("hidden", o))
+            )
         self.handles.append(g.output_layer.register_forward_hook(self._on_logits))
 
     def detach(self) -> None:
@@ -309,12 +329,20 @@ class _Recorder:
     @torch.no_grad()
     def _select(self, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
         if mask.shape != input_ids.shape:
-            raise ValueError(f"response_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"response_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}"
+            )
         mask = mask.to(torch.bool).cpu().clone()
         mask[:, 0] = False  # x_0 has no preceding position to draft from
         runs = segment_runs(mask)
-        b_idx = torch.cat([torch.full((n,), b) for b, _, n in runs]) if runs else torch.zeros(0, dtype=torch.long)
-        t_idx = torch.cat([torch.arange(s, s + n) for _, s, n in runs]) if runs else torch.zeros(0, dtype=torch.long)
+        b_idx = (
+            torch.cat([torch.full((n,), b) for b, _, n in runs]) if runs else torch.zeros(0, dtype=torch.long)
+        )
+        t_idx = (
+            torch.cat([torch.arange(s, s + n) for _, s, n in runs])
+            if runs
+            else torch.zeros(0, dtype=torch.long)
+        )
         ids = input_ids.cpu()
         seq = ids.shape[1]
         nxt_t = (t_idx + 1).clamp(max=seq - 1)
@@ -387,23 +415,38 @@ class _Recorder:
         b_all, t_all = self.all_rows
         rows = logits[t_all.to(logits.device), b_all.to(logits.device)]  # [N_all, V/tp]
         cfg = self.cfg
-        ids, lps = draft_vocab_teacher(rows, vocab_size=self.vocab_size, target_ids=cfg.draft_target_ids,
-                                       topk=cfg.teacher_topk, tp_group=self.group if self.tp_size > 1 else None)
+        ids, lps = draft_vocab_teacher(
+            rows,
+            vocab_size=self.vocab_size,
+            target_ids=cfg.draft_target_ids,
+            topk=cfg.teacher_topk,
+            tp_group=self.group if self.tp_size > 1 else None,
+        )
         nxt = self.next_tokens_all.to(rows.device)
-        nlp = vocab_parallel_token_logprobs(rows.unsqueeze(0), nxt.clamp(min=0).unsqueeze(0),
-                                            vocab_size=self.vocab_size,
-                                            tp_group=self.group if self.tp_size > 1 else None)[0]
+        nlp = vocab_parallel_token_logprobs(
+            rows.unsqueeze(0),
+            nxt.clamp(min=0).unsqueeze(0),
+            vocab_size=self.vocab_size,
+            tp_group=self.group if self.tp_size > 1 else None,
+        )[0]
         nlp = torch.where(nxt >= 0, nlp, torch.zeros_like(nlp))
         dev = rows.device
         kept = self.kept.to(dev)
         p = self.part
         aux = [p.pop(f"aux{i}") for i in range(len(self.aux_ids))]
         part = DraftCache(
-            tokens=p["tokens"].to(dev), positions=p["positions"].to(dev), next_tokens=p["next_tokens"].to(dev),
-            next_logprobs=nlp[kept].float(), teacher_logprobs=lps[kept],
-            teacher_ids=ids[kept] if ids is not None else None, cu_seqlens=p["cu_seqlens"],
-            embeds=p.get("embeds"), aux=torch.cat(aux, dim=-1) if aux else None, hidden=p.get("hidden"),
-            dropped_rows=self.dropped)
+            tokens=p["tokens"].to(dev),
+            positions=p["positions"].to(dev),
+            next_tokens=p["next_tokens"].to(dev),
+            next_logprobs=nlp[kept].float(),
+            teacher_logprobs=lps[kept],
+            teacher_ids=ids[kept] if ids is not None else None,
+            cu_seqlens=p["cu_seqlens"],
+            embeds=p.get("embeds"),
+            aux=torch.cat(aux, dim=-1) if aux else None,
+            hidden=p.get("hidden"),
+            dropped_rows=self.dropped,
+        )
         self.part = {}
         self.capture._append(part)
         self.capture.seconds += time.perf_counter() - t0

@@ -30,8 +30,9 @@ import torch.distributed as dist
 from megatron_spec.capture.logprobs import _reduce, _tp_info
 
 
-def _owned_columns(target_ids: torch.Tensor | None, vocab_size: int, v_start: int, v_local: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _owned_columns(
+    target_ids: torch.Tensor | None, vocab_size: int, v_start: int, v_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(draft ids whose target id this rank owns, their local logit columns)."""
     if target_ids is None:  # the draft vocabulary is the target's (unpadded) vocabulary
         end = min(v_start + v_local, vocab_size)
@@ -141,8 +142,9 @@ def vocab_parallel_logprobs_at(
     return picked - sum_exp.log().unsqueeze(1)
 
 
-def vocab_parallel_log_softmax(logits: torch.Tensor, *, vocab_size: int,
-                               tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def vocab_parallel_log_softmax(
+    logits: torch.Tensor, *, vocab_size: int, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """This rank's slice of ``log_softmax`` over the full vocabulary, ``[N, V_local]`` float32
     (padded columns are ``-inf``). Differentiable like :func:`vocab_parallel_logprobs_at`."""
     tp_rank, tp_size = _tp_info(tp_group)
@@ -160,8 +162,9 @@ def vocab_parallel_log_softmax(logits: torch.Tensor, *, vocab_size: int,
 
 
 @torch.no_grad()
-def vocab_parallel_argmax(logits: torch.Tensor, *, vocab_size: int,
-                          tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def vocab_parallel_argmax(
+    logits: torch.Tensor, *, vocab_size: int, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Global argmax ids ``[N]`` of vocab-parallel ``logits [N, V_local]`` (lowest id on ties)."""
     tp_rank, tp_size = _tp_info(tp_group)
     v_local = logits.shape[-1]
@@ -179,5 +182,9 @@ def vocab_parallel_argmax(logits: torch.Tensor, *, vocab_size: int,
     return ids
 
 
-__all__ = ["draft_vocab_teacher", "vocab_parallel_argmax", "vocab_parallel_log_softmax",
-           "vocab_parallel_logprobs_at"]
+__all__ = [
+    "draft_vocab_teacher",
+    "vocab_parallel_argmax",
+    "vocab_parallel_log_softmax",
+    "vocab_parallel_logprobs_at",
+]

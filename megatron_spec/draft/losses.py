@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-
 _REST_FLOOR = 1e-6  # q_rest is clamped here: log(0) where the draft puts all its mass on the top k
 
 
-def soft_cross_entropy_sum(logq: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def soft_cross_entropy_sum(
+    logq: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_rows -(sum_j p_j logq_j + p_rest log q_rest)`` over rows where ``mask``.
 
     Args:
@@ -54,7 +54,9 @@ def hard_cross_entropy_sum(logq_label: torch.Tensor, mask: torch.Tensor) -> tupl
     return ce.sum(), mask.sum()
 
 
-def top1_agreement_sum(draft_top1: torch.Tensor, teacher_top1: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def top1_agreement_sum(
+    draft_top1: torch.Tensor, teacher_top1: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """Rows where ``mask`` and the draft's argmax equals the teacher's (0-d int64)."""
     return ((draft_top1 == teacher_top1) & mask).sum()
 
@@ -63,7 +65,7 @@ def ttt_step_weights(ttt_steps: int, decay: float) -> list[float]:
     """Loss weight of each training-time-test step: ``decay ** s``."""
     if ttt_steps < 1:
         raise ValueError(f"ttt_steps must be >= 1, got {ttt_steps}")
-    return [decay ** s for s in range(ttt_steps)]
+    return [decay**s for s in range(ttt_steps)]
 
 
 def ttt_valid_rows(lengths: torch.Tensor, seq_len: int, step: int) -> torch.Tensor:
@@ -76,5 +78,10 @@ def ttt_valid_rows(lengths: torch.Tensor, seq_len: int, step: int) -> torch.Tens
     return (q >= step) & (q < lengths.unsqueeze(1))
 
 
-__all__ = ["hard_cross_entropy_sum", "soft_cross_entropy_sum", "top1_agreement_sum", "ttt_step_weights",
-           "ttt_valid_rows"]
+__all__ = [
+    "hard_cross_entropy_sum",
+    "soft_cross_entropy_sum",
+    "top1_agreement_sum",
+    "ttt_step_weights",
+    "ttt_valid_rows",
+]

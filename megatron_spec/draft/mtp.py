@@ -15,8 +15,9 @@ without MTP and :class:`MtpDraft` holds a ``MultiTokenPredictionBlock`` of its o
   (enorm/hnorm, ``eh_proj`` + TP gather, the transformer layer, ``final_layernorm``), skipping only
   its ``roll``/embedding lookup, which the cache replaces (tests check it against the layer's
   public ``forward``);
-* logits use the policy's output-layer weight *detached* (column-parallel, ``copy_to_tensor_model_parallel_region``
-  so input gradients are reduced over TP), so no gradient reaches the policy.
+* logits use the policy's output-layer weight *detached* (column-parallel,
+  ``copy_to_tensor_model_parallel_region`` so input gradients are reduced over TP), so no
+  gradient reaches the policy.
 
 Depth k (0-based) at row q predicts ``x_{t+k+1}`` for the cache row of ``x_t``; its teacher is the
 teacher of cache row ``q + k``. Losses per depth are weighted ``loss_decay ** k``.
@@ -28,7 +29,6 @@ Weights are streamed under DeepSeek-V3's HF names (``model.layers.{L+k}.*``, see
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -46,12 +46,13 @@ from megatron_spec.capture.teacher import (
     vocab_parallel_logprobs_at,
 )
 from megatron_spec.draft.losses import hard_cross_entropy_sum, soft_cross_entropy_sum, top1_agreement_sum
-from megatron_spec.draft.mtp_head import ARCHITECTURE, MtpHead, mtp_layer_prefix
-from megatron_spec.draft.trainer import (
+from megatron_spec.draft.mtp_head import mtp_layer_prefix
+from megatron_spec.draft.mtp_io import load_mtp_head, load_mtp_tensors, read_mtp_config, save_mtp
+from megatron_spec.draft.optim import (
     DraftOptimizer,
     DraftTrainerConfig,
-    _group_info,
     choose_segments,
+    group_info,
     reduce_metric_sums,
 )
 from megatron_spec.models.convert import ParamRule, canonical_name, megatron_rules, shard
@@ -74,8 +75,10 @@ class MtpDraft(torch.nn.Module):
             raise ValueError(f"mtp_num_layers must be >= 1, got {num_layers}")
         gpt = unwrap(policy)
         if getattr(gpt, "mtp_process", False):
-            raise ValueError("the policy was built with MTP layers inside it (build_gpt_model(mtp_num_layers=...)); "
-                             "build it without and let MtpDraft hold them (their loss would reach the policy)")
+            raise ValueError(
+                "the policy was built with MTP layers inside it (build_gpt_model(mtp_num_layers=...)); "
+                "build it without and let MtpDraft hold them (their loss would reach the policy)"
+            )
         tcfg = dataclasses.replace(gpt.config, mtp_num_layers=num_layers, sequence_parallel=False)
         use_te = te_available() if use_te is None else use_te
         spec = get_gpt_mtp_block_spec(tcfg, gpt.transformer_layer_spec, use_transformer_engine=use_te)
@@ -112,18 +115,23 @@ class MtpDraft(torch.nn.Module):
         outs = []
         for k, layer in enumerate(self.block.layers):
             ek = e if k == 0 else torch.cat([e[k:], e.new_zeros(min(k, s), *e.shape[1:])])[:s]
-            h = layer._proj_and_transformer_layer(hidden_states=h, decoder_input=ek, attention_mask=None,
-                                                  rotary_pos_emb=rope)
+            h = layer._proj_and_transformer_layer(
+                hidden_states=h, decoder_input=ek, attention_mask=None, rotary_pos_emb=rope
+            )
             outs.append(h)
         return outs
 
     def output_weight(self) -> torch.Tensor:
         g = self.policy
-        w = g.shared_embedding_or_output_weight() if g.share_embeddings_and_output_weights else g.output_layer.weight
+        w = (
+            g.shared_embedding_or_output_weight()
+            if g.share_embeddings_and_output_weights
+            else g.output_layer.weight
+        )
         return w.detach()
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel logits ``[B, S, V/tp]`` of ``h [S, B, H]`` through the policy's detached output layer."""
+        """Vocab-parallel logits ``[B, S, V/tp]`` of ``h [S, B, H]`` (the policy's output layer, detached)."""
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         if self.config.tensor_model_parallel_size > 1:
@@ -151,23 +159,28 @@ def mtp_param_rules(cfg: DecoderConfig, num_layers: int, tp_size: int) -> dict[s
     TP layouts), the MTP-only tensors are copies (``eh_proj`` split over TP by output rows).
     """
     h, big_l = cfg.hidden_size, cfg.num_layers
-    deep = megatron_rules(dataclasses.replace(cfg, num_layers=big_l + num_layers), tp_size,
-                          padded_vocab=cfg.vocab_size * tp_size)  # vocabulary rules unused here
+    deep = megatron_rules(
+        dataclasses.replace(cfg, num_layers=big_l + num_layers),
+        tp_size,
+        padded_vocab=cfg.vocab_size * tp_size,
+    )  # vocabulary rules unused here
     rules: dict[str, ParamRule] = {}
     for k in range(num_layers):
         src = f"decoder.layers.{big_l + k}."
         for name, rule in deep.items():
             if name.startswith(src):
-                meg = f"mtp.layers.{k}.transformer_layer.{name[len(src):]}"
+                meg = f"mtp.layers.{k}.transformer_layer.{name[len(src) :]}"
                 rules[meg] = dataclasses.replace(rule, megatron_name=meg)
         p = mtp_layer_prefix(cfg, k)
-        for meg, hf, shape, dim in ((f"mtp.layers.{k}.enorm.weight", f"{p}.enorm.weight", (h,), None),
-                                    (f"mtp.layers.{k}.hnorm.weight", f"{p}.hnorm.weight", (h,), None),
-                                    (f"mtp.layers.{k}.final_layernorm.weight", f"{p}.shared_head.norm.weight",
-                                     (h,), None),
-                                    (f"mtp.layers.{k}.eh_proj.weight", f"{p}.eh_proj.weight", (h, 2 * h), 0)):
-            rules[meg] = ParamRule(meg, (hf,), dim, shape, lambda full, hf=hf: {hf: full.contiguous()},
-                                   lambda t, hf=hf: t[hf])
+        for meg, hf, shape, dim in (
+            (f"mtp.layers.{k}.enorm.weight", f"{p}.enorm.weight", (h,), None),
+            (f"mtp.layers.{k}.hnorm.weight", f"{p}.hnorm.weight", (h,), None),
+            (f"mtp.layers.{k}.final_layernorm.weight", f"{p}.shared_head.norm.weight", (h,), None),
+            (f"mtp.layers.{k}.eh_proj.weight", f"{p}.eh_proj.weight", (h, 2 * h), 0),
+        ):
+            rules[meg] = ParamRule(
+                meg, (hf,), dim, shape, lambda full, hf=hf: {hf: full.contiguous()}, lambda t, hf=hf: t[hf]
+            )
     return rules
 
 
@@ -185,9 +198,17 @@ def _canonical_mtp(name: str, num_target_layers: int) -> str:
 class MtpTrainer:
     """MTP depths trained online with their own optimizer; the policy never sees their loss."""
 
-    def __init__(self, policy: torch.nn.Module, num_layers: int, config: DraftTrainerConfig = DraftTrainerConfig(),
-                 *, dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 export_dir: str | os.PathLike | None = None, use_te: bool | None = None):
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        num_layers: int,
+        config: DraftTrainerConfig = DraftTrainerConfig(),
+        *,
+        dp_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        export_dir: str | os.PathLike | None = None,
+        use_te: bool | None = None,
+    ):
         from megatron.core import parallel_state as ps
 
         self.draft = MtpDraft(policy, num_layers, use_te=use_te).train()
@@ -196,14 +217,17 @@ class MtpTrainer:
             dp_group = dp_group or ps.get_data_parallel_group()
             tp_group = tp_group or ps.get_tensor_model_parallel_group()
         self.dp_group, self.tp_group = dp_group, tp_group
-        self.dp_rank, self.dp_size = _group_info(dp_group)
-        self.tp_rank, self.tp_size = _group_info(tp_group)
+        self.dp_rank, self.dp_size = group_info(dp_group)
+        self.tp_rank, self.tp_size = group_info(tp_group)
         # q/k layernorms act on this rank's heads only: their gradients are partial sums over TP
         partial = [p for n, p in self.draft.named_parameters() if "q_layernorm" in n or "k_layernorm" in n]
-        self.optimizer = DraftOptimizer(list(self.draft.parameters()), config, dp_group=dp_group, tp_group=tp_group,
-                                        tp_partial=partial)
+        self.optimizer = DraftOptimizer(
+            list(self.draft.parameters()), config, dp_group=dp_group, tp_group=tp_group, tp_partial=partial
+        )
         self.export_dir = os.fspath(export_dir) if export_dir is not None else None
-        self.generator = torch.Generator().manual_seed(config.seed * 1000003 + self.dp_rank)  # same on TP ranks
+        self.generator = torch.Generator().manual_seed(
+            config.seed * 1000003 + self.dp_rank
+        )  # same on TP ranks
         self.step = 0
         self.rules = mtp_param_rules(self.draft.decoder_config, num_layers, self.tp_size)
 
@@ -212,8 +236,9 @@ class MtpTrainer:
         from megatron_spec.capture.hooks import CaptureConfig
 
         base = base or CaptureConfig()
-        return dataclasses.replace(base, draft_kind="mtp", aux_layer_ids=None, draft_target_ids=None,
-                                   shard_across_tp=False)
+        return dataclasses.replace(
+            base, draft_kind="mtp", aux_layer_ids=None, draft_target_ids=None, shard_across_tp=False
+        )
 
     # ------------------------------------------------------------------ training
     def train_step(self, cache: DraftCache | None) -> dict[str, float]:
@@ -225,14 +250,18 @@ class MtpTrainer:
         t0 = time.perf_counter()
         cfg = self.config
         depth = self.draft.num_layers
-        weights = [cfg.loss_decay ** k for k in range(depth)]
+        weights = [cfg.loss_decay**k for k in range(depth)]
         segments: list[int] = []
         if cache is not None and cache.num_rows:
             if cache.hidden is None or cache.embeds is None:
-                raise ValueError("MtpTrainer needs a cache captured with draft_kind='mtp' (hidden and embeds)")
+                raise ValueError(
+                    "MtpTrainer needs a cache captured with draft_kind='mtp' (hidden and embeds)"
+                )
             if cache.teacher_ids is None and cache.teacher_logprobs.shape[1] != self.draft.vocab_size:
-                raise ValueError(f"MTP teacher must cover the full vocabulary ({self.draft.vocab_size}), got "
-                                 f"{cache.teacher_logprobs.shape[1]} columns (captured with a reduced draft vocabulary?)")
+                raise ValueError(
+                    f"MTP teacher must cover the full vocabulary ({self.draft.vocab_size}), got "
+                    f"{cache.teacher_logprobs.shape[1]} columns (captured with a reduced draft vocabulary?)"
+                )
             segments = choose_segments(cache, cfg.max_rows_per_step, self.generator)
         self._check_same_rows_across_tp(cache.num_rows if cache is not None else 0, len(segments))
         lens = [int(cache.seqlens[s]) for s in segments]
@@ -243,7 +272,7 @@ class MtpTrainer:
             else:
                 for s, n in zip(segments, lens):
                     start = int(cache.cu_seqlens[s])
-                    local[k] += int((cache.next_tokens[start + k:start + n] >= 0).sum()) if n > k else 0
+                    local[k] += int((cache.next_tokens[start + k : start + n] >= 0).sum()) if n > k else 0
         counts = reduce_metric_sums(local, self.dp_group).clamp(min=1.0)
         loss_sums = torch.zeros(depth, dtype=torch.float64)
         agree = torch.zeros(depth, dtype=torch.float64)
@@ -254,9 +283,15 @@ class MtpTrainer:
             agree += a_s
         opt = self.optimizer.step()
         self.step += 1
-        totals = reduce_metric_sums(torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), self.dp_group)
-        out = {"draft/step": float(self.step), "draft/rows": float(totals[-1]), "draft/grad_norm": opt["grad_norm"],
-               "draft/lr": opt["lr"]}
+        totals = reduce_metric_sums(
+            torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), self.dp_group
+        )
+        out = {
+            "draft/step": float(self.step),
+            "draft/rows": float(totals[-1]),
+            "draft/grad_norm": opt["grad_norm"],
+            "draft/lr": opt["lr"],
+        }
         total = 0.0
         for k in range(depth):
             out[f"draft/loss_mtp{k}"] = float(totals[k] / counts[k])
@@ -277,11 +312,14 @@ class MtpTrainer:
         both = mine.clone()
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.tp_group)
         if not torch.equal(both[:2], -both[2:]):
-            raise RuntimeError(f"MTP training needs the same cache rows on every TP rank (rank {self.tp_rank} has "
-                               f"{rows} rows in {segments} segments); capture with shard_across_tp=False")
+            raise RuntimeError(
+                f"MTP training needs the same cache rows on every TP rank (rank {self.tp_rank} has "
+                f"{rows} rows in {segments} segments); capture with shard_across_tp=False"
+            )
 
-    def _micro_batch(self, cache: DraftCache, segs: list[int], weights: list[float], counts: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _micro_batch(
+        self, cache: DraftCache, segs: list[int], weights: list[float], counts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg, draft = self.config, self.draft
         w_dev = draft.output_weight().device
         dtype = draft.config.params_dtype
@@ -306,26 +344,29 @@ class MtpTrainer:
             flat = logits.reshape(b * n, -1)
             if cfg.loss == "soft":
                 if teacher_ids is not None:
-                    ids = teacher_ids[:, k:k + n].reshape(b * n, -1)
+                    ids = teacher_ids[:, k : k + n].reshape(b * n, -1)
                     logq = vocab_parallel_logprobs_at(flat, ids, vocab_size=draft.vocab_size, tp_group=group)
-                    l_sum, _ = soft_cross_entropy_sum(logq.view(b, n, -1), teacher_lp[:, k:k + n], valid)
+                    l_sum, _ = soft_cross_entropy_sum(logq.view(b, n, -1), teacher_lp[:, k : k + n], valid)
                 else:  # full teacher: each rank scores its own vocabulary slice, summed over TP
                     logq = vocab_parallel_log_softmax(flat, vocab_size=draft.vocab_size, tp_group=group)
                     v0 = self.tp_rank * flat.shape[1]
-                    p_local = teacher_lp[:, k:k + n].reshape(b * n, -1)[:, v0:v0 + flat.shape[1]].exp()
+                    p_local = teacher_lp[:, k : k + n].reshape(b * n, -1)[:, v0 : v0 + flat.shape[1]].exp()
                     ce = -(p_local * logq[:, : p_local.shape[1]]).sum(-1)  # padded columns have no teacher
                     ce = _tp_sum(ce, group, self.tp_size).view(b, n)
                     l_sum = torch.where(valid, ce, torch.zeros_like(ce)).sum()
             else:
-                labels = next_tokens[:, k:k + n]
+                labels = next_tokens[:, k : k + n]
                 valid = valid & (labels >= 0)
-                lp = vocab_parallel_token_logprobs(logits, labels.clamp(min=0), vocab_size=draft.vocab_size,
-                                                   tp_group=group)
+                lp = vocab_parallel_token_logprobs(
+                    logits, labels.clamp(min=0), vocab_size=draft.vocab_size, tp_group=group
+                )
                 l_sum, _ = hard_cross_entropy_sum(lp, valid)
             loss = loss + w * l_sum / counts[k].to(l_sum.dtype)
             l_sums[k] = float(l_sum.detach())  # host sync per depth: metrics only
-            top1 = vocab_parallel_argmax(flat.detach(), vocab_size=draft.vocab_size, tp_group=group).view(b, n)
-            a_sums[k] = float(top1_agreement_sum(top1, teacher_top1[:, k:k + n], valid))
+            top1 = vocab_parallel_argmax(flat.detach(), vocab_size=draft.vocab_size, tp_group=group).view(
+                b, n
+            )
+            a_sums[k] = float(top1_agreement_sum(top1, teacher_top1[:, k : k + n], valid))
         return loss, l_sums, a_sums
 
     # ------------------------------------------------------------------ weights
@@ -336,7 +377,10 @@ class MtpTrainer:
         ``MtpHead.expected_hf_names()`` of the engine's head."""
         from megatron_spec.models.gpt import _gather
 
-        dtype = dtype or {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[self.config.export_dtype]
+        dtype = (
+            dtype
+            or {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[self.config.export_dtype]
+        )
         big_l = self.draft.decoder_config.num_layers
         with torch.no_grad():
             for name, param in self.draft.megatron_named_parameters():
@@ -344,8 +388,11 @@ class MtpTrainer:
                 if rule is None:
                     raise KeyError(f"MTP parameter {name} has no HF counterpart")
                 data = param.detach()
-                full = data if rule.partition_dim is None else _gather(data, rule.partition_dim, self.tp_group,
-                                                                       self.tp_size)
+                full = (
+                    data
+                    if rule.partition_dim is None
+                    else _gather(data, rule.partition_dim, self.tp_group, self.tp_size)
+                )
                 for hf, t in rule.to_hf(full).items():
                     yield hf, (t.to(dtype) if dtype is not None else t).contiguous().clone()
 
@@ -360,7 +407,9 @@ class MtpTrainer:
                     raise KeyError(f"MTP tensor {missing[0]} missing (for {name})")
                 full = rule.from_hf({n: tensors[n] for n in rule.hf_names})
                 if tuple(full.shape) != rule.full_shape:
-                    raise ValueError(f"MTP tensor for {name} has shape {tuple(full.shape)}, expected {rule.full_shape}")
+                    raise ValueError(
+                        f"MTP tensor for {name} has shape {tuple(full.shape)}, expected {rule.full_shape}"
+                    )
                 param.copy_(shard(full, rule, self.tp_rank, self.tp_size).to(param.dtype))
 
     def export(self, path: str | os.PathLike) -> None:
@@ -373,9 +422,16 @@ class MtpTrainer:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"mtp": {k: v.detach().clone() for k, v in self.draft.block.state_dict().items()
-                        if isinstance(v, torch.Tensor)},
-                "optimizer": self.optimizer.state_dict(), "step": self.step, "generator": self.generator.get_state()}
+        return {
+            "mtp": {
+                k: v.detach().clone()
+                for k, v in self.draft.block.state_dict().items()
+                if isinstance(v, torch.Tensor)
+            },
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "generator": self.generator.get_state(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.draft.block.load_state_dict(state["mtp"], strict=False)
@@ -390,12 +446,12 @@ class MtpTrainer:
         """This TP rank's shards, optimizer state, step and RNG into directory ``path``. Not
         collective; data-parallel replicas hold the same state, so only DP rank 0 writes (every TP
         rank of it must call ``save`` to keep all shards)."""
-        from megatron_spec.draft.trainer import _atomic_save
+        from megatron_spec.draft.optim import atomic_save
 
         if self.dp_rank != 0:
             return
         os.makedirs(os.fspath(path), exist_ok=True)
-        _atomic_save(self.state_dict(), self._state_file(path))
+        atomic_save(self.state_dict(), self._state_file(path))
 
     def load(self, path: str | os.PathLike) -> None:
         self.load_state_dict(torch.load(self._state_file(path), weights_only=False))
@@ -407,58 +463,12 @@ def _tp_sum(x: torch.Tensor, group, tp_size: int) -> torch.Tensor:
     return _reduce(x, group, tp_size)
 
 
-# ---------------------------------------------------------------------- files
-def save_mtp(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], target_cfg: DecoderConfig,
-             num_layers: int) -> None:
-    """Write MTP heads as ``config.json`` + ``model.safetensors`` (HF names, atomically)."""
-    from megatron_spec.models.checkpoint import save_hf_checkpoint
-
-    expected = MtpHead(target_cfg, num_layers).export_shapes()
-    names = set(tensors)
-    if names != set(expected):
-        raise ValueError(f"MTP export names differ from the head's: missing {sorted(set(expected) - names)[:3]}, "
-                         f"unexpected {sorted(names - set(expected))[:3]}")
-    dtype = next(iter(tensors.values())).dtype
-    config = {"architectures": [ARCHITECTURE], "mtp_num_layers": num_layers, "num_nextn_predict_layers": num_layers,
-              "target_num_hidden_layers": target_cfg.num_layers, "hidden_size": target_cfg.hidden_size,
-              "vocab_size": target_cfg.vocab_size, "target_architecture": target_cfg.architecture,
-              "torch_dtype": str(dtype).removeprefix("torch.")}
-    save_hf_checkpoint(path, dict(tensors), config, extra_files=())
-
-
-def read_mtp_config(path: str | os.PathLike, target_cfg: DecoderConfig) -> int:
-    """Number of MTP layers of an export, checked against the target."""
-    cfg_path = os.path.join(os.fspath(path), "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no config.json in MTP directory {os.fspath(path)}")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    if ARCHITECTURE not in (cfg.get("architectures") or []):
-        raise ValueError(f"{cfg_path}: architectures {cfg.get('architectures')} is not an MTP export ({ARCHITECTURE})")
-    for key, want in (("target_num_hidden_layers", target_cfg.num_layers), ("hidden_size", target_cfg.hidden_size),
-                      ("vocab_size", target_cfg.vocab_size)):
-        if cfg.get(key) != want:
-            raise ValueError(f"MTP export {key} {cfg.get(key)} != target {want} in {cfg_path}")
-    return int(cfg["mtp_num_layers"])
-
-
-def load_mtp_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    from megatron_spec.models.checkpoint import HFCheckpoint
-
-    ck = HFCheckpoint(path)
-    return {n: ck.get(n) for n in ck.names()}
-
-
-def load_mtp_head(path: str | os.PathLike, target_cfg: DecoderConfig, dtype: torch.dtype = torch.float32,
-                  num_layers: int | None = None) -> MtpHead:
-    """The native :class:`MtpHead` of an MTP export (strict: every name must load)."""
-    n = read_mtp_config(path, target_cfg)
-    if num_layers is not None and num_layers != n:
-        raise ValueError(f"MTP export at {os.fspath(path)} has {n} layers, the engine expects {num_layers}")
-    head = MtpHead(target_cfg, n).to(dtype)
-    head.load_weights(load_mtp_tensors(path).items())
-    return head.eval()
-
-
-__all__ = ["MtpDraft", "MtpTrainer", "load_mtp_head", "load_mtp_tensors", "mtp_param_rules", "read_mtp_config",
-           "save_mtp"]
+__all__ = [
+    "MtpDraft",
+    "MtpTrainer",
+    "load_mtp_head",
+    "load_mtp_tensors",
+    "mtp_param_rules",
+    "read_mtp_config",
+    "save_mtp",
+]

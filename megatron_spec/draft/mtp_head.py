@@ -2,10 +2,10 @@
 
 megatron-core's ``MultiTokenPredictionLayer`` (DeepSeek-V3's MTP module), depth k = 1..D::
 
-    x    = eh_proj(cat(enorm(embed(x_{p+k})), hnorm(h_{k-1, p})))     [.., 2H] -> [.., H]
-    y    = decoder_layer(x)                                            causal attention over rows p, RoPE position p
-    h_k  = final_layernorm(y)                                          fed to depth k+1 and to the output layer
-    logits_k = lm_head(h_k)                                            predicts x_{p+k+1}
+    x    = eh_proj(cat(enorm(embed(x_{p+k})), hnorm(h_{k-1, p})))   [.., 2H] -> [.., H]
+    y    = decoder_layer(x)                                  causal attention over rows p, RoPE position p
+    h_k  = final_layernorm(y)                                fed to depth k+1 and to the output layer
+    logits_k = lm_head(h_k)                                  predicts x_{p+k+1}
 
 with ``h_0`` the target's *final-normed* hidden state (megatron's decoder output includes the final
 layernorm) and the embedding and output layer shared with the target. Each depth keeps its own
@@ -52,8 +52,16 @@ class MtpLayer(nn.Module):
         self.layer = DecoderLayer(cfg)
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
-                cache: KVCache, kv_lens: torch.Tensor, slot_offset: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: Rotary,
+        cache: KVCache,
+        kv_lens: torch.Tensor,
+        slot_offset: int = 0,
+    ) -> torch.Tensor:
         """``embeds``, ``hidden``: ``[B, T, H]`` (embedding of ``x_{p+k}``, ``h_{k-1,p}``); ``positions``
         ``[B, T]``; ``kv_lens`` ``[B]`` valid cache rows after this call. Returns ``h_k`` ``[B, T, H]``."""
         dtype = self.eh_proj.weight.dtype
@@ -125,7 +133,9 @@ class MtpHead(nn.Module):
     def export_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self._views()}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True
+    ) -> set[str]:
         """Copy HF-named MTP tensors in; returns the names loaded.
 
         Raises:
@@ -138,12 +148,16 @@ class MtpHead(nn.Module):
             for name, tensor in weights:
                 dst = views.get(name)
                 if dst is None:
-                    raise KeyError(f"unknown MTP weight {name} (expected {mtp_layer_prefix(self.target_cfg, 0)}.* .. "
-                                   f"{mtp_layer_prefix(self.target_cfg, self.num_layers - 1)}.*)")
+                    raise KeyError(
+                        f"unknown MTP weight {name} (expected {mtp_layer_prefix(self.target_cfg, 0)}.* .. "
+                        f"{mtp_layer_prefix(self.target_cfg, self.num_layers - 1)}.*)"
+                    )
                 if name in loaded:
                     raise ValueError(f"MTP weight {name} given twice")
                 if tuple(tensor.shape) != tuple(dst.shape):
-                    raise ValueError(f"MTP weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                    raise ValueError(
+                        f"MTP weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                    )
                 dst.copy_(tensor.to(dst.dtype))
                 loaded.add(name)
         if strict_complete:

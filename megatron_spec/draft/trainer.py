@@ -14,8 +14,10 @@ schedule, gradient-clipping group and checkpoint; nothing of it is shared with t
 3. gradients are summed over the draft's data-parallel group (losses are normalised by the
    *global* row count, so DP=N equals DP=1 on the concatenated rows), clipped, applied.
 
-:class:`DraftOptimizer` is the optimizer/schedule/clip/all-reduce group shared with the MTP
-trainer (``megatron_spec.draft.mtp``).
+:class:`DraftTrainerConfig` and :class:`DraftOptimizer` (optimizer, schedule, clipping, DP
+all-reduce) live in :mod:`megatron_spec.draft.optim`, shared with the MTP trainer
+(``megatron_spec.draft.mtp``), and are re-exported here. :func:`build_draft_trainer` builds the
+trainer a run's spec config asks for.
 
 Initialisation is a ModelOpt export (:meth:`Eagle3Trainer.from_modelopt`); after each update the
 head can be exported back in the same format (``export_dir``) and streamed by export name
@@ -29,10 +31,9 @@ This module does not know the policy, hooks or the rollout engine.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -47,188 +48,38 @@ from megatron_spec.draft.losses import (
     ttt_step_weights,
     ttt_valid_rows,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftTrainerConfig:
-    """Online draft training (one optimizer step per RL step). CLI: ``--spec-draft-*``."""
-
-    ttt_steps: int = 3
-    """Training-time-test unroll of the EAGLE-3 head (``--spec-draft-ttt-steps``; ModelOpt's ``eagle_ttt_steps``)."""
-    loss: str = "soft"
-    """``soft``: cross-entropy against the teacher distribution; ``hard``: against the sampled next tokens."""
-    loss_decay: float = 0.9
-    """Weight ``loss_decay ** s`` of TTT step s (MTP: of depth s); ModelOpt's ``eagle_loss_decay_factor``."""
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1
-    """Cosine schedule floor, as a fraction of ``lr``."""
-    lr_schedule: str = "constant"
-    """``constant`` or ``cosine`` (after ``warmup_steps`` of linear warm-up)."""
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    """Length of the cosine schedule (steps after it stay at the floor)."""
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
-    """Clip the draft's global gradient norm (its own group; None = off)."""
-    micro_batch_rows: int = 4096
-    """Padded rows (segments x longest segment) per forward/backward; bounds activation memory."""
-    max_rows_per_step: int | None = None
-    """Train on at most this many rows per rank and step (whole segments, drawn at random); None = all."""
-    freeze_input_layernorm: bool = True
-    """Keep EAGLE-3 ``layers.0.input_layernorm`` fixed (ModelOpt's and SGLang's math then agree)."""
-    export_dtype: str | None = None
-    """dtype of exported/streamed tensors (``bfloat16`` | ``float32``); None = the master dtype."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.ttt_steps < 1:
-            raise ValueError(f"draft ttt_steps must be >= 1, got {self.ttt_steps}")
-        if self.loss not in ("soft", "hard"):
-            raise ValueError(f"draft loss must be 'soft' or 'hard', got {self.loss!r}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"draft lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
-        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"draft lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.total_steps < 1:
-            raise ValueError("draft warmup_steps must be >= 0 and total_steps >= 1")
-        if self.micro_batch_rows < 1:
-            raise ValueError(f"draft micro_batch_rows must be >= 1, got {self.micro_batch_rows}")
-        if self.max_rows_per_step is not None and self.max_rows_per_step < 1:
-            raise ValueError(f"draft max_rows_per_step must be >= 1 or None, got {self.max_rows_per_step}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"draft grad_clip must be > 0 or None, got {self.grad_clip}")
-        if self.export_dtype not in (None, "bfloat16", "float32"):
-            raise ValueError(f"draft export_dtype must be bfloat16, float32 or None, got {self.export_dtype!r}")
-
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None or not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-class DraftOptimizer:
-    """AdamW + LR schedule + gradient clipping + data-parallel gradient all-reduce for draft weights.
-
-    Gradients are summed over ``dp_group`` (the losses are pre-normalised by global counts).
-    Under tensor parallelism (MTP), ``tp_partial`` parameters hold per-rank partial gradients
-    that are first summed over ``tp_group`` (megatron-core's rule for q/k layernorms, which each
-    rank applies to its own heads only); the gradient norm counts each TP shard once and each
-    replicated parameter once (parameters with ``tensor_model_parallel=True`` are shards).
-    """
-
-    def __init__(self, params: Sequence[torch.nn.Parameter], config: DraftTrainerConfig, *,
-                 dp_group: dist.ProcessGroup | None = None, tp_group: dist.ProcessGroup | None = None,
-                 tp_partial: Sequence[torch.nn.Parameter] = ()):
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("draft optimizer has no trainable parameters")
-        self.config = config
-        self.dp_group, self.tp_group = dp_group, tp_group
-        partial = {id(p) for p in tp_partial}
-        self._partial = [i for i, p in enumerate(self.params) if id(p) in partial]
-        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_factor)
-
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def step(self) -> dict[str, float]:
-        """Reduce, clip and apply the accumulated gradients; returns ``grad_norm`` and ``lr`` (pre-step)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        if self._partial and _group_info(self.tp_group)[1] > 1:
-            part = [grads[i] for i in self._partial]
-            flat = torch._utils._flatten_dense_tensors(part)
-            dist.all_reduce(flat, group=self.tp_group)
-            for i, g in zip(self._partial, torch._utils._unflatten_dense_tensors(flat, part)):
-                grads[i] = g
-        if _group_info(self.dp_group)[1] > 1:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
-            grads = list(torch._utils._unflatten_dense_tensors(flat, grads))
-        for p, g in zip(self.params, grads):
-            p.grad = g
-        sharded = sum((g.double().pow(2).sum() for p, g in zip(self.params, grads)
-                       if getattr(p, "tensor_model_parallel", False)), torch.zeros((), dtype=torch.float64))
-        replicated = sum((g.double().pow(2).sum() for p, g in zip(self.params, grads)
-                          if not getattr(p, "tensor_model_parallel", False)), torch.zeros((), dtype=torch.float64))
-        if _group_info(self.tp_group)[1] > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
-        norm = float((sharded + replicated).sqrt())
-        if not math.isfinite(norm):
-            self.zero_grad()
-            raise FloatingPointError(f"draft gradient norm is {norm}; the draft step was skipped")
-        clip = self.config.grad_clip
-        if clip is not None and norm > clip:
-            scale = clip / (norm + 1e-6)
-            for g in grads:
-                g.mul_(scale)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.zero_grad()
-        return {"grad_norm": norm, "lr": lr}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
-
-def reduce_metric_sums(sums: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum a small metric tensor over the draft group (a copy; float64 for exact counts)."""
-    out = sums.detach().double().clone()
-    if _group_info(group)[1] > 1:
-        dist.all_reduce(out, group=group)
-    return out
-
-
-def choose_segments(cache: DraftCache, max_rows: int | None, generator: torch.Generator) -> list[int]:
-    """All segments, or whole segments in random order until ``max_rows`` rows are reached."""
-    if max_rows is None or cache.num_rows <= max_rows:
-        return list(range(cache.num_segments))
-    order = torch.randperm(cache.num_segments, generator=generator).tolist()
-    lens = cache.seqlens.tolist()
-    chosen, rows = [], 0
-    for s in order:
-        if rows + lens[s] > max_rows and chosen:
-            continue
-        chosen.append(s)
-        rows += lens[s]
-        if rows >= max_rows:
-            break
-    return sorted(chosen)
+from megatron_spec.draft.optim import (
+    STATE_FILE,
+    DraftOptimizer,
+    DraftTrainerConfig,
+    atomic_save,
+    choose_segments,
+    group_info,
+    reduce_metric_sums,
+)
 
 
 class Eagle3Trainer:
     """The EAGLE-3 head, trained online on captured verifier states."""
 
-    def __init__(self, head: Eagle3Head, config: DraftTrainerConfig = DraftTrainerConfig(), *,
-                 group: dist.ProcessGroup | None = None, export_dir: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        head: Eagle3Head,
+        config: DraftTrainerConfig = DraftTrainerConfig(),
+        *,
+        group: dist.ProcessGroup | None = None,
+        export_dir: str | os.PathLike | None = None,
+    ):
         if head.cfg.double_hidden_norm:
-            raise ValueError("Eagle3Trainer trains the serving engines' math; load the head with "
-                             "double_hidden_norm=False")
+            raise ValueError(
+                "Eagle3Trainer trains the serving engines' math; load the head with double_hidden_norm=False"
+            )
         self.head = head.float().train()
         self.config = config
         if group is None and dist.is_initialized():
             group = dist.group.WORLD
         self.group = group
-        self.rank, self.world = _group_info(group)
+        self.rank, self.world = group_info(group)
         if config.freeze_input_layernorm:
             head.input_layernorm.weight.requires_grad_(False)
         self.optimizer = DraftOptimizer(list(head.parameters()), config, dp_group=group)
@@ -240,8 +91,15 @@ class Eagle3Trainer:
         self._t2d[head.target_ids.cpu()] = torch.arange(cfg.draft_vocab_size)
 
     @classmethod
-    def from_modelopt(cls, path: str | os.PathLike, target_cfg, config: DraftTrainerConfig = DraftTrainerConfig(),
-                      *, load_overrides: dict[str, Any] | None = None, **kwargs: Any) -> Eagle3Trainer:
+    def from_modelopt(
+        cls,
+        path: str | os.PathLike,
+        target_cfg,
+        config: DraftTrainerConfig = DraftTrainerConfig(),
+        *,
+        load_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Eagle3Trainer:
         """Start from a ModelOpt export directory (``config.json`` + ``model.safetensors``).
 
         ``load_overrides``: :class:`Eagle3Config` fields to replace (e.g. ``rope_scaling=None``,
@@ -260,9 +118,13 @@ class Eagle3Trainer:
 
         base = base or CaptureConfig()
         cfg = self.head.cfg
-        return dataclasses.replace(base, draft_kind="eagle3", aux_layer_ids=tuple(cfg.aux_layer_ids),
-                                   draft_target_ids=self.head.target_ids.cpu() if cfg.reduced_vocab else None,
-                                   shard_across_tp=base.shard_across_tp if base.draft_kind == "eagle3" else None)
+        return dataclasses.replace(
+            base,
+            draft_kind="eagle3",
+            aux_layer_ids=tuple(cfg.aux_layer_ids),
+            draft_target_ids=self.head.target_ids.cpu() if cfg.reduced_vocab else None,
+            shard_across_tp=base.shard_across_tp if base.draft_kind == "eagle3" else None,
+        )
 
     # ------------------------------------------------------------------ training
     def _check(self, cache: DraftCache) -> None:
@@ -270,11 +132,15 @@ class Eagle3Trainer:
         if cache.aux is None or cache.embeds is None:
             raise ValueError("Eagle3Trainer needs a cache captured with draft_kind='eagle3' (aux and embeds)")
         if cache.aux.shape[1] != cfg.num_aux * cfg.hidden_size:
-            raise ValueError(f"cache aux width {cache.aux.shape[1]} != {cfg.num_aux} aux layers x hidden "
-                             f"{cfg.hidden_size}: captured with other aux_layer_ids?")
+            raise ValueError(
+                f"cache aux width {cache.aux.shape[1]} != {cfg.num_aux} aux layers x hidden "
+                f"{cfg.hidden_size}: captured with other aux_layer_ids?"
+            )
         if cache.teacher_ids is None and cache.teacher_logprobs.shape[1] != cfg.draft_vocab_size:
-            raise ValueError(f"cache teacher covers {cache.teacher_logprobs.shape[1]} ids, the draft vocabulary "
-                             f"has {cfg.draft_vocab_size}")
+            raise ValueError(
+                f"cache teacher covers {cache.teacher_logprobs.shape[1]} ids, the draft vocabulary "
+                f"has {cfg.draft_vocab_size}"
+            )
 
     def train_step(self, cache: DraftCache | None) -> dict[str, float]:
         """One optimizer step on ``cache`` (this rank's rows; None or empty = no rows here).
@@ -288,7 +154,7 @@ class Eagle3Trainer:
             ``draft/export_seconds`` when exporting).
         """
         t0 = time.perf_counter()
-        cfg, head = self.config, self.head
+        cfg = self.config
         steps = cfg.ttt_steps
         weights = ttt_step_weights(steps, cfg.loss_decay)
         segments: list[int] = []
@@ -309,7 +175,7 @@ class Eagle3Trainer:
             else:
                 for seg, n in zip(segments, lens):
                     start = int(cache.cu_seqlens[seg])
-                    local[s_i] += int(label_ok[start + s_i:start + n].sum()) if n > s_i else 0
+                    local[s_i] += int(label_ok[start + s_i : start + n].sum()) if n > s_i else 0
         counts = reduce_metric_sums(local, self.group).clamp(min=1.0)
 
         loss_sums = torch.zeros(steps, dtype=torch.float64)
@@ -322,9 +188,15 @@ class Eagle3Trainer:
             agree += a_s
         opt = self.optimizer.step()
         self.step += 1
-        totals = reduce_metric_sums(torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), self.group)
-        out: dict[str, float] = {"draft/step": float(self.step), "draft/rows": float(totals[-1]),
-                                 "draft/grad_norm": opt["grad_norm"], "draft/lr": opt["lr"]}
+        totals = reduce_metric_sums(
+            torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), self.group
+        )
+        out: dict[str, float] = {
+            "draft/step": float(self.step),
+            "draft/rows": float(totals[-1]),
+            "draft/grad_norm": opt["grad_norm"],
+            "draft/lr": opt["lr"],
+        }
         total_loss = 0.0
         for s_i in range(steps):
             mean = float(totals[s_i] / counts[s_i])
@@ -339,8 +211,14 @@ class Eagle3Trainer:
             out["draft/export_seconds"] = time.perf_counter() - t1
         return out
 
-    def _micro_batch(self, cache: DraftCache, segs: list[int], weights: list[float], counts: torch.Tensor,
-                     label_ok: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _micro_batch(
+        self,
+        cache: DraftCache,
+        segs: list[int],
+        weights: list[float],
+        counts: torch.Tensor,
+        label_ok: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         head, cfg = self.head, self.config
         dev = head.lm_head.weight.device
         embeds = cache.padded("embeds", segs).to(dev, torch.float32)  # [B, S, H]
@@ -361,8 +239,9 @@ class Eagle3Trainer:
         l_sums = torch.zeros(len(weights), dtype=torch.float64)
         a_sums = torch.zeros(len(weights), dtype=torch.float64)
         for s_i, w in enumerate(weights):
-            out = head.forward_full(embeds, hidden, positions, attn_mask=ttt_attention_mask(t, s_i).to(dev),
-                                    past_kv=past)
+            out = head.forward_full(
+                embeds, hidden, positions, attn_mask=ttt_attention_mask(t, s_i).to(dev), past_kv=past
+            )
             lse = out.logits.logsumexp(dim=-1, keepdim=True)  # [B, S, 1]
             valid = ttt_valid_rows(lens, t, s_i).to(dev)
             if cfg.loss == "soft":
@@ -375,7 +254,11 @@ class Eagle3Trainer:
             loss = loss + w * l_sum / counts[s_i].to(l_sum.dtype)
             l_sums[s_i] = float(l_sum.detach())  # host sync per TTT step: metrics only, a handful per step
             a_sums[s_i] = float(top1_agreement_sum(out.logits.detach().argmax(-1), teacher_top1, valid))
-            past = out.kv if past is None else (torch.cat([past[0], out.kv[0]], 2), torch.cat([past[1], out.kv[1]], 2))
+            past = (
+                out.kv
+                if past is None
+                else (torch.cat([past[0], out.kv[0]], 2), torch.cat([past[1], out.kv[1]], 2))
+            )
             hidden = out.hidden.roll(1, dims=1)  # row q of step s+1 continues the chain of row q-1
         return loss, l_sums, a_sums
 
@@ -403,9 +286,13 @@ class Eagle3Trainer:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        return {"head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step,
-                "generator": self.generator.get_state(), "config": dataclasses.asdict(self.config)}
+        return {
+            "head": {k: v.detach().clone() for k, v in self.head.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "generator": self.generator.get_state(),
+            "config": dataclasses.asdict(self.config),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.head.load_state_dict(state["head"])
@@ -420,24 +307,22 @@ class Eagle3Trainer:
 
         path = os.fspath(path)
         os.makedirs(path, exist_ok=True)
-        _atomic_save(self.state_dict(), os.path.join(path, STATE_FILE))
+        atomic_save(self.state_dict(), os.path.join(path, STATE_FILE))
         save_eagle3(self.head, os.path.join(path, "export"), dtype=self._export_dtype())
 
     def load(self, path: str | os.PathLike) -> None:
         self.load_state_dict(torch.load(os.path.join(os.fspath(path), STATE_FILE), weights_only=False))
 
 
-STATE_FILE = "draft_trainer.pt"
-
-
-def _atomic_save(obj: Any, path: str) -> None:
-    tmp = path + ".tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def build_draft_trainer(cfg: Any, policy: torch.nn.Module, target_cfg, info: Any = None, *,
-                        export_dir: str | os.PathLike | None = None, config: DraftTrainerConfig | None = None):
+def build_draft_trainer(
+    cfg: Any,
+    policy: torch.nn.Module,
+    target_cfg,
+    info: Any = None,
+    *,
+    export_dir: str | os.PathLike | None = None,
+    config: DraftTrainerConfig | None = None,
+):
     """The online draft trainer a run's spec config asks for.
 
     Args:
@@ -450,8 +335,9 @@ def build_draft_trainer(cfg: Any, policy: torch.nn.Module, target_cfg, info: Any
     """
     spec = getattr(cfg, "spec", cfg)
     kind = spec.spec_draft_kind
-    tc = dataclasses.replace(config or DraftTrainerConfig(), ttt_steps=int(spec.spec_draft_ttt_steps),
-                             lr=float(spec.spec_draft_lr))
+    tc = dataclasses.replace(
+        config or DraftTrainerConfig(), ttt_steps=int(spec.spec_draft_ttt_steps), lr=float(spec.spec_draft_lr)
+    )
     if kind == "eagle3":
         if not spec.spec_draft_path:
             raise ValueError("online EAGLE-3 training starts from a ModelOpt export: set --spec-draft-path")
@@ -470,5 +356,11 @@ def build_draft_trainer(cfg: Any, policy: torch.nn.Module, target_cfg, info: Any
     raise ValueError(f"online draft training supports spec_draft_kind eagle3 or mtp, got {kind!r}")
 
 
-__all__ = ["DraftOptimizer", "DraftTrainerConfig", "Eagle3Trainer", "build_draft_trainer", "choose_segments",
-           "reduce_metric_sums"]
+__all__ = [
+    "DraftOptimizer",
+    "DraftTrainerConfig",
+    "Eagle3Trainer",
+    "build_draft_trainer",
+    "choose_segments",
+    "reduce_metric_sums",
+]

@@ -11,9 +11,17 @@ from megatron_spec.models.tiny import make_hf_checkpoint
 @pytest.fixture(scope="session")
 def capture_target(tmp_path_factory) -> str:
     # 8 layers: ModelOpt's default aux layers sorted({1, L//2-1, L-4}) = (1, 3, 4) are distinct
-    return make_hf_checkpoint(tmp_path_factory.mktemp("capture") / "target", family="qwen3", num_layers=8,
-                              hidden_size=32, intermediate_size=64, num_attention_heads=4, num_kv_heads=2, seed=11,
-                              init_std=0.05)
+    return make_hf_checkpoint(
+        tmp_path_factory.mktemp("capture") / "target",
+        family="qwen3",
+        num_layers=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seed=11,
+        init_std=0.05,
+    )
 
 
 @pytest.fixture(scope="module")

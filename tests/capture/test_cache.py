@@ -11,15 +11,22 @@ from megatron_spec.capture.cache import DraftCache, micro_batches, segment_runs
 def _cache(lens: list[int], k: int = 2, h: int = 3) -> DraftCache:
     n = sum(lens)
     rows = torch.arange(n)
-    return DraftCache(tokens=rows + 100, positions=rows, next_tokens=rows + 101, next_logprobs=-rows.float(),
-                      teacher_logprobs=torch.full((n, k), -1.0), teacher_ids=torch.zeros(n, k, dtype=torch.long),
-                      cu_seqlens=torch.tensor([0] + lens).cumsum(0), embeds=rows.float().unsqueeze(1).expand(n, h),
-                      aux=None, hidden=None)
+    return DraftCache(
+        tokens=rows + 100,
+        positions=rows,
+        next_tokens=rows + 101,
+        next_logprobs=-rows.float(),
+        teacher_logprobs=torch.full((n, k), -1.0),
+        teacher_ids=torch.zeros(n, k, dtype=torch.long),
+        cu_seqlens=torch.tensor([0] + lens).cumsum(0),
+        embeds=rows.float().unsqueeze(1).expand(n, h),
+        aux=None,
+        hidden=None,
+    )
 
 
 def test_segment_runs_split_at_holes_and_rows():
-    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1],
-                         [1, 1, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 1], [1, 1, 0, 0, 0, 0, 1]], dtype=torch.bool)
     # row 0: runs at 1 (len 2) and 4 (len 3); row 1: at 0 (len 2) and 6 (len 1)
     assert segment_runs(mask) == [(0, 1, 2), (0, 4, 3), (1, 0, 2), (1, 6, 1)]
     assert segment_runs(torch.zeros(2, 3, dtype=torch.bool)) == []
@@ -62,8 +69,14 @@ def test_padded_right_pads_per_segment():
 def test_rows_must_agree():
     c = _cache([2])
     with pytest.raises(ValueError, match="positions has 1 rows, tokens has 2"):
-        DraftCache(tokens=c.tokens, positions=c.positions[:1], next_tokens=c.next_tokens,
-                   next_logprobs=c.next_logprobs, teacher_logprobs=c.teacher_logprobs, cu_seqlens=c.cu_seqlens)
+        DraftCache(
+            tokens=c.tokens,
+            positions=c.positions[:1],
+            next_tokens=c.next_tokens,
+            next_logprobs=c.next_logprobs,
+            teacher_logprobs=c.teacher_logprobs,
+            cu_seqlens=c.cu_seqlens,
+        )
 
 
 def test_micro_batches_bound_padded_rows():

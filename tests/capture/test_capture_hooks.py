@@ -72,10 +72,16 @@ def test_segments_next_tokens_teacher_and_logprobs(policy, hf_outputs):
     assert cache.cu_seqlens.tolist() == [0, 9, 13, 16, 19]
     b, t = _rows(mask)
     hs = hf_outputs.hidden_states
-    torch.testing.assert_close(cache.aux, torch.cat([hs[7][b, t - 1], hs[1][b, t - 1]], -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        cache.aux, torch.cat([hs[7][b, t - 1], hs[1][b, t - 1]], -1), atol=1e-5, rtol=0
+    )
     # x_{t+1} where it is captured too, else -1 (ends of runs)
-    want_next = [ids[0, 6:].tolist() + [-1], ids[1, 4:7].tolist() + [-1], ids[1, 10:12].tolist() + [-1],
-                 ids[2, 2:4].tolist() + [-1]]
+    want_next = [
+        ids[0, 6:].tolist() + [-1],
+        ids[1, 4:7].tolist() + [-1],
+        ids[1, 10:12].tolist() + [-1],
+        ids[2, 2:4].tolist() + [-1],
+    ]
     assert cache.next_tokens.tolist() == [x for seg in want_next for x in seg]
     logp = torch.log_softmax(hf_outputs.logits[b, t], -1)  # teacher at position t, full vocabulary
     want_lp, want_ids = logp.topk(4, dim=-1)
@@ -99,13 +105,18 @@ def test_mtp_features_and_reduced_vocab_full_teacher(policy, hf_outputs):
     assert cache.aux is None
     # MTP reads the final-normed decoder output: transformers' last hidden_states entry
     torch.testing.assert_close(cache.hidden, hf_outputs.hidden_states[-1][b, t - 1], atol=1e-5, rtol=0)
-    torch.testing.assert_close(cache.teacher_logprobs, torch.log_softmax(hf_outputs.logits[b, t], -1),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        cache.teacher_logprobs, torch.log_softmax(hf_outputs.logits[b, t], -1), atol=1e-5, rtol=0
+    )
     cap = Capture(CaptureConfig(draft_target_ids=target_ids, teacher_topk=None))
     with torch.no_grad(), cap.record(policy, mask):
         policy(ids, pos, attention_mask=None)
-    torch.testing.assert_close(cap.take().teacher_logprobs,
-                               torch.log_softmax(hf_outputs.logits[b, t][:, target_ids], -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        cap.take().teacher_logprobs,
+        torch.log_softmax(hf_outputs.logits[b, t][:, target_ids], -1),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_capture_leaves_the_model_untouched(policy):
@@ -185,5 +196,10 @@ def test_errors_name_the_problem(policy):
 
 
 def test_response_mask_from_targets():
-    tgt = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # position p: is input_ids[:, p+1] a response token
-    assert response_mask_from_targets(tgt).tolist() == [[False, False, True, True], [False, True, False, False]]
+    tgt = torch.tensor(
+        [[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]
+    )  # position p: is input_ids[:, p+1] a response token
+    assert response_mask_from_targets(tgt).tolist() == [
+        [False, False, True, True],
+        [False, True, False, False],
+    ]

@@ -48,12 +48,26 @@ def seeded_(tensors, seed: int) -> None:
 
 
 def make_eagle(cfg) -> Eagle3Trainer:
-    ecfg = Eagle3Config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                        num_attention_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, draft_vocab_size=DRAFT_VOCAB,
-                        aux_layer_ids=default_aux_layer_ids(cfg.num_layers), max_position_embeddings=64)
+    ecfg = Eagle3Config(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        draft_vocab_size=DRAFT_VOCAB,
+        aux_layer_ids=default_aux_layer_ids(cfg.num_layers),
+        max_position_embeddings=64,
+    )
     head = Eagle3Head(ecfg)
-    seeded_([(n, t) for n, t in head.named_export_tensors() if n not in ("d2t", "layers.0.input_layernorm.weight")], 7)
+    seeded_(
+        [
+            (n, t)
+            for n, t in head.named_export_tensors()
+            if n not in ("d2t", "layers.0.input_layernorm.weight")
+        ],
+        7,
+    )
     with torch.no_grad():
         head.input_layernorm.weight.fill_(1.0)
         target_ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(8))[:DRAFT_VOCAB]
@@ -96,8 +110,11 @@ def run(info, ckpt, cfg, on: bool):
     eagle = make_eagle(cfg) if on else None
     mtp = make_mtp(model, cfg) if on else None
     cap_e = Capture.for_trainer(eagle, CaptureConfig(storage_dtype="float32", teacher_topk=4)) if on else None
-    cap_m = Capture.for_trainer(mtp, CaptureConfig(storage_dtype="float32", teacher_topk=4, forward="train")) if on \
+    cap_m = (
+        Capture.for_trainer(mtp, CaptureConfig(storage_dtype="float32", teacher_topk=4, forward="train"))
+        if on
         else None
+    )
     draft_params = list(eagle.head.parameters()) + list(mtp.draft.parameters()) if on else []
     grads, eagle_cache0 = [], None
     for step in range(STEPS):
@@ -105,31 +122,37 @@ def run(info, ckpt, cfg, on: bool):
         batch = torch.randint(4, cfg.vocab_size, (4, 16), generator=g)
         adv = torch.randn(4, generator=g)
         per = batch.shape[0] // info.dp_size
-        ids = batch[info.dp_rank * per:(info.dp_rank + 1) * per]
-        a = adv[info.dp_rank * per:(info.dp_rank + 1) * per]
+        ids = batch[info.dp_rank * per : (info.dp_rank + 1) * per]
+        a = adv[info.dp_rank * per : (info.dp_rank + 1) * per]
         pos = torch.arange(16).expand_as(ids)
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[:, 6:] = True
         tmask = mask[:, 1:].float()
-        with torch.no_grad(), (cap_e.record(ddp, mask) if on else contextlib.nullcontext()):
+        with torch.no_grad(), cap_e.record(ddp, mask) if on else contextlib.nullcontext():
             logits = ddp(ids, pos, attention_mask=None)
-        old = vocab_parallel_token_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=cfg.vocab_size,
-                                            tp_group=info.tp_group)
+        old = vocab_parallel_token_logprobs(
+            logits[:, :-1], ids[:, 1:], vocab_size=cfg.vocab_size, tp_group=info.tp_group
+        )
         zero_grads(ddp)
         saved: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
-            with (cap_m.record(ddp, mask) if on else contextlib.nullcontext()):
+            with cap_m.record(ddp, mask) if on else contextlib.nullcontext():
                 logits = ddp(ids, pos, attention_mask=None)
-            lp = vocab_parallel_token_logprobs(logits[:, :-1], ids[:, 1:], vocab_size=cfg.vocab_size,
-                                               tp_group=info.tp_group)
+            lp = vocab_parallel_token_logprobs(
+                logits[:, :-1], ids[:, 1:], vocab_size=cfg.vocab_size, tp_group=info.tp_group
+            )
             loss = -((lp - old).exp() * a.unsqueeze(1) * tmask).sum() / tmask.sum()
         if on:
             cache_e, cache_m = cap_e.take(), cap_m.take()
             leaves = leaf_ids(loss)
             assert {id(p) for p in model.parameters()} <= leaves, "graph walk missed policy parameters"
-            assert not leaves & {id(p) for p in draft_params}, "a draft parameter is a leaf of the policy loss"
+            assert not leaves & {id(p) for p in draft_params}, (
+                "a draft parameter is a leaf of the policy loss"
+            )
             cached = storages(cache_e._tensors() + cache_m._tensors())
-            assert not storages(saved) & (storages(draft_params) | cached), "policy backward saves a draft tensor"
+            assert not storages(saved) & (storages(draft_params) | cached), (
+                "policy backward saves a draft tensor"
+            )
             assert all(t.grad_fn is None for t in cache_m._tensors())
             if step == 0:
                 eagle_cache0 = cache_e
@@ -138,7 +161,9 @@ def run(info, ckpt, cfg, on: bool):
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         opt.step()
         if on:
-            before = {n: (p.detach().clone(), p.main_grad.detach().clone()) for n, p in model.named_parameters()}
+            before = {
+                n: (p.detach().clone(), p.main_grad.detach().clone()) for n, p in model.named_parameters()
+            }
             me = eagle.train_step(cache_e)
             mm = mtp.train_step(cache_m)
             assert me["draft/rows"] > 0 and mm["draft/rows"] > 0
@@ -176,9 +201,17 @@ def main() -> None:
         assert torch.equal(p_off[n], p_on[n]), f"parameter {n} differs with draft training on"
     if tp > 1:
         check_sp_gather(info, build_gpt_model(cfg, vocab_divisible_by=8))
-    torch.save({"cache": {k: getattr(cache0, k) for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs",
-                                                          "cu_seqlens")},
-                "tp_rank": info.tp_rank, "dp_rank": info.dp_rank}, f"{out}.rank{info.rank}.pt")
+    torch.save(
+        {
+            "cache": {
+                k: getattr(cache0, k)
+                for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs", "cu_seqlens")
+            },
+            "tp_rank": info.tp_rank,
+            "dp_rank": info.dp_rank,
+        },
+        f"{out}.rank{info.rank}.pt",
+    )
     if info.rank == 0:
         torch.save(drafts, f"{out}.drafts.pt")
     print(f"OK tp={tp} dp={info.dp_size}: policy bit-identical with draft training on/off")

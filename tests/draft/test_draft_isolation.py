@@ -19,15 +19,26 @@ pytestmark = pytest.mark.dist
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory):
     root = tmp_path_factory.mktemp("isolation")
-    ckpt = make_hf_checkpoint(root / "target", family="qwen3", num_layers=5, hidden_size=32, intermediate_size=64,
-                              num_attention_heads=4, num_kv_heads=2, seed=31, init_std=0.05)
+    ckpt = make_hf_checkpoint(
+        root / "target",
+        family="qwen3",
+        num_layers=5,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seed=31,
+        init_std=0.05,
+    )
     out = {}
     for tp in (1, 2):
         prefix = str(root / f"tp{tp}")
         log = run_torchrun("draft_isolation.py", 2, ckpt, str(tp), prefix)
         assert f"OK tp={tp} dp={2 // tp}" in log
-        out[tp] = {"drafts": torch.load(f"{prefix}.drafts.pt"),
-                   "ranks": [torch.load(f"{prefix}.rank{r}.pt") for r in range(2)]}
+        out[tp] = {
+            "drafts": torch.load(f"{prefix}.drafts.pt"),
+            "ranks": [torch.load(f"{prefix}.rank{r}.pt") for r in range(2)],
+        }
     return out
 
 
@@ -37,11 +48,14 @@ def test_policy_bit_identical_at_tp1_and_tp2(layouts):
 
 def test_tp_sharded_capture_covers_the_batch_once(layouts):
     """TP=2 keeps every other segment per rank; together they are what DP=2 x TP=1 captured."""
+
     def segments(rank_state):
         c = rank_state["cache"]
         cu = c["cu_seqlens"].tolist()
-        return [{k: c[k][cu[i]:cu[i + 1]] for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs")}
-                for i in range(len(cu) - 1)]
+        return [
+            {k: c[k][cu[i] : cu[i + 1]] for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs")}
+            for i in range(len(cu) - 1)
+        ]
 
     dp_layout = segments(layouts[1]["ranks"][0]) + segments(layouts[1]["ranks"][1])  # sequences 0,1 | 2,3
     r0, r1 = segments(layouts[2]["ranks"][0]), segments(layouts[2]["ranks"][1])

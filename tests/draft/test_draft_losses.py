@@ -45,7 +45,9 @@ def test_soft_ce_topk_minimum_matches_teacher_mass_not_renormalised():
         opt.zero_grad()
         loss.backward()
         opt.step()
-    torch.testing.assert_close(torch.softmax(z, -1).detach(), torch.tensor([[0.5, 0.2, 0.3]]), atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        torch.softmax(z, -1).detach(), torch.tensor([[0.5, 0.2, 0.3]]), atol=1e-3, rtol=0
+    )
 
 
 def test_masked_rows_contribute_nothing_even_if_nan():
@@ -60,7 +62,9 @@ def test_hard_ce_and_agreement():
     lq = torch.log(torch.tensor([0.5, 0.25, 0.1]))
     loss, n = hard_cross_entropy_sum(lq, torch.tensor([True, True, False]))
     assert n == 2 and loss.item() == pytest.approx(math.log(2) + math.log(4), abs=1e-6)
-    a = top1_agreement_sum(torch.tensor([1, 2, 3]), torch.tensor([1, 0, 3]), torch.tensor([True, True, False]))
+    a = top1_agreement_sum(
+        torch.tensor([1, 2, 3]), torch.tensor([1, 0, 3]), torch.tensor([True, True, False])
+    )
     assert a.item() == 1
 
 

@@ -53,9 +53,12 @@ def test_ttt_loss_and_accuracy_equal_modelopt(drafts, policy, which):
     with torch.no_grad():
         out = mo(input_ids=ids)
     # ModelOpt trains with plain RoPE whatever it exports (see draft/modelopt_train.py)
-    trainer = Eagle3Trainer.from_modelopt(res.path, drafts.target_cfg,
-                                          DraftTrainerConfig(ttt_steps=mo.eagle_ttt_steps, lr=1e-9),
-                                          load_overrides={"rope_scaling": None})
+    trainer = Eagle3Trainer.from_modelopt(
+        res.path,
+        drafts.target_cfg,
+        DraftTrainerConfig(ttt_steps=mo.eagle_ttt_steps, lr=1e-9),
+        load_overrides={"rope_scaling": None},
+    )
     cache = _capture(trainer, policy, ids, torch.ones_like(ids, dtype=torch.bool), teacher_topk=None)
     m = trainer.train_step(cache)
     assert m["draft/rows"] == ids.numel() - ids.shape[0]
@@ -70,16 +73,23 @@ def test_learns_exports_and_streams_by_engine_names(drafts, policy, tmp_path):
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:, 8:] = True
     for loss in ("soft", "hard"):
-        trainer = Eagle3Trainer.from_modelopt(drafts.reduced.path, drafts.target_cfg,
-                                              DraftTrainerConfig(lr=1e-2, ttt_steps=3, loss=loss),
-                                              export_dir=tmp_path / loss)
+        trainer = Eagle3Trainer.from_modelopt(
+            drafts.reduced.path,
+            drafts.target_cfg,
+            DraftTrainerConfig(lr=1e-2, ttt_steps=3, loss=loss),
+            export_dir=tmp_path / loss,
+        )
         cache = _capture(trainer, policy, ids, mask, teacher_topk=8)
         first = trainer.train_step(cache)
         for _ in range(7):
             last = trainer.train_step(cache)
         # the fixture's target is nearly uniform, so the soft loss sits close to the teacher's entropy:
         # the KL part shrinks and the draft's top-1 agreement rises; hard CE memorises the sampled tokens
-        assert last["draft/loss"] < first["draft/loss"] - (0.02 if loss == "soft" else 1.0), (loss, first, last)
+        assert last["draft/loss"] < first["draft/loss"] - (0.02 if loss == "soft" else 1.0), (
+            loss,
+            first,
+            last,
+        )
         if loss == "soft":
             assert last["draft/acc_ttt0"] > first["draft/acc_ttt0"] + 0.05
         assert {f"draft/loss_ttt{s}" for s in range(3)} <= set(last) and last["draft/step"] == 8
@@ -91,14 +101,18 @@ def test_learns_exports_and_streams_by_engine_names(drafts, policy, tmp_path):
                 assert torch.equal(t, streamed[name]), name
         assert torch.equal(reloaded.d2t, trainer.head.d2t)
         # frozen at its initial value (ones): ModelOpt's and SGLang's math keep agreeing
-        assert torch.equal(streamed["layers.0.input_layernorm.weight"],
-                           torch.ones_like(streamed["layers.0.input_layernorm.weight"]))
+        assert torch.equal(
+            streamed["layers.0.input_layernorm.weight"],
+            torch.ones_like(streamed["layers.0.input_layernorm.weight"]),
+        )
 
 
 def test_resume_is_exact(drafts, policy, tmp_path):
     ids = _ids(drafts, b=6, t=30, seed=3)
     mask = torch.ones_like(ids, dtype=torch.bool)
-    cfg = DraftTrainerConfig(lr=1e-3, warmup_steps=2, lr_schedule="cosine", total_steps=5, max_rows_per_step=60)
+    cfg = DraftTrainerConfig(
+        lr=1e-3, warmup_steps=2, lr_schedule="cosine", total_steps=5, max_rows_per_step=60
+    )
     a = Eagle3Trainer.from_modelopt(drafts.full.path, drafts.target_cfg, cfg)
     cache = _capture(a, policy, ids, mask, teacher_topk=4)
     a.train_step(cache)
@@ -117,11 +131,24 @@ def test_resume_is_exact(drafts, policy, tmp_path):
 def test_lr_schedule_and_config_errors():
     cfg = DraftTrainerConfig(lr=1.0, warmup_steps=2, lr_schedule="cosine", total_steps=6, min_lr_ratio=0.2)
     # warm-up 1/2, 2/2; then 0.2 + 0.8 * 0.5 * (1 + cos(pi * s/4)) for s = 0..4, then the floor
-    want = [0.5, 1.0, 1.0, 0.2 + 0.4 * (1 + math.cos(math.pi / 4)), 0.6, 0.2 + 0.4 * (1 + math.cos(3 * math.pi / 4)),
-            0.2, 0.2]
+    want = [
+        0.5,
+        1.0,
+        1.0,
+        0.2 + 0.4 * (1 + math.cos(math.pi / 4)),
+        0.6,
+        0.2 + 0.4 * (1 + math.cos(3 * math.pi / 4)),
+        0.2,
+        0.2,
+    ]
     assert [cfg.lr_factor(s) for s in range(8)] == pytest.approx(want)
-    for bad, match in ((dict(ttt_steps=0), "ttt_steps"), (dict(loss="kl"), "loss"), (dict(micro_batch_rows=0), "micro"),
-                       (dict(lr_schedule="linear"), "lr_schedule"), (dict(export_dtype="fp8"), "export_dtype")):
+    for bad, match in (
+        (dict(ttt_steps=0), "ttt_steps"),
+        (dict(loss="kl"), "loss"),
+        (dict(micro_batch_rows=0), "micro"),
+        (dict(lr_schedule="linear"), "lr_schedule"),
+        (dict(export_dtype="fp8"), "export_dtype"),
+    ):
         with pytest.raises(ValueError, match=match):
             DraftTrainerConfig(**bad)
 
@@ -146,16 +173,32 @@ def test_gradient_clipping_group():
 
 
 def test_build_draft_trainer_from_spec(drafts, policy, tmp_path):
-    spec = types.SimpleNamespace(spec_draft_kind="eagle3", spec_draft_path=drafts.reduced.path,
-                                 spec_draft_ttt_steps=2, spec_draft_lr=5e-4)
-    tr = build_draft_trainer(types.SimpleNamespace(spec=spec), policy, drafts.target_cfg, export_dir=tmp_path / "e")
+    spec = types.SimpleNamespace(
+        spec_draft_kind="eagle3",
+        spec_draft_path=drafts.reduced.path,
+        spec_draft_ttt_steps=2,
+        spec_draft_lr=5e-4,
+    )
+    tr = build_draft_trainer(
+        types.SimpleNamespace(spec=spec), policy, drafts.target_cfg, export_dir=tmp_path / "e"
+    )
     assert isinstance(tr, Eagle3Trainer) and tr.config.ttt_steps == 2 and tr.config.lr == 5e-4
     assert tr.export_dir == str(tmp_path / "e")
     cap_cfg = tr.capture_config()
     assert cap_cfg.aux_layer_ids == tr.head.cfg.aux_layer_ids and cap_cfg.draft_target_ids.numel() == 32
     with pytest.raises(ValueError, match="spec-draft-path"):
-        build_draft_trainer(types.SimpleNamespace(spec_draft_kind="eagle3", spec_draft_path=None, spec_draft_ttt_steps=3,
-                                                  spec_draft_lr=1e-3), policy, drafts.target_cfg)
+        build_draft_trainer(
+            types.SimpleNamespace(
+                spec_draft_kind="eagle3", spec_draft_path=None, spec_draft_ttt_steps=3, spec_draft_lr=1e-3
+            ),
+            policy,
+            drafts.target_cfg,
+        )
     with pytest.raises(ValueError, match="eagle3 or mtp"):
-        build_draft_trainer(types.SimpleNamespace(spec_draft_kind="ngram", spec_draft_path=None, spec_draft_ttt_steps=3,
-                                                  spec_draft_lr=1e-3), policy, drafts.target_cfg)
+        build_draft_trainer(
+            types.SimpleNamespace(
+                spec_draft_kind="ngram", spec_draft_path=None, spec_draft_ttt_steps=3, spec_draft_lr=1e-3
+            ),
+            policy,
+            drafts.target_cfg,
+        )

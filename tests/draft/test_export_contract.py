@@ -45,8 +45,9 @@ def trained(drafts, tmp_path_factory):
     policy = build_gpt_model(ckpt.decoder_config, vocab_divisible_by=8)
     load_hf_weights(policy, ckpt)
     export = str(tmp_path_factory.mktemp("contract") / "online")
-    trainer = Eagle3Trainer.from_modelopt(drafts.reduced.path, drafts.target_cfg, DraftTrainerConfig(lr=1e-2),
-                                          export_dir=export)
+    trainer = Eagle3Trainer.from_modelopt(
+        drafts.reduced.path, drafts.target_cfg, DraftTrainerConfig(lr=1e-2), export_dir=export
+    )
     ids = torch.tensor([s[:20] for s in drafts.sequences if len(s) >= 20][:6])
     for _ in range(3):
         cap = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=8))
@@ -65,17 +66,31 @@ def test_native_engine_loads_the_export_and_the_stream(drafts, trained):
     exported = dict(load_eagle3(export, drafts.target_cfg).named_export_tensors())
     for name, t in trainer.head.named_export_tensors():  # the export is the head after the last update
         assert torch.equal(exported[name], t.detach()), name
-    common = dict(model_path=drafts.target_dir, draft_kind="eagle3", num_draft_tokens=3, max_batch_size=2,
-                  context_length=48)
-    req = [GenerateRequest("a", (5, 9, 11, 7), SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True))]
+    common = dict(
+        model_path=drafts.target_dir,
+        draft_kind="eagle3",
+        num_draft_tokens=3,
+        max_batch_size=2,
+        context_length=48,
+    )
+    req = [
+        GenerateRequest(
+            "a", (5, 9, 11, 7), SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+        )
+    ]
     from_export = EngineServer(EngineConfig(draft_path=export, seed=1, **common))
-    streamed = EngineServer(EngineConfig(draft_path=drafts.reduced.path, seed=1, **common))  # the initial draft
+    streamed = EngineServer(
+        EngineConfig(draft_path=drafts.reduced.path, seed=1, **common)
+    )  # the initial draft
     flat, meta = pack_bucket(list(trainer.named_update_tensors()))
     streamed.begin_weight_update()
-    streamed.update_weights_from_tensor([make_bucket_payload(flat, meta)], selector="draft", weight_version="d3")
+    streamed.update_weights_from_tensor(
+        [make_bucket_payload(flat, meta)], selector="draft", weight_version="d3"
+    )
     assert streamed.end_weight_update()["draft_weight_version"] == "d3"
-    for (n, a), (_, b) in zip(from_export.drafter.head.named_export_tensors(),
-                              streamed.drafter.head.named_export_tensors()):
+    for (n, a), (_, b) in zip(
+        from_export.drafter.head.named_export_tensors(), streamed.drafter.head.named_export_tensors()
+    ):
         assert torch.equal(a, b), n
     a, _ = from_export.generate(req)
     b, _ = streamed.generate(req)
@@ -93,14 +108,25 @@ def _sglang_draft_params() -> set[str]:
     has(EAGLE3, "LlamaForCausalLMEagle3", "model", "lm_head")
     has(EAGLE3, "LlamaModel", "embed_tokens", "fc", "layers", "norm")
     has(EAGLE3, "LlamaDecoderLayer", "hidden_norm", "mlp", "self_attn.qkv_proj")
-    has("srt/models/llama.py", "LlamaDecoderLayer", "input_layernorm", "post_attention_layernorm", "self_attn")
+    has(
+        "srt/models/llama.py", "LlamaDecoderLayer", "input_layernorm", "post_attention_layernorm", "self_attn"
+    )
     has("srt/models/llama.py", "LlamaAttention", "qkv_proj", "o_proj")
     has("srt/models/llama.py", "LlamaMLP", "gate_up_proj", "down_proj")
     p = "model.layers.0"
-    return {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
-            f"{p}.hidden_norm.weight", f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
-            f"{p}.self_attn.qkv_proj.weight", f"{p}.self_attn.o_proj.weight", f"{p}.mlp.gate_up_proj.weight",
-            f"{p}.mlp.down_proj.weight"}
+    return {
+        "model.embed_tokens.weight",
+        "model.fc.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        f"{p}.hidden_norm.weight",
+        f"{p}.input_layernorm.weight",
+        f"{p}.post_attention_layernorm.weight",
+        f"{p}.self_attn.qkv_proj.weight",
+        f"{p}.self_attn.o_proj.weight",
+        f"{p}.mlp.gate_up_proj.weight",
+        f"{p}.mlp.down_proj.weight",
+    }
 
 
 def _shards(name: str) -> set:
@@ -120,24 +146,37 @@ def test_sglang_eagle3_loader_takes_the_online_export(drafts, trained):
         config = json.load(f)
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     # SGLang's num_aux rule: eagle_config.eagle_aux_hidden_state_layer_ids; fc takes n_aux * H
-    assert len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * config["hidden_size"] == \
-        trainer.head.fc.in_features
-    assert config["draft_vocab_size"] == 32 and "t2d" not in load_file(os.path.join(export, "model.safetensors"))
+    assert (
+        len(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) * config["hidden_size"]
+        == trainer.head.fc.in_features
+    )
+    assert config["draft_vocab_size"] == 32 and "t2d" not in load_file(
+        os.path.join(export, "model.safetensors")
+    )
 
     params = _sglang_draft_params()
     fn, log = ss.loader(EAGLE3, "LlamaForCausalLMEagle3")
-    on_disk = sorted(load_file(os.path.join(export, "model.safetensors")).items())  # start-up load, d2t included
+    on_disk = sorted(
+        load_file(os.path.join(export, "model.safetensors")).items()
+    )  # start-up load, d2t included
     model = ss.FakeModel(params)
     fn(model, on_disk)
     assert not log.warnings, log.warnings
     loaded: dict[str, set] = {}
     for name, shard in model.store:
         loaded.setdefault(name, set()).add(shard)
-    assert loaded == {n: _shards(n) for n in params - {"model.embed_tokens.weight"}}  # embedding: the target's
+    assert loaded == {
+        n: _shards(n) for n in params - {"model.embed_tokens.weight"}
+    }  # embedding: the target's
     assert set(model.counts.values()) == {1}
     assert torch.equal(model.hot_token_id, trainer.head.target_ids)
-    stacked = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    stacked = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
     for name, t in on_disk:
         if name == "d2t":
             continue
@@ -151,8 +190,9 @@ def test_sglang_eagle3_loader_takes_the_online_export(drafts, trained):
     # parameter again, no d2t (SGLang reads it once at start-up)
     flat, meta = pack_bucket(list(trainer.named_update_tensors()))
     data = MultiprocessingSerializer.deserialize(make_bucket_payload(flat, meta, for_sglang=True))
-    named = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
-                                  ).reconstruct_tensors()
+    named = FlattenedTensorBucket(
+        flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+    ).reconstruct_tensors()
     update = ss.FakeModel(params)
     fn(update, named)
     assert set(update.store) == set(model.store) and not hasattr(update, "hot_token_id")

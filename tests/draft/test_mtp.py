@@ -1,4 +1,4 @@
-"""MTP heads: megatron-core's layers on detached states, HF naming, the native drafter's exactness, streaming."""
+"""MTP heads: megatron-core's layers on detached states, HF naming, native drafter exactness, streaming."""
 
 from __future__ import annotations
 
@@ -31,14 +31,25 @@ def policies(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtp")
     out = {}
     for i, (name, kw) in enumerate(FAMILIES.items()):
-        path = make_hf_checkpoint(root / name, num_layers=3, hidden_size=32, intermediate_size=64,
-                                  num_attention_heads=4, num_kv_heads=2, seed=20 + i, init_std=0.05, **kw)
+        path = make_hf_checkpoint(
+            root / name,
+            num_layers=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            seed=20 + i,
+            init_std=0.05,
+            **kw,
+        )
         ck = HFCheckpoint(path)
         cfg = ck.decoder_config
         model = build_gpt_model(cfg, vocab_divisible_by=8)
         load_hf_weights(model, ck)
         native = CausalLM(cfg).eval()
-        native.load_weights((n, ck.get(n)) for n in ck.names() if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+        native.load_weights(
+            (n, ck.get(n)) for n in ck.names() if not (cfg.tie_word_embeddings and n == "lm_head.weight")
+        )
         out[name] = (model.eval(), path, native)
     yield out
     destroy_parallel()
@@ -58,10 +69,20 @@ def _megatron_mtp_logits(policy, draft: MtpDraft, seq: torch.Tensor, depth: int)
         hidden, ids, p = store["h"], seq, pos
         rope = policy.rotary_pos_emb(s)
         for layer in draft.block.layers[:depth]:
-            hidden, ids, p = layer(input_ids=ids, position_ids=p, hidden_states=hidden, attention_mask=None,
-                                   rotary_pos_emb=rope, embedding=policy.embedding)
-        return policy.output_layer(hidden, weight=policy.shared_embedding_or_output_weight()
-                                   if policy.share_embeddings_and_output_weights else None)[0][:, 0]
+            hidden, ids, p = layer(
+                input_ids=ids,
+                position_ids=p,
+                hidden_states=hidden,
+                attention_mask=None,
+                rotary_pos_emb=rope,
+                embedding=policy.embedding,
+            )
+        return policy.output_layer(
+            hidden,
+            weight=policy.shared_embedding_or_output_weight()
+            if policy.share_embeddings_and_output_weights
+            else None,
+        )[0][:, 0]
 
 
 def test_policy_with_builtin_mtp_is_refused(policies):
@@ -77,16 +98,20 @@ def test_policy_with_builtin_mtp_is_refused(policies):
 def test_detached_forward_equals_megatron_mtp_layers(policies, family):
     policy, _, _ = policies[family]
     trainer = MtpTrainer(policy, 2)
-    ids = torch.randint(4, policy.decoder_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        4, policy.decoder_config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1)
+    )
     cap = Capture.for_trainer(trainer, CaptureConfig(storage_dtype="float32"))
     with torch.no_grad(), cap.record(policy, torch.ones_like(ids, dtype=torch.bool)):
         policy(ids, torch.arange(12).expand(2, 12), attention_mask=None)
     cache = cap.take()
     with torch.no_grad():
-        outs = trainer.draft(cache.padded("hidden", [0, 1]).transpose(0, 1), cache.padded("embeds", [0, 1]).transpose(0, 1))
+        outs = trainer.draft(
+            cache.padded("hidden", [0, 1]).transpose(0, 1), cache.padded("embeds", [0, 1]).transpose(0, 1)
+        )
     for b in range(2):
         for depth in (1, 2):
-            ref = _megatron_mtp_logits(policy, trainer.draft, ids[b:b + 1], depth)  # [12, V]
+            ref = _megatron_mtp_logits(policy, trainer.draft, ids[b : b + 1], depth)  # [12, V]
             ours = trainer.draft.logits(outs[depth - 1])[b]  # cache row q = position q (t - 1 = q)
             n = 12 - depth  # megatron's last `depth` rows read rolled-in zeros
             torch.testing.assert_close(ours[:n], ref[:n], atol=1e-5, rtol=0)
@@ -96,7 +121,9 @@ def test_training_never_touches_the_policy_and_names_round_trip(policies, tmp_pa
     policy, _, _ = policies["qwen3"]
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     trainer = MtpTrainer(policy, 2, DraftTrainerConfig(lr=3e-3, loss_decay=1.0), export_dir=tmp_path / "mtp")
-    ids = torch.randint(4, policy.decoder_config.vocab_size, (4, 20), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(
+        4, policy.decoder_config.vocab_size, (4, 20), generator=torch.Generator().manual_seed(2)
+    )
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:, 5:] = True
     cap = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=8))
@@ -106,7 +133,10 @@ def test_training_never_touches_the_policy_and_names_round_trip(policies, tmp_pa
     first = trainer.train_step(cache)
     for _ in range(5):
         last = trainer.train_step(cache)
-    assert last["draft/loss_mtp0"] < first["draft/loss_mtp0"] and last["draft/loss_mtp1"] < first["draft/loss_mtp1"]
+    assert (
+        last["draft/loss_mtp0"] < first["draft/loss_mtp0"]
+        and last["draft/loss_mtp1"] < first["draft/loss_mtp1"]
+    )
     assert all(p.grad is None for p in policy.parameters())
     for n, p in policy.named_parameters():
         assert torch.equal(p, before[n]), n
@@ -146,8 +176,15 @@ def test_native_drafter_is_megatron_math_and_verifier_exact(policies, family):
     g = torch.Generator().manual_seed(3)
     vocab = policy.decoder_config.vocab_size
     prompts = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (1, 4, 7)]
-    reqs = [GenerateRequest(f"p{i}", p, SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True),
-                            n=2 if i == 1 else 1) for i, p in enumerate(prompts)]
+    reqs = [
+        GenerateRequest(
+            f"p{i}",
+            p,
+            SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True),
+            n=2 if i == 1 else 1,
+        )
+        for i, p in enumerate(prompts)
+    ]
     core = EngineCore(native, drafter, num_draft_tokens=k, max_batch_size=4, context_length=32, seed=4)
     core.generate(reqs)
     checked = 0
@@ -155,16 +192,27 @@ def test_native_drafter_is_megatron_math_and_verifier_exact(policies, family):
         for b, toks in enumerate(tokens):
             last = len(toks) - 1
             for j in range(1, depth + 1):  # step j: depth j at row N-1, after drafts d_1..d_{j-1}
-                seq = torch.tensor([toks + drafts[b, :j - 1].tolist()])
-                ref = torch.softmax(_megatron_mtp_logits(policy, trainer.draft, seq, j)[last - 1, :vocab].float(), -1)
+                seq = torch.tensor([toks + drafts[b, : j - 1].tolist()])
+                ref = torch.softmax(
+                    _megatron_mtp_logits(policy, trainer.draft, seq, j)[last - 1, :vocab].float(), -1
+                )
                 torch.testing.assert_close(q[b, j - 1], ref, atol=1e-5, rtol=0)
                 checked += 1
     assert checked >= 12
     # whatever the heads propose, greedy output is the target's own (verifier-exact)
-    greedy = [GenerateRequest(r.request_id, r.input_ids, SamplingParams(temperature=0.0, max_new_tokens=12,
-                                                                        ignore_eos=True), n=r.n) for r in reqs]
+    greedy = [
+        GenerateRequest(
+            r.request_id,
+            r.input_ids,
+            SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True),
+            n=r.n,
+        )
+        for r in reqs
+    ]
     drafter.propose = propose
-    spec, _ = EngineCore(native, drafter, num_draft_tokens=k, max_batch_size=4, context_length=32).generate(greedy)
+    spec, _ = EngineCore(native, drafter, num_draft_tokens=k, max_batch_size=4, context_length=32).generate(
+        greedy
+    )
     plain, _ = EngineCore(native, None, max_batch_size=4, context_length=32).generate(greedy)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
 
@@ -180,21 +228,42 @@ def test_engine_serves_mtp_from_export_and_from_a_weight_update(policies, tmp_pa
     trainer = MtpTrainer(policy, 1)
     named = dict(trainer.named_update_tensors())
     save_mtp(tmp_path / "mtp", named, cfg, 1)
-    req = [GenerateRequest("a", (5, 6, 7), SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))]
-    server = EngineServer(EngineConfig(model_path=path, draft_kind="mtp", draft_path=str(tmp_path / "mtp"),
-                                       num_draft_tokens=2, mtp_num_layers=1, max_batch_size=2, context_length=32))
+    req = [
+        GenerateRequest("a", (5, 6, 7), SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True))
+    ]
+    server = EngineServer(
+        EngineConfig(
+            model_path=path,
+            draft_kind="mtp",
+            draft_path=str(tmp_path / "mtp"),
+            num_draft_tokens=2,
+            mtp_num_layers=1,
+            max_batch_size=2,
+            context_length=32,
+        )
+    )
     samples, _ = server.generate(req)
     assert len(samples[0].output_ids) == 6
-    for (n, t) in server.drafter.head.named_export_tensors():
+    for n, t in server.drafter.head.named_export_tensors():
         assert torch.equal(t, named[n]), n
     # no export: the heads arrive from the trainer; generation is refused until they do
-    server = EngineServer(EngineConfig(model_path=path, draft_kind="mtp", num_draft_tokens=2, mtp_num_layers=1,
-                                       max_batch_size=2, context_length=32))
+    server = EngineServer(
+        EngineConfig(
+            model_path=path,
+            draft_kind="mtp",
+            num_draft_tokens=2,
+            mtp_num_layers=1,
+            max_batch_size=2,
+            context_length=32,
+        )
+    )
     with pytest.raises(RuntimeError, match="no weights loaded for \\['draft'\\]"):
         server.generate(req)
     flat, meta = pack_bucket(list(trainer.named_update_tensors()))
     server.begin_weight_update()
-    server.update_weights_from_tensor([make_bucket_payload(flat, meta)], selector="draft", weight_version="d1")
+    server.update_weights_from_tensor(
+        [make_bucket_payload(flat, meta)], selector="draft", weight_version="d1"
+    )
     health = server.end_weight_update()
     assert health["draft_weight_version"] == "d1"
     assert server.generate(req)[0][0].output_ids == samples[0].output_ids
@@ -202,7 +271,9 @@ def test_engine_serves_mtp_from_export_and_from_a_weight_update(policies, tmp_pa
 
 def test_mtp_state_round_trip(policies, tmp_path):
     policy, _, _ = policies["qwen3"]
-    ids = torch.randint(4, policy.decoder_config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(
+        4, policy.decoder_config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(5)
+    )
     a = MtpTrainer(policy, 1, DraftTrainerConfig(lr=1e-3, loss="hard"))
     cap = Capture.for_trainer(a)
     with torch.no_grad(), cap.record(policy, torch.ones_like(ids, dtype=torch.bool)):

@@ -45,8 +45,12 @@ def _prompts(lo: int, hi: int, n: int, seed: int) -> list[list[int]]:
 
 def _generate(target, drafter, prompts, temperature: float, seed: int):
     core = EngineCore(target, drafter, num_draft_tokens=K, max_batch_size=64, context_length=64, seed=seed)
-    reqs = [GenerateRequest(f"p{i}", p, SamplingParams(temperature=temperature, max_new_tokens=NEW_TOKENS,
-                                                       ignore_eos=True)) for i, p in enumerate(prompts)]
+    reqs = [
+        GenerateRequest(
+            f"p{i}", p, SamplingParams(temperature=temperature, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        )
+        for i, p in enumerate(prompts)
+    ]
     return core.generate(reqs)
 
 
@@ -59,8 +63,17 @@ def world(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is faster, and far faster on a loaded machine
     root = tmp_path_factory.mktemp("online")
-    path = make_hf_checkpoint(root / "target", family="qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
-                              num_attention_heads=4, num_kv_heads=2, seed=3, init_std=0.05)
+    path = make_hf_checkpoint(
+        root / "target",
+        family="qwen3",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seed=3,
+        init_std=0.05,
+    )
     weights = os.path.join(path, "model.safetensors")
     sd = load_file(weights)
     for name in sd:
@@ -75,9 +88,19 @@ def world(tmp_path_factory):
     target.load_weights((n, ckpt.get(n)) for n in ckpt.names())
     other = _prompts(4, 44, 32, seed=0)
     samples, _ = _generate(target, None, other, 1.0, seed=0)
-    train_and_export_eagle3(path, root / "weak", [p + s.output_ids for p, s in zip(other, samples)], steps=30,
-                            batch_size=8, max_len=40, ttt_steps=2, lr=3e-3, seed=0, progress=False,
-                            export_rope_scaling={})
+    train_and_export_eagle3(
+        path,
+        root / "weak",
+        [p + s.output_ids for p, s in zip(other, samples)],
+        steps=30,
+        batch_size=8,
+        max_len=40,
+        ttt_steps=2,
+        lr=3e-3,
+        seed=0,
+        progress=False,
+        export_rope_scaling={},
+    )
     init_parallel(tp_size=1, seed=0)
     policy = build_gpt_model(cfg, vocab_divisible_by=8)
     load_hf_weights(policy, ckpt)
@@ -89,16 +112,18 @@ def world(tmp_path_factory):
 def _accept_length(world, draft_dir: str, temperature: float) -> float:
     head = load_eagle3(draft_dir, world["cfg"]).eval()
     held_out = _prompts(44, 84, 32, seed=1)
-    _, stats = _generate(world["target"], Eagle3Drafter(head, world["target"].embed_tokens), held_out, temperature,
-                         seed=7)
+    _, stats = _generate(
+        world["target"], Eagle3Drafter(head, world["target"].embed_tokens), held_out, temperature, seed=7
+    )
     return stats.mean_accept_length
 
 
 def test_online_updates_raise_acceptance(world):
     before = {t: _accept_length(world, world["weak"], t) for t in (0.0, 1.0)}
     export = str(world["root"] / "online")
-    trainer = Eagle3Trainer.from_modelopt(world["weak"], world["cfg"], DraftTrainerConfig(lr=1e-2, ttt_steps=3),
-                                          export_dir=export)
+    trainer = Eagle3Trainer.from_modelopt(
+        world["weak"], world["cfg"], DraftTrainerConfig(lr=1e-2, ttt_steps=3), export_dir=export
+    )
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=16))
     prompts = _prompts(44, 84, UPDATES * PROMPTS_PER_UPDATE, seed=2)
     samples, _ = _generate(world["target"], None, prompts, 1.0, seed=3)
@@ -114,9 +139,16 @@ def test_online_updates_raise_acceptance(world):
         metrics = trainer.train_step(capture.take())
         history.append(metrics)
     after = {t: _accept_length(world, export, t) for t in (0.0, 1.0)}  # the native engine loads the export
-    report = {"before": before, "after": after, "updates": UPDATES, "rows_per_update": history[-1]["draft/rows"],
-              "loss_first": history[0]["draft/loss"], "loss_last": history[-1]["draft/loss"],
-              "acc_ttt0_first": history[0]["draft/acc_ttt0"], "acc_ttt0_last": history[-1]["draft/acc_ttt0"]}
+    report = {
+        "before": before,
+        "after": after,
+        "updates": UPDATES,
+        "rows_per_update": history[-1]["draft/rows"],
+        "loss_first": history[0]["draft/loss"],
+        "loss_last": history[-1]["draft/loss"],
+        "acc_ttt0_first": history[0]["draft/acc_ttt0"],
+        "acc_ttt0_last": history[-1]["draft/acc_ttt0"],
+    }
     print("online acceptance:", json.dumps(report))
     assert history[-1]["draft/loss"] < history[0]["draft/loss"]
     for t in (0.0, 1.0):

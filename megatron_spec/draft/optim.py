@@ -1,0 +1,233 @@
+"""What every online draft trainer shares: its config, its optimizer group, its data selection.
+
+* :class:`DraftTrainerConfig`: optimizer, schedule, clipping, TTT unroll, loss and row budget
+  of the online draft (one RL step = one optimizer step).
+* :class:`DraftOptimizer`: AdamW + LR schedule + gradient clipping + data-parallel all-reduce over
+  an explicit group, separate from the policy's (the detached-draft contract).
+* :func:`choose_segments` / :func:`reduce_metric_sums`: row budget and metric reductions.
+
+It knows no draft architecture (``trainer.Eagle3Trainer``, ``mtp.MtpTrainer`` use it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_spec.capture.cache import DraftCache
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTrainerConfig:
+    """Online draft training (one optimizer step per RL step). CLI: ``--spec-draft-*``."""
+
+    ttt_steps: int = 3
+    """Training-time-test unroll of the EAGLE-3 head (``--spec-draft-ttt-steps``; ModelOpt's
+    ``eagle_ttt_steps``)."""
+    loss: str = "soft"
+    """``soft``: cross-entropy against the teacher distribution; ``hard``: against the sampled next tokens."""
+    loss_decay: float = 0.9
+    """Weight ``loss_decay ** s`` of TTT step s (MTP: of depth s); ModelOpt's ``eagle_loss_decay_factor``."""
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    """Cosine schedule floor, as a fraction of ``lr``."""
+    lr_schedule: str = "constant"
+    """``constant`` or ``cosine`` (after ``warmup_steps`` of linear warm-up)."""
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    """Length of the cosine schedule (steps after it stay at the floor)."""
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+    """Clip the draft's global gradient norm (its own group; None = off)."""
+    micro_batch_rows: int = 4096
+    """Padded rows (segments x longest segment) per forward/backward; bounds activation memory."""
+    max_rows_per_step: int | None = None
+    """Train on at most this many rows per rank and step (whole segments, drawn at random); None = all."""
+    freeze_input_layernorm: bool = True
+    """Keep EAGLE-3 ``layers.0.input_layernorm`` fixed (ModelOpt's and SGLang's math then agree)."""
+    export_dtype: str | None = None
+    """dtype of exported/streamed tensors (``bfloat16`` | ``float32``); None = the master dtype."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise ValueError(f"draft ttt_steps must be >= 1, got {self.ttt_steps}")
+        if self.loss not in ("soft", "hard"):
+            raise ValueError(f"draft loss must be 'soft' or 'hard', got {self.loss!r}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"draft lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"draft lr must be > 0 and min_lr_ratio in [0, 1], got {self.lr}, {self.min_lr_ratio}"
+            )
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            raise ValueError("draft warmup_steps must be >= 0 and total_steps >= 1")
+        if self.micro_batch_rows < 1:
+            raise ValueError(f"draft micro_batch_rows must be >= 1, got {self.micro_batch_rows}")
+        if self.max_rows_per_step is not None and self.max_rows_per_step < 1:
+            raise ValueError(f"draft max_rows_per_step must be >= 1 or None, got {self.max_rows_per_step}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"draft grad_clip must be > 0 or None, got {self.grad_clip}")
+        if self.export_dtype not in (None, "bfloat16", "float32"):
+            raise ValueError(
+                f"draft export_dtype must be bfloat16, float32 or None, got {self.export_dtype!r}"
+            )
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` at optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class DraftOptimizer:
+    """AdamW + LR schedule + gradient clipping + data-parallel gradient all-reduce for draft weights.
+
+    Gradients are summed over ``dp_group`` (the losses are pre-normalised by global counts).
+    Under tensor parallelism (MTP), ``tp_partial`` parameters hold per-rank partial gradients
+    that are first summed over ``tp_group`` (megatron-core's rule for q/k layernorms, which each
+    rank applies to its own heads only); the gradient norm counts each TP shard once and each
+    replicated parameter once (parameters with ``tensor_model_parallel=True`` are shards).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        config: DraftTrainerConfig,
+        *,
+        dp_group: dist.ProcessGroup | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        tp_partial: Sequence[torch.nn.Parameter] = (),
+    ):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("draft optimizer has no trainable parameters")
+        self.config = config
+        self.dp_group, self.tp_group = dp_group, tp_group
+        partial = {id(p) for p in tp_partial}
+        self._partial = [i for i, p in enumerate(self.params) if id(p) in partial]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_factor)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> dict[str, float]:
+        """Reduce, clip and apply the accumulated gradients; returns ``grad_norm`` and ``lr`` (pre-step)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        if self._partial and group_info(self.tp_group)[1] > 1:
+            part = [grads[i] for i in self._partial]
+            flat = torch._utils._flatten_dense_tensors(part)
+            dist.all_reduce(flat, group=self.tp_group)
+            for i, g in zip(self._partial, torch._utils._unflatten_dense_tensors(flat, part)):
+                grads[i] = g
+        if group_info(self.dp_group)[1] > 1:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            grads = list(torch._utils._unflatten_dense_tensors(flat, grads))
+        for p, g in zip(self.params, grads):
+            p.grad = g
+        sharded = sum(
+            (
+                g.double().pow(2).sum()
+                for p, g in zip(self.params, grads)
+                if getattr(p, "tensor_model_parallel", False)
+            ),
+            torch.zeros((), dtype=torch.float64),
+        )
+        replicated = sum(
+            (
+                g.double().pow(2).sum()
+                for p, g in zip(self.params, grads)
+                if not getattr(p, "tensor_model_parallel", False)
+            ),
+            torch.zeros((), dtype=torch.float64),
+        )
+        if group_info(self.tp_group)[1] > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        norm = float((sharded + replicated).sqrt())
+        if not math.isfinite(norm):
+            self.zero_grad()
+            raise FloatingPointError(f"draft gradient norm is {norm}; the draft step was skipped")
+        clip = self.config.grad_clip
+        if clip is not None and norm > clip:
+            scale = clip / (norm + 1e-6)
+            for g in grads:
+                g.mul_(scale)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.zero_grad()
+        return {"grad_norm": norm, "lr": lr}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def reduce_metric_sums(sums: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum a small metric tensor over the draft group (a copy; float64 for exact counts)."""
+    out = sums.detach().double().clone()
+    if group_info(group)[1] > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+def choose_segments(cache: DraftCache, max_rows: int | None, generator: torch.Generator) -> list[int]:
+    """All segments, or whole segments in random order until ``max_rows`` rows are reached."""
+    if max_rows is None or cache.num_rows <= max_rows:
+        return list(range(cache.num_segments))
+    order = torch.randperm(cache.num_segments, generator=generator).tolist()
+    lens = cache.seqlens.tolist()
+    chosen, rows = [], 0
+    for s in order:
+        if rows + lens[s] > max_rows and chosen:
+            continue
+        chosen.append(s)
+        rows += lens[s]
+        if rows >= max_rows:
+            break
+    return sorted(chosen)
+
+
+STATE_FILE = "draft_trainer.pt"
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "STATE_FILE",
+    "DraftOptimizer",
+    "DraftTrainerConfig",
+    "atomic_save",
+    "choose_segments",
+    "group_info",
+    "reduce_metric_sums",
+]
