@@ -350,7 +350,7 @@ class SGLangEngine:
         self._closed = True
         self._engine.shutdown()
 
-    def __enter__(self) -> "SGLangEngine":
+    def __enter__(self) -> SGLangEngine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -47,7 +47,7 @@ class Fingerprint:
     def numel(self) -> int:
         return sum(p[0] for p in self.parts.values())
 
-    def add(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> "Fingerprint":
+    def add(self, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> Fingerprint:
         """Accumulate ``tensor`` (cast to ``dtype`` first when given, a chunk at a time so the
         temporary stays small). Returns self."""
         x = tensor.detach()
@@ -58,14 +58,14 @@ class Fingerprint:
             self._add_sums(dtype, *_bits_sums(flat[i:i + _CAST_CHUNK].to(dtype)))
         return self
 
-    def _add_sums(self, dtype: torch.dtype, n: int, s1: int, s2: int) -> "Fingerprint":
+    def _add_sums(self, dtype: torch.dtype, n: int, s1: int, s2: int) -> Fingerprint:
         part = self.parts.setdefault(str(dtype).removeprefix("torch."), [0, 0, 0])
         part[0] += n
         part[1] = (part[1] + s1) % _MOD
         part[2] = (part[2] + s2) % _MOD
         return self
 
-    def merge(self, other: "Fingerprint") -> "Fingerprint":
+    def merge(self, other: Fingerprint) -> Fingerprint:
         for key, (n, s1, s2) in other.parts.items():
             part = self.parts.setdefault(key, [0, 0, 0])
             part[0] += n
@@ -78,7 +78,7 @@ class Fingerprint:
         return {"numel": self.numel, "bits": {k: list(v) for k, v in sorted(self.parts.items())}}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Fingerprint":
+    def from_dict(cls, d: Mapping[str, Any]) -> Fingerprint:
         if "bits" not in d:
             raise ValueError(f"not a bit fingerprint: keys {sorted(d)}")
         return cls(d["bits"])

@@ -61,7 +61,7 @@ _TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.
                  "bfloat16": torch.bfloat16}
 _ALIGN_SLACK = 16  # worst-case alignment padding in front of one tensor
 
-__all__ = ["SyncReport", "WeightStreamer", "WeightSyncError", "WEIGHT_DTYPES"]
+__all__ = ["WEIGHT_DTYPES", "SyncReport", "WeightStreamer", "WeightSyncError"]
 
 
 @dataclasses.dataclass

@@ -20,11 +20,11 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
-import torch.multiprocessing  # noqa: F401  (registers the tensor/storage reductions)
-from multiprocessing.reduction import ForkingPickler
+import torch.multiprocessing
 
 from megatron_spec.sync.bucket import FlattenedTensorMetadata, unpack_bucket
 

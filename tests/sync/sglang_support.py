@@ -44,7 +44,7 @@ def sglang_root() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def source(relpath: str) -> tuple[str, ast.Module]:
     path = os.path.join(sglang_root(), relpath)
     with open(path) as f:
@@ -99,10 +99,9 @@ def literal_assignment(relpath: str, class_name: str, method: str, variable: str
 def io_struct_module() -> types.ModuleType:
     """A ``sglang.srt.managers.io_struct`` module holding the installed source of our request classes."""
     import msgspec
-
     from sglang.srt.utils.msgspec_utils import Base64Bytes, msgspec_struct_pydantic_core_schema
 
-    text, tree = source("srt/managers/io_struct.py")
+    _, tree = source("srt/managers/io_struct.py")
     mod = types.ModuleType("sglang.srt.managers.io_struct")
     mod.__file__ = os.path.join(sglang_root(), "srt/managers/io_struct.py")
     import typing
@@ -129,7 +128,7 @@ class Recorder(logging.Logger):
         super().__init__("sglang-loader")
         self.warnings: list[str] = []
 
-    def warning(self, msg, *args, **kwargs):  # noqa: D102
+    def warning(self, msg, *args, **kwargs):
         self.warnings.append(msg % args if args else str(msg))
 
 
@@ -199,12 +198,12 @@ def loader(relpath: str, class_name: str, method: str = "load_weights"):
     Returns ``(fn, logger)``: call ``fn(fake_model, weights)``; ``logger.warnings`` collects
     what the loader logged.
     """
+    import copy
+
     from sglang.srt.layers.utils.common import get_layer_id
     from sglang.srt.utils import add_prefix
 
-    import copy
-
-    text, tree = source(relpath)
+    _, tree = source(relpath)
     fn = copy.deepcopy(_method(_class(tree, class_name), method))
     decorators = {ast.unparse(d) for d in fn.decorator_list}
     if not decorators <= _MARKER_DECORATORS:
@@ -349,11 +348,9 @@ class _FakeTM:
             for m in self.eng.models.values():
                 for key, t in m.store.items():
                     m.store[key] = torch.full_like(t, 7) if t.is_floating_point() else t
-        return None
 
     async def resume_memory_occupation(self, obj, request):
         assert isinstance(obj, self.eng.io.ResumeMemoryOccupationReqInput)
-        return None
 
 
 def _safetensors(path: str) -> list[tuple[str, torch.Tensor]]:
@@ -369,7 +366,7 @@ def _safetensors(path: str) -> list[tuple[str, torch.Tensor]]:
 def install_io_struct(monkeypatch) -> types.ModuleType:
     mod = io_struct_module()
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
-    import sglang.srt.managers as managers
+    from sglang.srt import managers
 
     monkeypatch.setattr(managers, "io_struct", mod, raising=False)
     return mod

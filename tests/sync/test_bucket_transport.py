@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
-from multiprocessing.reduction import ForkingPickler
 
 from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata, alloc_bucket_buffer
 from megatron_spec.sync.transport import (

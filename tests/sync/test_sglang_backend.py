@@ -187,6 +187,7 @@ def test_eagle3_loader_takes_every_draft_tensor(ckpts):
     fn, log = ss.loader(*DRAFT_LOADER)
     model = ss.FakeModel(draft_params())
     _through_sglang(named, model, fn)
+    assert not log.warnings, log.warnings
     loaded = {}
     for (name, shard) in model.store:
         loaded.setdefault(name, set()).add(shard)
