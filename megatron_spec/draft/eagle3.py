@@ -48,7 +48,7 @@ from megatron_spec.draft.eagle3_config import (
 )
 from megatron_spec.draft.rope import ScaledRotary
 from megatron_spec.rollout.native.kv_cache import KVCache
-from megatron_spec.rollout.native.model import MLP, Attention, RMSNorm
+from megatron_spec.rollout.native.model import MLP, Attention, Linear, RMSNorm
 
 
 class Eagle3Output(NamedTuple):
@@ -87,14 +87,14 @@ class Eagle3Head(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         layer_cfg = cfg.layer_config()
-        self.fc = nn.Linear(cfg.num_aux * h, h, bias=False)
+        self.fc = Linear(cfg.num_aux * h, h, bias=False)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(layer_cfg, in_features=2 * h, qkv_bias=False, qk_norm=False)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, bias=False)
         self.rotary = ScaledRotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                    cfg.rope_scaling)
         if cfg.reduced_vocab:

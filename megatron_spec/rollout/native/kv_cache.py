@@ -34,17 +34,27 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-    def write(self, layer: int, batch: int, positions: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-              slot_offset: int = 0) -> None:
-        """Store new entries for slots ``offset..offset+batch-1`` at ``positions [B, T]``.
+    def write_index(self, positions: torch.Tensor, slot_offset: int = 0) -> torch.Tensor:
+        """Row indices into the ``[slots * nkv * max_len, d]`` view for new entries at
+        ``positions [B, T]`` of slots ``offset..offset+B-1``, ordered (b, head, t) like
+        ``k_new.reshape(-1, d)``. Computed once per forward and shared by every layer."""
+        if positions.numel() and int(positions.max()) >= self.max_len:  # one host sync per forward
+            raise IndexError(f"KV cache position {int(positions.max())} >= max_len {self.max_len}: "
+                             f"sequence longer than the engine's context")
+        b = positions.shape[0]
+        slots = torch.arange(slot_offset, slot_offset + b).view(b, 1, 1)
+        heads = torch.arange(self.num_kv_heads).view(1, -1, 1)
+        return ((slots * self.num_kv_heads + heads) * self.max_len + positions.unsqueeze(1)).reshape(-1)
 
-        k_new/v_new are ``[B, nkv, T, d]``. Positions are checked against ``max_len`` by the
-        scheduler before a step (a host sync here on every layer would cost more than it saves).
+    def write(self, layer: int, index: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Store ``k_new, v_new [B, nkv, T, d]`` at rows ``index`` (from :meth:`write_index`).
+
+        Positions are checked against ``max_len`` by the scheduler before a step (a host sync
+        here on every layer would cost more than it saves).
         """
-        rows = torch.arange(slot_offset, slot_offset + batch).unsqueeze(1)  # [B, 1]
-        # advanced indexing on dims (0, 2) moves the indexed dims first: [B, T, nkv, d]
-        self.k[layer][rows, :, positions] = k_new.transpose(1, 2).to(self.dtype)
-        self.v[layer][rows, :, positions] = v_new.transpose(1, 2).to(self.dtype)
+        d = self.head_dim
+        self.k[layer].view(-1, d).index_copy_(0, index, k_new.reshape(-1, d).to(self.dtype))
+        self.v[layer].view(-1, d).index_copy_(0, index, v_new.reshape(-1, d).to(self.dtype))
 
     def view(self, layer: int, batch: int, length: int, slot_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views ``[B, nkv, length, d]`` of slots ``offset..offset+batch-1`` (no copy)."""

@@ -138,6 +138,11 @@ class EngineServer:
         if missing:
             raise RuntimeError(f"generate refused: no weights loaded for {missing} (released or never sent); "
                                f"push them with update_weights_from_tensor")
+        from megatron_spec import faults
+
+        self._generate_calls = getattr(self, "_generate_calls", 0) + 1
+        if faults.should_fire("engine_exit_at_generate", self._generate_calls):
+            os._exit(3)
         self.core.weight_version = self.versions["target"]
         self.core.draft_weight_version = self.versions["draft"]
         done = [0]
