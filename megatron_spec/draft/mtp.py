@@ -382,19 +382,20 @@ class MtpTrainer:
             or {"bfloat16": torch.bfloat16, "float32": torch.float32, None: None}[self.config.export_dtype]
         )
         big_l = self.draft.decoder_config.num_layers
-        with torch.no_grad():
-            for name, param in self.draft.megatron_named_parameters():
-                rule = self.rules.get(_canonical_mtp(name, big_l))
-                if rule is None:
-                    raise KeyError(f"MTP parameter {name} has no HF counterpart")
-                data = param.detach()
-                full = (
-                    data
-                    if rule.partition_dim is None
-                    else _gather(data, rule.partition_dim, self.tp_group, self.tp_size)
-                )
-                for hf, t in rule.to_hf(full).items():
-                    yield hf, (t.to(dtype) if dtype is not None else t).contiguous().clone()
+        # No ``torch.no_grad()`` around the yields: a generator's grad mode leaks into its caller
+        # (and stays off if the generator is abandoned); detached tensors build no graph anyway.
+        for name, param in self.draft.megatron_named_parameters():
+            rule = self.rules.get(_canonical_mtp(name, big_l))
+            if rule is None:
+                raise KeyError(f"MTP parameter {name} has no HF counterpart")
+            data = param.detach()
+            full = (
+                data
+                if rule.partition_dim is None
+                else _gather(data, rule.partition_dim, self.tp_group, self.tp_size)
+            )
+            for hf, t in rule.to_hf(full).items():
+                yield hf, (t.to(dtype) if dtype is not None else t).contiguous().clone()
 
     def load_hf(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Fill this rank's MTP shards from HF-named full tensors (e.g. :func:`load_mtp_tensors`)."""

@@ -332,6 +332,9 @@ def build_draft_trainer(
         policy: the policy GPTModel (MTP layers are built beside it).
         info: ``megatron_spec.parallel.ParallelInfo`` (groups); None = megatron-core's current groups.
         config: full trainer settings; the spec fields above override its ``ttt_steps`` and ``lr``.
+        export_dir: exported to at once (the initial weights) and after every update.
+
+    Collective (MTP gathers its TP shards to export): call it on every rank.
     """
     spec = getattr(cfg, "spec", cfg)
     kind = spec.spec_draft_kind
@@ -341,7 +344,10 @@ def build_draft_trainer(
     if kind == "eagle3":
         if not spec.spec_draft_path:
             raise ValueError("online EAGLE-3 training starts from a ModelOpt export: set --spec-draft-path")
-        return Eagle3Trainer.from_modelopt(spec.spec_draft_path, target_cfg, tc, export_dir=export_dir)
+        trainer = Eagle3Trainer.from_modelopt(spec.spec_draft_path, target_cfg, tc, export_dir=export_dir)
+        if export_dir is not None:  # the engine can start from export_dir before the first update
+            trainer.export(export_dir)
+        return trainer
     if kind == "mtp":
         from megatron_spec.draft.mtp import MtpTrainer, load_mtp_tensors, read_mtp_config
 
@@ -352,6 +358,8 @@ def build_draft_trainer(
             if read_mtp_config(spec.spec_draft_path, target_cfg) != layers:
                 raise ValueError(f"MTP export {spec.spec_draft_path} does not have {layers} layers")
             trainer.load_hf(load_mtp_tensors(spec.spec_draft_path))
+        if export_dir is not None:
+            trainer.export(export_dir)  # collective over TP: build_draft_trainer runs on every rank
         return trainer
     raise ValueError(f"online draft training supports spec_draft_kind eagle3 or mtp, got {kind!r}")
 

@@ -184,6 +184,7 @@ def test_build_draft_trainer_from_spec(drafts, policy, tmp_path):
     )
     assert isinstance(tr, Eagle3Trainer) and tr.config.ttt_steps == 2 and tr.config.lr == 5e-4
     assert tr.export_dir == str(tmp_path / "e")
+    assert load_eagle3(tmp_path / "e", drafts.target_cfg) is not None  # exported before any update
     cap_cfg = tr.capture_config()
     assert cap_cfg.aux_layer_ids == tr.head.cfg.aux_layer_ids and cap_cfg.draft_target_ids.numel() == 32
     with pytest.raises(ValueError, match="spec-draft-path"):

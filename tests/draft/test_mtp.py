@@ -287,3 +287,31 @@ def test_mtp_state_round_trip(policies, tmp_path):
     assert b.train_step(cache)["draft/loss"] == m2["draft/loss"]
     for (n, p), (_, q) in zip(a.draft.named_parameters(), b.draft.named_parameters()):
         assert torch.equal(p, q), n
+
+
+def test_build_draft_trainer_for_mtp(policies, tmp_path):
+    import types
+
+    from megatron_spec.draft.trainer import build_draft_trainer
+
+    policy, _, _ = policies["qwen3"]
+    cfg = policy.decoder_config
+    source = MtpTrainer(policy, 2)
+    save_mtp(tmp_path / "init", dict(source.named_update_tensors()), cfg, 2)
+    spec = types.SimpleNamespace(
+        spec_draft_kind="mtp",
+        spec_draft_path=str(tmp_path / "init"),
+        spec_draft_ttt_steps=3,
+        spec_draft_lr=2e-4,
+        spec_mtp_num_layers=2,
+    )
+    trainer = build_draft_trainer(spec, policy, cfg, export_dir=tmp_path / "export")
+    assert isinstance(trainer, MtpTrainer) and trainer.config.lr == 2e-4
+    assert trainer.capture_config().draft_kind == "mtp"
+    for (n, t), (_, u) in zip(source.named_update_tensors(), trainer.named_update_tensors()):
+        assert torch.equal(t, u), n
+    assert torch.is_grad_enabled()  # iterating (and abandoning) the stream leaves grad mode alone
+    assert load_mtp_head(tmp_path / "export", cfg).num_layers == 2  # exported before any update
+    spec.spec_mtp_num_layers = 1
+    with pytest.raises(ValueError, match="does not have 1 layers"):
+        build_draft_trainer(spec, policy, cfg)
