@@ -9,6 +9,10 @@
   ``export_speculative_decoding`` writes.
 - :mod:`.modelopt_train`: :func:`train_and_export_eagle3`, ModelOpt's own training + export
   (imports ModelOpt and transformers only when called).
+- :mod:`.trainer` / :mod:`.optim` / :mod:`.losses`: online EAGLE-3 training on the capture cache
+  (``Eagle3Trainer``, ``build_draft_trainer``; see docs/draft_training.md).
+- :mod:`.mtp` / :mod:`.mtp_head` / :mod:`.mtp_io`: MTP heads trained beside the policy on detached
+  states (megatron-core's layers), their engine twin and their files.
 """
 
 from __future__ import annotations
