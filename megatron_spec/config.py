@@ -75,6 +75,7 @@ class SpecConfig:
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(1e-3, "online draft learning rate")
+    spec_mtp_num_layers: int = _f(1, "MTP heads trained beside the policy (spec-draft-kind mtp)")
     spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off)")
     spec_watchdog_fallback: bool = _f(False, "on acceptance collapse fall back to autoregressive decoding")
 
@@ -140,6 +141,9 @@ class RunConfig:
             raise ValueError(f"--spec-draft-kind {s.spec_draft_kind} needs --spec-draft-path")
         if s.spec_online_draft_training and s.spec_draft_kind not in ("eagle3", "mtp"):
             raise ValueError("--spec-online-draft-training needs --spec-draft-kind eagle3 or mtp")
+        if s.spec_draft_kind == "mtp" and not s.spec_online_draft_training and not s.spec_draft_path:
+            raise ValueError("--spec-draft-kind mtp needs --spec-online-draft-training (heads trained beside the "
+                             "policy) or --spec-draft-path (an MTP export)")
         if s.spec_draft_kind != "none" and s.spec_num_draft_tokens < 1:
             raise ValueError(f"--spec-num-draft-tokens must be >= 1, got {s.spec_num_draft_tokens}")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:

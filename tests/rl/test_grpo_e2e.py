@@ -159,3 +159,19 @@ def test_async_policy_lag(setup, tmp_path, lag):
         rows = [json.loads(x) for x in (run / "rollouts" / f"step_{t + 1:06d}.jsonl").read_text().splitlines()]
         assert {r["policy_version"] for r in rows} == {max(0, t - lag)}
     assert all(r["gen/exposed_s"] <= r["gen/seconds"] + 1e-6 for r in m)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_online_draft_training_in_the_loop(setup, tmp_path, kind):
+    run = tmp_path / "run"
+    extra = ["--spec-draft-path", setup.eagle3] if kind == "eagle3" else []
+    grpo(setup, run, "--train-iters", "3", "--spec-draft-kind", kind, "--spec-online-draft-training",
+         "--save-interval", "3", *extra)
+    m = metrics(run)
+    assert all(r["draft/loss"] is not None and r["draft/loss"] > 0 for r in m)
+    assert all(r["capture/rows"] > 0 and r["sync/bytes"] > 0 for r in m)
+    assert [r["draft/step"] for r in m] == [1.0, 2.0, 3.0]
+    state = torch.load(run / "iter_0000003" / "rank_00000.pt", weights_only=False)
+    assert "draft" in state  # the draft trainer resumes with the policy
+    if kind == "eagle3":
+        assert (run / "iter_0000003" / "draft" / "model.safetensors").exists()
