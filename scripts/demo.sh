@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
-# Set up the environment and run the main job on this CPU machine.
-# (Until the GRPO launcher lands this runs the furthest real thing: an HF checkpoint as a
-#  Megatron policy at TP=2 under torchrun, checked against transformers.)
+# Set up the environment and run the CPU demo end to end (docs/demo.md):
+#   1. SFT a small base policy on a synthetic task with step-by-step answers (launch/sft_base.py)
+#   2. train and export its EAGLE-3 draft with NVIDIA ModelOpt (launch/make_draft.py)
+#   3. GRPO with speculative rollouts and online draft training (launch/pretrain_grpo_spec.py)
+#   4. plots and a summary (megatron-spec report)
+# Artifacts go to $RUN_DIR (default runs/demo); steps 1-2 are reused when already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh
 . .venv/bin/activate
-export OMP_NUM_THREADS=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 RUN=${RUN_DIR:-runs/demo}
 mkdir -p "$RUN"
-python -m megatron_spec.models.tiny --out "$RUN/base" --family qwen3 --hidden-size 128 --intermediate-size 384 \
-    --num-layers 4 --num-attention-heads 4 --num-kv-heads 2 --max-shard-size 500KB
-torchrun --nproc_per_node 2 --master_port "${MASTER_PORT:-29400}" launch/check_policy.py \
-    --hf-checkpoint "$RUN/base" --tensor-model-parallel-size 2 --compare-transformers
+t0=$(date +%s)
+if [ ! -f "$RUN/base/config.json" ]; then
+  python launch/sft_base.py --out "$RUN/base" --task sum --steps "${SFT_STEPS:-200}"
+fi
+if [ ! -f "$RUN/eagle3/config.json" ]; then
+  python launch/make_draft.py --target "$RUN/base" --out "$RUN/eagle3" --task sum --steps "${DRAFT_STEPS:-200}"
+fi
+rm -rf "$RUN/grpo"
+torchrun --nproc_per_node 1 --master_port "${MASTER_PORT:-29400}" launch/pretrain_grpo_spec.py \
+    --config launch/configs/demo.yaml --hf-checkpoint "$RUN/base" \
+    --spec-draft-kind eagle3 --spec-draft-path "$RUN/eagle3" --spec-online-draft-training \
+    --train-iters "${GRPO_STEPS:-20}" --save "$RUN/grpo"
+python -m megatron_spec report "$RUN/grpo"
+echo
+cat "$RUN/grpo/report/summary.md"
+echo "demo finished in $(( $(date +%s) - t0 )) s (plots in $RUN/grpo/report/)"
