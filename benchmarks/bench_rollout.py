@@ -8,7 +8,8 @@ GPU). Its function is that of a small model trained on the demo task (``--base``
 here with launch/sft_base.py), embedded exactly in the wider network (benchmarks/_expand.py):
 the cost of a 109M model, the predictable step-by-step outputs of a trained one.
 Drafts: an EAGLE-3 head trained by ModelOpt on the small model's own continuations and
-widened the same way; the small model itself as the draft model (same tokenizer); n-gram.
+widened the same way; a separately trained 0.8M model of the same family and tokenizer as
+the draft model (also the assistant of transformers' assisted generation); n-gram.
 Workload: the demo task's prompts (``sum``), greedy, responses end at EOS.
 
 Measured per dtype and batch size B (tokens/s, all through the same engine code):
@@ -65,7 +66,14 @@ def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int) 
         subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", small,
                         "--steps", str(sft_steps)], check=True)
     paths = {"small": small, "target": os.path.join(work, "target"), "eagle3": os.path.join(work, "eagle3"),
-             "eagle3_small": os.path.join(work, "eagle3_small"), "draft_model": small}
+             "eagle3_small": os.path.join(work, "eagle3_small"), "draft_model": os.path.join(work, "draft_model")}
+    if not os.path.isdir(paths["draft_model"]):
+        # a separately trained, 8x smaller model of the same family and tokenizer (like a 0.6B
+        # drafting for an 8B): it agrees with the target often, not always
+        print("[setup] training the draft model (launch/sft_base.py, 0.8M parameters)", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", paths["draft_model"],
+                        "--steps", "150", "--hidden-size", "128", "--intermediate-size", "384", "--num-layers", "4",
+                        "--num-attention-heads", "4", "--num-kv-heads", "2", "--seed", "7"], check=True)
     if not os.path.isdir(paths["eagle3_small"]):
         print("[setup] EAGLE-3 draft trained by ModelOpt on the base's continuations", file=sys.stderr, flush=True)
         tok = AutoTokenizer.from_pretrained(small)
@@ -103,14 +111,49 @@ def run_engine(server, prompts, new_tokens: int, temperature: float = 0.0):
     return stats
 
 
+def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> dict:
+    """The simulator's engine-benchmark record (megatron_spec/sim/engine_bench.py): every row
+    decodes exactly ``new_tokens`` tokens (EOS ignored, one wave of B requests), so the ratio is
+    the steady-state step ratio; v and c measured per k on the same batch."""
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    results = []
+    prompt_len = None
+    for b in batch_sizes:
+        prompts = task_prompts(tok, b, seed=99)
+        prompt_len = sum(map(len, prompts)) / len(prompts)
+        reqs = [GenerateRequest(f"s{i}", p, sp) for i, p in enumerate(prompts)]
+        srv = _server(paths, dtype, "none", 1, b, new_tokens)
+        srv.generate(reqs[:1])
+        ar = srv.generate(reqs)[1].tokens_per_s
+        del srv
+        spec = []
+        for k in ks:
+            srv = _server(paths, dtype, "eagle3", k, b, new_tokens)
+            srv.generate(reqs[:1])
+            st = srv.generate(reqs)[1]
+            v, c = forward_costs(srv, b, k)
+            spec.append({"k": k, "accept_length": st.spec_accept_length, "tokens_per_s": st.tokens_per_s,
+                         "v": v, "c": c})
+            del srv
+        results.append({"batch_size": b, "ar_tokens_per_s": ar, "spec": spec})
+        print(f"[steady] {dtype} B={b} ar={ar:.1f} " + " ".join(
+            f"k{x['k']}={x['tokens_per_s']:.1f}/{x['accept_length']:.2f}" for x in spec), file=sys.stderr, flush=True)
+    return {"hardware": "cpu", "model": os.path.join(paths["target"], "config.json"), "dtype": dtype,
+            "draft_kind": "eagle3", "draft_model": None, "prompt_len": prompt_len, "max_new_tokens": new_tokens,
+            "results": results}
+
+
 def forward_costs(server, batch: int, k: int, reps: int = 8) -> tuple[float, float]:
     """v = target forward over k+1 tokens / AR step; c = one draft step / AR step (same batch)."""
     model, drafter = server.target, server.drafter
     cache = model.new_cache(batch, 128)
     pos1 = torch.full((batch, 1), 64)
     posk = 64 + torch.arange(k + 1).expand(batch, k + 1)
-    ids1 = torch.randint(4, 1000, (batch, 1))
-    idsk = torch.randint(4, 1000, (batch, k + 1))
+    vocab = model.cfg.vocab_size
+    ids1 = torch.randint(4, vocab, (batch, 1))
+    idsk = torch.randint(4, vocab, (batch, k + 1))
     aux = drafter.aux_layers
 
     def t(fn):
@@ -168,6 +211,9 @@ def main() -> int:
     ap.add_argument("--eagle-steps", type=int, default=300)
     ap.add_argument("--prompts-per-row", type=int, default=2, help="requests per batch slot (continuous batching)")
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
+    ap.add_argument("--steady-state-out", default=None,
+                    help="also write the simulator's engine-benchmark JSON here (bf16, fixed 64-token rows)")
+    ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
     args = ap.parse_args()
     torch.set_num_threads(2)
     paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
@@ -175,6 +221,14 @@ def main() -> int:
 
     ks = [int(x) for x in args.ks.split(",")]
     tok = AutoTokenizer.from_pretrained(paths["target"])
+    if args.steady_state_out or args.steady_only:
+        record = steady_state(paths, "bfloat16", [int(x) for x in args.batch_sizes.split(",")], ks, 64, tok)
+        out = args.steady_state_out or os.path.join(args.work_dir, "engine_bench.json")
+        with open(out, "w") as f:
+            json.dump(record, f, indent=1)
+        print(f"[steady] wrote {out}", file=sys.stderr)
+        if args.steady_only:
+            return 0
     results: dict = {}
     for dtype in args.dtypes.split(","):
         for b in (int(x) for x in args.batch_sizes.split(",")):

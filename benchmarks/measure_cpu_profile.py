@@ -40,10 +40,13 @@ import platform
 import time
 from pathlib import Path
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 DEFAULT_OUTPUT = REPO / "megatron_spec" / "sim" / "data" / "cpu_profile.json"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
 
@@ -69,9 +72,19 @@ def measure_mem_bw(nbytes: int = 256 << 20, repeats: int = 10) -> float:
 
 def measure_linear_stack(dtype: torch.dtype, hidden: int = 4096, layers: int = 6,
                          repeats: int = 10) -> dict:
-    """Forward time of ``layers`` bias-free [hidden, hidden] linears, per token count."""
+    """Forward time of ``layers`` bias-free [hidden, hidden] linears, per token count, with the
+    rollout engine's own linear layer (megatron_spec.rollout.native.model.Linear: weights
+    prepacked for oneDNN), so the profile describes the kernels the engine runs."""
+    from megatron_spec.rollout.native.model import Linear
+
     torch.manual_seed(0)
-    weights = [torch.randn(hidden, hidden, dtype=dtype) * hidden ** -0.5 for _ in range(layers)]
+    mods = []
+    for _ in range(layers):
+        lin = Linear(hidden, hidden, bias=False).to(dtype)
+        with torch.no_grad():
+            lin.weight_t.normal_(0.0, hidden ** -0.5)
+        lin.pack()
+        mods.append(lin)
     params = layers * hidden * hidden
     times = {}
     with torch.inference_mode():
@@ -80,8 +93,8 @@ def measure_linear_stack(dtype: torch.dtype, hidden: int = 4096, layers: int = 6
 
             def fwd(x=x):
                 h = x
-                for w in weights:
-                    h = F.linear(h, w)
+                for lin in mods:
+                    h = lin(h)
                 return h
 
             times[n] = _best_time(fwd, repeats=repeats if n <= 64 else 4)

@@ -29,7 +29,7 @@ from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, MtpDrafter, NgramDrafter
 from megatron_spec.rollout.native.engine import EngineCore
-from megatron_spec.rollout.native.model import CausalLM
+from megatron_spec.rollout.native.model import CausalLM, pack_linears
 from megatron_spec.rollout.types import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,9 @@ class EngineServer:
                                max_batch_size=config.max_batch_size, context_length=config.context_length,
                                seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
         self.core.allocate()
+        for module in (self.target, self._draft_module()):
+            if module is not None:
+                pack_linears(module)  # oneDNN-prepacked weights for inference (model.Linear)
         self._updating: dict[str, set[str]] | None = None
         self._released: set[str] = set()
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
@@ -165,6 +168,10 @@ class EngineServer:
         if selector not in ("target", "draft", "all"):
             raise ValueError(f"begin_weight_update selector must be 'target', 'draft' or 'all', got {selector!r}")
         self._session_groups = {"target", "draft"} if selector == "all" else {selector}
+        for group in self._session_groups:
+            module = self.target if group == "target" else self._draft_module()
+            if module is not None:
+                pack_linears(module, enable=False)  # packed copies are stale until the update ends
         self._updating = {}
 
     def update_weights_from_tensor(self, payloads: list[bytes], selector: str, weight_version: str | None = None,
@@ -213,6 +220,11 @@ class EngineServer:
             if len(versions) != 1:
                 raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")
             self.versions[group] = versions.pop()
+            pack_linears(module)
+        for group in getattr(self, "_session_groups", ()):  # groups opened but not sent keep their weights
+            module = self.target if group == "target" else self._draft_module()
+            if module is not None and group not in updating and self.versions[group] is not None:
+                pack_linears(module)
         if "weights" in self._released and all(self.versions[g] is not None for g in ("target", "draft")
                                                if self._has_group(g)):
             self._released.discard("weights")
@@ -228,6 +240,7 @@ class EngineServer:
             for module in (self.target, self._draft_module()):
                 if module is None:
                     continue
+                pack_linears(module, enable=False)
                 for p in module.parameters():
                     p.data = torch.empty(0, dtype=p.dtype)
             self.versions = {"target": None, "draft": None}
