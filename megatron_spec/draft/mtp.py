@@ -54,6 +54,7 @@ from megatron_spec.draft.optim import (
     choose_segments,
     group_info,
     reduce_metric_sums,
+    scored_rows_per_step,
 )
 from megatron_spec.models.convert import ParamRule, canonical_name, megatron_rules, shard
 from megatron_spec.models.hf_config import DecoderConfig
@@ -265,14 +266,8 @@ class MtpTrainer:
             segments = choose_segments(cache, cfg.max_rows_per_step, self.generator)
         self._check_same_rows_across_tp(cache.num_rows if cache is not None else 0, len(segments))
         lens = [int(cache.seqlens[s]) for s in segments]
-        local = torch.zeros(depth, dtype=torch.float64)
-        for k in range(depth):
-            if cfg.loss == "soft":
-                local[k] = sum(max(0, n - k) for n in lens)
-            else:
-                for s, n in zip(segments, lens):
-                    start = int(cache.cu_seqlens[s])
-                    local[k] += int((cache.next_tokens[start + k : start + n] >= 0).sum()) if n > k else 0
+        label_ok = (cache.next_tokens >= 0) if cfg.loss == "hard" and segments else None
+        local = scored_rows_per_step(cache, segments, lens, depth, label_ok)
         counts = reduce_metric_sums(local, self.dp_group).clamp(min=1.0)
         loss_sums = torch.zeros(depth, dtype=torch.float64)
         agree = torch.zeros(depth, dtype=torch.float64)

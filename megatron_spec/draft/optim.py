@@ -196,6 +196,22 @@ def reduce_metric_sums(sums: torch.Tensor, group: dist.ProcessGroup | None) -> t
     return out
 
 
+def scored_rows_per_step(cache, segments: list[int], lens: list[int], steps: int,
+                         label_ok: torch.Tensor | None) -> torch.Tensor:
+    """Rows scored at each of ``steps`` unrolled draft steps (``[steps]`` float64): step s of a
+    segment of n rows scores its rows s..n-1 (soft loss, ``label_ok`` None), or only those whose
+    hard label is valid (``label_ok [rows]`` bool). Shared by the EAGLE-3 and MTP trainers."""
+    local = torch.zeros(steps, dtype=torch.float64)
+    for s_i in range(steps):
+        if label_ok is None:
+            local[s_i] = sum(max(0, n - s_i) for n in lens)
+        else:
+            for seg, n in zip(segments, lens):
+                start = int(cache.cu_seqlens[seg])
+                local[s_i] += int(label_ok[start + s_i:start + n].sum()) if n > s_i else 0
+    return local
+
+
 def choose_segments(cache: DraftCache, max_rows: int | None, generator: torch.Generator) -> list[int]:
     """All segments, or whole segments in random order until ``max_rows`` rows are reached."""
     if max_rows is None or cache.num_rows <= max_rows:

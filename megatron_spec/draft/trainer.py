@@ -56,6 +56,7 @@ from megatron_spec.draft.optim import (
     choose_segments,
     group_info,
     reduce_metric_sums,
+    scored_rows_per_step,
 )
 
 
@@ -168,14 +169,7 @@ class Eagle3Trainer:
             label_ok = (nxt >= 0) & (self._t2d[nxt.clamp(min=0).cpu()].to(nxt.device) >= 0)
 
         # global count of scored rows per TTT step (the loss normaliser)
-        local = torch.zeros(steps, dtype=torch.float64)
-        for s_i in range(steps):
-            if cfg.loss == "soft":
-                local[s_i] = sum(max(0, n - s_i) for n in lens)
-            else:
-                for seg, n in zip(segments, lens):
-                    start = int(cache.cu_seqlens[seg])
-                    local[s_i] += int(label_ok[start + s_i : start + n].sum()) if n > s_i else 0
+        local = scored_rows_per_step(cache, segments, lens, steps, label_ok if cfg.loss == "hard" else None)
         counts = reduce_metric_sums(local, self.group).clamp(min=1.0)
 
         loss_sums = torch.zeros(steps, dtype=torch.float64)

@@ -133,6 +133,24 @@ class _CachedDraftModel(Drafter):
     def copy_prefix(self, src, dsts):
         self.cache.copy_prefix(src, list(dsts), int(self.cache.lens[src]))
 
+    def _prompt_rows(self, slot_offset: int, prompts: Sequence[Sequence[int]], shift: int):
+        """The first ``len - 1`` prompt tokens (from ``shift``) as a padded batch for the draft's
+        prefill into slots ``slot_offset + i``; sets those slots' cache lengths. None if empty.
+
+        Returns (ids ``[P, M]``, positions ``[P, M]``, kv_lens ``[P]``, logits_index ``[P, 1]``).
+        """
+        p = len(prompts)
+        lens = torch.tensor([len(x) - 1 for x in prompts])
+        self.cache.lens[slot_offset:slot_offset + p] = lens
+        m = int(lens.max())
+        if m == 0:
+            return None
+        ids = torch.zeros(p, m, dtype=torch.long)
+        for i, x in enumerate(prompts):
+            ids[i, :len(x) - 1] = torch.tensor(list(x[shift:shift + len(x) - 1]))
+        # rows shorter than m write padding past their length: masked out, overwritten later
+        return ids, torch.arange(m).expand(p, m), lens.clamp(min=1), torch.zeros(p, 1, dtype=torch.long)
+
     def _pad_pending(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Pending tokens/aux of slots ``0..B-1`` padded to ``[B, M]``; also their lengths ``[B]``."""
         lens = torch.tensor([len(self.pending_tokens[b]) for b in range(batch)])
@@ -168,18 +186,10 @@ class ModelDrafter(_CachedDraftModel):
     def prefill(self, slot_offset, prompts, aux):
         # The draft sees all prompt tokens but the last; the last one is pending with the first
         # sampled token, so every sample of the prompt runs its own continuation.
-        p = len(prompts)
-        lens = torch.tensor([len(x) - 1 for x in prompts])
-        self.cache.lens[slot_offset:slot_offset + p] = lens
-        m = int(lens.max())
-        if m == 0:
-            return
-        ids = torch.zeros(p, m, dtype=torch.long)
-        for i, x in enumerate(prompts):
-            ids[i, :len(x) - 1] = torch.tensor(x[:-1])
-        positions = torch.arange(m).expand(p, m)
-        self.model(ids, positions, self.cache, lens.clamp(min=1), logits_index=torch.zeros(p, 1, dtype=torch.long),
-                   slot_offset=slot_offset)
+        rows = self._prompt_rows(slot_offset, prompts, shift=0)
+        if rows is not None:
+            ids, positions, kv_lens, first = rows
+            self.model(ids, positions, self.cache, kv_lens, logits_index=first, slot_offset=slot_offset)
 
     def start(self, slot, prompt, first_token, last_aux):
         # the prompt's last token and the sampled first token are not in the draft cache yet
@@ -240,18 +250,10 @@ class Eagle3Drafter(_CachedDraftModel):
                          slot_offset=slot_offset)
 
     def prefill(self, slot_offset, prompts, aux):
-        p = len(prompts)
-        lens = torch.tensor([len(x) - 1 for x in prompts])
-        self.cache.lens[slot_offset:slot_offset + p] = lens
-        m = int(lens.max())
-        if m == 0:
-            return
-        ids = torch.zeros(p, m, dtype=torch.long)
-        for i, x in enumerate(prompts):
-            ids[i, :len(x) - 1] = torch.tensor(x[1:])  # token i+1 pairs with hidden i
-        positions = torch.arange(m).expand(p, m)
-        self._run(ids, aux[:, :m], positions, lens.clamp(min=1), torch.zeros(p, 1, dtype=torch.long),
-                  slot_offset=slot_offset)
+        rows = self._prompt_rows(slot_offset, prompts, shift=1)  # token i+1 pairs with hidden i
+        if rows is not None:
+            ids, positions, kv_lens, first = rows
+            self._run(ids, aux[:, :ids.shape[1]], positions, kv_lens, first, slot_offset=slot_offset)
 
     def start(self, slot, prompt, first_token, last_aux):
         self.pending_tokens[slot] = [first_token]
