@@ -4,22 +4,27 @@ What it measures, on ``--threads`` torch threads (2 by default, as the rollout e
 
 * ``mem_bw``: bytes read + written per second by ``Tensor.copy_`` on 256 MiB buffers
   (the STREAM-copy convention: a copy of B bytes moves 2B).
-* per dtype (bfloat16, float32), on a stack of ``nn.Linear`` layers of ~100M parameters:
-  the time of one forward at 1, 2, 4, 8, 16, 32, 64 and 256 tokens. From it,
-  ``weight_bw`` (weight bytes / time at 1 token: what decoding achieves when it streams the
-  weights through a GEMV) and ``flops`` (2 * params * tokens / time at 256 tokens, the
-  compute-bound end). The whole table is kept so the simulator's roofline can be checked
-  against it (tests/sim/test_cpu_profile.py).
+* per dtype (bfloat16, float32), on a stack of the rollout engine's own linear layers
+  (oneDNN-prepacked, ~100M parameters, hidden 4096): the time of one forward at 1, 2, 4, 8,
+  16, 32, 64 and 256 tokens. ``flops`` is 2 * params * tokens / time at 256 tokens (the
+  compute-bound end); the table's shape t(n) / t(1) is the simulator's CPU GEMM curve (on this
+  CPU a 4-token forward is *faster* than a 1-token one: oneDNN's GEMV path streams weights
+  slower than its small-GEMM path, which no roofline formula captures).
+* per dtype, the time of one one-token call of that linear layer at four weight shapes
+  (1024x1024 to 4096x14336), fitted to ``t = gemm_call_s + weight bytes / weight_bw``:
+  ``weight_bw`` (streaming rate) and ``gemm_call_s`` (fixed cost per call: dispatch, thread
+  fork/join), which dominates small models.
 * ``attn_bw``: per dtype and per number of query tokens q (1, 2, 4, 8), K+V bytes / time of one
   ``scaled_dot_product_attention`` over 8192 cached positions (32 query heads, 8 KV heads,
   head_dim 128): how fast attention reads a KV cache when decoding (q=1) or verifying
   (q=k+1). On this CPU the bf16 path is far slower than the fp32 one and q>1 can be faster
   than q=1 (a different kernel): the table keeps what was measured.
-* ``layer_overhead_s``: the wall time of one tiny (hidden 64) decoder layer in eager
-  PyTorch: the per-layer launch cost that remains when no bytes or FLOPs are left.
+* ``layer_overhead_s``: per layer, the one-token forward of the engine's own decoder at
+  hidden 64 (norms, RoPE, KV-cache write, attention, activations) less its GEMM calls: the
+  op-sequence cost that remains when no bytes or FLOPs are left.
 
-It does not know the rollout engine: it measures kernels, not the engine's scheduler. The
-engine benchmark (benchmarks/bench_rollout.py, when it exists) is what validates the
+It measures kernels and the engine's layer code, not the engine's scheduler. The
+engine benchmark (benchmarks/bench_rollout.py --steady-only) is what validates the
 simulator end to end (docs/simulator.md, "Validating on this CPU").
 
 Every figure is measured ``--rounds`` times and the best kept: on a shared machine other jobs
@@ -125,52 +130,89 @@ def measure_attn_bw(dtype: torch.dtype, kv_heads: int = 8, q_heads: int = 32, ct
     return out
 
 
-class _TinyLayer(torch.nn.Module):
-    """A decoder layer's op sequence at hidden 64: its time is launch overhead, not work."""
-
-    def __init__(self, hidden: int = 64, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.norm1 = torch.nn.RMSNorm(hidden)
-        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
-        self.o = torch.nn.Linear(hidden, hidden, bias=False)
-        self.norm2 = torch.nn.RMSNorm(hidden)
-        self.gate_up = torch.nn.Linear(hidden, 4 * hidden, bias=False)
-        self.down = torch.nn.Linear(2 * hidden, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
-        q = q.view(b, t, self.heads, -1).transpose(1, 2)
-        k = torch.cat([k_cache, k.view(b, t, self.heads, -1).transpose(1, 2)], dim=2)
-        v = torch.cat([v_cache, v.view(b, t, self.heads, -1).transpose(1, 2)], dim=2)
-        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, h)
-        x = x + self.o(a)
-        g, u = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(g) * u)
+GEMM_SHAPES = ((1024, 1024), (1024, 4096), (4096, 4096), (4096, 14336))
 
 
-def measure_layer_overhead(layers: int = 16, repeats: int = 20) -> float:
+def measure_gemm_calls(dtype: torch.dtype, repeats: int = 20) -> list[dict]:
+    """Seconds per one-token call of the engine's linear layer, per weight shape [in, out]
+    (a stack of copies, so each call streams its weight from memory, not from cache). The
+    profile fits ``t = gemm_call_s + weight bytes / weight_bw`` to these points: a fixed cost
+    per GEMM call (oneDNN dispatch and thread fork/join) plus streaming."""
+    from megatron_spec.rollout.native.model import Linear
+
     torch.manual_seed(0)
-    stack = [_TinyLayer() for _ in range(layers)]
-    x = torch.randn(1, 1, 64)
-    k_cache = torch.randn(1, 4, 16, 16)
-    v_cache = torch.randn(1, 4, 16, 16)
+    out = []
+    for fan_in, fan_out in GEMM_SHAPES:
+        nbytes = fan_in * fan_out * (torch.finfo(dtype).bits // 8)
+        copies = max(2, min(32, (256 << 20) // nbytes))  # >= 256 MiB in all: past every cache
+        mods = []
+        for _ in range(copies):
+            lin = Linear(fan_in, fan_out, bias=False).to(dtype)
+            with torch.no_grad():
+                lin.weight_t.normal_(0.0, fan_in ** -0.5)
+            lin.pack()
+            mods.append(lin)
+        x = torch.randn(1, fan_in, dtype=dtype)
+        with torch.inference_mode():
+            t = _best_time(lambda mods=mods, x=x: [m(x) for m in mods], repeats=repeats) / copies
+        out.append({"shape": [fan_in, fan_out], "bytes": nbytes, "s_per_call": t})
+    return out
 
-    def fwd():
-        h = x
-        for layer in stack:
-            h = layer(h, k_cache, v_cache)
-        return h
 
+def fit_gemm_calls(points: list[dict]) -> tuple[float, float]:
+    """``t = t0 + bytes / bw`` over the measured calls, least squares on the relative error
+    (small and large calls count alike): (t0 seconds, bw bytes/s)."""
+    import numpy as np
+
+    x = np.array([p["bytes"] for p in points], dtype=float)
+    y = np.array([p["s_per_call"] for p in points], dtype=float)
+    slope, t0 = np.polyfit(x, y, 1, w=1.0 / y)
+    return max(0.0, float(t0)), float(1.0 / slope)
+
+
+def _tiny_engine_model(layers: int):
+    """The engine's own decoder (megatron_spec.rollout.native.model.CausalLM) at hidden 64:
+    its time per layer is the cost of the layer's op sequence, not of bytes or FLOPs."""
+    from megatron_spec.models.hf_config import DecoderConfig
+    from megatron_spec.rollout.native.model import CausalLM, pack_linears
+
+    cfg = DecoderConfig(architecture="Qwen3ForCausalLM", family="qwen3", vocab_size=64, hidden_size=64,
+                        intermediate_size=128, num_layers=layers, num_attention_heads=4, num_kv_heads=2,
+                        head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=256,
+                        tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).to(torch.bfloat16).eval()
+    pack_linears(model)
+    return model
+
+
+def measure_layer_overhead(layers: int = 16, repeats: int = 20, context: int = 48) -> float:
+    """Seconds per decoder layer of the engine's op sequence (norms, RoPE, KV-cache write,
+    attention, activations, residuals) beyond its GEMM calls: the tiny engine model's
+    one-token forward, less its GEMM calls, per layer."""
+    model = _tiny_engine_model(layers)
+    cache = model.new_cache(1, 128)
+    ids = torch.randint(4, 64, (1, context))
     with torch.inference_mode():
-        return _best_time(fwd, repeats=repeats, warmup=5) / layers
+        model(ids, torch.arange(context).unsqueeze(0), cache, torch.tensor([context]))  # fill the cache
+        pos = torch.tensor([[context]])
+        lens = torch.tensor([context + 1])
+        one = torch.randint(4, 64, (1, 1))
+        per_layer = _best_time(lambda: model(one, pos, cache, lens), repeats=repeats, warmup=5) / layers
+        layer = model.layers[0]
+        lins = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        xs = [torch.randn(1, 1, m.in_features, dtype=torch.bfloat16) for m in lins]
+        gemms = _best_time(lambda: [m(a) for m, a in zip(lins, xs)], repeats=repeats * 5, warmup=5)
+    return max(0.0, per_layer - gemms)
 
 
 def _best_of(rounds: list[dict]) -> tuple[float, dict, dict, float]:
     """Per figure, the best value over rounds (fastest time, highest rate)."""
     mem_bw = max(r["mem_bw"] for r in rounds)
     layer_overhead = min(r["layer_overhead"] for r in rounds)
+    gemm_calls = {dt: [{**pt, "s_per_call": min(r["gemm_calls"][dt][i]["s_per_call"] for r in rounds)}
+                       for i, pt in enumerate(first)]
+                  for dt, first in rounds[0]["gemm_calls"].items()}
     attn_bw = {dt: {q: max(r["attn_bw"][dt][q] for r in rounds) for q in rounds[0]["attn_bw"][dt]}
                for dt in rounds[0]["attn_bw"]}
     stacks = {}
@@ -180,7 +222,7 @@ def _best_of(rounds: list[dict]) -> tuple[float, dict, dict, float]:
                       "forward_s": times,
                       "weight_bw": first["params"] * first["bytes_per_param"] / times["1"],
                       "flops": 2 * first["params"] * TOKENS[-1] / times[str(TOKENS[-1])]}
-    return mem_bw, stacks, attn_bw, layer_overhead
+    return mem_bw, stacks, attn_bw, layer_overhead, gemm_calls
 
 
 def _memory_bytes() -> int | None:
@@ -212,9 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             "stacks": {"bfloat16": measure_linear_stack(torch.bfloat16),
                        "float32": measure_linear_stack(torch.float32)},
             "attn_bw": {"bfloat16": measure_attn_bw(torch.bfloat16), "float32": measure_attn_bw(torch.float32)},
+            "gemm_calls": {"bfloat16": measure_gemm_calls(torch.bfloat16),
+                           "float32": measure_gemm_calls(torch.float32)},
             "layer_overhead": measure_layer_overhead(),
         })
-    mem_bw, stacks, attn_bw, layer_overhead = _best_of(rounds)
+    mem_bw, stacks, attn_bw, layer_overhead, gemm_calls = _best_of(rounds)
+    fits = {dt: fit_gemm_calls(points) for dt, points in gemm_calls.items()}
     profile = {
         "name": "cpu",
         "source": "benchmarks/measure_cpu_profile.py",
@@ -225,10 +270,12 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "mem_bw": mem_bw,
         "attn_bw": attn_bw,
-        "weight_bw": {dt: s["weight_bw"] for dt, s in stacks.items()},
+        "weight_bw": {dt: fits[dt][1] for dt in stacks},
+        "gemm_call_s": {dt: fits[dt][0] for dt in stacks},
         "flops": {dt: s["flops"] for dt, s in stacks.items()},
         "layer_overhead_s": layer_overhead,
         "linear_stack": stacks,
+        "gemm_calls": gemm_calls,
         "measure_wall_s": time.perf_counter() - t0,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({
         "mem_bw_GBps": round(mem_bw / 1e9, 2),
         "attn_bw_GBps": {dt: {q: round(b / 1e9, 2) for q, b in t.items()} for dt, t in attn_bw.items()},
-        "weight_bw_GBps": {dt: round(s["weight_bw"] / 1e9, 2) for dt, s in stacks.items()},
+        "weight_bw_GBps": {dt: round(fits[dt][1] / 1e9, 2) for dt in stacks},
+        "gemm_call_us": {dt: round(fits[dt][0] * 1e6, 1) for dt in stacks},
         "gflops": {dt: round(s["flops"] / 1e9, 1) for dt, s in stacks.items()},
         "layer_overhead_us": round(layer_overhead * 1e6, 1),
         "bf16_verify4_over_decode1": round(stacks["bfloat16"]["forward_s"]["4"]

@@ -1,7 +1,9 @@
 """Check the simulator against a benchmark of our own rollout engine (on this CPU).
 
-The engine benchmark (``benchmarks/bench_rollout.py``, to be written with the engine) runs
-autoregressive and speculative decoding side by side and writes one JSON object:
+The engine benchmark (``benchmarks/bench_rollout.py --steady-only``) runs autoregressive and
+speculative decoding side by side and writes one JSON object (the committed record of this CPU:
+``megatron_spec/sim/data/cpu_engine_bench.json``; a relative ``model`` path is resolved next to
+the record):
 
     {
       "hardware": "cpu",                      # a simulator hardware name
@@ -35,8 +37,10 @@ Two predictions per row, neither fitted to the speculative points:
   about short forwards.
 * ``predicted_speedup`` (the one checked against the tolerance): the same, with that per-forward
   host cost taken from the *autoregressive* measurement of the same batch size,
-  ``b / ar_tokens_per_s - t_AR_model(b)``, and charged to every target forward (AR and verify).
-  Draft forwards pay only their modelled per-layer cost.
+  ``h = b / ar_tokens_per_s - t_AR_model(b)`` (sampling, scheduling, bookkeeping: what an AR step
+  spends beyond its modelled forward), and charged to every network call that ends in a
+  sampling step: the verify forward and each of the k draft passes (each draft pass samples a
+  token with the same code):  speedup = tau (t_AR + h) / (t_verify + t_draft + (1 + k) h).
 Both use the measured accept length (acceptance is an input of the simulator, not a prediction);
 v and c are reported beside the simulator's own v and c to show which term is off.
 
@@ -64,10 +68,18 @@ def _load(bench: str | Path | dict) -> dict:
     path = Path(bench)
     if not path.exists():
         raise ValueError(f"engine benchmark {path} does not exist")
+    text = path.read_text().strip()
     try:
-        return json.loads(path.read_text().strip().splitlines()[-1])
-    except (json.JSONDecodeError, IndexError) as err:
-        raise ValueError(f"engine benchmark {path}: last line is not a JSON object ({err})") from None
+        data = json.loads(text)  # a JSON file
+    except json.JSONDecodeError:
+        try:
+            data = json.loads(text.splitlines()[-1])  # a benchmark log: its last line
+        except (json.JSONDecodeError, IndexError) as err:
+            raise ValueError(f"engine benchmark {path}: last line is not a JSON object ({err})") from None
+    model = data.get("model")
+    if isinstance(model, str) and model.endswith(".json") and not Path(model).is_absolute():
+        data["model"] = str(path.parent / model)  # a config file next to the record
+    return data
 
 
 def validate_engine_benchmark(bench: str | Path | dict, tolerance: float = 0.2,
@@ -107,15 +119,16 @@ def validate_engine_benchmark(bench: str | Path | dict, tolerance: float = 0.2,
             t_verify = float(target.forward(bb, k + 1, ctx, eff.step_overhead_s)["total"][0])
             t_draft1 = (float(draft.forward(bb, 1, ctx, eff.draft_pass_overhead_s)["total"][0])
                         if draft is not None else 0.0)
-            predicted = tau * (t_ar_model + host) / (t_spec_model + host)
+            passes = k if draft is not None else 0  # draft forwards per step: a first pass, then k-1
+            predicted = tau * (t_ar_model + host) / (t_spec_model + host * (1 + passes))
             measured = float(sp["tokens_per_s"]) / ar_tps
             rows.append({
                 "batch_size": int(b), "k": k, "accept_length": tau,
                 "measured_speedup": measured, "predicted_speedup": predicted,
                 "predicted_speedup_profile_only": tau * t_ar_model / t_spec_model,
                 "rel_error": predicted / measured - 1.0,
-                "v_measured": sp.get("v"), "v_predicted": (t_verify + host) / (t_ar_model + host),
-                "c_measured": sp.get("c"), "c_predicted": t_draft1 / (t_ar_model + host),
+                "v_measured": sp.get("v"), "v_predicted": t_verify / t_ar_model,
+                "c_measured": sp.get("c"), "c_predicted": t_draft1 / t_ar_model,
                 "ar_tokens_per_s_measured": ar_tps, "ar_tokens_per_s_profile_only": b / t_ar_model,
                 "host_s_per_forward_from_ar": host,
             })

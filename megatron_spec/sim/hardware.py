@@ -19,7 +19,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CPU_PROFILE_PATH = DATA_DIR / "cpu_profile.json"
@@ -105,17 +104,13 @@ _GPU_PROFILES = {
 HARDWARE_NAMES = (*_GPU_PROFILES, "cpu")
 
 
-def fit_roofline_p(stack: dict, weight_bw: float, flops: float) -> float:
-    """The exponent p of t = (t_mem^p + t_comp^p)^(1/p) that best matches a measured
-    tokens -> forward-time table of a linear stack (least squares on log time, p in [1, 8])."""
-    params, nbytes = float(stack["params"]), float(stack["bytes_per_param"])
-    tokens = np.array([int(n) for n in stack["forward_s"]], dtype=float)
-    measured = np.array(list(stack["forward_s"].values()), dtype=float)
-    t_mem = params * nbytes / weight_bw
-    t_comp = 2.0 * params * tokens / flops
-    grid = np.linspace(1.0, 8.0, 57)
-    errs = [np.sum(np.log((t_mem ** p + t_comp ** p) ** (1 / p) / measured) ** 2) for p in grid]
-    return float(grid[int(np.argmin(errs))])
+def gemm_curve(stack: dict) -> dict[int, float]:
+    """t(n) / t(1) of a measured linear stack (tokens -> relative forward time): the CPU's GEMM
+    cost per weight byte as a function of the tokens in the forward."""
+    times = {int(n): float(t) for n, t in stack["forward_s"].items()}
+    if 1 not in times:
+        raise ValueError("linear_stack table lacks the 1-token time")
+    return {n: t / times[1] for n, t in sorted(times.items())}
 
 
 def load_cpu_profile(path: str | Path = CPU_PROFILE_PATH) -> HardwareProfile:
@@ -132,8 +127,8 @@ def load_cpu_profile(path: str | Path = CPU_PROFILE_PATH) -> HardwareProfile:
     attn_bw = {canonical_dtype(k): {int(q): float(b) for q, b in t.items()} for k, t in raw["attn_bw"].items()}
     mem_bw = float(raw["mem_bw"])
     stacks = raw.get("linear_stack", {})
-    roofline_p = {canonical_dtype(dt): fit_roofline_p(st, weight_bw[canonical_dtype(dt)], flops[canonical_dtype(dt)])
-                  for dt, st in stacks.items()}
+    curves = {canonical_dtype(dt): gemm_curve(st) for dt, st in stacks.items()}
+    gemm_call_s = {canonical_dtype(k): float(v) for k, v in raw.get("gemm_call_s", {}).items()}
     return HardwareProfile(
         name="cpu", kind="cpu",
         memory_bytes=float(raw.get("machine", {}).get("memory_bytes") or 16e9),
@@ -145,7 +140,8 @@ def load_cpu_profile(path: str | Path = CPU_PROFILE_PATH) -> HardwareProfile:
         weight_bw=weight_bw, attn_bw=attn_bw, layer_overhead_s=float(raw["layer_overhead_s"]),
         source=f"measured by {raw.get('source', 'benchmarks/measure_cpu_profile.py')} "
                f"at {raw.get('measured_at', '?')}",
-        extra={"linear_stack": stacks, "machine": raw.get("machine", {}), "roofline_p": roofline_p},
+        extra={"linear_stack": stacks, "machine": raw.get("machine", {}), "gemm_curve": curves,
+               "gemm_call_s": gemm_call_s, "gemm_calls": raw.get("gemm_calls", {})},
     )
 
 

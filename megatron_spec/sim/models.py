@@ -93,6 +93,7 @@ class ModelProfile:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mtp_layers: int = 0
+    extra_gemm_calls: int = 0  # GEMMs per forward beyond the decoder's (EAGLE-3's fc)
 
     def __post_init__(self) -> None:
         for field_name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -150,6 +151,16 @@ class ModelProfile:
     @property
     def lm_head_params(self) -> int:
         return self.vocab * self.hidden  # tied or not, the head is read and multiplied
+
+    @property
+    def gemm_calls_per_forward(self) -> int:
+        """Weight GEMMs one forward launches, routed experts aside: fused qkv and o per layer
+        (MLA: its four projections), gate_up and down per dense MLP or shared expert, the
+        router, the LM head. Matters where each call has a fixed cost (``gemm_call_s``, CPU)."""
+        attn = 4 if self.is_mla else 2
+        per_moe = 2 * self.shared_experts + 1
+        return (self.layers * attn + self.dense_layers * 2 + self.moe_layers * per_moe + 1
+                + self.extra_gemm_calls)
 
     # ---- totals ----------------------------------------------------------------------------
     @property
@@ -279,7 +290,8 @@ def eagle3_draft(target: ModelProfile, draft_vocab: int = EAGLE3_DRAFT_VOCAB) ->
     width = target.intermediate + extra // (3 * h)
     return ModelProfile(name=f"eagle3[{target.name}]", family="eagle3", hidden=h, layers=1,
                         heads=target.heads, kv_heads=target.kv_heads, head_dim=target.head_dim,
-                        vocab=min(draft_vocab, target.vocab), intermediate=width, tie_embeddings=True)
+                        vocab=min(draft_vocab, target.vocab), intermediate=width, tie_embeddings=True,
+                        extra_gemm_calls=1)
 
 
 def mtp_draft(target: ModelProfile) -> ModelProfile:

@@ -11,9 +11,11 @@ plus tensor-parallel all-reduces (2 per layer) and expert-parallel all-to-alls (
 combine per MoE layer), and a host overhead: a fixed cost per forward, plus a per-layer launch
 cost when the forward has more tokens than the engine captures in CUDA graphs.
 BW and FLOP/s are peak x the fitted efficiencies (GPUs) or the measured figures (``cpu``).
-The roofline combine is a max for GPUs and, for the CPU, a p-norm (t_mem^p + t_comp^p)^(1/p) whose
-p is fitted to the measured linear-stack table (``HardwareProfile.extra["roofline_p"]``): CPU
-GEMMs bend smoothly from memory- to compute-bound.
+On the CPU, GEMMs are not a max of two bounds: each call costs a fixed ``gemm_call_s`` (oneDNN
+dispatch, thread fork/join) plus its weight bytes / ``weight_bw`` scaled by the measured curve
+t(n)/t(1) of a linear stack over the n tokens in the forward (interpolated in log n; past the
+table's last point the time grows linearly in n, compute-bound). All three are measured by
+benchmarks/measure_cpu_profile.py; none is fitted to engine speedups.
 
 MoE weights: a forward reads the always-active weights plus each *touched* expert once; with
 uniform routing of T tokens to top-k of E experts, the expected touched fraction is
@@ -67,10 +69,13 @@ class Parallelism:
         return self.engine_devices // self.tp
 
 
-def _roof(mem_s, comp_s, p: float | None):
-    if p is None:
-        return np.maximum(mem_s, comp_s)
-    return (mem_s ** p + comp_s ** p) ** (1.0 / p)
+def _curve(tokens, curve: dict[int, float]):
+    """Measured t(n)/t(1) of a linear stack at ``tokens`` (log-n interpolation, linear beyond)."""
+    ns = np.array(sorted(curve), dtype=float)
+    rs = np.array([curve[int(n)] for n in ns], dtype=float)
+    t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
+    inside = np.interp(np.log(np.minimum(t, ns[-1])), np.log(ns), rs)
+    return np.where(t > ns[-1], rs[-1] * t / ns[-1], inside)
 
 
 class ForwardModel:
@@ -85,7 +90,9 @@ class ForwardModel:
         self.mem_bw = hw.mem_bw * eff.mem_eff
         wbw = (hw.weight_bw or {}).get(self.dtype)
         self.weight_bw = wbw * eff.mem_eff if wbw else self.mem_bw
-        self.roofline_p = (hw.extra or {}).get("roofline_p", {}).get(self.dtype)
+        extra = hw.extra or {}
+        self.gemm_curve = extra.get("gemm_curve", {}).get(self.dtype)
+        self.gemm_call_s = extra.get("gemm_call_s", {}).get(self.dtype, 0.0)
         if par.engine_devices > 1:
             within = par.engine_devices <= hw.scaleup_domain
             self.comm_bw = hw.link_bw if within else hw.net_bw
@@ -131,14 +138,22 @@ class ForwardModel:
         if m.is_moe:
             touched = 1.0 - (1.0 - m.experts_per_tok / m.num_experts) ** T
             w_bytes = w_bytes + m.moe_layers * (m.num_experts / par.ep) * touched * m.expert_params * self.wbytes
-        gemm = _roof(w_bytes / self.weight_bw, 2.0 * m.active_params * T / G / self.flops, self.roofline_p)
+        gemm_comp = 2.0 * m.active_params * T / G / self.flops
+        if self.gemm_curve:  # measured CPU curve plus a fixed cost per GEMM call
+            calls = m.gemm_calls_per_forward
+            if m.is_moe:
+                calls = calls + m.moe_layers * 2 * m.num_experts / par.ep * touched
+            gemm = np.maximum(calls * self.gemm_call_s + w_bytes / self.weight_bw * _curve(T, self.gemm_curve),
+                              gemm_comp)
+        else:
+            gemm = np.maximum(w_bytes / self.weight_bw, gemm_comp)
         # Attention over the KV cache (each sequence's cache is read once per forward).
         kv_bytes = ctx_sum * self.kv_bytes_per_token_per_device() / D
         fused_q = self.settings.fused_verify_max_q
         if fused_q and q > fused_q:
             kv_bytes = kv_bytes * q  # unfused fallback: the cache is read once per query token
         attn_flops = m.attn_flops_per_ctx * q * ctx_sum / G
-        attn = _roof(kv_bytes / self._attn_bw(q), attn_flops / self.flops, self.roofline_p)
+        attn = np.maximum(kv_bytes / self._attn_bw(q), attn_flops / self.flops)
         # Logits: fp32, vocab-parallel; written once and read by softmax and the sampler.
         logits = Ta * m.vocab * 4 * 3 / par.tp / self.mem_bw
         # Collectives.
