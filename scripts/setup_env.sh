@@ -38,4 +38,4 @@ fi
 echo "[setup] building megatron-spec (C++ extension megatron_spec._C)"
 MAX_JOBS=${MAX_JOBS:-2} pip install -q --no-build-isolation --no-deps -e . 2> .venv/build.log || {
   cat .venv/build.log >&2; exit 1; }
-python -c "import megatron_spec._C" 2>/dev/null && echo "[setup] compiled ops: yes" || echo "[setup] compiled ops: no (pure-PyTorch fallbacks)"
+python -c "import torch, megatron_spec._C" 2>/dev/null && echo "[setup] compiled ops: yes" || echo "[setup] compiled ops: no (pure-PyTorch fallbacks)"
