@@ -88,6 +88,8 @@ class GRPOConfig:
     micro_batch_size: int = _f(8, "sequences per forward/backward (gradient accumulation over the rest)")
     grpo_num_minibatches: int = _f(1, "optimizer steps per rollout batch (1 = strictly on-policy)")
     lr: float = _f(1e-5, "policy learning rate (AdamW)")
+    lr_warmup_steps: int = _f(0, "linear learning-rate warm-up over the first N RL steps (AdamW's first "
+                                 "updates move every parameter by about lr, whatever its gradient's noise)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     clip_grad: float = _f(1.0, "policy gradient-norm clip (0 = off)")
     clip_eps_low: float = _f(0.2, "ratio clip below: 1 - eps_low")
@@ -146,6 +148,8 @@ class RunConfig:
                              "policy) or --spec-draft-path (an MTP export)")
         if s.spec_draft_kind != "none" and s.spec_num_draft_tokens < 1:
             raise ValueError(f"--spec-num-draft-tokens must be >= 1, got {s.spec_num_draft_tokens}")
+        if g.lr_warmup_steps < 0:
+            raise ValueError(f"--lr-warmup-steps {g.lr_warmup_steps} must be >= 0")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:
             raise ValueError("--grpo-group-size and --prompts-per-step must be >= 1")
         if g.micro_batch_size < 1:

@@ -429,6 +429,14 @@ class GRPOTrainer:
         return out, {"mismatch/logprob_abs_diff_max": mism_max,
                      "mismatch/logprob_abs_diff_mean": mism_sum / max(mism_n, 1.0)}
 
+    def policy_lr(self) -> float:
+        """The policy's learning rate at this step: linear warm-up, then constant (a function of
+        the step alone, so a resumed run continues the schedule exactly)."""
+        g = self.cfg.grpo
+        if g.lr_warmup_steps <= 0:
+            return g.lr
+        return g.lr * min(1.0, (self.step + 1) / g.lr_warmup_steps)
+
     def _grad_norm(self) -> float:
         sharded, replicated = torch.zeros(()), torch.zeros(())
         for p in self.params:
@@ -491,7 +499,10 @@ class GRPOTrainer:
                     if p.grad is not None:
                         p.grad.mul_(scale)
             stats["train/grad_norm"] = max(stats["train/grad_norm"], norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.policy_lr()
             self.optimizer.step()
+        stats["train/lr"] = self.policy_lr()
         n = max(tokens_total, 1.0)
         for key in ("loss/pg", "loss/kl", "train/clip_frac", "train/ratio_mean"):
             stats[key] /= n

@@ -74,3 +74,23 @@ def test_truncated_is_weights_scale_tokens():
     w = torch.tensor([[0.5, 2.0]])
     loss, _ = grpo_loss(lp, lp.detach(), torch.tensor([1.0]), torch.ones(1, 2), is_weights=w, normalizer=2.0)
     assert loss.item() == pytest.approx(-(0.5 + 2.0) / 2)
+
+
+def test_policy_lr_warms_up_linearly_and_depends_on_the_step_alone():
+    """--lr-warmup-steps N: lr * (step + 1) / N for the first N steps, then lr (so a resumed run,
+    which restores the step, continues the schedule exactly); 0 = constant; < 0 is refused."""
+    from types import SimpleNamespace
+
+    from megatron_spec.config import RunConfig
+    from megatron_spec.rl.trainer import GRPOTrainer
+
+    cfg = RunConfig()
+    cfg.grpo.lr, cfg.grpo.lr_warmup_steps = 1e-4, 4
+    lrs = [GRPOTrainer.policy_lr(SimpleNamespace(cfg=cfg, step=s)) for s in range(6)]
+    assert lrs == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4])
+    cfg.grpo.lr_warmup_steps = 0
+    assert GRPOTrainer.policy_lr(SimpleNamespace(cfg=cfg, step=0)) == 1e-4
+    cfg.grpo.lr_warmup_steps = -1
+    cfg.model.hf_checkpoint, cfg.data.prompt_data = "some/checkpoint", "synthetic:sum"
+    with pytest.raises(ValueError, match="lr-warmup-steps"):
+        cfg.validate()
