@@ -10,7 +10,12 @@ two metrics files:
 * ``step_speedup`` = mean AR step time / mean speculative step time;
 * ``gen_fraction_ar`` = generation's share of the AR step, and the Amdahl bound
   1 / ((1 - f) + f / gen_speedup) that ``step_speedup`` is compared with;
-* ``accept_length`` and the reward at the start and end of each run.
+* ``accept_length`` and the reward at the start and end of each run (mean over the first and
+  last fifth of the steps: one step's reward depends on which prompts it drew);
+* the decode regime of the policy at the rollout batch: ``v_k3`` = target forward over 4
+  tokens per sequence / one-token forward, ``c`` = one draft forward / one-token forward, both
+  at the configured rollout batch (benchmarks/bench_rollout.py's measurement), and the
+  ceiling ``accept_length / (v_k3 + 3 c)`` that speculation cannot beat on this machine.
 
 The first step of each run is excluded from the timings (engine warm-up). The base policy
 and draft are made with launch/sft_base.py and launch/make_draft.py when not given (or
@@ -27,6 +32,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def run(cmd: list[str]) -> None:
@@ -47,6 +53,24 @@ def grpo_cmd(args, run_dir: str, draft_kind: str) -> list[str]:
 def mean(xs):
     xs = [x for x in xs if x is not None]
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def decode_regime(base: str, draft: str, batch: int, k: int = 3) -> dict[str, float]:
+    """v and c of the policy + draft in the native engine, at ``batch`` sequences."""
+    from bench_rollout import forward_costs
+
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+
+    srv = EngineServer(EngineConfig(model_path=base, draft_kind="eagle3", draft_path=draft, num_draft_tokens=k,
+                                    dtype="bfloat16", max_batch_size=batch, context_length=160, num_threads=2))
+    v, c = forward_costs(srv, batch, k)
+    return {"v_k3": v, "c": c}
+
+
+def _window(rows, key: str, head: bool) -> float:
+    w = max(1, len(rows) // 5)
+    return mean([r[key] for r in (rows[:w] if head else rows[-w:])])
 
 
 def main() -> int:
@@ -83,6 +107,13 @@ def main() -> int:
             shutil.rmtree(run_dir)
         run(grpo_cmd(args, run_dir, kind))
         runs[name] = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    import yaml
+
+    with open(args.config) as fh:
+        config = yaml.safe_load(fh) or {}
+    rollout_cfg, grpo_cfg = config.get("rollout", {}), config.get("grpo", {})
+    batch = int(rollout_cfg.get("rollout_max_batch_size", 16))
+    regime = decode_regime(args.base, args.draft, batch)
     spec, ar = runs["spec"][1:], runs["ar"][1:]
     gen_s, gen_a = mean([r["time/gen"] for r in spec]), mean([r["time/gen"] for r in ar])
     step_s, step_a = mean([r["time/step"] for r in spec]), mean([r["time/step"] for r in ar])
@@ -97,14 +128,19 @@ def main() -> int:
     for name, rows in runs.items():
         print(f"{name:<8}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
               f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
-              f"{rows[0]['reward/mean']:>10.3f} -> {rows[-1]['reward/mean']:.3f}")
+              f"{_window(rows, 'reward/mean', True):>10.3f} -> {_window(rows, 'reward/mean', False):.3f}")
     summary = {
         "gen_speedup": round(gen_speedup, 3), "step_speedup": round(step_speedup, 3),
         "gen_fraction_ar": round(f, 3), "amdahl_step_speedup": round(amdahl, 3),
         "step_speedup_over_amdahl": round(step_speedup / amdahl, 3),
         "accept_length": round(mean([r["spec/accept_length"] for r in runs["spec"]]), 3),
-        "reward_start": round(runs["spec"][0]["reward/mean"], 3), "reward_end": round(runs["spec"][-1]["reward/mean"], 3),
-        "reward_start_ar": round(runs["ar"][0]["reward/mean"], 3), "reward_end_ar": round(runs["ar"][-1]["reward/mean"], 3),
+        "reward_start": round(_window(runs["spec"], "reward/mean", True), 3),
+        "reward_end": round(_window(runs["spec"], "reward/mean", False), 3),
+        "reward_start_ar": round(_window(runs["ar"], "reward/mean", True), 3),
+        "reward_end_ar": round(_window(runs["ar"], "reward/mean", False), 3),
+        "prompts_per_step": grpo_cfg.get("prompts_per_step"), "group_size": grpo_cfg.get("grpo_group_size"),
+        "rollout_batch": batch, "v_k3": round(regime["v_k3"], 3), "c": round(regime["c"], 3),
+        "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),
         "steps": args.steps, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
     print(json.dumps(summary))

@@ -42,10 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer = GRPOTrainer(cfg)
     history = trainer.run()
     if rank == 0 and history:
-        first, last = history[0], history[-1]
+        w = max(1, len(history) // 5)  # one step's reward is dominated by which prompts it drew
         summary = {
             "steps": len(history), "run_dir": trainer.run_dir,
-            "reward_start": first["reward/mean"], "reward_end": last["reward/mean"],
+            "reward_start": sum(h["reward/mean"] for h in history[:w]) / w,
+            "reward_end": sum(h["reward/mean"] for h in history[-w:]) / w, "reward_window_steps": w,
+            "prompts_per_step": cfg.grpo.prompts_per_step, "group_size": cfg.grpo.grpo_group_size,
             "accept_length_mean": sum(h["spec/accept_length"] for h in history) / len(history),
             "gen_s_mean": sum(h["time/gen"] for h in history) / len(history),
             "step_s_mean": sum(h["time/step"] for h in history) / len(history),

@@ -107,10 +107,11 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
     plt.close(fig)
 
     first, last = rows[0], rows[-1]
-    k = max(1, len(rows) // 5)
+    k = max(1, len(rows) // 5)  # one step's mean reward depends on which prompts it drew
     lines = [f"# GRPO run report: {os.path.abspath(run_dir)}", "",
              f"- steps: {len(rows)} (policy version {last.get('policy_version')})",
-             f"- reward: {_mean(mean[:k]):.3f} (first {k} steps) -> {_mean(mean[-k:]):.3f} (last {k} steps)",
+             f"- reward: {_mean(mean[:k]):.3f} (first {k} steps) -> {_mean(mean[-k:]):.3f} (last {k} steps)"
+             + _batch_note(run_dir),
              f"- acceptance length: {_mean(_col(rows, 'spec/accept_length')):.2f} tokens per verify step "
              f"(k = {first.get('spec/num_draft_tokens')})",
              f"- draft loss: {_mean(_col(rows, 'draft/loss')):.4f}" if any(r.get('draft/loss') is not None for r in rows)
@@ -133,3 +134,17 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
     with open(files["summary"], "w") as f:
         f.write("\n".join(lines) + "\n")
     return files
+
+
+def _batch_note(run_dir: str) -> str:
+    """``", per step: P prompts x G samples"`` from the run's saved config (empty if absent)."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return ""
+    import yaml
+
+    with open(path) as f:
+        grpo = (yaml.safe_load(f) or {}).get("grpo", {})
+    if "prompts_per_step" not in grpo or "grpo_group_size" not in grpo:
+        return ""
+    return f"; mean over {grpo['prompts_per_step']} prompts x {grpo['grpo_group_size']} samples per step"
