@@ -40,11 +40,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tensor-model-parallel-size", type=int, default=1)
     ap.add_argument("--eval-prompts", type=int, default=128)
+    ap.add_argument("--noisy-frac", type=float, default=0.0,
+                    help="share of SFT targets with a systematic error (rl.tasks.corrupt_solution: the last "
+                         "step one too high): the model learns the task and, at temperature 1, the error "
+                         "with that share, which GRPO then removes")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not 0.0 <= args.noisy_frac < 1.0:
+        raise SystemExit(f"--noisy-frac {args.noisy_frac} must be in [0, 1)")
+    if args.noisy_frac and args.task != "sum":
+        raise SystemExit(f"--noisy-frac is defined for the sum task, not {args.task!r}")
+    import random
+
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -55,7 +65,7 @@ def main(argv=None) -> int:
     from megatron_spec.models.tiny import make_hf_checkpoint
     from megatron_spec.parallel import destroy_parallel, init_parallel
     from megatron_spec.rl.rollouts import Rollout, pack
-    from megatron_spec.rl.tasks import generate, iterate
+    from megatron_spec.rl.tasks import corrupt_solution, generate, iterate
 
     info = init_parallel(tp_size=args.tensor_model_parallel_size, seed=args.seed)
     rank0 = info.rank == 0
@@ -80,14 +90,17 @@ def main(argv=None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     stream = iterate(args.task, seed=args.seed + 1 + info.dp_rank)
+    noise_rng = random.Random(args.seed + 7919 + info.dp_rank)
     per_rank = args.batch_size // info.dp_size
     t0 = time.perf_counter()
     bar = tqdm(range(args.steps), desc="sft", disable=not rank0, file=sys.stderr)
     for step in bar:
         examples = [next(stream) for _ in range(per_rank)]
+        targets = [corrupt_solution(e, noise_rng) if noise_rng.random() < args.noisy_frac else e.solution
+                   for e in examples]
         rows = [Rollout(0, 0, tok(e.prompt, add_special_tokens=False)["input_ids"],
-                        tok(e.solution, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], [], "stop", 0)
-                for e in examples]
+                        tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id], [], "stop", 0)
+                for e, t in zip(examples, targets)]
         for r in rows:
             r.engine_logprobs = [0.0] * len(r.response_ids)
         batch = pack(rows, tok.pad_token_id)
@@ -106,15 +119,19 @@ def main(argv=None) -> int:
     state = export_hf_state_dict(model)
     if rank0:
         save_hf_checkpoint(args.out, state, ckpt.config_dict, copy_files_from=init_dir)
-        acc = greedy_accuracy(args.out, generate(args.task, args.eval_prompts, seed=10_000 + args.seed))
+        held_out = generate(args.task, args.eval_prompts, seed=10_000 + args.seed)
+        acc = greedy_accuracy(args.out, held_out)
+        sampled = greedy_accuracy(args.out, held_out, temperature=1.0)
         print(json.dumps({"out": args.out, "params": cfg.num_params, "steps": args.steps, "final_loss": loss.item(),
-                          "train_s": round(train_s, 1), "greedy_accuracy": acc}), flush=True)
+                          "train_s": round(train_s, 1), "noisy_frac": args.noisy_frac, "greedy_accuracy": acc,
+                          "sampled_accuracy_t1": sampled}), flush=True)
     destroy_parallel()
     return 0
 
 
-def greedy_accuracy(model_dir: str, examples) -> float:
-    """Share of held-out prompts the exported checkpoint solves (greedy, native engine)."""
+def greedy_accuracy(model_dir: str, examples, temperature: float = 0.0) -> float:
+    """Share of held-out prompts the exported checkpoint solves (native engine; greedy unless a
+    temperature is given)."""
     from transformers import AutoTokenizer
 
     from megatron_spec.rl.rewards import synthetic_reward
@@ -124,10 +141,10 @@ def greedy_accuracy(model_dir: str, examples) -> float:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     srv = EngineServer(EngineConfig(model_path=model_dir, max_batch_size=32, context_length=160))
-    sp = SamplingParams(temperature=0.0, max_new_tokens=96)
+    sp = SamplingParams(temperature=temperature, max_new_tokens=96)
     reqs = [GenerateRequest(str(i), tok(e.prompt, add_special_tokens=False)["input_ids"], sp)
             for i, e in enumerate(examples)]
-    samples, _ = srv.generate(reqs)
+    samples, _ = srv.generate(reqs, seed=0)
     texts = tok.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
     return sum(synthetic_reward(e.prompt, t, e.answer) for e, t in zip(examples, texts)) / len(examples)
 

@@ -40,6 +40,21 @@ def sum_example(rng: random.Random, min_terms: int = 3, max_terms: int = 6) -> E
 TASKS = {"sum": sum_example}
 
 
+def corrupt_solution(example: Example, rng: random.Random | None = None) -> str:
+    """A systematically wrong solution of a ``sum`` example: the last step's result one too high
+    (and so the final answer), as a recurring annotation error in SFT data would be. A model
+    SFT'd on a share of these learns the task and, at that one decision, the error with the
+    same share: a flaw the outcome reward sees and GRPO can remove. ``rng`` is unused (kept so
+    other corruptions can draw)."""
+    terms = [int(t) for t in example.prompt.rstrip("=").split("+")]
+    steps, total = [], terms[0]
+    for i, t in enumerate(terms[1:], start=1):
+        new = total + t + (1 if i == len(terms) - 1 else 0)
+        steps.append(f"{total}+{t}={new}")
+        total = new
+    return ";".join(steps) + f"#{total}"
+
+
 def generate(task: str, n: int, seed: int) -> list[Example]:
     """``n`` examples of ``task`` from a fixed seed."""
     if task not in TASKS:

@@ -10,7 +10,7 @@ import pytest
 from megatron_spec.config import RunConfig, add_arguments, from_args
 from megatron_spec.rl.data import PromptSampler, load_prompts
 from megatron_spec.rl.rewards import RewardError, get_reward, score
-from megatron_spec.rl.tasks import final_answer, generate
+from megatron_spec.rl.tasks import corrupt_solution, final_answer, generate
 
 
 def test_sum_task_solutions_are_correct_and_rewarded():
@@ -21,6 +21,23 @@ def test_sum_task_solutions_are_correct_and_rewarded():
         assert get_reward("synthetic")(ex.prompt, ex.solution, ex.answer) == 1.0
         assert get_reward("synthetic")(ex.prompt, ex.solution + "1", ex.answer) == 0.0
     assert final_answer("3+4=7;7+1=8") is None
+
+
+def test_corrupted_sum_solutions_slip_once_and_are_not_rewarded():
+    """Noisy SFT targets (launch/sft_base.py --noisy-frac): same steps and format, the last
+    step's result one too high, so the final answer is wrong and the reward 0."""
+    import random
+
+    rng = random.Random(0)
+    for ex in generate("sum", 50, seed=4):
+        bad = corrupt_solution(ex, rng)
+        good_steps, bad_steps = ex.solution.split("#")[0].split(";"), bad.split("#")[0].split(";")
+        assert len(good_steps) == len(bad_steps)
+        slips = [i for i, s in enumerate(bad_steps)
+                 if eval(s.split("=")[0]) != int(s.split("=")[1])]  # noqa: S307 (digits and + only)
+        assert slips == [len(bad_steps) - 1]
+        assert int(final_answer(bad)) == int(ex.answer) + 1
+        assert get_reward("synthetic")(ex.prompt, bad, ex.answer) == 0.0
 
 
 def test_math_reward_uses_math_verify():
