@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
             "reward_start": sum(h["reward/mean"] for h in history[:w]) / w,
             "reward_end": sum(h["reward/mean"] for h in history[-w:]) / w, "reward_window_steps": w,
             "prompts_per_step": cfg.grpo.prompts_per_step, "group_size": cfg.grpo.grpo_group_size,
+            "eval_reward_start": history[0].get("eval/reward"),
+            "eval_reward_end": history[-1].get("eval_final/reward"),
             "accept_length_mean": sum(h["spec/accept_length"] for h in history) / len(history),
             "gen_s_mean": sum(h["time/gen"] for h in history) / len(history),
             "step_s_mean": sum(h["time/step"] for h in history) / len(history),

@@ -46,6 +46,9 @@ class DataConfig:
     reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact) or 'module:function'")
     num_synthetic_prompts: int = _f(2048, "prompts generated for a synthetic task")
     max_prompt_length: int = _f(256, "longest prompt in tokens; longer prompts are an error")
+    eval_data: str = _f(None, "held-out prompts for --eval-interval: a file or 'synthetic:<task>' (default: the "
+                              "synthetic training task drawn with another seed)")
+    eval_prompts: int = _f(128, "prompts per held-out evaluation (the first N of --eval-data)")
 
 
 @dataclass
@@ -115,6 +118,9 @@ class LoggingConfig:
     log_interval: int = _f(1, "progress line every N steps")
     quiet: bool = _f(False, "no progress line")
     dump_rollouts: bool = _f(False, "write every step's rollouts to <save>/rollouts/step_NNNNNN.jsonl")
+    eval_interval: int = _f(0, "every N steps and after the last, the mean reward of the current policy on held-out "
+                               "prompts, one sample each with the rollout sampling settings and a fixed seed "
+                               "(eval/reward; 0 = off; synchronous runs only)")
 
 
 GROUPS: dict[str, type] = {
@@ -148,6 +154,14 @@ class RunConfig:
                              "policy) or --spec-draft-path (an MTP export)")
         if s.spec_draft_kind != "none" and s.spec_num_draft_tokens < 1:
             raise ValueError(f"--spec-num-draft-tokens must be >= 1, got {s.spec_num_draft_tokens}")
+        lg, d = self.logging, self.data
+        if lg.eval_interval < 0 or d.eval_prompts < 1:
+            raise ValueError(f"--eval-interval {lg.eval_interval} must be >= 0 and --eval-prompts {d.eval_prompts} >= 1")
+        if lg.eval_interval and r.async_policy_lag:
+            raise ValueError("--eval-interval needs a synchronous run (--async-policy-lag 0): the engine is busy "
+                             "generating ahead in async mode")
+        if lg.eval_interval and not d.eval_data and not d.prompt_data.startswith("synthetic:"):
+            raise ValueError("--eval-interval with a file prompt set needs --eval-data (held-out prompts)")
         if g.lr_warmup_steps < 0:
             raise ValueError(f"--lr-warmup-steps {g.lr_warmup_steps} must be >= 0")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:

@@ -43,7 +43,8 @@ class StageTimer:
     def metrics(self) -> dict[str, float]:
         out = {f"time/{s}": self.times.get(s, 0.0) for s in STAGES}
         out.update({f"time/{s}": v for s, v in self.times.items() if s not in STAGES})
-        out["time/step"] = time.perf_counter() - self._t0
+        # a step's time is its training work: held-out evaluation (time/eval) is not part of it
+        out["time/step"] = time.perf_counter() - self._t0 - self.times.get("eval", 0.0)
         return out
 
 
@@ -106,6 +107,9 @@ def progress_line(m: Mapping[str, Any], total_steps: int) -> str:
             m.get("time/gen", 0), m.get("time/prepare", 0), m.get("time/logprob", 0), m.get("time/train", 0),
             m.get("time/step", 0)),
     ]
+    for key, label in (("eval/reward", "held-out"), ("eval_final/reward", "held-out final")):
+        if m.get(key) is not None:
+            parts.append(f"{label} {m[key]:.3f}")
     return " | ".join(parts)
 
 

@@ -51,8 +51,11 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
 
     fig, ax = plt.subplots(figsize=(7, 4))
     mean, std = _col(rows, "reward/mean"), _col(rows, "reward/std")
-    ax.plot(steps, mean, label="this run")
+    ax.plot(steps, mean, label="this run (training batch)")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2)
+    evals = _eval_points(rows)
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", color="k", label="held-out (after step)")
     if base:
         ax.plot([int(r["step"]) for r in base], _col(base, "reward/mean"), "--", label="baseline")
     ax.set(xlabel="step", ylabel="mean reward", title="Reward")
@@ -112,6 +115,7 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
              f"- steps: {len(rows)} (policy version {last.get('policy_version')})",
              f"- reward: {_mean(mean[:k]):.3f} (first {k} steps) -> {_mean(mean[-k:]):.3f} (last {k} steps)"
              + _batch_note(run_dir),
+             *_eval_lines(rows),
              f"- acceptance length: {_mean(_col(rows, 'spec/accept_length')):.2f} tokens per verify step "
              f"(k = {first.get('spec/num_draft_tokens')})",
              f"- draft loss: {_mean(_col(rows, 'draft/loss')):.4f}" if any(r.get('draft/loss') is not None for r in rows)
@@ -148,3 +152,24 @@ def _batch_note(run_dir: str) -> str:
     if "prompts_per_step" not in grpo or "grpo_group_size" not in grpo:
         return ""
     return f"; mean over {grpo['prompts_per_step']} prompts x {grpo['grpo_group_size']} samples per step"
+
+
+def _eval_points(rows: list[dict]) -> list[tuple[int, float]]:
+    """(steps trained, held-out reward) of every evaluation (--eval-interval), the final one last."""
+    evals = [(int(r["step"]) - 1, r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
+    final = [r for r in rows if r.get("eval_final/reward") is not None]
+    if final:
+        evals.append((int(final[-1]["step"]), final[-1]["eval_final/reward"]))
+    return evals
+
+
+def _eval_lines(rows: list[dict]) -> list[str]:
+    """The held-out evaluations, first -> final, when the run made them."""
+    evals = _eval_points(rows)
+    if not evals:
+        return []
+    n = next(r.get("eval/prompts") or r.get("eval_final/prompts") for r in rows
+             if r.get("eval/prompts") or r.get("eval_final/prompts"))
+    path = " -> ".join(f"{v:.3f}" for _, v in evals)
+    return [f"- held-out reward ({n} prompts, one sample each, same seed every time), after steps "
+            f"{', '.join(str(s) for s, _ in evals)}: {path}"]

@@ -88,7 +88,7 @@ def _current_rss_mb() -> float:
 class GRPOTrainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        m, r, s, g = cfg.model, cfg.rollout, cfg.spec, cfg.grpo
+        m, s, g = cfg.model, cfg.spec, cfg.grpo
         self.info = init_parallel(tp_size=m.tensor_model_parallel_size, seed=m.seed)
         self.rank0 = self.info.rank == 0
         # the rank that owns the engine, and the TP group that streams weights with it
@@ -126,6 +126,12 @@ class GRPOTrainer:
                                      answer_key=cfg.data.answer_key, num_synthetic=cfg.data.num_synthetic_prompts,
                                      seed=m.seed, cache_dir=self.run_dir)
         self.sampler = PromptSampler(len(self.examples), m.seed)
+        self.eval_examples = []
+        if cfg.logging.eval_interval:
+            self.eval_examples = load_prompts(
+                cfg.data.eval_data or cfg.data.prompt_data, prompt_key=cfg.data.prompt_key,
+                answer_key=cfg.data.answer_key, num_synthetic=cfg.data.eval_prompts,
+                seed=m.seed + 7_919_000, cache_dir=self.run_dir)[:cfg.data.eval_prompts]
         self.reward_name = cfg.data.reward
         self.reward_fn = get_reward(cfg.data.reward)
         self.step = 0
@@ -342,6 +348,25 @@ class GRPOTrainer:
                 ro.reward, ro.advantage = rew, a
         return _Batch(rollouts, stats, prompts, version, gen_s)
 
+    def _evaluate(self) -> dict[str, float]:
+        """Mean reward of the engine's current policy on the held-out prompts (rank 0): one sample
+        per prompt, the rollout sampling settings, the same seed every time (so two evaluations
+        differ by the policy, not by the draw)."""
+        if not self.rank0:
+            return {}
+        r = self.cfg.rollout
+        sp = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                            min_p=r.rollout_min_p, max_new_tokens=r.rollout_max_new_tokens)
+        reqs = [GenerateRequest(f"eval{i}", self.tokenizer(ex.prompt, add_special_tokens=False)["input_ids"], sp)
+                for i, ex in enumerate(self.eval_examples)]
+        samples, _, _ = self._generate(reqs, seed=self.cfg.model.seed * 100_003 + 99_991)
+        by_id = {s.request_id: s for s in samples}
+        texts = self.tokenizer.batch_decode([by_id[q.request_id].output_ids for q in reqs], skip_special_tokens=True)
+        rewards = score(self.reward_fn, self.reward_name, [ex.prompt for ex in self.eval_examples], texts,
+                        [ex.answer for ex in self.eval_examples])
+        return {"eval/reward": sum(rewards) / len(rewards), "eval/prompts": len(rewards),
+                "eval/policy_version": self.target_synced_version}
+
     def _submit(self, step: int, version: int) -> None:
         """Draw the prompts of batch ``step`` and start generating it with the weights of
         ``version``, which the engine holds now (rank 0, async mode)."""
@@ -524,6 +549,9 @@ class GRPOTrainer:
         if lag == 0:
             with self.timer("prepare"):
                 metrics.update(self._sync_weights())
+            if self.cfg.logging.eval_interval and self.step % self.cfg.logging.eval_interval == 0:
+                with self.timer("eval"):  # the policy that generates this step's rollouts
+                    metrics.update(self._evaluate())
         if lag > 0:
             # Every rank keeps its shards of the policy versions that still have batches to
             # train on, so old log-probs are recomputed under exactly the generating version.
@@ -563,6 +591,11 @@ class GRPOTrainer:
             for v in [v for v in self.snapshots if v < keep_from]:
                 del self.snapshots[v]
         self.step += 1
+        if self.cfg.logging.eval_interval and lag == 0 and self.step == g.train_iters:
+            with self.timer("eval"):  # and the final policy
+                self._sync_weights()
+                final = self._evaluate()
+            metrics.update({k.replace("eval/", "eval_final/"): v for k, v in final.items()})
         metrics.update(mism)
         metrics.update(self._step_metrics(batch, exposed))
         metrics.update(self.timer.metrics())

@@ -175,3 +175,23 @@ def test_online_draft_training_in_the_loop(setup, tmp_path, kind):
     assert "draft" in state  # the draft trainer resumes with the policy
     if kind == "eagle3":
         assert (run / "iter_0000003" / "draft" / "model.safetensors").exists()
+
+
+def test_held_out_evaluation_first_every_n_and_final(setup, tmp_path):
+    """--eval-interval 2 over 3 steps: eval/reward on the rows of steps 1 and 3 (the policies
+    that generate them, versions 0 and 2), eval_final/* on the last row (version 3), all on the
+    same held-out prompts; the evaluation is not counted in time/step; an async run refuses it."""
+    run = tmp_path / "run"
+    grpo(setup, run, "--train-iters", "3", "--eval-interval", "2", "--eval-prompts", "6")
+    m = metrics(run)
+    assert [r["step"] for r in m if r.get("eval/reward") is not None] == [1, 3]
+    assert [r["eval/policy_version"] for r in m if r.get("eval/reward") is not None] == [0, 2]
+    assert m[-1]["eval_final/policy_version"] == 3 and m[-1]["eval_final/prompts"] == 6
+    for r in m:
+        for key in ("eval/reward", "eval_final/reward"):
+            if r.get(key) is not None:
+                assert 0.0 <= r[key] <= 1.0
+        assert r["time/step"] > 0 and r.get("time/eval", 0.0) >= 0.0
+    proc = grpo(setup, tmp_path / "bad", "--train-iters", "1", "--eval-interval", "1", "--async-policy-lag", "1",
+                check=False)
+    assert proc.returncode != 0 and "--eval-interval needs a synchronous run" in proc.stderr
