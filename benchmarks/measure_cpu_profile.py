@@ -75,21 +75,28 @@ def measure_mem_bw(nbytes: int = 256 << 20, repeats: int = 10) -> float:
     return 2 * nbytes / t
 
 
+def _packed_linears(count: int, fan_in: int, fan_out: int, dtype: torch.dtype) -> list:
+    """``count`` bias-free linears of the rollout engine (megatron_spec.rollout.native.model.Linear),
+    random weights, prepacked for oneDNN as the engine runs them."""
+    from megatron_spec.rollout.native.model import Linear
+
+    mods = []
+    for _ in range(count):
+        lin = Linear(fan_in, fan_out, bias=False).to(dtype)
+        with torch.no_grad():
+            lin.weight_t.normal_(0.0, fan_in ** -0.5)
+        lin.pack()
+        mods.append(lin)
+    return mods
+
+
 def measure_linear_stack(dtype: torch.dtype, hidden: int = 4096, layers: int = 6,
                          repeats: int = 10) -> dict:
     """Forward time of ``layers`` bias-free [hidden, hidden] linears, per token count, with the
     rollout engine's own linear layer (megatron_spec.rollout.native.model.Linear: weights
     prepacked for oneDNN), so the profile describes the kernels the engine runs."""
-    from megatron_spec.rollout.native.model import Linear
-
     torch.manual_seed(0)
-    mods = []
-    for _ in range(layers):
-        lin = Linear(hidden, hidden, bias=False).to(dtype)
-        with torch.no_grad():
-            lin.weight_t.normal_(0.0, hidden ** -0.5)
-        lin.pack()
-        mods.append(lin)
+    mods = _packed_linears(layers, hidden, hidden, dtype)
     params = layers * hidden * hidden
     times = {}
     with torch.inference_mode():
@@ -138,20 +145,12 @@ def measure_gemm_calls(dtype: torch.dtype, repeats: int = 20) -> list[dict]:
     (a stack of copies, so each call streams its weight from memory, not from cache). The
     profile fits ``t = gemm_call_s + weight bytes / weight_bw`` to these points: a fixed cost
     per GEMM call (oneDNN dispatch and thread fork/join) plus streaming."""
-    from megatron_spec.rollout.native.model import Linear
-
     torch.manual_seed(0)
     out = []
     for fan_in, fan_out in GEMM_SHAPES:
         nbytes = fan_in * fan_out * (torch.finfo(dtype).bits // 8)
         copies = max(2, min(32, (256 << 20) // nbytes))  # >= 256 MiB in all: past every cache
-        mods = []
-        for _ in range(copies):
-            lin = Linear(fan_in, fan_out, bias=False).to(dtype)
-            with torch.no_grad():
-                lin.weight_t.normal_(0.0, fan_in ** -0.5)
-            lin.pack()
-            mods.append(lin)
+        mods = _packed_linears(copies, fan_in, fan_out, dtype)
         x = torch.randn(1, fan_in, dtype=dtype)
         with torch.inference_mode():
             t = _best_time(lambda mods=mods, x=x: [m(x) for m in mods], repeats=repeats) / copies
