@@ -44,7 +44,7 @@ def grpo_cmd(args, run_dir: str, draft_kind: str) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
            f"--master_port={args.port}", os.path.join(ROOT, "launch", "pretrain_grpo_spec.py"),
            "--config", args.config, "--hf-checkpoint", args.base, "--train-iters", str(args.steps),
-           "--save", run_dir, "--spec-draft-kind", draft_kind, "--quiet"]
+           "--save", run_dir, "--spec-draft-kind", draft_kind, "--eval-interval", "0", "--quiet"]
     if draft_kind == "eagle3":
         cmd += ["--spec-draft-path", args.draft]
     return cmd
@@ -82,14 +82,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--port", type=int, default=29611)
-    ap.add_argument("--sft-steps", type=int, default=400)
+    ap.add_argument("--sft-steps", type=int, default=300)
     args = ap.parse_args()
     os.makedirs(args.work_dir, exist_ok=True)
     if args.base is None:
         args.base = os.path.join(args.work_dir, "base")
         if not os.path.isdir(args.base):
             run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", args.base,
-                 "--steps", str(args.sft_steps)])
+                 "--steps", str(args.sft_steps), "--noisy-frac", "0.3"])  # the demo's base (docs/demo.md)
     if args.draft is None:
         args.draft = os.path.join(args.work_dir, "eagle3")
         if not os.path.isdir(args.draft):

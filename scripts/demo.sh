@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the environment and run the CPU demo end to end (docs/demo.md):
-#   1. SFT a small base policy on a synthetic task with step-by-step answers (launch/sft_base.py)
+#   1. SFT a small base policy on a synthetic task with step-by-step answers (launch/sft_base.py;
+#      30% of its SFT targets carry a systematic error that GRPO then removes: docs/demo.md)
 #   2. train and export its EAGLE-3 draft with NVIDIA ModelOpt (launch/make_draft.py)
 #   3. GRPO with speculative rollouts and online draft training (launch/pretrain_grpo_spec.py)
 #   4. plots and a summary (megatron-spec report)
@@ -14,7 +15,7 @@ RUN=${RUN_DIR:-runs/demo}
 mkdir -p "$RUN"
 t0=$(date +%s)
 if [ ! -f "$RUN/base/config.json" ]; then
-  python launch/sft_base.py --out "$RUN/base" --task sum --steps "${SFT_STEPS:-200}"
+  python launch/sft_base.py --out "$RUN/base" --task sum --steps "${SFT_STEPS:-300}" --noisy-frac 0.3
 fi
 if [ ! -f "$RUN/eagle3/config.json" ]; then
   python launch/make_draft.py --target "$RUN/base" --out "$RUN/eagle3" --task sum --steps "${DRAFT_STEPS:-200}"
@@ -23,7 +24,7 @@ rm -rf "$RUN/grpo"
 torchrun --nproc_per_node 1 --master_port "${MASTER_PORT:-29400}" launch/pretrain_grpo_spec.py \
     --config launch/configs/demo.yaml --hf-checkpoint "$RUN/base" \
     --spec-draft-kind eagle3 --spec-draft-path "$RUN/eagle3" --spec-online-draft-training \
-    --train-iters "${GRPO_STEPS:-20}" --save "$RUN/grpo"
+    --train-iters "${GRPO_STEPS:-40}" --save "$RUN/grpo"
 python -m megatron_spec report "$RUN/grpo"
 echo
 cat "$RUN/grpo/report/summary.md"
