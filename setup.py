@@ -109,7 +109,8 @@ setup(
     ],
     extras_require={
         # The CPU stack known to work is pinned in requirements/cpu.txt.
-        "modelopt": ["nvidia-modelopt==0.47.0", "transformers>=4.57,<5.15"],
+        # modelopt.torch.utils imports requests without declaring it
+        "modelopt": ["nvidia-modelopt==0.47.0", "transformers>=4.57,<5.15", "requests"],
         "rl": ["datasets>=3.0", "math-verify>=0.7", "tensorboard", "matplotlib"],
         "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.23"],
         "dev": ["pytest>=8", "hypothesis", "scipy", "ninja", "transformers>=4.57,<5.15"],
