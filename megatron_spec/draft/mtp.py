@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_spec.capture.cache import DraftCache, micro_batches
+from megatron_spec.capture.cache import DraftCache
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.capture.teacher import (
     vocab_parallel_argmax,
@@ -51,6 +51,7 @@ from megatron_spec.draft.mtp_io import load_mtp_head, load_mtp_tensors, read_mtp
 from megatron_spec.draft.optim import (
     DraftOptimizer,
     DraftTrainerConfig,
+    accumulate_and_step,
     choose_segments,
     group_info,
     reduce_metric_sums,
@@ -269,30 +270,10 @@ class MtpTrainer:
         label_ok = (cache.next_tokens >= 0) if cfg.loss == "hard" and segments else None
         local = scored_rows_per_step(cache, segments, lens, depth, label_ok)
         counts = reduce_metric_sums(local, self.dp_group).clamp(min=1.0)
-        loss_sums = torch.zeros(depth, dtype=torch.float64)
-        agree = torch.zeros(depth, dtype=torch.float64)
-        for mb in micro_batches(lens, cfg.micro_batch_rows):
-            loss, l_s, a_s = self._micro_batch(cache, [segments[i] for i in mb], weights, counts)
-            loss.backward()
-            loss_sums += l_s
-            agree += a_s
-        opt = self.optimizer.step()
+        out = accumulate_and_step(lambda segs: self._micro_batch(cache, segs, weights, counts), segments, lens,
+                                  cfg.micro_batch_rows, self.optimizer, self.dp_group, weights, counts, "mtp")
         self.step += 1
-        totals = reduce_metric_sums(
-            torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), self.dp_group
-        )
-        out = {
-            "draft/step": float(self.step),
-            "draft/rows": float(totals[-1]),
-            "draft/grad_norm": opt["grad_norm"],
-            "draft/lr": opt["lr"],
-        }
-        total = 0.0
-        for k in range(depth):
-            out[f"draft/loss_mtp{k}"] = float(totals[k] / counts[k])
-            out[f"draft/acc_mtp{k}"] = float(totals[depth + k] / counts[k])
-            total += weights[k] * out[f"draft/loss_mtp{k}"]
-        out["draft/loss"] = total
+        out["draft/step"] = float(self.step)
         out["draft/train_seconds"] = time.perf_counter() - t0
         if self.export_dir is not None:
             t1 = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_spec.capture.cache import DraftCache
+from megatron_spec.capture.cache import DraftCache, micro_batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +210,36 @@ def scored_rows_per_step(cache, segments: list[int], lens: list[int], steps: int
                 start = int(cache.cu_seqlens[seg])
                 local[s_i] += int(label_ok[start + s_i:start + n].sum()) if n > s_i else 0
     return local
+
+
+def accumulate_and_step(micro_batch, segments: list[int], lens: list[int], micro_batch_rows: int,
+                        optimizer: "DraftOptimizer", group: dist.ProcessGroup | None, weights: Sequence[float],
+                        counts: torch.Tensor, tag: str) -> dict[str, float]:
+    """One draft update, shared by the EAGLE-3 and MTP trainers: backward of
+    ``micro_batch(segs) -> (loss, loss_sums[n], agree_sums[n])`` over micro-batches of
+    ``segments`` (gradient accumulation), one optimizer step, then per-step means over the
+    group (``counts``: global scored rows per unrolled step). Metrics ``draft/loss_{tag}{s}``,
+    ``draft/acc_{tag}{s}``, their ``weights``-weighted sum ``draft/loss``, ``draft/rows``,
+    ``draft/grad_norm`` and ``draft/lr``."""
+    n = len(weights)
+    loss_sums = torch.zeros(n, dtype=torch.float64)
+    agree = torch.zeros(n, dtype=torch.float64)
+    for mb in micro_batches(lens, micro_batch_rows):
+        loss, l_s, a_s = micro_batch([segments[i] for i in mb])
+        loss.backward()
+        loss_sums += l_s
+        agree += a_s
+    opt = optimizer.step()
+    totals = reduce_metric_sums(torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), group)
+    out = {"draft/rows": float(totals[-1]), "draft/grad_norm": opt["grad_norm"], "draft/lr": opt["lr"]}
+    total_loss = 0.0
+    for s_i in range(n):
+        mean = float(totals[s_i] / counts[s_i])
+        out[f"draft/loss_{tag}{s_i}"] = mean
+        out[f"draft/acc_{tag}{s_i}"] = float(totals[n + s_i] / counts[s_i])
+        total_loss += weights[s_i] * mean
+    out["draft/loss"] = total_loss
+    return out
 
 
 def choose_segments(cache: DraftCache, max_rows: int | None, generator: torch.Generator) -> list[int]:

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_spec.capture.cache import DraftCache, micro_batches
+from megatron_spec.capture.cache import DraftCache
 from megatron_spec.draft.eagle3 import Eagle3Head, ttt_attention_mask
 from megatron_spec.draft.losses import (
     hard_cross_entropy_sum,
@@ -52,6 +52,7 @@ from megatron_spec.draft.optim import (
     STATE_FILE,
     DraftOptimizer,
     DraftTrainerConfig,
+    accumulate_and_step,
     atomic_save,
     choose_segments,
     group_info,
@@ -172,32 +173,11 @@ class Eagle3Trainer:
         local = scored_rows_per_step(cache, segments, lens, steps, label_ok if cfg.loss == "hard" else None)
         counts = reduce_metric_sums(local, self.group).clamp(min=1.0)
 
-        loss_sums = torch.zeros(steps, dtype=torch.float64)
-        agree = torch.zeros(steps, dtype=torch.float64)
-        for mb in micro_batches(lens, cfg.micro_batch_rows):
-            segs = [segments[i] for i in mb]
-            loss, l_s, a_s = self._micro_batch(cache, segs, weights, counts, label_ok)
-            loss.backward()
-            loss_sums += l_s
-            agree += a_s
-        opt = self.optimizer.step()
+        out = accumulate_and_step(lambda segs: self._micro_batch(cache, segs, weights, counts, label_ok),
+                                  segments, lens, cfg.micro_batch_rows, self.optimizer, self.group, weights, counts,
+                                  "ttt")
         self.step += 1
-        totals = reduce_metric_sums(
-            torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), self.group
-        )
-        out: dict[str, float] = {
-            "draft/step": float(self.step),
-            "draft/rows": float(totals[-1]),
-            "draft/grad_norm": opt["grad_norm"],
-            "draft/lr": opt["lr"],
-        }
-        total_loss = 0.0
-        for s_i in range(steps):
-            mean = float(totals[s_i] / counts[s_i])
-            out[f"draft/loss_ttt{s_i}"] = mean
-            out[f"draft/acc_ttt{s_i}"] = float(totals[steps + s_i] / counts[s_i])
-            total_loss += weights[s_i] * mean
-        out["draft/loss"] = total_loss
+        out["draft/step"] = float(self.step)
         out["draft/train_seconds"] = time.perf_counter() - t0
         if self.export_dir is not None:
             t1 = time.perf_counter()
