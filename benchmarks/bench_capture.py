@@ -64,21 +64,10 @@ def build(args, tmp: str):
 
 
 def make_trainer(cfg, args, rows: int | None):
-    from megatron_spec.capture.hooks import default_aux_layer_ids
     from megatron_spec.draft.eagle3 import Eagle3Config, Eagle3Head
     from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
 
-    ecfg = Eagle3Config(
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        draft_vocab_size=args.draft_vocab,
-        aux_layer_ids=default_aux_layer_ids(cfg.num_layers),
-        max_position_embeddings=1024,
-    )
+    ecfg = Eagle3Config.for_target(cfg, args.draft_vocab, max_position_embeddings=1024)
     torch.manual_seed(1)
     head = Eagle3Head(ecfg)
     with torch.no_grad():

@@ -103,6 +103,15 @@ class Eagle3Config:
             max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
             qkv_bias=False, qk_norm=False)
 
+    @classmethod
+    def for_target(cls, target: DecoderConfig, draft_vocab_size: int, **kw: Any) -> Eagle3Config:
+        """A head shaped like one layer of ``target`` (its widths, heads and vocabulary) reading
+        ModelOpt's default aux layers; ``kw`` sets any other field."""
+        kw.setdefault("aux_layer_ids", default_aux_layer_ids(target.num_layers))
+        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                   num_attention_heads=target.num_attention_heads, num_kv_heads=target.num_kv_heads,
+                   head_dim=target.head_dim, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size, **kw)
+
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], *, source: str = "config.json",

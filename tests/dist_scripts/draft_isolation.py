@@ -22,7 +22,7 @@ import sys
 import torch
 
 from megatron_spec.capture import Capture, CaptureConfig
-from megatron_spec.capture.hooks import _Recorder, default_aux_layer_ids
+from megatron_spec.capture.hooks import _Recorder
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.draft.eagle3 import Eagle3Config, Eagle3Head
 from megatron_spec.draft.mtp import MtpTrainer
@@ -48,17 +48,7 @@ def seeded_(tensors, seed: int) -> None:
 
 
 def make_eagle(cfg) -> Eagle3Trainer:
-    ecfg = Eagle3Config(
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size,
-        draft_vocab_size=DRAFT_VOCAB,
-        aux_layer_ids=default_aux_layer_ids(cfg.num_layers),
-        max_position_embeddings=64,
-    )
+    ecfg = Eagle3Config.for_target(cfg, DRAFT_VOCAB, max_position_embeddings=64)
     head = Eagle3Head(ecfg)
     seeded_(
         [
