@@ -149,6 +149,8 @@ def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> di
 def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, float]:
     """v = target forward over k+1 tokens / AR step; c = one draft step / AR step (same batch).
     Each forward timed ``reps`` times, fastest kept (as the engine runs are best-of)."""
+    from measure_cpu_profile import best_time
+
     model, drafter = server.target, server.drafter
     cache = model.new_cache(batch, 128)
     pos1 = torch.full((batch, 1), 64)
@@ -159,14 +161,7 @@ def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, fl
     aux = drafter.aux_layers
 
     def t(fn):
-        for _ in range(2):
-            fn()
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return best
+        return best_time(fn, repeats=reps, warmup=2)
 
     with torch.inference_mode():
         ar = t(lambda: model(ids1, pos1, cache, pos1[:, 0] + 1))

@@ -166,6 +166,17 @@ def per_tensor_sync(engine, model, version: str) -> tuple[int, int, float]:
     return nbytes, calls, seconds
 
 
+def best_per_tensor(engine, model, version_prefix: str, label: str, repeats: int) -> float:
+    """GB/s of the fastest of ``repeats`` per-tensor syncs (printed as one table row)."""
+    times = []
+    for i in range(repeats):
+        nbytes, calls, sec = per_tensor_sync(engine, model, f"{version_prefix}-{i}")
+        times.append(sec)
+    gbps = round(nbytes / min(times) / 1e9, 3)
+    print(f"{label:>22}: {nbytes / 1e6:7.1f} MB in {calls} one-tensor calls, {min(times):6.3f} s = {gbps:5.2f} GB/s")
+    return gbps
+
+
 def logprob_mismatch(engine, model, vocab: int, seed: int) -> dict[str, float]:
     """Engine log-probs of its own samples (T=1) vs Megatron's log-probs of the same tokens."""
     from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
@@ -242,13 +253,7 @@ def main() -> None:
         st = WeightStreamer(eng, bucket_bytes=bucket, weight_dtype="bf16", verify=False, measure_memory=True)
         r, _ = best(st, "bf16 buckets, no verify", "nv")
         res["bf16_stream_gbps"] = round(r.gb_per_s, 3)
-        times = []
-        for i in range(args.repeats):
-            nbytes, calls, sec = per_tensor_sync(eng, model, f"pt-{i}")
-            times.append(sec)
-        res["per_tensor_bf16_gbps"] = round(nbytes / min(times) / 1e9, 3)
-        print(f"{'bf16 per tensor':>22}: {nbytes / 1e6:7.1f} MB in {calls} one-tensor calls, "
-              f"{min(times):6.3f} s = {res['per_tensor_bf16_gbps']:5.2f} GB/s")
+        res["per_tensor_bf16_gbps"] = best_per_tensor(eng, model, "pt", "bf16 per tensor", args.repeats)
         WeightStreamer(eng, bucket_bytes=bucket, weight_dtype="bf16").sync_target(model, "bf16-final")
         mm_bf16 = logprob_mismatch(eng, model, cfg.vocab_size, seed=1)
     recv = LayoutReceiver(cfg)
@@ -259,13 +264,8 @@ def main() -> None:
         st = WeightStreamer(recv, bucket_bytes=bucket, weight_dtype="bf16", measure_memory=True)
         r, _ = best(st, "  ... verified", "slv")
         res["bf16_gbps_sglang_layout"] = round(r.gb_per_s, 3)
-        times = []
-        for i in range(args.repeats):
-            nbytes, calls, sec = per_tensor_sync(recv, model, f"slpt-{i}")
-            times.append(sec)
-        res["per_tensor_bf16_gbps_sglang_layout"] = round(nbytes / min(times) / 1e9, 3)
-        print(f"{'  ... per tensor':>22}: {nbytes / 1e6:7.1f} MB in {calls} one-tensor calls, {min(times):6.3f} s = "
-              f"{res['per_tensor_bf16_gbps_sglang_layout']:5.2f} GB/s")
+        res["per_tensor_bf16_gbps_sglang_layout"] = best_per_tensor(recv, model, "slpt", "  ... per tensor",
+                                                                    args.repeats)
     finally:
         recv.shutdown()
     with NativeEngine(EngineConfig(**base, fp8_weights=True)) as eng:

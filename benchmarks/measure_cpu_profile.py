@@ -56,7 +56,7 @@ DEFAULT_OUTPUT = REPO / "megatron_spec" / "sim" / "data" / "cpu_profile.json"
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 256)
 
 
-def _best_time(fn, *, repeats: int, warmup: int = 3) -> float:
+def best_time(fn, *, repeats: int, warmup: int = 3) -> float:
     """Best wall time of ``fn()`` over ``repeats`` runs (the least disturbed by other load)."""
     for _ in range(warmup):
         fn()
@@ -71,7 +71,7 @@ def _best_time(fn, *, repeats: int, warmup: int = 3) -> float:
 def measure_mem_bw(nbytes: int = 256 << 20, repeats: int = 10) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src), repeats=repeats)
+    t = best_time(lambda: dst.copy_(src), repeats=repeats)
     return 2 * nbytes / t
 
 
@@ -109,7 +109,7 @@ def measure_linear_stack(dtype: torch.dtype, hidden: int = 4096, layers: int = 6
                     h = lin(h)
                 return h
 
-            times[n] = _best_time(fwd, repeats=repeats if n <= 64 else 4)
+            times[n] = best_time(fwd, repeats=repeats if n <= 64 else 4)
     bytes_per_param = torch.finfo(dtype).bits // 8
     return {
         "params": params,
@@ -131,7 +131,7 @@ def measure_attn_bw(dtype: torch.dtype, kv_heads: int = 8, q_heads: int = 32, ct
     with torch.inference_mode():
         for q_tokens in (1, 2, 4, 8):
             q = torch.randn(1, q_heads, q_tokens, head_dim, dtype=dtype)
-            t = _best_time(lambda q=q: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+            t = best_time(lambda q=q: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                            repeats=repeats)
             out[str(q_tokens)] = kv_bytes / t
     return out
@@ -153,7 +153,7 @@ def measure_gemm_calls(dtype: torch.dtype, repeats: int = 20) -> list[dict]:
         mods = _packed_linears(copies, fan_in, fan_out, dtype)
         x = torch.randn(1, fan_in, dtype=dtype)
         with torch.inference_mode():
-            t = _best_time(lambda mods=mods, x=x: [m(x) for m in mods], repeats=repeats) / copies
+            t = best_time(lambda mods=mods, x=x: [m(x) for m in mods], repeats=repeats) / copies
         out.append({"shape": [fan_in, fan_out], "bytes": nbytes, "s_per_call": t})
     return out
 
@@ -197,11 +197,11 @@ def measure_layer_overhead(layers: int = 16, repeats: int = 20, context: int = 4
         pos = torch.tensor([[context]])
         lens = torch.tensor([context + 1])
         one = torch.randint(4, 64, (1, 1))
-        per_layer = _best_time(lambda: model(one, pos, cache, lens), repeats=repeats, warmup=5) / layers
+        per_layer = best_time(lambda: model(one, pos, cache, lens), repeats=repeats, warmup=5) / layers
         layer = model.layers[0]
         lins = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
         xs = [torch.randn(1, 1, m.in_features, dtype=torch.bfloat16) for m in lins]
-        gemms = _best_time(lambda: [m(a) for m, a in zip(lins, xs)], repeats=repeats * 5, warmup=5)
+        gemms = best_time(lambda: [m(a) for m, a in zip(lins, xs)], repeats=repeats * 5, warmup=5)
     return max(0.0, per_layer - gemms)
 
 
