@@ -283,21 +283,24 @@ class GRPOTrainer:
         return self._static_draft_cache
 
     # ------------------------------------------------------------------ data + gen
-    def _requests(self, indices: list[int]) -> tuple[list[GenerateRequest], list[str]]:
-        r, g = self.cfg.rollout, self.cfg.grpo
+    def _request(self, request_id: str, prompt: str, what: str, n: int) -> GenerateRequest:
+        """A generate request of ``n`` samples with the rollout sampling settings; ``what`` names
+        the prompt in errors (empty after tokenising, longer than --max-prompt-length)."""
+        r = self.cfg.rollout
+        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise ValueError(f"{what} tokenises to nothing: {prompt!r}")
+        if len(ids) > self.cfg.data.max_prompt_length:
+            raise ValueError(f"{what} has {len(ids)} tokens, more than --max-prompt-length "
+                             f"{self.cfg.data.max_prompt_length}: {prompt[:80]!r}")
         sp = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
                             min_p=r.rollout_min_p, max_new_tokens=r.rollout_max_new_tokens)
-        reqs, prompts = [], []
-        for i in indices:
-            ex = self.examples[i]
-            ids = self.tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise ValueError(f"prompt {i} tokenises to nothing: {ex.prompt!r}")
-            if len(ids) > self.cfg.data.max_prompt_length:
-                raise ValueError(f"prompt {i} has {len(ids)} tokens, more than --max-prompt-length "
-                                 f"{self.cfg.data.max_prompt_length}: {ex.prompt[:80]!r}")
-            reqs.append(GenerateRequest(f"{i}", ids, sp, n=g.grpo_group_size))
-            prompts.append(ex.prompt)
+        return GenerateRequest(request_id, ids, sp, n=n)
+
+    def _requests(self, indices: list[int]) -> tuple[list[GenerateRequest], list[str]]:
+        prompts = [self.examples[i].prompt for i in indices]
+        n = self.cfg.grpo.grpo_group_size
+        reqs = [self._request(f"{i}", p, f"prompt {i}", n) for i, p in zip(indices, prompts)]
         return reqs, prompts
 
     def _generate(self, reqs: list[GenerateRequest], seed: int):
@@ -354,10 +357,7 @@ class GRPOTrainer:
         differ by the policy, not by the draw)."""
         if not self.rank0:
             return {}
-        r = self.cfg.rollout
-        sp = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
-                            min_p=r.rollout_min_p, max_new_tokens=r.rollout_max_new_tokens)
-        reqs = [GenerateRequest(f"eval{i}", self.tokenizer(ex.prompt, add_special_tokens=False)["input_ids"], sp)
+        reqs = [self._request(f"eval{i}", ex.prompt, f"held-out prompt {i}", 1)
                 for i, ex in enumerate(self.eval_examples)]
         samples, _, _ = self._generate(reqs, seed=self.cfg.model.seed * 100_003 + 99_991)
         by_id = {s.request_id: s for s in samples}
