@@ -68,11 +68,6 @@ def decode_regime(base: str, draft: str, batch: int, k: int = 3) -> dict[str, fl
     return {"v_k3": v, "c": c}
 
 
-def _window(rows, key: str, head: bool) -> float:
-    w = max(1, len(rows) // 5)
-    return mean([r[key] for r in (rows[:w] if head else rows[-w:])])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
@@ -96,7 +91,7 @@ def main() -> int:
             run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", args.base,
                  "--out", args.draft])
 
-    from megatron_spec.telemetry import read_metrics
+    from megatron_spec.telemetry import read_metrics, start_end_means
 
     runs = {}
     for name, kind in (("spec", "eagle3"), ("ar", "none")):
@@ -125,19 +120,18 @@ def main() -> int:
 
     write_report(os.path.join(args.work_dir, "spec"), os.path.join(args.work_dir, "ar"))
     print(f"{'':<8}{'gen s':>8}{'step s':>8}{'accept':>8}{'reward start->end':>20}")
+    reward = {name: start_end_means(rows, "reward/mean")[:2] for name, rows in runs.items()}
     for name, rows in runs.items():
         print(f"{name:<8}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
               f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
-              f"{_window(rows, 'reward/mean', True):>10.3f} -> {_window(rows, 'reward/mean', False):.3f}")
+              "{:>10.3f} -> {:.3f}".format(*reward[name]))
     summary = {
         "gen_speedup": round(gen_speedup, 3), "step_speedup": round(step_speedup, 3),
         "gen_fraction_ar": round(f, 3), "amdahl_step_speedup": round(amdahl, 3),
         "step_speedup_over_amdahl": round(step_speedup / amdahl, 3),
         "accept_length": round(mean([r["spec/accept_length"] for r in runs["spec"]]), 3),
-        "reward_start": round(_window(runs["spec"], "reward/mean", True), 3),
-        "reward_end": round(_window(runs["spec"], "reward/mean", False), 3),
-        "reward_start_ar": round(_window(runs["ar"], "reward/mean", True), 3),
-        "reward_end_ar": round(_window(runs["ar"], "reward/mean", False), 3),
+        "reward_start": round(reward["spec"][0], 3), "reward_end": round(reward["spec"][1], 3),
+        "reward_start_ar": round(reward["ar"][0], 3), "reward_end_ar": round(reward["ar"][1], 3),
         "prompts_per_step": grpo_cfg.get("prompts_per_step"), "group_size": grpo_cfg.get("grpo_group_size"),
         "rollout_batch": batch, "v_k3": round(regime["v_k3"], 3), "c": round(regime["c"], 3),
         "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),

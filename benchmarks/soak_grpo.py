@@ -46,7 +46,9 @@ def main() -> int:
     print("[soak] " + " ".join(cmd), file=sys.stderr, flush=True)
     subprocess.run(cmd, check=True)
 
-    from megatron_spec.telemetry import read_metrics
+    import numpy as np
+
+    from megatron_spec.telemetry import read_metrics, start_end_means
 
     rows = read_metrics(os.path.join(args.work_dir, "metrics.jsonl"))
     rss = [(r["step"], r["mem/rss_mb"]) for r in rows if r.get("mem/rss_mb") is not None]
@@ -54,16 +56,13 @@ def main() -> int:
     if len(after) < 2:
         raise SystemExit(f"soak: only {len(after)} steps with mem/rss_mb after warm-up")
     start, end = after[0][1], after[-1][1]
-    n = len(after)
-    mx = sum(s for s, _ in after) / n
-    my = sum(m for _, m in after) / n
-    slope = sum((s - mx) * (m - my) for s, m in after) / max(sum((s - mx) ** 2 for s, _ in after), 1e-9)
+    slope = float(np.polyfit([s for s, _ in after], [m for _, m in after], 1)[0])  # MiB per step
+    reward_start, reward_end, _ = start_end_means(rows, "reward/mean")
     summary = {"steps": len(rows), "warmup": args.warmup, "rss_first_mb": round(rss[0][1], 1),
                "rss_after_warmup_mb": round(start, 1), "rss_end_mb": round(end, 1),
                "rss_max_mb": round(max(m for _, m in after), 1), "growth_frac": round(end / start - 1.0, 4),
                "slope_mb_per_100_steps": round(100 * slope, 2),
-               "reward_first_fifth": round(sum(r["reward/mean"] for r in rows[:len(rows) // 5]) / max(1, len(rows) // 5), 3),
-               "reward_last_fifth": round(sum(r["reward/mean"] for r in rows[-(len(rows) // 5):]) / max(1, len(rows) // 5), 3),
+               "reward_first_fifth": round(reward_start, 3), "reward_last_fifth": round(reward_end, 3),
                "accept_length": round(sum(r["spec/accept_length"] for r in rows) / len(rows), 3)}
     print(json.dumps(summary))
     return 0

@@ -38,15 +38,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_spec.parallel import destroy_parallel
     from megatron_spec.rl.trainer import GRPOTrainer
+    from megatron_spec.telemetry import start_end_means
 
     trainer = GRPOTrainer(cfg)
     history = trainer.run()
     if rank == 0 and history:
-        w = max(1, len(history) // 5)  # one step's reward is dominated by which prompts it drew
+        reward_start, reward_end, w = start_end_means(history, "reward/mean")
         summary = {
             "steps": len(history), "run_dir": trainer.run_dir,
-            "reward_start": sum(h["reward/mean"] for h in history[:w]) / w,
-            "reward_end": sum(h["reward/mean"] for h in history[-w:]) / w, "reward_window_steps": w,
+            "reward_start": reward_start, "reward_end": reward_end, "reward_window_steps": w,
             "prompts_per_step": cfg.grpo.prompts_per_step, "group_size": cfg.grpo.grpo_group_size,
             "eval_reward_start": history[0].get("eval/reward"),
             "eval_reward_end": history[-1].get("eval_final/reward"),

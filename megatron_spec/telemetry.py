@@ -96,6 +96,19 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def start_end_means(rows: list[Mapping[str, Any]], key: str) -> tuple[float, float, int]:
+    """Mean of ``key`` over the first and the last fifth of ``rows`` (at least one row each) and
+    that window's length: one step's mean reward depends on which prompts it drew, so a run's
+    start and end are read over windows. Missing values are skipped (nan if a window has none)."""
+    w = max(1, len(rows) // 5)
+
+    def avg(part):
+        xs = [float(r[key]) for r in part if r.get(key) is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    return avg(rows[:w]), avg(rows[-w:]), w
+
+
 def progress_line(m: Mapping[str, Any], total_steps: int) -> str:
     acc = m.get("spec/accept_length")
     parts = [

@@ -19,7 +19,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_spec.telemetry import STAGES, read_metrics
+from megatron_spec.telemetry import STAGES, read_metrics, start_end_means
 
 
 def _col(rows: Sequence[dict[str, Any]], key: str) -> list[float]:
@@ -110,10 +110,10 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
     plt.close(fig)
 
     first, last = rows[0], rows[-1]
-    k = max(1, len(rows) // 5)  # one step's mean reward depends on which prompts it drew
+    reward_start, reward_end, k = start_end_means(rows, "reward/mean")
     lines = [f"# GRPO run report: {os.path.abspath(run_dir)}", "",
              f"- steps: {len(rows)} (policy version {last.get('policy_version')})",
-             f"- reward: {_mean(mean[:k]):.3f} (first {k} steps) -> {_mean(mean[-k:]):.3f} (last {k} steps)"
+             f"- reward: {reward_start:.3f} (first {k} steps) -> {reward_end:.3f} (last {k} steps)"
              + _batch_note(run_dir),
              *_eval_lines(rows),
              f"- acceptance length: {_mean(_col(rows, 'spec/accept_length')):.2f} tokens per verify step "
