@@ -31,12 +31,17 @@ def _mixed():
     ]
 
 
-def test_writer_aligns_offsets_and_copies_strided_views():
-    named = _mixed()
+def _write_all(named):
+    """``named`` through a BucketWriter over a 4 KiB shared-memory buffer: (flat, meta)."""
     w = BucketWriter(alloc_bucket_buffer(4096))
     for n, t in named:
         w.add(n, t)
-    flat, meta = w.finish()
+    return w.finish()
+
+
+def test_writer_aligns_offsets_and_copies_strided_views():
+    named = _mixed()
+    flat, meta = _write_all(named)
     for m, (n, t) in zip(meta, named):
         assert m.start_idx % t.dtype.itemsize == 0, n
         got = flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
@@ -55,10 +60,7 @@ def test_writer_casts_and_reshapes_blocked_views():
 
 def test_payload_round_trip_through_shared_memory():
     named = _mixed()
-    w = BucketWriter(alloc_bucket_buffer(4096))
-    for n, t in named:
-        w.add(n, t)
-    flat, meta = w.finish()
+    flat, meta = _write_all(named)
     assert flat.is_shared()
     payloads = make_bucket_payloads(flat, meta, 2)
     assert len(payloads) == 2 and all(len(p) < 4096 for p in payloads)  # handles, not data
@@ -104,10 +106,7 @@ def test_sglang_reads_our_payloads_into_its_bucket():
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     named = _mixed()
-    w = BucketWriter(alloc_bucket_buffer(4096))
-    for n, t in named:
-        w.add(n, t)
-    flat, meta = w.finish()
+    flat, meta = _write_all(named)
     payload = make_bucket_payloads(flat, meta, 1, for_sglang=True)[0]
     data = MultiprocessingSerializer.deserialize(payload)  # SGLang's allowlist unpickler
     bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
