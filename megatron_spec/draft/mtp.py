@@ -51,11 +51,9 @@ from megatron_spec.draft.mtp_io import load_mtp_head, load_mtp_tensors, read_mtp
 from megatron_spec.draft.optim import (
     DraftOptimizer,
     DraftTrainerConfig,
-    accumulate_and_step,
+    DraftUpdate,
     choose_segments,
     group_info,
-    reduce_metric_sums,
-    scored_rows_per_step,
 )
 from megatron_spec.models.convert import ParamRule, canonical_name, megatron_rules, shard
 from megatron_spec.models.hf_config import DecoderConfig
@@ -197,7 +195,7 @@ def _canonical_mtp(name: str, num_target_layers: int) -> str:
 
 
 # ---------------------------------------------------------------------- trainer
-class MtpTrainer:
+class MtpTrainer(DraftUpdate):
     """MTP depths trained online with their own optimizer; the policy never sees their loss."""
 
     def __init__(
@@ -268,18 +266,7 @@ class MtpTrainer:
         self._check_same_rows_across_tp(cache.num_rows if cache is not None else 0, len(segments))
         lens = [int(cache.seqlens[s]) for s in segments]
         label_ok = (cache.next_tokens >= 0) if cfg.loss == "hard" and segments else None
-        local = scored_rows_per_step(cache, segments, lens, depth, label_ok)
-        counts = reduce_metric_sums(local, self.dp_group).clamp(min=1.0)
-        out = accumulate_and_step(lambda segs: self._micro_batch(cache, segs, weights, counts), segments, lens,
-                                  cfg.micro_batch_rows, self.optimizer, self.dp_group, weights, counts, "mtp")
-        self.step += 1
-        out["draft/step"] = float(self.step)
-        out["draft/train_seconds"] = time.perf_counter() - t0
-        if self.export_dir is not None:
-            t1 = time.perf_counter()
-            self.export(self.export_dir)
-            out["draft/export_seconds"] = time.perf_counter() - t1
-        return out
+        return self._update(cache, segments, lens, weights, label_ok, self.dp_group, "mtp", t0)
 
     def _check_same_rows_across_tp(self, rows: int, segments: int) -> None:
         if self.tp_size == 1:
@@ -294,8 +281,10 @@ class MtpTrainer:
             )
 
     def _micro_batch(
-        self, cache: DraftCache, segs: list[int], weights: list[float], counts: torch.Tensor
+        self, cache: DraftCache, segs: list[int], weights: list[float], counts: torch.Tensor,
+        label_ok: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``label_ok`` is unused: the MTP losses mask invalid labels themselves."""
         cfg, draft = self.config, self.draft
         w_dev = draft.output_weight().device
         dtype = draft.config.params_dtype

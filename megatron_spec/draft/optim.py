@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -212,34 +213,46 @@ def scored_rows_per_step(cache, segments: list[int], lens: list[int], steps: int
     return local
 
 
-def accumulate_and_step(micro_batch, segments: list[int], lens: list[int], micro_batch_rows: int,
-                        optimizer: "DraftOptimizer", group: dist.ProcessGroup | None, weights: Sequence[float],
-                        counts: torch.Tensor, tag: str) -> dict[str, float]:
-    """One draft update, shared by the EAGLE-3 and MTP trainers: backward of
-    ``micro_batch(segs) -> (loss, loss_sums[n], agree_sums[n])`` over micro-batches of
-    ``segments`` (gradient accumulation), one optimizer step, then per-step means over the
-    group (``counts``: global scored rows per unrolled step). Metrics ``draft/loss_{tag}{s}``,
-    ``draft/acc_{tag}{s}``, their ``weights``-weighted sum ``draft/loss``, ``draft/rows``,
-    ``draft/grad_norm`` and ``draft/lr``."""
-    n = len(weights)
-    loss_sums = torch.zeros(n, dtype=torch.float64)
-    agree = torch.zeros(n, dtype=torch.float64)
-    for mb in micro_batches(lens, micro_batch_rows):
-        loss, l_s, a_s = micro_batch([segments[i] for i in mb])
-        loss.backward()
-        loss_sums += l_s
-        agree += a_s
-    opt = optimizer.step()
-    totals = reduce_metric_sums(torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), group)
-    out = {"draft/rows": float(totals[-1]), "draft/grad_norm": opt["grad_norm"], "draft/lr": opt["lr"]}
-    total_loss = 0.0
-    for s_i in range(n):
-        mean = float(totals[s_i] / counts[s_i])
-        out[f"draft/loss_{tag}{s_i}"] = mean
-        out[f"draft/acc_{tag}{s_i}"] = float(totals[n + s_i] / counts[s_i])
-        total_loss += weights[s_i] * mean
-    out["draft/loss"] = total_loss
-    return out
+class DraftUpdate:
+    """The update loop shared by the EAGLE-3 and MTP trainers (mixed into both). A trainer has
+    ``optimizer``, ``step``, ``export_dir`` and ``export(dir)``, and a
+    ``_micro_batch(cache, segs, weights, counts, label_ok) -> (loss, loss_sums[n], agree_sums[n])``."""
+
+    def _update(self, cache, segments: list[int], lens: list[int], weights: Sequence[float],
+                label_ok: torch.Tensor | None, group: dist.ProcessGroup | None, tag: str, t0: float) -> dict[str, float]:
+        """Global scored-row counts per unrolled step (the loss normaliser), backward over
+        micro-batches of ``segments`` (gradient accumulation), one optimizer step, then the
+        metrics: ``draft/loss_{tag}{s}``, ``draft/acc_{tag}{s}`` (means over the group), their
+        ``weights``-weighted sum ``draft/loss``, ``draft/rows``, ``draft/grad_norm``, ``draft/lr``,
+        ``draft/step``, ``draft/train_seconds`` (since ``t0``) and, when exporting,
+        ``draft/export_seconds``."""
+        n = len(weights)
+        counts = reduce_metric_sums(scored_rows_per_step(cache, segments, lens, n, label_ok), group).clamp(min=1.0)
+        loss_sums = torch.zeros(n, dtype=torch.float64)
+        agree = torch.zeros(n, dtype=torch.float64)
+        for mb in micro_batches(lens, self.config.micro_batch_rows):
+            loss, l_s, a_s = self._micro_batch(cache, [segments[i] for i in mb], weights, counts, label_ok)
+            loss.backward()
+            loss_sums += l_s
+            agree += a_s
+        opt = self.optimizer.step()
+        self.step += 1
+        totals = reduce_metric_sums(torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), group)
+        out = {"draft/step": float(self.step), "draft/rows": float(totals[-1]), "draft/grad_norm": opt["grad_norm"],
+               "draft/lr": opt["lr"]}
+        total_loss = 0.0
+        for s_i in range(n):
+            mean = float(totals[s_i] / counts[s_i])
+            out[f"draft/loss_{tag}{s_i}"] = mean
+            out[f"draft/acc_{tag}{s_i}"] = float(totals[n + s_i] / counts[s_i])
+            total_loss += weights[s_i] * mean
+        out["draft/loss"] = total_loss
+        out["draft/train_seconds"] = time.perf_counter() - t0
+        if self.export_dir is not None:
+            t1 = time.perf_counter()
+            self.export(self.export_dir)
+            out["draft/export_seconds"] = time.perf_counter() - t1
+        return out
 
 
 def choose_segments(cache: DraftCache, max_rows: int | None, generator: torch.Generator) -> list[int]:

@@ -52,16 +52,15 @@ from megatron_spec.draft.optim import (
     STATE_FILE,
     DraftOptimizer,
     DraftTrainerConfig,
-    accumulate_and_step,
+    DraftUpdate,
     atomic_save,
     choose_segments,
     group_info,
     reduce_metric_sums,
-    scored_rows_per_step,
 )
 
 
-class Eagle3Trainer:
+class Eagle3Trainer(DraftUpdate):
     """The EAGLE-3 head, trained online on captured verifier states."""
 
     def __init__(
@@ -168,22 +167,7 @@ class Eagle3Trainer:
         if cfg.loss == "hard" and segments:
             nxt = cache.next_tokens
             label_ok = (nxt >= 0) & (self._t2d[nxt.clamp(min=0).cpu()].to(nxt.device) >= 0)
-
-        # global count of scored rows per TTT step (the loss normaliser)
-        local = scored_rows_per_step(cache, segments, lens, steps, label_ok if cfg.loss == "hard" else None)
-        counts = reduce_metric_sums(local, self.group).clamp(min=1.0)
-
-        out = accumulate_and_step(lambda segs: self._micro_batch(cache, segs, weights, counts, label_ok),
-                                  segments, lens, cfg.micro_batch_rows, self.optimizer, self.group, weights, counts,
-                                  "ttt")
-        self.step += 1
-        out["draft/step"] = float(self.step)
-        out["draft/train_seconds"] = time.perf_counter() - t0
-        if self.export_dir is not None:
-            t1 = time.perf_counter()
-            self.export(self.export_dir)
-            out["draft/export_seconds"] = time.perf_counter() - t1
-        return out
+        return self._update(cache, segments, lens, weights, label_ok, self.group, "ttt", t0)
 
     def _micro_batch(
         self,
