@@ -212,15 +212,27 @@ def _gather(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup, size: int)
     return out.view(size, *shard.shape).movedim(0, dim)  # [..., tp, n_dim, ...]
 
 
+def _stream_order(params: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters outside the decoder layers (embedding, final norm, output layer) moved to
+    the middle of the list: a pipelined stream then starts and ends on small layer tensors
+    (its first bucket is packed and its last one loaded with nothing overlapping them)."""
+    inner = [(n, p) for n, p in params if ".layers." in n]
+    outer = [(n, p) for n, p in params if ".layers." not in n]
+    mid = len(inner) // 2
+    return inner[:mid] + outer + inner[mid:]
+
+
 def iter_hf_views(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None,
-                  dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
+                  dtype: torch.dtype | None = None, *, stream_order: bool = False
+                  ) -> Iterator[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """Yield ``(hf_name, view, hf_shape)`` for every policy weight, gathering one parameter at a time.
 
     ``view`` holds the HF tensor's elements in row-major order but may have a blocked shape
     and strides (a view of the parameter at TP=1, of the gathered buffer otherwise); copy it
     with ``dst.view(view.shape).copy_(view)`` into a ``hf_shape`` destination. Valid until
     the next iteration. Collective over the TP group exactly like :func:`iter_hf_tensors`
-    (the same gathers in the same order), so ranks may mix the two.
+    (the same gathers in the same order), so ranks may mix the two; with ``stream_order``
+    (every rank of the group must pass the same) the order is :func:`_stream_order`'s.
     """
     from megatron.core import parallel_state as ps
 
@@ -233,7 +245,8 @@ def iter_hf_views(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = N
     rules = megatron_rules(cfg, tp_size, gpt.vocab_size)
     shapes = expected_hf_shapes(cfg)
     with torch.no_grad():
-        for name, param in _policy_params(model):
+        params = _policy_params(model)
+        for name, param in _stream_order(params) if stream_order else params:
             rule = rules.get(canonical_name(name))
             if rule is None:
                 raise CheckpointError(f"Megatron parameter {name} has no HF counterpart")

@@ -108,7 +108,7 @@ def alloc_bucket_buffer(nbytes: int, device: torch.device | str = "cpu") -> torc
     once (serialising an ordinary CPU tensor would copy it into shared memory every time)."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if buf.device.type == "cpu":
-        buf.share_memory_()
+        buf.untyped_storage()._share_filename_cpu_()  # by name, as the transport sends it
     return buf
 
 
@@ -119,10 +119,11 @@ class BucketWriter:
     FP8 quantiser with ``out=``); ``add`` reserves and copies, casting to the bucket dtype.
     """
 
-    def __init__(self, buffer: torch.Tensor):
+    def __init__(self, buffer: torch.Tensor, limit: int | None = None):
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
             raise ValueError(f"bucket buffer must be a 1-D uint8 tensor, got {buffer.dtype} {tuple(buffer.shape)}")
         self.buffer = buffer
+        self.limit = limit
         self.offset = 0
         self.metadata: list[FlattenedTensorMetadata] = []
 
@@ -141,7 +142,10 @@ class BucketWriter:
         return offset - self.offset
 
     def fits(self, entries: Sequence[tuple[Sequence[int], torch.dtype]]) -> bool:
-        return self.offset + self.bytes_needed(entries) <= self.capacity
+        """Whether ``entries`` fit after the current offset: within ``limit`` (the bucket size
+        to aim for) when one was given, else within the buffer."""
+        end = self.capacity if self.limit is None else min(self.capacity, self.limit)
+        return self.offset + self.bytes_needed(entries) <= end
 
     def reserve(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The destination view ``shape``/``dtype`` for ``name`` (recorded in the metadata)."""

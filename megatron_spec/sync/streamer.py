@@ -109,7 +109,9 @@ class WeightStreamer:
     Args:
         engine: a rollout engine handle (``NativeEngine`` / ``SGLangEngine``), or None on the
             ranks that only take part in the gathers.
-        bucket_bytes: bucket size; grown to the largest single tensor if that is larger.
+        bucket_bytes: bucket size: a bucket is sent once the next tensor would take it past
+            this. The two buffers grow to the largest single tensor if that is larger (such a
+            tensor then travels alone).
         weight_dtype: ``fp32`` | ``bf16`` | ``fp8`` (block-FP8 linear weights of the target;
             other target tensors and the whole draft travel in the engine's dtype).
         for_sglang: build payloads SGLang's loader reads (its metadata class, CUDA patch).
@@ -167,13 +169,13 @@ class WeightStreamer:
                 group = ps.get_tensor_model_parallel_group()
             if dist.is_initialized() and 0 not in dist.get_process_group_ranks(group):
                 return SyncReport("target", version, skipped=True)  # another DP replica
-            for _ in iter_hf_views(model, tp_group):  # take part in the gathers only
+            for _ in iter_hf_views(model, tp_group, stream_order=True):  # take part in the gathers only
                 pass
             return SyncReport("target", version)
         gpt = unwrap(model)
         shapes = expected_hf_shapes(gpt.decoder_config)
         device = next(gpt.parameters()).device
-        items = iter_hf_views(model, tp_group)
+        items = iter_hf_views(model, tp_group, stream_order=True)
         return self._sync("target", items, version, shapes.items(), device, quantize=self.weight_dtype == "fp8")
 
     def sync_target_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, *,
@@ -241,9 +243,9 @@ class WeightStreamer:
             need = sum(torch.Size(s).numel() * d.itemsize + _ALIGN_SLACK
                        for _, s, d in self._entries(name, tuple(shape), torch.float32, quantize))
             largest = max(largest, need)
-        if largest > self.bucket_bytes:
-            logger.warning("bucket_bytes %d is smaller than the largest tensor (%d bytes): buckets grown to fit it",
-                           self.bucket_bytes, largest)
+        if largest > self.bucket_bytes:  # buckets still close at bucket_bytes; that tensor travels alone
+            logger.info("bucket buffers grown from %d to %d bytes to hold the largest tensor",
+                        self.bucket_bytes, largest)
         return max(self.bucket_bytes, largest)
 
     def _alloc(self, capacity: int, device: torch.device) -> list[torch.Tensor]:
@@ -352,12 +354,14 @@ class WeightStreamer:
                                 b.ready.synchronize()
                             payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size,
                                                             for_sglang=self.for_sglang)
-                            call = pool.submit(call_engine, payloads, b.last)
-                            try:
-                                if sent is not None:
+                            if sent is None:
+                                call_engine(payloads, b.last)
+                            else:
+                                call = pool.submit(call_engine, payloads, b.last)
+                                try:
                                     self._fingerprint_bucket(b, sent)
-                            finally:
-                                call.result()  # the engine has copied the bucket (or raised)
+                                finally:
+                                    call.result()  # the engine has copied the bucket (or raised)
                             stats["bytes"] += b.flat.numel()
                             stats["buckets"] += 1
                     except BaseException as exc:  # reported by the producer
@@ -392,7 +396,7 @@ class WeightStreamer:
                     if buffers is None:
                         buffers = self._alloc(rep.bucket_capacity, src.device)
                         free[0].acquire()
-                        writer = BucketWriter(buffers[0])
+                        writer = BucketWriter(buffers[0], limit=self.bucket_bytes)
                     if len(writer) and not writer.fits([(s, d) for _, s, d in entries]):
                         flush(last=False)
                     self._pack(writer, entries, src)

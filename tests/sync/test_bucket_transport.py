@@ -71,6 +71,33 @@ def test_payload_round_trip_through_shared_memory():
             assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def test_writer_limit_closes_buckets_early_but_takes_a_larger_tensor_alone():
+    w = BucketWriter(alloc_bucket_buffer(4096), limit=1024)
+    w.add("a", torch.zeros(128))  # 512 bytes
+    assert w.fits([((128,), torch.float32)]) and not w.fits([((129,), torch.float32)])
+    w.reset()
+    assert not w.fits([((512,), torch.float32)])  # 2 KiB: over the limit, within the buffer
+    w.add("big", torch.zeros(512))  # an empty bucket takes it (the streamer only flushes non-empty ones)
+    assert w.offset == 2048
+
+
+def test_cpu_payloads_travel_by_shared_memory_name_and_reuse_a_mapped_buffer():
+    """No file descriptor (a resource_sharer socket round trip per payload): the storage's
+    shared-memory name, which a receiver still mapping the buffer resolves from its cache."""
+    named = _mixed()
+    flat, meta = _write_all(named)
+    payload = make_bucket_payloads(flat, meta, 1)[0]
+    assert b"rebuild_storage_filename" in payload and b"DupFd" not in payload
+    first = read_bucket_payload(payload)[0][1]
+    flat[meta[2].start_idx:meta[2].end_idx].view(torch.float32).fill_(7.0)  # the next bucket, same buffer
+    again = read_bucket_payload(make_bucket_payloads(flat, meta, 1)[0])
+    assert again[0][1].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert torch.all(again[2][1] == 7.0)
+    private = torch.arange(6.0)  # an ordinary tensor is moved into shared memory on the way
+    assert torch.equal(read_bucket_payload(serialize({"flattened_tensor": private.view(torch.uint8), "metadata": [
+        FlattenedTensorMetadata("p", torch.Size([6]), torch.float32, 0, 24, 24)]}))[0][1], private)
+
+
 class Evil:
     def __reduce__(self):
         return (os.getcwd, ())

@@ -201,6 +201,29 @@ def test_peak_extra_memory_is_two_buckets():
     assert rep.peak_extra_bytes <= 2.2 * rep.bucket_capacity, (rep.peak_extra_bytes, rep.bucket_capacity)
 
 
+def test_buckets_close_at_bucket_bytes_and_a_larger_tensor_travels_alone():
+    """Buffers grow to the largest tensor; buckets still close at ``bucket_bytes`` (on CPU a
+    bucket that fits the cache is read back by the engine from there)."""
+    named = [("model.embed_tokens.weight", torch.randn(256, 64))]  # 64 KiB
+    named += [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(16, 64)) for i in range(8)]  # 4 KiB each
+    eng = DictEngine()
+    rep = WeightStreamer(eng, bucket_bytes=9 << 10, weight_dtype="fp32").sync_target_tensors(named, "v")
+    assert rep.bucket_capacity >= 64 << 10
+    assert rep.num_buckets == 5  # the embedding alone, then two layer tensors per 9 KiB bucket
+    assert eng.fp["target"] == fingerprint_tensors(t for _, t in named)
+
+
+def test_stream_order_puts_the_large_outer_tensors_in_the_middle():
+    from megatron_spec.models.gpt import _stream_order
+
+    params = [("embedding.word_embeddings.weight", 0)] + [(f"decoder.layers.{i}.w", i) for i in range(4)] \
+        + [("decoder.final_layernorm.weight", 0), ("output_layer.weight", 0)]
+    names = [n for n, _ in _stream_order(params)]
+    assert sorted(names) == sorted(n for n, _ in params)
+    assert names[0] == "decoder.layers.0.w" and names[-1] == "decoder.layers.3.w"
+    assert names[2:5] == ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+
+
 def test_engine_failure_mid_stream_is_named_and_does_not_hang():
     named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(64, 64)) for i in range(6)]
     eng = DictEngine(fail_at=2)

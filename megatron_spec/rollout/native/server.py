@@ -71,6 +71,7 @@ class EngineServer:
             if module is not None:
                 pack_linears(module)  # oneDNN-prepacked weights for inference (model.Linear)
         self._updating: dict[str, set[str]] | None = None
+        self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received (see update_weights_from_tensor)
         self._released: set[str] = set()
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
                               for m in (self.target, self._draft_module()) if m is not None}
@@ -193,6 +194,8 @@ class EngineServer:
             raise ValueError(f"selector 'draft' but the engine has no draft weights (draft_kind "
                              f"{self.config.draft_kind!r})")
         named = read_bucket_payload(payloads[0])
+        if named:  # keep the sender's two bucket buffers mapped: its next payloads name the same
+            self._mapped = (self._mapped + [named[0][1]])[-2:]  # buffers, found in torch's cache
         if self.config.fp8_weights and selector == "target":
             from megatron_spec.sync.fp8 import dequantize_named
 
@@ -237,6 +240,7 @@ class EngineServer:
         if "kv_cache" in tags:
             self.core.release()
         if "weights" in tags:
+            self._mapped = []
             for module in (self.target, self._draft_module()):
                 if module is None:
                     continue
