@@ -1,8 +1,10 @@
 """``megatron-spec generate``: run the rollout engine alone on an HF checkpoint (DESIGN.md 3.1).
 
 Reads prompts from JSONL (``{"id", "prompt"}`` or ``{"id", "input_ids"}``), writes one JSON
-line per sample, shows a progress bar on stderr, and ends stdout with one JSON summary line
-(tokens/s, accept length, per-position acceptance).
+line per sample (with the decoded ``text`` when the checkpoint has a tokenizer), shows a
+progress bar on stderr, and ends stdout with one JSON summary line (tokens/s, accept length,
+per-position acceptance). Bad input (prompts, a draft for another model, a prompt too long for
+the context) is one ``error:`` line on stderr and exit status 2; an engine that died, 1.
 """
 
 from __future__ import annotations
@@ -73,6 +75,16 @@ def read_prompts(path: str, tokenizer_dir: str) -> list[tuple[str, list[int]]]:
     return rows
 
 
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None when it has none (token ids are written either way)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_spec.rollout import make_engine
     from megatron_spec.rollout.config import EngineConfig
@@ -94,23 +106,38 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
+    from megatron_spec.rollout.native.handle import EngineCallError, EngineError
+
     total = len(requests) * args.n
-    with make_engine(config, backend=args.backend) as engine:
-        bar = tqdm(total=total, desc="generate", unit="sample", disable=args.no_progress, file=sys.stderr)
-        seen = [0]
+    try:
+        with make_engine(config, backend=args.backend) as engine:
+            bar = tqdm(total=total, desc="generate", unit="sample", disable=args.no_progress, file=sys.stderr)
+            seen = [0]
 
-        def on_progress(n: int) -> None:
-            bar.update(n - seen[0])
-            seen[0] = n
+            def on_progress(n: int) -> None:
+                bar.update(n - seen[0])
+                seen[0] = n
 
-        samples, stats = engine.generate(requests, on_progress=on_progress)
-        bar.update(total - seen[0])
-        bar.close()
+            try:
+                samples, stats = engine.generate(requests, on_progress=on_progress)
+                bar.update(total - seen[0])
+            finally:
+                bar.close()
+    except EngineCallError as exc:  # the engine refused the configuration or a request
+        print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
+        return 2
+    except EngineError as exc:  # died or timed out
+        print(f"megatron-spec generate: engine failure: {exc}", file=sys.stderr)
+        return 1
+    tokenizer = load_tokenizer(args.model)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tmp = args.output + ".tmp"
     with open(tmp, "w") as f:
         for s in samples:
-            f.write(json.dumps(s.to_json()) + "\n")
+            row = s.to_json()
+            if tokenizer is not None:
+                row["text"] = tokenizer.decode(s.output_ids, skip_special_tokens=True)
+            f.write(json.dumps(row) + "\n")
     os.replace(tmp, args.output)
     print(json.dumps(stats.summary()))
     return 0

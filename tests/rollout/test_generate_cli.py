@@ -1,0 +1,61 @@
+"""``megatron-spec generate`` as a user meets it: output rows with text, clean errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_spec.cli import main
+from megatron_spec.models.tiny import make_hf_checkpoint
+from tests.sync.conftest import random_eagle3
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from megatron_spec.draft.modelopt_io import save_eagle3
+    from megatron_spec.models.hf_config import DecoderConfig
+
+    root = tmp_path_factory.mktemp("generate_cli")
+    small = dict(family="qwen3", num_layers=1, intermediate_size=64, num_attention_heads=2, num_kv_heads=1, seed=3)
+    target = make_hf_checkpoint(root / "target", hidden_size=32, **small)
+    other = make_hf_checkpoint(root / "other", hidden_size=48, **small)
+    save_eagle3(random_eagle3(DecoderConfig.from_pretrained(other), 5), root / "eagle3_other")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "12+3="}) + "\n" + json.dumps({"id": "b", "input_ids": [5, 6]}) + "\n")
+    return {"target": str(target), "eagle3_other": str(root / "eagle3_other"), "prompts": str(prompts)}
+
+
+def _generate(models, out, *extra):
+    return main(["generate", "--model", models["target"], "--prompts", models["prompts"], "--output", str(out),
+                 "--max-new-tokens", "4", "--num-threads", "1", "--no-progress", *extra])
+
+
+def test_rows_carry_ids_logprobs_and_decoded_text(models, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert _generate(models, out, "--n", "2", "--ignore-eos") == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in rows] == [("a", 0), ("a", 1), ("b", 0), ("b", 1)]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    for r in rows:
+        assert len(r["output_ids"]) == len(r["logprobs"]) == 4
+        assert r["text"] == tok.decode(r["output_ids"], skip_special_tokens=True)
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["num_tokens"] == 16
+
+
+def test_a_draft_for_another_model_is_one_error_line(models, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert _generate(models, out, "--draft-kind", "eagle3", "--draft-path", models["eagle3_other"]) == 2
+    err = capsys.readouterr().err
+    assert "megatron-spec generate: error:" in err and "hidden_size 48 != target hidden_size 32" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_a_prompt_longer_than_the_context_is_one_error_line(models, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert _generate(models, out, "--context-length", "5") == 2
+    err = capsys.readouterr().err
+    assert "exceeds the engine context of 5" in err and "Traceback" not in err and not out.exists()
