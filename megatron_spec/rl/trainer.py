@@ -304,7 +304,10 @@ class GRPOTrainer:
         return reqs, prompts
 
     def _generate(self, reqs: list[GenerateRequest], seed: int):
-        """Engine call with restart-and-retry (rank 0; runs in the executor thread in async mode)."""
+        """Engine call with restart-and-retry (rank 0; runs in the executor thread in async mode).
+
+        Returns (samples, stats, seconds, end): ``end`` is the ``perf_counter`` time the call
+        returned, so a waiter can tell how much of the generation overlapped its wait."""
         from megatron_spec.rollout.native.handle import EngineDiedError, EngineTimeoutError
 
         tries = self.cfg.rollout.engine_restarts + 1
@@ -312,7 +315,8 @@ class GRPOTrainer:
             try:
                 t0 = time.perf_counter()
                 samples, stats = self.engine.generate(reqs, seed=seed)
-                return samples, stats, time.perf_counter() - t0
+                end = time.perf_counter()
+                return samples, stats, end - t0, end
             except (EngineDiedError, EngineTimeoutError) as exc:
                 if attempt + 1 == tries:
                     raise RuntimeError(f"rollout engine failed {tries} times in a row; last error: {exc}") from exc
@@ -359,7 +363,7 @@ class GRPOTrainer:
             return {}
         reqs = [self._request(f"eval{i}", ex.prompt, f"held-out prompt {i}", 1)
                 for i, ex in enumerate(self.eval_examples)]
-        samples, _, _ = self._generate(reqs, seed=self.cfg.model.seed * 100_003 + 99_991)
+        samples, *_ = self._generate(reqs, seed=self.cfg.model.seed * 100_003 + 99_991)
         by_id = {s.request_id: s for s in samples}
         texts = self.tokenizer.batch_decode([by_id[q.request_id].output_ids for q in reqs], skip_special_tokens=True)
         rewards = score(self.reward_fn, self.reward_name, [ex.prompt for ex in self.eval_examples], texts,
@@ -383,7 +387,7 @@ class GRPOTrainer:
                 indices = self.sampler.next(self.cfg.grpo.prompts_per_step)
                 reqs, prompts = self._requests(indices)
             with self.timer("gen"):
-                samples, stats, gen_s = self._generate(reqs, self.cfg.model.seed * 100_003 + self.step)
+                samples, stats, gen_s, _ = self._generate(reqs, self.cfg.model.seed * 100_003 + self.step)
             return self._finish_batch(indices, reqs, prompts, samples, stats, gen_s, self.policy_version), gen_s
         with self.timer("data"):
             if not self.pending:  # start-up (or resume): the first batch, with the current policy
@@ -391,8 +395,10 @@ class GRPOTrainer:
         with self.timer("gen"):
             t0 = time.perf_counter()
             fut, (indices, reqs, prompts), version = self.pending.pop(0)
-            samples, stats, gen_s = fut.result()
-            exposed = time.perf_counter() - t0
+            samples, stats, gen_s, end = fut.result()
+            # the part of the generation that overlapped this wait (not the executor's hand-off,
+            # nor a generation that had not started yet when the wait began)
+            exposed = max(0.0, end - max(t0, end - gen_s))
         return self._finish_batch(indices, reqs, prompts, samples, stats, gen_s, version), exposed
 
     # ------------------------------------------------------------------ verifier forwards
