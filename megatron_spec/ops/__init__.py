@@ -13,6 +13,8 @@ call is ``megatron_spec.spec``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_spec._ext import compiled_ops_available
@@ -51,10 +53,15 @@ def compiled_kernel_for(op_name: str, device: torch.device) -> bool:
     """True when ``torch.ops.megatron_spec.<op_name>`` is built and has a kernel for ``device``."""
     if not compiled_ops_available():
         return False
-    key = _DISPATCH_KEYS.get(torch.device(device).type)
-    if key is None:
-        return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_spec::{op_name}", key)
+    key = _DISPATCH_KEYS.get(device.type if isinstance(device, torch.device) else torch.device(device).type)
+    return key is not None and _has_kernel(op_name, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_kernel(op_name: str, dispatch_key: str) -> bool:
+    # The dispatcher lookup costs tens of microseconds and is asked on every sampling call of the
+    # engine (several per verify step); the registrations of _C do not change once it is loaded.
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_spec::{op_name}", dispatch_key)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

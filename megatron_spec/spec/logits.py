@@ -82,6 +82,17 @@ class SamplingTensors:
                 raise ValueError(
                     f"SamplingTensors.{name}[{row}] = {getattr(self, name)[row].item()} must be {expected}"
                 )
+        # Which path process_logits may take, decided here once (the engine builds these when its
+        # batch changes, then processes logits several times per step with them).
+        greedy = self.temperature == 0
+        truncated = ((self.top_k > 0) | (self.top_p < 1) | (self.min_p > 0)) & ~greedy
+        n_greedy = int(greedy.sum())
+        kind = "mixed"
+        if n_greedy == greedy.numel():
+            kind = "greedy"
+        elif n_greedy == 0 and not bool(truncated.any()):
+            kind = "plain"
+        object.__setattr__(self, "_kind", kind)
 
     @classmethod
     def from_values(
@@ -134,17 +145,22 @@ class SamplingTensors:
         return self._map(lambda t: t.to(device))
 
 
-def _rows_for(lead: tuple[int, ...], sampling: SamplingTensors) -> SamplingTensors:
+def _repeats(lead: tuple[int, ...], B: int) -> int:
+    """How many rows of logits with leading shape ``lead`` each of ``B`` sampling rows covers."""
     R = math.prod(lead)
-    B = sampling.batch_size
     if B == R:
-        return sampling
+        return 1
     if len(lead) >= 2 and B == lead[0]:
-        return sampling.repeat_interleave(R // lead[0])
+        return R // lead[0]
     raise ValueError(
         f"process_logits: {B} sampling rows fit neither the {R} rows of logits with leading shape "
         f"{list(lead)} nor its first dimension {lead[0] if lead else 0}"
     )
+
+
+def _rows_for(lead: tuple[int, ...], sampling: SamplingTensors) -> SamplingTensors:
+    n = _repeats(lead, sampling.batch_size)
+    return sampling if n == 1 else sampling.repeat_interleave(n)
 
 
 def _keep(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -172,7 +188,8 @@ def process_logits(
     shape = logits.shape
     V = shape[-1]
     lead = tuple(shape[:-1])
-    s = _rows_for(lead, sampling)
+    kind = getattr(sampling, "_kind", "mixed")
+    s = sampling if kind != "mixed" else _rows_for(lead, sampling)
     x = logits.reshape(-1, V).float()  # [R, V]
     if token_mask is not None:
         if token_mask.dtype != torch.bool:
@@ -188,6 +205,15 @@ def process_logits(
     if bool(dead.any()):
         row = int(dead.nonzero()[0, 0])
         raise ValueError(f"process_logits: row {row} has no allowed token (all logits -inf, NaN or masked)")
+
+    if kind == "greedy":  # every row argmax: what the general path below computes for such rows
+        _repeats(lead, s.batch_size)  # the row-count check only: every row is of the same kind
+        return torch.full_like(x, _NEG_INF).scatter_(1, x.argmax(dim=-1, keepdim=True), 0.0).reshape(shape)
+    if kind == "plain":  # temperature only: the same division and log_softmax as below, no masks
+        _repeats(lead, s.batch_size)
+        B = s.batch_size
+        temp = s.temperature.to(x.device)
+        return torch.log_softmax((x.view(B, -1, V) / temp[:, None, None]).view(-1, V), dim=-1).reshape(shape)
 
     greedy = s.greedy.to(x.device)
     temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature).to(x.device)

@@ -181,3 +181,30 @@ def test_errors_name_the_problem():
         process_logits(torch.zeros(3, 3), s)
     with pytest.raises(ValueError, match="bool"):
         process_logits(torch.zeros(2, 3), s, token_mask=torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0, [0.5, 1.3, 2.0, 0.9]])
+@pytest.mark.parametrize("lead", [(4,), (4, 3)])
+def test_all_greedy_and_temperature_only_batches_take_a_short_path_to_the_same_bits(temperature, lead):
+    """Batches whose rows are all greedy, or all plain sampling with no truncation, skip the
+    per-row masks; the result must equal the general path bit for bit (ties included)."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(*lead, 50, generator=g).to(torch.bfloat16)  # bf16 logits make exact ties
+    logits[0, ..., 3] = logits[0, ..., 9] = logits.max() + 1  # a tie at the max in row 0
+    s = SamplingTensors.from_values(temperature, 0, 1.0, 0.0, batch_size=4)
+    assert s._kind == ("greedy" if temperature == 0.0 else "plain")
+    general = SamplingTensors.from_values(temperature, 0, 1.0, 0.0, batch_size=4)
+    object.__setattr__(general, "_kind", "mixed")
+    fast, ref = process_logits(logits, s), process_logits(logits, general)
+    assert fast.shape == ref.shape and fast.dtype == ref.dtype
+    assert torch.equal(fast, ref)
+    with pytest.raises(ValueError, match="fit neither"):  # the row-count check stays
+        process_logits(torch.randn(5, 50), s)
+
+
+def test_a_batch_with_truncation_or_mixed_greedy_rows_takes_the_general_path():
+    assert SamplingTensors.from_values([0.0, 1.0], 0, 1.0, 0.0)._kind == "mixed"
+    assert SamplingTensors.from_values(1.0, [0, 5], 1.0, 0.0)._kind == "mixed"
+    assert SamplingTensors.from_values(1.0, 0, [1.0, 0.9], 0.0)._kind == "mixed"
+    assert SamplingTensors.from_values(1.0, 0, 1.0, [0.0, 0.1])._kind == "mixed"
+    assert SamplingTensors.from_values(0.0, 5, 0.9, 0.1, batch_size=2)._kind == "greedy"  # greedy ignores them
