@@ -64,7 +64,7 @@ def decode_regime(base: str, draft: str, batch: int, k: int = 3) -> dict[str, fl
 
     srv = EngineServer(EngineConfig(model_path=base, draft_kind="eagle3", draft_path=draft, num_draft_tokens=k,
                                     dtype="bfloat16", max_batch_size=batch, context_length=160, num_threads=2))
-    v, c = forward_costs(srv, batch, k)
+    v, c, _ = forward_costs(srv, batch, k)
     return {"v_k3": v, "c": c}
 
 

@@ -137,7 +137,7 @@ def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> di
             srv = _server(paths, dtype, "eagle3", k, b, new_tokens)
             srv.generate(reqs[:1])
             st = max((srv.generate(reqs)[1] for _ in range(3)), key=lambda x: x.tokens_per_s)
-            v, c = forward_costs(srv, b, k)
+            v, c, _ = forward_costs(srv, b, k)
             spec.append({"k": k, "accept_length": st.spec_accept_length, "tokens_per_s": st.tokens_per_s,
                          "v": v, "c": c})
             del srv
@@ -149,9 +149,12 @@ def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> di
             "results": results}
 
 
-def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, float]:
-    """v = target forward over k+1 tokens / AR step; c = one draft step / AR step (same batch).
-    Each forward timed ``reps`` times, fastest kept (as the engine runs are best-of)."""
+def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, float, float]:
+    """(v, c, c_in_loop) on the same batch, each over one AR step: v = target forward over k+1
+    tokens, c = one draft pass timed back to back (the draft's weights stay warm), c_in_loop =
+    the k draft passes of a step timed right after a verify forward (whose weights evict the
+    draft's from the caches), as the engine runs them. Fastest of ``reps`` each (as the engine
+    runs are best-of)."""
     from measure_cpu_profile import best_time
 
     model, drafter = server.target, server.drafter
@@ -174,34 +177,14 @@ def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, fl
         emb = model.embed_tokens(ids1)
         hid = torch.randn(batch, 1, head.cfg.hidden_size, dtype=emb.dtype)
         draft = t(lambda: head(emb, hid, pos1, dcache, pos1[:, 0] + 1))
-    return ver / ar, draft / ar
-
-
-def draft_cost_in_loop(server, batch: int, k: int, reps: int = 10) -> float:
-    """c as the engine pays it: each of the k draft passes timed right after a verify forward over
-    k+1 tokens (whose weights evict the draft's from the caches), over one AR step timed back to
-    back as plain decoding runs it. Fastest of ``reps`` for each, as in :func:`forward_costs`."""
-    from measure_cpu_profile import best_time
-
-    model, head = server.target, server.drafter.head
-    cache, dcache = model.new_cache(batch, 128), head.new_cache(batch, 128)
-    pos1 = torch.full((batch, 1), 64)
-    posk = 64 + torch.arange(k + 1).expand(batch, k + 1)
-    vocab = model.cfg.vocab_size
-    ids1, idsk = torch.randint(4, vocab, (batch, 1)), torch.randint(4, vocab, (batch, k + 1))
-    aux = server.drafter.aux_layers
-    with torch.inference_mode():
-        ar = best_time(lambda: model(ids1, pos1, cache, pos1[:, 0] + 1), repeats=reps, warmup=2)
-        emb = model.embed_tokens(ids1)
-        hid = torch.randn(batch, 1, head.cfg.hidden_size, dtype=emb.dtype)
-        best = float("inf")
+        in_loop = float("inf")
         for _ in range(reps + 2):
             model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux)
             t0 = time.perf_counter()
             for _ in range(k):
                 head(emb, hid, pos1, dcache, pos1[:, 0] + 1)
-            best = min(best, (time.perf_counter() - t0) / k)
-    return best / ar
+            in_loop = min(in_loop, (time.perf_counter() - t0) / k)
+    return ver / ar, draft / ar, in_loop / ar
 
 
 def hf_generate(path: str, dtype: str, prompts, new_tokens: int, assistant: str | None = None) -> float:
@@ -273,8 +256,7 @@ def main() -> int:
                 row[f"eagle3_k{k}"] = st.tokens_per_s
                 row[f"accept_k{k}"] = st.spec_accept_length
                 if k == 3:
-                    row["v"], row["c"] = forward_costs(srv, b, k)
-                    row["c_in_loop"] = draft_cost_in_loop(srv, b, k)
+                    row["v"], row["c"], row["c_in_loop"] = forward_costs(srv, b, k)
                 del srv
             for kind in ("model", "ngram"):
                 srv = _server(paths, dtype, kind, 3, b, args.new_tokens)

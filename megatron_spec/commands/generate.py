@@ -41,11 +41,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def read_prompts(path: str, tokenizer_dir: str) -> list[tuple[str, list[int]]]:
-    """``(id, input_ids)`` per line; text prompts are tokenised with the model's tokenizer."""
+def load_tokenizer(model_dir: str):
+    """The checkpoint's tokenizer, or None when it has none (token ids are written either way)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
+    """``(id, input_ids)`` per line; text prompts are tokenised with ``tokenizer`` (the model's;
+    None when it has none, and then text prompts are an error)."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path} does not exist")
-    rows, tokenizer = [], None
+    rows = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -61,9 +72,8 @@ def read_prompts(path: str, tokenizer_dir: str) -> list[tuple[str, list[int]]]:
                     raise ValueError(f"{path}:{lineno}: input_ids must be a list of ints")
             elif "prompt" in obj:
                 if tokenizer is None:
-                    from transformers import AutoTokenizer
-
-                    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+                    raise ValueError(f"{path}:{lineno}: a text prompt, but the model has no tokenizer "
+                                     f"(give 'input_ids')")
                 ids = tokenizer(obj["prompt"], add_special_tokens=False)["input_ids"]
             else:
                 raise ValueError(f"{path}:{lineno}: needs 'prompt' or 'input_ids'")
@@ -75,23 +85,14 @@ def read_prompts(path: str, tokenizer_dir: str) -> list[tuple[str, list[int]]]:
     return rows
 
 
-def load_tokenizer(model_dir: str):
-    """The checkpoint's tokenizer, or None when it has none (token ids are written either way)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     from megatron_spec.rollout import make_engine
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
+    tokenizer = load_tokenizer(args.model)
     try:
-        prompts = read_prompts(args.prompts, args.model)
+        prompts = read_prompts(args.prompts, tokenizer)
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   min_p=args.min_p, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
         requests = [GenerateRequest(rid, ids, sampling, n=args.n) for rid, ids in prompts]
@@ -129,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
     except EngineError as exc:  # died or timed out
         print(f"megatron-spec generate: engine failure: {exc}", file=sys.stderr)
         return 1
-    tokenizer = load_tokenizer(args.model)
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     tmp = args.output + ".tmp"
     with open(tmp, "w") as f:

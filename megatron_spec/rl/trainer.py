@@ -398,7 +398,7 @@ class GRPOTrainer:
             samples, stats, gen_s, end = fut.result()
             # the part of the generation that overlapped this wait (not the executor's hand-off,
             # nor a generation that had not started yet when the wait began)
-            exposed = max(0.0, end - max(t0, end - gen_s))
+            exposed = max(0.0, min(gen_s, end - t0))
         return self._finish_batch(indices, reqs, prompts, samples, stats, gen_s, version), exposed
 
     # ------------------------------------------------------------------ verifier forwards

@@ -84,7 +84,7 @@ class SamplingTensors:
                 )
         # Which path process_logits may take, decided here once (the engine builds these when its
         # batch changes, then processes logits several times per step with them).
-        greedy = self.temperature == 0
+        greedy = self.greedy
         truncated = ((self.top_k > 0) | (self.top_p < 1) | (self.min_p > 0)) & ~greedy
         n_greedy = int(greedy.sum())
         kind = "mixed"
@@ -189,7 +189,10 @@ def process_logits(
     V = shape[-1]
     lead = tuple(shape[:-1])
     kind = getattr(sampling, "_kind", "mixed")
-    s = sampling if kind != "mixed" else _rows_for(lead, sampling)
+    # all-greedy and temperature-only batches need no per-row copy of the parameters
+    s = _rows_for(lead, sampling) if kind == "mixed" else sampling
+    if kind != "mixed":
+        _repeats(lead, sampling.batch_size)  # the row-count check alone
     x = logits.reshape(-1, V).float()  # [R, V]
     if token_mask is not None:
         if token_mask.dtype != torch.bool:
@@ -207,13 +210,11 @@ def process_logits(
         raise ValueError(f"process_logits: row {row} has no allowed token (all logits -inf, NaN or masked)")
 
     if kind == "greedy":  # every row argmax: what the general path below computes for such rows
-        _repeats(lead, s.batch_size)  # the row-count check only: every row is of the same kind
         return torch.full_like(x, _NEG_INF).scatter_(1, x.argmax(dim=-1, keepdim=True), 0.0).reshape(shape)
     if kind == "plain":  # temperature only: the same division and log_softmax as below, no masks
-        _repeats(lead, s.batch_size)
-        B = s.batch_size
         temp = s.temperature.to(x.device)
-        return torch.log_softmax((x.view(B, -1, V) / temp[:, None, None]).view(-1, V), dim=-1).reshape(shape)
+        x = x.view(s.batch_size, -1, V) / temp[:, None, None]
+        return torch.log_softmax(x.view(-1, V), dim=-1).reshape(shape)
 
     greedy = s.greedy.to(x.device)
     temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature).to(x.device)
