@@ -145,14 +145,11 @@ class Eagle3Head(nn.Module):
         h = self.input_layernorm(hidden) if self.cfg.double_hidden_norm else hidden
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(h)], dim=-1)  # [B, T, 2H]
 
-    def _finish(self, hidden: torch.Tensor, attn_out: torch.Tensor,
-                logits_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h1 = hidden + attn_out
         h2 = h1 + self.mlp(self.post_attention_layernorm(h1))  # [B, T, H]
         normed = self.norm(h2)
         feed = normed if self.cfg.norm_output else h2
-        if logits_index is not None:
-            normed = normed.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, normed.shape[-1]))
         return self.lm_head(normed).float(), feed
 
     def forward(
@@ -173,17 +170,22 @@ class Eagle3Head(nn.Module):
             hidden: ``[B, T, H]`` ``fuse(aux)`` at ``positions`` or the previous draft step's hidden.
             positions: ``[B, T]`` absolute positions (RoPE and cache rows).
             cache: from :meth:`new_cache`; kv_lens: ``[B]`` valid entries per row after this call.
-            logits_index: ``[B, T']`` rows (into T) whose logits are wanted; None = all.
+            logits_index: ``[B, T']`` rows (into T) whose logits and hidden states are wanted;
+                None = all. Every row's keys and values enter the cache either way; the other
+                rows skip the attention output and the MLP (a draft-extend pass over the accepted
+                tokens needs only the last row's, a prompt prefill none).
 
         Returns:
-            draft logits ``[B, T', Vd]`` float32 and the hidden state ``[B, T, H]`` for the next step.
+            draft logits ``[B, T', Vd]`` float32 and the hidden state ``[B, T', H]`` for the next step.
         """
         dtype = self.lm_head.weight.dtype
         embeds, hidden = embeds.to(dtype), hidden.to(dtype)
         read_len = int(kv_lens.max())  # host sync, as the target's forward: sizes the cache view
         attn_out = self.self_attn(self._attention_input(embeds, hidden), positions, self.rotary, cache, 0,
-                                  kv_lens, read_len, slot_offset)
-        return self._finish(hidden, attn_out, logits_index)
+                                  kv_lens, read_len, slot_offset, rows=logits_index)
+        if logits_index is not None:
+            hidden = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        return self._finish(hidden, attn_out)
 
     def forward_full(
         self,
@@ -227,7 +229,7 @@ class Eagle3Head(nn.Module):
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=attn_mask, scale=attn.scale,
                                              enable_gqa=True)
         attn_out = attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.nq * attn.d))
-        logits, feed = self._finish(hidden, attn_out, None)
+        logits, feed = self._finish(hidden, attn_out)
         return Eagle3Output(logits, feed, (k, v))
 
     # ------------------------------------------------------------- weights by export name

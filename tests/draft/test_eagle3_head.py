@@ -210,6 +210,36 @@ def test_engine_mode_equals_full_sequence(drafts, which):
     torch.testing.assert_close(last, full.logits[:, -1:], atol=ATOL, rtol=0)
 
 
+
+def test_extend_of_selected_rows_keeps_every_key(drafts):
+    # The engine's draft extend asks for one row per sequence (logits_index): the other rows
+    # skip attention output and MLP but their keys/values must still enter the cache, so the
+    # selected rows and every later step equal the full-sequence forward.
+    head = load_eagle3(drafts.reduced.path, drafts.target_cfg)
+    g = torch.Generator().manual_seed(11)
+    b, t, h = 3, 9, head.cfg.hidden_size
+    embeds = torch.randn(b, t, h, generator=g)
+    hidden = torch.randn(b, t, h, generator=g) * 0.5
+    lens = torch.tensor([6, 4, 5])  # rows of different lengths, padded to 6 (the engine's pending pairs)
+    with torch.no_grad():
+        full = head.forward_full(embeds, hidden)
+        cache = head.new_cache(num_slots=b, max_len=32)
+        pos = torch.arange(6).expand(b, 6)
+        last = (lens - 1).unsqueeze(1)  # [B, 1]
+        logits, hid = head(embeds[:, :6], hidden[:, :6], pos, cache, lens, logits_index=last)
+        assert logits.shape == (b, 1, head.cfg.draft_vocab_size) and hid.shape == (b, 1, h)
+        for i in range(b):
+            n = int(lens[i])
+            torch.testing.assert_close(logits[i, 0], full.logits[i, n - 1], atol=ATOL, rtol=0)
+            torch.testing.assert_close(hid[i, 0], full.hidden[i, n - 1], atol=ATOL, rtol=0)
+            torch.testing.assert_close(cache.k[0][i, :, :n], full.kv[0][i, :, :n], atol=ATOL, rtol=0)
+        # the next row of each sequence attends to all keys the extend wrote
+        nxt = lens.view(b, 1)
+        step_logits, _ = head(embeds.gather(1, nxt.unsqueeze(-1).expand(-1, -1, h)),
+                              hidden.gather(1, nxt.unsqueeze(-1).expand(-1, -1, h)), nxt, cache, lens + 1)
+    for i in range(b):
+        torch.testing.assert_close(step_logits[i, 0], full.logits[i, int(lens[i])], atol=ATOL, rtol=0)
+
 def test_yarn_tables_match_sglang(drafts):
     yarn = pytest.importorskip("sglang.srt.layers.rotary_embedding.yarn")
     from megatron_spec.draft.rope import ScaledRotary

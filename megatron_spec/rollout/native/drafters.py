@@ -263,10 +263,10 @@ class Eagle3Drafter(_CachedDraftModel):
         b = len(tokens)
         ids, lens, positions, aux = self._pad_pending(b)
         base = self.cache.lens[:b].clone()
-        logits, hidden = self._run(ids, aux, positions, base + lens, (lens - 1).unsqueeze(1))
+        # draft extend: every pending pair enters the cache, only the last one's output is needed
+        logits, h = self._run(ids, aux, positions, base + lens, (lens - 1).unsqueeze(1))  # h: [B, 1, H]
         self.cache.lens[:b] = base + lens  # pairs with target hidden states are permanent
         drafts, probs = [], []
-        h = hidden.gather(1, (lens - 1).view(b, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [B, 1, H]
         for j in range(k):
             if j > 0:
                 pos = (self.cache.lens[:b] + (j - 1)).unsqueeze(1)

@@ -176,7 +176,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache, layer: int,
                 kv_lens: torch.Tensor, read_len: int, slot_offset: int = 0,
-                write_index: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                write_index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes K/V of all ``T`` new tokens; returns the attention output ``[B, T, H]``, or
+        ``[B, T', H]`` for the query rows ``rows [B, T']`` only (rows whose output nobody reads
+        need their keys and values, not their queries: a draft's extend pass, a last layer)."""
         b, t, _ = x.shape
         qkv = self.qkv_proj(x)  # [B, T, (nq + 2 nkv) d]
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
@@ -190,6 +194,11 @@ class Attention(nn.Module):
             write_index = cache.write_index(positions, slot_offset)
         cache.write(layer, write_index, k, v)
         k_all, v_all = cache.view(layer, b, read_len, slot_offset)
+        if rows is not None:
+            t = rows.shape[1]
+            q = q.gather(2, rows.view(b, 1, t, 1).expand(-1, self.nq, -1, self.d))  # [B, nq, T', d]
+            positions = positions.gather(1, rows)
+            mask = None
         if mask is None:
             mask = attention_mask(positions, kv_lens, read_len)
         if q.dtype == torch.float32 or b * t >= 8:
@@ -219,9 +228,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, positions, rotary, cache, layer, kv_lens, read_len, slot_offset=0, write_index=None,
-                mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, cache, layer, kv_lens, read_len,
-                               slot_offset, write_index, mask)
+                mask=None, rows=None):
+        """``rows [B, T']``: compute the output of those rows only (all rows' K/V are written)."""
+        attn = self.self_attn(self.input_layernorm(x), positions, rotary, cache, layer, kv_lens, read_len,
+                              slot_offset, write_index, mask, rows)
+        if rows is not None:
+            x = x.gather(1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -293,11 +306,16 @@ class CausalLM(nn.Module):
         mask = attention_mask(positions, kv_lens, read_len)
         x = self.embed_tokens(input_ids)
         aux = []
+        last = len(self.layers) - 1
+        # Only the rows whose logits are wanted need the last layer's output (unless it is an aux
+        # layer): the others need its keys and values, not its attention output or MLP.
+        rows = logits_index if logits_index is not None and last not in aux_layers else None
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, cache, i, kv_lens, read_len, slot_offset, write_index, mask)
+            x = layer(x, positions, self.rotary, cache, i, kv_lens, read_len, slot_offset, write_index, mask,
+                      rows if i == last else None)
             if i in aux_layers:
                 aux.append(x)
-        if logits_index is not None:
+        if logits_index is not None and rows is None:
             x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         normed = self.norm(x)
         logits = (F.linear(normed, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(normed)).float()
