@@ -26,6 +26,23 @@ from megatron_spec.spec import SamplingTensors, process_logits
 from megatron_spec.spec.verify import sample_from_logprobs
 
 
+def draw(logits: torch.Tensor, sampling: SamplingTensors, generator: torch.Generator
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft token per row of ``logits [B, V]`` and the distribution it was drawn from
+    (``[B, V]``). An all-greedy batch takes the argmax and returns no distribution: greedy rows
+    are verified by comparing tokens (the argmax is the token the one-hot processed distribution
+    would give), so the log-softmax, the draw and ``exp`` would be host work for nothing."""
+    if getattr(sampling, "_kind", "mixed") == "greedy":
+        return logits.argmax(dim=-1), None
+    lp = process_logits(logits, sampling)
+    return sample_from_logprobs(lp, sampling.greedy, generator=generator), lp.exp()
+
+
+def _stack_probs(probs: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """``[B, k, V]`` draft distributions, or None when the drafts were argmaxes (all-greedy)."""
+    return None if any(p is None for p in probs) else torch.stack(probs, 1)
+
+
 class Drafter(abc.ABC):
     """Interface between the engine's scheduler and a draft source."""
 
@@ -63,7 +80,8 @@ class Drafter(abc.ABC):
             tokens: each row's full token list (prompt + generated so far).
         Returns:
             draft token ids ``[B, k]`` (target vocabulary; -1 ends a row's chain early) and the
-            draft distributions they were sampled from ``[B, k, Vd]`` (None: point masses).
+            draft distributions they were sampled from ``[B, k, Vd]`` (None: point masses, or
+            argmaxes of an all-greedy batch, which verification compares token by token).
         """
 
     def commit(self, emitted: Sequence[Sequence[int]], num_accepted: Sequence[int],
@@ -207,12 +225,11 @@ class ModelDrafter(_CachedDraftModel):
             if j > 0:
                 pos = (self.cache.lens[:b] + (j - 1)).unsqueeze(1)
                 logits, _ = self.model(last.unsqueeze(1), pos, self.cache, pos.squeeze(1) + 1)
-            lp = process_logits(logits[:, -1], sampling)  # [B, V]
-            last = sample_from_logprobs(lp, sampling.greedy, generator=generator)
+            last, q = draw(logits[:, -1], sampling, generator)  # [B], [B, V]
             drafts.append(last)
-            probs.append(lp.exp())
+            probs.append(q)
         self._fed = k - 1
-        return torch.stack(drafts, 1), torch.stack(probs, 1)
+        return torch.stack(drafts, 1), _stack_probs(probs)
 
     def commit(self, emitted, num_accepted, verify_aux):
         # Entries written for accepted drafts are exact (same tokens, same positions): keep them.
@@ -271,12 +288,11 @@ class Eagle3Drafter(_CachedDraftModel):
             if j > 0:
                 pos = (self.cache.lens[:b] + (j - 1)).unsqueeze(1)
                 logits, h = self._run(last_target.unsqueeze(1), h, pos, pos.squeeze(1) + 1, None, fused=True)
-            lp = process_logits(logits[:, -1], sampling)  # [B, Vd]
-            d = sample_from_logprobs(lp, sampling.greedy, generator=generator)
+            d, q = draw(logits[:, -1], sampling, generator)  # [B], [B, Vd]
             last_target = d + self.d2t[d] if self.d2t is not None else d
             drafts.append(last_target)
-            probs.append(lp.exp())
-        return torch.stack(drafts, 1), torch.stack(probs, 1)
+            probs.append(q)
+        return torch.stack(drafts, 1), _stack_probs(probs)
 
     def commit(self, emitted, num_accepted, verify_aux):
         for b, em in enumerate(emitted):
@@ -412,9 +428,8 @@ class MtpDrafter(Drafter):
                 hiddens.append(h_in)
                 toks.append([tokens[i][r + d + 1] if r + d + 1 <= n else drafts[i][r + d - n] for r in range(s0, n)])
             outs, logits = self._run(d, 0, starts, hiddens, toks, True)
-            lp = process_logits(logits, sampling)  # [B, V]
-            tok = sample_from_logprobs(lp, sampling.greedy, generator=generator)
-            probs.append(lp.exp())
+            tok, q = draw(logits, sampling, generator)  # [B], [B, V]
+            probs.append(q)
             for i, t in enumerate(tok.tolist()):
                 drafts[i].append(t)
             kept = [max(0, n - d) for n in last]  # rows <= N-1-d hold verified tokens only
@@ -436,12 +451,11 @@ class MtpDrafter(Drafter):
             ids = torch.tensor([[dr[-1]] for dr in drafts])
             chain_h = self.head.layers[top](self.target.embed_tokens(ids), chain_h, pos, self.target.rotary,
                                             self.caches[top], pos.squeeze(1) + 1)
-            lp = process_logits(self._logits(chain_h[:, 0]), sampling)
-            tok = sample_from_logprobs(lp, sampling.greedy, generator=generator)
-            probs.append(lp.exp())
+            tok, q = draw(self._logits(chain_h[:, 0]), sampling, generator)
+            probs.append(q)
             for i, t in enumerate(tok.tolist()):
                 drafts[i].append(t)
-        return torch.tensor(drafts, dtype=torch.long), torch.stack(probs, 1)
+        return torch.tensor(drafts, dtype=torch.long), _stack_probs(probs)
 
     def commit(self, emitted, num_accepted, verify_aux):
         h0 = self._h0(verify_aux)  # [B, k+1, H]

@@ -289,7 +289,8 @@ class EngineCore:
         pos = base.unsqueeze(1) + torch.arange(k + 1)  # [B, k+1]
         logits, aux = self.model(inputs, pos, self.cache, base + k + 1, aux_layers=self.drafter.aux_layers)
         lp = process_logits(logits, sampling)  # [B, k+1, V]
-        res = verify_chain(lp, drafts, q, d2t=self.drafter.d2t, greedy=sampling.greedy, generator=self.generator)
+        d2t = self.drafter.d2t if q is not None else None  # d2t maps q's vocabulary; drafts are target ids
+        res = verify_chain(lp, drafts, q, d2t=d2t, greedy=sampling.greedy, generator=self.generator)
         tok_lp = res.logprobs
         if bool(sampling.greedy.any()):
             tok_lp = self._token_logprobs(logits, lp, res.tokens, sampling.greedy)
