@@ -289,17 +289,15 @@ def main() -> int:
     print("acceptance lengths: " + json.dumps({k: {a: round(v, 2) for a, v in r.items() if a.startswith("accept")}
                                               for k, r in results.items()}))
     main_dtype = "bfloat16" if any(k.startswith("bfloat16") for k in results) else args.dtypes.split(",")[0]
+    b1, b16 = results.get(f"{main_dtype}_b1"), results.get(f"{main_dtype}_b16")  # None: batch not measured
     summary = {
-        "eagle3_k3_over_ar_b1": round(results[f"{main_dtype}_b1"]["eagle3_k3_over_ar"], 3),
-        "accept_length_k3_b1": round(results[f"{main_dtype}_b1"]["accept_k3"], 3),
+        "eagle3_k3_over_ar_b1": round(b1["eagle3_k3_over_ar"], 3) if b1 else None,
+        "accept_length_k3_b1": round(b1["accept_k3"], 3) if b1 else None,
         "fraction_of_ceiling_k3_min": round(min(r["fraction_of_ceiling_k3"] for r in results.values()), 3),
         "fraction_of_ceiling_k3_min_in_loop": round(min(r["fraction_of_ceiling_k3_in_loop"]
                                                         for r in results.values()), 3),
-        "ar_over_hf_generate_b16": round(results[f"{main_dtype}_b16"]["ar_sampling"]
-                                         / results[f"{main_dtype}_b16"]["hf_generate"], 3)
-        if f"{main_dtype}_b16" in results else None,
-        "eagle3_k3_over_hf_assisted_b1": round(results[f"{main_dtype}_b1"]["eagle3_k3"]
-                                               / results[f"{main_dtype}_b1"]["hf_assisted"], 3),
+        "ar_over_hf_generate_b16": round(b16["ar_sampling"] / b16["hf_generate"], 3) if b16 else None,
+        "eagle3_k3_over_hf_assisted_b1": round(b1["eagle3_k3"] / b1["hf_assisted"], 3) if b1 else None,
         "dtype": main_dtype,
         "per_config": {k: {a: round(v, 3) for a, v in r.items()} for k, r in results.items()},
     }
