@@ -41,6 +41,9 @@ class EngineConfig:
     """Expect block-FP8 target weights (``weight_scale_inv``) in updates and dequantise them."""
     mtp_num_layers: int = 1
     """MTP heads the trainer streams (draft_kind mtp)."""
+    warm_up: bool = True
+    """Build oneDNN's primitives for every decode-sized row count at start-up
+    (``model.warm_linears``), so the first rollouts do not pay for them."""
     startup_timeout_s: float = 600.0
     call_timeout_s: float = 3600.0
 

@@ -29,7 +29,7 @@ from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, MtpDrafter, NgramDrafter
 from megatron_spec.rollout.native.engine import EngineCore
-from megatron_spec.rollout.native.model import CausalLM, pack_linears
+from megatron_spec.rollout.native.model import CausalLM, pack_linears, warm_linears
 from megatron_spec.rollout.types import GenerateRequest
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,11 @@ class EngineServer:
         for module in (self.target, self._draft_module()):
             if module is not None:
                 pack_linears(module)  # oneDNN-prepacked weights for inference (model.Linear)
+        if config.warm_up:
+            t0 = time.perf_counter()
+            calls = warm_linears([m for m in (self.target, self._draft_module()) if m is not None],
+                                 config.max_batch_size * (config.k + 1))
+            logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
         self._updating: dict[str, set[str]] | None = None
         self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received (see update_weights_from_tensor)
         self._released: set[str] = set()

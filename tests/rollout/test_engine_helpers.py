@@ -1,0 +1,49 @@
+"""Engine helpers: the drafters' draw (argmax without a distribution for all-greedy batches, a
+sample and its distribution otherwise) and the oneDNN warm-up of packed linears."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_spec.rollout.native.drafters import draw
+from megatron_spec.spec import SamplingTensors, process_logits
+
+
+def test_all_greedy_batch_is_argmax_without_distribution():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 2.0], [3.0, 0.0, 0.5, -2.0]])
+    tok, q = draw(logits, SamplingTensors.from_values(0.0, batch_size=2), torch.Generator().manual_seed(0))
+    assert tok.tolist() == [1, 0]  # ties go to the first maximum, as process_logits' one-hot does
+    assert q is None
+    lp = process_logits(logits, SamplingTensors.from_values(0.0, batch_size=2))
+    assert lp.argmax(-1).tolist() == [1, 0]
+
+
+def test_mixed_batch_samples_and_returns_the_processed_distribution():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, generator=g)
+    sampling = SamplingTensors.from_values([0.0, 1.0, 0.7], [0, 0, 3], [1.0, 0.9, 1.0], [0.0, 0.0, 0.0])
+    tok, q = draw(logits, sampling, torch.Generator().manual_seed(2))
+    torch.testing.assert_close(q, process_logits(logits, sampling).exp())
+    assert int(tok[0]) == int(logits[0].argmax())
+    assert all(float(q[i, int(tok[i])]) > 0 for i in range(3))  # drawn inside the processed support
+
+
+def test_warm_linears_calls_each_distinct_packed_shape_per_row_count():
+    from megatron_spec.rollout.native.model import Linear, pack_linears, warm_linears
+
+    # two layers of one shape, one of another, one left unpacked: 2 distinct packed shapes
+    net = torch.nn.Sequential(Linear(8, 16, bias=False), Linear(8, 16, bias=False), Linear(16, 4))
+    pack_linears(net)
+    if net[0]._packed is None:  # no oneDNN in this torch build: nothing to warm
+        assert warm_linears([net], 5) == 0
+        return
+    calls = []
+    for m in net:
+        m.register_forward_hook(lambda mod, args, out: calls.append((mod.in_features, args[0].shape[0])))
+    assert warm_linears([net], 5) == 10
+    assert sorted(calls) == sorted([(8, r) for r in range(1, 6)] + [(16, r) for r in range(1, 6)])
+    calls.clear()
+    assert warm_linears([net], 5, max_primitives=6) == 6  # capped: 3 row counts x 2 shapes
+    assert max(r for _, r in calls) == 3
+    net[2].unpack()
+    assert warm_linears([net], 2) == 2  # unpacked layers take the plain path: nothing to build
