@@ -47,7 +47,7 @@ from megatron_spec.draft.eagle3_config import (
     default_aux_layer_ids,
 )
 from megatron_spec.draft.rope import ScaledRotary
-from megatron_spec.rollout.native.kv_cache import KVCache
+from megatron_spec.rollout.native.kv_cache import KVCache, read_length
 from megatron_spec.rollout.native.model import MLP, Attention, Linear, RMSNorm
 
 
@@ -180,7 +180,7 @@ class Eagle3Head(nn.Module):
         """
         dtype = self.lm_head.weight.dtype
         embeds, hidden = embeds.to(dtype), hidden.to(dtype)
-        read_len = int(kv_lens.max())  # host sync, as the target's forward: sizes the cache view
+        read_len = read_length(kv_lens, cache.max_len)  # host sync, as the target's forward
         attn_out = self.self_attn(self._attention_input(embeds, hidden), positions, self.rotary, cache, 0,
                                   kv_lens, read_len, slot_offset, rows=logits_index)
         if logits_index is not None:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from megatron_spec.models.hf_config import DecoderConfig
-from megatron_spec.rollout.native.kv_cache import KVCache
+from megatron_spec.rollout.native.kv_cache import KVCache, read_length
 from megatron_spec.rollout.native.model import DecoderLayer, Linear, RMSNorm, Rotary
 
 ARCHITECTURE = "MegatronSpecMTP"
@@ -66,7 +66,7 @@ class MtpLayer(nn.Module):
         ``[B, T]``; ``kv_lens`` ``[B]`` valid cache rows after this call. Returns ``h_k`` ``[B, T, H]``."""
         dtype = self.eh_proj.weight.dtype
         x = self.eh_proj(torch.cat([self.enorm(embeds.to(dtype)), self.hnorm(hidden.to(dtype))], dim=-1))
-        read_len = int(kv_lens.max())  # host sync, as the target's forward: sizes the cache view
+        read_len = read_length(kv_lens, cache.max_len)  # host sync, as the target's forward
         x = self.layer(x, positions, rotary, cache, 0, kv_lens, read_len, slot_offset)
         return self.final_layernorm(x)
 

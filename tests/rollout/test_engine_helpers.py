@@ -47,3 +47,13 @@ def test_warm_linears_calls_each_distinct_packed_shape_per_row_count():
     assert max(r for _, r in calls) == 3
     net[2].unpack()
     assert warm_linears([net], 2) == 2  # unpacked layers take the plain path: nothing to build
+
+
+def test_read_length_buckets_the_longest_row_and_caps_at_the_cache():
+    from megatron_spec.rollout.native.kv_cache import read_length
+
+    assert read_length(torch.tensor([3, 17, 9]), max_len=200) == 32
+    assert read_length(torch.tensor([32]), max_len=200) == 32
+    assert read_length(torch.tensor([33, 1]), max_len=200) == 64
+    assert read_length(torch.tensor([150]), max_len=140) == 140  # never past the cache
+    assert read_length(torch.tensor([5]), max_len=200, bucket=1) == 5

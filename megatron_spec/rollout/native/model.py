@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_spec.models.hf_config import DecoderConfig
-from megatron_spec.rollout.native.kv_cache import KVCache, attention_mask
+from megatron_spec.rollout.native.kv_cache import KVCache, attention_mask, read_length
 
 
 def _mkldnn_packing_available() -> bool:
@@ -331,7 +331,7 @@ class CausalLM(nn.Module):
         Returns:
             logits ``[B, T', V]`` float32 and aux ``[B, T, len(aux_layers) * H]`` (or None).
         """
-        read_len = int(kv_lens.max())
+        read_len = read_length(kv_lens, cache.max_len)
         write_index = cache.write_index(positions, slot_offset)  # shared by all layers
         mask = attention_mask(positions, kv_lens, read_len)
         x = self.embed_tokens(input_ids)
