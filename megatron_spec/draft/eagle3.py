@@ -48,7 +48,7 @@ from megatron_spec.draft.eagle3_config import (
 )
 from megatron_spec.draft.rope import ScaledRotary
 from megatron_spec.rollout.native.kv_cache import KVCache, read_length
-from megatron_spec.rollout.native.model import MLP, Attention, Linear, RMSNorm
+from megatron_spec.rollout.native.model import MLP, Attention, Linear, RMSNorm, gather_rows
 
 
 class Eagle3Output(NamedTuple):
@@ -184,7 +184,7 @@ class Eagle3Head(nn.Module):
         attn_out = self.self_attn(self._attention_input(embeds, hidden), positions, self.rotary, cache, 0,
                                   kv_lens, read_len, slot_offset, rows=logits_index)
         if logits_index is not None:
-            hidden = hidden.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+            hidden = gather_rows(hidden, logits_index)
         return self._finish(hidden, attn_out)
 
     def forward_full(

@@ -119,6 +119,11 @@ def warm_linears(modules: Iterable[nn.Module], max_rows: int, max_primitives: in
     return rows * len(shapes)
 
 
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x [B, T, H]`` at ``rows [B, T']`` (indices into T) -> ``[B, T', H]``."""
+    return x.gather(1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
 class RMSNorm(nn.Module):
     """transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale."""
 
@@ -263,7 +268,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(self.input_layernorm(x), positions, rotary, cache, layer, kv_lens, read_len,
                               slot_offset, write_index, mask, rows)
         if rows is not None:
-            x = x.gather(1, rows.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+            x = gather_rows(x, rows)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -346,7 +351,7 @@ class CausalLM(nn.Module):
             if i in aux_layers:
                 aux.append(x)
         if logits_index is not None and rows is None:
-            x = x.gather(1, logits_index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+            x = gather_rows(x, logits_index)
         normed = self.norm(x)
         logits = (F.linear(normed, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(normed)).float()
         order = sorted(aux_layers)
