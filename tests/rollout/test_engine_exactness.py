@@ -134,3 +134,26 @@ def test_request_errors_are_named(setup):
         server.generate([GenerateRequest("bad", [5, 999], SamplingParams(max_new_tokens=2))])
     with pytest.raises(ValueError, match="n=3 exceeds max_batch_size 2"):
         server.generate([GenerateRequest("n", [5, 6], SamplingParams(max_new_tokens=2), n=3)])
+
+
+@pytest.mark.parametrize("kind", ["none", "eagle3"])
+def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
+    """Prompts admitted while rows run are prefilled in the running rows' step forward; every
+    sample (tokens and log-probs) equals running its request alone."""
+    batched = _server(setup, kind, max_batch_size=3)
+    alone = _server(setup, kind, max_batch_size=2)
+    prompts = _prompts(setup.cfg, 7, seed=21)
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=4 + 3 * i),
+                            n=2 if i in (1, 4) else 1) for i, p in enumerate(prompts)]
+    calls = []
+    fwd = batched.core.model.forward_segments
+    batched.core.model.forward_segments = lambda segs, *a, **kw: calls.append(len(segs)) or fwd(segs, *a, **kw)
+    got, _ = batched.generate(reqs)
+    assert max(calls) == 2  # some prompts did ride along
+    for r in reqs:
+        ref, _ = alone.generate([r])
+        mine = [s for s in got if s.request_id == r.request_id]
+        assert len(mine) == r.n
+        for s, t in zip(mine, ref):
+            assert s.output_ids == t.output_ids
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5, rtol=0)

@@ -4,7 +4,9 @@ One :meth:`EngineCore.generate` call runs a list of requests to completion:
 
 * **Admission.** Waiting prompts join whenever enough slots are free. Their prompts are
   prefilled together (padded batch), then each prompt's cache is copied into the slots of its
-  ``n`` samples, whose first tokens are sampled from the shared prefill logits.
+  ``n`` samples, whose first tokens are sampled from the shared prefill logits. While other
+  rows are running, the prefill rides along with their next step: one target forward over
+  both (``CausalLM.forward_segments``) reads the weights once for the step and the prompts.
 * **Steps.** Every step advances all running rows at once: a plain step decodes one token;
   a speculative step asks the drafter for k tokens per row, runs the target once over the
   k+1 positions, and verifies with ``megatron_spec.spec.verify_chain`` (accept with
@@ -32,7 +34,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_spec.rollout.native.drafters import Drafter
-from megatron_spec.rollout.native.model import CausalLM
+from megatron_spec.rollout.native.model import CausalLM, Segment
 from megatron_spec.rollout.types import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -72,6 +74,16 @@ class _Row:
         elif len(self.out) >= self.req.sampling.max_new_tokens:
             self.finish = FINISH_LENGTH
         return self.finish is not None
+
+
+@dataclasses.dataclass
+class _Admission:
+    """Requests taken from the queue, to be prefilled into slots ``base..`` (see ``_take``)."""
+
+    batch: list[GenerateRequest]
+    base: int
+    lens: torch.Tensor
+    segment: Segment
 
 
 class EngineCore:
@@ -146,20 +158,23 @@ class EngineCore:
         done: list[SampleOutput] = []
         sampling = None
         while waiting or rows:
-            admitted = self._admit(waiting, rows, stats)
-            if admitted or sampling is None or sampling.batch_size != len(rows):
-                sampling = self._sampling(rows)
-            finished = self._retire(rows, on_sample_done, done)
-            if finished:
-                sampling = self._sampling(rows)
-            if not rows:
+            if not rows:  # nothing running: the prompts are prefilled on their own
+                adm = self._take(waiting, rows)
+                if adm is not None:
+                    self._start(adm, rows, *self.model.forward_segments([adm.segment], self.cache,
+                                                                         aux_layers=self._aux_layers())[0])
+                self._retire(rows, on_sample_done, done)
+                sampling = None
                 continue
-            if self.spec_enabled and self.drafter is not None:
-                self._spec_step(rows, sampling, stats)
-            else:
-                self._plain_step(rows, sampling, stats)
-            if self._retire(rows, on_sample_done, done):
+            if sampling is None:
                 sampling = self._sampling(rows)
+            adm = self._take(waiting, rows)  # prefilled in this step's forward, joins after it
+            if self.spec_enabled and self.drafter is not None:
+                self._spec_step(rows, sampling, stats, adm)
+            else:
+                self._plain_step(rows, sampling, stats, adm)
+            if self._retire(rows, on_sample_done, done) or adm is not None:
+                sampling = None  # the batch changed
         stats.wall_s = time.perf_counter() - t0
         order = {r.request_id: i for i, r in enumerate(requests)}
         done.sort(key=lambda s: (order[s.request_id], s.sample_index))
@@ -191,7 +206,11 @@ class EngineCore:
             out = torch.where(greedy.view(-1, *([1] * (out.dim() - 1))), raw, out)
         return out
 
-    def _admit(self, waiting: deque, rows: list[_Row], stats: GenerateStats) -> bool:
+    def _aux_layers(self) -> tuple[int, ...]:
+        return self.drafter.aux_layers if self.drafter is not None else ()
+
+    def _take(self, waiting: deque, rows: list[_Row]) -> _Admission | None:
+        """Take the waiting requests that fit the free slots (and the prefill token budget)."""
         free = self.max_batch_size - len(rows)
         batch: list[GenerateRequest] = []
         tokens = 0
@@ -202,18 +221,31 @@ class EngineCore:
             batch.append(waiting.popleft())
             tokens += len(nxt.input_ids)
         if not batch:
-            return False
-        base = len(rows)
-        p = len(batch)
+            return None
+        base, p = len(rows), len(batch)
         lens = torch.tensor([len(r.input_ids) for r in batch])
         t = int(lens.max())
         ids = torch.zeros(p, t, dtype=torch.long)
         for i, r in enumerate(batch):
             ids[i, :len(r.input_ids)] = torch.tensor(r.input_ids)
-        positions = torch.arange(t).expand(p, t)
-        aux_layers = self.drafter.aux_layers if self.drafter is not None else ()
-        logits, aux = self.model(ids, positions, self.cache, lens, logits_index=(lens - 1).unsqueeze(1),
-                                 aux_layers=aux_layers, slot_offset=base)
+        seg = Segment(ids, torch.arange(t).expand(p, t), lens, base, (lens - 1).unsqueeze(1))
+        return _Admission(batch, base, lens, seg)
+
+    def _forward(self, seg: Segment, adm: _Admission | None, aux_layers: Sequence[int]):
+        """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,
+        aux) and the prefill's (None without ``adm``)."""
+        if adm is None:
+            return self.model.forward_segments([seg], self.cache, aux_layers=aux_layers)[0], None
+        step, pre = self.model.forward_segments([seg, adm.segment], self.cache,
+                                                aux_layers=self._aux_layers())  # the drafter's prefill reads them
+        return step, pre
+
+    def _start(self, adm: _Admission, rows: list[_Row], logits: torch.Tensor, aux: torch.Tensor | None) -> None:
+        """After ``adm``'s prefill forward (``logits [P, 1, V]`` at each prompt's last position,
+        ``aux [P, T, A]``): fill the draft's cache, spread each prompt to the slots of its
+        samples, sample their first tokens and append them to ``rows``."""
+        batch, base, lens = adm.batch, adm.base, adm.lens
+        p = len(batch)
         self.cache.lens[base:base + p] = lens  # the sampled first token is the next step's input
         if self.drafter is not None:
             self.drafter.prefill(base, [r.input_ids for r in batch], aux)
@@ -245,7 +277,6 @@ class EngineCore:
                 self.drafter.start(slot, row.req.input_ids, t_, last_aux)
             row.emit(t_, l_)
         rows.extend(new_rows)
-        return True
 
     def _retire(self, rows: list[_Row], on_done, done: list[SampleOutput]) -> bool:
         finished = [i for i, r in enumerate(rows) if r.finish is not None]
@@ -268,11 +299,12 @@ class EngineCore:
             rows.pop()
         return True
 
-    def _plain_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats) -> None:
+    def _plain_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats,
+                    adm: _Admission | None = None) -> None:
         b = len(rows)
         ids = torch.tensor([[r.tokens[-1]] for r in rows])
         pos = self.cache.lens[:b].unsqueeze(1).clone()  # [B, 1]
-        logits, _ = self.model(ids, pos, self.cache, pos.squeeze(1) + 1)
+        (logits, _), pre = self._forward(Segment(ids, pos, pos.squeeze(1) + 1), adm, ())
         lp = process_logits(logits[:, 0], sampling)
         tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
         tok_lp = self._token_logprobs(logits[:, 0], lp, tok, sampling.greedy)
@@ -280,14 +312,17 @@ class EngineCore:
         for r, t_, l_ in zip(rows, tok.tolist(), tok_lp.tolist()):
             r.verify_steps += 1
             r.emit(t_, l_)
+        if adm is not None:
+            self._start(adm, rows, *pre)
 
-    def _spec_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats) -> None:
+    def _spec_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats,
+                   adm: _Admission | None = None) -> None:
         b, k = len(rows), self.k
         drafts, q = self.drafter.propose([r.tokens for r in rows], k, sampling, self.generator)  # [B, k]
         inputs = torch.cat([torch.tensor([[r.tokens[-1]] for r in rows]), drafts.clamp(min=0)], dim=1)
         base = self.cache.lens[:b].clone()
         pos = base.unsqueeze(1) + torch.arange(k + 1)  # [B, k+1]
-        logits, aux = self.model(inputs, pos, self.cache, base + k + 1, aux_layers=self.drafter.aux_layers)
+        (logits, aux), pre = self._forward(Segment(inputs, pos, base + k + 1), adm, self.drafter.aux_layers)
         lp = process_logits(logits, sampling)  # [B, k+1, V]
         d2t = self.drafter.d2t if q is not None else None  # d2t maps q's vocabulary; drafts are target ids
         res = verify_chain(lp, drafts, q, d2t=d2t, greedy=sampling.greedy, generator=self.generator)
@@ -306,3 +341,5 @@ class EngineCore:
             for j, t_ in enumerate(em):
                 if r.emit(t_, l_[j]):
                     break
+        if adm is not None:
+            self._start(adm, rows, *pre)

@@ -17,6 +17,7 @@ This module does not know about requests, sampling or drafting.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -216,8 +217,17 @@ class Attention(nn.Module):
         """Writes K/V of all ``T`` new tokens; returns the attention output ``[B, T, H]``, or
         ``[B, T', H]`` for the query rows ``rows [B, T']`` only (rows whose output nobody reads
         need their keys and values, not their queries: a draft's extend pass, a last layer)."""
-        b, t, _ = x.shape
-        qkv = self.qkv_proj(x)  # [B, T, (nq + 2 nkv) d]
+        out = self.attend(self.qkv_proj(x), positions, rotary, cache, layer, kv_lens, read_len, slot_offset,
+                          write_index, mask, rows)
+        return self.o_proj(out)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: Rotary, cache: KVCache, layer: int,
+               kv_lens: torch.Tensor, read_len: int, slot_offset: int = 0,
+               write_index: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` between the two projections: ``qkv [B, T, (nq + 2 nkv) d]`` (the output
+        of ``qkv_proj``) -> attention output ``[B, T', nq d]`` before ``o_proj``."""
+        b, t, _ = qkv.shape
         q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
         q = q.view(b, t, self.nq, self.d)
         k = k.view(b, t, self.nkv, self.d)
@@ -240,7 +250,7 @@ class Attention(nn.Module):
             out = gqa_attention(q, k_all, v_all, mask, self.scale)
         else:  # a single bf16 row: torch's fused kernel is the faster one
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.nq * self.d))
+        return out.transpose(1, 2).reshape(b, t, self.nq * self.d)
 
 
 class MLP(nn.Module):
@@ -254,6 +264,38 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+@dataclasses.dataclass
+class Segment:
+    """One rectangular group of rows of a forward (see :meth:`CausalLM.forward_segments`):
+    ``input_ids``/``positions [B, T]`` of slots ``slot_offset..slot_offset+B-1``, ``kv_lens [B]``
+    valid cache entries per row after the forward, ``logits_index [B, T']`` the positions whose
+    logits are wanted (None: all)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    kv_lens: torch.Tensor
+    slot_offset: int = 0
+    logits_index: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What every layer of one forward needs to know about a segment (computed once)."""
+
+    b: int
+    t: int
+    positions: torch.Tensor
+    kv_lens: torch.Tensor
+    read_len: int
+    slot_offset: int = 0
+    write_index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -265,11 +307,26 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rotary, cache, layer, kv_lens, read_len, slot_offset=0, write_index=None,
                 mask=None, rows=None):
         """``rows [B, T']``: compute the output of those rows only (all rows' K/V are written)."""
-        attn = self.self_attn(self.input_layernorm(x), positions, rotary, cache, layer, kv_lens, read_len,
-                              slot_offset, write_index, mask, rows)
-        if rows is not None:
-            x = gather_rows(x, rows)
-        x = x + attn
+        b, t, h = x.shape
+        plan = _Plan(b, t, positions, kv_lens, read_len, slot_offset, write_index, mask)
+        return self.forward_flat(x.reshape(b * t, h), [plan], rotary, cache, layer, [rows]).view(b, -1, h)
+
+    def forward_flat(self, x: torch.Tensor, plans: Sequence[_Plan], rotary: Rotary, cache: KVCache, layer: int,
+                     rows: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Segments laid end to end: ``x [N, H]`` holds each plan's ``B x T`` rows in turn.
+
+        The projections and the MLP run once over all of them (one pass over the weights);
+        attention runs per segment over its slots. ``rows[j]``: as in :meth:`forward`, per
+        segment. Returns ``[N', H]`` (N' counts only the kept rows)."""
+        qkv = self.self_attn.qkv_proj(self.input_layernorm(x))
+        sizes = [p.b * p.t for p in plans]
+        outs, kept = [], []
+        for p, part, xs, r in zip(plans, qkv.split(sizes), x.split(sizes), rows):
+            o = self.self_attn.attend(part.view(p.b, p.t, -1), p.positions, rotary, cache, layer, p.kv_lens,
+                                      p.read_len, p.slot_offset, p.write_index, p.mask, r)
+            outs.append(o.reshape(-1, o.shape[-1]))
+            kept.append(xs if r is None else gather_rows(xs.view(p.b, p.t, -1), r).reshape(-1, xs.shape[-1]))
+        x = _cat(kept) + self.self_attn.o_proj(_cat(outs))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -336,27 +393,52 @@ class CausalLM(nn.Module):
         Returns:
             logits ``[B, T', V]`` float32 and aux ``[B, T, len(aux_layers) * H]`` (or None).
         """
-        read_len = read_length(kv_lens, cache.max_len)
-        write_index = cache.write_index(positions, slot_offset)  # shared by all layers
-        mask = attention_mask(positions, kv_lens, read_len)
-        x = self.embed_tokens(input_ids)
-        aux = []
+        seg = Segment(input_ids, positions, kv_lens, slot_offset, logits_index)
+        return self.forward_segments([seg], cache, aux_layers=aux_layers)[0]
+
+    def forward_segments(self, segments: Sequence[Segment], cache: KVCache, *, aux_layers: Sequence[int] = ()
+                         ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """One forward over several segments of different shapes (e.g. the running rows' verify
+        tokens ``[B, k+1]`` and newly admitted prompts ``[P, L]``): every weight is read once for
+        all of them, attention runs per segment. Returns :meth:`forward`'s output per segment.
+
+        Why: decode on a CPU (as on a GPU) is bound by reading the weights; a prompt prefilled
+        on its own pays a whole pass over them, while riding along with a decode step it costs
+        little more than its own arithmetic (SGLang's and vLLM's mixed prefill/decode batches).
+        """
         last = len(self.layers) - 1
-        # Only the rows whose logits are wanted need the last layer's output (unless it is an aux
-        # layer): the others need its keys and values, not its attention output or MLP.
-        rows = logits_index if logits_index is not None and last not in aux_layers else None
+        plans, rows = [], []
+        for s in segments:
+            read_len = read_length(s.kv_lens, cache.max_len)
+            plans.append(_Plan(*s.input_ids.shape, s.positions, s.kv_lens, read_len, s.slot_offset,
+                               cache.write_index(s.positions, s.slot_offset),  # shared by all layers
+                               attention_mask(s.positions, s.kv_lens, read_len)))
+            # Only the rows whose logits are wanted need the last layer's output (unless it is an
+            # aux layer): the others need its keys and values, not its attention output or MLP.
+            rows.append(s.logits_index if s.logits_index is not None and last not in aux_layers else None)
+        h = self.cfg.hidden_size
+        x = _cat([self.embed_tokens(s.input_ids).reshape(-1, h) for s in segments])
+        aux: list[list[torch.Tensor]] = [[] for _ in segments]
+        no_rows = [None] * len(segments)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, cache, i, kv_lens, read_len, slot_offset, write_index, mask,
-                      rows if i == last else None)
+            x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
             if i in aux_layers:
-                aux.append(x)
-        if logits_index is not None and rows is None:
-            x = gather_rows(x, logits_index)
-        normed = self.norm(x)
+                for j, part in enumerate(x.split([p.b * p.t for p in plans])):
+                    aux[j].append(part.view(plans[j].b, plans[j].t, h))
+        outs = []
+        for p, s, r, part in zip(plans, segments, rows, x.split([p.b * (p.t if r is None else r.shape[1])
+                                                                  for p, r in zip(plans, rows)])):
+            part = part.view(p.b, -1, h)
+            outs.append(gather_rows(part, s.logits_index) if s.logits_index is not None and r is None else part)
+        sizes = [o.shape[1] for o in outs]
+        normed = self.norm(_cat([o.reshape(-1, h) for o in outs]))
         logits = (F.linear(normed, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(normed)).float()
         order = sorted(aux_layers)
-        aux_out = torch.cat([aux[order.index(i)] for i in aux_layers], -1) if aux_layers else None
-        return logits, aux_out
+        result = []
+        for p, n, lg, a in zip(plans, sizes, logits.split([p.b * n for p, n in zip(plans, sizes)]), aux):
+            aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
+            result.append((lg.view(p.b, n, -1), aux_out))
+        return result
 
     # ---------------------------------------------------------------- weights
     def expected_hf_names(self) -> set[str]:
