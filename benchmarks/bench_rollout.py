@@ -12,18 +12,22 @@ widened the same way; a separately trained 0.8M model of the same family and tok
 the draft model (also the assistant of transformers' assisted generation); n-gram.
 Workload: the demo task's prompts (``sum``), greedy, responses end at EOS.
 
-Measured per dtype and batch size B (tokens/s, all through the same engine code):
+Measured per dtype and batch size B (tokens/s, all through the same engine code; the engine
+configurations run round-robin, 5 rounds, so the machine's drift hits them alike; tokens/s is a
+config's best round, and the speed-up over AR is the median of the rounds' paired ratios):
   * this engine, plain decoding (greedy, and sampling at T=1 for the transformers comparison);
   * EAGLE-3 with k = 1..5, the draft model and n-gram prompt lookup (k=3), with acceptance lengths;
   * transformers ``generate`` sampling at T=1; transformers assisted generation with the same
     draft model (batch 1 only: it supports no more).
 Then the cost model: v = (target forward over k+1 tokens) / (one AR step), c = (one draft
 step) / (one AR step), measured on the same batch, and the speculation ceiling
-tau / (v + k c) with tau the measured acceptance length. c is measured back to back (the
-draft's weights stay warm); ``c_in_loop`` times the draft passes right after a verify forward,
-as the engine runs them, and gives a second, lower ceiling (``*_in_loop``) reported beside the
-first. Speculation pays only while v is
-close to 1 (memory-bound decode); on 2 CPU cores that regime ends at a small batch.
+tau / (v + k c) with tau the measured acceptance length. A draft step is the drafter's whole
+proposal of k tokens over k (EAGLE-3: the fc fusion of the aux states once, k passes of the
+draft layer, the embedding lookups, argmax and d2t), timed back to back (the draft's weights
+stay warm); ``c_in_loop`` times the proposal right after a verify forward, as the engine runs
+it, and gives a second, lower ceiling (``*_in_loop``) reported beside the first. Speculation
+pays only while v is close to 1 (memory-bound decode); on 2 CPU cores that regime ends at a
+small batch.
 
 Prints a table and, last, one JSON line with the ratios.
 """
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -104,15 +109,31 @@ def _server(paths, dtype: str, kind: str, k: int, batch: int, new_tokens: int):
                                      context_length=32 + new_tokens, num_threads=2))
 
 
-def run_engine(server, prompts, new_tokens: int, temperature: float = 0.0, repeats: int = 3):
-    """Best of ``repeats`` runs (other load on a shared machine only ever slows a run down)."""
+def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -> dict:
+    """``configs``: name -> (server, temperature). Each round runs every config once, in turn;
+    returns each config's runs (``GenerateStats``), round by round.
+
+    Why round-robin: this VM's speed drifts by 10-25% over a minute. Measured one after the
+    other, a config that happens to run in a slow minute looks slower than it is, and the
+    ratios between configs (what the targets are about) carry that drift. Interleaved, every
+    config meets the same drift, and runs of the same round can be compared pairwise.
+    """
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
-    sp = SamplingParams(temperature=temperature, max_new_tokens=new_tokens)
-    reqs = [GenerateRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)]
-    server.generate(reqs[:1])  # warm-up: oneDNN primitives for these shapes
-    runs = [server.generate(reqs, seed=0)[1] for _ in range(repeats)]
-    return max(runs, key=lambda st: st.tokens_per_s)
+    reqs = {t: [GenerateRequest(f"r{i}", p, SamplingParams(temperature=t, max_new_tokens=new_tokens))
+                for i, p in enumerate(prompts)] for t in {t for _, t in configs.values()}}
+    for server, t in configs.values():
+        server.generate(reqs[t][:1])  # warm-up: oneDNN primitives for these shapes
+    runs: dict = {name: [] for name in configs}
+    for _ in range(repeats):
+        for name, (server, t) in configs.items():
+            runs[name].append(server.generate(reqs[t], seed=0)[1])
+    return runs
+
+
+def paired_ratio(num, den) -> float:
+    """Median over rounds of ``num[r] / den[r]`` (tokens/s of two configs in the same round)."""
+    return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(num, den))
 
 
 def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> dict:
@@ -150,12 +171,18 @@ def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> di
 
 
 def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, float, float]:
-    """(v, c, c_in_loop) on the same batch, each over one AR step: v = target forward over k+1
-    tokens, c = one draft pass timed back to back (the draft's weights stay warm), c_in_loop =
-    the k draft passes of a step timed right after a verify forward (whose weights evict the
-    draft's from the caches), as the engine runs them. Fastest of ``reps`` each (as the engine
-    runs are best-of)."""
+    """(v, c, c_in_loop) on the same batch, each over one AR step.
+
+    v: one target forward over k+1 tokens (a verify). c: one draft step, measured as the
+    drafter's whole proposal of k tokens over k: EAGLE-3 fuses the aux states (fc) and runs the
+    draft layer over them once, then k-1 more passes, plus the embedding lookups, the argmax
+    (greedy, as the workload) and the d2t map of each token; proposals run back to back (the
+    draft's weights stay warm). c_in_loop: the same proposal right after a verify forward (whose
+    weights evict the draft's from the caches), as the engine runs it. Each of ``reps``
+    repetitions times all of them in turn (fastest of 3 calls each); the costs are the medians
+    of the repetitions' ratios, paired like the engine runs (a slow moment slows both sides)."""
     from measure_cpu_profile import best_time
+    from megatron_spec.spec import SamplingTensors
 
     model, drafter = server.target, server.drafter
     cache = model.new_cache(batch, 128)
@@ -166,25 +193,41 @@ def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, fl
     idsk = torch.randint(4, vocab, (batch, k + 1))
     aux = drafter.aux_layers
 
-    def t(fn):
-        return best_time(fn, repeats=reps, warmup=2)
+    def fastest(fn) -> float:
+        return best_time(fn, repeats=3, warmup=0)
 
     with torch.inference_mode():
-        ar = t(lambda: model(ids1, pos1, cache, pos1[:, 0] + 1))
-        ver = t(lambda: model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux))
-        head = drafter.head
-        dcache = head.new_cache(batch, 128)
-        emb = model.embed_tokens(ids1)
-        hid = torch.randn(batch, 1, head.cfg.hidden_size, dtype=emb.dtype)
-        draft = t(lambda: head(emb, hid, pos1, dcache, pos1[:, 0] + 1))
-        in_loop = float("inf")
-        for _ in range(reps + 2):
-            model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux)
-            t0 = time.perf_counter()
-            for _ in range(k):
-                head(emb, hid, pos1, dcache, pos1[:, 0] + 1)
-            in_loop = min(in_loop, (time.perf_counter() - t0) / k)
-    return ver / ar, draft / ar, in_loop / ar
+        # the drafter's state for `batch` rows at position 64, each with one pending (token, aux)
+        # pair: what a verify step leaves when it accepted nothing (the extend runs over one pair)
+        drafter.allocate(batch, 128)
+        _, aux_states = model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux)
+        for slot in range(batch):
+            drafter.start(slot, [0], int(ids1[slot, 0]), aux_states[slot, -1])
+        tokens = [[int(t)] for t in ids1[:, 0]]
+        greedy = SamplingTensors.from_values(0.0, batch_size=batch)
+        gen = torch.Generator().manual_seed(0)
+
+        def propose():
+            drafter.cache.lens[:batch] = 64  # the same positions every time
+            drafter.propose(tokens, k, greedy, gen)
+
+        step = lambda: model(ids1, pos1, cache, pos1[:, 0] + 1)  # noqa: E731
+        verify = lambda: model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux)  # noqa: E731
+        for fn in (step, verify, propose, step, verify, propose):  # warm-up
+            fn()
+        v, c, c_loop = [], [], []
+        for _ in range(reps):
+            ar = fastest(step)
+            v.append(fastest(verify) / ar)
+            c.append(fastest(propose) / k / ar)
+            in_loop = float("inf")
+            for _ in range(3):
+                verify()
+                t0 = time.perf_counter()
+                propose()
+                in_loop = min(in_loop, (time.perf_counter() - t0) / k)
+            c_loop.append(in_loop / ar)
+    return statistics.median(v), statistics.median(c), statistics.median(c_loop)
 
 
 def hf_generate(path: str, dtype: str, prompts, new_tokens: int, assistant: str | None = None) -> float:
@@ -246,31 +289,30 @@ def main() -> int:
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)
             row: dict = {}
-            srv = _server(paths, dtype, "none", 1, b, args.new_tokens)
-            row["ar"] = run_engine(srv, prompts, args.new_tokens).tokens_per_s
-            row["ar_sampling"] = run_engine(srv, prompts, args.new_tokens, temperature=1.0).tokens_per_s
-            del srv
-            for k in ks:
-                srv = _server(paths, dtype, "eagle3", k, b, args.new_tokens)
-                st = run_engine(srv, prompts, args.new_tokens)
-                row[f"eagle3_k{k}"] = st.tokens_per_s
-                row[f"accept_k{k}"] = st.spec_accept_length
-                if k == 3:
-                    row["v"], row["c"], row["c_in_loop"] = forward_costs(srv, b, k)
-                del srv
-            for kind in ("model", "ngram"):
-                srv = _server(paths, dtype, kind, 3, b, args.new_tokens)
-                st = run_engine(srv, prompts, args.new_tokens)
-                row[kind] = st.tokens_per_s
-                row[f"accept_{kind}"] = st.spec_accept_length
-                del srv
+            servers = {"ar": _server(paths, dtype, "none", 1, b, args.new_tokens)}
+            servers.update({f"eagle3_k{k}": _server(paths, dtype, "eagle3", k, b, args.new_tokens) for k in ks})
+            servers.update({kind: _server(paths, dtype, kind, 3, b, args.new_tokens) for kind in ("model", "ngram")})
+            configs = {name: (srv, 0.0) for name, srv in servers.items()}
+            configs["ar_sampling"] = (servers["ar"], 1.0)
+            runs = run_interleaved(configs, prompts, args.new_tokens)
+            k3_over_ar = paired_ratio(runs["eagle3_k3"], runs["ar"])
+            for name, rounds in runs.items():
+                st = max(rounds, key=lambda x: x.tokens_per_s)
+                row[name] = st.tokens_per_s
+                if name.startswith("eagle3_k"):
+                    row[f"accept_k{name[len('eagle3_k'):]}"] = st.spec_accept_length
+                elif name in ("model", "ngram"):
+                    row[f"accept_{name}"] = st.spec_accept_length
+            if "eagle3_k3" in servers:
+                row["v"], row["c"], row["c_in_loop"] = forward_costs(servers["eagle3_k3"], b, 3)
+            del servers, configs, runs
             row["hf_generate"] = hf_generate(paths["target"], dtype, prompts[:b], args.new_tokens)
             if b == 1:
                 row["hf_assisted"] = hf_generate(paths["target"], dtype, prompts[:1], args.new_tokens,
                                                  assistant=paths["draft_model"])
             tau = row["accept_k3"]
             row["ceiling_k3"] = tau / (row["v"] + 3 * row["c"])
-            row["eagle3_k3_over_ar"] = row["eagle3_k3"] / row["ar"]
+            row["eagle3_k3_over_ar"] = k3_over_ar
             row["fraction_of_ceiling_k3"] = row["eagle3_k3_over_ar"] / row["ceiling_k3"]
             row["ceiling_k3_in_loop"] = tau / (row["v"] + 3 * row["c_in_loop"])
             row["fraction_of_ceiling_k3_in_loop"] = row["eagle3_k3_over_ar"] / row["ceiling_k3_in_loop"]
