@@ -210,7 +210,6 @@ def test_engine_mode_equals_full_sequence(drafts, which):
     torch.testing.assert_close(last, full.logits[:, -1:], atol=ATOL, rtol=0)
 
 
-
 def test_extend_of_selected_rows_keeps_every_key(drafts):
     # The engine's draft extend asks for one row per sequence (logits_index): the other rows
     # skip attention output and MLP but their keys/values must still enter the cache, so the
@@ -239,6 +238,7 @@ def test_extend_of_selected_rows_keeps_every_key(drafts):
                               hidden.gather(1, nxt.unsqueeze(-1).expand(-1, -1, h)), nxt, cache, lens + 1)
     for i in range(b):
         torch.testing.assert_close(step_logits[i, 0], full.logits[i, int(lens[i])], atol=ATOL, rtol=0)
+
 
 def test_yarn_tables_match_sglang(drafts):
     yarn = pytest.importorskip("sglang.srt.layers.rotary_embedding.yarn")

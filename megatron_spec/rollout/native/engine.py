@@ -78,11 +78,10 @@ class _Row:
 
 @dataclasses.dataclass
 class _Admission:
-    """Requests taken from the queue, to be prefilled into slots ``base..`` (see ``_take``)."""
+    """Requests taken from the queue and their prefill (into slots ``segment.slot_offset..``,
+    prompt lengths ``segment.kv_lens``; see ``_take``)."""
 
     batch: list[GenerateRequest]
-    base: int
-    lens: torch.Tensor
     segment: Segment
 
 
@@ -228,8 +227,7 @@ class EngineCore:
         ids = torch.zeros(p, t, dtype=torch.long)
         for i, r in enumerate(batch):
             ids[i, :len(r.input_ids)] = torch.tensor(r.input_ids)
-        seg = Segment(ids, torch.arange(t).expand(p, t), lens, base, (lens - 1).unsqueeze(1))
-        return _Admission(batch, base, lens, seg)
+        return _Admission(batch, Segment(ids, torch.arange(t).expand(p, t), lens, base, (lens - 1).unsqueeze(1)))
 
     def _forward(self, seg: Segment, adm: _Admission | None, aux_layers: Sequence[int]):
         """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,
@@ -244,7 +242,7 @@ class EngineCore:
         """After ``adm``'s prefill forward (``logits [P, 1, V]`` at each prompt's last position,
         ``aux [P, T, A]``): fill the draft's cache, spread each prompt to the slots of its
         samples, sample their first tokens and append them to ``rows``."""
-        batch, base, lens = adm.batch, adm.base, adm.lens
+        batch, base, lens = adm.batch, adm.segment.slot_offset, adm.segment.kv_lens
         p = len(batch)
         self.cache.lens[base:base + p] = lens  # the sampled first token is the next step's input
         if self.drafter is not None:

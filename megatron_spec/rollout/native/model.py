@@ -420,10 +420,11 @@ class CausalLM(nn.Module):
         x = _cat([self.embed_tokens(s.input_ids).reshape(-1, h) for s in segments])
         aux: list[list[torch.Tensor]] = [[] for _ in segments]
         no_rows = [None] * len(segments)
+        seg_rows = [p.b * p.t for p in plans]
         for i, layer in enumerate(self.layers):
             x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
             if i in aux_layers:
-                for j, part in enumerate(x.split([p.b * p.t for p in plans])):
+                for j, part in enumerate(x.split(seg_rows)):
                     aux[j].append(part.view(plans[j].b, plans[j].t, h))
         outs = []
         for p, s, r, part in zip(plans, segments, rows, x.split([p.b * (p.t if r is None else r.shape[1])
