@@ -5,3 +5,22 @@ extension. Subpackages follow the data flow of one RL step (see docs/architectur
 """
 
 __version__ = "0.1.0"
+
+
+def _apply_no_native_bf16_switch() -> None:
+    """``MEGATRON_SPEC_NO_NATIVE_BF16=1`` runs this machine as an AVX2 CPU without native bf16.
+
+    Besides making ``megatron_spec.isa.probe`` report no native bf16, it caps oneDNN
+    (``ONEDNN_MAX_CPU_ISA``) and torch's own kernels (``ATEN_CPU_CAPABILITY``) at AVX2, so code that
+    bypassed the dtype choice fails here as it would on such a CPU. Both are read by torch on first
+    use, so this works when the package is imported before any matmul; child processes (the engine,
+    torchrun's ranks) inherit them. Variables the user set explicitly are kept.
+    """
+    import os
+
+    if os.environ.get("MEGATRON_SPEC_NO_NATIVE_BF16", "0").strip().lower() in ("1", "true", "yes", "on"):
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+
+
+_apply_no_native_bf16_switch()
