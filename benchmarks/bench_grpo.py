@@ -55,15 +55,16 @@ def mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def decode_regime(base: str, draft: str, batch: int, k: int = 3) -> dict[str, float]:
-    """v and c of the policy + draft in the native engine, at ``batch`` sequences."""
+def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> dict[str, float]:
+    """v and c of the policy + draft in the native engine, at ``batch`` sequences, in the engine dtype
+    the GRPO runs used (``dtype`` already resolved for this CPU)."""
     from bench_rollout import forward_costs
 
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
 
     srv = EngineServer(EngineConfig(model_path=base, draft_kind="eagle3", draft_path=draft, num_draft_tokens=k,
-                                    dtype="bfloat16", max_batch_size=batch, context_length=160, num_threads=2))
+                                    dtype=dtype, max_batch_size=batch, context_length=160, num_threads=2))
     v, c, _ = forward_costs(srv, batch, k)
     return {"v_k3": v, "c": c}
 
@@ -108,7 +109,10 @@ def main() -> int:
         config = yaml.safe_load(fh) or {}
     rollout_cfg, grpo_cfg = config.get("rollout", {}), config.get("grpo", {})
     batch = int(rollout_cfg.get("rollout_max_batch_size", 16))
-    regime = decode_regime(args.base, args.draft, batch)
+    from megatron_spec.isa import probe, resolve_dtype
+
+    dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))  # what the launcher's engine ran in
+    regime = decode_regime(args.base, args.draft, batch, dtype)
     spec, ar = runs["spec"][1:], runs["ar"][1:]
     gen_s, gen_a = mean([r["time/gen"] for r in spec]), mean([r["time/gen"] for r in ar])
     step_s, step_a = mean([r["time/step"] for r in spec]), mean([r["time/step"] for r in ar])
@@ -135,7 +139,7 @@ def main() -> int:
         "prompts_per_step": grpo_cfg.get("prompts_per_step"), "group_size": grpo_cfg.get("grpo_group_size"),
         "rollout_batch": batch, "v_k3": round(regime["v_k3"], 3), "c": round(regime["c"], 3),
         "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),
-        "steps": args.steps, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
+        "steps": args.steps, "dtype": dtype, "cpu_capability": probe().capability, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
     print(json.dumps(summary))
     return 0

@@ -1,6 +1,11 @@
 """Rollout throughput of the native engine, side by side in one run.
 
-    python benchmarks/bench_rollout.py [--base DIR] [--dtypes bfloat16,float32] [--batch-sizes 1,4,16]
+    python benchmarks/bench_rollout.py [--base DIR] [--dtypes auto,float32] [--batch-sizes 1,4,16]
+
+Every dtype goes through ``megatron_spec.isa.resolve_dtype``: ``auto`` is bf16 where this CPU does
+bf16 natively and fp32 elsewhere, an explicit ``bfloat16`` on a CPU without native bf16 runs (and is
+reported) as fp32, and duplicates are measured once. The headline keys are those of the dtype
+``auto`` picks; the JSON line says which (``dtype``) and on what CPU (``cpu_capability``).
 
 Target: 109M parameters (hidden 1024, 8 layers, 32 heads / 8 KV heads, SwiGLU 3584; fp32
 weights 437 MB, bf16 218 MB: far larger than the caches, so decode is memory-bound as on a
@@ -258,7 +263,8 @@ def hf_generate(path: str, dtype: str, prompts, new_tokens: int, assistant: str 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=None, help="small trained base model (default: train one here)")
-    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--dtypes", default="auto,float32",
+                    help="engine dtypes to measure (auto | float32 | bfloat16), resolved for this CPU")
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--ks", default="1,2,3,4,5")
@@ -267,7 +273,7 @@ def main() -> int:
     ap.add_argument("--prompts-per-row", type=int, default=2, help="requests per batch slot (continuous batching)")
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
     ap.add_argument("--steady-state-out", default=None,
-                    help="also write the simulator's engine-benchmark JSON here (bf16, fixed 64-token rows)")
+                    help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)")
     ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
     args = ap.parse_args()
     torch.set_num_threads(2)
@@ -275,9 +281,14 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     ks = [int(x) for x in args.ks.split(",")]
+    from megatron_spec.isa import probe, resolve_dtype
+
+    main_dtype = resolve_dtype("auto")
+    dtypes = list(dict.fromkeys(resolve_dtype(d.strip()) for d in args.dtypes.split(",")))
+    print(f"[bench_rollout] CPU {probe().model} ({probe().capability}): dtypes {dtypes}", file=sys.stderr)
     tok = AutoTokenizer.from_pretrained(paths["target"])
     if args.steady_state_out or args.steady_only:
-        record = steady_state(paths, "bfloat16", [int(x) for x in args.batch_sizes.split(",")], ks, 64, tok)
+        record = steady_state(paths, main_dtype, [int(x) for x in args.batch_sizes.split(",")], ks, 64, tok)
         out = args.steady_state_out or os.path.join(args.work_dir, "engine_bench.json")
         with open(out, "w") as f:
             f.write(json.dumps(record) + "\n")  # one line: the simulator reads the last line
@@ -285,7 +296,7 @@ def main() -> int:
         if args.steady_only:
             return 0
     results: dict = {}
-    for dtype in args.dtypes.split(","):
+    for dtype in dtypes:
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)
             row: dict = {}
@@ -330,7 +341,7 @@ def main() -> int:
               + f"{row['fraction_of_ceiling_k3_in_loop']:>8.2f}")
     print("acceptance lengths: " + json.dumps({k: {a: round(v, 2) for a, v in r.items() if a.startswith("accept")}
                                               for k, r in results.items()}))
-    main_dtype = "bfloat16" if any(k.startswith("bfloat16") for k in results) else args.dtypes.split(",")[0]
+    main_dtype = main_dtype if main_dtype in dtypes else dtypes[0]
     b1, b16 = results.get(f"{main_dtype}_b1"), results.get(f"{main_dtype}_b16")  # None: batch not measured
     summary = {
         "eagle3_k3_over_ar_b1": round(b1["eagle3_k3_over_ar"], 3) if b1 else None,
@@ -341,6 +352,7 @@ def main() -> int:
         "ar_over_hf_generate_b16": round(b16["ar_sampling"] / b16["hf_generate"], 3) if b16 else None,
         "eagle3_k3_over_hf_assisted_b1": round(b1["eagle3_k3"] / b1["hf_assisted"], 3) if b1 else None,
         "dtype": main_dtype,
+        "cpu_capability": probe().capability,
         "per_config": {k: {a: round(v, 3) for a, v in r.items()} for k, r in results.items()},
     }
     print(json.dumps(summary))

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from megatron_spec.isa import DTYPE_CHOICES
+
 
 def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None) -> Any:
     meta = {"help": help}
@@ -54,7 +56,8 @@ class DataConfig:
 @dataclass
 class RolloutConfig:
     rollout_backend: str = _f(None, "rollout engine (default: sglang with a GPU, native without)", ("native", "sglang"))
-    rollout_dtype: str = _f("float32", "engine compute dtype", ("float32", "bfloat16"))
+    rollout_dtype: str = _f("auto", "engine compute dtype (auto: bfloat16 where the CPU does bf16 natively or on a "
+                                     "GPU, float32 elsewhere; see megatron-spec info)", DTYPE_CHOICES)
     rollout_weight_dtype: str = _f("fp32", "dtype of streamed weights (fp8: block-FP8 target, draft unquantised)",
                                    ("fp32", "bf16", "fp8"))
     rollout_max_batch_size: int = _f(16, "sequences the engine decodes at once")

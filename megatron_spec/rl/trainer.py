@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import resource
+import sys
 import time
 from typing import Any
 
@@ -101,6 +102,13 @@ class GRPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         dtype = torch.bfloat16 if m.bf16 else torch.float32
+        if m.bf16 and not torch.cuda.is_available() and self.info.rank == 0:
+            from megatron_spec.isa import probe
+
+            if not probe().native_bf16:
+                print(f"megatron-spec: warning: --bf16 training on a CPU where {probe().why_not_bf16()}: "
+                      "bf16 matmuls run 30-130x slower than fp32 here; drop --bf16 on this machine",
+                      file=sys.stderr, flush=True)
         self.model = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by)
         load_hf_weights(self.model, ckpt)
         self.ddp = wrap_ddp(self.model)

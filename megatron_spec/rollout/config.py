@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from megatron_spec.isa import DTYPE_CHOICES, resolve_dtype
+
 DRAFT_KINDS = ("none", "eagle3", "model", "mtp", "ngram")
 BACKENDS = ("native", "sglang")
 
@@ -25,7 +27,11 @@ class EngineConfig:
     num_draft_tokens: int = 3
     """k: tokens drafted per verify step."""
     dtype: str = "float32"
-    """Engine compute dtype: float32 | bfloat16."""
+    """Engine compute dtype: auto | float32 | bfloat16. Each backend resolves it once at start-up through
+    ``megatron_spec.isa.resolve_dtype`` (the native engine: bf16 only where the CPU does bf16 natively,
+    an explicit bfloat16 elsewhere runs in fp32 with a warning; SGLang: bf16 on the GPU) and keeps the
+    resolved value in its ``config``. The user-facing defaults (``--rollout-dtype``, ``generate
+    --dtype``) are ``auto``; this record's default stays the exact fp32 that library callers expect."""
     max_batch_size: int = 32
     """Sequences decoded at once (KV-cache slots)."""
     context_length: int = 2048
@@ -54,14 +60,19 @@ class EngineConfig:
             raise ValueError(f"draft_kind {self.draft_kind} needs a draft_path")
         if self.draft_kind != "none" and self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.max_batch_size < 1 or self.context_length < 2:
             raise ValueError("max_batch_size must be >= 1 and context_length >= 2")
         if not os.path.isdir(self.model_path):
             raise FileNotFoundError(f"model_path {self.model_path} is not a directory")
         if self.draft_path and self.draft_kind in ("eagle3", "model") and not os.path.isdir(self.draft_path):
             raise FileNotFoundError(f"draft_path {self.draft_path} is not a directory")
+
+    def resolved(self, device: str = "cpu") -> "EngineConfig":
+        """This config with ``dtype`` resolved for an engine on ``device`` (``cpu`` | ``cuda``)."""
+        dtype = resolve_dtype(self.dtype, device)
+        return self if dtype == self.dtype else dataclasses.replace(self, dtype=dtype)
 
     @property
     def k(self) -> int:

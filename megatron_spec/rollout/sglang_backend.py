@@ -73,6 +73,7 @@ class SGLangEngine:
 
     def __init__(self, config: EngineConfig, *, tp_size: int = 1, server_overrides: dict[str, Any] | None = None,
                  launch: Callable[..., Any] | None = None):
+        config = config.resolved("cuda")  # auto -> bfloat16 on the GPU
         self.config = config
         self.tp_size = int(tp_size)
         self._overrides = dict(server_overrides or {})

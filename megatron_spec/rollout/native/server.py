@@ -50,6 +50,7 @@ class EngineServer:
     """Engine state and the calls the handle makes."""
 
     def __init__(self, config: EngineConfig):
+        config = config.resolved("cpu")  # already resolved by the handle; direct users get the same choice
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
