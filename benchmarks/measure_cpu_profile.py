@@ -4,7 +4,7 @@ What it measures, on ``--threads`` torch threads (2 by default, as the rollout e
 
 * ``mem_bw``: bytes read + written per second by ``Tensor.copy_`` on 256 MiB buffers
   (the STREAM-copy convention: a copy of B bytes moves 2B).
-* per dtype (bfloat16, float32), on a stack of the rollout engine's own linear layers
+* per dtype (bfloat16 where this CPU does bf16 natively, and float32), on a stack of the rollout engine's own linear layers
   (oneDNN-prepacked, ~100M parameters, hidden 4096): the time of one forward at 1, 2, 4, 8,
   16, 32, 64 and 256 tokens. ``flops`` is 2 * params * tokens / time at 256 tokens (the
   compute-bound end); the table's shape t(n) / t(1) is the simulator's CPU GEMM curve (on this
@@ -180,9 +180,16 @@ def _tiny_engine_model(layers: int):
                         head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=256,
                         tie_word_embeddings=True, qkv_bias=False, qk_norm=True)
     torch.manual_seed(0)
-    model = CausalLM(cfg).to(torch.bfloat16).eval()
+    model = CausalLM(cfg).to(_engine_dtype()).eval()
     pack_linears(model)
     return model
+
+
+def _engine_dtype() -> torch.dtype:
+    """The dtype the engine computes in on this CPU (``megatron_spec.isa``)."""
+    from megatron_spec.isa import resolve_dtype
+
+    return getattr(torch, resolve_dtype("auto"))
 
 
 def measure_layer_overhead(layers: int = 16, repeats: int = 20, context: int = 48) -> float:
@@ -200,7 +207,7 @@ def measure_layer_overhead(layers: int = 16, repeats: int = 20, context: int = 4
         per_layer = best_time(lambda: model(one, pos, cache, lens), repeats=repeats, warmup=5) / layers
         layer = model.layers[0]
         lins = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        xs = [torch.randn(1, 1, m.in_features, dtype=torch.bfloat16) for m in lins]
+        xs = [torch.randn(1, 1, m.in_features, dtype=_engine_dtype()) for m in lins]
         gemms = best_time(lambda: [m(a) for m, a in zip(lins, xs)], repeats=repeats * 5, warmup=5)
     return max(0.0, per_layer - gemms)
 
@@ -245,16 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from megatron_spec.isa import probe, resolve_dtype
+
+    # bf16 only where the engine would run it (megatron_spec.isa): without native bf16 its matmuls are
+    # 30-130x slower and oneDNN cannot pack them, so the profile then holds fp32 alone.
+    dtypes = {name: getattr(torch, name) for name in dict.fromkeys((resolve_dtype("auto"), "float32"))}
     t0 = time.perf_counter()
     rounds = []
     for _ in range(args.rounds):
         rounds.append({
             "mem_bw": measure_mem_bw(),
-            "stacks": {"bfloat16": measure_linear_stack(torch.bfloat16),
-                       "float32": measure_linear_stack(torch.float32)},
-            "attn_bw": {"bfloat16": measure_attn_bw(torch.bfloat16), "float32": measure_attn_bw(torch.float32)},
-            "gemm_calls": {"bfloat16": measure_gemm_calls(torch.bfloat16),
-                           "float32": measure_gemm_calls(torch.float32)},
+            "stacks": {name: measure_linear_stack(dt) for name, dt in dtypes.items()},
+            "attn_bw": {name: measure_attn_bw(dt) for name, dt in dtypes.items()},
+            "gemm_calls": {name: measure_gemm_calls(dt) for name, dt in dtypes.items()},
             "layer_overhead": measure_layer_overhead(),
         })
     mem_bw, stacks, attn_bw, layer_overhead, gemm_calls = _best_of(rounds)
@@ -265,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__,
-                    "threads": args.threads, "memory_bytes": _memory_bytes()},
+                    "threads": args.threads, "memory_bytes": _memory_bytes(),
+                    "cpu_capability": probe().capability},
         "rounds": args.rounds,
         "mem_bw": mem_bw,
         "attn_bw": attn_bw,
@@ -286,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         "gemm_call_us": {dt: round(fits[dt][0] * 1e6, 1) for dt in stacks},
         "gflops": {dt: round(s["flops"] / 1e9, 1) for dt, s in stacks.items()},
         "layer_overhead_us": round(layer_overhead * 1e6, 1),
-        "bf16_verify4_over_decode1": round(stacks["bfloat16"]["forward_s"]["4"]
-                                           / stacks["bfloat16"]["forward_s"]["1"], 3),
+        "bf16_verify4_over_decode1": (round(stacks["bfloat16"]["forward_s"]["4"]
+                                            / stacks["bfloat16"]["forward_s"]["1"], 3) if "bfloat16" in stacks else None),
+        "cpu_capability": probe().capability, "dtype": resolve_dtype("auto"),
         "output": str(args.output),
     }))
     return 0
