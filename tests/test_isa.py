@@ -161,3 +161,22 @@ def test_engine_asked_for_bf16_without_native_bf16_runs_fp32(setup):
     assert out == {"dtype": "float32", "param": "torch.float32", "same": [True, True]}
     warnings = [ln for ln in res.stderr.splitlines() if "warning: bfloat16 asked for" in ln]
     assert len(warnings) == 1 and isa.NO_NATIVE_BF16_ENV in warnings[0], res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("switched", [False, True])
+def test_info_prints_the_cpu_and_the_dtype_auto_picks(switched):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", isa.NO_NATIVE_BF16_ENV)}
+    if switched:
+        env[isa.NO_NATIVE_BF16_ENV] = "1"
+    res = subprocess.run([sys.executable, "-m", "megatron_spec", "info", "--json"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    facts = json.loads(res.stdout)
+    assert facts["cpu_model"] and facts["cpu_capability"]
+    assert facts["rollout_dtype_auto"] == ("bfloat16" if facts["native_bf16"] else "float32")
+    if switched:
+        assert facts["native_bf16"] is False and facts["cpu_capability"] == "AVX2"
+        assert isa.NO_NATIVE_BF16_ENV in facts["native_bf16_why_not"]
+    else:
+        assert facts["native_bf16"] is isa.probe().native_bf16

@@ -1,4 +1,6 @@
-"""``megatron-spec info``: what this installation can do (versions, kernels, CPU shim)."""
+"""``megatron-spec info``: what this installation can do (versions, kernels, CPU shim) and what this
+CPU can do (its model, the ISA torch and the compiled kernels run, and the engine dtype ``auto`` picks:
+``megatron_spec.isa``)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import argparse
 import importlib.metadata as md
 import json
 
-HELP = "print versions, the active op implementation and whether the CPU shim is needed"
+HELP = "print versions, the CPU and the dtype auto picks on it, the active op implementation and the CPU shim"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,8 +26,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from megatron_spec import __version__
-    from megatron_spec._ext import compiled_ops_available
+    from megatron_spec import _ext
     from megatron_spec.compat import compat_active
+    from megatron_spec.isa import probe, resolve_dtype
+
+    cpu = probe()
+    kernel_isa = getattr(_ext, "kernel_isa", None)
 
     facts = {
         "megatron_spec": __version__,
@@ -36,8 +42,14 @@ def run(args: argparse.Namespace) -> int:
         "transformers": _version("transformers"),
         "sglang": _version("sglang"),
         "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
-        "compiled_ops": compiled_ops_available(),
+        "compiled_ops": _ext.compiled_ops_available(),
         "megatron_cpu_shim": compat_active(),
+        "cpu_model": cpu.model,
+        "cpu_capability": cpu.capability,
+        "native_bf16": cpu.native_bf16,
+        "native_bf16_why_not": cpu.why_not_bf16() or None,
+        "kernel_isa": kernel_isa() if kernel_isa is not None else None,
+        "rollout_dtype_auto": resolve_dtype("auto"),
     }
     if args.json:
         print(json.dumps(facts))
