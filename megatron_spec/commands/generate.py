@@ -3,8 +3,11 @@
 Reads prompts from JSONL (``{"id", "prompt"}`` or ``{"id", "input_ids"}``), writes one JSON
 line per sample (with the decoded ``text`` when the checkpoint has a tokenizer), shows a
 progress bar on stderr, and ends stdout with one JSON summary line (tokens/s, accept length,
-per-position acceptance). Bad input (prompts, a draft for another model, a prompt too long for
-the context) is one ``error:`` line on stderr and exit status 2; an engine that died, 1.
+per-position acceptance, the compute ``dtype`` and the ``cpu_capability``). ``--dtype auto`` (the
+default) is resolved through ``megatron_spec.isa.resolve_dtype``: bf16 only where the CPU does bf16
+natively (or on a GPU), fp32 elsewhere. Bad input (a missing model or draft directory, prompts, a
+draft for another model, a prompt too long for the context) is one ``error:`` line on stderr and
+exit status 2; an engine that died, 1.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import argparse
 import json
 import os
 import sys
+
+from megatron_spec.isa import DTYPE_CHOICES
 
 HELP = "generate samples with the rollout engine (optionally speculative) from a prompts JSONL file"
 
@@ -35,10 +40,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=None,
                    help="engine context (default: longest prompt + max-new-tokens)")
     p.add_argument("--backend", default="native", choices=["native", "sglang"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="engine compute dtype (auto: bfloat16 where the CPU does bf16 natively or on a GPU, "
+                        "float32 elsewhere; see megatron-spec info)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
     p.add_argument("--output", required=True, help="output JSONL, one line per sample")
     p.add_argument("--no-progress", action="store_true")
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The model (and draft) directories exist; checked first, so a typo in ``--model`` is named as
+    such rather than as a symptom (no tokenizer, no config.json)."""
+    if not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model}: no such directory (an HF checkpoint directory)")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise FileNotFoundError(f"--model {args.model} has no config.json (not an HF checkpoint directory)")
+    if args.draft_path and args.draft_kind in ("eagle3", "model", "mtp") and not os.path.isdir(args.draft_path):
+        raise FileNotFoundError(f"--draft-path {args.draft_path}: no such directory")
 
 
 def load_tokenizer(model_dir: str):
@@ -90,15 +108,23 @@ def run(args: argparse.Namespace) -> int:
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
+    from megatron_spec.isa import probe, resolve_dtype
+
+    try:
+        check_paths(args)
+    except FileNotFoundError as exc:
+        print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
+        return 2
     tokenizer = load_tokenizer(args.model)
     try:
+        dtype = resolve_dtype(args.dtype, "cuda" if args.backend == "sglang" else "cpu")
         prompts = read_prompts(args.prompts, tokenizer)
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   min_p=args.min_p, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
         requests = [GenerateRequest(rid, ids, sampling, n=args.n) for rid, ids in prompts]
         context = args.context_length or max(len(ids) for _, ids in prompts) + args.max_new_tokens
         config = EngineConfig(model_path=args.model, draft_kind=args.draft_kind, draft_path=args.draft_path,
-                              num_draft_tokens=args.num_draft_tokens, dtype=args.dtype,
+                              num_draft_tokens=args.num_draft_tokens, dtype=dtype,
                               max_batch_size=max(args.batch_size, args.n), context_length=context, seed=args.seed,
                               num_threads=args.num_threads)
     except (ValueError, FileNotFoundError) as exc:
@@ -139,5 +165,5 @@ def run(args: argparse.Namespace) -> int:
                 row["text"] = tokenizer.decode(s.output_ids, skip_special_tokens=True)
             f.write(json.dumps(row) + "\n")
     os.replace(tmp, args.output)
-    print(json.dumps(stats.summary()))
+    print(json.dumps({**stats.summary(), "dtype": dtype, "cpu_capability": probe().capability}))
     return 0

@@ -59,3 +59,30 @@ def test_a_prompt_longer_than_the_context_is_one_error_line(models, tmp_path, ca
     assert _generate(models, out, "--context-length", "5") == 2
     err = capsys.readouterr().err
     assert "exceeds the engine context of 5" in err and "Traceback" not in err and not out.exists()
+
+
+def test_a_missing_model_directory_is_named(models, tmp_path, capsys):
+    out = tmp_path / "out.jsonl"
+    missing = str(tmp_path / "nonexistent")
+    assert main(["generate", "--model", missing, "--prompts", models["prompts"], "--output", str(out),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    # one line naming the directory, not the symptom (a text prompt and no tokenizer)
+    assert err.strip().splitlines() == [f"megatron-spec generate: error: --model {missing}: no such directory "
+                                        "(an HF checkpoint directory)"]
+    assert not out.exists()
+
+
+def test_dtype_defaults_to_auto_and_the_summary_says_what_ran(models, tmp_path, capsys, monkeypatch):
+    from megatron_spec import isa
+    from megatron_spec.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--model", "m", "--prompts", "p", "--output", "o"])
+    assert args.dtype == "auto"
+    # the no-native-bf16 switch: an explicit bfloat16 runs fp32 (one warning), auto picks fp32
+    monkeypatch.setenv(isa.NO_NATIVE_BF16_ENV, "1")
+    for asked in ("auto", "bfloat16"):
+        assert _generate(models, tmp_path / f"{asked}.jsonl", "--dtype", asked) == 0
+        summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert summary["dtype"] == "float32"
+        assert summary["cpu_capability"] == isa.probe().capability
