@@ -37,6 +37,7 @@ _ROW_FIELDS = (
     "next_logprobs",
     "teacher_ids",
     "teacher_logprobs",
+    "scored",
 )
 
 
@@ -65,6 +66,10 @@ class DraftCache:
     """``[N, n_aux * H]`` EAGLE-3 features (outputs of the aux layers at ``t - 1``)."""
     hidden: torch.Tensor | None = None
     """``[N, H]`` final-normed decoder output at ``t - 1`` (MTP)."""
+    scored: torch.Tensor | None = None
+    """``[N]`` bool: rows the draft is trained and evaluated on (the response); None = every row.
+    Unscored rows are context only (the prompt): the draft attends to them, as the engine's draft
+    does after its prompt prefill, but they carry no loss."""
     dropped_rows: int = 0
     """Rows the memory budget turned away."""
 
@@ -91,6 +96,16 @@ class DraftCache:
     @property
     def seqlens(self) -> torch.Tensor:
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def num_scored(self) -> int:
+        return self.num_rows if self.scored is None else int(self.scored.sum())
+
+    def scored_mask(self) -> torch.Tensor:
+        """``[N]`` bool, all True when every row is scored."""
+        if self.scored is None:
+            return torch.ones(self.num_rows, dtype=torch.bool, device=self.tokens.device)
+        return self.scored
 
     @property
     def nbytes(self) -> int:

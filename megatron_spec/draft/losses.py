@@ -15,6 +15,11 @@ data-parallel step then equals the loss of one process over the concatenated dat
 * Training-time-test weighting: step ``s`` of the unroll is weighted ``decay ** s``
   (ModelOpt's ``eagle_loss_decay_factor``).
 * Top-1 agreement: the draft's argmax equals the teacher's argmax.
+* Expected acceptance of a sampled draft token (Leviathan et al. 2023, Theorem 3.5):
+  ``alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q)``, what speculative sampling's verification
+  accepts on average at one position. It is the quantity acceptance length is made of
+  (``tau = 1 + sum_j prod_{s <= j} alpha_s`` along a draft chain), so the draft is *evaluated*
+  with it; the soft cross-entropy is only a surrogate for it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,56 @@ def soft_cross_entropy_sum(
     return ce.sum(), mask.sum()
 
 
+def acceptance_sum(
+    logq: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_rows sum_x min(p(x), q(x))`` over rows where ``mask``: the expected acceptance
+    ``1 - TV(p, q)`` of a token drawn from q and verified against p, summed.
+
+    Args and shapes as :func:`soft_cross_entropy_sum`. A top-k teacher adds
+    ``min(p_rest, q_rest)``, an upper bound on the mass the two share outside the k entries (exact
+    for a full teacher, where ``p_rest = 0``). Both distributions must be the ones the engine
+    samples and verifies with (after temperature, top-k, top-p).
+    Returns:
+        (acceptance sum, 0-d float32; number of rows counted, 0-d int64).
+    """
+    logq, logp = logq.float(), teacher_logp.float()
+    p, q = logp.exp(), logq.exp()
+    a = torch.minimum(p, q).sum(dim=-1)  # [...]
+    p_rest = (1.0 - p.sum(dim=-1)).clamp(min=0.0)
+    q_rest = (1.0 - q.sum(dim=-1)).clamp(min=0.0)
+    a = a + torch.minimum(p_rest, q_rest)
+    a = torch.where(mask, a, torch.zeros_like(a))
+    return a.sum(), mask.sum()
+
+
+def chain_acceptance_length(alpha: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected tokens per verify step of draft chains, from per-step acceptances.
+
+    ``alpha[s, b, q]`` is the expected acceptance at training-time-test step ``s`` of row ``q``,
+    whose chain started at row ``q - s``. The chain that starts at row ``r`` (the last verified
+    token) emits ``1 + sum_j prod_{s <= j} alpha[s, b, r + s]`` tokens on average: each draft is
+    reached only if the previous ones were accepted, and the target's bonus token always counts.
+
+    Args:
+        alpha: ``[k, B, T]`` float, any value where not valid.
+        valid: ``[B, T]`` bool, chain start rows to count (all k rows of the chain must exist).
+    Returns:
+        (sum of the chains' expected lengths, 0-d float64; number of chains, 0-d int64).
+    """
+    k, _, t = alpha.shape
+    if t < k:
+        return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+    starts = t - k + 1
+    prod = torch.ones_like(alpha[0, :, :starts], dtype=torch.float64)
+    tau = torch.ones_like(prod)
+    for s in range(k):
+        prod = prod * alpha[s, :, s:s + starts].double()  # [B, starts]: step s of the chain from r
+        tau = tau + prod
+    ok = valid[:, :starts]
+    return torch.where(ok, tau, torch.zeros_like(tau)).sum(), ok.sum()
+
+
 def hard_cross_entropy_sum(logq_label: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_rows -logq(label)`` over rows where ``mask``. ``logq_label``: ``[...]``."""
     ce = torch.where(mask, -logq_label.float(), torch.zeros_like(logq_label, dtype=torch.float32))
@@ -79,6 +134,8 @@ def ttt_valid_rows(lengths: torch.Tensor, seq_len: int, step: int) -> torch.Tens
 
 
 __all__ = [
+    "acceptance_sum",
+    "chain_acceptance_length",
     "hard_cross_entropy_sum",
     "soft_cross_entropy_sum",
     "top1_agreement_sum",

@@ -295,6 +295,7 @@ class MtpTrainer(DraftUpdate):
         teacher_lp = cache.padded("teacher_logprobs", segs).to(w_dev)  # [B, S, k | V]
         teacher_ids = cache.padded("teacher_ids", segs).to(w_dev) if cache.teacher_ids is not None else None
         next_tokens = cache.padded("next_tokens", segs, pad_value=-1).to(w_dev)
+        scored = cache.pad_rows(cache.scored_mask(), segs, False).to(w_dev)  # [B, S]: context rows carry no loss
         teacher_top1 = teacher_ids[..., 0] if teacher_ids is not None else teacher_lp.argmax(-1)
         group = self.tp_group if self.tp_size > 1 else None
         outs = draft(hidden, embeds)
@@ -306,6 +307,7 @@ class MtpTrainer(DraftUpdate):
             logits = draft.logits(h)[:, : t - k]  # [B, S-k, V/tp]; row q scores against cache row q + k
             valid = q[:, : t - k] + k < lens.unsqueeze(1)  # [B, S-k]
             n = valid.shape[1]
+            valid = valid & scored[:, k : k + n]
             flat = logits.reshape(b * n, -1)
             if cfg.loss == "soft":
                 if teacher_ids is not None:

@@ -200,16 +200,22 @@ def reduce_metric_sums(sums: torch.Tensor, group: dist.ProcessGroup | None) -> t
 def scored_rows_per_step(cache, segments: list[int], lens: list[int], steps: int,
                          label_ok: torch.Tensor | None) -> torch.Tensor:
     """Rows scored at each of ``steps`` unrolled draft steps (``[steps]`` float64): step s of a
-    segment of n rows scores its rows s..n-1 (soft loss, ``label_ok`` None), or only those whose
-    hard label is valid (``label_ok [rows]`` bool). Shared by the EAGLE-3 and MTP trainers."""
+    segment of n rows scores its rows s..n-1 that are scored rows of the cache (``cache.scored``;
+    context rows never are) and, for the hard loss, have a valid label (``label_ok [rows]`` bool).
+    Shared by the EAGLE-3 and MTP trainers."""
     local = torch.zeros(steps, dtype=torch.float64)
-    for s_i in range(steps):
-        if label_ok is None:
+    scored = getattr(cache, "scored", None) if cache is not None else None
+    if label_ok is None and scored is None:
+        for s_i in range(steps):
             local[s_i] = sum(max(0, n - s_i) for n in lens)
-        else:
-            for seg, n in zip(segments, lens):
-                start = int(cache.cu_seqlens[seg])
-                local[s_i] += int(label_ok[start + s_i:start + n].sum()) if n > s_i else 0
+        return local
+    ok = label_ok if label_ok is not None else scored
+    if label_ok is not None and scored is not None:
+        ok = label_ok & scored
+    for s_i in range(steps):
+        for seg, n in zip(segments, lens):
+            start = int(cache.cu_seqlens[seg])
+            local[s_i] += int(ok[start + s_i:start + n].sum()) if n > s_i else 0
     return local
 
 

@@ -39,9 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_spec.capture.cache import DraftCache
+from megatron_spec.capture.cache import DraftCache, micro_batches
 from megatron_spec.draft.eagle3 import Eagle3Head, ttt_attention_mask
 from megatron_spec.draft.losses import (
+    acceptance_sum,
+    chain_acceptance_length,
     hard_cross_entropy_sum,
     soft_cross_entropy_sum,
     top1_agreement_sum,
@@ -169,6 +171,32 @@ class Eagle3Trainer(DraftUpdate):
             label_ok = (nxt >= 0) & (self._t2d[nxt.clamp(min=0).cpu()].to(nxt.device) >= 0)
         return self._update(cache, segments, lens, weights, label_ok, self.group, "ttt", t0)
 
+    def _unroll(self, cache: DraftCache, segs: list[int], steps: int) -> Iterator[tuple[int, Any, torch.Tensor]]:
+        """The training-time-test unroll over ``segs`` (right-padded): yields ``(s, out, valid)`` per
+        step, ``out`` the head's :class:`Eagle3Output` and ``valid [B, S]`` the rows scored at step s
+        (inside the segment, ``q >= s``, and a scored row of the cache: context rows never are)."""
+        head = self.head
+        dev = head.lm_head.weight.device
+        embeds = cache.padded("embeds", segs).to(dev, torch.float32)  # [B, S, H]
+        aux = cache.padded("aux", segs).to(dev, torch.float32)  # [B, S, n_aux H]
+        positions = cache.padded("positions", segs).to(dev)  # [B, S]
+        scored = cache.pad_rows(cache.scored_mask(), segs, False).to(dev)  # [B, S]
+        lens = torch.tensor([int(cache.seqlens[s]) for s in segs], device=dev)
+        t = positions.shape[1]
+        hidden = head.fuse(aux)  # h0 = fc(aux), [B, S, H]
+        past = None
+        for s_i in range(steps):
+            out = head.forward_full(
+                embeds, hidden, positions, attn_mask=ttt_attention_mask(t, s_i).to(dev), past_kv=past
+            )
+            yield s_i, out, ttt_valid_rows(lens, t, s_i).to(dev) & scored
+            past = (
+                out.kv
+                if past is None
+                else (torch.cat([past[0], out.kv[0]], 2), torch.cat([past[1], out.kv[1]], 2))
+            )
+            hidden = out.hidden.roll(1, dims=1)  # row q of step s+1 continues the chain of row q-1
+
     def _micro_batch(
         self,
         cache: DraftCache,
@@ -179,11 +207,6 @@ class Eagle3Trainer(DraftUpdate):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         head, cfg = self.head, self.config
         dev = head.lm_head.weight.device
-        embeds = cache.padded("embeds", segs).to(dev, torch.float32)  # [B, S, H]
-        aux = cache.padded("aux", segs).to(dev, torch.float32)  # [B, S, n_aux H]
-        positions = cache.padded("positions", segs).to(dev)  # [B, S]
-        lens = torch.tensor([int(cache.seqlens[s]) for s in segs], device=dev)
-        b, t = positions.shape
         teacher_lp = cache.padded("teacher_logprobs", segs).to(dev)  # [B, S, k | Vd]
         teacher_ids = cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
         teacher_top1 = teacher_ids[..., 0] if teacher_ids is not None else teacher_lp.argmax(-1)
@@ -191,17 +214,11 @@ class Eagle3Trainer(DraftUpdate):
             labels = self._t2d[cache.padded("next_tokens", segs).clamp(min=0).cpu()].to(dev)
             ok = cache.pad_rows(label_ok, segs, False).to(dev)
 
-        hidden = head.fuse(aux)  # h0 = fc(aux), [B, S, H]
-        past = None
         loss = torch.zeros((), device=dev)
         l_sums = torch.zeros(len(weights), dtype=torch.float64)
         a_sums = torch.zeros(len(weights), dtype=torch.float64)
-        for s_i, w in enumerate(weights):
-            out = head.forward_full(
-                embeds, hidden, positions, attn_mask=ttt_attention_mask(t, s_i).to(dev), past_kv=past
-            )
+        for s_i, out, valid in self._unroll(cache, segs, len(weights)):
             lse = out.logits.logsumexp(dim=-1, keepdim=True)  # [B, S, 1]
-            valid = ttt_valid_rows(lens, t, s_i).to(dev)
             if cfg.loss == "soft":
                 logq = (out.logits.gather(-1, teacher_ids) if teacher_ids is not None else out.logits) - lse
                 l_sum, _ = soft_cross_entropy_sum(logq, teacher_lp, valid)
@@ -209,16 +226,66 @@ class Eagle3Trainer(DraftUpdate):
                 valid = valid & ok
                 logq = out.logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
                 l_sum, _ = hard_cross_entropy_sum(logq, valid)
-            loss = loss + w * l_sum / counts[s_i].to(l_sum.dtype)
+            loss = loss + weights[s_i] * l_sum / counts[s_i].to(l_sum.dtype)
             l_sums[s_i] = float(l_sum.detach())  # host sync per TTT step: metrics only, a handful per step
             a_sums[s_i] = float(top1_agreement_sum(out.logits.detach().argmax(-1), teacher_top1, valid))
-            past = (
-                out.kv
-                if past is None
-                else (torch.cat([past[0], out.kv[0]], 2), torch.cat([past[1], out.kv[1]], 2))
-            )
-            hidden = out.hidden.roll(1, dims=1)  # row q of step s+1 continues the chain of row q-1
         return loss, l_sums, a_sums
+
+    @torch.no_grad()
+    def evaluate(self, cache: DraftCache, steps: int | None = None) -> dict[str, float]:
+        """Expected acceptance of the current head on ``cache`` (held-out rows; no update).
+
+        Per unrolled step s, ``draft/eval_accept{s}`` = mean over scored rows of
+        ``sum_x min(p, q_s)`` (:func:`acceptance_sum`; p = the teacher), ``draft/eval_ce{s}`` the
+        soft cross-entropy; ``draft/eval_tau`` = the expected tokens per verify step of the
+        ``steps``-token chains that start at scored rows (:func:`chain_acceptance_length`), the
+        number the engine's acceptance length estimates when it samples at the teacher's
+        temperature. ``steps`` defaults to the trainer's ``ttt_steps`` (use the engine's k).
+        Local to this rank (no collective).
+        """
+        steps = steps or self.config.ttt_steps
+        head = self.head
+        was_training = head.training
+        head.eval()
+        dev = head.lm_head.weight.device
+        acc = torch.zeros(steps, dtype=torch.float64)
+        ce = torch.zeros(steps, dtype=torch.float64)
+        rows = torch.zeros(steps, dtype=torch.float64)
+        tau, chains = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+        lens_all = [int(n) for n in cache.seqlens]
+        try:
+            for segs in micro_batches(lens_all, self.config.micro_batch_rows):
+                teacher_lp = cache.padded("teacher_logprobs", segs).to(dev)  # [B, S, k | Vd]
+                teacher_ids = cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
+                alphas = []
+                start_ok = None
+                for s_i, out, valid in self._unroll(cache, segs, steps):
+                    logq = out.logits.log_softmax(-1)
+                    if teacher_ids is not None:
+                        logq = logq.gather(-1, teacher_ids)
+                    a_sum, n = acceptance_sum(logq, teacher_lp, valid)
+                    c_sum, _ = soft_cross_entropy_sum(logq, teacher_lp, valid)
+                    acc[s_i] += float(a_sum)
+                    ce[s_i] += float(c_sum)
+                    rows[s_i] += float(n)
+                    p, q = teacher_lp.float().exp(), logq.exp()
+                    rest = torch.minimum((1 - p.sum(-1)).clamp(min=0), (1 - q.sum(-1)).clamp(min=0))
+                    alphas.append(torch.minimum(p, q).sum(-1) + rest)  # [B, S]
+                    if s_i == 0:
+                        start_ok = valid
+                # a chain starting at row r needs rows r .. r + steps - 1 in its segment
+                lens = torch.tensor([lens_all[s] for s in segs], device=dev)
+                complete = torch.arange(start_ok.shape[1], device=dev).unsqueeze(0) + steps - 1 < lens.unsqueeze(1)
+                t_sum, t_n = chain_acceptance_length(torch.stack(alphas), start_ok & complete)
+                tau += t_sum
+                chains += t_n
+        finally:
+            head.train(was_training)
+        out = {f"draft/eval_accept{s}": float(acc[s] / rows[s].clamp(min=1)) for s in range(steps)}
+        out.update({f"draft/eval_ce{s}": float(ce[s] / rows[s].clamp(min=1)) for s in range(steps)})
+        out["draft/eval_tau"] = float(tau / max(int(chains), 1))
+        out["draft/eval_rows"] = float(rows[0])
+        return out
 
     # ------------------------------------------------------------------ weights out
     def _export_dtype(self) -> torch.dtype | None:
