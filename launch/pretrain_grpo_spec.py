@@ -10,6 +10,10 @@ Flags come from the dataclasses in megatron_spec/config.py (``--help`` lists the
 ``--config FILE.yaml`` holds them for long runs. The resolved configuration is printed once
 and saved as RUN_DIR/config.yaml. One JSON line of metrics per step goes to
 RUN_DIR/metrics.jsonl (docs/metrics.md); ``megatron-spec report RUN_DIR`` plots them.
+
+A user error (a bad flag value, a missing ``--config`` file or ``--hf-checkpoint`` directory, a draft
+for another model: ``megatron_spec.config.ConfigError``) is found before ``torch.distributed``
+starts and printed as one ``error:`` line by rank 0; every rank exits 2. A crash keeps its traceback.
 """
 
 from __future__ import annotations
@@ -21,18 +25,26 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_spec.config import add_arguments, from_args  # noqa: E402
+from megatron_spec.config import ConfigError, add_arguments, from_args  # noqa: E402
+
+PROG = "pretrain_grpo_spec.py"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        from megatron_spec.rl.preflight import check_inputs
+
         cfg = from_args(args)
-    except (ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
-    rank = int(os.environ.get("RANK", "0"))
+        check_inputs(cfg, world_size)
+    except ConfigError as exc:
+        # every rank finds the same error (no process group yet): one line, from rank 0
+        if rank == 0:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     if rank == 0:
         print("resolved configuration:\n" + cfg.to_yaml(), file=sys.stderr, flush=True)
 
@@ -40,8 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_spec.rl.trainer import GRPOTrainer
     from megatron_spec.telemetry import start_end_means
 
-    trainer = GRPOTrainer(cfg)
-    history = trainer.run()
+    try:
+        trainer = GRPOTrainer(cfg)
+        history = trainer.run()
+    except ConfigError as exc:  # found by a rank after start-up (one line per rank that found it)
+        where = f" (rank {rank})" if world_size > 1 else ""
+        print(f"{PROG}: error{where}: {exc}", file=sys.stderr, flush=True)
+        return 2
     if rank == 0 and history:
         reward_start, reward_end, w = start_end_means(history, "reward/mean")
         summary = {

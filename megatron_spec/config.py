@@ -6,13 +6,15 @@ and ``--help`` can never drift apart. ``--config FILE.yaml`` supplies values for
 flags given on the command line override the file. The resolved :class:`RunConfig` is
 printed once at start and saved with the run (``config.yaml``).
 
-Cross-field checks raise ``ValueError`` naming the flags involved.
+Cross-field checks raise :class:`ConfigError` (a ``ValueError``) naming the flags involved; the
+launcher prints it as one ``error:`` line and exits 2, where a real crash keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,11 @@ from typing import Any
 import yaml
 
 from megatron_spec.isa import DTYPE_CHOICES
+
+
+class ConfigError(ValueError):
+    """A user error in the run's flags, its ``--config`` file or the files the flags name (a missing
+    checkpoint, a draft for another model). The launcher prints it as one ``error:`` line and exits 2."""
 
 
 def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None) -> Any:
@@ -145,44 +152,44 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         m, r, s, g = self.model, self.rollout, self.spec, self.grpo
         if not m.hf_checkpoint:
-            raise ValueError("--hf-checkpoint is required")
+            raise ConfigError("--hf-checkpoint is required")
         if not self.data.prompt_data:
-            raise ValueError("--prompt-data is required")
+            raise ConfigError("--prompt-data is required")
         if s.spec_draft_kind in ("eagle3", "model") and not s.spec_draft_path:
-            raise ValueError(f"--spec-draft-kind {s.spec_draft_kind} needs --spec-draft-path")
+            raise ConfigError(f"--spec-draft-kind {s.spec_draft_kind} needs --spec-draft-path")
         if s.spec_online_draft_training and s.spec_draft_kind not in ("eagle3", "mtp"):
-            raise ValueError("--spec-online-draft-training needs --spec-draft-kind eagle3 or mtp")
+            raise ConfigError("--spec-online-draft-training needs --spec-draft-kind eagle3 or mtp")
         if s.spec_draft_kind == "mtp" and not s.spec_online_draft_training and not s.spec_draft_path:
-            raise ValueError("--spec-draft-kind mtp needs --spec-online-draft-training (heads trained beside the "
-                             "policy) or --spec-draft-path (an MTP export)")
+            raise ConfigError("--spec-draft-kind mtp needs --spec-online-draft-training (heads trained beside the "
+                              "policy) or --spec-draft-path (an MTP export)")
         if s.spec_draft_kind != "none" and s.spec_num_draft_tokens < 1:
-            raise ValueError(f"--spec-num-draft-tokens must be >= 1, got {s.spec_num_draft_tokens}")
+            raise ConfigError(f"--spec-num-draft-tokens must be >= 1, got {s.spec_num_draft_tokens}")
         lg, d = self.logging, self.data
         if lg.eval_interval < 0 or d.eval_prompts < 1:
-            raise ValueError(f"--eval-interval {lg.eval_interval} must be >= 0 and --eval-prompts {d.eval_prompts} >= 1")
+            raise ConfigError(f"--eval-interval {lg.eval_interval} must be >= 0 and --eval-prompts {d.eval_prompts} >= 1")
         if lg.eval_interval and r.async_policy_lag:
-            raise ValueError("--eval-interval needs a synchronous run (--async-policy-lag 0): the engine is busy "
-                             "generating ahead in async mode")
+            raise ConfigError("--eval-interval needs a synchronous run (--async-policy-lag 0): the engine is busy "
+                              "generating ahead in async mode")
         if lg.eval_interval and not d.eval_data and not d.prompt_data.startswith("synthetic:"):
-            raise ValueError("--eval-interval with a file prompt set needs --eval-data (held-out prompts)")
+            raise ConfigError("--eval-interval with a file prompt set needs --eval-data (held-out prompts)")
         if g.lr_warmup_steps < 0:
-            raise ValueError(f"--lr-warmup-steps {g.lr_warmup_steps} must be >= 0")
+            raise ConfigError(f"--lr-warmup-steps {g.lr_warmup_steps} must be >= 0")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:
-            raise ValueError("--grpo-group-size and --prompts-per-step must be >= 1")
+            raise ConfigError("--grpo-group-size and --prompts-per-step must be >= 1")
         if g.micro_batch_size < 1:
-            raise ValueError("--micro-batch-size must be >= 1")
+            raise ConfigError("--micro-batch-size must be >= 1")
         rollouts = g.grpo_group_size * g.prompts_per_step
         if rollouts % g.grpo_num_minibatches:
-            raise ValueError(f"--grpo-num-minibatches {g.grpo_num_minibatches} does not divide the "
-                             f"{rollouts} rollouts of a step (prompts-per-step x group-size)")
+            raise ConfigError(f"--grpo-num-minibatches {g.grpo_num_minibatches} does not divide the "
+                              f"{rollouts} rollouts of a step (prompts-per-step x group-size)")
         if not 0 <= g.clip_eps_low < 1 or g.clip_eps_high < 0:
-            raise ValueError("--clip-eps-low must be in [0, 1) and --clip-eps-high >= 0")
+            raise ConfigError("--clip-eps-low must be in [0, 1) and --clip-eps-high >= 0")
         if r.async_policy_lag < 0:
-            raise ValueError("--async-policy-lag must be >= 0")
+            raise ConfigError("--async-policy-lag must be >= 0")
         if r.rollout_weight_dtype == "fp8" and r.rollout_dtype == "float32" and r.rollout_backend == "sglang":
-            raise ValueError("--rollout-weight-dtype fp8 with SGLang runs the FP8 kernels; set --rollout-dtype bfloat16")
+            raise ConfigError("--rollout-weight-dtype fp8 with SGLang runs the FP8 kernels; set --rollout-dtype bfloat16")
         if self.checkpoint.save_interval < 0:
-            raise ValueError("--save-interval must be >= 0")
+            raise ConfigError("--save-interval must be >= 0")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,15 +230,22 @@ def from_args(args: argparse.Namespace) -> RunConfig:
     """RunConfig from parsed flags, with ``--config`` YAML values under the flags."""
     values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
     if getattr(args, "config", None):
+        if not os.path.isfile(args.config):
+            raise ConfigError(f"--config {args.config}: no such file")
         with open(args.config) as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"--config {args.config} is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config {args.config}: expected sections {sorted(GROUPS)}, got {type(data).__name__}")
         for group_name, body in data.items():
             if group_name not in GROUPS:
-                raise ValueError(f"{args.config}: unknown section {group_name!r}; expected {sorted(GROUPS)}")
+                raise ConfigError(f"{args.config}: unknown section {group_name!r}; expected {sorted(GROUPS)}")
             known = {f.name for f in dataclasses.fields(GROUPS[group_name])}
             for key, value in (body or {}).items():
                 if key not in known:
-                    raise ValueError(f"{args.config}: unknown key {group_name}.{key}")
+                    raise ConfigError(f"{args.config}: unknown key {group_name}.{key}")
                 values[group_name][key] = value
     for key, value in vars(args).items():
         if "." in key and value is not None:

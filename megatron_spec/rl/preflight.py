@@ -1,0 +1,94 @@
+"""The checks of a GRPO run's inputs that need no process group, run before ``torch.distributed``.
+
+The launcher calls :func:`check_inputs` right after parsing its flags, on every rank before
+distributed initialisation, so a user error (a missing ``--hf-checkpoint`` directory, a draft for
+another model, a missing prompt file, a tensor-parallel size the heads do not divide) is one
+:class:`~megatron_spec.config.ConfigError` that rank 0 prints as one ``error:`` line, and not a
+traceback per rank from deep inside the trainer or the engine process.
+
+It reads ``config.json`` files only (the policy's, the draft's) and imports the reward function;
+it loads no weights and knows nothing about training. The trainer and the engine keep their own
+checks (they are also used as libraries); this only moves the first failure earlier.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_spec.config import ConfigError, RunConfig
+
+
+def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
+    """Raise :class:`ConfigError` naming the flag and the file when an input of ``cfg`` is unusable.
+
+    Args:
+        cfg: the validated run configuration (``from_args``).
+        world_size: processes in the run (torchrun's ``WORLD_SIZE``), for the tensor-parallel check.
+    """
+    from megatron_spec.models.hf_config import DecoderConfig
+
+    m, d, s = cfg.model, cfg.data, cfg.spec
+    if not os.path.isdir(m.hf_checkpoint):
+        raise ConfigError(f"--hf-checkpoint {m.hf_checkpoint}: no such directory (an HF checkpoint directory)")
+    try:
+        target = DecoderConfig.from_pretrained(m.hf_checkpoint)
+    except (FileNotFoundError, ValueError) as exc:  # no config.json, an architecture we do not convert
+        raise ConfigError(f"--hf-checkpoint {m.hf_checkpoint}: {exc}") from exc
+    tp = m.tensor_model_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the world size {world_size} "
+                          f"(torchrun --nproc-per-node)")
+    try:
+        target.check_tensor_parallel(tp)
+    except ValueError as exc:
+        raise ConfigError(f"--tensor-model-parallel-size: {exc}") from exc
+
+    for flag, spec in (("--prompt-data", d.prompt_data), ("--eval-data", d.eval_data)):
+        if not spec:
+            continue
+        if spec.startswith("synthetic:"):
+            from megatron_spec.rl.tasks import TASKS
+
+            if spec.split(":", 1)[1] not in TASKS:
+                raise ConfigError(f"{flag} {spec}: unknown synthetic task; expected one of "
+                                  f"{[f'synthetic:{t}' for t in sorted(TASKS)]}")
+        elif not os.path.isfile(spec):
+            raise ConfigError(f"{flag} {spec}: no such file (a JSONL or Parquet file, or synthetic:<task>)")
+
+    from megatron_spec.rl.rewards import get_reward
+
+    try:
+        get_reward(d.reward)
+    except ValueError as exc:
+        raise ConfigError(f"--reward: {exc}") from exc
+
+    if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
+        raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
+
+    if s.spec_draft_kind in ("eagle3", "model", "mtp") and s.spec_draft_path:
+        _check_draft(s.spec_draft_kind, s.spec_draft_path, target)
+
+
+def _check_draft(kind: str, path: str, target) -> None:
+    """The draft's ``config.json`` fits the target (hidden size, vocabulary, layers), as the engine
+    would find when it loads the draft, minutes later and in another process."""
+    from megatron_spec.models.hf_config import DecoderConfig
+
+    if not os.path.isdir(path):
+        raise ConfigError(f"--spec-draft-path {path}: no such directory")
+    try:
+        if kind == "eagle3":
+            from megatron_spec.draft.modelopt_io import read_eagle3_config
+
+            read_eagle3_config(path, target)
+        elif kind == "model":
+            draft = DecoderConfig.from_pretrained(path)
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(f"draft model {path} has vocab_size {draft.vocab_size}, the target "
+                                 f"{target.vocab_size}: a draft model must share the target's tokenizer")
+        else:
+            from megatron_spec.draft.mtp_io import read_mtp_config
+
+            read_mtp_config(path, target)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(f"--spec-draft-path ({kind}): {exc}") from exc
