@@ -54,3 +54,29 @@ def test_report_names_a_missing_or_empty_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no step records"):
         write_report(str(tmp_path))
+
+
+def test_acceptance_axis_starts_at_one_and_the_legend_is_off_the_lines():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from megatron_spec.rl.report import acceptance_figure
+
+    # accept length wanders in 3.50-3.66 (noise): the axis is 1 .. k+1 = 4, not zoomed to the data
+    rows = [_row(s, **{"spec/accept_length": 3.5 + 0.16 * (s % 2), "spec/accept_rate_pos1": 0.8,
+                       "spec/accept_rate_pos2": 0.7}) for s in range(1, 11)]
+    fig = acceptance_figure(rows)
+    try:
+        ax = fig.axes[0]
+        low, high = ax.get_ylim()
+        assert low == 1.0 and 4.0 <= high < 4.2
+        assert ax.get_legend() is None and len(fig.legends) == 1
+        fig.canvas.draw()
+        legend_box = fig.legends[0].get_window_extent()
+        assert not legend_box.overlaps(ax.get_window_extent())  # below the axes, never over a line
+        assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+            "accept length (tokens / verify)", "P(draft 1 accepted)", "P(draft 2 accepted)", "P(draft 3 accepted)"]
+    finally:
+        plt.close(fig)
