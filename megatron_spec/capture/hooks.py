@@ -8,7 +8,8 @@ Usage, around the verifier forward the GRPO loop runs anyway::
     ...
     metrics = trainer.train_step(capture.take())
 
-What is recorded, per captured token ``x_t`` (``response_mask[b, t]`` True, t >= 1; see
+What is recorded, per captured token ``x_t`` (``response_mask[b, t]`` True, t >= 1, and with
+``prompt_context`` the positions before the response as unscored context rows; see
 :mod:`megatron_spec.capture.cache` for the row convention):
 
 * outputs of the aux decoder layers at ``t - 1`` (EAGLE-3; forward hooks on
@@ -87,6 +88,12 @@ class CaptureConfig:
     forward: str = "logprob"
     """Which forward the GRPO loop records: ``logprob`` (the old-log-prob recompute, default) or
     ``train`` (the policy's training forward)."""
+    prompt_context: bool | None = None
+    """Also capture every position before a sequence's last response token that is not a response
+    token (the prompt) as a *context* row (``DraftCache.scored`` False: attended to, never scored).
+    The engine's draft attends to the prompt after its prefill, so a draft trained without it
+    learns a function it is never served with. None = False here; ``Eagle3Trainer.capture_config``
+    turns it on (docs/draft_training.md, "Why online training lowered acceptance")."""
 
     def __post_init__(self) -> None:
         if self.draft_kind not in ("eagle3", "mtp"):
@@ -334,6 +341,11 @@ class _Recorder:
             )
         mask = mask.to(torch.bool).cpu().clone()
         mask[:, 0] = False  # x_0 has no preceding position to draft from
+        scored_mask = mask
+        if self.cfg.prompt_context:  # positions 1 .. last response token of each sequence
+            pos = torch.arange(mask.shape[1]).unsqueeze(0)
+            last = torch.where(mask, pos, torch.full_like(pos, -1)).amax(dim=1, keepdim=True)  # [B, 1]
+            mask = (pos >= 1) & (pos <= last)
         runs = segment_runs(mask)
         b_idx = (
             torch.cat([torch.full((n,), b) for b, _, n in runs]) if runs else torch.zeros(0, dtype=torch.long)
@@ -376,6 +388,8 @@ class _Recorder:
             "next_tokens": self.next_tokens_all[self.kept],
             "cu_seqlens": torch.tensor([0] + lens, dtype=torch.long).cumsum(0),
         }
+        if self.cfg.prompt_context:
+            self.part["scored"] = scored_mask[kb, kt]
         self.kept_feat = (kt - 1, kb)  # [S, B] layout indices of position t - 1
         self.kept_cur = (kt, kb)
         self.dropped = dropped
@@ -445,6 +459,7 @@ class _Recorder:
             embeds=p.get("embeds"),
             aux=torch.cat(aux, dim=-1) if aux else None,
             hidden=p.get("hidden"),
+            scored=p["scored"].to(dev) if "scored" in p else None,
             dropped_rows=self.dropped,
         )
         self.part = {}

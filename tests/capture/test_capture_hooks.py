@@ -93,6 +93,33 @@ def test_segments_next_tokens_teacher_and_logprobs(policy, hf_outputs):
     assert torch.all(cache.next_logprobs[~has] == 0)
 
 
+def test_prompt_context_rows_are_captured_unscored(policy):
+    """prompt_context: every position 1 .. last response token is a row (the prompt and holes as
+    context, as the engine's draft attends to them); only response rows are scored, and their
+    features are those of the response-only capture."""
+    cfg = policy.decoder_config
+    ids, pos, mask = _batch(cfg.vocab_size)
+    caches = {}
+    for ctx in (False, True):
+        cap = Capture(CaptureConfig(storage_dtype="float32", teacher_topk=4, prompt_context=ctx))
+        with torch.no_grad(), cap.record(policy, mask):
+            policy(ids, pos, attention_mask=None)
+        caches[ctx] = cap.take()
+    plain, ctx = caches[False], caches[True]
+    assert plain.scored is None
+    # rows: b0 t=1..13 (13), b1 t=1..11 (11: the hole 7..8 is context), b2 t=1..3 (3)
+    assert ctx.cu_seqlens.tolist() == [0, 13, 24, 27]
+    m = mask.clone()
+    m[:, 0] = False
+    want = torch.cat([m[0, 1:14], m[1, 1:12], m[2, 1:4]])
+    assert torch.equal(ctx.scored, want)
+    assert ctx.num_scored == plain.num_rows == 19
+    for name in ("aux", "embeds", "tokens", "positions", "teacher_logprobs", "teacher_ids"):
+        assert torch.equal(getattr(ctx, name)[ctx.scored], getattr(plain, name)), name
+    # x_{t+1} is known inside a whole sequence now: only the last row of each has none
+    assert (ctx.next_tokens < 0).nonzero().squeeze(1).tolist() == [12, 23, 26]
+
+
 def test_mtp_features_and_reduced_vocab_full_teacher(policy, hf_outputs):
     cfg = policy.decoder_config
     ids, pos, mask = _batch(cfg.vocab_size)
