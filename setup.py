@@ -2,7 +2,9 @@
 
 The extension ``megatron_spec._C`` is built from ``csrc/`` with torch's cpp_extension:
 
-* C++ CPU kernels (``csrc/*.cpp``) always;
+* C++ CPU kernels (``csrc/*.cpp``, ``csrc/cpu/*.cpp``) always, for every x86-64 CPU at once: the
+  hot loops are compiled for the baseline, AVX2 and AVX-512 and picked at run time from cpuid
+  (``csrc/cpu/kernels.h``), so one binary runs, fast, on the CPU it is built on and any other;
 * CUDA kernels (``csrc/cuda/*.cu`` plus the torch binding ``csrc/cuda/*_binding.cpp``) only
   when torch was built with CUDA and ``CUDA_HOME`` is found.
 
@@ -44,7 +46,7 @@ def _extensions():
               "(install torch first and use --no-build-isolation)", file=sys.stderr)
         return [], {}
 
-    cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     if not cpu_sources:
         return [], {}
     # -ffp-contract=off: GCC otherwise fuses a*b+c into FMAs (even with -std=c++17), and the kernels
@@ -52,9 +54,8 @@ def _extensions():
     # -fno-trapping-math: lets GCC if-convert (vectorise) float selects; it changes no result bits.
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
                  "-DMEGATRON_SPEC_CPU"]
-    # Vectorise for the build machine's ISA unless asked to build portable binaries.
-    if not _env_flag("MEGATRON_SPEC_PORTABLE"):
-        cxx_flags.append("-march=native")
+    # No -march=native: the build machine's ISA says nothing about the machine that runs the
+    # binary. The AVX2 and AVX-512 loops are compiled in their own files under target pragmas.
     extra_link = ["-fopenmp"]
     include_dirs = [os.path.join(ROOT, "csrc")]
 

@@ -1,15 +1,14 @@
-// CPU kernels for FP8 E4M3 block quantisation / dequantisation (128x128 blocks by default).
+// CPU ops for FP8 E4M3 block quantisation / dequantisation (128x128 blocks by default).
 //
 // Layout: w [N, K] row-major; weight_scale_inv [ceil(N/bn), ceil(K/bk)] float32 = amax/448 per
 // block (the dequantisation multiplier SGLang loads). The per-element math is in ms_math.h and is the
-// same code the CUDA kernels run; this file only decides the loop order and the threading.
+// same code the CUDA kernels run; the loops are in csrc/cpu/kernels_impl.h, compiled per ISA and
+// chosen at run time (csrc/cpu/kernels.h). This file checks arguments, allocates, and splits the
+// work over threads.
 //
-// Loop order: a work unit is one block-row (bn rows) times a run of column blocks. Pass 1 sweeps
-// its rows left to right keeping a running column-wise max of |x| bits (vertical max: no horizontal
-// reductions in the hot loop, one contiguous stream per row for the prefetcher); pass 2 sweeps the
-// same rows again (now in L2) and writes the quantised bytes. GCC vectorises both inner loops from
-// the scalar functions of ms_math.h (-O3 -march=native). Units are spread over at::parallel_for
-// (OpenMP in the CPU wheel).
+// Work unit of the quantiser: one block row (bn rows) times a run of column blocks, about 2048
+// columns (the unit's rows stay in L2 between the kernel's two passes). Units are spread over
+// at::parallel_for (OpenMP in the CPU wheel).
 //
 // Reference: megatron_spec/ops/fp8_reference.py (the oracle; tests compare bytes and scales).
 #include <ATen/ATen.h>
@@ -24,12 +23,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "ms_math.h"
-
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on _mm512_undefined_*() (GCC bug 105593).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+#include "cpu/kernels.h"
 
 namespace megatron_spec {
 namespace {
@@ -37,63 +31,9 @@ namespace {
 // Columns per work unit: 16 blocks of 128 -> bn x 2048 elements (512 KiB of bf16 for bn = 128).
 constexpr int64_t kUnitCols = 2048;
 
-// Input traits. Pass 1 takes the max of |x| as ordered integer bits in the input's own width
-// (u16 for 16-bit floats: twice the lanes), then converts that one value to float32.
-struct F32In {
-  using T = float;
-  using Bits = uint32_t;
-  static inline uint32_t abs_bits(float x) { return f32_abs_bits(x); }
-  static inline float amax_f32(uint32_t m) { return f32_from_bits(m); }
-  static inline float load(float x) { return x; }
-#if defined(MS_HAVE_AVX512)
-  static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-#endif
-};
-struct BF16In {
-  using T = uint16_t;
-  using Bits = uint16_t;
-  static inline uint16_t abs_bits(uint16_t x) { return static_cast<uint16_t>(x & 0x7FFFu); }
-  static inline float amax_f32(uint16_t m) { return bf16_to_f32(m); }
-  static inline float load(uint16_t x) { return bf16_to_f32(x); }
-#if defined(MS_HAVE_AVX512)
-  static inline __m512 load16(const uint16_t* p) { return bf16x16_to_f32(p); }
-#endif
-};
-struct F16In {
-  using T = uint16_t;
-  using Bits = uint16_t;
-  static inline uint16_t abs_bits(uint16_t x) { return static_cast<uint16_t>(x & 0x7FFFu); }
-  static inline float amax_f32(uint16_t m) { return f16_to_f32(m); }
-  static inline float load(uint16_t x) { return f16_to_f32(x); }
-#if defined(MS_HAVE_AVX512)
-  static inline __m512 load16(const uint16_t* p) { return f16x16_to_f32(p); }
-#endif
-};
-
-// Quantise row[a, b) of one block with multiplier s into orow[a, b).
-template <typename In>
-inline void quantize_run(const typename In::T* __restrict row, uint8_t* __restrict orow, int64_t a, int64_t b,
-                         float s, bool finite) {
-  int64_t c = a;
-#if defined(MS_HAVE_AVX512)
-  if (finite) {
-    const __m512 vs = _mm512_set1_ps(s);
-    for (; c + 16 <= b; c += 16) {
-      const __m128i q = fp8e4m3_from_f32_finite_x16(_mm512_mul_ps(In::load16(row + c), vs));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(orow + c), q);
-    }
-  }
-#else
-  (void)finite;
-#endif
-  for (; c < b; ++c) orow[c] = fp8e4m3_from_f32_sat(fmul_rn(In::load(row[c]), s));
-}
-
-template <typename In>
-void quantize_impl(const typename In::T* __restrict w, int64_t N, int64_t K, int64_t bn, int64_t bk,
-                   uint8_t* __restrict out, float* __restrict scale_inv) {
-  using T = typename In::T;
-  using Bits = typename In::Bits;
+template <typename T>
+void quantize_impl(cpu::QuantizeUnitFn<T> unit, const T* w, int64_t N, int64_t K, int64_t bn, int64_t bk,
+                   uint8_t* out, float* scale_inv) {
   const int64_t nbn = (N + bn - 1) / bn;
   const int64_t nbk = (K + bk - 1) / bk;
   // A unit spans whole column blocks: at least one, about kUnitCols columns.
@@ -101,83 +41,32 @@ void quantize_impl(const typename In::T* __restrict w, int64_t N, int64_t K, int
   const int64_t units_per_row = (nbk + blocks_per_unit - 1) / blocks_per_unit;
   const int64_t num_units = nbn * units_per_row;
   at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
-    std::vector<Bits> colmax;     // running max of |x| bits per column of the unit
-    std::vector<float> mult;      // quantisation multiplier per column block of the unit
-    std::vector<uint8_t> finite;  // whether the block's amax is finite (vector fast path)
-    for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t bi = unit / units_per_row;
-      const int64_t bj0 = (unit % units_per_row) * blocks_per_unit;
+    std::vector<uint32_t> colmax;  // running max of |x| bits per column of the unit
+    std::vector<float> mult;       // quantisation multiplier per column block of the unit
+    std::vector<uint8_t> finite;   // whether the block's amax is finite (vector fast path)
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t bi = u / units_per_row;
+      const int64_t bj0 = (u % units_per_row) * blocks_per_unit;
       const int64_t bj1 = std::min(nbk, bj0 + blocks_per_unit);
       const int64_t r0 = bi * bn, r1 = std::min(N, r0 + bn);
       const int64_t c0 = bj0 * bk, c1 = std::min(K, bj1 * bk);
-      const int64_t nc = c1 - c0;
-      colmax.assign(static_cast<size_t>(nc), Bits{0});
-      Bits* __restrict cm = colmax.data();
-      // Pass 1: column-wise max of |x| over the block-row (integer max: NaN/inf propagate).
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* __restrict row = w + r * K + c0;
-        for (int64_t c = 0; c < nc; ++c) {
-          const Bits v = In::abs_bits(row[c]);
-          cm[c] = v > cm[c] ? v : cm[c];
-        }
-      }
-      const size_t nb = static_cast<size_t>(bj1 - bj0);
-      mult.resize(nb);
-      finite.resize(nb);
-      for (int64_t bj = bj0; bj < bj1; ++bj) {
-        const int64_t a = (bj - bj0) * bk, b = std::min(nc, a + bk);
-        Bits m = 0;
-        for (int64_t c = a; c < b; ++c) m = cm[c] > m ? cm[c] : m;
-        const float raw = In::amax_f32(m);
-        const float amax = fp8_block_amax_clamped(raw);
-        scale_inv[bi * nbk + bj] = fp8_block_scale_inv(amax);
-        mult[static_cast<size_t>(bj - bj0)] = fp8_block_quant_mult(amax);
-        finite[static_cast<size_t>(bj - bj0)] = f32_abs_bits(raw) < 0x7F800000u;
-      }
-      // Pass 2: quantise, one column block at a time so the multiplier is a loop constant.
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* __restrict row = w + r * K + c0;
-        uint8_t* __restrict orow = out + r * K + c0;
-        for (int64_t bj = bj0; bj < bj1; ++bj) {
-          const int64_t a = (bj - bj0) * bk, b = std::min(nc, a + bk);
-          const size_t ib = static_cast<size_t>(bj - bj0);
-          quantize_run<In>(row, orow, a, b, mult[ib], finite[ib] != 0);
-        }
-      }
+      colmax.resize(static_cast<size_t>(c1 - c0));
+      mult.resize(static_cast<size_t>(bj1 - bj0));
+      finite.resize(static_cast<size_t>(bj1 - bj0));
+      unit(w + r0 * K + c0, out + r0 * K + c0, K, r1 - r0, c1 - c0, bk, scale_inv + bi * nbk + bj0, colmax.data(),
+           mult.data(), finite.data());
     }
   });
 }
 
-struct F32Out {
-  using T = float;
-  static inline float store(float x) { return x; }
-};
-struct BF16Out {
-  using T = uint16_t;
-  static inline uint16_t store(float x) { return f32_to_bf16_rne(x); }
-};
-struct F16Out {
-  using T = uint16_t;
-  static inline uint16_t store(float x) { return f32_to_f16_rne(x); }
-};
-
-template <typename Out>
-void dequantize_impl(const uint8_t* __restrict q, const float* __restrict scale_inv, int64_t N,
-                     int64_t K, int64_t bn, int64_t bk, typename Out::T* __restrict out) {
+template <typename T>
+void dequantize_impl(cpu::DequantizeRowFn<T> row, const uint8_t* q, const float* scale_inv, int64_t N, int64_t K,
+                     int64_t bn, int64_t bk, T* out) {
   const int64_t nbk = (K + bk - 1) / bk;
   // Rows are independent: split them over threads, a few hundred KiB per task.
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, K));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* __restrict qrow = q + r * K;
-      typename Out::T* __restrict orow = out + r * K;
-      const float* __restrict srow = scale_inv + (r / bn) * nbk;
-      for (int64_t bj = 0; bj < nbk; ++bj) {
-        const int64_t a = bj * bk, b = std::min(K, a + bk);
-        const float s = srow[bj];
-        for (int64_t c = a; c < b; ++c) orow[c] = Out::store(fmul_rn(fp8e4m3_to_f32(qrow[c]), s));
-      }
-    }
+    for (int64_t r = begin; r < end; ++r) row(q + r * K, scale_inv + (r / bn) * nbk, K, bk, out + r * K);
   });
 }
 
@@ -230,12 +119,13 @@ void fp8_block_quantize_out_cpu(const at::Tensor& w, int64_t block_n, int64_t bl
   const at::Tensor wc = w.contiguous();
   auto* o = reinterpret_cast<uint8_t*>(out.data_ptr());
   float* s = scale_inv.data_ptr<float>();
+  const cpu::KernelTable& k = cpu::kernels();
   if (dt == at::kFloat) {
-    quantize_impl<F32In>(wc.data_ptr<float>(), N, K, block_n, block_k, o, s);
-  } else if (dt == at::kBFloat16) {
-    quantize_impl<BF16In>(reinterpret_cast<const uint16_t*>(wc.data_ptr()), N, K, block_n, block_k, o, s);
+    quantize_impl(k.quantize_unit_f32, wc.data_ptr<float>(), N, K, block_n, block_k, o, s);
   } else {
-    quantize_impl<F16In>(reinterpret_cast<const uint16_t*>(wc.data_ptr()), N, K, block_n, block_k, o, s);
+    const auto* w16 = reinterpret_cast<const uint16_t*>(wc.data_ptr());
+    quantize_impl(dt == at::kBFloat16 ? k.quantize_unit_bf16 : k.quantize_unit_f16, w16, N, K, block_n, block_k,
+                  o, s);
   }
 }
 
@@ -274,12 +164,12 @@ at::Tensor fp8_block_dequantize_cpu(const at::Tensor& w_fp8, const at::Tensor& s
   advise_huge_pages(out);
   const auto* q = reinterpret_cast<const uint8_t*>(qc.data_ptr());
   const float* s = sc.data_ptr<float>();
+  const cpu::KernelTable& k = cpu::kernels();
   if (dtype == at::kFloat) {
-    dequantize_impl<F32Out>(q, s, N, K, block_n, block_k, out.data_ptr<float>());
-  } else if (dtype == at::kBFloat16) {
-    dequantize_impl<BF16Out>(q, s, N, K, block_n, block_k, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    dequantize_impl(k.dequantize_row_f32, q, s, N, K, block_n, block_k, out.data_ptr<float>());
   } else {
-    dequantize_impl<F16Out>(q, s, N, K, block_n, block_k, reinterpret_cast<uint16_t*>(out.data_ptr()));
+    dequantize_impl(dtype == at::kBFloat16 ? k.dequantize_row_bf16 : k.dequantize_row_f16, q, s, N, K, block_n,
+                    block_k, reinterpret_cast<uint16_t*>(out.data_ptr()));
   }
   return out;
 }

@@ -25,15 +25,12 @@
 
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(__CUDACC__)
-#include <immintrin.h>
-#define MS_HAVE_AVX512 1
-#endif
-
 #if defined(__CUDACC__)
 #define MS_HD __host__ __device__ __forceinline__
 #else
-#define MS_HD inline
+// Always inlined: the CPU kernels are compiled once per ISA (csrc/cpu/kernels.h) and include this
+// header as baseline code; inlined into a variant's loop, a function is vectorised for that ISA.
+#define MS_HD inline __attribute__((always_inline))
 #endif
 
 #if defined(__FAST_MATH__) && !defined(__CUDA_ARCH__)
@@ -175,37 +172,8 @@ MS_HD float fp8_block_quant_mult(float amax_clamped) {
   return fmul_rn(fdiv_rn(1.0f, amax_clamped), kFp8E4M3Max);
 }
 
-// 16-lane AVX-512 forms of the conversions above for the CPU hot loops. Same integer and float
-// steps as the scalar functions, so lanes and scalars agree bit for bit (tests compare the CPU
-// kernels, which use both, with the references over every shape and edge value).
-#if defined(MS_HAVE_AVX512)
-inline __m512 bf16x16_to_f32(const uint16_t* p) {
-  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
-}
-inline __m512 f16x16_to_f32(const uint16_t* p) {  // F16C conversion is exact
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// fp8e4m3_from_f32_sat for 16 finite values with |v| < 464. Inside a block quantised with its own
-// (finite) amax, |x * mult| <= 448 (1 + 3 * 2^-24), so NaN and saturation cannot occur and the
-// normal-path rounding already yields 0x7E at the top, exactly like the scalar function.
-inline __m128i fp8e4m3_from_f32_finite_x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
-  const __m512i sub = _mm512_sub_epi32(
-      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16384.0f))),
-      _mm512_set1_epi32(static_cast<int>(141u << 23)));
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
-  const __m512i nrm = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(0x7FFFFu - (120u << 23)))), odd), 20);
-  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(121u << 23)));
-  const __m512i r = _mm512_mask_blend_epi32(is_sub, nrm, sub);
-  // r | ((bits >> 24) & 0x80): ternary logic A | (B & C)
-  const __m512i out = _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
-  return _mm512_cvtepi32_epi8(out);
-}
-#endif
+// Vector (AVX2 / AVX-512) forms of the conversions above live with the CPU loops that use them,
+// in csrc/cpu/kernels_impl.h.
 
 // ---------------------------------------------------------------------------------------------
 // Speculative sampling.

@@ -6,13 +6,53 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <stdexcept>
+
+#include "cpu/kernels.h"
+
+namespace {
+namespace cpu = megatron_spec::cpu;
+
+// The CPU kernel variant in use (csrc/cpu/kernels.h): "default", "avx2" or "avx512".
+PyObject* py_kernel_isa(PyObject*, PyObject*) { return PyUnicode_FromString(cpu::isa_name(cpu::active_isa())); }
+
+// The highest variant this CPU runs, before the environment's cap.
+PyObject* py_best_kernel_isa(PyObject*, PyObject*) {
+  return PyUnicode_FromString(cpu::isa_name(cpu::best_supported_isa()));
+}
+
+// Test hook: run another variant from now on (ValueError if unknown or above what the CPU runs).
+PyObject* py_set_kernel_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) return nullptr;
+  cpu::Isa isa;
+  if (!cpu::parse_isa(name, &isa)) {
+    PyErr_Format(PyExc_ValueError, "kernel ISA must be one of default, avx2, avx512, got '%s'", name);
+    return nullptr;
+  }
+  try {
+    cpu::set_active_isa(isa);
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef methods[] = {
+    {"kernel_isa", py_kernel_isa, METH_NOARGS, "CPU kernel variant in use: 'default', 'avx2' or 'avx512'."},
+    {"best_kernel_isa", py_best_kernel_isa, METH_NOARGS, "Highest CPU kernel variant this CPU runs."},
+    {"set_kernel_isa", py_set_kernel_isa, METH_O, "Run the CPU kernel variant of this name (tests)."},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 extern "C" {
 // `import megatron_spec._C` loads this shared object, which runs the TORCH_LIBRARY registrations.
-// The module itself is empty: everything is reached through torch.ops.megatron_spec.
+// The ops are reached through torch.ops.megatron_spec; the module itself only reports (and, for
+// tests, sets) which CPU kernel variant runs (megatron_spec._ext.kernel_isa).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", "megatron_spec compiled ops (see torch.ops.megatron_spec)", -1,
-      nullptr};
+      PyModuleDef_HEAD_INIT, "_C", "megatron_spec compiled ops (see torch.ops.megatron_spec)", -1, methods};
   return PyModule_Create(&module_def);
 }
 }

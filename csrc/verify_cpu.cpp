@@ -13,7 +13,9 @@
 // The residual / bonus token is drawn by inverse CDF with u_sample[b]; the float64 sums follow the
 // fixed chunked order documented in megatron_spec/ops/verify_reference.py so this kernel, the CUDA
 // kernel and the reference agree bit for bit. Only one position per row needs a full-vocabulary
-// pass (the reference makes several); rows run in parallel with at::parallel_for (OpenMP).
+// pass (the reference makes several); rows run in parallel with at::parallel_for (OpenMP). The
+// full-vocabulary loops (residual sampling, argmax, exp) are in csrc/cpu/kernels_impl.h, compiled per
+// ISA and chosen at run time (csrc/cpu/kernels.h); this file checks arguments and walks the chains.
 //
 // References: Leviathan et al., "Fast Inference from Transformers via Speculative Decoding" (2023);
 // Chen et al., "Accelerating LLM Decoding with Speculative Sampling" (2023).
@@ -25,151 +27,31 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/kernels.h"
 #include "ms_math.h"
-
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on _mm512_undefined_*() (GCC bug 105593).
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
 
 namespace megatron_spec {
 namespace {
 
+using cpu::kTileChunks;
+using cpu::QSource;
 constexpr int64_t kC = kSampleChunk;
-constexpr int64_t kTileChunks = 8;  // chunk sums of 8 chunks run as 8 independent add chains
 
 enum class QMode { kNone, kDense, kMapped, kPoint };
 
-struct QSource {
-  const float* q = nullptr;      // [Vd] draft probabilities at this position (dense / mapped)
-  const int32_t* t2d = nullptr;  // [V] target id -> draft id or -1 (mapped)
-  int64_t x = -1;                // the drafted token (point mass)
-};
-
-template <QMode M>
-inline float q_at(const QSource& s, int64_t t) {
-  if constexpr (M == QMode::kNone) {
-    return 0.0f;
-  } else if constexpr (M == QMode::kDense) {
-    return spec_clean_q(s.q[t]);
-  } else if constexpr (M == QMode::kMapped) {
-    const int32_t d = s.t2d[t];
-    const float v = s.q[d < 0 ? 0 : d];  // unconditional load keeps the loop vectorisable
-    return d < 0 ? 0.0f : spec_clean_q(v);
-  } else {
-    return t == s.x ? 1.0f : 0.0f;
-  }
-}
-
-// r[t - t0] = max(0, p(t) - q(t)) in float64 for t in [t0, t1).
-template <QMode M>
-void residual_tile(const float* __restrict lp, const QSource& s, int64_t t0, int64_t t1,
-                   double* __restrict r) {
-  for (int64_t t = t0; t < t1; ++t) r[t - t0] = spec_residual(spec_expf(lp[t]), q_at<M>(s, t));
-}
-
-// Inverse-CDF draw from the (unnormalised) residual. Returns -1 when the residual has no mass.
-template <QMode M>
-int64_t sample_residual(const float* __restrict lp, const QSource& s, int64_t V, double u,
-                        std::vector<double>& prefix, double* __restrict rbuf) {
-  const int64_t nC = (V + kC - 1) / kC;
-  prefix.resize(static_cast<size_t>(nC));
-  double* __restrict S = prefix.data();
-  // Chunk sums: each chunk summed sequentially from 0.0 in token order.
-  for (int64_t t0 = 0; t0 < V; t0 += kTileChunks * kC) {
-    const int64_t t1 = std::min(V, t0 + kTileChunks * kC);
-    residual_tile<M>(lp, s, t0, t1, rbuf);
-    const int64_t c0 = t0 / kC;
-    if (t1 - t0 == kTileChunks * kC) {
-      double acc[kTileChunks] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
-      for (int64_t i = 0; i < kC; ++i) {
-        for (int64_t g = 0; g < kTileChunks; ++g) acc[g] = dadd_rn(acc[g], rbuf[g * kC + i]);
-      }
-      for (int64_t g = 0; g < kTileChunks; ++g) S[c0 + g] = acc[g];
-    } else {
-      for (int64_t a = 0; a < t1 - t0; a += kC) {
-        const int64_t b = std::min(t1 - t0, a + kC);
-        double acc = 0.0;
-        for (int64_t i = a; i < b; ++i) acc = dadd_rn(acc, rbuf[i]);
-        S[c0 + a / kC] = acc;
-      }
-    }
-  }
-  // Sequential prefix over chunk sums, in place.
-  double P = 0.0;
-  for (int64_t c = 0; c < nC; ++c) {
-    P = dadd_rn(P, S[c]);
-    S[c] = P;
-  }
-  const double total = P;
-  if (!(total > 0.0)) return -1;
-  const double theta = dmul_rn(u, total);
-  int64_t cs = nC - 1;  // first chunk whose inclusive prefix exceeds theta (searchsorted, right)
-  for (int64_t c = 0; c < nC; ++c) {
-    if (S[c] > theta) {
-      cs = c;
-      break;
-    }
-  }
-  const double theta_local = dsub_rn(theta, cs > 0 ? S[cs - 1] : 0.0);
-  const int64_t a = cs * kC, b = std::min(V, a + kC);
-  residual_tile<M>(lp, s, a, b, rbuf);
-  double acc = 0.0;
-  int64_t last_pos = -1;
-  for (int64_t i = 0; i < b - a; ++i) {
-    acc = dadd_rn(acc, rbuf[i]);
-    if (acc > theta_local) return a + i;
-    if (rbuf[i] > 0.0) last_pos = a + i;
-  }
-  // Rounding left theta_local at or above the chunk's own sum: take its last token with mass.
-  return last_pos;
-}
-
-int64_t sample_position(QMode mode, const float* lp, const QSource& s, int64_t V, double u,
-                        std::vector<double>& prefix, double* rbuf) {
+int64_t sample_position(const cpu::KernelTable& kt, QMode mode, const float* lp, const QSource& s, int64_t V,
+                        double u, std::vector<double>& prefix, double* rbuf) {
+  prefix.resize(static_cast<size_t>((V + kC - 1) / kC));
   int64_t t = -1;
   switch (mode) {
-    case QMode::kDense: t = sample_residual<QMode::kDense>(lp, s, V, u, prefix, rbuf); break;
-    case QMode::kMapped: t = sample_residual<QMode::kMapped>(lp, s, V, u, prefix, rbuf); break;
-    case QMode::kPoint: t = sample_residual<QMode::kPoint>(lp, s, V, u, prefix, rbuf); break;
+    case QMode::kDense: t = kt.sample_dense(lp, s, V, u, prefix.data(), rbuf); break;
+    case QMode::kMapped: t = kt.sample_mapped(lp, s, V, u, prefix.data(), rbuf); break;
+    case QMode::kPoint: t = kt.sample_point(lp, s, V, u, prefix.data(), rbuf); break;
     case QMode::kNone: break;
   }
   // No residual mass (p <= q everywhere, reachable through rounding) or no draft: sample p itself.
-  if (t < 0) t = sample_residual<QMode::kNone>(lp, s, V, u, prefix, rbuf);
+  if (t < 0) t = kt.sample_p(lp, s, V, u, prefix.data(), rbuf);
   return t;
-}
-
-// First index of the maximum (lowest index on ties), like torch.argmax for NaN-free input.
-int64_t argmax_first(const float* __restrict x, int64_t V) {
-#if defined(MS_HAVE_AVX512)
-  if (V >= 16) {
-    __m512 vm = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    int64_t t = 0;
-    for (; t + 16 <= V; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, vm);
-    float m = lanes[0];
-    for (int l = 1; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
-    for (; t < V; ++t) m = x[t] > m ? x[t] : m;
-    const __m512 vmv = _mm512_set1_ps(m);
-    for (t = 0; t + 16 <= V; t += 16) {
-      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + t), vmv, _CMP_EQ_OQ);
-      if (eq) return t + __builtin_ctz(static_cast<unsigned>(eq));
-    }
-    for (; t < V; ++t)
-      if (x[t] == m) return t;
-    return 0;  // all NaN: undefined input, keep a valid id
-  }
-#endif
-  int64_t best = 0;
-  float bv = x[0];
-  for (int64_t t = 1; t < V; ++t) {
-    if (x[t] > bv) {
-      bv = x[t];
-      best = t;
-    }
-  }
-  return best;
 }
 
 enum RowError : int8_t { kOk = 0, kNoMass = 1 };
@@ -269,6 +151,7 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
   std::vector<int8_t> row_err(static_cast<size_t>(B), kOk);
   std::vector<int64_t> row_err_pos(static_cast<size_t>(B), 0);
 
+  const cpu::KernelTable& kt = cpu::kernels();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> prefix;
     std::vector<double> rbuf(static_cast<size_t>(kTileChunks * kC));
@@ -283,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
         if (x < 0) break;  // ragged draft: the chain ends here
         bool accept;
         if (gr[b]) {
-          const int64_t am = argmax_first(lpb + i * V, V);
+          const int64_t am = kt.argmax_first(lpb + i * V, V);
           accept = am == x;
           if (!accept) greedy_tok = am;
         } else {
@@ -307,7 +190,7 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
       const int64_t j = n_acc;
       int64_t tok;
       if (gr[b]) {
-        tok = greedy_tok >= 0 ? greedy_tok : argmax_first(lpb + j * V, V);
+        tok = greedy_tok >= 0 ? greedy_tok : kt.argmax_first(lpb + j * V, V);
       } else {
         QSource src;
         QMode mode = QMode::kNone;
@@ -317,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
           src.t2d = has_map ? t2d.data() : nullptr;
           src.q = has_q ? qp + (b * k + j) * Vd : nullptr;
         }
-        tok = sample_position(mode, lpb + j * V, src, V, us[b], prefix, rbuf.data());
+        tok = sample_position(kt, mode, lpb + j * V, src, V, us[b], prefix, rbuf.data());
         if (tok < 0) {
           row_err[static_cast<size_t>(b)] = kNoMass;
           row_err_pos[static_cast<size_t>(b)] = j;
@@ -345,9 +228,9 @@ at::Tensor spec_exp_cpu(const at::Tensor& x) {
   at::Tensor out = at::empty_like(xc);
   const float* in = xc.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  at::parallel_for(0, xc.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) o[i] = spec_expf(in[i]);
-  });
+  const cpu::KernelTable& kt = cpu::kernels();
+  at::parallel_for(0, xc.numel(), 1 << 16,
+                   [&](int64_t begin, int64_t end) { kt.spec_exp(in + begin, o + begin, end - begin); });
   return out;
 }
 

@@ -4,6 +4,12 @@ Every op in ``megatron_spec.ops`` has a pure-PyTorch reference; this module only
 which one runs. ``MEGATRON_SPEC_FORCE_REFERENCE=1`` forces the references (tests use it to
 exercise the fallback path). Which implementation is active is logged once at DEBUG level.
 
+The compiled CPU kernels exist in three variants in one binary, ``default`` (baseline x86-64, or
+the only one elsewhere), ``avx2`` and ``avx512``; the extension picks the highest this CPU runs,
+capped at ``avx2`` by ``MEGATRON_SPEC_NO_NATIVE_BF16=1`` (``megatron_spec.isa``) and by
+``ATEN_CPU_CAPABILITY`` as torch's own kernels are (``csrc/cpu/kernels.h``). :func:`kernel_isa` says
+which one runs; :func:`set_kernel_isa` lets tests run each.
+
 It does not know what the ops compute.
 """
 
@@ -31,3 +37,32 @@ def compiled_ops_available() -> bool:
         return False
     logger.debug("megatron-spec ops: compiled kernels from %s", _C.__file__)
     return True
+
+
+def kernel_isa() -> str | None:
+    """The CPU kernel variant in use: ``"default"``, ``"avx2"`` or ``"avx512"`` (None without ``_C``)."""
+    if not compiled_ops_available():
+        return None
+    from megatron_spec import _C
+
+    return _C.kernel_isa()
+
+
+def supported_kernel_isas() -> list[str]:
+    """The CPU kernel variants this CPU can run, lowest first (``[]`` without ``_C``)."""
+    if not compiled_ops_available():
+        return []
+    from megatron_spec import _C
+
+    order = ["default", "avx2", "avx512"]
+    return order[: order.index(_C.best_kernel_isa()) + 1]
+
+
+def set_kernel_isa(name: str) -> None:
+    """Run the CPU kernel variant ``name`` from now on, in this process (tests compare each with the
+    references). Raises ValueError for a variant this CPU cannot run, RuntimeError without ``_C``."""
+    if not compiled_ops_available():
+        raise RuntimeError("megatron_spec._C is not built (or MEGATRON_SPEC_FORCE_REFERENCE=1): no kernel variants")
+    from megatron_spec import _C
+
+    _C.set_kernel_isa(name)

@@ -62,7 +62,7 @@ def weights(shape, dtype, g, kind="randn"):
 @requires_cpu_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["randn", "wide", "heavy", "zeros"])
-def test_kernel_matches_reference(dtype, kind):
+def test_kernel_matches_reference(dtype, kind, kernel_variant):
     g = torch.Generator().manual_seed(DTYPES.index(dtype))
     for shape in SHAPES:
         w = weights(shape, dtype, g, kind)
@@ -75,7 +75,7 @@ def test_kernel_matches_reference(dtype, kind):
 
 @requires_cpu_kernel
 @pytest.mark.parametrize("block", [(1, 1), (3, 5), (64, 32), (128, 64), (256, 128)])
-def test_other_block_sizes(block):
+def test_other_block_sizes(block, kernel_variant):
     g = torch.Generator().manual_seed(1)
     for shape, dtype in itertools.product([(1, 7), (100, 100), (513, 77)], DTYPES):
         w = weights(shape, dtype, g, "wide")
@@ -104,7 +104,7 @@ def edge_values() -> torch.Tensor:
 
 
 @requires_cpu_kernel
-def test_rounding_edges_match_torch_conversion():
+def test_rounding_edges_match_torch_conversion(kernel_variant):
     # A block whose amax is 448 quantises with multiplier (1/448)*448 == 1.0 exactly, so the bytes
     # must equal torch's own round-to-nearest-even float -> float8_e4m3fn conversion.
     assert (torch.tensor([448.0]).reciprocal() * 448.0).item() == 1.0
@@ -121,7 +121,7 @@ def test_rounding_edges_match_torch_conversion():
 
 
 @requires_cpu_kernel
-def test_saturation_and_scale_of_empty_blocks():
+def test_saturation_and_scale_of_empty_blocks(kernel_variant):
     w = torch.zeros(130, 130)
     w[:128, :128] = -0.0
     w[128:, 128:] = 3.0
@@ -175,7 +175,7 @@ def test_out_variant(use_kernel, monkeypatch):
 
 @requires_cpu_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_dequantize_all_codes(dtype):
+def test_dequantize_all_codes(dtype, kernel_variant):
     codes = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(torch.float8_e4m3fn)  # [3, 256]
     codes = codes.repeat(50, 1)  # [150, 256]: two block rows, two block columns
     scale = torch.tensor([[1.0, 2.0**-20], [3.7e-3, 5.5e4]])
@@ -191,7 +191,7 @@ def test_dequantize_all_codes(dtype):
 
 @requires_cpu_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_round_trip_error_bound(dtype):
+def test_round_trip_error_bound(dtype, kernel_variant):
     g = torch.Generator().manual_seed(3)
     for shape in [(129, 257), (512, 384)]:
         w = weights(shape, dtype, g, "wide")

@@ -55,14 +55,14 @@ SHAPES = list(itertools.product([1, 5, 33], [0, 1, 3, 5], [1, 2, 7, 255, 256, 25
 
 @requires_cpu_kernel
 @pytest.mark.parametrize("mode", ["point", "dense", "mapped"])
-def test_random_shapes_identical(mode):
+def test_random_shapes_identical(mode, kernel_variant):
     g = torch.Generator().manual_seed(["point", "dense", "mapped"].index(mode))
     for B, k, V in SHAPES:
         assert_same(make_inputs(B, k, V, mode, g))
 
 
 @requires_cpu_kernel
-def test_empty_batch_and_k_zero():
+def test_empty_batch_and_k_zero(kernel_variant):
     for mode in ["point", "dense", "mapped"]:
         args = make_inputs(0, 3, 10, mode, torch.Generator().manual_seed(0))
         t, n = assert_same(args)
@@ -71,7 +71,7 @@ def test_empty_batch_and_k_zero():
 
 
 @requires_cpu_kernel
-def test_bucket_boundaries_and_extreme_uniforms():
+def test_bucket_boundaries_and_extreme_uniforms(kernel_variant):
     """Uniform p makes every chunk boundary a potential tie; u at 0 and just below 1."""
     g = torch.Generator().manual_seed(3)
     for V in [SAMPLE_CHUNK - 1, SAMPLE_CHUNK, 3 * SAMPLE_CHUNK, 8 * SAMPLE_CHUNK, 8 * SAMPLE_CHUNK + 7, 5000]:
@@ -88,7 +88,7 @@ def test_bucket_boundaries_and_extreme_uniforms():
 
 
 @requires_cpu_kernel
-def test_degenerate_residuals():
+def test_degenerate_residuals(kernel_variant):
     g = torch.Generator().manual_seed(4)
     B, k, V = 40, 3, 600
     lp = torch.log_softmax(torch.randn(B, k + 1, V, generator=g), -1)
@@ -151,7 +151,7 @@ def test_reference_cumsum_is_sequential_float64():
 
 
 @requires_cpu_kernel
-def test_spec_exp_bit_identical_and_accurate():
+def test_spec_exp_bit_identical_and_accurate(kernel_variant):
     g = torch.Generator().manual_seed(0)
     x = torch.cat([
         torch.randn(200000, generator=g) * 30 - 20,

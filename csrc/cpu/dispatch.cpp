@@ -1,0 +1,120 @@
+// Picks the CPU kernel variant (kernels.h) once per process: the highest one this CPU runs (cpuid,
+// through GCC's __builtin_cpu_supports, which also checks that the OS saves the AVX / AVX-512 state),
+// capped by the environment as megatron_spec.isa and PyTorch cap their own code:
+//
+//   MEGATRON_SPEC_NO_NATIVE_BF16=1   -> at most avx2 (run this machine as an AVX2 CPU);
+//   ATEN_CPU_CAPABILITY=avx2|default -> at most avx2|default (PyTorch's switch for its own kernels).
+//
+// The package sets ATEN_CPU_CAPABILITY=avx2 itself when the first switch is set (megatron_spec/__init__.py);
+// both are read here too so the kernels follow the switch however the process was started.
+// set_active_isa() is the tests' hook for running every variant in one process.
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "cpu/kernels.h"
+
+namespace megatron_spec {
+namespace cpu {
+namespace {
+
+bool env_truthy(const char* name) {
+  const char* v = getenv(name);
+  if (v == nullptr) return false;
+  std::string s(v);
+  for (auto& ch : s) ch = static_cast<char>(ch >= 'A' && ch <= 'Z' ? ch - 'A' + 'a' : ch);
+  const auto b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+  s = b == std::string::npos ? "" : s.substr(b, e - b + 1);
+  return s == "1" || s == "true" || s == "yes" || s == "on";
+}
+
+Isa detect() {
+#if defined(MS_CPU_DISPATCH_X86) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+                    __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2") &&
+                    __builtin_cpu_supports("popcnt");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return avx512 ? Isa::kAvx512 : (avx2 ? Isa::kAvx2 : Isa::kDefault);
+#else
+  return Isa::kDefault;
+#endif
+}
+
+Isa env_cap() {
+  Isa cap = Isa::kAvx512;
+  if (env_truthy("MEGATRON_SPEC_NO_NATIVE_BF16")) cap = Isa::kAvx2;
+  if (const char* aten = getenv("ATEN_CPU_CAPABILITY")) {
+    Isa parsed;
+    if (parse_isa(aten, &parsed) && parsed < cap) cap = parsed;
+  }
+  return cap;
+}
+
+const KernelTable* table_for(Isa isa) {
+#if defined(MS_CPU_DISPATCH_X86)
+  if (isa == Isa::kAvx512) return &kAvx512Kernels;
+  if (isa == Isa::kAvx2) return &kAvx2Kernels;
+#endif
+  (void)isa;
+  return &kDefaultKernels;
+}
+
+Isa initial_isa() {
+  const Isa best = best_supported_isa(), cap = env_cap();
+  return cap < best ? cap : best;
+}
+
+std::atomic<int>& active() {
+  static std::atomic<int> isa{static_cast<int>(initial_isa())};
+  return isa;
+}
+
+}  // namespace
+
+Isa best_supported_isa() {
+  static const Isa best = detect();
+  return best;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kDefault: break;
+  }
+  return "default";
+}
+
+bool parse_isa(const char* name, Isa* out) {
+  std::string s(name);
+  for (auto& ch : s) ch = static_cast<char>(ch >= 'A' && ch <= 'Z' ? ch - 'A' + 'a' : ch);
+  if (s == "default") {
+    *out = Isa::kDefault;
+  } else if (s == "avx2") {
+    *out = Isa::kAvx2;
+  } else if (s == "avx512") {
+    *out = Isa::kAvx512;
+  } else {
+    return false;  // e.g. ATEN_CPU_CAPABILITY=zvector: no cap on x86 kernels
+  }
+  return true;
+}
+
+Isa active_isa() { return static_cast<Isa>(active().load(std::memory_order_relaxed)); }
+
+const KernelTable& kernels() { return *table_for(active_isa()); }
+
+void set_active_isa(Isa isa) {
+  if (isa > best_supported_isa())
+    throw std::invalid_argument(std::string("megatron_spec kernels: this CPU cannot run the ") + isa_name(isa) +
+                                " variant (it runs up to " + isa_name(best_supported_isa()) + ")");
+  active().store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+}  // namespace cpu
+}  // namespace megatron_spec

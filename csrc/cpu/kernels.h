@@ -1,0 +1,85 @@
+// The CPU hot loops, compiled once per instruction set and chosen at run time (one binary for every
+// x86-64 CPU, as PyTorch's own CPU kernels are: aten/src/ATen/native/DispatchStub.h).
+//
+// csrc/cpu/kernels_impl.h holds the loops; csrc/cpu/kernels_{default,avx2,avx512}.cpp compile it under
+// `#pragma GCC target(...)` into one `KernelTable` each, in its own namespace (so no inline function
+// compiled for AVX-512 can be merged with, and then run in place of, the baseline one). The op glue
+// (csrc/fp8_cpu.cpp, csrc/verify_cpu.cpp) checks arguments, allocates and threads, then calls through
+// `cpu::kernels()`, the table csrc/cpu/dispatch.cpp picked from cpuid, capped by the environment:
+//
+//   * MEGATRON_SPEC_NO_NATIVE_BF16=1 (megatron_spec.isa: run this machine as an AVX2 CPU) -> avx2;
+//   * ATEN_CPU_CAPABILITY=avx2 / default (PyTorch's own cap, honoured the same way)   -> avx2 / default.
+//
+// Every variant computes the same bits (ms_math.h; the tests run each one against the references).
+// This header knows nothing about tensors or threads: raw pointers, lengths and scratch buffers only.
+#pragma once
+
+#include <stdint.h>
+
+namespace megatron_spec {
+namespace cpu {
+
+// Ordered: a variant runs on every CPU that runs a higher one.
+enum class Isa : int { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// ---- FP8 block quantisation -------------------------------------------------------------------
+// One work unit: `rows` rows (one block row) times `nc` columns (whole column blocks of width bk,
+// the last one possibly short). w and out point at the unit's first element, ld is the row stride
+// (K) of both; scale_out at the unit's first scale of its block row. Scratch: colmax holds nc
+// values (of the input's bit width), mult and finite ceil(nc / bk).
+template <typename T>
+using QuantizeUnitFn = void (*)(const T* w, uint8_t* out, int64_t ld, int64_t rows, int64_t nc, int64_t bk,
+                                float* scale_out, uint32_t* colmax, float* mult, uint8_t* finite);
+// One row of K dequantised values: out[c] = fp8(q[c]) * srow[c / bk] in the output format.
+template <typename T>
+using DequantizeRowFn = void (*)(const uint8_t* q, const float* srow, int64_t K, int64_t bk, T* out);
+
+// ---- Chain verification -----------------------------------------------------------------------
+constexpr int64_t kTileChunks = 8;  // chunk sums of 8 chunks run as 8 independent add chains
+
+// Where the draft distribution q of one position comes from (verify_cpu.cpp).
+struct QSource {
+  const float* q = nullptr;      // [Vd] draft probabilities at this position (dense / mapped)
+  const int32_t* t2d = nullptr;  // [V] target id -> draft id or -1 (mapped)
+  int64_t x = -1;                // the drafted token (point mass)
+};
+
+// Inverse-CDF draw of a token from max(0, p - q) (q = 0: from p). prefix holds ceil(V / 256)
+// doubles, rbuf kTileChunks * 256. Returns -1 when the residual has no mass.
+using SampleResidualFn = int64_t (*)(const float* lp, const QSource& s, int64_t V, double u, double* prefix,
+                                     double* rbuf);
+
+struct KernelTable {
+  const char* name;  // "default", "avx2", "avx512" (ATEN_CPU_CAPABILITY's words)
+  QuantizeUnitFn<float> quantize_unit_f32;
+  QuantizeUnitFn<uint16_t> quantize_unit_bf16;
+  QuantizeUnitFn<uint16_t> quantize_unit_f16;
+  DequantizeRowFn<float> dequantize_row_f32;
+  DequantizeRowFn<uint16_t> dequantize_row_bf16;
+  DequantizeRowFn<uint16_t> dequantize_row_f16;
+  SampleResidualFn sample_p;       // q = 0: sample p itself
+  SampleResidualFn sample_dense;   // q dense over the target vocabulary
+  SampleResidualFn sample_mapped;  // q over a draft vocabulary, reached through t2d
+  SampleResidualFn sample_point;   // q a point mass at x
+  int64_t (*argmax_first)(const float* x, int64_t V);  // lowest index of the max
+  void (*spec_exp)(const float* x, float* out, int64_t n);
+};
+
+extern const KernelTable kDefaultKernels;
+#if defined(__x86_64__) || defined(_M_X64)
+#define MS_CPU_DISPATCH_X86 1
+extern const KernelTable kAvx2Kernels;
+extern const KernelTable kAvx512Kernels;
+#endif
+
+// The table in use (chosen on first call, see dispatch.cpp) and the test hooks behind
+// megatron_spec._ext.kernel_isa / set_kernel_isa.
+const KernelTable& kernels();
+Isa active_isa();
+Isa best_supported_isa();  // what this CPU runs, before any environment cap
+const char* isa_name(Isa isa);
+bool parse_isa(const char* name, Isa* out);
+void set_active_isa(Isa isa);  // throws std::invalid_argument above best_supported_isa()
+
+}  // namespace cpu
+}  // namespace megatron_spec

@@ -1,0 +1,389 @@
+// The CPU hot loops, compiled once per instruction set (see kernels.h). Included only by
+// csrc/cpu/kernels_<isa>.cpp, after the system headers and ms_math.h, inside a `#pragma GCC target`
+// region, with MS_CPU_NS (the namespace), MS_CPU_TABLE (the table's name) and MS_ISA_LEVEL
+// (0 default, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW/VL/DQ) defined.
+//
+// The per-element math comes from ms_math.h (scalar, compiled for the baseline and inlined here,
+// where GCC vectorises it for the region's ISA). Where GCC would not vectorise a loop well, an
+// intrinsics version computes the same integer and float steps lane by lane (bf16/f16 -> f32,
+// the finite FP8 encoder, argmax): tests compare every variant with the references bit for bit.
+//
+// Reference: megatron_spec/ops/fp8_reference.py and verify_reference.py (the oracles).
+
+#if !defined(MS_CPU_NS) || !defined(MS_CPU_TABLE) || !defined(MS_ISA_LEVEL)
+#error "kernels_impl.h is included by csrc/cpu/kernels_<isa>.cpp only"
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's AVX-512 intrinsic headers trip -Wmaybe-uninitialized on _mm512_undefined_*() (GCC bug 105593).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace megatron_spec {
+namespace cpu {
+namespace MS_CPU_NS {
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// =================================================================================================
+// Lane helpers: same steps as ms_math.h's scalar functions.
+// =================================================================================================
+#if MS_ISA_LEVEL == 2
+inline __m512 bf16x16_to_f32(const uint16_t* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+inline __m512 f16x16_to_f32(const uint16_t* p) {  // F16C conversion is exact
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// fp8e4m3_from_f32_sat for 16 finite values with |v| < 464. Inside a block quantised with its own
+// (finite) amax, |x * mult| <= 448 (1 + 3 * 2^-24), so NaN and saturation cannot occur and the
+// normal-path rounding already yields 0x7E at the top, exactly like the scalar function.
+inline __m128i fp8e4m3_from_f32_finite_x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i sub = _mm512_sub_epi32(
+      _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(a), _mm512_set1_ps(16384.0f))),
+      _mm512_set1_epi32(static_cast<int>(141u << 23)));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 20), _mm512_set1_epi32(1));
+  const __m512i nrm = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(0x7FFFFu - (120u << 23)))), odd), 20);
+  const __mmask16 is_sub = _mm512_cmplt_epu32_mask(a, _mm512_set1_epi32(static_cast<int>(121u << 23)));
+  const __m512i r = _mm512_mask_blend_epi32(is_sub, nrm, sub);
+  // r | ((bits >> 24) & 0x80): ternary logic A | (B & C)
+  const __m512i out = _mm512_ternarylogic_epi32(r, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
+  return _mm512_cvtepi32_epi8(out);
+}
+#elif MS_ISA_LEVEL == 1
+inline __m256 bf16x8_to_f32(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+inline __m256 f16x8_to_f32(const uint16_t* p) {  // F16C conversion is exact
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// The AVX-512 encoder above, 8 lanes, leaving each code (0..255) in an int32 lane.
+inline __m256i fp8e4m3_from_f32_finite_x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16384.0f))),
+      _mm256_set1_epi32(static_cast<int>(141u << 23)));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  const __m256i nrm = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(static_cast<int>(0x7FFFFu - (120u << 23)))), odd), 20);
+  // a < 121 << 23 (a has no sign bit, so the signed compare is the unsigned one)
+  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(121u << 23)), a);
+  const __m256i r = _mm256_blendv_epi8(nrm, sub, is_sub);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  return _mm256_or_si256(r, sign);
+}
+// Four vectors of 8 codes (0..255 in int32 lanes) -> 32 bytes in order. The saturating packs are
+// exact on 0..255; they interleave 128-bit lanes, which the final permutation undoes.
+inline __m256i pack_codes_x32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i ab = _mm256_packus_epi32(a, b);        // a0-3 b0-3 | a4-7 b4-7
+  const __m256i cd = _mm256_packus_epi32(c, d);        // c0-3 d0-3 | c4-7 d4-7
+  const __m256i abcd = _mm256_packus_epi16(ab, cd);    // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7
+  return _mm256_permutevar8x32_epi32(abcd, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+// =================================================================================================
+// FP8 block quantisation.
+//
+// Input traits. Pass 1 takes the max of |x| as ordered integer bits in the input's own width
+// (u16 for 16-bit floats: twice the lanes), then converts that one value to float32.
+// =================================================================================================
+struct F32In {
+  using T = float;
+  using Bits = uint32_t;
+  static inline uint32_t abs_bits(float x) { return f32_abs_bits(x); }
+  static inline float amax_f32(uint32_t m) { return f32_from_bits(m); }
+  static inline float load(float x) { return x; }
+#if MS_ISA_LEVEL == 2
+  static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+#elif MS_ISA_LEVEL == 1
+  static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#endif
+};
+struct BF16In {
+  using T = uint16_t;
+  using Bits = uint16_t;
+  static inline uint16_t abs_bits(uint16_t x) { return static_cast<uint16_t>(x & 0x7FFFu); }
+  static inline float amax_f32(uint16_t m) { return bf16_to_f32(m); }
+  static inline float load(uint16_t x) { return bf16_to_f32(x); }
+#if MS_ISA_LEVEL == 2
+  static inline __m512 load16(const uint16_t* p) { return bf16x16_to_f32(p); }
+#elif MS_ISA_LEVEL == 1
+  static inline __m256 load8(const uint16_t* p) { return bf16x8_to_f32(p); }
+#endif
+};
+struct F16In {
+  using T = uint16_t;
+  using Bits = uint16_t;
+  static inline uint16_t abs_bits(uint16_t x) { return static_cast<uint16_t>(x & 0x7FFFu); }
+  static inline float amax_f32(uint16_t m) { return f16_to_f32(m); }
+  static inline float load(uint16_t x) { return f16_to_f32(x); }
+#if MS_ISA_LEVEL == 2
+  static inline __m512 load16(const uint16_t* p) { return f16x16_to_f32(p); }
+#elif MS_ISA_LEVEL == 1
+  static inline __m256 load8(const uint16_t* p) { return f16x8_to_f32(p); }
+#endif
+};
+
+// Quantise row[a, b) of one block with multiplier s into orow[a, b).
+template <typename In>
+inline void quantize_run(const typename In::T* __restrict row, uint8_t* __restrict orow, int64_t a, int64_t b,
+                         float s, bool finite) {
+  int64_t c = a;
+#if MS_ISA_LEVEL == 2
+  if (finite) {
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; c + 16 <= b; c += 16) {
+      const __m128i q = fp8e4m3_from_f32_finite_x16(_mm512_mul_ps(In::load16(row + c), vs));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(orow + c), q);
+    }
+  }
+#elif MS_ISA_LEVEL == 1
+  if (finite) {
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; c + 32 <= b; c += 32) {
+      const __m256i q0 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c), vs));
+      const __m256i q1 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c + 8), vs));
+      const __m256i q2 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c + 16), vs));
+      const __m256i q3 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c + 24), vs));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c), pack_codes_x32(q0, q1, q2, q3));
+    }
+  }
+#else
+  (void)finite;
+#endif
+  for (; c < b; ++c) orow[c] = fp8e4m3_from_f32_sat(fmul_rn(In::load(row[c]), s));
+}
+
+// Pass 1 sweeps the unit's rows left to right keeping a running column-wise max of |x| bits
+// (vertical max: no horizontal reductions in the hot loop, one contiguous stream per row for the
+// prefetcher); pass 2 sweeps the same rows again (now in L2) and writes the quantised bytes.
+template <typename In>
+void quantize_unit(const typename In::T* __restrict w, uint8_t* __restrict out, int64_t ld, int64_t rows,
+                   int64_t nc, int64_t bk, float* __restrict scale_out, uint32_t* colmax_scratch,
+                   float* __restrict mult, uint8_t* __restrict finite) {
+  using T = typename In::T;
+  using Bits = typename In::Bits;
+  Bits* __restrict cm = reinterpret_cast<Bits*>(colmax_scratch);
+  for (int64_t c = 0; c < nc; ++c) cm[c] = 0;
+  // Pass 1: column-wise max of |x| over the block row (integer max: NaN/inf propagate).
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* __restrict row = w + r * ld;
+    for (int64_t c = 0; c < nc; ++c) {
+      const Bits v = In::abs_bits(row[c]);
+      cm[c] = v > cm[c] ? v : cm[c];
+    }
+  }
+  const int64_t nb = (nc + bk - 1) / bk;
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t a = j * bk, b = imin(nc, a + bk);
+    Bits m = 0;
+    for (int64_t c = a; c < b; ++c) m = cm[c] > m ? cm[c] : m;
+    const float raw = In::amax_f32(m);
+    const float amax = fp8_block_amax_clamped(raw);
+    scale_out[j] = fp8_block_scale_inv(amax);
+    mult[j] = fp8_block_quant_mult(amax);
+    finite[j] = f32_abs_bits(raw) < 0x7F800000u;
+  }
+  // Pass 2: quantise, one column block at a time so the multiplier is a loop constant.
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* __restrict row = w + r * ld;
+    uint8_t* __restrict orow = out + r * ld;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t a = j * bk, b = imin(nc, a + bk);
+      quantize_run<In>(row, orow, a, b, mult[j], finite[j] != 0);
+    }
+  }
+}
+
+struct F32Out {
+  using T = float;
+  static inline float store(float x) { return x; }
+};
+struct BF16Out {
+  using T = uint16_t;
+  static inline uint16_t store(float x) { return f32_to_bf16_rne(x); }
+};
+struct F16Out {
+  using T = uint16_t;
+  static inline uint16_t store(float x) { return f32_to_f16_rne(x); }
+};
+
+template <typename Out>
+void dequantize_row(const uint8_t* __restrict q, const float* __restrict srow, int64_t K, int64_t bk,
+                    typename Out::T* __restrict out) {
+  const int64_t nbk = (K + bk - 1) / bk;
+  for (int64_t bj = 0; bj < nbk; ++bj) {
+    const int64_t a = bj * bk, b = imin(K, a + bk);
+    const float s = srow[bj];
+    for (int64_t c = a; c < b; ++c) out[c] = Out::store(fmul_rn(fp8e4m3_to_f32(q[c]), s));
+  }
+}
+
+// =================================================================================================
+// Chain verification: residual sampling (the one full-vocabulary pass per row), argmax, exp.
+// =================================================================================================
+constexpr int64_t kC = kSampleChunk;
+
+enum class QMode { kNone, kDense, kMapped, kPoint };
+
+template <QMode M>
+inline float q_at(const QSource& s, int64_t t) {
+  if constexpr (M == QMode::kNone) {
+    return 0.0f;
+  } else if constexpr (M == QMode::kDense) {
+    return spec_clean_q(s.q[t]);
+  } else if constexpr (M == QMode::kMapped) {
+    const int32_t d = s.t2d[t];
+    const float v = s.q[d < 0 ? 0 : d];  // unconditional load keeps the loop vectorisable
+    return d < 0 ? 0.0f : spec_clean_q(v);
+  } else {
+    return t == s.x ? 1.0f : 0.0f;
+  }
+}
+
+// r[t - t0] = max(0, p(t) - q(t)) in float64 for t in [t0, t1).
+template <QMode M>
+void residual_tile(const float* __restrict lp, const QSource& s, int64_t t0, int64_t t1, double* __restrict r) {
+  for (int64_t t = t0; t < t1; ++t) r[t - t0] = spec_residual(spec_expf(lp[t]), q_at<M>(s, t));
+}
+
+// Inverse-CDF draw from the (unnormalised) residual, float64 sums in the fixed chunked order of
+// megatron_spec/ops/verify_reference.py. Returns -1 when the residual has no mass.
+template <QMode M>
+int64_t sample_residual(const float* __restrict lp, const QSource& s, int64_t V, double u, double* __restrict S,
+                        double* __restrict rbuf) {
+  const int64_t nC = (V + kC - 1) / kC;
+  // Chunk sums: each chunk summed sequentially from 0.0 in token order.
+  for (int64_t t0 = 0; t0 < V; t0 += kTileChunks * kC) {
+    const int64_t t1 = imin(V, t0 + kTileChunks * kC);
+    residual_tile<M>(lp, s, t0, t1, rbuf);
+    const int64_t c0 = t0 / kC;
+    if (t1 - t0 == kTileChunks * kC) {
+      double acc[kTileChunks] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+      for (int64_t i = 0; i < kC; ++i) {
+        for (int64_t g = 0; g < kTileChunks; ++g) acc[g] = dadd_rn(acc[g], rbuf[g * kC + i]);
+      }
+      for (int64_t g = 0; g < kTileChunks; ++g) S[c0 + g] = acc[g];
+    } else {
+      for (int64_t a = 0; a < t1 - t0; a += kC) {
+        const int64_t b = imin(t1 - t0, a + kC);
+        double acc = 0.0;
+        for (int64_t i = a; i < b; ++i) acc = dadd_rn(acc, rbuf[i]);
+        S[c0 + a / kC] = acc;
+      }
+    }
+  }
+  // Sequential prefix over chunk sums, in place.
+  double P = 0.0;
+  for (int64_t c = 0; c < nC; ++c) {
+    P = dadd_rn(P, S[c]);
+    S[c] = P;
+  }
+  const double total = P;
+  if (!(total > 0.0)) return -1;
+  const double theta = dmul_rn(u, total);
+  int64_t cs = nC - 1;  // first chunk whose inclusive prefix exceeds theta (searchsorted, right)
+  for (int64_t c = 0; c < nC; ++c) {
+    if (S[c] > theta) {
+      cs = c;
+      break;
+    }
+  }
+  const double theta_local = dsub_rn(theta, cs > 0 ? S[cs - 1] : 0.0);
+  const int64_t a = cs * kC, b = imin(V, a + kC);
+  residual_tile<M>(lp, s, a, b, rbuf);
+  double acc = 0.0;
+  int64_t last_pos = -1;
+  for (int64_t i = 0; i < b - a; ++i) {
+    acc = dadd_rn(acc, rbuf[i]);
+    if (acc > theta_local) return a + i;
+    if (rbuf[i] > 0.0) last_pos = a + i;
+  }
+  // Rounding left theta_local at or above the chunk's own sum: take its last token with mass.
+  return last_pos;
+}
+
+// First index of the maximum (lowest index on ties), like torch.argmax for NaN-free input.
+int64_t argmax_first(const float* __restrict x, int64_t V) {
+#if MS_ISA_LEVEL == 2
+  if (V >= 16) {
+    __m512 vm = _mm512_set1_ps(-__builtin_inff());
+    int64_t t = 0;
+    for (; t + 16 <= V; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, vm);
+    float m = lanes[0];
+    for (int l = 1; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
+    for (; t < V; ++t) m = x[t] > m ? x[t] : m;
+    const __m512 vmv = _mm512_set1_ps(m);
+    for (t = 0; t + 16 <= V; t += 16) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + t), vmv, _CMP_EQ_OQ);
+      if (eq) return t + __builtin_ctz(static_cast<unsigned>(eq));
+    }
+    for (; t < V; ++t)
+      if (x[t] == m) return t;
+    return 0;  // all NaN: undefined input, keep a valid id
+  }
+#elif MS_ISA_LEVEL == 1
+  if (V >= 8) {
+    __m256 vm = _mm256_set1_ps(-__builtin_inff());
+    int64_t t = 0;
+    for (; t + 8 <= V; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + t));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vm);
+    float m = lanes[0];
+    for (int l = 1; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
+    for (; t < V; ++t) m = x[t] > m ? x[t] : m;
+    const __m256 vmv = _mm256_set1_ps(m);
+    for (t = 0; t + 8 <= V; t += 8) {
+      const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + t), vmv, _CMP_EQ_OQ));
+      if (eq) return t + __builtin_ctz(static_cast<unsigned>(eq));
+    }
+    for (; t < V; ++t)
+      if (x[t] == m) return t;
+    return 0;  // all NaN: undefined input, keep a valid id
+  }
+#endif
+  int64_t best = 0;
+  float bv = x[0];
+  for (int64_t t = 1; t < V; ++t) {
+    if (x[t] > bv) {
+      bv = x[t];
+      best = t;
+    }
+  }
+  return best;
+}
+
+void spec_exp_n(const float* __restrict x, float* __restrict out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = spec_expf(x[i]);
+}
+
+}  // namespace MS_CPU_NS
+
+extern const KernelTable MS_CPU_TABLE;
+const KernelTable MS_CPU_TABLE = {
+    MS_CPU_NAME,
+    &MS_CPU_NS::quantize_unit<MS_CPU_NS::F32In>,
+    &MS_CPU_NS::quantize_unit<MS_CPU_NS::BF16In>,
+    &MS_CPU_NS::quantize_unit<MS_CPU_NS::F16In>,
+    &MS_CPU_NS::dequantize_row<MS_CPU_NS::F32Out>,
+    &MS_CPU_NS::dequantize_row<MS_CPU_NS::BF16Out>,
+    &MS_CPU_NS::dequantize_row<MS_CPU_NS::F16Out>,
+    &MS_CPU_NS::sample_residual<MS_CPU_NS::QMode::kNone>,
+    &MS_CPU_NS::sample_residual<MS_CPU_NS::QMode::kDense>,
+    &MS_CPU_NS::sample_residual<MS_CPU_NS::QMode::kMapped>,
+    &MS_CPU_NS::sample_residual<MS_CPU_NS::QMode::kPoint>,
+    &MS_CPU_NS::argmax_first,
+    &MS_CPU_NS::spec_exp_n,
+};
+
+}  // namespace cpu
+}  // namespace megatron_spec
