@@ -14,6 +14,9 @@ RUN_DIR/metrics.jsonl (docs/metrics.md); ``megatron-spec report RUN_DIR`` plots 
 A user error (a bad flag value, a missing ``--config`` file or ``--hf-checkpoint`` directory, a draft
 for another model: ``megatron_spec.config.ConfigError``) is found before ``torch.distributed``
 starts and printed as one ``error:`` line by rank 0; every rank exits 2. A crash keeps its traceback.
+torchrun itself still prints its ChildFailedError report under that line when a worker exits 2; on
+one machine ``python launch/pretrain_grpo_spec.py --nproc-per-node N ...`` checks the flags once
+and then starts the N workers itself (torchrun ``--standalone``), so a user error is the one line.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,18 +37,33 @@ PROG = "pretrain_grpo_spec.py"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="without torchrun: check the flags, then start this many workers on this machine "
+                             "(torchrun --standalone); ignored under torchrun")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    spawn = args.nproc_per_node if "LOCAL_RANK" not in os.environ else None
+    if spawn is not None and spawn < 1:
+        print(f"{PROG}: error: --nproc-per-node {spawn} must be >= 1", file=sys.stderr)
+        return 2
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = spawn or int(os.environ.get("WORLD_SIZE", "1"))
     try:
         from megatron_spec.rl.preflight import check_inputs
 
         cfg = from_args(args)
         check_inputs(cfg, world_size)
     except ConfigError as exc:
-        # every rank finds the same error (no process group yet): one line, from rank 0
-        if rank == 0:
+        # Every rank of a machine finds the same error (no process group yet): one line, from its
+        # local rank 0. The others wait a moment, so that torchrun, which stops all workers when the
+        # first one exits, does not stop the one that prints before it has printed.
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(5)
         return 2
+    if spawn:
+        return _spawn_workers(spawn, argv)
     if rank == 0:
         print("resolved configuration:\n" + cfg.to_yaml(), file=sys.stderr, flush=True)
 
@@ -73,6 +92,27 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(json.dumps(summary), flush=True)
     destroy_parallel()
+    return 0
+
+
+def _spawn_workers(nproc: int, argv: list[str]) -> int:
+    """``nproc`` workers of this script on this machine, through torchrun's own launcher. A worker
+    that exits 2 has printed its ``error:`` line: exit 2 without torchrun's failure report (a worker
+    that crashed gets the report and its traceback, as under torchrun)."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # torchrun's lines about a worker that exited 2 (it printed why) and the others it then stops
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(
+        lambda record: not record.getMessage().startswith(("failed (exitcode: 2)", "Sending process")))
+    try:
+        run(parse_args(["--standalone", f"--nproc-per-node={nproc}", os.path.abspath(__file__), *argv]))
+    except ChildFailedError as exc:
+        if exc.get_first_failure()[1].exitcode == 2:
+            return 2
+        raise
     return 0
 
 
