@@ -29,6 +29,17 @@ import torch
 _REST_FLOOR = 1e-6  # q_rest is clamped here: log(0) where the draft puts all its mass on the top k
 
 
+def soft_cross_entropy_rows(logq: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Per row ``-(sum_j p_j logq_j + p_rest log q_rest)`` (``[...]`` float32); see
+    :func:`soft_cross_entropy_sum` for the arguments."""
+    logq, logp = logq.float(), teacher_logp.float()
+    p = logp.exp()
+    ce = -(p * logq).sum(dim=-1)  # [...]
+    p_rest = (1.0 - p.sum(dim=-1)).clamp(min=0.0)
+    q_top = logq.logsumexp(dim=-1).exp().clamp(max=1.0 - _REST_FLOOR)
+    return ce - p_rest * torch.log1p(-q_top)
+
+
 def soft_cross_entropy_sum(
     logq: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,41 +54,36 @@ def soft_cross_entropy_sum(
     Returns:
         (loss sum, 0-d float32; number of rows counted, 0-d int64).
     """
-    logq, logp = logq.float(), teacher_logp.float()
-    p = logp.exp()
-    ce = -(p * logq).sum(dim=-1)  # [...]
-    p_rest = (1.0 - p.sum(dim=-1)).clamp(min=0.0)
-    q_top = logq.logsumexp(dim=-1).exp().clamp(max=1.0 - _REST_FLOOR)
-    ce = ce - p_rest * torch.log1p(-q_top)
+    ce = soft_cross_entropy_rows(logq, teacher_logp)
     ce = torch.where(mask, ce, torch.zeros_like(ce))  # masked rows may hold garbage (padding)
     return ce.sum(), mask.sum()
 
 
-def acceptance_sum(
-    logq: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sum_rows sum_x min(p(x), q(x))`` over rows where ``mask``: the expected acceptance
-    ``1 - TV(p, q)`` of a token drawn from q and verified against p, summed.
+def acceptance_rows(logq: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Per row ``sum_x min(p(x), q(x))`` (``[...]`` float32): the expected acceptance ``1 - TV(p, q)``
+    of a token drawn from q and verified against p.
 
     Args and shapes as :func:`soft_cross_entropy_sum`. A top-k teacher adds
     ``min(p_rest, q_rest)``, an upper bound on the mass the two share outside the k entries (exact
     for a full teacher, where ``p_rest = 0``). Both distributions must be the ones the engine
     samples and verifies with (after temperature, top-k, top-p).
-    Returns:
-        (acceptance sum, 0-d float32; number of rows counted, 0-d int64).
     """
-    logq, logp = logq.float(), teacher_logp.float()
-    p, q = logp.exp(), logq.exp()
-    a = torch.minimum(p, q).sum(dim=-1)  # [...]
+    p, q = teacher_logp.float().exp(), logq.float().exp()
     p_rest = (1.0 - p.sum(dim=-1)).clamp(min=0.0)
     q_rest = (1.0 - q.sum(dim=-1)).clamp(min=0.0)
-    a = a + torch.minimum(p_rest, q_rest)
-    a = torch.where(mask, a, torch.zeros_like(a))
-    return a.sum(), mask.sum()
+    return torch.minimum(p, q).sum(dim=-1) + torch.minimum(p_rest, q_rest)
 
 
-def chain_acceptance_length(alpha: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expected tokens per verify step of draft chains, from per-step acceptances.
+def acceptance_sum(
+    logq: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`acceptance_rows` summed over rows where ``mask``: (sum, 0-d float32; rows, 0-d int64)."""
+    a = acceptance_rows(logq, teacher_logp)
+    return torch.where(mask, a, torch.zeros_like(a)).sum(), mask.sum()
+
+
+def chain_acceptance_rows(alpha: torch.Tensor) -> torch.Tensor:
+    """Expected tokens per verify step of the draft chain that starts at each row.
 
     ``alpha[s, b, q]`` is the expected acceptance at training-time-test step ``s`` of row ``q``,
     whose chain started at row ``q - s``. The chain that starts at row ``r`` (the last verified
@@ -85,22 +91,18 @@ def chain_acceptance_length(alpha: torch.Tensor, valid: torch.Tensor) -> tuple[t
     reached only if the previous ones were accepted, and the target's bonus token always counts.
 
     Args:
-        alpha: ``[k, B, T]`` float, any value where not valid.
-        valid: ``[B, T]`` bool, chain start rows to count (all k rows of the chain must exist).
+        alpha: ``[k, B, T]``.
     Returns:
-        (sum of the chains' expected lengths, 0-d float64; number of chains, 0-d int64).
+        ``[B, T - k + 1]`` float64 (``[B, 0]`` when ``T < k``): chains starting at rows ``0..T-k``.
     """
-    k, _, t = alpha.shape
-    if t < k:
-        return torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
-    starts = t - k + 1
-    prod = torch.ones_like(alpha[0, :, :starts], dtype=torch.float64)
+    k, b, t = alpha.shape
+    starts = max(0, t - k + 1)
+    prod = torch.ones(b, starts, dtype=torch.float64, device=alpha.device)
     tau = torch.ones_like(prod)
     for s in range(k):
-        prod = prod * alpha[s, :, s:s + starts].double()  # [B, starts]: step s of the chain from r
+        prod = prod * alpha[s, :, s:s + starts].double()  # step s of the chain from r
         tau = tau + prod
-    ok = valid[:, :starts]
-    return torch.where(ok, tau, torch.zeros_like(tau)).sum(), ok.sum()
+    return tau
 
 
 def hard_cross_entropy_sum(logq_label: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,9 +136,11 @@ def ttt_valid_rows(lengths: torch.Tensor, seq_len: int, step: int) -> torch.Tens
 
 
 __all__ = [
+    "acceptance_rows",
     "acceptance_sum",
-    "chain_acceptance_length",
+    "chain_acceptance_rows",
     "hard_cross_entropy_sum",
+    "soft_cross_entropy_rows",
     "soft_cross_entropy_sum",
     "top1_agreement_sum",
     "ttt_step_weights",

@@ -42,9 +42,10 @@ import torch.distributed as dist
 from megatron_spec.capture.cache import DraftCache, micro_batches
 from megatron_spec.draft.eagle3 import Eagle3Head, ttt_attention_mask
 from megatron_spec.draft.losses import (
-    acceptance_sum,
-    chain_acceptance_length,
+    acceptance_rows,
+    chain_acceptance_rows,
     hard_cross_entropy_sum,
+    soft_cross_entropy_rows,
     soft_cross_entropy_sum,
     top1_agreement_sum,
     ttt_step_weights,
@@ -127,6 +128,8 @@ class Eagle3Trainer(DraftUpdate):
             aux_layer_ids=tuple(cfg.aux_layer_ids),
             draft_target_ids=self.head.target_ids.cpu() if cfg.reduced_vocab else None,
             shard_across_tp=base.shard_across_tp if base.draft_kind == "eagle3" else None,
+            # the engine's draft attends to the prompt (its prefill): train with it as context
+            prompt_context=True if base.prompt_context is None else base.prompt_context,
         )
 
     # ------------------------------------------------------------------ training
@@ -232,59 +235,73 @@ class Eagle3Trainer(DraftUpdate):
         return loss, l_sums, a_sums
 
     @torch.no_grad()
-    def evaluate(self, cache: DraftCache, steps: int | None = None) -> dict[str, float]:
-        """Expected acceptance of the current head on ``cache`` (held-out rows; no update).
+    def acceptance(self, cache: DraftCache, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-row expected acceptance of the current head on ``cache`` (no update, no collective).
 
-        Per unrolled step s, ``draft/eval_accept{s}`` = mean over scored rows of
-        ``sum_x min(p, q_s)`` (:func:`acceptance_sum`; p = the teacher), ``draft/eval_ce{s}`` the
-        soft cross-entropy; ``draft/eval_tau`` = the expected tokens per verify step of the
-        ``steps``-token chains that start at scored rows (:func:`chain_acceptance_length`), the
-        number the engine's acceptance length estimates when it samples at the teacher's
-        temperature. ``steps`` defaults to the trainer's ``ttt_steps`` (use the engine's k).
-        Local to this rank (no collective).
+        Returns:
+            ``alpha [steps, N]``: ``sum_x min(p, q_s)`` (:func:`acceptance_rows`, p = the teacher) of
+            row n at unrolled step s, NaN where the row is not scored at that step;
+            ``ce [steps, N]``: the soft cross-entropy, NaN likewise;
+            ``tau [N]``: expected tokens per verify step of the ``steps``-token chain that starts at
+            row n (:func:`chain_acceptance_rows`), NaN where no complete chain starts at a scored row.
+        ``steps`` defaults to the trainer's ``ttt_steps`` (use the engine's k).
         """
         steps = steps or self.config.ttt_steps
         head = self.head
         was_training = head.training
         head.eval()
         dev = head.lm_head.weight.device
-        acc = torch.zeros(steps, dtype=torch.float64)
-        ce = torch.zeros(steps, dtype=torch.float64)
-        rows = torch.zeros(steps, dtype=torch.float64)
-        tau, chains = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64)
+        n_rows = cache.num_rows
+        alpha = torch.full((steps, n_rows), float("nan"), dtype=torch.float64)
+        ce = torch.full((steps, n_rows), float("nan"), dtype=torch.float64)
+        tau = torch.full((n_rows,), float("nan"), dtype=torch.float64)
         lens_all = [int(n) for n in cache.seqlens]
         try:
             for segs in micro_batches(lens_all, self.config.micro_batch_rows):
                 teacher_lp = cache.padded("teacher_logprobs", segs).to(dev)  # [B, S, k | Vd]
                 teacher_ids = cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
-                alphas = []
-                start_ok = None
+                lens = torch.tensor([lens_all[s] for s in segs], device=dev)
+                t = int(lens.max())
+                # row index into the cache of every padded row (-1: padding)
+                where = torch.full((len(segs), t), -1, dtype=torch.long)
+                for b, s in enumerate(segs):
+                    start = int(cache.cu_seqlens[s])
+                    where[b, : lens_all[s]] = torch.arange(start, start + lens_all[s])
+                alphas, start_ok = [], None
                 for s_i, out, valid in self._unroll(cache, segs, steps):
                     logq = out.logits.log_softmax(-1)
                     if teacher_ids is not None:
                         logq = logq.gather(-1, teacher_ids)
-                    a_sum, n = acceptance_sum(logq, teacher_lp, valid)
-                    c_sum, _ = soft_cross_entropy_sum(logq, teacher_lp, valid)
-                    acc[s_i] += float(a_sum)
-                    ce[s_i] += float(c_sum)
-                    rows[s_i] += float(n)
-                    p, q = teacher_lp.float().exp(), logq.exp()
-                    rest = torch.minimum((1 - p.sum(-1)).clamp(min=0), (1 - q.sum(-1)).clamp(min=0))
-                    alphas.append(torch.minimum(p, q).sum(-1) + rest)  # [B, S]
+                    a = acceptance_rows(logq, teacher_lp)  # [B, S]
+                    rows = where[valid.cpu()]
+                    alpha[s_i, rows] = a[valid].double().cpu()
+                    ce[s_i, rows] = soft_cross_entropy_rows(logq, teacher_lp)[valid].double().cpu()
+                    alphas.append(a)
                     if s_i == 0:
                         start_ok = valid
+                chain = chain_acceptance_rows(torch.stack(alphas))  # [B, S - steps + 1]
                 # a chain starting at row r needs rows r .. r + steps - 1 in its segment
-                lens = torch.tensor([lens_all[s] for s in segs], device=dev)
-                complete = torch.arange(start_ok.shape[1], device=dev).unsqueeze(0) + steps - 1 < lens.unsqueeze(1)
-                t_sum, t_n = chain_acceptance_length(torch.stack(alphas), start_ok & complete)
-                tau += t_sum
-                chains += t_n
+                complete = torch.arange(t, device=dev).unsqueeze(0) + steps - 1 < lens.unsqueeze(1)
+                ok = (start_ok & complete)[:, : chain.shape[1]]
+                tau[where[:, : chain.shape[1]][ok.cpu()]] = chain[ok].cpu()
         finally:
             head.train(was_training)
-        out = {f"draft/eval_accept{s}": float(acc[s] / rows[s].clamp(min=1)) for s in range(steps)}
-        out.update({f"draft/eval_ce{s}": float(ce[s] / rows[s].clamp(min=1)) for s in range(steps)})
-        out["draft/eval_tau"] = float(tau / max(int(chains), 1))
-        out["draft/eval_rows"] = float(rows[0])
+        return alpha, ce, tau
+
+    def evaluate(self, cache: DraftCache, steps: int | None = None) -> dict[str, float]:
+        """Means of :meth:`acceptance` on ``cache`` (held-out rows): ``draft/eval_accept{s}`` (expected
+        acceptance ``1 - TV`` at unrolled step s), ``draft/eval_ce{s}``, ``draft/eval_tau`` (expected
+        tokens per verify step of the chains: what the engine's acceptance length estimates when it
+        samples at the teacher's temperature) and ``draft/eval_rows``. Local to this rank."""
+        alpha, ce, tau = self.acceptance(cache, steps)
+        out = {}
+        for s in range(alpha.shape[0]):
+            ok = ~alpha[s].isnan()
+            out[f"draft/eval_accept{s}"] = float(alpha[s][ok].mean()) if ok.any() else float("nan")
+            out[f"draft/eval_ce{s}"] = float(ce[s][ok].mean()) if ok.any() else float("nan")
+        ok = ~tau.isnan()
+        out["draft/eval_tau"] = float(tau[ok].mean()) if ok.any() else float("nan")
+        out["draft/eval_rows"] = float((~alpha[0].isnan()).sum())
         return out
 
     # ------------------------------------------------------------------ weights out

@@ -595,7 +595,12 @@ class GRPOTrainer:
         with self.timer("train"):
             metrics.update(self._train(microbatches))
             if self.draft_trainer is not None:
-                metrics.update(self.draft_trainer.train_step(self.capture.take()))
+                cache = self.capture.take()
+                if cache is not None and cache.num_rows and hasattr(self.draft_trainer, "evaluate"):
+                    # held out: the draft that generated these rollouts, before it trains on them
+                    held = self.draft_trainer.evaluate(cache, steps=max(1, self.cfg.spec.spec_num_draft_tokens))
+                    metrics.update({k.replace("draft/eval_", "draft/heldout_"): v for k, v in held.items()})
+                metrics.update(self.draft_trainer.train_step(cache))
                 metrics.update(self.capture.metrics())
                 self.capture.reset_metrics()
                 self.draft_version += 1

@@ -8,6 +8,9 @@ import pytest
 import torch
 
 from megatron_spec.draft.losses import (
+    acceptance_rows,
+    acceptance_sum,
+    chain_acceptance_rows,
     hard_cross_entropy_sum,
     soft_cross_entropy_sum,
     top1_agreement_sum,
@@ -75,3 +78,23 @@ def test_ttt_weights_and_valid_rows():
     # segment lengths 3 and 1, padded to 3; step 1 scores rows q with 1 <= q < length
     v = ttt_valid_rows(torch.tensor([3, 1]), 3, 1)
     assert v.tolist() == [[False, True, True], [False, False, False]]
+
+
+def test_acceptance_is_one_minus_total_variation():
+    # p = (0.5, 0.3, 0.2), q = (0.2, 0.3, 0.5): sum min = 0.2 + 0.3 + 0.2 = 0.7 = 1 - TV (TV = 0.3)
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]))
+    logq = torch.log(torch.tensor([[0.2, 0.3, 0.5], [0.5, 0.3, 0.2]]))
+    assert acceptance_rows(logq, logp).tolist() == pytest.approx([0.7, 1.0], abs=1e-6)
+    total, n = acceptance_sum(logq, logp, torch.tensor([True, False]))
+    assert n == 1 and total.item() == pytest.approx(0.7, abs=1e-6)
+    # top-2 teacher p = (0.5, 0.2), rest 0.3; q there (0.4, 0.1), rest 0.5: 0.4 + 0.1 + min(0.3, 0.5) = 0.8
+    a = acceptance_rows(torch.log(torch.tensor([0.4, 0.1])), torch.log(torch.tensor([0.5, 0.2])))
+    assert a.item() == pytest.approx(0.8, abs=1e-6)
+
+
+def test_chain_acceptance_length():
+    # k = 2, one row of T = 3: alpha step 0 = (0.5, 0.9, 0.8), step 1 = (x, 0.6, 0.4)
+    # chain from row 0: 1 + 0.5 + 0.5 * 0.6 = 1.8; from row 1: 1 + 0.9 + 0.9 * 0.4 = 2.26
+    alpha = torch.tensor([[[0.5, 0.9, 0.8]], [[0.0, 0.6, 0.4]]])
+    assert chain_acceptance_rows(alpha)[0].tolist() == pytest.approx([1.8, 2.26])
+    assert chain_acceptance_rows(alpha[:, :, :1]).shape == (1, 0)
