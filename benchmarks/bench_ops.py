@@ -11,8 +11,12 @@ hits both alike:
   vocabulary size, for dense EAGLE-style draft probabilities (the headline), a reduced draft
   vocabulary through d2t, and point-mass (n-gram) drafts.
 
-Prints a table, then ONE JSON line with the figures and ratios. Targets from issue 3: FP8 C++ >= 3x
-the reference and >= 30% of memcpy; verification C++ >= 2x the reference at B=64, k=3, V=152k.
+Prints a table, then ONE JSON line with the figures and ratios, the CPU capability
+(``megatron_spec.isa``), the compiled kernel variant that ran (``kernel_isa``: default / avx2 /
+avx512, csrc/cpu/kernels.h) and the quantised weights' ``dtype``. Targets from issue 3, on every
+kind of CPU (issue 14): FP8 C++ >= 3x the reference and >= 30% of memcpy; verification C++ >= 2x the
+reference at B=64, k=3, V=152k. ``MEGATRON_SPEC_NO_NATIVE_BF16=1`` measures the AVX2 path on an
+AVX-512 machine; ``--kernel-isa`` picks a variant directly.
 
     python benchmarks/bench_ops.py [--repeats 5] [--fp8-shape 8192 8192] [--vocab 32768 152064]
 """
@@ -26,7 +30,8 @@ import time
 
 import torch
 
-from megatron_spec import ops
+from megatron_spec import _ext, ops
+from megatron_spec.isa import probe
 from megatron_spec.ops import fp8_block_quantize_reference, verify_chain_reference
 
 
@@ -55,9 +60,9 @@ def bench_memcpy(repeats: int) -> float:
     return 2 * n / t / 1e9
 
 
-def bench_fp8(shape: tuple[int, int], repeats: int) -> dict[str, float]:
+def bench_fp8(shape: tuple[int, int], repeats: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(shape, generator=g).to(torch.bfloat16)
+    w = torch.randn(shape, generator=g).to(dtype)
     n, k = shape
     out = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     scale = torch.empty(-(-n // 128), -(-k // 128))
@@ -112,23 +117,34 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32768, 152064])
+    ap.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16",
+                    help="dtype of the weight the FP8 quantiser reads (the trainer's parameters)")
+    ap.add_argument("--kernel-isa", choices=["default", "avx2", "avx512"], default=None,
+                    help="run this compiled kernel variant (default: the one the extension picked)")
     args = ap.parse_args()
     if not ops.compiled_kernel_for("verify_chain", torch.device("cpu")):
         raise SystemExit("megatron_spec._C is not built (pip install --no-build-isolation -e .): nothing to compare")
+    if args.kernel_isa is not None:
+        _ext.set_kernel_isa(args.kernel_isa)
 
     threads = torch.get_num_threads()
-    print(f"threads={threads}  torch={torch.__version__}  cpu={torch.backends.cpu.get_cpu_capability()}")
+    capability, kernel_isa = probe().capability, _ext.kernel_isa()
+    print(f"threads={threads}  torch={torch.__version__}  cpu_capability={capability}  kernel_isa={kernel_isa}  "
+          f"torch_kernels={torch.backends.cpu.get_cpu_capability()}")
     mem = bench_memcpy(args.repeats)
     print(f"memcpy                          {mem:8.2f} GB/s (read + write, 256 MiB)")
 
-    fp8 = bench_fp8(tuple(args.fp8_shape), args.repeats)
+    fp8 = bench_fp8(tuple(args.fp8_shape), args.repeats, getattr(torch, args.dtype))
     n, k = args.fp8_shape
-    print(f"fp8 quantise bf16 [{n}, {k}]  (GB/s, read + write; fraction of memcpy)")
+    print(f"fp8 quantise {args.dtype} [{n}, {k}]  (GB/s, read + write; fraction of memcpy)")
     for name, label in [("cpp_out", "C++ into preallocated"), ("cpp", "C++ allocating outputs"),
                         ("torch", "PyTorch reference")]:
         print(f"  {label:28s} {fp8[name]:8.2f} GB/s  {fp8[name] / mem:6.1%}")
 
     result = {
+        "cpu_capability": capability,
+        "kernel_isa": kernel_isa,
+        "dtype": args.dtype,
         "threads": threads,
         "memcpy_gbps": round(mem, 2),
         "fp8_quant_cpp_gbps": round(fp8["cpp_out"], 2),

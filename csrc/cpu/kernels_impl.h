@@ -55,37 +55,39 @@ inline __m128i fp8e4m3_from_f32_finite_x16(__m512 v) {
   return _mm512_cvtepi32_epi8(out);
 }
 #elif MS_ISA_LEVEL == 1
-inline __m256 bf16x8_to_f32(const uint16_t* p) {
-  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-}
-inline __m256 f16x8_to_f32(const uint16_t* p) {  // F16C conversion is exact
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-// The AVX-512 encoder above, 8 lanes, leaving each code (0..255) in an int32 lane.
-inline __m256i fp8e4m3_from_f32_finite_x8(__m256 v) {
+// AVX2 has half the lanes and no mask registers, so its encoder takes fewer steps per lane than the
+// AVX-512 one (the vector shift units bound it): one magic add serves the normal and the subnormal
+// range, and the signs are merged after packing to bytes. For a finite |v| < 464 with exponent
+// field E, let E' = max(E, 121) (121: 2^-6, fp8's smallest normal; below it the fp8 step is fixed at
+// 2^-9) and c = 2^(E' - 127 + 20). |v| + c rounds |v|, to nearest even by the FPU, to a multiple of
+// c's ulp 2^(E' - 127 - 3), the fp8 step at E' (exactly fp8e4m3_from_f32_sat's sub path, 16384 =
+// 2^14, when E' = 121), and leaves the exponent at E' + 20, so k = bits(|v| + c) - bits(c) is the
+// rounded |v| in steps (8..16 for normals, 0..8 below) and the code is (E' - 121) * 8 + k.
+inline __m256i fp8e4m3_abs_codes_x8(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i a = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
-  const __m256i sub = _mm256_sub_epi32(
-      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16384.0f))),
-      _mm256_set1_epi32(static_cast<int>(141u << 23)));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
-  const __m256i nrm = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(static_cast<int>(0x7FFFFu - (120u << 23)))), odd), 20);
-  // a < 121 << 23 (a has no sign bit, so the signed compare is the unsigned one)
-  const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(121u << 23)), a);
-  const __m256i r = _mm256_blendv_epi8(nrm, sub, is_sub);
-  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
-  return _mm256_or_si256(r, sign);
+  const __m256i e = _mm256_max_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7F800000)),
+                                     _mm256_set1_epi32(static_cast<int>(121u << 23)));
+  const __m256i c = _mm256_add_epi32(e, _mm256_set1_epi32(static_cast<int>(20u << 23)));
+  const __m256i k =
+      _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(c))), c);
+  return _mm256_add_epi32(k, _mm256_sub_epi32(_mm256_srli_epi32(e, 20), _mm256_set1_epi32(121 << 3)));
 }
-// Four vectors of 8 codes (0..255 in int32 lanes) -> 32 bytes in order. The saturating packs are
-// exact on 0..255; they interleave 128-bit lanes, which the final permutation undoes.
-inline __m256i pack_codes_x32(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i ab = _mm256_packus_epi32(a, b);        // a0-3 b0-3 | a4-7 b4-7
-  const __m256i cd = _mm256_packus_epi32(c, d);        // c0-3 d0-3 | c4-7 d4-7
-  const __m256i abcd = _mm256_packus_epi16(ab, cd);    // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7
-  return _mm256_permutevar8x32_epi32(abcd, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+// 32 values (four vectors of 8, each pair of 128-bit lanes in the order `perm` restores) -> 32 fp8
+// bytes. Codes are 0..126 and pack exactly (unsigned saturation); the signs pack with signed
+// saturation, which keeps each float's sign in bit 7 of its byte.
+inline __m256i encode_x32(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256i perm) {
+  const __m256i codes = _mm256_packus_epi16(
+      _mm256_packus_epi32(fp8e4m3_abs_codes_x8(v0), fp8e4m3_abs_codes_x8(v1)),
+      _mm256_packus_epi32(fp8e4m3_abs_codes_x8(v2), fp8e4m3_abs_codes_x8(v3)));
+  const __m256i signs = _mm256_packs_epi16(
+      _mm256_packs_epi32(_mm256_castps_si256(v0), _mm256_castps_si256(v1)),
+      _mm256_packs_epi32(_mm256_castps_si256(v2), _mm256_castps_si256(v3)));
+  const __m256i out = _mm256_or_si256(codes, _mm256_and_si256(signs, _mm256_set1_epi8(static_cast<char>(0x80))));
+  return _mm256_permutevar8x32_epi32(out, perm);
 }
+// Packing four vectors of 8 consecutive values interleaves 4-byte groups as 0 2 4 6 | 1 3 5 7.
+inline __m256i perm_consecutive() { return _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); }
 #endif
 
 // =================================================================================================
@@ -103,7 +105,11 @@ struct F32In {
 #if MS_ISA_LEVEL == 2
   static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 #elif MS_ISA_LEVEL == 1
-  static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static inline __m256i encode32(const float* p, __m256 s) {
+    return encode_x32(_mm256_mul_ps(_mm256_loadu_ps(p), s), _mm256_mul_ps(_mm256_loadu_ps(p + 8), s),
+                      _mm256_mul_ps(_mm256_loadu_ps(p + 16), s), _mm256_mul_ps(_mm256_loadu_ps(p + 24), s),
+                      perm_consecutive());
+  }
 #endif
 };
 struct BF16In {
@@ -115,7 +121,17 @@ struct BF16In {
 #if MS_ISA_LEVEL == 2
   static inline __m512 load16(const uint16_t* p) { return bf16x16_to_f32(p); }
 #elif MS_ISA_LEVEL == 1
-  static inline __m256 load8(const uint16_t* p) { return bf16x8_to_f32(p); }
+  // bf16 -> f32 is "put the 16 bits on top": interleaving with zeros does it without shifts, giving
+  // values 0-3 8-11 | 4-7 12-15 per 16 loaded; the packs then restore the order but for the
+  // 4-byte groups 0 1 4 5 | 2 3 6 7, which the permutation undoes.
+  static inline __m256i encode32(const uint16_t* p, __m256 s) {
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    const auto f = [&](__m256i h) { return _mm256_mul_ps(_mm256_castsi256_ps(h), s); };
+    return encode_x32(f(_mm256_unpacklo_epi16(z, x)), f(_mm256_unpackhi_epi16(z, x)), f(_mm256_unpacklo_epi16(z, y)),
+                      f(_mm256_unpackhi_epi16(z, y)), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  }
 #endif
 };
 struct F16In {
@@ -127,7 +143,12 @@ struct F16In {
 #if MS_ISA_LEVEL == 2
   static inline __m512 load16(const uint16_t* p) { return f16x16_to_f32(p); }
 #elif MS_ISA_LEVEL == 1
-  static inline __m256 load8(const uint16_t* p) { return f16x8_to_f32(p); }
+  static inline __m256i encode32(const uint16_t* p, __m256 s) {
+    const auto f = [&](const uint16_t* q) {  // F16C conversion is exact
+      return _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), s);
+    };
+    return encode_x32(f(p), f(p + 8), f(p + 16), f(p + 24), perm_consecutive());
+  }
 #endif
 };
 
@@ -148,11 +169,7 @@ inline void quantize_run(const typename In::T* __restrict row, uint8_t* __restri
   if (finite) {
     const __m256 vs = _mm256_set1_ps(s);
     for (; c + 32 <= b; c += 32) {
-      const __m256i q0 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c), vs));
-      const __m256i q1 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c + 8), vs));
-      const __m256i q2 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c + 16), vs));
-      const __m256i q3 = fp8e4m3_from_f32_finite_x8(_mm256_mul_ps(In::load8(row + c + 24), vs));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c), pack_codes_x32(q0, q1, q2, q3));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + c), In::encode32(row + c, vs));
     }
   }
 #else
