@@ -27,32 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-
-def run(cmd: list[str]) -> None:
-    print("[bench_grpo] " + " ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True)
-
-
-def grpo_cmd(args, run_dir: str, draft_kind: str) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           f"--master_port={args.port}", os.path.join(ROOT, "launch", "pretrain_grpo_spec.py"),
-           "--config", args.config, "--hf-checkpoint", args.base, "--train-iters", str(args.steps),
-           "--save", run_dir, "--spec-draft-kind", draft_kind, "--eval-interval", "0", "--quiet"]
-    if draft_kind == "eagle3":
-        cmd += ["--spec-draft-path", args.draft]
-    return cmd
-
-
-def mean(xs):
-    xs = [x for x in xs if x is not None]
-    return sum(xs) / len(xs) if xs else float("nan")
+from _grpo_runs import DEMO_CONFIG, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
 
 
 def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> dict[str, float]:
@@ -74,35 +55,23 @@ def main() -> int:
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
     ap.add_argument("--base", default=None)
     ap.add_argument("--draft", default=None)
-    ap.add_argument("--config", default=os.path.join(ROOT, "launch", "configs", "demo.yaml"))
+    ap.add_argument("--config", default=DEMO_CONFIG)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--port", type=int, default=29611)
     ap.add_argument("--sft-steps", type=int, default=300)
     args = ap.parse_args()
-    os.makedirs(args.work_dir, exist_ok=True)
-    if args.base is None:
-        args.base = os.path.join(args.work_dir, "base")
-        if not os.path.isdir(args.base):
-            run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", args.base,
-                 "--steps", str(args.sft_steps), "--noisy-frac", "0.3"])  # the demo's base (docs/demo.md)
-    if args.draft is None:
-        args.draft = os.path.join(args.work_dir, "eagle3")
-        if not os.path.isdir(args.draft):
-            run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", args.base,
-                 "--out", args.draft])
+    args.base, args.draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
+                                          tag="bench_grpo")
 
-    from megatron_spec.telemetry import read_metrics, start_end_means
+    from megatron_spec.telemetry import start_end_means
 
     runs = {}
     for name, kind in (("spec", "eagle3"), ("ar", "none")):
         run_dir = os.path.join(args.work_dir, name)
-        if os.path.isdir(run_dir):
-            import shutil
-
-            shutil.rmtree(run_dir)
-        run(grpo_cmd(args, run_dir, kind))
-        runs[name] = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+        cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft, config=args.config,
+                       nproc=args.nproc, port=args.port)
+        runs[name] = run_grpo(cmd, run_dir, "bench_grpo")
     import yaml
 
     with open(args.config) as fh:

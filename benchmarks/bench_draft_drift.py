@@ -1,0 +1,153 @@
+"""Frozen vs online EAGLE-3 draft over a GRPO run: does online training keep acceptance up?
+
+    python benchmarks/bench_draft_drift.py [--steps 60] [--base DIR --draft DIR] [--plot PATH]
+
+Runs ``launch/pretrain_grpo_spec.py`` twice on the demo config from the same base policy,
+ModelOpt EAGLE-3 draft (k=3), seed and prompts: once with the draft frozen, once with
+``--spec-online-draft-training`` (the draft trained after every RL step on the verifier's
+captured states and streamed to the engine before the next rollouts). Both runs sample the
+same prompts; the policies are updated by the same GRPO recipe, so they differ only through
+the draft and through the sampled tokens.
+
+Prints the acceptance length (tokens per verify step) of every step for both runs, writes a
+plot (``--plot``, default ``docs/draft_drift.png``) and ends with one JSON line:
+
+* ``online_over_frozen_accept_last``: mean acceptance over the last fifth of the steps, online
+  over frozen (target >= 1.0);
+* ``online_accept_last_over_first``: the online run's mean acceptance over its last fifth over its
+  first fifth (target >= 0.98);
+* both runs' first/last-fifth means, the online draft's loss and held-out expected acceptance
+  (``draft/heldout_tau``: the draft that generated a batch, scored on that batch's captured
+  states before it trains on them), ``wall_s``, ``dtype`` (the engine's, resolved for this CPU) and
+  ``cpu_capability``.
+
+The base policy and draft are made with launch/sft_base.py and launch/make_draft.py when not
+given, and cached in ``--work-dir`` (the same ones as bench_grpo.py: ``runs/bench_grpo``).
+The numbers and the plot: docs/draft_training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from _grpo_runs import DEMO_CONFIG, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
+
+RUNS = (("frozen", ()), ("online", ("--spec-online-draft-training",)))
+
+
+def first_last(rows: list[dict], key: str) -> tuple[float, float]:
+    from megatron_spec.telemetry import start_end_means
+
+    first, last, _ = start_end_means(rows, key)
+    return first, last
+
+
+def plot(path: str, runs: dict[str, list[dict]], title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for name, rows in runs.items():
+        steps = [r["step"] for r in rows]
+        ax.plot(steps, [r["spec/accept_length"] for r in rows], label=name, lw=1.2)
+    online = runs.get("online", [])
+    tau = [(r["step"], r["draft/heldout_tau"]) for r in online if r.get("draft/heldout_tau") is not None]
+    if tau:
+        ax.plot(*zip(*tau), ls="--", lw=1.0, label="online: held-out expected tau")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("acceptance length (k=3)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
+    ap.add_argument("--base", default=None)
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--config", default=DEMO_CONFIG)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--port", type=int, default=29612)
+    ap.add_argument("--sft-steps", type=int, default=300)
+    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "draft_drift.png"))
+    ap.add_argument("--extra", default="", help="more launcher flags for the online run (e.g. --spec-draft-lr 1e-4)")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    base, draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
+                                tag="bench_draft_drift")
+    from tqdm import tqdm
+
+    runs: dict[str, list[dict]] = {}
+    bar = tqdm(total=len(RUNS) * args.steps, desc="steps", file=sys.stderr)
+    for name, extra in RUNS:
+        bar.set_description(name)
+        if name == "online" and args.extra:
+            extra = tuple(extra) + tuple(args.extra.split())
+        run_dir = os.path.join(args.work_dir, f"drift_{name}")
+        cmd = grpo_cmd(run_dir, base, args.steps, draft=draft, config=args.config, port=args.port, extra=extra)
+
+        def on_step(row, name=name):
+            bar.update(1)
+            bar.set_postfix(accept=f"{row.get('spec/accept_length', float('nan')):.2f}")
+
+        runs[name] = run_grpo(cmd, run_dir, "bench_draft_drift", on_step=on_step)
+    bar.close()
+    wall = time.perf_counter() - t0
+
+    frozen, online = runs["frozen"], runs["online"]
+    print(f"{'step':>5}{'frozen':>9}{'online':>9}{'draft loss':>12}{'held-out tau':>14}")
+    for f, o in zip(frozen, online):
+        loss, tau = o.get("draft/loss"), o.get("draft/heldout_tau")
+        print(f"{f['step']:>5}{f['spec/accept_length']:>9.3f}{o['spec/accept_length']:>9.3f}"
+              f"{loss if loss is not None else float('nan'):>12.3f}{tau if tau is not None else float('nan'):>14.3f}")
+    f_first, f_last = first_last(frozen, "spec/accept_length")
+    o_first, o_last = first_last(online, "spec/accept_length")
+    import yaml
+
+    with open(args.config) as fh:
+        rollout_cfg = (yaml.safe_load(fh) or {}).get("rollout", {})
+    from megatron_spec.isa import probe, resolve_dtype
+
+    dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))
+    title = (f"frozen vs online EAGLE-3 draft, {args.steps} GRPO steps, {dtype} engine; "
+             f"last fifth online/frozen {o_last / f_last:.3f}")
+    plot(args.plot, runs, title)
+    loss_first, loss_last = first_last(online, "draft/loss")
+    tau_first, tau_last = first_last(online, "draft/heldout_tau")
+    summary = {
+        "online_over_frozen_accept_last": round(o_last / f_last, 4),
+        "online_accept_last_over_first": round(o_last / o_first, 4),
+        "frozen_accept_first": round(f_first, 4), "frozen_accept_last": round(f_last, 4),
+        "online_accept_first": round(o_first, 4), "online_accept_last": round(o_last, 4),
+        "frozen_accept_mean": round(mean([r["spec/accept_length"] for r in frozen]), 4),
+        "online_accept_mean": round(mean([r["spec/accept_length"] for r in online]), 4),
+        "online_draft_loss_first": round(loss_first, 4), "online_draft_loss_last": round(loss_last, 4),
+        "online_heldout_tau_first": round(tau_first, 4), "online_heldout_tau_last": round(tau_last, 4),
+        "reward_first_frozen": round(first_last(frozen, "reward/mean")[0], 3),
+        "reward_last_frozen": round(first_last(frozen, "reward/mean")[1], 3),
+        "reward_first_online": round(first_last(online, "reward/mean")[0], 3),
+        "reward_last_online": round(first_last(online, "reward/mean")[1], 3),
+        "steps": args.steps, "wall_s": round(wall, 1), "dtype": dtype, "cpu_capability": probe().capability,
+        "plot": os.path.relpath(args.plot, ROOT),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
