@@ -3,7 +3,9 @@
     python benchmarks/bench_sync.py [--hidden 1024 --layers 12 --ffn 4096 --vocab 16000] [--bucket-mb 8]
 
 A Megatron policy of a few hundred MB (default: 221M parameters; 442 MB in bf16) is streamed
-into the native engine (a separate process, bf16 weights, one thread) with ``WeightStreamer``:
+into the native engine (a separate process, one thread, computing in the dtype ``auto`` picks on
+this CPU: bf16 where it is native, else fp32 with the bf16 weights upcast as they land) with
+``WeightStreamer``:
 Megatron parameters -> HF views -> cast or block-FP8 quantised straight into double-buffered
 shared-memory buckets -> payloads -> the engine copies them into its fused parameters, then the
 engine's checksums are verified against fingerprints of what was sent.
@@ -25,7 +27,9 @@ Measured, on the same model and engine:
 
 Best of ``--repeats`` per configuration (the machine is shared; all numbers come from one run).
 Ends with one JSON line: bf16_fraction_of_memcpy, bucket_over_per_tensor, peak_extra_over_two_buckets,
-bf16_from_fp32_fraction_of_memcpy, ...
+bf16_from_fp32_fraction_of_memcpy, ..., and cpu_capability, kernel_isa (the compiled kernel variant that
+quantised the FP8 buckets) and dtype (the native engine's compute dtype). ``MEGATRON_SPEC_NO_NATIVE_BF16=1``
+measures the AVX2 path on an AVX-512 machine.
 """
 
 from __future__ import annotations
@@ -215,6 +219,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/megatron_spec_bench_sync")
     args = ap.parse_args()
 
+    from megatron_spec import _ext
+    from megatron_spec.isa import probe, resolve_dtype
     from megatron_spec.models import HFCheckpoint
     from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
     from megatron_spec.parallel import destroy_parallel, init_parallel
@@ -234,9 +240,12 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.0f}M parameters, {n_params * 2 / 1e6:.0f} MB in bf16; buckets {args.bucket_mb} MiB")
     bucket = args.bucket_mb << 20
-    base = dict(model_path=ckpt, dtype="bfloat16", load_weights=False, num_threads=1, max_batch_size=4,
+    engine_dtype = resolve_dtype("auto")
+    print(f"cpu_capability {probe().capability}, kernel_isa {_ext.kernel_isa()}, native engine dtype {engine_dtype}")
+    base = dict(model_path=ckpt, dtype=engine_dtype, load_weights=False, num_threads=1, max_batch_size=4,
                 context_length=64)
-    res: dict = {"memcpy_gbps": round(memcpy, 3), "params_m": round(n_params / 1e6, 1), "bucket_mb": args.bucket_mb}
+    res: dict = {"cpu_capability": probe().capability, "kernel_isa": _ext.kernel_isa(), "dtype": engine_dtype,
+                 "memcpy_gbps": round(memcpy, 3), "params_m": round(n_params / 1e6, 1), "bucket_mb": args.bucket_mb}
 
     def best(streamer, what: str, version: str, policy=model):
         reps = [streamer.sync_target(policy, f"{version}-{i}") for i in range(args.repeats)]
