@@ -1,9 +1,41 @@
 #!/usr/bin/env bash
 # Set up the environment and run the whole test suite (CPU; GPU tests skip with a reason).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k spec -x
+#
+# With no arguments, on a CPU with native bf16 the engine and rollout tests then run a second
+# time with MEGATRON_SPEC_NO_NATIVE_BF16=1: the path a CPU without AVX-512 takes (fp32 engine,
+# AVX2 kernels). On a CPU without native bf16 the first run already took that path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh --with-sglang
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec python -m pytest -q --durations=15 "$@"
+
+# The engine, rollout and kernel tests: whatever behaves differently with and without native bf16.
+NO_NATIVE_BF16_TESTS=(
+    tests/test_isa.py
+    tests/ops
+    tests/rollout
+    tests/spec
+    tests/sync/test_streamer.py
+    tests/sync/test_fingerprint.py
+    tests/draft/test_eagle3_head.py
+    tests/draft/test_online_acceptance.py
+)
+
+if [ "$#" -gt 0 ]; then
+    exec python -m pytest -q --durations=15 "$@"
+fi
+
+status=0
+python -m pytest -q --durations=15 || status=$?
+
+if python -c "import sys; from megatron_spec import isa; sys.exit(0 if isa.probe().native_bf16 else 1)"; then
+    echo
+    echo "[test] again with MEGATRON_SPEC_NO_NATIVE_BF16=1: the engine and rollout tests on the path of a CPU without native bf16"
+    MEGATRON_SPEC_NO_NATIVE_BF16=1 python -m pytest -q --durations=5 "${NO_NATIVE_BF16_TESTS[@]}" || status=$?
+else
+    echo
+    echo "[test] this CPU runs without native bf16 ($(python -c "from megatron_spec import isa; print(isa.probe().why_not_bf16())")): the run above took that path"
+fi
+exit "$status"
