@@ -8,7 +8,8 @@ trainer's resident set, sampled at the end of every step) from its metrics. Grow
 from the end of the warm-up (allocator pools, oneDNN primitive caches and optimizer state are
 filled during the first steps) to the end of the run; the target is under 10%. Ends with one
 JSON line: ``rss_after_warmup_mb``, ``rss_end_mb``, ``rss_max_mb``, ``growth_frac`` and the
-least-squares slope in MiB per 100 steps after warm-up.
+least-squares slope in MiB per 100 steps after warm-up, and the engine's ``dtype`` and
+``cpu_capability``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+
+def _rollout_dtype(run_dir: str) -> str:
+    """The engine dtype the run asked for (its saved config.yaml), before isa.resolve_dtype."""
+    import yaml
+
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        cfg = yaml.safe_load(f) or {}
+    return (cfg.get("rollout") or {}).get("rollout_dtype", "auto")
 
 
 def main() -> int:
@@ -48,6 +58,7 @@ def main() -> int:
 
     import numpy as np
 
+    from megatron_spec.isa import probe, resolve_dtype
     from megatron_spec.telemetry import read_metrics, start_end_means
 
     rows = read_metrics(os.path.join(args.work_dir, "metrics.jsonl"))
@@ -63,7 +74,8 @@ def main() -> int:
                "rss_max_mb": round(max(m for _, m in after), 1), "growth_frac": round(end / start - 1.0, 4),
                "slope_mb_per_100_steps": round(100 * slope, 2),
                "reward_first_fifth": round(reward_start, 3), "reward_last_fifth": round(reward_end, 3),
-               "accept_length": round(sum(r["spec/accept_length"] for r in rows) / len(rows), 3)}
+               "accept_length": round(sum(r["spec/accept_length"] for r in rows) / len(rows), 3),
+               "dtype": resolve_dtype(_rollout_dtype(args.work_dir)), "cpu_capability": probe().capability}
     print(json.dumps(summary))
     return 0
 
