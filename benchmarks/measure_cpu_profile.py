@@ -76,9 +76,9 @@ def measure_mem_bw(nbytes: int = 256 << 20, repeats: int = 10) -> float:
 
 
 def _packed_linears(count: int, fan_in: int, fan_out: int, dtype: torch.dtype) -> list:
-    """``count`` bias-free linears of the rollout engine (megatron_spec.rollout.native.model.Linear),
+    """``count`` bias-free linears of the rollout engine (megatron_spec.layers.linear.Linear),
     random weights, prepacked for oneDNN as the engine runs them."""
-    from megatron_spec.rollout.native.model import Linear
+    from megatron_spec.layers.linear import Linear
 
     mods = []
     for _ in range(count):
@@ -93,7 +93,7 @@ def _packed_linears(count: int, fan_in: int, fan_out: int, dtype: torch.dtype) -
 def measure_linear_stack(dtype: torch.dtype, hidden: int = 4096, layers: int = 6,
                          repeats: int = 10) -> dict:
     """Forward time of ``layers`` bias-free [hidden, hidden] linears, per token count, with the
-    rollout engine's own linear layer (megatron_spec.rollout.native.model.Linear: weights
+    rollout engine's own linear layer (megatron_spec.layers.linear.Linear: weights
     prepacked for oneDNN), so the profile describes the kernels the engine runs."""
     torch.manual_seed(0)
     mods = _packed_linears(layers, hidden, hidden, dtype)
@@ -172,8 +172,9 @@ def fit_gemm_calls(points: list[dict]) -> tuple[float, float]:
 def _tiny_engine_model(layers: int):
     """The engine's own decoder (megatron_spec.rollout.native.model.CausalLM) at hidden 64:
     its time per layer is the cost of the layer's op sequence, not of bytes or FLOPs."""
+    from megatron_spec.layers.linear import pack_linears
     from megatron_spec.models.hf_config import DecoderConfig
-    from megatron_spec.rollout.native.model import CausalLM, pack_linears
+    from megatron_spec.rollout.native.model import CausalLM
 
     cfg = DecoderConfig(architecture="Qwen3ForCausalLM", family="qwen3", vocab_size=64, hidden_size=64,
                         intermediate_size=128, num_layers=layers, num_attention_heads=4, num_kv_heads=2,

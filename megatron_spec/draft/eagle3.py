@@ -47,8 +47,9 @@ from megatron_spec.draft.eagle3_config import (
     default_aux_layer_ids,
 )
 from megatron_spec.draft.rope import ScaledRotary
-from megatron_spec.rollout.native.kv_cache import KVCache, read_length
-from megatron_spec.rollout.native.model import MLP, Attention, Linear, RMSNorm, gather_rows
+from megatron_spec.layers.decoder import MLP, Attention, RMSNorm, gather_rows
+from megatron_spec.layers.kv_cache import KVCache, read_length
+from megatron_spec.layers.linear import Linear
 
 
 class Eagle3Output(NamedTuple):

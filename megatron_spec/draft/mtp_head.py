@@ -27,9 +27,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from megatron_spec.layers.decoder import DecoderLayer, RMSNorm, Rotary
+from megatron_spec.layers.kv_cache import KVCache, read_length
+from megatron_spec.layers.linear import Linear
 from megatron_spec.models.hf_config import DecoderConfig
-from megatron_spec.rollout.native.kv_cache import KVCache, read_length
-from megatron_spec.rollout.native.model import DecoderLayer, Linear, RMSNorm, Rotary
 
 ARCHITECTURE = "MegatronSpecMTP"
 """``architectures`` entry of an MTP export's config.json (see ``megatron_spec.draft.mtp.save_mtp``)."""

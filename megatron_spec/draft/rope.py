@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_spec.rollout.native.model import Rotary
+from megatron_spec.layers.decoder import Rotary
 
 # Keys SGLang's YaRN factory reads; any other key (e.g. transformers' "attention_factor", which
 # SGLang ignores and transformers honours) would make the two consumers disagree.

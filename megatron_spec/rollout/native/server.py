@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
+from megatron_spec.layers.linear import pack_linears, warm_linears
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, MtpDrafter, NgramDrafter
 from megatron_spec.rollout.native.engine import EngineCore
-from megatron_spec.rollout.native.model import CausalLM, pack_linears, warm_linears
+from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.types import GenerateRequest
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Preallocated, slot-based KV cache for the native engine (target and draft alike).
+"""Preallocated, slot-based KV cache of the native engine's target model and its draft heads alike.
 
 Layout per layer: ``k, v: [num_slots, num_kv_heads, max_len, head_dim]``. A running sequence
 owns one slot; ``lens[slot]`` is how many positions of it are valid. The scheduler keeps the
