@@ -8,8 +8,8 @@
 //   * on the host the build passes -ffp-contract=off (setup.py) for the same reason;
 //   * no value computed here is a float32 subnormal where the result depends on it, so the
 //     flush-to-zero mode that --use_fast_math turns on cannot change a result.
-// The file does not include torch headers (nvcc here cannot compile them, see DESIGN.md) and knows
-// nothing about tensors, strides or threads.
+// The file does not include torch headers (nvcc here cannot compile them, see docs/design.md,
+// "nvcc and the CPU torch wheel") and knows nothing about tensors, strides or threads.
 //
 // References:
 //   * FP8 E4M3FN: Micikevicius et al., "FP8 Formats for Deep Learning" (2022); the encoder follows

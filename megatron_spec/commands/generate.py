@@ -1,4 +1,4 @@
-"""``megatron-spec generate``: run the rollout engine alone on an HF checkpoint (DESIGN.md 3.1).
+"""``megatron-spec generate``: run the rollout engine alone on an HF checkpoint.
 
 Reads prompts from JSONL (``{"id", "prompt"}`` or ``{"id", "input_ids"}``), writes one JSON
 line per sample (with the decoded ``text`` when the checkpoint has a tokenizer), shows a
@@ -7,7 +7,8 @@ per-position acceptance, the compute ``dtype`` and the ``cpu_capability``). ``--
 default) is resolved through ``megatron_spec.isa.resolve_dtype``: bf16 only where the CPU does bf16
 natively (or on a GPU), fp32 elsewhere. Bad input (a missing model or draft directory, prompts, a
 draft for another model, a prompt too long for the context) is one ``error:`` line on stderr and
-exit status 2; an engine that died, 1.
+exit status 2; an engine that died, 1. The prompt, output and summary names are a contract
+(docs/design.md, "megatron-spec generate").
 """
 
 from __future__ import annotations

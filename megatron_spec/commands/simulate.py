@@ -1,6 +1,6 @@
 """``megatron-spec simulate``: project speculative-decoding gains for RL at cluster scale.
 
-Prints one JSON object (DESIGN.md section 3.3): ``rollout_speedup``, ``e2e_speedup``,
+Prints one JSON object (docs/design.md, "megatron-spec simulate"): ``rollout_speedup``, ``e2e_speedup``,
 ``step_time_ar_s``, ``step_time_spec_s``, per-stage times for both, the engine layout, the
 best k for the given acceptance, and where the fitted parameters came from. ``--sweep``
 prints a table of speedup vs k and acceptance, writes a PNG (``--output``) and ends with one

@@ -3,10 +3,10 @@
 An export directory holds ``config.json`` (``architectures: ["LlamaForCausalLMEagle3"]``, sizes,
 ``draft_vocab_size``, ``rope_theta``/``rope_scaling``, ``eagle_config``) and ``model.safetensors``
 with ``fc.weight``, ``layers.0.*`` (``midlayer.*`` in older exports), ``norm.weight``,
-``lm_head.weight`` and, for a reduced draft vocabulary only, ``d2t`` (DESIGN.md section 4). There
-is no embedding: the draft uses the target's. SGLang's ``LlamaForCausalLMEagle3.load_weights``
-reads the same names (it renames ``midlayer`` to ``layers.0`` and keeps ``d2t + arange`` as its
-hot-token ids).
+``lm_head.weight`` and, for a reduced draft vocabulary only, ``d2t`` (docs/design.md, "ModelOpt
+EAGLE-3 export"). There is no embedding: the draft uses the target's. SGLang's
+``LlamaForCausalLMEagle3.load_weights`` reads the same names (it renames ``midlayer`` to
+``layers.0`` and keeps ``d2t + arange`` as its hot-token ids).
 
 Loading is strict where SGLang is lenient: a missing, unexpected or misshapen tensor, an invalid
 ``d2t`` or a draft that does not fit the target is a ``ValueError`` naming it.

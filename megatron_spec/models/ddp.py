@@ -3,8 +3,8 @@
 megatron-core's DDP keeps gradients in contiguous buffers (``param.main_grad``) and reduces
 them across data-parallel ranks in ``finalize_model_grads`` (which also all-reduces
 layer-norm gradients under sequence parallelism). On CPU, megatron's own optimizer needs
-more patching than it is worth (DESIGN.md section 4), so the policy uses a torch optimizer:
-:func:`finalize_grads` points each ``param.grad`` at its reduced ``main_grad``.
+more patching than it is worth (docs/design.md, "megatron-core on CPU"), so the policy uses a
+torch optimizer: :func:`finalize_grads` points each ``param.grad`` at its reduced ``main_grad``.
 
 The draft model never goes through here: it has its own optimizer and DP all-reduce.
 """

@@ -8,7 +8,7 @@
 * :func:`parse_output`: one ``generate`` output (``output_ids`` + ``meta_info``) as our
   :class:`SampleOutput`, counting verify steps the way the native engine does.
 
-Facts used (read from the 0.5.23 sources; DESIGN.md section 4):
+Facts used (read from the 0.5.23 sources; docs/design.md, "SGLang"):
 ``spec_verify_ct`` counts decode verify passes only (``batch_result_processor`` increments it
 when a verify commits tokens); the prefill's token is in ``completion_tokens`` but not in
 ``spec_verify_ct``. ``spec_correct_drafts_histogram[j]`` counts verify steps that accepted j

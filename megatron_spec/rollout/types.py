@@ -150,7 +150,7 @@ class GenerateStats:
         self.accepted_at_least = [x + y for x, y in zip(a, b)]
 
     def summary(self) -> dict[str, Any]:
-        """The JSON summary line of ``megatron-spec generate`` (DESIGN.md section 3.1)."""
+        """The JSON summary line of ``megatron-spec generate`` (docs/design.md, "megatron-spec generate")."""
         return {"tokens_per_s": round(self.tokens_per_s, 3), "num_tokens": self.num_tokens,
                 "mean_accept_length": round(self.mean_accept_length, 4),
                 "accept_rate_per_position": [round(r, 4) for r in self.accept_rate_per_position],

@@ -4,7 +4,7 @@
 :class:`~megatron_spec.sim.params.EfficiencyParams` (achieved fractions of peak, overheads,
 training MFU) plus the one unobserved quantity per workload, the EAGLE-3 acceptance (a
 geometric per-position rate alpha: the paper gives speedups per k but not the EAGLE-3
-acceptance per k), to the targets of DESIGN.md section 5, by bounded least squares on
+acceptance per k), to the targets of docs/design.md, "Reference measurements", by bounded least squares on
 log(predicted / measured). It prints the fitted parameters and each target's error, and writes
 ``data/calibration.json``, which every simulation then reads.
 
@@ -102,7 +102,7 @@ def _gen(r: SimResult, which: str) -> float:
     return (r.stages_ar if which == "ar" else r.stages_spec)["gen"]
 
 
-# DESIGN.md section 5 (reference paper, 32 GB200, Qwen3-8B, EAGLE-3 k=3).
+# docs/design.md, "Reference measurements" (reference paper, 32 GB200, Qwen3-8B, EAGLE-3 k=3).
 TARGETS: tuple[Target, ...] = (
     Target("rl-zero gen AR (s)", 100.0, lambda r: _gen(r["rl-zero/eagle3/k3"], "ar")),
     Target("rl-zero gen spec k=3 (s)", 56.6, lambda r: _gen(r["rl-zero/eagle3/k3"], "spec")),
@@ -249,7 +249,7 @@ def format_report(doc: dict) -> str:
         tau = {k: AcceptanceProfile.geometric(f['eagle3_alpha'], k).accept_length(k) for k in (3, 5, 7)}
         lines.append(f"  {wl} EAGLE-3 alpha      {f['eagle3_alpha']:.4f}   (tau k=3/5/7: "
                      + " / ".join(f"{t:.2f}" for t in tau.values()) + ")")
-    lines.append("targets (DESIGN.md section 5):")
+    lines.append('targets (docs/design.md, "Reference measurements"):')
     lines.append(f"  {'target':<42} {'measured':>9} {'predicted':>10} {'error':>8}")
     for r in doc["fit"]["targets"]:
         lines.append(f"  {r['name']:<42} {r['measured']:>9.3f} {r['predicted']:>10.3f} {100 * r['rel_error']:>+7.1f}%")
@@ -263,7 +263,8 @@ def format_report(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Fit the simulator's GPU parameters to DESIGN.md section 5.")
+    parser = argparse.ArgumentParser(
+        description='Fit the simulator\'s GPU parameters to docs/design.md, "Reference measurements".')
     parser.add_argument("--output", type=Path, default=CALIBRATION_PATH)
     parser.add_argument("--starts", type=int, default=6, help="random starts of the least-squares fit")
     parser.add_argument("--max-nfev", type=int, default=400)

@@ -1,6 +1,6 @@
 """One RL step, autoregressive vs speculative: stage times, step times and speedups.
 
-Stages (DESIGN.md section 1): ``data`` (a fixed per-step cost), ``prepare`` (weight sync into
+Stages (docs/design.md, "The RL step"): ``data`` (a fixed per-step cost), ``prepare`` (weight sync into
 the engines), ``gen`` (rollout generation, :mod:`megatron_spec.sim.rollout`), ``logprob``
 (Megatron forward of the verifier over all rollout tokens), ``train`` (forward + backward,
 i.e. 3x the forward: the 6 N tokens rule plus causal attention), and ``draft_train`` when the

@@ -7,7 +7,7 @@ the simulated engine is the one that holds it: its R lengths are the quantiles
 rollouts of the step, 1 - 0.5 / (rollouts per step). Quantiles instead of random draws keep
 the simulator deterministic.
 
-The two presets are the reference paper's workloads (DESIGN.md section 5) as far as it
+The two presets are the reference paper's workloads (docs/design.md, "Reference measurements") as far as it
 describes them (Qwen3-8B, DAPO-style math, 32 GB200). Their sizes and length laws are *our
 assumptions*, chosen once to be typical of DAPO-style GRPO runs, not facts from the paper; the
 calibration fits efficiencies with them fixed (docs/simulator.md, "Calibration").

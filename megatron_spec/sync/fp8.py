@@ -3,7 +3,7 @@
 An FP8 rollout (``--rollout-weight-dtype fp8``) ships each *linear* weight of the target as
 ``name`` = float8_e4m3fn ``[N, K]`` plus ``name_scale_inv`` float32 ``[ceil(N/128), ceil(K/128)]``
 (``*.weight`` -> ``*.weight_scale_inv``), the DeepSeek-V3 / Qwen3-FP8 checkpoint layout that
-SGLang loads under ``quantization_config`` = :func:`quantization_config` (DESIGN.md section 4).
+SGLang loads under ``quantization_config`` = :func:`quantization_config` (docs/design.md, "SGLang").
 Embeddings, ``lm_head``, norms and biases stay in the streaming dtype: quantising them costs
 accuracy and SGLang keeps them unquantised. The EAGLE-3 draft is never quantised.
 
@@ -28,7 +28,7 @@ _LINEAR = re.compile(r"(^|\.)layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|
 
 
 def quantization_config(block: tuple[int, int] = BLOCK) -> dict:
-    """The HF ``quantization_config`` SGLang reads for block-FP8 weights (DESIGN.md section 4)."""
+    """The HF ``quantization_config`` SGLang reads for block-FP8 weights (docs/design.md, "SGLang")."""
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [int(block[0]), int(block[1])]}
 

@@ -1,4 +1,5 @@
-"""The committed calibration reproduces the paper's 8B measurements (DESIGN.md section 5).
+"""The committed calibration reproduces the paper's 8B measurements (docs/design.md, "Reference
+measurements").
 
 Every prediction here is recomputed by the simulator from the committed fitted parameters;
 nothing is read back from the stored predictions except to check they are reproducible.

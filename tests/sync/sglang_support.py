@@ -1,6 +1,6 @@
 """Run SGLang 0.5.23's own code on CPU where its modules do not import, for the SGLang-backend tests.
 
-Two things cannot be imported on this CPU machine (DESIGN.md section 4):
+Two things cannot be imported on this CPU machine (docs/design.md, "SGLang"):
 
 * ``sglang.srt.managers.io_struct`` (the request objects): its import chain reaches model configs
   that register image processors needing torchvision, and communication kernels needing
