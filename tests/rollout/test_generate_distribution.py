@@ -50,7 +50,8 @@ def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k,
            "--draft-path", setup.eagle3, "--num-draft-tokens", "3", "--prompts", str(prompts),
            "--n", str(per_request), "--temperature", str(temperature), "--top-k", str(top_k), "--top-p", str(top_p),
            "--max-new-tokens", "2", "--ignore-eos", "--seed", "1234", "--batch-size", "64",
-           "--num-threads", "2", "--output", str(out), "--no-progress"]
+           "--num-threads", "2", "--output", str(out), "--no-progress",
+           "--dtype", "float32"]  # the oracle below is the fp32 target (auto is bf16 on a CPU with native bf16)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
