@@ -77,6 +77,12 @@ class RolloutConfig:
     rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
     async_policy_lag: int = _f(0, "generate up to L steps ahead of training (0 = synchronous)")
     rollout_release_memory: bool = _f(True, "release engine memory (KV cache, weights) while the trainer trains")
+    rollout_mem_fraction_static: float = _f(None, "SGLang's mem_fraction_static: the share of GPU memory its weights "
+                                                   "and KV cache take while it generates (default: SGLang's choice, "
+                                                   "sized for a GPU of its own; colocated, see docs/memory_plan.md)")
+    colocate_offload: str = _f("none", "what the trainer moves to host memory while the colocated engine generates: "
+                                       "optimizer (fp32 main weights, AdamW moments, gradient buffers) or all (and "
+                                       "the weights); a no-op on CPU (docs/memory_plan.md)", ("none", "optimizer", "all"))
     engine_restarts: int = _f(2, "restarts of a dead engine per step before the run fails")
 
 
@@ -186,6 +192,11 @@ class RunConfig:
             raise ConfigError("--clip-eps-low must be in [0, 1) and --clip-eps-high >= 0")
         if r.async_policy_lag < 0:
             raise ConfigError("--async-policy-lag must be >= 0")
+        if r.colocate_offload != "none" and r.async_policy_lag:
+            raise ConfigError(f"--colocate-offload {r.colocate_offload} needs a synchronous run (--async-policy-lag 0): "
+                              f"with a policy lag the engine generates while the trainer trains")
+        if r.rollout_mem_fraction_static is not None and not 0 < r.rollout_mem_fraction_static < 1:
+            raise ConfigError(f"--rollout-mem-fraction-static must be in (0, 1), got {r.rollout_mem_fraction_static}")
         if r.rollout_weight_dtype == "fp8" and r.rollout_dtype == "float32" and r.rollout_backend == "sglang":
             raise ConfigError("--rollout-weight-dtype fp8 with SGLang runs the FP8 kernels; set --rollout-dtype bfloat16")
         if self.checkpoint.save_interval < 0:

@@ -31,16 +31,22 @@ def wrap_ddp(model: torch.nn.Module, *, bucket_size: int | None = None, grad_red
     return ddp
 
 
-def finalize_grads(ddp_model: torch.nn.Module, num_tokens: torch.Tensor | None = None) -> None:
+def finalize_grads(ddp_model: torch.nn.Module, num_tokens: torch.Tensor | None = None, *,
+                   as_param_grad: bool = True) -> None:
     """Reduce gradients across DP (and SP layer norms) and expose them as ``param.grad``.
 
     Args:
         num_tokens: if given, gradients are divided by this global token count (megatron's
             ``finalize_model_grads`` semantics) instead of averaged over DP ranks.
+        as_param_grad: point ``param.grad`` at the reduced gradient (a copy in the parameter's
+            dtype for bf16 weights). ``False`` leaves them in the fp32 ``main_grad`` buffers only,
+            where :class:`megatron_spec.models.optimizer.MixedPrecisionAdamW` reads them.
     """
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads([ddp_model], num_tokens=num_tokens)
+    if not as_param_grad:
+        return
     for param in ddp_model.module.parameters():
         if param.requires_grad:
             param.grad = param.main_grad.to(param.dtype) if param.main_grad.dtype != param.dtype else param.main_grad

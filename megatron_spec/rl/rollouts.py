@@ -42,22 +42,27 @@ class PackedBatch:
     engine_logprobs: torch.Tensor  # [B, L-1] aligned with targets (0 off the response)
 
 
-def pack(rollouts: list[Rollout], pad_id: int = 0) -> PackedBatch:
-    """Right-pad a micro-batch; position p of ``targets`` is the token at p+1."""
+def pack(rollouts: list[Rollout], pad_id: int = 0, device: torch.device | str = "cpu") -> PackedBatch:
+    """Right-pad a micro-batch; position p of ``targets`` is the token at p+1.
+
+    The batch is built in host memory and lands on ``device`` (the model's) in one copy per tensor.
+    """
     b = len(rollouts)
     length = max(r.length for r in rollouts)
-    ids = torch.full((b, length), pad_id, dtype=torch.long)
-    mask = torch.zeros(b, length - 1)
-    eng = torch.zeros(b, length - 1)
+    host = torch.device("cpu")  # staged row by row in host memory, then one copy per tensor
+    ids = torch.full((b, length), pad_id, dtype=torch.long, device=host)
+    mask = torch.zeros(b, length - 1, device=host)
+    eng = torch.zeros(b, length - 1, device=host)
     for i, r in enumerate(rollouts):
         seq = r.prompt_ids + r.response_ids
-        ids[i, :len(seq)] = torch.tensor(seq)
+        ids[i, :len(seq)] = torch.tensor(seq, device=host)
         start = len(r.prompt_ids) - 1  # logits at the last prompt position predict response[0]
         n = len(r.response_ids)
         mask[i, start:start + n] = 1.0
-        eng[i, start:start + n] = torch.tensor(r.engine_logprobs[:n], dtype=torch.float32)
-    positions = torch.arange(length).expand(b, length)
-    adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32)
+        eng[i, start:start + n] = torch.tensor(r.engine_logprobs[:n], dtype=torch.float32, device=host)
+    positions = torch.arange(length, device=host).expand(b, length)
+    adv = torch.tensor([r.advantage for r in rollouts], dtype=torch.float32, device=host)
+    ids, positions, mask, adv, eng = (t.to(device) for t in (ids, positions, mask, adv, eng))
     return PackedBatch(ids, positions, ids[:, 1:], mask, adv, eng)
 
 

@@ -45,6 +45,8 @@ from megatron_spec.config import RunConfig
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights, unwrap
+from megatron_spec.models.offload import ColocateOffload
+from megatron_spec.models.optimizer import MixedPrecisionAdamW
 from megatron_spec.parallel import init_parallel
 from megatron_spec.rl import checkpoint as ckpt_io
 from megatron_spec.rl.advantages import grpo_advantages
@@ -92,6 +94,7 @@ class GRPOTrainer:
         m, s, g = cfg.model, cfg.spec, cfg.grpo
         self.info = init_parallel(tp_size=m.tensor_model_parallel_size, seed=m.seed)
         self.rank0 = self.info.rank == 0
+        self.device = self.info.device  # every tensor the trainer makes for the model lives here
         # the rank that owns the engine, and the TP group that streams weights with it
         self.streams = self.info.dp_rank == 0
         ckpt = HFCheckpoint(m.hf_checkpoint)
@@ -113,12 +116,14 @@ class GRPOTrainer:
         load_hf_weights(self.model, ckpt)
         self.ddp = wrap_ddp(self.model)
         self.params = [p for p in self.ddp.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.999))
+        # fp32 main weights and AdamW moments; with --bf16 the model computes in bf16 (models/optimizer.py)
+        self.optimizer = MixedPrecisionAdamW(self.params, lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.999))
         self.ref = None
         if g.kl_coef > 0:
             self.ref = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by)
             load_hf_weights(self.ref, ckpt)
             self.ref.eval().requires_grad_(False)
+        self.offload = self._colocate_offload()
 
         rollouts_per_step = g.prompts_per_step * g.grpo_group_size
         if rollouts_per_step % self.info.dp_size:
@@ -183,6 +188,20 @@ class GRPOTrainer:
         self.target_synced_version = -1
         self.draft_synced_version = -1
 
+    def _colocate_offload(self) -> ColocateOffload:
+        """The trainer's side of the colocated memory plan (docs/memory_plan.md)."""
+        level = self.cfg.rollout.colocate_offload
+        policy = unwrap(self.model)
+        ref = list(self.ref.parameters()) if self.ref is not None else []
+        kinds = {"params": lambda: list(policy.parameters()) + ref,
+                 "grads": lambda: [buf.grad_data for buf in self.ddp.buffers],
+                 "optimizer": self.optimizer.state_tensors}
+        active = self.device.type == "cuda"
+        if level != "none" and not active and self.rank0:
+            print(f"megatron-spec: --colocate-offload {level} moves nothing on {self.device.type}: the engine and "
+                  f"the trainer share host memory", file=sys.stderr, flush=True)
+        return ColocateOffload(level, kinds, active=active)
+
     # ------------------------------------------------------------------ engine
     def _engine_config(self) -> EngineConfig:
         r, s = self.cfg.rollout, self.cfg.spec
@@ -201,7 +220,8 @@ class GRPOTrainer:
         from megatron_spec.rollout import make_engine
         from megatron_spec.sync.streamer import WeightStreamer
 
-        self.engine = make_engine(self._engine_config(), backend=self.cfg.rollout.rollout_backend)
+        self.engine = make_engine(self._engine_config(), backend=self.cfg.rollout.rollout_backend,
+                                  mem_fraction_static=self.cfg.rollout.rollout_mem_fraction_static)
         self.streamer = WeightStreamer(self.engine, bucket_bytes=self.cfg.rollout.rollout_bucket_mb << 20,
                                        weight_dtype=self.cfg.rollout.rollout_weight_dtype,
                                        for_sglang=getattr(self.engine, "backend", "native") == "sglang")
@@ -446,9 +466,9 @@ class GRPOTrainer:
         self.model.eval()
         try:
             for mb in micro_batches(rollouts, g.micro_batch_size):
-                batch = pack(mb, self.pad_id)
+                batch = pack(mb, self.pad_id, device=self.device)
                 if self.capture is not None:
-                    response = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+                    response = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
                     response[:, 1:] = batch.mask > 0  # input position t holds target t-1
                     with self.capture.record(self.model, response):
                         old = self._logprobs(self.model, batch, grad=False)
@@ -477,11 +497,13 @@ class GRPOTrainer:
         return g.lr * min(1.0, (self.step + 1) / g.lr_warmup_steps)
 
     def _grad_norm(self) -> float:
-        sharded, replicated = torch.zeros(()), torch.zeros(())
-        for p in self.params:
-            if p.grad is None:
+        """L2 norm of the fp32 gradients over the model (TP shards summed over the TP group)."""
+        sharded = torch.zeros((), device=self.device)
+        replicated = torch.zeros((), device=self.device)
+        for p, grad in zip(self.params, self.optimizer.grads()):
+            if grad is None:
                 continue
-            sq = p.grad.float().pow(2).sum()
+            sq = grad.pow(2).sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
@@ -498,8 +520,8 @@ class GRPOTrainer:
         tokens_total = 0.0
         minibatches = split(microbatches, g.grpo_num_minibatches) if g.grpo_num_minibatches > 1 else [microbatches]
         for mbs in minibatches:
-            tokens = torch.tensor(sum(float(b.mask.sum()) for b, _, _ in mbs))
-            seqs = torch.tensor(float(sum(b.mask.shape[0] for b, _, _ in mbs)))
+            tokens = torch.tensor(sum(float(b.mask.sum()) for b, _, _ in mbs), device=self.device)
+            seqs = torch.tensor(float(sum(b.mask.shape[0] for b, _, _ in mbs)), device=self.device)
             if self.info.dp_size > 1:
                 dist.all_reduce(tokens, group=self.info.dp_group)
                 dist.all_reduce(seqs, group=self.info.dp_group)
@@ -527,16 +549,16 @@ class GRPOTrainer:
                 stats["train/ratio_mean"] += st.ratio_sum
                 stats["train/ratio_max"] = max(stats["train/ratio_max"], st.ratio_max)
                 tokens_total += st.tokens
-            finalize_grads(self.ddp)
+            finalize_grads(self.ddp, as_param_grad=False)  # the optimizer reads the fp32 main_grad
             norm = self._grad_norm()
             if not math.isfinite(norm):
                 raise TrainingDivergedError(f"non-finite gradient norm at step {self.step}; stopping before the "
                                             f"optimizer step and any checkpoint")
             if g.clip_grad > 0 and norm > g.clip_grad:
                 scale = g.clip_grad / (norm + 1e-6)
-                for p in self.params:
-                    if p.grad is not None:
-                        p.grad.mul_(scale)
+                for grad in self.optimizer.grads():
+                    if grad is not None:
+                        grad.mul_(scale)
             stats["train/grad_norm"] = max(stats["train/grad_norm"], norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.policy_lr()
@@ -562,7 +584,9 @@ class GRPOTrainer:
         lag = r.async_policy_lag
         if lag == 0:
             with self.timer("prepare"):
+                self.offload.enter("prepare")  # grads and optimizer state leave before the engine resumes
                 metrics.update(self._sync_weights())
+                self.offload.enter("gen")  # and, at level all, the weights once the engine has them
             if self.cfg.logging.eval_interval and self.step % self.cfg.logging.eval_interval == 0:
                 with self.timer("eval"):  # the policy that generates this step's rollouts
                     metrics.update(self._evaluate())
@@ -591,8 +615,10 @@ class GRPOTrainer:
         self._last_batch = batch
         mine = split(batch.rollouts, self.info.dp_size)[self.info.dp_rank]
         with self.timer("logprob"):
+            self.offload.enter("logprob")
             microbatches, mism = self._old_logprobs(mine)
         with self.timer("train"):
+            self.offload.enter("train")
             metrics.update(self._train(microbatches))
             if self.draft_trainer is not None:
                 cache = self.capture.take()
@@ -612,8 +638,11 @@ class GRPOTrainer:
         self.step += 1
         if self.cfg.logging.eval_interval and lag == 0 and self.step == g.train_iters:
             with self.timer("eval"):  # and the final policy
+                self.offload.enter("prepare")
                 self._sync_weights()
+                self.offload.enter("gen")
                 final = self._evaluate()
+                self.offload.enter("train")  # the checkpoint reads everything
             metrics.update({k.replace("eval/", "eval_final/"): v for k, v in final.items()})
         metrics.update(mism)
         metrics.update(self._step_metrics(batch, exposed))

@@ -18,8 +18,14 @@ def default_backend() -> str:
     return "sglang" if torch.cuda.is_available() else "native"
 
 
-def make_engine(config: EngineConfig, backend: str | None = None):
-    """Start a rollout engine; the caller shuts it down (it is a context manager)."""
+def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fraction_static: float | None = None):
+    """Start a rollout engine; the caller shuts it down (it is a context manager).
+
+    Args:
+        mem_fraction_static: SGLang's share of the GPU for weights and KV cache (colocated runs
+            leave the rest to the trainer, docs/memory_plan.md); ``None`` lets SGLang choose. The
+            native engine sizes its KV cache from ``config`` and ignores it.
+    """
     backend = backend or default_backend()
     if backend == "native":
         from megatron_spec.rollout.native.handle import NativeEngine
@@ -28,5 +34,6 @@ def make_engine(config: EngineConfig, backend: str | None = None):
     if backend == "sglang":
         from megatron_spec.rollout.sglang_backend import SGLangEngine
 
-        return SGLangEngine(config)
+        overrides = {} if mem_fraction_static is None else {"mem_fraction_static": mem_fraction_static}
+        return SGLangEngine(config, server_overrides=overrides)
     raise ValueError(f"rollout backend must be 'native' or 'sglang', got {backend!r}")

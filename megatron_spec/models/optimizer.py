@@ -1,0 +1,113 @@
+"""The policy's optimizer: AdamW on fp32 main weights, whatever dtype the model computes in.
+
+With ``--bf16`` the model's weights are bf16 (the forward and backward run in bf16), but an
+update of lr * m/sqrt(v) ~ 1e-6 is far below half a bf16 ulp of a weight of 0.02 (2^-14 ~ 6e-5),
+so AdamW stepping bf16 weights directly rounds every update away: with lr 1e-6, 0 of 1000
+weights changed in 10 steps (issue 15). Mixed-precision training keeps an fp32 *main* copy of
+every bf16 weight, runs AdamW (fp32 ``exp_avg`` / ``exp_avg_sq``) on the main copies with the
+fp32 gradients megatron-core's DDP accumulates in ``param.main_grad``
+(``grad_reduce_in_fp32=True``), and rounds the main copies back into the bf16 weights after
+each step (megatron-core's ``Float16OptimizerWithFloat16Params``, Micikevicius et al. 2018,
+"Mixed Precision Training"). fp32 weights are their own main copy: the fp32 path is plain
+``torch.optim.AdamW`` on the model's parameters, exactly as before.
+
+Why not megatron-core's own class: ``get_megatron_optimizer(OptimizerConfig(bf16=True))`` builds
+``Float16OptimizerWithFloat16Params``, whose constructor accepts only parameters whose
+``param.type()`` is ``torch.cuda.*Tensor`` and allocates its scalars with ``device='cuda'``
+(megatron-core 0.16/0.19), so it cannot run, or be tested, on CPU. This class is the same
+algorithm in torch's AdamW, and it runs on every device the model does.
+
+What it does not know: data or tensor parallelism (gradients arrive reduced in ``main_grad``;
+the caller computes the norm over its groups and clips through :meth:`grads`), schedules
+(the caller sets ``param_groups[i]["lr"]``), where tensors live between phases
+(``models/offload.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+
+class MixedPrecisionAdamW:
+    """AdamW whose weights and moments are fp32; the model's weights follow after every step.
+
+    Args:
+        params: the model's trainable parameters (fp32 or bf16; under megatron-core DDP they
+            carry ``main_grad``).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+        self.params = list(params)
+        # fp32 weights are their own main copy; bf16 ones get an fp32 copy on the same device
+        self.main_params = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.AdamW(self.main_params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def has_main_copies(self) -> bool:
+        """True when some weight keeps a separate fp32 main copy (bf16 training)."""
+        return any(m is not p for p, m in zip(self.params, self.main_params))
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """The fp32 gradient of every main weight (``None`` where the weight got none), after
+        pointing each main weight's ``.grad`` at it. In-place changes (clipping) are what
+        :meth:`step` uses. Under megatron-core DDP these are views of its fp32 grad buffers: no copy."""
+        out = []
+        for p, main in zip(self.params, self.main_params):
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is not None and g.dtype != torch.float32:  # grad_reduce_in_fp32=False: widen once
+                g = g.float()
+            main.grad = g
+            out.append(g)
+        return out
+
+    def step(self) -> None:
+        """One AdamW step on the main weights, then round them into the model's weights."""
+        if not any(m.grad is not None for m in self.main_params):
+            self.grads()
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, main in zip(self.params, self.main_params):
+                if main is not p:
+                    p.copy_(main)  # round to nearest into bf16
+        for p, main in zip(self.params, self.main_params):
+            main.grad = None
+            if main is not p:
+                p.grad = None  # a bf16 copy of the gradient (models/ddp.finalize_grads): not read, freed
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this optimizer owns beyond the model's weights: the fp32 main copies of
+        bf16 weights and the AdamW moments (what ``--colocate-offload`` moves off the device)."""
+        out = [m for p, m in zip(self.params, self.main_params) if m is not p]
+        for state in self.optimizer.state.values():
+            out.extend(v for k, v in state.items() if isinstance(v, torch.Tensor) and k != "step")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state plus the fp32 main weights (bf16 training resumes from them, not from the
+        rounded bf16 weights)."""
+        return {"adamw": self.optimizer.state_dict(),
+                "main_params": [m.detach() if m is not p else None for p, m in zip(self.params, self.main_params)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "adamw" not in state:  # a checkpoint saved by plain torch.optim.AdamW (fp32 runs)
+            state = {"adamw": state, "main_params": [None] * len(self.params)}
+        mains = state["main_params"]
+        if len(mains) != len(self.params):
+            raise ValueError(f"optimizer state holds {len(mains)} main weights, the model has {len(self.params)}")
+        with torch.no_grad():
+            for p, main, saved in zip(self.params, self.main_params, mains):
+                if main is p:
+                    continue
+                # a bf16 run resumed from an fp32-run checkpoint starts from its rounded weights
+                main.copy_(saved if saved is not None else p)
+        self.optimizer.load_state_dict(state["adamw"])
