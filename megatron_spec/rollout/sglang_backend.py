@@ -88,8 +88,8 @@ class SGLangEngine:
                                  f"{arch}'s loader (SGLang 0.5.23) renames it to *.weight_scale and drops it. "
                                  f"Supported: {sorted(FP8_TARGETS)}; use --rollout-weight-dtype bf16")
         self._speculation = config.draft_kind != "none"
-        self.server_kwargs = proto.server_kwargs(config, tp_size=self.tp_size, speculation=self._speculation,
-                                                 overrides=self._overrides)
+        self._fp8_config_file = self._write_fp8_config() if config.fp8_weights else None
+        self.server_kwargs = self._server_kwargs(self._speculation)
         self.server_args = self._checked_server_args(self.server_kwargs)
         self._engine = self._launch(**self.server_kwargs)
         self._closed = False
@@ -99,7 +99,8 @@ class SGLangEngine:
             "target": start if config.load_weights and not config.fp8_weights else None,
             "draft": start if has_draft else None}
         self._session: dict[str, str] | None = None
-        self._released: set[str] = set()
+        self._released: set[str] = set()  # what this handle treats as gone (weights: until pushed again)
+        self._offloaded: set[str] = set()  # SGLang's ``offload_tags``: released and not yet resumed
         self._draft_backup: tuple[list[tuple[str, torch.Tensor]], str] | None = None
         from megatron_spec.sync.verify import DigestLedger
 
@@ -110,6 +111,25 @@ class SGLangEngine:
             self._push_checkpoint_fp8()
 
     # ------------------------------------------------------------------ plumbing
+    def _server_kwargs(self, speculation: bool) -> dict[str, Any]:
+        return proto.server_kwargs(self.config, tp_size=self.tp_size, speculation=speculation,
+                                   overrides=self._overrides, fp8_config_file=self._fp8_config_file)
+
+    def _write_fp8_config(self) -> str:
+        """The target's block-FP8 ``config.json`` in a directory that lives as long as this handle."""
+        import json
+        import os
+        import shutil
+        import tempfile
+        import weakref
+
+        tmp = tempfile.mkdtemp(prefix="megatron-spec-sglang-")
+        weakref.finalize(self, shutil.rmtree, tmp, True)
+        path = os.path.join(tmp, "config.json")
+        with open(path, "w") as f:
+            json.dump(proto.fp8_target_config(self.config.model_path), f, indent=2)
+        return path
+
     @staticmethod
     def _checked_server_args(kwargs: dict[str, Any]):
         """Construct SGLang's ``ServerArgs`` (unknown fields raise) and run the lossless guard on it."""
@@ -203,11 +223,11 @@ class SGLangEngine:
                        "on" if enabled else "off")
         self.shutdown()
         self._speculation = enabled
-        self.server_kwargs = proto.server_kwargs(self.config, tp_size=self.tp_size, speculation=enabled,
-                                                 overrides=self._overrides)
+        self.server_kwargs = self._server_kwargs(enabled)
         self.server_args = self._checked_server_args(self.server_kwargs)
         self._engine = self._launch(**self.server_kwargs)
         self._closed = False
+        self._released, self._offloaded = set(), set()  # a new engine has released nothing
         self._versions = {"target": None, "draft": None if enabled else self._versions["draft"]}
         if enabled and self._draft_backup is not None:
             self._repush_draft()
@@ -313,20 +333,30 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ memory
     def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
-        tags = tuple(tags)
+        """Hand memory back (colocation). Tags already released are not sent again."""
         for tag in tags:
             if tag not in ("kv_cache", "weights", "cuda_graph"):
                 raise ValueError(f"unknown memory tag {tag!r}")
+        tags = tuple(t for t in dict.fromkeys(tags) if t not in self._offloaded)
+        if not tags:
+            return
         self._tm("release_memory_occupation", proto.memory_request(True, tags))
+        self._offloaded |= set(tags)
         if "weights" in tags:
             self._versions = {"target": None, "draft": None}  # contents are gone (draft: PR #31674)
         self._released |= set(tags)
 
     def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
-        """Re-occupy memory. With ``weights``, the draft is pushed again at once (last verified
-        draft, else the checkpoint); the target must be pushed by the trainer."""
-        tags = tuple(tags)
+        """Re-occupy what was released; a tag that is not released is skipped (a no-op when
+        nothing is). SGLang's scheduler removes each resumed tag from its ``offload_tags`` with
+        ``set.remove``: a tag it never released raises KeyError there and the scheduler takes
+        the whole process down. With ``weights``, the draft is pushed again at once (last
+        verified draft, else the checkpoint); the target must be pushed by the trainer."""
+        tags = tuple(t for t in dict.fromkeys(tags) if t in self._offloaded)
+        if not tags:
+            return
         self._tm("resume_memory_occupation", proto.memory_request(False, tags))
+        self._offloaded -= set(tags)
         self._released -= {"kv_cache", "cuda_graph"} & set(tags)
         if "weights" in tags and self._speculation and self.config.draft_kind in ("eagle3", "model"):
             self._repush_draft()

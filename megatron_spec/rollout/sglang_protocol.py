@@ -1,7 +1,8 @@
 """What the SGLang backend sends to and reads from ``sglang.Engine`` (SGLang 0.5.23), as pure functions.
 
 * :func:`server_kwargs`: ``ServerArgs`` fields from our :class:`EngineConfig` (EAGLE-3 /
-  standalone draft model, exact verification, memory saver for colocation, block FP8).
+  standalone draft model, exact verification, the draft read from its checkpoint, memory saver
+  for colocation, block FP8 for the target only).
 * :func:`update_request` / :func:`session_request` / :func:`checksum_request`: the request
   objects of the weight-update protocol (``UpdateWeightsFromTensorReqInput`` with an explicit
   selector, never SGLang's default ``"all"``, which loads target tensors into the EAGLE-3 draft).
@@ -23,6 +24,7 @@ request classes from ``sglang.srt.managers.io_struct`` when called.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,8 +45,19 @@ class SGLangOutputError(RuntimeError):
 def speculative_kwargs(config: EngineConfig) -> dict[str, Any]:
     """Speculative-decoding fields for ``config.draft_kind`` (empty for ``none``).
 
-    Exact verification: topk 1 (a chain), acceptance thresholds 1.0, and rejection sampling
-    with min(1, p/q) (SGLang's default verify accepts with p(x) only: exact, lower acceptance).
+    Exact verification: topk 1 (a chain) and acceptance thresholds 1.0. EAGLE-3 verifies by
+    rejection sampling with min(1, p/q). STANDALONE (a draft model) cannot: SGLang 0.5.23 refuses
+    ``speculative_use_rejection_sampling`` for it (``_handle_eagle_family`` in
+    ``srt/arg_groups/speculative_hook.py`` raises NotImplementedError: only the EAGLE draft workers
+    hand the kernel a target-vocabulary proposal), so a draft model runs SGLang's default verify,
+    which treats each draft token as a point mass q = 1[x] (accept with p(x), else resample from
+    p without x): exact, with lower acceptance than min(1, p/q).
+
+    The draft's weights are read from its checkpoint at launch (``speculative_draft_load_format``
+    "auto"), whatever the target's load format: SGLang gives the draft the target's format when
+    the draft's is unset (``build_load_config``: ``load_format or get_model().load_format``), and a
+    dummy draft would start random, and an EAGLE-3 draft without its ``d2t`` token map, which
+    SGLang's EAGLE worker reads once at start-up (``init_lm_head``) and no weight update carries.
 
     Raises:
         ValueError: draft kinds this backend does not launch (n-gram, MTP: use ``native``).
@@ -59,27 +72,43 @@ def speculative_kwargs(config: EngineConfig) -> dict[str, Any]:
     return {
         "speculative_algorithm": algorithm,
         "speculative_draft_model_path": config.draft_path,
+        "speculative_draft_load_format": "auto",
         "speculative_num_steps": k,
         "speculative_eagle_topk": 1,
         "speculative_num_draft_tokens": k + 1,
         "speculative_accept_threshold_single": 1.0,
         "speculative_accept_threshold_acc": 1.0,
-        "speculative_use_rejection_sampling": True,
+        "speculative_use_rejection_sampling": algorithm == "EAGLE3",
     }
 
 
-def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool = True,
-                  overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``sglang.Engine(**kwargs)`` for ``config``.
-
-    FP8 (``config.fp8_weights``): the target is launched as a block-FP8 model
-    (``quantization_config`` injected through ``json_model_override_args``) with dummy weights,
-    since a bf16 checkpoint cannot be loaded into FP8 parameters; the trainer (or
-    :class:`SGLangEngine` for ``load_weights``) pushes quantised weights before the first
-    generate. The draft stays unquantised and is read from its checkpoint (``d2t`` is read once).
-    """
+def fp8_target_config(model_path: str) -> dict[str, Any]:
+    """The target's ``config.json`` with the block-FP8 ``quantization_config`` added."""
     from megatron_spec.sync.fp8 import quantization_config
 
+    with open(os.path.join(model_path, "config.json")) as f:
+        hf = json.load(f)
+    return dict(hf, quantization_config=quantization_config())
+
+
+def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool = True,
+                  overrides: Mapping[str, Any] | None = None, fp8_config_file: str | None = None) -> dict[str, Any]:
+    """``sglang.Engine(**kwargs)`` for ``config``.
+
+    FP8 (``config.fp8_weights``): the target is launched as a block-FP8 model with dummy weights,
+    since a bf16 checkpoint cannot be loaded into FP8 parameters; the trainer (or
+    :class:`SGLangEngine` for ``load_weights``) pushes quantised weights before the first
+    generate. Its ``quantization_config`` reaches the target only: ``fp8_config_file`` (written
+    from :func:`fp8_target_config`) is passed as ``decrypted_config_file``, the config file SGLang
+    reads for the target's model config and never for the draft's (``ModelConfig.from_server_args``).
+    ``json_model_override_args`` would not do: it is applied to the draft's model config as well,
+    and its ``quant_method`` wins over the draft's "unquant" (``_verify_quantization``), so an
+    EAGLE-3 head would be built FP8 and filled with bf16 weights. The draft is unquantised and read
+    from its checkpoint.
+
+    Raises:
+        ValueError: FP8 weights without ``fp8_config_file``.
+    """
     kw: dict[str, Any] = {
         "model_path": config.model_path,
         "dtype": config.dtype,
@@ -95,11 +124,13 @@ def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool =
     if speculation:
         kw.update(speculative_kwargs(config))
     if config.fp8_weights:
-        kw["json_model_override_args"] = json.dumps({"quantization_config": quantization_config()})
+        if fp8_config_file is None:
+            raise ValueError("FP8 rollout weights need fp8_config_file: the target's config.json with the block-FP8 "
+                             "quantization_config (fp8_target_config), written where the engine can read it")
+        kw["decrypted_config_file"] = os.path.abspath(fp8_config_file)
         kw["load_format"] = "dummy"
         if kw.get("speculative_algorithm"):
             kw["speculative_draft_model_quantization"] = "unquant"
-            kw["speculative_draft_load_format"] = "auto"
     if overrides:
         kw.update(overrides)
     return kw

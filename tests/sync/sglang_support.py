@@ -1,21 +1,28 @@
-"""Run SGLang 0.5.23's own code on CPU where its modules do not import, for the SGLang-backend tests.
+"""Run SGLang 0.5.23's own code on CPU for the SGLang-backend tests.
 
-Two things cannot be imported on this CPU machine (docs/design.md, "SGLang"):
-
-* ``sglang.srt.managers.io_struct`` (the request objects): its import chain reaches model configs
-  that register image processors needing torchvision, and communication kernels needing
-  ``tvm_ffi``. :func:`io_struct_module` builds a module of that name from the *installed source*
-  of exactly the request classes we use (``BaseReq`` and the weight-update / memory / checksum
-  requests), so the objects we construct are SGLang's own msgspec Structs, field for field.
-  It is installed in ``sys.modules`` only inside the tests that need it (a fixture).
-* ``sglang.srt.models.{qwen3,qwen2,llama,llama_eagle3}`` (the weight loaders). :func:`loader`
-  compiles the ``load_weights`` function from the installed source and runs it against
-  :class:`FakeModel`, whose parameters record every ``weight_loader`` call. Any free name the
-  function uses must be supplied explicitly, so a change in SGLang fails loudly here. A name the
-  loader skips (``continue``, a warning, ``not in params_dict``) shows up as a tensor that
-  reached no parameter.
+* :func:`srt` imports SGLang's server-args resolution, model configs, request objects
+  (``io_struct``), the scheduler's weight updater, the weight checker and model classes for real
+  (what their import chain needs on CPU: below).
+* ``sglang.srt.models.{qwen3,qwen2,llama,llama_eagle3}``'s weight loaders need built models
+  (CUDA layers). :func:`loader` compiles the ``load_weights`` function from the installed source
+  and runs it against :class:`FakeModel`, whose parameters record every ``weight_loader`` call.
+  Any free name the function uses must be supplied explicitly, so a change in SGLang fails loudly
+  here. A name the loader skips (``continue``, a warning, ``not in params_dict``) shows up as a
+  tensor that reached no parameter.
+* :class:`FakeSGLangEngine` stands in for ``sglang.Engine`` (it needs a GPU) and runs SGLang's
+  code for what the backend depends on: the launch arguments go through SGLang's resolution
+  (``ServerArgs.resolve_once``: a refused combination raises as at launch), the target's and the
+  draft's load formats come from SGLang's ``build_load_config``, release/resume go through the
+  scheduler's ``SchedulerWeightUpdaterManager`` and checksums are SGLang's ``WeightChecker`` digests.
 
 Nothing is copied from SGLang: the source is read from the installed package at test time.
+
+The import chain of ``sglang.srt`` needs torchvision, and no CPU torchvision is on PyPI (its Linux
+wheels link ``libtorch_cuda``; with a CPU torch, torchvision 0.28 then fails at import registering
+``torchvision::nms``). :func:`srt` imports the modules with a stand-in ``torchvision`` on the import path (only multimodal
+config modules name it, at import time) and with ``sglang.srt.configs.utils.register_image_processor``
+a no-op (it registers SGLang's multimodal image processors with transformers, which asks for
+torchvision). The rest of the chain is installed on CPU (requirements/sglang-cpu-deps.txt).
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from __future__ import annotations
 import ast
 import asyncio
 import functools
-import hashlib
+import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -33,10 +42,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-
-_REQUESTS = ("BaseReq", "UpdateWeightsFromTensorReqInput", "UpdateWeightsFromTensorReqOutput",
-             "BeginWeightUpdateReqInput", "EndWeightUpdateReqInput", "CheckWeightsReqInput",
-             "ReleaseMemoryOccupationReqInput", "ResumeMemoryOccupationReqInput")
 
 
 def sglang_root() -> str:
@@ -95,31 +100,84 @@ def literal_assignment(relpath: str, class_name: str, method: str, variable: str
     raise LookupError(f"{variable} not assigned in {class_name}.{method}")
 
 
-# ---------------------------------------------------------------------------- io_struct
-def io_struct_module() -> types.ModuleType:
-    """A ``sglang.srt.managers.io_struct`` module holding the installed source of our request classes."""
-    import msgspec
-    from sglang.srt.utils.msgspec_utils import Base64Bytes, msgspec_struct_pydantic_core_schema
+# ---------------------------------------------------------------------------- importing sglang.srt on CPU
+class _Absent:
+    """What a torchvision name stands for while SGLang's multimodal modules are imported."""
 
-    _, tree = source("srt/managers/io_struct.py")
-    mod = types.ModuleType("sglang.srt.managers.io_struct")
-    mod.__file__ = os.path.join(sglang_root(), "srt/managers/io_struct.py")
-    import typing
+    def __init__(self, name: str):
+        self._name = name
 
-    ns = mod.__dict__
-    ns.update({n: getattr(typing, n) for n in ("Annotated", "Any", "Dict", "List", "Literal", "Optional", "Tuple",
-                                               "Union")})
-    ns.update(msgspec=msgspec, Base64Bytes=Base64Bytes,
-              msgspec_struct_pydantic_core_schema=msgspec_struct_pydantic_core_schema)
-    for name in _REQUESTS:
-        cls = _class(tree, name)
-        bases = {ast.unparse(b) for b in cls.bases}
-        if not bases <= {"BaseReq", "msgspec.Struct"}:
-            raise AssertionError(f"{name} now derives from {bases}: extend io_struct_module")
-        code = compile(ast.Module(body=[cls], type_ignores=[]), mod.__file__, "exec",
-                       flags=__import__("__future__").annotations.compiler_flag, dont_inherit=True)
-        exec(code, ns)
-    return mod
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Absent(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        return _Absent(f"{self._name}()")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+    def __repr__(self) -> str:
+        return f"<torchvision stand-in {self._name}>"
+
+
+class _AbsentModule(types.ModuleType):
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Absent(f"{self.__name__}.{attr}")
+
+
+class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        mod = _AbsentModule(spec.name)
+        mod.__path__ = []
+        return mod
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+_SRT_MODULES = ("sglang.srt.server_args", "sglang.srt.arg_groups.pipeline", "sglang.srt.arg_groups.overrides",
+                "sglang.srt.configs.model_config", "sglang.srt.managers.io_struct",
+                "sglang.srt.managers.scheduler_components.weight_updater",
+                "sglang.srt.model_executor.model_runner_components.load_model_utils",
+                "sglang.srt.models.qwen3", "sglang.srt.models.qwen2", "sglang.srt.models.llama",
+                "sglang.srt.models.llama_eagle3")
+
+
+@functools.cache
+def srt() -> dict[str, types.ModuleType]:
+    """SGLang's own modules the contract tests drive, imported for real (see the module docstring)."""
+    importlib.import_module("sglang")  # before the stand-in: its import-time transformers patches must see no torchvision
+
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        raise AssertionError("a torchvision is installed: import SGLang with it and drop the stand-in")
+    if "sglang.srt.configs" not in sys.modules:
+        path = os.path.join(sglang_root(), "srt/configs/utils.py")
+        spec = importlib.util.spec_from_file_location("sglang.srt.configs.utils", path)
+        utils = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(utils)
+        utils.register_image_processor = lambda *args, **kwargs: None
+        sys.modules["sglang.srt.configs.utils"] = utils
+    finder = _TorchvisionStandIn()
+    sys.meta_path.insert(0, finder)
+    try:
+        mods = {name: importlib.import_module(name) for name in _SRT_MODULES}
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+            del sys.modules[name]  # SGLang's modules keep their references; nothing else sees a torchvision
+        from transformers.utils import import_utils
+
+        import_utils.is_torchvision_available.cache_clear()
+    return mods
 
 
 # ---------------------------------------------------------------------------- loaders
@@ -223,21 +281,84 @@ def loader(relpath: str, class_name: str, method: str = "load_weights"):
 
 
 # ---------------------------------------------------------------------------- a stand-in sglang.Engine
-class FakeSGLangEngine:
-    """What ``SGLangEngine`` talks to, with SGLang's own pieces where it matters.
+class SchedulerDied(RuntimeError):
+    """What SGLang's scheduler does on an exception in a control request: it sends SIGQUIT to
+    its parent (the trainer) and the run is gone."""
 
-    Payloads are read by SGLang's ``MultiprocessingSerializer`` (its allowlist unpickler) into its
-    ``FlattenedTensorBucket``, and loaded by SGLang's loaders (:func:`loader`) into fake parameter
-    stores, one per group, routed by the request's ``selector``. ``check_weights`` hashes a
-    store (sha256 over names and bytes), standing in for SGLang's per-engine digest. Knobs:
+
+class _MemorySaver:
+    """The GPU part of ``TorchMemorySaverAdapter``: pause drops what a tag holds, resume re-maps it."""
+
+    def __init__(self, eng: FakeSGLangEngine):
+        self.eng = eng
+        self.paused: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    def pause(self, tag: str) -> None:
+        assert tag not in self.paused, f"{tag} paused twice"
+        self.paused.add(tag)
+        self.calls.append(("pause", tag))
+        if tag == "weights":  # the memory is handed back: contents are gone
+            for m in self.eng.models.values():
+                for key, t in m.store.items():
+                    m.store[key] = torch.full_like(t, 7) if t.is_floating_point() else t
+
+    def resume(self, tag: str) -> None:
+        assert tag in self.paused, f"{tag} resumed without a pause"
+        self.paused.discard(tag)
+        self.calls.append(("resume", tag))
+
+
+def _module_from_store(model: FakeModel) -> torch.nn.Module:
+    """An ``nn.Module`` with SGLang's parameter layout for what ``model``'s loader received:
+    stacked shards (q, k, v / gate, up) concatenated in shard order, as TP=1 weight loaders do."""
+    order = {"q": 0, "k": 1, "v": 2, 0: 0, 1: 1, None: 0}
+    grouped: dict[str, list[tuple[Any, torch.Tensor]]] = {}
+    for (name, shard), t in model.store.items():
+        grouped.setdefault(name, []).append((shard, t))
+    root = torch.nn.Module()
+    for name, parts in grouped.items():
+        t = torch.cat([t for _, t in sorted(parts, key=lambda st: order[st[0]])]) if len(parts) > 1 else parts[0][1]
+        *path, leaf = name.split(".")
+        mod = root
+        for piece in path:
+            if not hasattr(mod, piece):
+                mod.add_module(piece, torch.nn.Module())
+            mod = getattr(mod, piece)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+class FakeSGLangEngine:
+    """What ``SGLangEngine`` talks to, with SGLang's own code wherever SGLang decides.
+
+    * Launch: the keyword arguments go through ``ServerArgs(**kw).resolve_once()`` (SGLang's
+      validation; ``device`` defaults to "cuda", the GPU SGLang would detect) and are published as
+      the process's runtime config, as SGLang's scheduler does.
+    * Start-up load: the target and the draft runner each get SGLang's ``build_load_config``
+      (the draft with ``speculative_draft_load_format``, as ``ModelRunner._resolve_draft_load_format``
+      reads it); "dummy" fills the draft with random values and no ``d2t`` (its ``hot_token_id``
+      stays None, as SGLang's EAGLE worker then sees it), anything else runs the loader on the
+      checkpoint.
+    * Weight updates: payloads are read by SGLang's ``MultiprocessingSerializer`` (its allowlist
+      unpickler) into its ``FlattenedTensorBucket`` and loaded by SGLang's loaders (:func:`loader`)
+      into fake parameter stores, one per group, routed by the request's ``selector``.
+    * ``release/resume_memory_occupation``: SGLang's ``SchedulerWeightUpdaterManager`` with a
+      stand-in memory saver; an exception there is :class:`SchedulerDied`.
+    * ``check_weights`` (checksum): SGLang's ``WeightChecker`` digest of the group's parameters.
+
     ``drop_draft`` acknowledges draft updates without loading them (the peers' silent bug).
     """
 
     def __init__(self, target_loader, target_params, draft_loader=None, draft_params=(), tie=False, **server_kwargs):
-        from sglang.srt.managers import io_struct  # the module installed by the fixture
+        mods = srt()
+        from sglang.srt.runtime_context import SpawnRanks, get_spec, publish
 
-        self.io = io_struct
+        self.io = mods["sglang.srt.managers.io_struct"]
         self.kwargs = server_kwargs
+        self.server_args = mods["sglang.srt.server_args"].ServerArgs(**{"device": "cuda", **server_kwargs})
+        self.server_args.resolve_once()  # what sglang.Engine runs first: refuses what SGLang refuses
+        publish(self.server_args, role="scheduler", ranks=SpawnRanks(world_rank=0))
         self.loop = asyncio.new_event_loop()
         self.requests: list[Any] = []
         self.models = {"target": FakeModel(target_params, tie)}
@@ -246,35 +367,76 @@ class FakeSGLangEngine:
             self.models["draft"] = FakeModel(draft_params)
             self.loaders["draft"] = draft_loader
         self.version = server_kwargs.get("weight_version", "default")
-        if server_kwargs.get("load_format", "auto") == "auto":  # start-up load from disk, as SGLang does
+        self.load_formats = {"target": self._load_format(None)}
+        if self.load_formats["target"] != "dummy":
             target_loader(self.models["target"], _safetensors(server_kwargs["model_path"]))
         draft_path = server_kwargs.get("speculative_draft_model_path")
-        if draft_loader is not None and draft_path and server_kwargs.get("speculative_draft_load_format") in (None,
-                                                                                                             "auto"):
-            draft_loader(self.models["draft"], _safetensors(draft_path))  # d2t included: read once, here
+        if draft_loader is not None and draft_path:
+            self.load_formats["draft"] = self._load_format(get_spec().speculative_draft_load_format)
+            weights = _safetensors(draft_path)
+            if self.load_formats["draft"] == "dummy":  # random values, and no d2t
+                g = torch.Generator().manual_seed(0)
+                weights = [(n, torch.rand(t.shape, generator=g).to(t.dtype)) for n, t in weights if n != "d2t"]
+            draft_loader(self.models["draft"], weights)  # d2t (if read) sets hot_token_id: once, here
+        self.memory_saver = _MemorySaver(self)
+        self.updater = self._weight_updater(mods["sglang.srt.managers.scheduler_components.weight_updater"])
         self.drop_draft = False
         self.session = None
         self.shut = False
+        self.dead: BaseException | None = None
         self.generated: list[dict] = []
         self.tokenizer_manager = _FakeTM(self)
+
+    def _load_format(self, runner_format: str | None) -> str:
+        """The load format SGLang's ``build_load_config`` gives a runner launched with ``runner_format``."""
+        lmu = srt()["sglang.srt.model_executor.model_runner_components.load_model_utils"]
+        fmt = lmu.build_load_config(server_args=self.server_args, tp_rank=0, load_format=runner_format,
+                                    remote_instance_weight_transporter_engine=None,
+                                    remote_instance_weight_transporter_session_id="", draft_model_idx=None,
+                                    weight_cache_mode="off", weight_cache_socket=None).load_format
+        return str(getattr(fmt, "value", fmt))
+
+    def _weight_updater(self, wu):
+        """SGLang's scheduler-side manager; its TP group is a one-rank gloo group on CPU."""
+        import torch.distributed as dist
+        from unittest import mock
+
+        self._own_group = not dist.is_initialized()
+        if self._own_group:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        parallel = types.SimpleNamespace(tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD))
+        runner = types.SimpleNamespace(model=torch.nn.Module())
+        with mock.patch.object(wu, "get_parallel", lambda: parallel):
+            return wu.SchedulerWeightUpdaterManager(
+                tp_worker=types.SimpleNamespace(model_runner=runner), draft_worker=None,
+                memory_saver_adapter=self.memory_saver, flush_cache=lambda **kw: True,
+                is_fully_idle=lambda **kw: True)
 
     def get_model_info(self) -> dict:
         return {"weight_version": self.version}
 
     def shutdown(self) -> None:
+        import torch.distributed as dist
+
         self.shut = True
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_group = False
 
     def digest(self, group: str, skip: Iterable[str] = ()) -> str:
-        h = hashlib.sha256()
-        for (name, shard), t in sorted(self.models[group].store.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            if any(s in name for s in skip):
-                continue
-            h.update(f"{name}:{shard}:{t.dtype}:{tuple(t.shape)}".encode())
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+        """SGLang's checksum of ``group`` (``WeightChecker``, merged as the scheduler merges roles)."""
+        from sglang.srt.managers.scheduler_components.weight_updater import _merge_checksum_payloads
+        from sglang.srt.utils.weight_checker import WeightChecker
+
+        module = _module_from_store(self.models[group])
+        payload = WeightChecker(get_model=lambda: module).handle("checksum", skip_tensor_list=list(skip) or None,
+                                                                 role=group)
+        return _merge_checksum_payloads([(group, payload)])["per_gpu_checksum"]
 
     def generate(self, input_ids, sampling_params, return_logprob):
         assert return_logprob is True
+        if self.dead is not None:
+            raise SchedulerDied(f"the SGLang scheduler is gone: {self.dead!r}")
         outs = []
         for ids, sp in zip(input_ids, sampling_params):
             n = sp["max_new_tokens"]
@@ -342,15 +504,25 @@ class _FakeTM:
         assert isinstance(obj, self.eng.io.CheckWeightsReqInput) and obj.action == "checksum"
         return True, "Success.", [], self.eng.digest(obj.selector, obj.skip_tensor_list or ())
 
+    def _scheduler(self, method: str, obj):
+        eng = self.eng
+        if eng.dead is not None:
+            raise SchedulerDied(f"the SGLang scheduler is gone: {eng.dead!r}")
+        try:
+            return getattr(eng.updater, method)(obj)
+        except Exception as exc:  # the scheduler's event loop dies, and takes its parent with it
+            eng.dead = exc
+            raise SchedulerDied(f"SGLang scheduler died in {method}: {exc!r}") from exc
+
     async def release_memory_occupation(self, obj, request):
         assert isinstance(obj, self.eng.io.ReleaseMemoryOccupationReqInput)
-        if "weights" in obj.tags:  # the memory is handed back: contents are gone
-            for m in self.eng.models.values():
-                for key, t in m.store.items():
-                    m.store[key] = torch.full_like(t, 7) if t.is_floating_point() else t
+        self.eng.requests.append(obj)
+        return self._scheduler("release_memory_occupation", obj)
 
     async def resume_memory_occupation(self, obj, request):
         assert isinstance(obj, self.eng.io.ResumeMemoryOccupationReqInput)
+        self.eng.requests.append(obj)
+        return self._scheduler("resume_memory_occupation", obj)
 
 
 def _safetensors(path: str) -> list[tuple[str, torch.Tensor]]:
@@ -363,10 +535,6 @@ def _safetensors(path: str) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def install_io_struct(monkeypatch) -> types.ModuleType:
-    mod = io_struct_module()
-    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", mod)
-    from sglang.srt import managers
-
-    monkeypatch.setattr(managers, "io_struct", mod, raising=False)
-    return mod
+def install_io_struct(monkeypatch=None) -> types.ModuleType:
+    """SGLang's ``io_struct`` (imported for real by :func:`srt`)."""
+    return srt()["sglang.srt.managers.io_struct"]

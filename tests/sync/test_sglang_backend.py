@@ -5,10 +5,13 @@
   those models' own ``load_weights`` (compiled from the installed source; the parameter names
   are checked against the modules' ``__init__``), with the exact values sent. A name the loader
   would skip fails here.
-* The ``ServerArgs`` we build constructs (SGLang's class) and passes the lossless guard; the
-  request objects are SGLang's own (``sglang_support.io_struct_module``: why and how).
-* ``SGLangEngine`` + ``WeightStreamer`` end to end against a stand-in engine: selectors, versions,
-  digest verification, a dropped draft update, release/resume with the draft re-pushed.
+* The ``ServerArgs`` we build pass SGLang's own resolution (``resolve_once``, what ``sglang.Engine``
+  runs at launch) and the lossless guard; the draft's model config is SGLang's (FP8 for the target
+  only); the request objects are SGLang's own.
+* ``SGLangEngine`` + ``WeightStreamer`` end to end against a stand-in engine that runs SGLang's
+  resolution, load-format choice, scheduler memory manager and weight checksums
+  (``sglang_support.FakeSGLangEngine``): selectors, versions, digest verification, a dropped draft
+  update, release/resume with the draft re-pushed, the draft and its ``d2t`` read at launch.
 The real engine needs a GPU: ``test_real_sglang_engine`` (marked gpu).
 """
 
@@ -199,30 +202,71 @@ def test_eagle3_loader_takes_every_draft_tensor(ckpts):
 
 
 # ------------------------------------------------------------------ launch arguments and requests
-def test_server_args_construct_and_are_lossless(ckpts):
-    from sglang.srt.server_args import ServerArgs
+def _resolved(kw):
+    """SGLang's own validation of launch arguments: ``ServerArgs(**kw)`` only stores them (0.5.23
+    validates in ``resolve_once``, which ``sglang.Engine`` runs at launch). ``device`` "cuda": the
+    GPU SGLang would detect."""
+    from sglang.srt.arg_groups.overrides import resolving_view
 
+    args = ss.srt()["sglang.srt.server_args"].ServerArgs(**{"device": "cuda", **kw})
+    args.resolve_once()
+    return args, resolving_view(args)
+
+
+def test_server_args_pass_sglangs_own_validation_and_are_lossless(ckpts):
     from megatron_spec.spec import LossyConfigError, check_lossless
 
     cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3, num_draft_tokens=3,
-                       dtype="bfloat16", context_length=512, max_batch_size=8)
-    kw = proto.server_kwargs(cfg, tp_size=2)
-    args = ServerArgs(**kw)  # SGLang's own class: an unknown field would raise
+                       dtype="bfloat16", context_length=256, max_batch_size=8)
+    args, view = _resolved(proto.server_kwargs(cfg, tp_size=2))
     check_lossless(args)
-    assert (args.speculative_algorithm, args.speculative_num_steps, args.speculative_eagle_topk,
-            args.speculative_num_draft_tokens) == ("EAGLE3", 3, 1, 4)
-    assert args.speculative_use_rejection_sampling and args.enable_memory_saver and args.tp_size == 2
-    assert args.speculative_accept_threshold_single == args.speculative_accept_threshold_acc == 1.0
-    with pytest.raises(LossyConfigError, match="speculative_accept_threshold_acc = 0.5"):
-        check_lossless(ServerArgs(**proto.server_kwargs(cfg, overrides={"speculative_accept_threshold_acc": 0.5})))
-    fp8 = proto.server_kwargs(EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3,
-                                           fp8_weights=True))
-    a8 = ServerArgs(**fp8)
-    assert json.loads(a8.json_model_override_args)["quantization_config"]["weight_block_size"] == [128, 128]
-    assert (a8.load_format, a8.speculative_draft_load_format, a8.speculative_draft_model_quantization) == \
-        ("dummy", "auto", "unquant")
+    assert (view.speculative_algorithm, view.speculative_num_steps, view.speculative_eagle_topk,
+            view.speculative_num_draft_tokens) == ("EAGLE3", 3, 1, 4)
+    assert view.speculative_use_rejection_sampling and view.enable_memory_saver and view.tp_size == 2
+    assert view.speculative_accept_threshold_single == view.speculative_accept_threshold_acc == 1.0
+    with pytest.raises(ValueError, match="rejection sampling ignores the accept thresholds"):  # SGLang refuses
+        _resolved(proto.server_kwargs(cfg, overrides={"speculative_accept_threshold_acc": 0.5}))
+    with pytest.raises(LossyConfigError, match="speculative_accept_threshold_acc = 0.5"):  # and so do we
+        check_lossless(proto.server_kwargs(cfg, overrides={"speculative_accept_threshold_acc": 0.5}))
     with pytest.raises(ValueError, match="draft_kind 'ngram' is not launched by the SGLang backend"):
         proto.server_kwargs(EngineConfig(model_path=ckpts.qwen3, draft_kind="ngram"))
+
+
+def test_draft_model_runs_sglangs_exact_point_mass_verify(ckpts):
+    """Issue 15, defect 3: SGLang 0.5.23 refuses rejection sampling for STANDALONE (NotImplementedError
+    in ``_handle_eagle_family``); the backend launches it with SGLang's default verify (point-mass q)."""
+    from megatron_spec.spec import check_lossless
+
+    cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="model", draft_path=ckpts.qwen3_other, num_draft_tokens=3,
+                       dtype="bfloat16", context_length=256, max_batch_size=8)
+    kw = proto.server_kwargs(cfg)
+    with pytest.raises(NotImplementedError, match="only supported for EAGLE / EAGLE3 / NEXTN, not "
+                                                  "speculative_algorithm=STANDALONE"):
+        _resolved(dict(kw, speculative_use_rejection_sampling=True))
+    args, view = _resolved(kw)
+    check_lossless(args)
+    assert view.speculative_algorithm == "STANDALONE" and not view.speculative_use_rejection_sampling
+    assert view.speculative_accept_threshold_single == view.speculative_accept_threshold_acc == 1.0
+
+
+def test_fp8_quantization_config_reaches_the_target_only(ckpts, tmp_path):
+    """Issue 15, defect 4: SGLang's ``ModelConfig`` for the target is block FP8; the draft's
+    (``is_draft_model=True``, as SGLang's draft runner builds it) is unquantised."""
+    cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3, fp8_weights=True,
+                       load_weights=False, dtype="bfloat16", context_length=256)
+    with pytest.raises(ValueError, match="need fp8_config_file"):
+        proto.server_kwargs(cfg)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(proto.fp8_target_config(ckpts.qwen3)))
+    args, view = _resolved(proto.server_kwargs(cfg, fp8_config_file=str(path)))
+    assert (view.load_format, view.speculative_draft_load_format) == ("dummy", "auto")
+    model_config = ss.srt()["sglang.srt.configs.model_config"].ModelConfig
+    target = model_config.from_server_args(args)
+    assert target.quantization == "fp8" and target.hf_config.quantization_config["weight_block_size"] == [128, 128]
+    draft = model_config.from_server_args(args, model_path=view.speculative_draft_model_path,
+                                          model_revision=view.speculative_draft_model_revision, is_draft_model=True)
+    assert draft.hf_config.architectures == ["LlamaForCausalLMEagle3"]
+    assert draft.quantization is None and getattr(draft.hf_config, "quantization_config", None) is None
 
 
 @pytest.fixture
@@ -279,7 +323,7 @@ def sgl(ckpts, io_struct):
     dfn, _ = ss.loader(*DRAFT_LOADER)
     launch = functools.partial(ss.FakeSGLangEngine, tfn, target_params(cfg, False), dfn, draft_params())
     eng = SGLangEngine(EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3,
-                                    num_draft_tokens=3, dtype="float32"), launch=launch)
+                                    num_draft_tokens=3, dtype="float32", context_length=256), launch=launch)
     yield eng
     eng.shutdown()
 
@@ -351,6 +395,54 @@ def test_release_resume_repushes_the_draft_and_refuses_a_stale_target(sgl, ckpts
         sgl.generate([GenerateRequest("a", [5], SamplingParams(temperature=1.0, min_p=0.1, max_new_tokens=2))])
     samples, _ = sgl.generate([GenerateRequest("a", [5], SamplingParams(max_new_tokens=2))])
     assert samples[0].weight_version == "t2"
+
+
+def test_resume_only_what_was_released_as_sglangs_scheduler_requires(sgl, ckpts):
+    """Issue 15, defect 1: SGLang's scheduler resumes a tag with ``offload_tags.remove(tag)``; a tag
+    never released is a KeyError that kills the scheduler and the trainer with it. The trainer
+    resumes at the start of every sync, the first included, and after a relaunch."""
+    fake = sgl._engine
+    with pytest.raises(KeyError, match="kv_cache"):  # SGLang's own behaviour, for the record
+        fake.updater.resume_memory_occupation(fake.io.ResumeMemoryOccupationReqInput(tags=["kv_cache"]))
+    sgl.resume_memory()  # the trainer's first sync: nothing released, nothing sent
+    assert fake.memory_saver.calls == [] and fake.updater.offload_tags == set()
+    sgl.release_memory()
+    sgl.release_memory(("kv_cache",))  # already released: not sent again
+    assert fake.updater.offload_tags == {"kv_cache", "weights"}
+    sgl.resume_memory()
+    assert fake.updater.offload_tags == set() and fake.memory_saver.paused == set()
+    assert sgl.health()["draft_weight_version"] == "init"  # re-pushed from the checkpoint after the resume
+    sgl.release_memory()
+    sgl.set_speculation(False)  # the watchdog's relaunch: a new engine that has released nothing
+    sgl.resume_memory()
+    assert sgl._engine is not fake and sgl._engine.dead is None and sgl._engine.memory_saver.calls == []
+
+
+def test_draft_and_its_token_map_are_read_at_launch_when_the_target_is_dummy(ckpts, io_struct):
+    """Issue 15, defect 2: the trainer launches with ``load_weights=False`` (target "dummy"); SGLang
+    gives an unset draft load format the target's, so the draft would start random and SGLang's
+    EAGLE worker, which reads ``d2t`` once at start-up, would never get the token map."""
+    from megatron_spec.draft.modelopt_io import load_eagle3
+    from megatron_spec.rollout.sglang_backend import SGLangEngine
+
+    cfg = HFCheckpoint(ckpts.qwen3).decoder_config
+    tfn, _ = ss.loader(*LOADERS["qwen3"])
+    dfn, _ = ss.loader(*DRAFT_LOADER)
+    launch = functools.partial(ss.FakeSGLangEngine, tfn, target_params(cfg, False), dfn, draft_params())
+    with SGLangEngine(EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3,
+                                   num_draft_tokens=3, dtype="float32", load_weights=False, context_length=256),
+                      launch=launch) as eng:
+        fake = eng._engine
+        assert fake.load_formats == {"target": "dummy", "draft": "auto"}  # SGLang's build_load_config
+        head = load_eagle3(ckpts.eagle3, ckpts.cfg)
+        d2t = head.d2t.detach()
+        assert torch.equal(fake.models["draft"].hot_token_id, d2t + torch.arange(d2t.numel()))
+        for key, t in _expected_store(_draft(ckpts.eagle3, ckpts.cfg)).items():
+            assert torch.equal(fake.models["draft"].store[key], t), key
+        # what the engine reports at start is the checkpoint's digest, so the first draft sync verifies
+        st = WeightStreamer(eng, bucket_bytes=16 << 10, weight_dtype="fp32", for_sglang=True)
+        st.sync_draft(_draft(ckpts.eagle3, ckpts.cfg), "d0")
+        assert eng.health()["draft_weight_version"] == "d0"
 
 
 @pytest.mark.gpu
