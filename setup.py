@@ -49,10 +49,12 @@ def _extensions():
     cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     if not cpu_sources:
         return [], {}
-    # -ffp-contract=off: GCC otherwise fuses a*b+c into FMAs (even with -std=c++17), and the kernels
+    # -ffp-contract=off: GCC otherwise fuses a*b+c into FMAs (even in an ISO -std mode), and the kernels
     # must round every operation exactly as their pure-PyTorch references do (csrc/ms_math.h).
     # -fno-trapping-math: lets GCC if-convert (vectorise) float selects; it changes no result bits.
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
+    # No -std: torch's cpp_extension adds the standard it is built for (C++20 in torch 2.13 and 2.14;
+    # torch 2.14's ATen.h, the torch sglang 0.5.23 pins, refuses anything older than C++20).
+    cxx_flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math",
                  "-DMEGATRON_SPEC_CPU"]
     # No -march=native: the build machine's ISA says nothing about the machine that runs the
     # binary. The AVX2 and AVX-512 loops are compiled in their own files under target pragmas.
@@ -68,7 +70,7 @@ def _extensions():
         cu_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         binding_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
         archs = os.environ.get("MEGATRON_SPEC_CUDA_ARCHS", "80;90").replace(",", ";").split(";")
-        nvcc_flags = ["-O3", "-std=c++17", "--use_fast_math", "-DMEGATRON_SPEC_CUDA"]
+        nvcc_flags = ["-O3", "--use_fast_math", "-DMEGATRON_SPEC_CUDA"]  # -std: as for cxx
         for arch in filter(None, (a.strip() for a in archs)):
             nvcc_flags += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
         ext = cpp_extension.CUDAExtension(
