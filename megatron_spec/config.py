@@ -93,7 +93,7 @@ class SpecConfig:
     spec_num_draft_tokens: int = _f(3, "k: tokens drafted per verify step")
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
-    spec_draft_lr: float = _f(1e-3, "online draft learning rate")
+    spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")
     spec_mtp_num_layers: int = _f(1, "MTP heads trained beside the policy (spec-draft-kind mtp)")
     spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off)")
     spec_watchdog_fallback: bool = _f(False, "on acceptance collapse fall back to autoregressive decoding")

@@ -380,8 +380,11 @@ def build_draft_trainer(
     """
     spec = getattr(cfg, "spec", cfg)
     kind = spec.spec_draft_kind
+    # 5 steps of warm-up: Adam's first steps move every weight by ~lr whatever the gradient, which
+    # shakes a converged draft (docs/draft_training.md, "Why online training lowered acceptance")
     tc = dataclasses.replace(
-        config or DraftTrainerConfig(), ttt_steps=int(spec.spec_draft_ttt_steps), lr=float(spec.spec_draft_lr)
+        config or DraftTrainerConfig(warmup_steps=5), ttt_steps=int(spec.spec_draft_ttt_steps),
+        lr=float(spec.spec_draft_lr)
     )
     if kind == "eagle3":
         if not spec.spec_draft_path:
