@@ -115,7 +115,10 @@ setup(
         # modelopt.torch.utils imports requests without declaring it
         "modelopt": ["nvidia-modelopt==0.47.0", "transformers>=4.57,<5.15", "requests"],
         "rl": ["datasets>=3.0", "math-verify>=0.7", "tensorboard", "matplotlib"],
-        "gpu": ["transformer-engine[pytorch]", "sglang>=0.5.23"],
+        # The GPU stack is pinned in requirements/gpu.txt (docs/gpu_cluster.md). TransformerEngine's
+        # PyTorch extension is not listed: it is an sdist that must be built with
+        # --no-build-isolation against the installed torch (an extra would build it against another).
+        "gpu": ["sglang==0.5.23", "transformer-engine[core_cu13]==2.20.2"],
         "dev": ["pytest>=8", "hypothesis", "scipy", "ninja", "transformers>=4.57,<5.15"],
     },
     entry_points={"console_scripts": ["megatron-spec=megatron_spec.cli:main"]},
