@@ -85,6 +85,8 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=29612)
     ap.add_argument("--sft-steps", type=int, default=300)
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "draft_drift.png"))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads of both runs (1 on a machine shared with other jobs); default: the config's")
     ap.add_argument("--extra", default="", help="more launcher flags for the online run (e.g. --spec-draft-lr 1e-4)")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -105,7 +107,7 @@ def main() -> int:
             bar.update(1)
             bar.set_postfix(accept=f"{row.get('spec/accept_length', float('nan')):.2f}")
 
-        runs[name] = run_grpo(cmd, run_dir, "bench_draft_drift", on_step=on_step)
+        runs[name] = run_grpo(cmd, run_dir, "bench_draft_drift", on_step=on_step, threads=args.threads)
     bar.close()
     wall = time.perf_counter() - t0
 
