@@ -1,0 +1,133 @@
+"""The whole ``megatron_spec._C`` builds with CUDA, links and loads, against the torch the GPU
+environment pins (requirements/gpu.txt), on a machine without a GPU.
+
+What this does: installs that torch (the CUDA build from PyPI, with its CUDA libraries) into a
+temporary directory, runs this repository's ``setup.py build_ext`` with it (the CUDAExtension branch
+a GPU user's ``pip install --no-build-isolation -e .`` takes: every CPU source, the torch binding and
+the ``.cu`` kernels through torch's ninja builder and nvcc, for sm_90), then loads the built shared
+object with ``torch.ops.load_library`` and checks that every op has a CUDA kernel registered.
+Loading resolves every symbol against libtorch_cuda, libc10_cuda and libcudart; nothing runs on a
+GPU, so the kernels' results are not checked here (tests/ops/test_ops_cuda.py does that on a GPU).
+
+What it does not know: other CUDA architectures than sm_90, the Python 3.12 of the GPU environment
+(this runs with the test interpreter), and anything about a GPU at run time.
+
+Cost: ~5.4 GB in a temporary directory that is removed afterwards (nothing cached); 3.5-6 min in
+all on 2 shared cores (measured: ~1.5 min to install, the rest to build). Marked ``network`` and ``slow``; skips with a reason
+without PyPI or without a CUDA toolkit (nvcc and cuda_runtime.h) of torch's CUDA major version.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import urllib.error
+import urllib.request
+
+import pytest
+
+pytestmark = [pytest.mark.network, pytest.mark.slow]
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ARCH = "90"
+
+
+def _gpu_torch_pin() -> str:
+    for line in (ROOT / "requirements" / "gpu.txt").read_text().splitlines():
+        if re.match(r"torch==", line.strip()):
+            return line.split("#", 1)[0].strip()
+    raise AssertionError("requirements/gpu.txt pins no torch==")
+
+
+def _cuda_home() -> tuple[pathlib.Path, int] | None:
+    """A CUDA toolkit with nvcc and the runtime headers, and its major version."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(str(pathlib.Path(nvcc).resolve().parent.parent))
+    for c in filter(None, candidates):
+        home = pathlib.Path(c)
+        if (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists():
+            out = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True, text=True).stdout
+            m = re.search(r"release (\d+)\.", out)
+            if m:
+                return home, int(m.group(1))
+    return None
+
+
+def _skip_reason() -> str | None:
+    if shutil.which("g++") is None:
+        return "needs g++"
+    if _cuda_home() is None:
+        return "needs a CUDA toolkit (nvcc and include/cuda_runtime.h; set CUDA_HOME)"
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10).close()
+    except (urllib.error.URLError, OSError) as e:
+        return f"PyPI is unreachable ({e})"
+    return None
+
+
+def _run(cmd: list[str], timeout: int, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+def test_whole_extension_builds_with_cuda_and_loads():
+    cuda_home, cuda_major = _cuda_home()
+    pin = _gpu_torch_pin()
+    with tempfile.TemporaryDirectory(prefix="megatron_spec_cuda_build_") as tmp:
+        tmp = pathlib.Path(tmp)
+        site, src = tmp / "site", tmp / "src"
+        # The CUDA torch from PyPI and its CUDA libraries (import torch loads them), beside this venv's.
+        res = _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--only-binary=:all:",
+                    "--target", str(site), pin, "ninja"], timeout=900,
+                   env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+        assert res.returncode == 0, f"pip install {pin} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+        env = {**os.environ, "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1", "PATH":
+               f"{site / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+        probe = _run([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda, torch.__file__)"],
+                     timeout=300, env=env)
+        assert probe.returncode == 0, probe.stderr[-3000:]
+        version, torch_cuda, torch_file = probe.stdout.split()
+        assert torch_file.startswith(str(site)), f"the build would use {torch_file}, not the CUDA torch"
+        assert torch_cuda != "None", f"{pin} from the index is not a CUDA build ({version})"
+        if int(torch_cuda.split(".")[0]) != cuda_major:
+            pytest.skip(f"{version} is built for CUDA {torch_cuda}, the toolkit at {cuda_home} is CUDA {cuda_major}")
+
+        # setup.py as a GPU user runs it, on a copy (the worktree's own build and _C stay untouched).
+        src.mkdir()
+        shutil.copy(ROOT / "setup.py", src)
+        shutil.copytree(ROOT / "csrc", src / "csrc")
+        (src / "megatron_spec").mkdir()
+        build = _run([sys.executable, "setup.py", "build_ext", "--build-temp", str(tmp / "obj"),
+                      "--build-lib", str(tmp / "lib")], timeout=1800, cwd=src,
+                     env={**env, "CUDA_HOME": str(cuda_home), "MEGATRON_SPEC_CUDA_ARCHS": ARCH,
+                          "MAX_JOBS": os.environ.get("MAX_JOBS", "2")})
+        log = build.stdout + build.stderr
+        assert build.returncode == 0, f"setup.py build_ext against {version} failed:\n{log[-6000:]}"
+        assert f"building CPU + CUDA kernels for sm ['{ARCH}']" in log, log[-3000:]
+        assert re.search(rf"nvcc .*verify_kernels\.cu", log) and f"arch=compute_{ARCH},code=sm_{ARCH}" in log
+        so = list((tmp / "lib" / "megatron_spec").glob("_C*.so"))
+        assert len(so) == 1, so
+
+        # Load it: every undefined symbol must resolve, the registrations run, no GPU is touched.
+        binding = (ROOT / "csrc" / "cuda" / "ops_binding.cpp").read_text()
+        ops = re.findall(r'm\.impl\("(\w+)"', binding.split("TORCH_LIBRARY_IMPL(megatron_spec, CUDA, m)")[-1])
+        assert {"verify_chain", "fp8_block_quantize", "fp8_block_dequantize"} <= set(ops), ops
+        check = textwrap.dedent(f"""
+            import torch
+            torch.ops.load_library({str(so[0])!r})
+            for op in {ops!r}:
+                for key in ("CUDA", "CPU"):
+                    assert torch._C._dispatch_has_kernel_for_dispatch_key("megatron_spec::" + op, key), (op, key)
+            print("registered for CUDA and CPU:", *{ops!r})
+        """)
+        loaded = _run([sys.executable, "-c", check], timeout=300, env=env)
+        assert loaded.returncode == 0, loaded.stderr[-4000:]
+        assert "registered for CUDA and CPU: " + " ".join(ops) in loaded.stdout, loaded.stdout
