@@ -13,8 +13,9 @@ What it does not know: other CUDA architectures than sm_90, the Python 3.12 of t
 (this runs with the test interpreter), and anything about a GPU at run time.
 
 Cost: ~5.4 GB in a temporary directory that is removed afterwards (nothing cached); 3.5-6 min in
-all on 2 shared cores (measured: ~1.5 min to install, the rest to build). Marked ``network`` and ``slow``; skips with a reason
-without PyPI or without a CUDA toolkit (nvcc and cuda_runtime.h) of torch's CUDA major version.
+all on 2 shared cores (measured: ~1.5 min to install, the rest to build).
+Marked ``network`` and ``slow``; skips with a reason without PyPI or without a CUDA toolkit (nvcc and
+cuda_runtime.h) of torch's CUDA major version.
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ def _cuda_home() -> tuple[pathlib.Path, int] | None:
     for c in filter(None, candidates):
         home = pathlib.Path(c)
         if (home / "bin" / "nvcc").exists() and (home / "include" / "cuda_runtime.h").exists():
-            out = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True, text=True).stdout
-            m = re.search(r"release (\d+)\.", out)
+            version = subprocess.run([str(home / "bin" / "nvcc"), "--version"], capture_output=True,
+                                     text=True)
+            m = re.search(r"release (\d+)\.", version.stdout)
             if m:
                 return home, int(m.group(1))
     return None
@@ -77,28 +79,31 @@ def _run(cmd: list[str], timeout: int, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
 
 
-@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 def test_whole_extension_builds_with_cuda_and_loads():
+    if (why := _skip_reason()) is not None:
+        pytest.skip(why)
     cuda_home, cuda_major = _cuda_home()
     pin = _gpu_torch_pin()
     with tempfile.TemporaryDirectory(prefix="megatron_spec_cuda_build_") as tmp:
         tmp = pathlib.Path(tmp)
         site, src = tmp / "site", tmp / "src"
         # The CUDA torch from PyPI and its CUDA libraries (import torch loads them), beside this venv's.
-        res = _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir", "--only-binary=:all:",
-                    "--target", str(site), pin, "ninja"], timeout=900,
+        res = _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-cache-dir",
+                    "--only-binary=:all:", "--target", str(site), pin, "ninja"], timeout=900,
                    env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
         assert res.returncode == 0, f"pip install {pin} failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         env = {**os.environ, "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1", "PATH":
                f"{site / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
-        probe = _run([sys.executable, "-c", "import torch; print(torch.__version__, torch.version.cuda, torch.__file__)"],
+        probe = _run([sys.executable, "-c",
+                      "import torch; print(torch.__version__, torch.version.cuda, torch.__file__)"],
                      timeout=300, env=env)
         assert probe.returncode == 0, probe.stderr[-3000:]
         version, torch_cuda, torch_file = probe.stdout.split()
         assert torch_file.startswith(str(site)), f"the build would use {torch_file}, not the CUDA torch"
         assert torch_cuda != "None", f"{pin} from the index is not a CUDA build ({version})"
         if int(torch_cuda.split(".")[0]) != cuda_major:
-            pytest.skip(f"{version} is built for CUDA {torch_cuda}, the toolkit at {cuda_home} is CUDA {cuda_major}")
+            pytest.skip(f"{version} is built for CUDA {torch_cuda}, "
+                        f"the toolkit at {cuda_home} is CUDA {cuda_major}")
 
         # setup.py as a GPU user runs it, on a copy (the worktree's own build and _C stay untouched).
         src.mkdir()
@@ -125,7 +130,8 @@ def test_whole_extension_builds_with_cuda_and_loads():
             torch.ops.load_library({str(so[0])!r})
             for op in {ops!r}:
                 for key in ("CUDA", "CPU"):
-                    assert torch._C._dispatch_has_kernel_for_dispatch_key("megatron_spec::" + op, key), (op, key)
+                    has = torch._C._dispatch_has_kernel_for_dispatch_key("megatron_spec::" + op, key)
+                    assert has, (op, key)
             print("registered for CUDA and CPU:", *{ops!r})
         """)
         loaded = _run([sys.executable, "-c", check], timeout=300, env=env)

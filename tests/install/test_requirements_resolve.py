@@ -47,15 +47,13 @@ TARGET_ENV = {**default_environment(), "python_version": "3.12", "python_full_ve
               "os_name": "posix"}
 
 
-def _pypi_reachable() -> str | None:
+def _pypi_unreachable() -> str | None:
     try:
         urllib.request.urlopen(f"{PYPI}/pip/", timeout=10).close()
         return None
     except (urllib.error.URLError, OSError) as e:
         return f"PyPI is unreachable ({e})"
 
-
-_UNREACHABLE = _pypi_reachable()
 
 
 def _dry_run(req_file: pathlib.Path, report: pathlib.Path) -> subprocess.Popen:
@@ -101,8 +99,8 @@ def _check(req_file: pathlib.Path, resolved: dict[str, dict]) -> None:
 
 @pytest.fixture(scope="module")
 def resolutions(tmp_path_factory) -> dict[str, tuple[dict[str, dict] | None, str]]:
-    if _UNREACHABLE:
-        pytest.skip(_UNREACHABLE)
+    if (why := _pypi_unreachable()) is not None:
+        pytest.skip(why)
     out = tmp_path_factory.mktemp("pip_reports")
     procs = {name: (_dry_run(REQ / name, out / f"{name}.json"), out / f"{name}.json")
              for name in ("gpu.txt", "modelopt.txt")}
@@ -127,10 +125,10 @@ def test_gpu_stack_versions(resolutions):
     assert v["sglang"] == Version("0.5.23")
     assert v["megatron-core"] >= Version("0.17")
     # the torch and transformers sglang pins, whatever gpu.txt says
-    sglang_reqs = [Requirement(r) for r in resolved["sglang"]["metadata"]["requires_dist"]]
-    for r in sglang_reqs:
-        if canonicalize_name(r.name) in ("torch", "transformers") and (r.marker is None or r.marker.evaluate(TARGET_ENV)):
-            assert r.specifier.contains(v[canonicalize_name(r.name)]), f"sglang needs {r}, resolved {v[canonicalize_name(r.name)]}"
+    for r in (Requirement(r) for r in resolved["sglang"]["metadata"]["requires_dist"]):
+        name = canonicalize_name(r.name)
+        if name in ("torch", "transformers") and (r.marker is None or r.marker.evaluate(TARGET_ENV)):
+            assert r.specifier.contains(v[name]), f"sglang needs {r}, resolved {v[name]}"
     assert "transformer-engine-cu13" in v, "TransformerEngine's CUDA 13 core library is missing"
 
 
