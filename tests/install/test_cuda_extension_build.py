@@ -12,8 +12,8 @@ GPU, so the kernels' results are not checked here (tests/ops/test_ops_cuda.py do
 What it does not know: other CUDA architectures than sm_90, the Python 3.12 of the GPU environment
 (this runs with the test interpreter), and anything about a GPU at run time.
 
-Cost: ~5.4 GB in a temporary directory that is removed afterwards (nothing cached); 3.5-6 min in
-all on 2 shared cores (measured: ~1.5 min to install, the rest to build).
+Cost: ~5.4 GB in a temporary directory that is removed afterwards (nothing cached); 1.5-6 min in
+all on 2 shared cores, with the load (measured 1.5, 3.3 and 5.6 min).
 Marked ``network`` and ``slow``; skips with a reason without PyPI or without a CUDA toolkit (nvcc and
 cuda_runtime.h) of torch's CUDA major version.
 """
