@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     load_hf_weights(model, ckpt)
     ddp = wrap_ddp(model)
     params = [p for p in ddp.parameters() if p.requires_grad]
+    device = params[0].device  # the batches go where the model is (a GPU under torchrun on a GPU node)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
                 for e, t in zip(examples, targets)]
         for r in rows:
             r.engine_logprobs = [0.0] * len(r.response_ids)
-        batch = pack(rows, tok.pad_token_id)
+        batch = pack(rows, tok.pad_token_id, device=device)
         zero_grads(ddp)
         logits = ddp(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]
         lp = vocab_parallel_token_logprobs(logits, batch.targets, vocab_size=cfg.vocab_size, tp_group=info.tp_group)
