@@ -9,7 +9,7 @@
 // Work unit of the quantiser: one block row (bn rows) times a run of column blocks, sized to half of
 // this CPU's L2 (at most 2048 columns), so that the unit's rows are still in L2 when the kernel's
 // second pass reads them again: 512 KiB of bf16 on a 1 MiB L2 (Zen 4), 256 KiB on a 512 KiB one
-// (Zen 3). Units are spread over at::parallel_for (OpenMP in the CPU wheel).
+// (Zen 3). Threads (at::parallel_for: OpenMP in the CPU wheel) take units from a shared counter.
 //
 // Reference: megatron_spec/ops/fp8_reference.py (the oracle; tests compare bytes and scales).
 #include <ATen/ATen.h>
@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -58,11 +59,16 @@ void quantize_impl(cpu::QuantizeUnitFn<T> unit, const T* w, int64_t N, int64_t K
   const int64_t bpu = blocks_per_unit(bn, bk, sizeof(T));
   const int64_t units_per_row = (nbk + bpu - 1) / bpu;
   const int64_t num_units = nbn * units_per_row;
-  at::parallel_for(0, num_units, 1, [&](int64_t begin, int64_t end) {
+  // Threads take units from a shared counter rather than a fixed share each: when another process
+  // takes a core from one thread (a shared machine, a trainer's own threads), the others finish its
+  // units instead of waiting for it at the end.
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_units));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<uint32_t> colmax;  // running max of |x| bits per column of the unit
     std::vector<float> mult;       // quantisation multiplier per column block of the unit
     std::vector<uint8_t> finite;   // whether the block's amax is finite (vector fast path)
-    for (int64_t u = begin; u < end; ++u) {
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
       const int64_t bi = u / units_per_row;
       const int64_t bj0 = (u % units_per_row) * bpu;
       const int64_t bj1 = std::min(nbk, bj0 + bpu);
