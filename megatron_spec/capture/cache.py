@@ -16,6 +16,12 @@ Rows are packed with no padding; ``cu_seqlens`` delimits *segments*, maximal run
 captured positions of one sequence (a training-time-test unroll never crosses a segment).
 Everything is detached; features may be stored in bf16.
 
+Devices: the row fields stay where capture made them, on the model's device (a GPU run keeps
+the cache in GPU memory, bounded by ``CaptureConfig.max_bytes``, from the logprob forward to the
+draft's update, which reads it on the same device: docs/memory_plan.md). ``cu_seqlens`` is host
+bookkeeping on the CPU: segment lengths are read one by one to batch segments, and a device
+copy would sync for each. Indices into the row fields are made on the row fields' device.
+
 This module holds data and its arithmetic (bytes, segment selection, padding into batches);
 it knows nothing of models, hooks or process groups.
 """
@@ -57,7 +63,7 @@ class DraftCache:
     """``[N, k]`` (top-k) or ``[N, Vd]`` (full draft vocabulary) float32 target log-probs at position t,
     normalised over the draft vocabulary."""
     cu_seqlens: torch.Tensor
-    """``[S + 1]`` int64 segment boundaries."""
+    """``[S + 1]`` int64 segment boundaries (on the CPU, whatever the row fields' device)."""
     teacher_ids: torch.Tensor | None = None
     """``[N, k]`` int64 draft-vocabulary ids of ``teacher_logprobs`` (descending); None = full vocabulary."""
     embeds: torch.Tensor | None = None
@@ -134,7 +140,7 @@ class DraftCache:
             if any(present) and not all(present):
                 raise ValueError(f"DraftCache.concat: field {name} captured in some parts only")
             fields[name] = torch.cat([getattr(p, name) for p in parts]) if all(present) else None
-        offsets, cu = 0, [torch.zeros(1, dtype=torch.long)]
+        offsets, cu = 0, [torch.zeros(1, dtype=torch.long, device=parts[0].cu_seqlens.device)]
         for p in parts:
             cu.append(p.cu_seqlens[1:] + offsets)
             offsets += p.num_rows
@@ -142,12 +148,14 @@ class DraftCache:
 
     def select_segments(self, indices: Sequence[int] | torch.Tensor) -> DraftCache:
         """A cache holding only the given segments (in the given order)."""
-        idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
+        host = self.cu_seqlens.device
+        idx = torch.as_tensor(indices, dtype=torch.long, device=host).reshape(-1)
         starts, lens = self.cu_seqlens[:-1][idx], self.seqlens[idx]
         out_starts = torch.cumsum(lens, 0) - lens  # where each segment begins in the result
-        rows = torch.repeat_interleave(starts - out_starts, lens) + torch.arange(int(lens.sum()))
+        rows = torch.repeat_interleave(starts - out_starts, lens) + torch.arange(int(lens.sum()), device=host)
+        rows = rows.to(self.tokens.device)  # indexes the row fields
         fields = {n: (getattr(self, n)[rows] if getattr(self, n) is not None else None) for n in _ROW_FIELDS}
-        cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lens, 0)])
+        cu = torch.cat([torch.zeros(1, dtype=torch.long, device=host), torch.cumsum(lens, 0)])
         return DraftCache(cu_seqlens=cu, dropped_rows=self.dropped_rows, **fields)
 
     # ------------------------------------------------------------------ batching
@@ -179,7 +187,7 @@ class DraftCache:
 def segment_runs(mask: torch.Tensor) -> list[tuple[int, int, int]]:
     """Maximal runs of True in each row of ``mask [B, S]``: ``(b, start, length)`` in row-major order."""
     m = mask.to(torch.int8)
-    pad = torch.zeros(m.shape[0], 1, dtype=torch.int8)
+    pad = torch.zeros(m.shape[0], 1, dtype=torch.int8, device=m.device)
     edges = torch.diff(torch.cat([pad, m, pad], dim=1), dim=1)  # [B, S+1]: +1 at starts, -1 past ends
     starts = (edges == 1).nonzero().tolist()
     ends = (edges == -1).nonzero().tolist()

@@ -38,6 +38,11 @@ assert ``not sequence_parallel``), so on CPU this path is exercised with sharded
 TP=2 test rather than through a real SP model.
 
 Pipeline parallelism is not supported (the aux layers must live on this rank).
+
+Devices: the rows are chosen on the host (segment runs and the byte budget need the mask's
+values: one copy of the ``[B, S]`` mask per forward); the row indices then move once to the
+device of the forward's ``input_ids`` (the model's), where every hook gathers its rows, so the
+cache's row tensors stay on the model's device (see :class:`~megatron_spec.capture.cache.DraftCache`).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from megatron_spec.capture.cache import DraftCache, segment_runs
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.capture.teacher import draft_vocab_teacher
 
+HOST = torch.device("cpu")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 FORWARDS = ("logprob", "train")
 
@@ -120,7 +126,7 @@ class CaptureConfig:
             if self.draft_kind != "eagle3":
                 raise ValueError("capture aux_layer_ids is an EAGLE-3 setting; draft_kind is 'mtp'")
         if self.draft_target_ids is not None:
-            ids = torch.as_tensor(self.draft_target_ids, dtype=torch.long).reshape(-1).cpu()
+            ids = torch.as_tensor(self.draft_target_ids, dtype=torch.long, device=HOST).reshape(-1)
             if torch.unique(ids).numel() != ids.numel():
                 raise ValueError("capture draft_target_ids maps two draft ids to one target id")
             object.__setattr__(self, "draft_target_ids", ids)
@@ -339,28 +345,25 @@ class _Recorder:
             raise ValueError(
                 f"response_mask has shape {tuple(mask.shape)}, input_ids {tuple(input_ids.shape)}"
             )
-        mask = mask.to(torch.bool).cpu().clone()
+        dev = input_ids.device  # the model's: where the hooks' activations live
+        # host bookkeeping: segment runs and the byte budget need the mask's values
+        mask = mask.to(device=HOST, dtype=torch.bool, copy=True)
         mask[:, 0] = False  # x_0 has no preceding position to draft from
         scored_mask = mask
         if self.cfg.prompt_context:  # positions 1 .. last response token of each sequence
-            pos = torch.arange(mask.shape[1]).unsqueeze(0)
+            pos = torch.arange(mask.shape[1], device=HOST).unsqueeze(0)
             last = torch.where(mask, pos, torch.full_like(pos, -1)).amax(dim=1, keepdim=True)  # [B, 1]
             mask = (pos >= 1) & (pos <= last)
         runs = segment_runs(mask)
-        b_idx = (
-            torch.cat([torch.full((n,), b) for b, _, n in runs]) if runs else torch.zeros(0, dtype=torch.long)
-        )
-        t_idx = (
-            torch.cat([torch.arange(s, s + n) for _, s, n in runs])
-            if runs
-            else torch.zeros(0, dtype=torch.long)
-        )
-        ids = input_ids.cpu()
+        empty = torch.zeros(0, dtype=torch.long, device=HOST)
+        b_idx = torch.cat([torch.full((n,), b, device=HOST) for b, _, n in runs]) if runs else empty
+        t_idx = torch.cat([torch.arange(s, s + n, device=HOST) for _, s, n in runs]) if runs else empty
+        ids = input_ids.to(HOST)
         seq = ids.shape[1]
         nxt_t = (t_idx + 1).clamp(max=seq - 1)
         has_next = (t_idx + 1 < seq) & mask[b_idx, nxt_t]
-        self.all_rows = (b_idx, t_idx)
-        self.next_tokens_all = torch.where(has_next, ids[b_idx, nxt_t], torch.full_like(t_idx, -1))
+        self.all_rows = (b_idx.to(dev), t_idx.to(dev))  # indices into the logits, on their device
+        self.next_tokens_all = torch.where(has_next, ids[b_idx, nxt_t], torch.full_like(t_idx, -1)).to(dev)
 
         # which segments this rank keeps: TP round robin, then the byte budget
         cfg, keep, lens = self.cfg, [], []
@@ -378,18 +381,19 @@ class _Recorder:
             keep.append(j)
             lens.append(n)
         self.capture._segments_seen += len(runs)
-        starts = torch.tensor([0] + [n for _, _, n in runs]).cumsum(0)
-        kept = [torch.arange(int(starts[j]), int(starts[j + 1])) for j in keep]
-        self.kept = torch.cat(kept) if kept else torch.zeros(0, dtype=torch.long)  # into the all-rows order
-        kb, kt = b_idx[self.kept], t_idx[self.kept]
-        self.part = {
-            "tokens": ids[kb, kt],
-            "positions": kt - 1,
-            "next_tokens": self.next_tokens_all[self.kept],
-            "cu_seqlens": torch.tensor([0] + lens, dtype=torch.long).cumsum(0),
+        starts = torch.tensor([0] + [n for _, _, n in runs], device=HOST).cumsum(0)
+        kept = [torch.arange(int(starts[j]), int(starts[j + 1]), device=HOST) for j in keep]
+        kept = torch.cat(kept) if kept else empty  # into the all-rows order
+        kb, kt = b_idx[kept], t_idx[kept]
+        self.part = {  # row fields on the model's device; cu_seqlens is host bookkeeping (DraftCache)
+            "tokens": ids[kb, kt].to(dev),
+            "positions": (kt - 1).to(dev),
+            "cu_seqlens": torch.tensor([0] + lens, dtype=torch.long, device=HOST).cumsum(0),
         }
         if self.cfg.prompt_context:
-            self.part["scored"] = scored_mask[kb, kt]
+            self.part["scored"] = scored_mask[kb, kt].to(dev)
+        self.kept = kept.to(dev)
+        kb, kt = kb.to(dev), kt.to(dev)
         self.kept_feat = (kt - 1, kb)  # [S, B] layout indices of position t - 1
         self.kept_cur = (kt, kb)
         self.dropped = dropped
@@ -406,8 +410,8 @@ class _Recorder:
         x = x.detach()
         if self.sp:
             x = _seq_gather(x, self.group, self.tp_size)
-        t, b = index
-        return x[t.to(x.device), b.to(x.device)].to(self.cfg.dtype)
+        t, b = index  # on the model's device (_select)
+        return x[t, b].to(self.cfg.dtype)
 
     @torch.no_grad()
     def _on_embedding(self, module, args, output) -> None:
@@ -427,7 +431,7 @@ class _Recorder:
         t0 = time.perf_counter()
         logits = (output[0] if isinstance(output, tuple) else output).detach()  # [S, B, V/tp], full sequence
         b_all, t_all = self.all_rows
-        rows = logits[t_all.to(logits.device), b_all.to(logits.device)]  # [N_all, V/tp]
+        rows = logits[t_all, b_all]  # [N_all, V/tp]
         cfg = self.cfg
         ids, lps = draft_vocab_teacher(
             rows,
@@ -436,7 +440,7 @@ class _Recorder:
             topk=cfg.teacher_topk,
             tp_group=self.group if self.tp_size > 1 else None,
         )
-        nxt = self.next_tokens_all.to(rows.device)
+        nxt = self.next_tokens_all
         nlp = vocab_parallel_token_logprobs(
             rows.unsqueeze(0),
             nxt.clamp(min=0).unsqueeze(0),
@@ -444,14 +448,13 @@ class _Recorder:
             tp_group=self.group if self.tp_size > 1 else None,
         )[0]
         nlp = torch.where(nxt >= 0, nlp, torch.zeros_like(nlp))
-        dev = rows.device
-        kept = self.kept.to(dev)
+        kept = self.kept
         p = self.part
         aux = [p.pop(f"aux{i}") for i in range(len(self.aux_ids))]
         part = DraftCache(
-            tokens=p["tokens"].to(dev),
-            positions=p["positions"].to(dev),
-            next_tokens=p["next_tokens"].to(dev),
+            tokens=p["tokens"],
+            positions=p["positions"],
+            next_tokens=nxt[kept],
             next_logprobs=nlp[kept].float(),
             teacher_logprobs=lps[kept],
             teacher_ids=ids[kept] if ids is not None else None,
@@ -459,7 +462,7 @@ class _Recorder:
             embeds=p.get("embeds"),
             aux=torch.cat(aux, dim=-1) if aux else None,
             hidden=p.get("hidden"),
-            scored=p["scored"].to(dev) if "scored" in p else None,
+            scored=p.get("scored"),
             dropped_rows=self.dropped,
         )
         self.part = {}

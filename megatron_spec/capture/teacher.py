@@ -31,14 +31,14 @@ from megatron_spec.capture.logprobs import _reduce, _tp_info
 
 
 def _owned_columns(
-    target_ids: torch.Tensor | None, vocab_size: int, v_start: int, v_local: int
+    target_ids: torch.Tensor | None, vocab_size: int, v_start: int, v_local: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(draft ids whose target id this rank owns, their local logit columns)."""
+    """(draft ids whose target id this rank owns, their local logit columns), on ``device``."""
     if target_ids is None:  # the draft vocabulary is the target's (unpadded) vocabulary
         end = min(v_start + v_local, vocab_size)
-        draft = torch.arange(v_start, max(end, v_start))
+        draft = torch.arange(v_start, max(end, v_start), device=device)
         return draft, draft - v_start
-    tid = target_ids.to(torch.long).cpu()
+    tid = target_ids.to(device=device, dtype=torch.long)
     owned = (tid >= v_start) & (tid < v_start + v_local)
     draft = owned.nonzero().flatten()
     return draft, tid[draft] - v_start
@@ -72,8 +72,7 @@ def draft_vocab_teacher(
     vd = vocab_size if target_ids is None else int(target_ids.numel())
     if topk is not None and not 1 <= topk <= vd:
         raise ValueError(f"teacher top-k {topk} must be in 1..{vd} (the draft vocabulary size)")
-    draft_ids, cols = _owned_columns(target_ids, vocab_size, tp_rank * v_local, v_local)
-    draft_ids, cols = draft_ids.to(logits.device), cols.to(logits.device)
+    draft_ids, cols = _owned_columns(target_ids, vocab_size, tp_rank * v_local, v_local, logits.device)
     x = logits.detach().index_select(1, cols).float()  # [N, n_owned]
 
     m = x.amax(dim=1) if x.shape[1] else x.new_full((n,), float("-inf"))

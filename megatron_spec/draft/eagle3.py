@@ -61,15 +61,16 @@ class Eagle3Output(NamedTuple):
     """This call's keys and values after RoPE, ``[B, nkv, T, d]`` each (for TTT unrolls)."""
 
 
-def ttt_attention_mask(seq_len: int, step: int) -> torch.Tensor:
+def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Keys visible to training-time-test step ``step`` (ModelOpt's ``get_ttt_msk_func``).
 
     Keys are the concatenation of steps ``0..step`` (``T`` each). Row q of step j sees step-0 keys
     at rows ``<= q - j`` (the verified context of its chain) and, for each step ``1 <= i <= j``,
-    the key at row ``q - (j - i)`` (its own chain's earlier draft steps). Returns ``[T, (j+1) T]`` bool.
+    the key at row ``q - (j - i)`` (its own chain's earlier draft steps). Returns ``[T, (j+1) T]`` bool
+    on ``device``.
     """
-    q = torch.arange(seq_len).view(-1, 1)
-    kv = torch.arange(seq_len * (step + 1)).view(1, -1)
+    q = torch.arange(seq_len, device=device).view(-1, 1)
+    kv = torch.arange(seq_len * (step + 1), device=device).view(1, -1)
     mask = kv <= q - step
     for i in range(1, step + 1):
         mask |= (kv == q + i * seq_len - (step - i)) & (kv >= seq_len * i)

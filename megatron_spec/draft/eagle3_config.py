@@ -250,7 +250,7 @@ def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, *, sour
         raise ValueError(f"{source} has dtype {d2t.dtype}, expected int64")
     if tuple(d2t.shape) != (draft_vocab_size,):
         raise ValueError(f"{source} has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},)")
-    target_ids = torch.arange(draft_vocab_size) + d2t.long().cpu()
+    target_ids = torch.arange(draft_vocab_size, device="cpu") + d2t.long().cpu()  # checked on the host
     bad = ((target_ids < 0) | (target_ids >= vocab_size)).nonzero().flatten()
     if bad.numel():
         i = int(bad[0])

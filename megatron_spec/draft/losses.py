@@ -129,9 +129,10 @@ def ttt_valid_rows(lengths: torch.Tensor, seq_len: int, step: int) -> torch.Tens
     """Rows of right-padded segments that carry a loss at TTT step ``step``: ``step <= q < length``.
 
     At step s row q's draft chain starts from the target features at row ``q - s``; rows
-    ``q < s`` have no such row in their segment. ``lengths``: ``[B]``; returns ``[B, seq_len]`` bool.
+    ``q < s`` have no such row in their segment. ``lengths``: ``[B]``; returns ``[B, seq_len]`` bool
+    on ``lengths``' device.
     """
-    q = torch.arange(seq_len).unsqueeze(0)
+    q = torch.arange(seq_len, device=lengths.device).unsqueeze(0)
     return (q >= step) & (q < lengths.unsqueeze(1))
 
 

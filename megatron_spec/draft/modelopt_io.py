@@ -120,7 +120,7 @@ def _check_t2d(t2d: torch.Tensor, head: Eagle3Head, *, source: str) -> None:
     cfg = head.cfg
     if tuple(t2d.shape) != (cfg.vocab_size,):
         raise ValueError(f"{source} has shape {tuple(t2d.shape)}, expected ({cfg.vocab_size},)")
-    expected = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    expected = torch.zeros(cfg.vocab_size, dtype=torch.bool, device="cpu")  # checked on the host
     expected[head.target_ids.cpu()] = True
     if not torch.equal(t2d.bool().cpu(), expected):
         raise ValueError(f"{source} does not mark exactly the target ids of d2t")

@@ -49,6 +49,7 @@ from megatron_spec.draft.losses import hard_cross_entropy_sum, soft_cross_entrop
 from megatron_spec.draft.mtp_head import mtp_layer_prefix
 from megatron_spec.draft.mtp_io import load_mtp_head, load_mtp_tensors, read_mtp_config, save_mtp
 from megatron_spec.draft.optim import (
+    HOST,
     DraftOptimizer,
     DraftTrainerConfig,
     DraftUpdate,
@@ -271,7 +272,8 @@ class MtpTrainer(DraftUpdate):
     def _check_same_rows_across_tp(self, rows: int, segments: int) -> None:
         if self.tp_size == 1:
             return
-        mine = torch.tensor([rows, segments, -rows, -segments], dtype=torch.float64)
+        mine = torch.tensor([rows, segments, -rows, -segments], dtype=torch.float64,
+                            device=self.optimizer.device)
         both = mine.clone()
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.tp_group)
         if not torch.equal(both[:2], -both[2:]):
@@ -300,8 +302,8 @@ class MtpTrainer(DraftUpdate):
         group = self.tp_group if self.tp_size > 1 else None
         outs = draft(hidden, embeds)
         loss = torch.zeros((), device=w_dev)
-        l_sums = torch.zeros(len(weights), dtype=torch.float64)
-        a_sums = torch.zeros(len(weights), dtype=torch.float64)
+        l_sums = torch.zeros(len(weights), dtype=torch.float64, device=HOST)  # metrics, read on the host
+        a_sums = torch.zeros(len(weights), dtype=torch.float64, device=HOST)
         q = torch.arange(t, device=w_dev).unsqueeze(0)
         for k, (h, w) in enumerate(zip(outs, weights)):
             logits = draft.logits(h)[:, : t - k]  # [B, S-k, V/tp]; row q scores against cache row q + k

@@ -24,7 +24,8 @@ def save_mtp(
     """Write MTP heads as ``config.json`` + ``model.safetensors`` (HF names, atomically)."""
     from megatron_spec.models.checkpoint import save_hf_checkpoint
 
-    expected = MtpHead(target_cfg, num_layers).export_shapes()
+    with torch.device("meta"):  # shapes only: no weights allocated (this runs after every draft update)
+        expected = MtpHead(target_cfg, num_layers).export_shapes()
     names = set(tensors)
     if names != set(expected):
         raise ValueError(

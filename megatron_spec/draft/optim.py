@@ -23,6 +23,9 @@ import torch.distributed as dist
 
 from megatron_spec.capture.cache import DraftCache, micro_batches
 
+HOST = torch.device("cpu")
+"""Where the trainers keep what they read on the host: metric sums, per-row evaluation results."""
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftTrainerConfig:
@@ -129,6 +132,11 @@ class DraftOptimizer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, config.lr_factor)
 
+    @property
+    def device(self) -> torch.device:
+        """The draft's device: its gradients, and what its collectives reduce, live there."""
+        return self.params[0].device
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
@@ -154,7 +162,7 @@ class DraftOptimizer:
                 for p, g in zip(self.params, grads)
                 if getattr(p, "tensor_model_parallel", False)
             ),
-            torch.zeros((), dtype=torch.float64),
+            torch.zeros((), dtype=torch.float64, device=self.device),
         )
         replicated = sum(
             (
@@ -162,7 +170,7 @@ class DraftOptimizer:
                 for p, g in zip(self.params, grads)
                 if not getattr(p, "tensor_model_parallel", False)
             ),
-            torch.zeros((), dtype=torch.float64),
+            torch.zeros((), dtype=torch.float64, device=self.device),
         )
         if group_info(self.tp_group)[1] > 1:
             dist.all_reduce(sharded, group=self.tp_group)
@@ -189,9 +197,12 @@ class DraftOptimizer:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-def reduce_metric_sums(sums: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Sum a small metric tensor over the draft group (a copy; float64 for exact counts)."""
-    out = sums.detach().double().clone()
+def reduce_metric_sums(
+    sums: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """Sum a small metric tensor over the draft group (a copy on ``device``, the draft's: NCCL
+    reduces device tensors only; float64 for exact counts)."""
+    out = sums.detach().to(device=device, dtype=torch.float64, copy=True)
     if group_info(group)[1] > 1:
         dist.all_reduce(out, group=group)
     return out
@@ -203,7 +214,7 @@ def scored_rows_per_step(cache, segments: list[int], lens: list[int], steps: int
     segment of n rows scores its rows s..n-1 that are scored rows of the cache (``cache.scored``;
     context rows never are) and, for the hard loss, have a valid label (``label_ok [rows]`` bool).
     Shared by the EAGLE-3 and MTP trainers."""
-    local = torch.zeros(steps, dtype=torch.float64)
+    local = torch.zeros(steps, dtype=torch.float64, device=HOST)
     scored = getattr(cache, "scored", None) if cache is not None else None
     if label_ok is None and scored is None:
         for s_i in range(steps):
@@ -212,6 +223,7 @@ def scored_rows_per_step(cache, segments: list[int], lens: list[int], steps: int
     ok = label_ok if label_ok is not None else scored
     if label_ok is not None and scored is not None:
         ok = label_ok & scored
+    ok = ok.to(HOST)  # one copy: the loop below reads it segment by segment
     for s_i in range(steps):
         for seg, n in zip(segments, lens):
             start = int(cache.cu_seqlens[seg])
@@ -233,9 +245,11 @@ class DraftUpdate:
         ``draft/step``, ``draft/train_seconds`` (since ``t0``) and, when exporting,
         ``draft/export_seconds``."""
         n = len(weights)
-        counts = reduce_metric_sums(scored_rows_per_step(cache, segments, lens, n, label_ok), group).clamp(min=1.0)
-        loss_sums = torch.zeros(n, dtype=torch.float64)
-        agree = torch.zeros(n, dtype=torch.float64)
+        dev = self.optimizer.device
+        local_counts = scored_rows_per_step(cache, segments, lens, n, label_ok)
+        counts = reduce_metric_sums(local_counts, group, dev).clamp(min=1.0)
+        loss_sums = torch.zeros(n, dtype=torch.float64, device=HOST)  # float()s of the micro-batches' sums
+        agree = torch.zeros(n, dtype=torch.float64, device=HOST)
         for mb in micro_batches(lens, self.config.micro_batch_rows):
             loss, l_s, a_s = self._micro_batch(cache, [segments[i] for i in mb], weights, counts, label_ok)
             loss.backward()
@@ -243,7 +257,8 @@ class DraftUpdate:
             agree += a_s
         opt = self.optimizer.step()
         self.step += 1
-        totals = reduce_metric_sums(torch.cat([loss_sums, agree, torch.tensor([float(sum(lens))])]), group)
+        rows = torch.tensor([float(sum(lens))], dtype=torch.float64, device=HOST)
+        totals = reduce_metric_sums(torch.cat([loss_sums, agree, rows]), group, dev)
         out = {"draft/step": float(self.step), "draft/rows": float(totals[-1]), "draft/grad_norm": opt["grad_norm"],
                "draft/lr": opt["lr"]}
         total_loss = 0.0
@@ -288,6 +303,7 @@ def atomic_save(obj: Any, path: str) -> None:
 
 
 __all__ = [
+    "HOST",
     "STATE_FILE",
     "DraftOptimizer",
     "DraftTrainerConfig",

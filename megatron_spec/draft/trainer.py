@@ -52,6 +52,7 @@ from megatron_spec.draft.losses import (
     ttt_valid_rows,
 )
 from megatron_spec.draft.optim import (
+    HOST,
     STATE_FILE,
     DraftOptimizer,
     DraftTrainerConfig,
@@ -91,8 +92,10 @@ class Eagle3Trainer(DraftUpdate):
         self.generator = torch.Generator().manual_seed(config.seed * 1000003 + self.rank)
         self.step = 0
         cfg = head.cfg
-        self._t2d = torch.full((cfg.vocab_size,), -1, dtype=torch.long)  # target id -> draft id (hard CE)
-        self._t2d[head.target_ids.cpu()] = torch.arange(cfg.draft_vocab_size)
+        # target id -> draft id (hard CE), on the head's device: it maps the cache's next tokens there
+        dev = head.lm_head.weight.device
+        self._t2d = torch.full((cfg.vocab_size,), -1, dtype=torch.long, device=dev)
+        self._t2d[head.target_ids.to(dev)] = torch.arange(cfg.draft_vocab_size, device=dev)
 
     @classmethod
     def from_modelopt(
@@ -102,17 +105,20 @@ class Eagle3Trainer(DraftUpdate):
         config: DraftTrainerConfig = DraftTrainerConfig(),
         *,
         load_overrides: dict[str, Any] | None = None,
+        device: torch.device | str = "cpu",
         **kwargs: Any,
     ) -> Eagle3Trainer:
         """Start from a ModelOpt export directory (``config.json`` + ``model.safetensors``).
 
         ``load_overrides``: :class:`Eagle3Config` fields to replace (e.g. ``rope_scaling=None``,
-        see :func:`megatron_spec.draft.modelopt_io.read_eagle3_config`); ``kwargs`` go to the constructor.
+        see :func:`megatron_spec.draft.modelopt_io.read_eagle3_config`); ``device``: where the head
+        trains (the policy's device in a GRPO run: the cache it reads is there); ``kwargs`` go to
+        the constructor.
         """
         from megatron_spec.draft.modelopt_io import load_eagle3
 
         head = load_eagle3(path, target_cfg, dtype=torch.float32, **(load_overrides or {}))
-        return cls(head, config, **kwargs)
+        return cls(head.to(device), config, **kwargs)
 
     # ------------------------------------------------------------------ wiring
     def capture_config(self, base=None):
@@ -171,7 +177,7 @@ class Eagle3Trainer(DraftUpdate):
         label_ok = None
         if cfg.loss == "hard" and segments:
             nxt = cache.next_tokens
-            label_ok = (nxt >= 0) & (self._t2d[nxt.clamp(min=0).cpu()].to(nxt.device) >= 0)
+            label_ok = (nxt >= 0) & (self._t2d.to(nxt.device)[nxt.clamp(min=0)] >= 0)
         return self._update(cache, segments, lens, weights, label_ok, self.group, "ttt", t0)
 
     def _unroll(self, cache: DraftCache, segs: list[int], steps: int) -> Iterator[tuple[int, Any, torch.Tensor]]:
@@ -190,9 +196,9 @@ class Eagle3Trainer(DraftUpdate):
         past = None
         for s_i in range(steps):
             out = head.forward_full(
-                embeds, hidden, positions, attn_mask=ttt_attention_mask(t, s_i).to(dev), past_kv=past
+                embeds, hidden, positions, attn_mask=ttt_attention_mask(t, s_i, dev), past_kv=past
             )
-            yield s_i, out, ttt_valid_rows(lens, t, s_i).to(dev) & scored
+            yield s_i, out, ttt_valid_rows(lens, t, s_i) & scored
             past = (
                 out.kv
                 if past is None
@@ -214,12 +220,12 @@ class Eagle3Trainer(DraftUpdate):
         teacher_ids = cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
         teacher_top1 = teacher_ids[..., 0] if teacher_ids is not None else teacher_lp.argmax(-1)
         if cfg.loss == "hard":  # draft-vocabulary id of x_{t+1}; rows without one are not scored
-            labels = self._t2d[cache.padded("next_tokens", segs).clamp(min=0).cpu()].to(dev)
+            labels = self._t2d[cache.padded("next_tokens", segs).clamp(min=0).to(dev)]
             ok = cache.pad_rows(label_ok, segs, False).to(dev)
 
         loss = torch.zeros((), device=dev)
-        l_sums = torch.zeros(len(weights), dtype=torch.float64)
-        a_sums = torch.zeros(len(weights), dtype=torch.float64)
+        l_sums = torch.zeros(len(weights), dtype=torch.float64, device=HOST)  # metrics, read on the host
+        a_sums = torch.zeros(len(weights), dtype=torch.float64, device=HOST)
         for s_i, out, valid in self._unroll(cache, segs, len(weights)):
             lse = out.logits.logsumexp(dim=-1, keepdim=True)  # [B, S, 1]
             if cfg.loss == "soft":
@@ -252,9 +258,10 @@ class Eagle3Trainer(DraftUpdate):
         head.eval()
         dev = head.lm_head.weight.device
         n_rows = cache.num_rows
-        alpha = torch.full((steps, n_rows), float("nan"), dtype=torch.float64)
-        ce = torch.full((steps, n_rows), float("nan"), dtype=torch.float64)
-        tau = torch.full((n_rows,), float("nan"), dtype=torch.float64)
+        # per-row results on the host (returned; one copy per micro-batch and step)
+        alpha = torch.full((steps, n_rows), float("nan"), dtype=torch.float64, device=HOST)
+        ce = torch.full((steps, n_rows), float("nan"), dtype=torch.float64, device=HOST)
+        tau = torch.full((n_rows,), float("nan"), dtype=torch.float64, device=HOST)
         lens_all = [int(n) for n in cache.seqlens]
         try:
             for segs in micro_batches(lens_all, self.config.micro_batch_rows):
@@ -263,10 +270,11 @@ class Eagle3Trainer(DraftUpdate):
                 lens = torch.tensor([lens_all[s] for s in segs], device=dev)
                 t = int(lens.max())
                 # row index into the cache of every padded row (-1: padding)
-                where = torch.full((len(segs), t), -1, dtype=torch.long)
+                # indexes alpha, ce, tau
+                where = torch.full((len(segs), t), -1, dtype=torch.long, device=HOST)
                 for b, s in enumerate(segs):
                     start = int(cache.cu_seqlens[s])
-                    where[b, : lens_all[s]] = torch.arange(start, start + lens_all[s])
+                    where[b, : lens_all[s]] = torch.arange(start, start + lens_all[s], device=HOST)
                 alphas, start_ok = [], None
                 for s_i, out, valid in self._unroll(cache, segs, steps):
                     logq = out.logits.log_softmax(-1)
@@ -371,7 +379,8 @@ def build_draft_trainer(
         cfg: the run config (its ``spec`` group) or the ``SpecConfig`` itself: ``spec_draft_kind``
             (``eagle3`` | ``mtp``), ``spec_draft_path`` (ModelOpt export / MTP export to start from),
             ``spec_draft_ttt_steps``, ``spec_draft_lr`` and, for MTP, ``spec_mtp_num_layers`` (default 1).
-        policy: the policy GPTModel (MTP layers are built beside it).
+        policy: the policy GPTModel (MTP layers are built beside it; an EAGLE-3 head is put on
+            its device, where capture leaves the cache).
         info: ``megatron_spec.parallel.ParallelInfo`` (groups); None = megatron-core's current groups.
         config: full trainer settings; the spec fields above override its ``ttt_steps`` and ``lr``.
         export_dir: exported to at once (the initial weights) and after every update.
@@ -389,7 +398,9 @@ def build_draft_trainer(
     if kind == "eagle3":
         if not spec.spec_draft_path:
             raise ValueError("online EAGLE-3 training starts from a ModelOpt export: set --spec-draft-path")
-        trainer = Eagle3Trainer.from_modelopt(spec.spec_draft_path, target_cfg, tc, export_dir=export_dir)
+        device = next(policy.parameters()).device
+        trainer = Eagle3Trainer.from_modelopt(spec.spec_draft_path, target_cfg, tc, export_dir=export_dir,
+                                              device=device)
         if export_dir is not None:  # the engine can start from export_dir before the first update
             trainer.export(export_dir)
         return trainer

@@ -204,3 +204,14 @@ def test_build_draft_trainer_from_spec(drafts, policy, tmp_path):
             policy,
             drafts.target_cfg,
         )
+
+
+def test_build_draft_trainer_puts_the_head_on_the_policys_device(drafts):
+    """The EAGLE-3 head trains where capture leaves the cache, on the policy's device (issue 15,
+    defect 7): a policy on ``meta`` stands in for one on a GPU, which this machine lacks."""
+    spec = types.SimpleNamespace(spec_draft_kind="eagle3", spec_draft_path=drafts.reduced.path,
+                                 spec_draft_ttt_steps=2, spec_draft_lr=5e-4)
+    policy = torch.nn.Linear(1, 1, device="meta")
+    tr = build_draft_trainer(spec, policy, drafts.target_cfg)
+    devices = {t.device.type for t in [*tr.head.parameters(), *tr.head.buffers(), tr._t2d]}
+    assert devices == {"meta"}, f"draft tensors on {devices}, the policy is on meta"

@@ -9,13 +9,17 @@ on the CPU, so :class:`OtherDefaultDevice` sends every tensor that the package's
 without a device to ``meta`` instead: torch's own device checks then fail exactly where a GPU
 run would (model input, the gradient-norm accumulator, the token counts' all-reduce, ...).
 Tensors that torch or megatron-core make for themselves are left alone (AdamW keeps its step
-count on the CPU on purpose).
+count on the CPU on purpose). The check runs again with online draft training (EAGLE-3 and MTP):
+capture hooks on the logprob forward, the teacher, the DraftCache, the draft's held-out
+evaluation and its update. Host tensors the package keeps on purpose (row selection from the
+mask, ``cu_seqlens``, metric sums) say ``device="cpu"``, so every factory names its device.
 
 bf16 training (defect 6): a --bf16 trainer must move the weights as the fp32 trainer does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -24,7 +28,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import megatron_spec
-from megatron_spec.config import CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig, RunConfig
+from megatron_spec.config import (
+    CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig, RunConfig, SpecConfig)
 from megatron_spec.models.gpt import unwrap
 from megatron_spec.parallel import destroy_parallel
 from megatron_spec.rl.rollouts import Rollout
@@ -60,10 +65,10 @@ def make_trainer(setup, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(GRPOTrainer, "_start_engine", lambda self: None)  # no rollouts are generated here
 
-    def make(*, bf16: bool = False, lr: float = 1e-3, **grpo) -> GRPOTrainer:
+    def make(*, bf16: bool = False, lr: float = 1e-3, spec: SpecConfig | None = None, **grpo) -> GRPOTrainer:
         cfg = RunConfig(
             model=ModelConfig(hf_checkpoint=setup.target, make_vocab_size_divisible_by=8, bf16=bf16),
-            data=DataConfig(prompt_data="synthetic:sum", num_synthetic_prompts=8),
+            data=DataConfig(prompt_data="synthetic:sum", num_synthetic_prompts=8), spec=spec or SpecConfig(),
             grpo=GRPOConfig(prompts_per_step=2, grpo_group_size=2, micro_batch_size=2, lr=lr, **grpo),
             checkpoint=CheckpointConfig(save=str(tmp_path_factory.mktemp("run"))),
             logging=LoggingConfig(tensorboard_dir="none", quiet=True)).validate()
@@ -106,6 +111,32 @@ def test_every_tensor_the_trainer_makes_is_on_the_models_device(make_trainer, se
         stats = one_step(trainer, rollouts)
     assert stats["train/grad_norm"] > 0
     assert mode.redirected == [], f"tensors made without a device at {mode.redirected}"
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_online_draft_training_makes_every_tensor_on_the_models_device(make_trainer, setup, kind):
+    """The same check with online draft training on: the capture hooks on the logprob forward,
+    the teacher, the DraftCache, the draft's held-out evaluation and its update (EAGLE-3: the
+    head's training-time-test unroll, hard and soft losses; MTP: its layers beside the policy)."""
+    spec = SpecConfig(spec_draft_kind=kind, spec_online_draft_training=True, spec_draft_ttt_steps=2,
+                      spec_draft_path=setup.eagle3 if kind == "eagle3" else None)
+    trainer = make_trainer(spec=spec)
+    device = trainer.device
+    draft = trainer.draft_trainer.head if kind == "eagle3" else trainer.draft_trainer.draft
+    assert {p.device for p in draft.parameters()} == {device}, "the draft is not on the policy's device"
+    rollouts = made_up_rollouts(setup.cfg.vocab_size)
+    mode = OtherDefaultDevice()
+    with mode:
+        one_step(trainer, rollouts)  # captures on the logprob forward
+        stats = trainer._train_draft()
+        if kind == "eagle3":  # the hard loss looks its labels up in the draft vocabulary
+            trainer.draft_trainer.config = dataclasses.replace(trainer.draft_trainer.config, loss="hard")
+            one_step(trainer, rollouts)
+            hard = trainer._train_draft()
+    assert stats["capture/rows"] > 0 and stats["draft/rows"] > 0 and stats["draft/grad_norm"] > 0
+    if kind == "eagle3":
+        assert stats["draft/heldout_rows"] > 0 and hard["draft/grad_norm"] > 0
+    assert mode.redirected == [], f"tensors made without a device at {sorted(set(mode.redirected))}"
 
 
 def test_the_check_catches_a_tensor_made_without_a_device():
