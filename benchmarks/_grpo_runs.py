@@ -28,6 +28,17 @@ def run(cmd: Sequence[str], tag: str) -> None:
     subprocess.run(list(cmd), check=True)
 
 
+def add_run_args(ap, *, steps: int, port: int) -> None:
+    """The flags both GRPO benchmarks take: where the models live, the config, steps and the rendezvous port."""
+    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
+    ap.add_argument("--base", default=None, help="policy HF checkpoint (default: trained here and cached)")
+    ap.add_argument("--draft", default=None, help="ModelOpt EAGLE-3 draft (default: trained here and cached)")
+    ap.add_argument("--config", default=DEMO_CONFIG)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--port", type=int, default=port)
+    ap.add_argument("--sft-steps", type=int, default=300)
+
+
 def ensure_models(work_dir: str, base: str | None = None, draft: str | None = None, *, sft_steps: int = 300,
                   tag: str = "bench") -> tuple[str, str]:
     """``(base, draft)`` directories: the ones given, or the demo's base (SFT with 30% noisy

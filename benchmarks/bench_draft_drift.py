@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _grpo_runs import DEMO_CONFIG, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
+from _grpo_runs import add_run_args, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
 
 RUNS = (("frozen", ()), ("online", ("--spec-online-draft-training",)))
 
@@ -77,13 +77,7 @@ def plot(path: str, runs: dict[str, list[dict]], title: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
-    ap.add_argument("--base", default=None)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--config", default=DEMO_CONFIG)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--port", type=int, default=29612)
-    ap.add_argument("--sft-steps", type=int, default=300)
+    add_run_args(ap, steps=60, port=29612)
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "draft_drift.png"))
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of both runs (1 on a machine shared with other jobs); default: the config's")

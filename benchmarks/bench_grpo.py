@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _grpo_runs import DEMO_CONFIG, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
+from _grpo_runs import add_run_args, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
 
 
 def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> dict[str, float]:
@@ -52,14 +52,8 @@ def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
-    ap.add_argument("--base", default=None)
-    ap.add_argument("--draft", default=None)
-    ap.add_argument("--config", default=DEMO_CONFIG)
-    ap.add_argument("--steps", type=int, default=12)
+    add_run_args(ap, steps=12, port=29611)
     ap.add_argument("--nproc", type=int, default=1)
-    ap.add_argument("--port", type=int, default=29611)
-    ap.add_argument("--sft-steps", type=int, default=300)
     args = ap.parse_args()
     args.base, args.draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
                                           tag="bench_grpo")
