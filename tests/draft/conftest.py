@@ -52,3 +52,27 @@ def drafts(tmp_path_factory) -> DraftSetup:
     full = train_and_export_eagle3(target, os.path.join(root, "draft_full"), seqs, aux_layer_ids=[0, 1, 2],
                                    export_rope_scaling={}, seed=2, **common)
     return DraftSetup(target, cfg, seqs, reduced, full)
+
+
+def peaked_target(path, num_layers: int):
+    """A tiny Qwen3 target with peaked next-token distributions (small residual writes, a large
+    lm_head), so an EAGLE-3 head can learn it in a few steps. Returns (path, HFCheckpoint, CausalLM)."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_spec.models import HFCheckpoint
+    from megatron_spec.rollout.native.model import CausalLM
+
+    path = make_hf_checkpoint(path, family="qwen3", num_layers=num_layers, hidden_size=64, intermediate_size=128,
+                              num_attention_heads=4, num_kv_heads=2, seed=3, init_std=0.05)
+    weights = os.path.join(path, "model.safetensors")
+    sd = load_file(weights)
+    for name in sd:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            sd[name] = sd[name] * 0.2
+        elif name == "lm_head.weight":
+            sd[name] = sd[name] * 20.0
+    save_file(sd, weights, metadata={"format": "pt"})
+    ckpt = HFCheckpoint(path)
+    target = CausalLM(ckpt.decoder_config).eval()
+    target.load_weights((n, ckpt.get(n)) for n in ckpt.names())
+    return path, ckpt, target

@@ -16,21 +16,17 @@ speculative rollouts would have the same distribution, only slower with a weak d
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from megatron_spec.capture import Capture, CaptureConfig
 from megatron_spec.draft.modelopt_io import load_eagle3
 from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
-from megatron_spec.models import HFCheckpoint
-from megatron_spec.models.tiny import make_hf_checkpoint
 from megatron_spec.rollout.native.drafters import Eagle3Drafter
 from megatron_spec.rollout.native.engine import EngineCore
-from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+from tests.draft.conftest import peaked_target
 
 pytestmark = pytest.mark.modelopt
 
@@ -63,29 +59,8 @@ def world(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is faster, and far faster on a loaded machine
     root = tmp_path_factory.mktemp("online")
-    path = make_hf_checkpoint(
-        root / "target",
-        family="qwen3",
-        num_layers=4,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        seed=3,
-        init_std=0.05,
-    )
-    weights = os.path.join(path, "model.safetensors")
-    sd = load_file(weights)
-    for name in sd:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            sd[name] = sd[name] * 0.2
-        elif name == "lm_head.weight":
-            sd[name] = sd[name] * 20.0
-    save_file(sd, weights, metadata={"format": "pt"})
-    ckpt = HFCheckpoint(path)
+    path, ckpt, target = peaked_target(root / "target", num_layers=4)
     cfg = ckpt.decoder_config
-    target = CausalLM(cfg).eval()
-    target.load_weights((n, ckpt.get(n)) for n in ckpt.names())
     other = _prompts(4, 44, 32, seed=0)
     samples, _ = _generate(target, None, other, 1.0, seed=0)
     train_and_export_eagle3(

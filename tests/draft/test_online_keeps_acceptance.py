@@ -24,21 +24,17 @@ the prompt as context raises it by 0.030 (SE 0.013; tau 2.371 -> 2.401).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from megatron_spec.capture import Capture, CaptureConfig
 from megatron_spec.draft.eagle3 import Eagle3Head
 from megatron_spec.draft.eagle3_config import Eagle3Config
 from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
-from megatron_spec.models import HFCheckpoint
-from megatron_spec.models.tiny import make_hf_checkpoint
 from megatron_spec.rollout.native.engine import EngineCore
-from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+from tests.draft.conftest import peaked_target
 
 PROMPT, RESPONSE, K = 24, 12, 3
 BATCH, PRETRAIN_STEPS, ONLINE_STEPS, HELD_OUT = 64, 100, 40, 128
@@ -51,21 +47,8 @@ def world(tmp_path_factory):
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is faster, and far faster on a loaded machine
-    path = make_hf_checkpoint(tmp_path_factory.mktemp("keep") / "target", family="qwen3", num_layers=2,
-                              hidden_size=64, intermediate_size=128, num_attention_heads=4, num_kv_heads=2,
-                              seed=3, init_std=0.05)
-    weights = os.path.join(path, "model.safetensors")
-    sd = load_file(weights)
-    for name in sd:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            sd[name] = sd[name] * 0.2
-        elif name == "lm_head.weight":
-            sd[name] = sd[name] * 20.0
-    save_file(sd, weights, metadata={"format": "pt"})
-    ckpt = HFCheckpoint(path)
+    path, ckpt, target = peaked_target(tmp_path_factory.mktemp("keep") / "target", num_layers=2)
     cfg = ckpt.decoder_config
-    target = CausalLM(cfg).eval()
-    target.load_weights((n, ckpt.get(n)) for n in ckpt.names())
     g = torch.Generator().manual_seed(0)
     n = 10 * BATCH + HELD_OUT
     prompts = [torch.randint(4, cfg.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(n)]
