@@ -37,8 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     acc = p.add_mutually_exclusive_group()
     acc.add_argument("--accept-length", type=float, help="mean tokens per verify step at this k")
     acc.add_argument("--accept-rates", type=_rates, help="marginal per-position accept rates A1,A2,...")
-    p.add_argument("--tp", type=int, default=1, help="tensor parallel size of a rollout engine")
-    p.add_argument("--ep", type=int, default=1, help="expert parallel size of a rollout engine (MoE)")
+    p.add_argument("--tp", "--rollout-tensor-parallel-size", dest="tp", type=int, default=None,
+                   help="tensor parallel size T of a rollout engine (default: searched, docs/simulator.md)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert parallel size of a rollout engine (MoE; default: searched; dense: 1)")
+    p.add_argument("--rollout-num-engines", dest="num_engines", type=int, default=None,
+                   help="rollout engines N (default: as many as the generation GPUs hold)")
     p.add_argument("--sweep", action="store_true", help="sweep k and acceptance: table + PNG")
     p.add_argument("--output", default="simulate_sweep.png", help="PNG path for --sweep")
     p.add_argument("--sweep-models", type=lambda s: [m for m in s.split(",") if m],
@@ -105,7 +109,7 @@ def build_config(args: argparse.Namespace):
         model=args.model, hardware=hw, num_gpus=args.num_gpus, mode=args.mode, policy_lag=args.policy_lag,
         draft_kind=args.draft_kind, num_draft_tokens=args.num_draft_tokens,
         accept_length=args.accept_length, accept_rates=args.accept_rates, tp=args.tp, ep=args.ep,
-        workload=wl, rollout_dtype=args.rollout_dtype, train_gpus=args.train_gpus,
+        num_engines=args.num_engines, workload=wl, rollout_dtype=args.rollout_dtype, train_gpus=args.train_gpus,
         draft_model=args.draft_model, online_draft_training=args.online_draft_training,
         efficiency=eff, engine=engine, calibration_path=args.params)
 
@@ -121,8 +125,32 @@ def _calibration_summary(hardware_kind: str, path) -> dict:
             "fit_max_abs_rel_error": cal["fit"]["max_abs_rel_error"]}
 
 
+def _other_mode(cfg):
+    """The same job in the other mode: async with the user's lag and training split (default a
+    quarter of the GPUs train), or sync on all GPUs."""
+    if cfg.mode == "sync":
+        return cfg.replace(mode="async", policy_lag=max(1, cfg.policy_lag), train_gpus=None)
+    return cfg.replace(mode="sync", train_gpus=None)
+
+
+def _projection(cfg, result) -> dict:
+    eng = result.detail["engine"]
+    eng_ar = result.detail.get("engine_ar", eng)
+    out = {"mode": cfg.mode, "policy_lag": result.detail["policy_lag"],
+           "gen_gpus": eng["gen_gpus"], "train_gpus": eng["train_gpus"],
+           "layout_ar": {k: eng_ar[k] for k in ("engines", "devices_per_engine", "tp", "ep")},
+           "layout_spec": {k: eng[k] for k in ("engines", "devices_per_engine", "tp", "ep")},
+           "rollout_speedup": result.rollout_speedup, "e2e_speedup": result.e2e_speedup,
+           "step_time_ar_s": result.step_time_ar_s, "step_time_spec_s": result.step_time_spec_s}
+    if cfg.mode == "async":
+        out["exposed_gen_ar_s"] = result.stages_ar["exposed_gen"]
+        out["exposed_gen_spec_s"] = result.stages_spec["exposed_gen"]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from megatron_spec.sim.rl_step import optimal_k, simulate
+    from megatron_spec.sim.layout import simulate_layout
+    from megatron_spec.sim.rl_step import optimal_k
 
     try:
         if args.validate_engine_bench:
@@ -144,16 +172,39 @@ def run(args: argparse.Namespace) -> int:
             rows = sw.sweep(cfg, models=args.sweep_models, k_values=range(1, args.k_max + 1),
                             hardware=args.sweep_hardware)
             print(sw.format_table(rows))
+            batch_rows, edges = [], {}
+            for hw_name in args.sweep_hardware or [cfg.hardware]:
+                for model in args.sweep_models or [cfg.model]:
+                    per = cfg if hw_name is cfg.hardware else cfg.replace(
+                        hardware=hw_name, efficiency=None, engine=None)
+                    block = sw.batch_sweep(per.replace(model=model), k_values=range(1, min(args.k_max, 5) + 1))
+                    print(sw.format_batch_table(block))
+                    edges[f"{block[0]['model']}@{block[0]['hardware']}"] = sw.break_even(block)
+                    batch_rows += block
             title = f"{cfg.num_gpus} devices, {cfg.mode}, {cfg.draft_kind}, workload {cfg.workload.name}"
-            png = sw.plot(rows, args.output, title=title)
+            png = sw.plot(rows, args.output, title=title, batch_rows=batch_rows)
             best = {f"{r['model']}@{r['hardware']}/{r['profile']}": r["k"] for r in rows if r["optimal"]}
-            print(json.dumps({"sweep_png": str(png), "optimal_k": best, "rows": len(rows)}))
+            print(json.dumps({"sweep_png": str(png), "optimal_k": best, "rows": len(rows),
+                              "stops_paying_at_batch": edges}))
             return 0
-        result = simulate(cfg)
-        best_k, by_k = optimal_k(cfg, k_max=args.k_max)
+        result, search = simulate_layout(cfg)
+        if search is not None:
+            print(f"megatron-spec simulate: {cfg.mode}: {search.describe()}", file=sys.stderr)
+        eng = result.detail["engine"]
+        pinned = cfg.replace(tp=eng["tp"], ep=eng["ep"])
+        best_k, by_k = optimal_k(pinned, k_max=args.k_max)
         out = result.as_dict()
         out["optimal_k"] = best_k
         out["speedup_by_k"] = by_k
+        out["projections"] = {cfg.mode: _projection(cfg, result)}
+        other = _other_mode(cfg)
+        try:
+            res_other, search_other = simulate_layout(other)
+            out["projections"][other.mode] = _projection(other, res_other)
+            if search_other is not None:
+                print(f"megatron-spec simulate: {other.mode}: {search_other.describe()}", file=sys.stderr)
+        except ValueError as err:  # the other mode is extra information: say why it is missing
+            out["projections"][other.mode] = {"error": str(err)}
         out["calibration"] = _calibration_summary(cfg.hardware.kind, args.params)
         print(json.dumps(out))
         return 0

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from megatron_spec.sim.acceptance import AcceptanceProfile
 from megatron_spec.sim.hardware import HardwareProfile, get_hardware
 from megatron_spec.sim.models import ModelProfile, draft_profile, get_model
@@ -37,6 +39,12 @@ from megatron_spec.sim.workload import PRESETS, Workload
 #: bytes per parameter of Megatron training state: bf16 weights, fp32 grads, fp32 master
 #: weights, Adam m and v (Megatron distributed optimizer).
 TRAIN_BYTES_PER_PARAM = 18
+
+
+class LayoutError(ValueError):
+    """The engine layout (tp, ep, engines) cannot hold the model's weights or one sequence's KV
+    cache. The layout search (:mod:`megatron_spec.sim.layout`) skips such layouts; any other
+    ValueError is a problem with the configuration as a whole."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +60,9 @@ class SimConfig:
     num_draft_tokens: int = 3
     accept_length: float | None = None
     accept_rates: tuple[float, ...] | None = None
-    tp: int = 1
-    ep: int = 1
+    tp: int | None = 1  # None: searched by megatron_spec.sim.layout.simulate_layout
+    ep: int | None = 1
+    num_engines: int | None = None  # None: as many engines as the generation GPUs hold
     workload: Workload = PRESETS["rl-zero"]
     rollout_dtype: str = "bf16"
     train_gpus: int | None = None
@@ -140,7 +149,7 @@ def _memory(cfg: SimConfig, model: ModelProfile, hw: HardwareProfile, settings: 
         w += dw
     par = target.par
     if w > usable:
-        raise ValueError(
+        raise LayoutError(
             f"{model.name} does not fit: {w / 1e9:.1f} GB of {target.dtype} weights per device with "
             f"tp={par.tp} ep={par.ep}, but one {hw.name} offers {usable / 1e9:.1f} GB "
             f"({hw.memory_bytes / 1e9:.0f} GB x mem_util {settings.mem_util} - "
@@ -151,7 +160,7 @@ def _memory(cfg: SimConfig, model: ModelProfile, hw: HardwareProfile, settings: 
     group_tokens = (usable - w) / kv_tok  # tokens one attention group can cache
     need = wl.prompt_len + wl.max_response_len + cfg.num_draft_tokens + 1
     if group_tokens < need:
-        raise ValueError(
+        raise LayoutError(
             f"{model.name} on {hw.name} with tp={par.tp} ep={par.ep}: the KV cache holds "
             f"{group_tokens:.0f} tokens per engine group but one sequence needs prompt_len + "
             f"max_response_len + k + 1 = {need}; raise --tp or shorten responses")
@@ -167,6 +176,48 @@ def _memory(cfg: SimConfig, model: ModelProfile, hw: HardwareProfile, settings: 
             "use more GPUs")
     return {"weights_gb_per_device": w / 1e9, "kv_capacity_tokens": group_tokens * par.attn_groups,
             "concurrency": concurrency}
+
+
+def step_cost_breakdown(steps: StepModel, batch: float, ctx_per_seq: float, tau: float) -> dict:
+    """One decode step and one speculative step of ``batch`` sequences at ``ctx_per_seq`` cached
+    tokens each, by component: what the verify step streams and computes that the decode step
+    does not (weight bytes, distinct experts per MoE layer, KV bytes, collectives), the draft,
+    and the per-step speedup tau x t_decode / t_spec (below 1: speculation loses at this batch)."""
+    b, ctx = np.array([batch]), np.array([batch * ctx_per_seq])
+    ar = steps.target.forward(b, 1, ctx, steps.target.eff.step_overhead_s)
+    v = steps.target.forward(b, steps.k + 1, ctx, steps.target.eff.step_overhead_s)
+    spec = steps.spec_step(b, ctx)
+
+    def ms(x) -> float:
+        return round(float(np.asarray(x).ravel()[0]) * 1e3, 4)
+
+    out = {"batch": float(batch), "ctx_per_seq": float(ctx_per_seq), "decode_ms": ms(ar["total"]),
+           "verify_ms": ms(v["total"]), "draft_ms": ms(spec["draft"] + spec["host"]), "spec_step_ms": ms(spec["total"]),
+           "step_speedup": round(tau * float(ar["total"][0]) / float(spec["total"][0]), 4)}
+    for name, f in (("decode", ar), ("verify", v)):
+        out[f"{name}_parts_ms"] = {c: ms(f[c]) for c in ("gemm", "attn", "logits", "comm", "overhead")}
+        out[f"{name}_weight_gb_per_device"] = round(float(np.asarray(f["weight_bytes"]).ravel()[0]) / 1e9, 4)
+        out[f"{name}_kv_gb_per_device"] = round(float(np.asarray(f["kv_bytes"]).ravel()[0]) / 1e9, 4)
+        if steps.target.model.is_moe:
+            out[f"{name}_distinct_experts_per_layer"] = round(float(np.asarray(f["distinct_experts"]).ravel()[0]), 2)
+    return out
+
+
+def build_step_model(cfg: SimConfig, k: int | None = None) -> StepModel:
+    """The decode/verify step costs of one engine of ``cfg``'s layout (tp and ep given) at ``k``
+    draft tokens (default cfg's), without simulating a whole RL step."""
+    model = cfg.model if isinstance(cfg.model, ModelProfile) else get_model(cfg.model)
+    hw = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else get_hardware(cfg.hardware)
+    if cfg.tp is None or (cfg.ep is None and model.is_moe):
+        raise ValueError(f"build_step_model() needs tp and ep (got tp={cfg.tp}, ep={cfg.ep})")
+    eff = cfg.efficiency or efficiency_for(hw, cfg.calibration_path)
+    settings = cfg.engine or default_engine_settings(hw)
+    par = Parallelism(cfg.tp, cfg.ep or 1)
+    _check_parallelism(model, par)
+    target = ForwardModel(model, hw, eff, settings, par, cfg.rollout_dtype)
+    dprof = draft_profile(cfg.draft_kind, model, cfg.draft_model)
+    draft = ForwardModel(dprof, hw, eff, settings, par, cfg.rollout_dtype) if dprof is not None else None
+    return StepModel(target, draft, cfg.draft_kind, cfg.num_draft_tokens if k is None else k)
 
 
 def simulate(cfg: SimConfig) -> SimResult:
@@ -186,13 +237,24 @@ def simulate(cfg: SimConfig) -> SimResult:
     tau = acceptance.accept_length(k)
     eff = cfg.efficiency or efficiency_for(hw, cfg.calibration_path)
     settings = cfg.engine or default_engine_settings(hw)
-    par = Parallelism(cfg.tp, cfg.ep)
+    if cfg.tp is None or (cfg.ep is None and model.is_moe):
+        raise ValueError(f"simulate() needs tp and ep (got tp={cfg.tp}, ep={cfg.ep}); "
+                         "megatron_spec.sim.layout.simulate_layout searches them")
+    par = Parallelism(cfg.tp, cfg.ep or 1)
     _check_parallelism(model, par)
     gen_gpus, train_gpus = _split_gpus(cfg, par.engine_devices)
-    if gen_gpus % par.engine_devices:
+    if gen_gpus % par.engine_devices and cfg.num_engines is None:
         raise ValueError(f"{gen_gpus} generation GPUs are not a multiple of the {par.engine_devices} "
-                         f"devices per engine (max(tp={par.tp}, ep={par.ep}))")
+                         f"devices per engine (max(tp={par.tp}, ep={par.ep})); pin --rollout-num-engines "
+                         "to leave the rest idle")
     engines = gen_gpus // par.engine_devices
+    if cfg.num_engines is not None:
+        if not 1 <= cfg.num_engines <= engines:
+            raise ValueError(f"num_engines={cfg.num_engines} engines of {par.engine_devices} devices need "
+                             f"{cfg.num_engines * par.engine_devices} GPUs; {gen_gpus} generate "
+                             f"(at most {engines} engines)")
+        engines = cfg.num_engines
+        gen_gpus = engines * par.engine_devices
     wl = cfg.workload
 
     target = ForwardModel(model, hw, eff, settings, par, cfg.rollout_dtype)
@@ -245,6 +307,9 @@ def simulate(cfg: SimConfig) -> SimResult:
             st["step"] = st["data"] + max(train_side, gen_side)
         stages[name] = st
 
+    b_full = float(max(1, min(concurrency["spec"], per_engine)))
+    ctx = wl.prompt_len + wl.mean_response_len() / 2.0
+    step_costs = [step_cost_breakdown(steps, b, ctx, tau) for b in sorted({1.0, b_full})]
     detail = {
         "model": model.name, "hardware": hw.name, "num_gpus": cfg.num_gpus, "mode": cfg.mode,
         "policy_lag": cfg.policy_lag if cfg.mode == "async" else 0, "draft_kind": cfg.draft_kind,
@@ -255,6 +320,7 @@ def simulate(cfg: SimConfig) -> SimResult:
                    "gen_gpus": gen_gpus, "train_gpus": train_gpus, "rollouts_per_engine": per_engine,
                    "rollout_dtype": target.dtype, **mem},
         "workload": wl.describe(),
+        "step_costs": step_costs,
         "model_params": model.summary(),
         "efficiency": eff.as_dict(),
     }

@@ -69,6 +69,23 @@ class Parallelism:
         return self.engine_devices // self.tp
 
 
+def expected_distinct_experts(num_experts: int, top_k: int, n_tokens) -> np.ndarray:
+    """Expected number of distinct experts one MoE layer touches when ``n_tokens`` tokens are each
+    routed to ``top_k`` of ``num_experts`` experts, uniformly and independently:
+
+        E (1 - (1 - top_k / E)^n)
+
+    (each expert is missed by one token with probability 1 - top_k/E). A decode step of B
+    sequences routes n = B tokens; a verify step of k+1 tokens per sequence routes n = B(k+1),
+    so it streams more expert weights at small and moderate B and the same at large B, where
+    every expert is touched anyway. Real routers are not uniform (popular experts), which makes
+    the true count lower: this is the upper end for a given n."""
+    if num_experts < 1 or not 1 <= top_k <= num_experts:
+        raise ValueError(f"need 1 <= top_k={top_k} <= num_experts={num_experts}")
+    n = np.asarray(n_tokens, dtype=float)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** n)
+
+
 def _curve(tokens, curve: dict[int, float]):
     """Measured t(n)/t(1) of a linear stack at ``tokens`` (log-n interpolation, linear beyond)."""
     ns = np.array(sorted(curve), dtype=float)
@@ -135,8 +152,11 @@ class ForwardModel:
         Ta = T / D  # tokens per attention (data-parallel) group
         # GEMMs: always-read weights + touched experts.
         w_bytes = m.always_read_params * self.wbytes / par.tp
+        touched = np.zeros_like(T)
         if m.is_moe:
-            touched = 1.0 - (1.0 - m.experts_per_tok / m.num_experts) ** T
+            # fraction of experts a forward's T routed tokens touch; each device streams its
+            # E/ep experts' share of them once per forward
+            touched = expected_distinct_experts(m.num_experts, m.experts_per_tok, T) / m.num_experts
             w_bytes = w_bytes + m.moe_layers * (m.num_experts / par.ep) * touched * m.expert_params * self.wbytes
         gemm_comp = 2.0 * m.active_params * T / G / self.flops
         if self.gemm_curve:  # measured CPU curve plus a fixed cost per GEMM call
@@ -169,7 +189,8 @@ class ForwardModel:
         overhead = fixed_overhead_s + np.where(eager, self.eff.eager_layer_overhead_s * m.layers, 0.0)
         total = gemm + attn + logits + comm + overhead
         return {"gemm": gemm, "attn": attn, "logits": logits, "comm": comm, "overhead": overhead,
-                "total": total, "eager": eager}
+                "total": total, "eager": eager, "weight_bytes": w_bytes, "kv_bytes": kv_bytes,
+                "distinct_experts": touched * m.num_experts}
 
 
 class StepModel:

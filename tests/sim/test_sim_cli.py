@@ -43,13 +43,15 @@ def test_sweep_prints_table_and_writes_png(tmp_path, capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].split()[:4] == ["model", "hardware", "profile", "k"]
     assert any("<- best k" in line for line in out)
+    assert any(line.startswith("per-step speedup tau x t_decode / t_spec (qwen3-8b on gb200") for line in out)
     summary = json.loads(out[-1])
+    assert set(summary["stops_paying_at_batch"]["qwen3-8b@gb200"]) == {"1", "2", "3"}
     assert summary["sweep_png"] == str(png) and png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"--model": "qwen3-235b-a22b", "--hardware": "h100"}, "does not fit"),
+    ({"--model": "qwen3-235b-a22b", "--hardware": "h100"}, "training qwen3-235b-a22b needs at least"),
     ({"--num-draft-tokens": "0"}, "must be >= 1"),
     ({"--accept-length": "5.0"}, "impossible with k=3"),
     ({"--model": "mystery-7b"}, "unknown model 'mystery-7b'"),
@@ -61,6 +63,57 @@ def test_impossible_configs_exit_non_zero_with_the_reason(change, message, capsy
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "megatron-spec simulate: error:" in err and message in err
+
+
+def test_pinned_layout_that_does_not_fit_names_the_memory(capsys):
+    args = [*BASE, "--tp", "1", "--ep", "1"]
+    args[args.index("qwen3-8b")] = "qwen3-235b-a22b"
+    args[args.index("32")] = "256"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "qwen3-235b-a22b does not fit: 471.1 GB of bf16 weights per device with tp=1 ep=1" in err
+
+
+def test_no_layout_fits_says_so(capsys):
+    args = list(BASE)
+    args[args.index("qwen3-8b")] = "deepseek-v3"
+    args[args.index("gb200")] = "h100"
+    args[args.index("32")] = "8"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "no rollout engine layout fits 'deepseek-v3' on 8 h100 generation GPUs" in err
+
+
+def test_issue_example_prints_a_layout_and_sync_and_async_projections(capsys):
+    """The command of issue 19, without --tp/--ep."""
+    args = ["simulate", "--model", "qwen3-235b-a22b", "--hardware", "gb200", "--num-gpus", "512", "--mode", "sync",
+            "--draft-kind", "eagle3", "--num-draft-tokens", "3", "--accept-length", "3"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    d = json.loads(captured.out)
+    assert "megatron-spec simulate: sync: layout (MoE" in captured.err
+    assert "megatron-spec simulate: async: layout (MoE" in captured.err
+    lay = d["layout"]
+    assert lay["spec"]["engines"] * lay["spec"]["devices_per_engine"] == 512
+    fitting = [c for c in lay["candidates"] if c["fits"]]
+    # the MoE choice is the throughput optimum of each mode over every fitting candidate
+    assert lay["spec"]["gen_spec_s"] == pytest.approx(min(c["gen_spec_s"] for c in fitting), abs=1e-3)
+    assert lay["ar"]["gen_ar_s"] == pytest.approx(min(c["gen_ar_s"] for c in fitting), abs=1e-3)
+    assert any(not c["fits"] and "does not fit" in c["reason"] for c in lay["candidates"])  # tp=ep=1: 471 GB
+    sync, async_ = d["projections"]["sync"], d["projections"]["async"]
+    assert sync["gen_gpus"] == 512 and async_["gen_gpus"] + async_["train_gpus"] == 512
+    assert async_["train_gpus"] == 128 and async_["policy_lag"] == 1
+    for proj in (sync, async_):
+        assert proj["rollout_speedup"] > 1.0 and proj["e2e_speedup"] > 1.0
+        assert proj["layout_spec"]["engines"] * proj["layout_spec"]["devices_per_engine"] == proj["gen_gpus"]
+    assert d["rollout_speedup"] == pytest.approx(sync["rollout_speedup"])
+
+
+def test_rollout_num_engines_and_tensor_parallel_size_pin_the_layout(capsys):
+    args = [*BASE, "--rollout-num-engines", "4", "--rollout-tensor-parallel-size", "2"]
+    assert main(args) == 0
+    eng = json.loads(capsys.readouterr().out)["engine"]
+    assert (eng["engines"], eng["tp"], eng["gen_gpus"], eng["rollouts_per_engine"]) == (4, 2, 8, 4096 // 4)
 
 
 def test_rates_outside_unit_interval(capsys):
