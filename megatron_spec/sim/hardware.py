@@ -78,7 +78,16 @@ class HardwareProfile:
 # GB200 (NVL72, 1,200 W): NVIDIA GB200 NVL72 spec (13.4 TB HBM3e and 576 TB/s over 72 GPUs ->
 #   186 GB, 8 TB/s per GPU; FP8 720 PF and BF16 360 PF *sparse* per rack -> 5 PF / 2.5 PF dense
 #   per GPU); NVLink 5 1.8 TB/s total per GPU, 72 GPUs per NVLink domain; ConnectX-7 400 Gb/s.
+# H20 (HGX H20, the export Hopper): 96 GB HBM3, 4.0 TB/s, dense BF16 148 TFLOPS and FP8 296
+#   TFLOPS (the BF16 figure as verl-project/verl docs/advance/mtp.md tabulates it), NVLink 900 GB/s
+#   total -> 450 GB/s per direction, 8 GPUs per board. Its FLOP/s-to-bandwidth ratio (37 FLOP/B,
+#   against 295 for H100) makes verification compute-bound at a few dozen tokens per forward.
 _GPU_PROFILES = {
+    "h20": HardwareProfile(
+        name="h20", kind="gpu", memory_bytes=96e9, mem_bw=4.0e12,
+        flops={"bf16": 148e12, "fp8": 296e12, "fp32": 44e12},
+        link_bw=450e9, scaleup_domain=8, net_bw=50e9,
+        source="NVIDIA HGX H20 specification"),
     "h100": HardwareProfile(
         name="h100", kind="gpu", memory_bytes=80e9, mem_bw=3.35e12,
         flops={"bf16": 989.5e12, "fp8": 1979e12, "fp32": 66.9e12},
@@ -146,7 +155,7 @@ def load_cpu_profile(path: str | Path = CPU_PROFILE_PATH) -> HardwareProfile:
 
 
 def get_hardware(name: str, cpu_profile_path: str | Path | None = None) -> HardwareProfile:
-    """A profile by name (``h100``, ``h200``, ``b200``, ``gb200``, ``cpu``)."""
+    """A profile by name (``h20``, ``h100``, ``h200``, ``b200``, ``gb200``, ``cpu``)."""
     key = name.lower()
     if key == "cpu":
         return load_cpu_profile(cpu_profile_path or CPU_PROFILE_PATH)

@@ -47,6 +47,19 @@ _BUILTIN_CONFIGS: dict[str, dict] = {
                     "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1,
                     "num_experts_per_tok": 8, "first_k_dense_replace": 3, "moe_layer_freq": 1,
                     "num_nextn_predict_layers": 1, "vocab_size": 129280, "tie_word_embeddings": False},
+    # XiaomiMiMo/MiMo-7B-RL (Qwen2-style with qkv bias; one MTP layer). Shapes as in
+    # THUDM/slime scripts/models/mimo-7B-rl.sh (the Megatron args of the HF config).
+    "mimo-7b": {"model_type": "mimo", "hidden_size": 4096, "num_hidden_layers": 36,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                "intermediate_size": 11008, "vocab_size": 151680, "tie_word_embeddings": False,
+                "num_nextn_predict_layers": 1},
+    # Qwen/Qwen3.5-9B text model: 32 layers, every 4th full (gated) attention with 16 query and
+    # 4 KV heads of 256, the rest Gated DeltaNet (32 value heads x 128 x 128 state), one MTP layer.
+    "qwen3.5-9b": {"model_type": "qwen3_5", "hidden_size": 4096, "num_hidden_layers": 32,
+                   "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+                   "intermediate_size": 12288, "vocab_size": 248320, "tie_word_embeddings": False,
+                   "full_attention_interval": 4, "linear_num_value_heads": 32, "linear_num_key_heads": 16,
+                   "linear_key_head_dim": 128, "linear_value_head_dim": 128, "mtp_num_hidden_layers": 1},
     # Small same-tokenizer draft models. Qwen/Qwen3-0.6B, meta-llama/Llama-3.2-1B.
     "qwen3-0.6b": {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
@@ -94,6 +107,12 @@ class ModelProfile:
     v_head_dim: int = 0
     mtp_layers: int = 0
     extra_gemm_calls: int = 0  # GEMMs per forward beyond the decoder's (EAGLE-3's fc)
+    # Hybrid linear-attention models (Qwen3.5 / Qwen3-Next Gated DeltaNet): only ``attn_layers``
+    # layers keep a KV cache (0: every layer does); the others carry a fixed-size recurrent state
+    # of ``linear_state_elems`` elements per sequence in all (heads x key dim x value dim x layers).
+    # Their projections are counted as the attention shape above (within ~15% for Qwen3.5).
+    attn_layers: int = 0
+    linear_state_elems: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
@@ -113,6 +132,11 @@ class ModelProfile:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with softmax attention over a KV cache."""
+        return self.attn_layers or self.layers
 
     @property
     def dense_layers(self) -> int:
@@ -188,8 +212,8 @@ class ModelProfile:
     # ---- KV cache and attention --------------------------------------------------------------
     def kv_bytes_per_token(self, kv_dtype_bytes: int = 2) -> int:
         if self.is_mla:  # MLA caches the compressed latent plus the shared rope key
-            return self.layers * (self.kv_lora_rank + self.qk_rope_head_dim) * kv_dtype_bytes
-        return self.layers * 2 * self.kv_heads * self.head_dim * kv_dtype_bytes
+            return self.kv_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * kv_dtype_bytes
+        return self.kv_layers * 2 * self.kv_heads * self.head_dim * kv_dtype_bytes
 
     @property
     def kv_shard_limit(self) -> int:
@@ -200,8 +224,8 @@ class ModelProfile:
     def attn_flops_per_ctx(self) -> int:
         """FLOPs one query token spends per cached position (scores + weighted values)."""
         if self.is_mla:  # weight-absorbed MLA: scores over (latent + rope), values over latent
-            return self.layers * self.heads * 2 * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
-        return self.layers * self.heads * 4 * self.head_dim
+            return self.kv_layers * self.heads * 2 * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
+        return self.kv_layers * self.heads * 4 * self.head_dim
 
     def summary(self) -> dict:
         return {"name": self.name, "total_params": self.total_params, "active_params": self.active_params,
@@ -253,6 +277,15 @@ def profile_from_hf_config(cfg: dict, name: str = "custom") -> ModelProfile:
                   qk_rope_head_dim=int(_get(cfg, "qk_rope_head_dim", source=src)),
                   v_head_dim=int(_get(cfg, "v_head_dim", source=src)))
     kw["mtp_layers"] = int(cfg.get("num_nextn_predict_layers") or cfg.get("mtp_num_hidden_layers") or 0)
+    layer_types = cfg.get("layer_types")
+    if layer_types or cfg.get("full_attention_interval"):
+        full = (sum(1 for t in layer_types if t == "full_attention") if layer_types
+                else layers // int(cfg["full_attention_interval"]))
+        if 0 < full < layers:
+            kw["attn_layers"] = full
+            kw["linear_state_elems"] = (layers - full) * int(
+                _get(cfg, "linear_num_value_heads", source=src)) * int(
+                _get(cfg, "linear_key_head_dim", source=src)) * int(_get(cfg, "linear_value_head_dim", source=src))
     return ModelProfile(name=name, family=model_type, hidden=hidden, layers=layers, heads=heads,
                         kv_heads=kv_heads, head_dim=head_dim, vocab=vocab, intermediate=intermediate,
                         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), **kw)

@@ -173,6 +173,12 @@ class ForwardModel:
         if fused_q and q > fused_q:
             kv_bytes = kv_bytes * q  # unfused fallback: the cache is read once per query token
         attn_flops = m.attn_flops_per_ctx * q * ctx_sum / G
+        if m.linear_state_elems:
+            # recurrent state (bf16, split over tp by value heads): a decode step reads and writes
+            # it once; a verify step reads it once and writes one snapshot per verified position
+            # (kept for rollback to the accepted prefix).
+            passes = 2.0 if q == 1 else 1.0 + q
+            kv_bytes = kv_bytes + (b / D) * m.linear_state_elems * 2 * passes / par.tp
         attn = np.maximum(kv_bytes / self._attn_bw(q), attn_flops / self.flops)
         # Logits: fp32, vocab-parallel; written once and read by softmax and the sampler.
         logits = Ta * m.vocab * 4 * 3 / par.tp / self.mem_bw
