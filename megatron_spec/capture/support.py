@@ -17,6 +17,12 @@ parallelism each rank holds a vocabulary slice, so:
 
 Returns a boolean *exclude* mask over this rank's slice for
 :func:`megatron_spec.capture.logprobs.vocab_parallel_token_logprobs`.
+
+:func:`vocab_parallel_entropy_and_log_mass` reads two more quantities off the same mask, for
+metrics and for engines that report unrenormalised log-probs: the entropy of the processed
+distribution and the log of the mass the support keeps under the temperature-scaled
+distribution (``log Z <= 0``; SGLang reports ``log p(t) + log Z`` for a sampled token t, see
+``megatron_spec/rollout/sglang_protocol.py``).
 """
 
 from __future__ import annotations
@@ -96,3 +102,47 @@ def vocab_parallel_support_mask(logits: torch.Tensor, *, vocab_size: int, temper
     if pad:
         kept = torch.cat([kept, kept.new_zeros(b, s, pad)], dim=-1)
     return ~kept[..., v_start:v_start + v_local]
+
+
+def _lse_parts(x: torch.Tensor, group, tp_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, Z, sum e (x - m)) of masked logits ``x`` [B, S, V_local] over the whole vocabulary,
+    with e = exp(x - m): logsumexp = m + log Z and the entropy is log Z - sum e (x - m) / Z."""
+    m = x.amax(dim=-1)  # [B, S]
+    if tp_size > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    y = x - m.unsqueeze(-1)
+    e = y.exp()
+    ey = torch.where(e > 0, e * y, torch.zeros_like(e))  # 0 * -inf would be NaN
+    z, s = e.sum(dim=-1), ey.sum(dim=-1)
+    if tp_size > 1:
+        zs = torch.stack([z, s])
+        dist.all_reduce(zs, group=group)
+        z, s = zs[0], zs[1]
+    return m, z, s
+
+
+@torch.no_grad()
+def vocab_parallel_entropy_and_log_mass(logits: torch.Tensor, exclude_mask: torch.Tensor | None, *,
+                                        vocab_size: int, temperature: float,
+                                        tp_group: dist.ProcessGroup | None = None
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy (nats) of the processed distribution and ``log Z``, the log of the mass its support
+    holds under the temperature-scaled, untruncated distribution; both ``[B, S]`` float32.
+
+    Args:
+        logits: this rank's vocabulary slice ``[B, S, V_local]``.
+        exclude_mask: :func:`vocab_parallel_support_mask`'s result (None: nothing cut, log Z = 0).
+        temperature: as the rollout; <= 0 (greedy) scores the unscaled policy.
+    """
+    tp_rank, tp_size = _tp_info(tp_group)
+    v_local = logits.shape[-1]
+    ids = torch.arange(tp_rank * v_local, (tp_rank + 1) * v_local, device=logits.device)
+    x = scale_by_temperature(logits, temperature).masked_fill(ids >= vocab_size, float("-inf"))
+    m_all, z_all, s_all = _lse_parts(x, tp_group, tp_size)
+    if exclude_mask is None:
+        return z_all.log() - s_all / z_all, torch.zeros_like(z_all)
+    m, z, s = _lse_parts(x.masked_fill(exclude_mask, float("-inf")), tp_group, tp_size)
+    entropy = z.log() - s / z
+    log_mass = (m + z.log()) - (m_all + z_all.log())  # logsumexp over the support - over all
+    return entropy, log_mass.clamp(max=0.0)

@@ -17,6 +17,11 @@ Why not megatron-core's own class: ``get_megatron_optimizer(OptimizerConfig(bf16
 (megatron-core 0.16/0.19), so it cannot run, or be tested, on CPU. This class is the same
 algorithm in torch's AdamW, and it runs on every device the model does.
 
+Weight decay applies to matrices only: one-dimensional weights (the norms' scales and every
+bias) are in a second parameter group with ``weight_decay=0`` (megatron-core's rule in
+``optimizer/__init__.py``: no decay for biases and 1-D parameters; decaying a norm's scale pulls
+it to 0, not to its initial 1).
+
 What it does not know: data or tensor parallelism (gradients arrive reduced in ``main_grad``;
 the caller computes the norm over its groups and clips through :meth:`grads`), schedules
 (the caller sets ``param_groups[i]["lr"]``), where tensors live between phases
@@ -44,7 +49,11 @@ class MixedPrecisionAdamW:
         self.params = list(params)
         # fp32 weights are their own main copy; bf16 ones get an fp32 copy on the same device
         self.main_params = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
-        self.optimizer = torch.optim.AdamW(self.main_params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
+        decay = [m for m in self.main_params if m.dim() >= 2]
+        no_decay = [m for m in self.main_params if m.dim() < 2]  # norms and biases
+        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                            {"params": no_decay, "weight_decay": 0.0}],
+                                           lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -110,4 +119,17 @@ class MixedPrecisionAdamW:
                     continue
                 # a bf16 run resumed from an fp32-run checkpoint starts from its rounded weights
                 main.copy_(saved if saved is not None else p)
-        self.optimizer.load_state_dict(state["adamw"])
+        self.optimizer.load_state_dict(self._two_groups(state["adamw"]))
+
+    def _two_groups(self, adamw: dict[str, Any]) -> dict[str, Any]:
+        """AdamW state saved with one parameter group (before norms and biases got their own):
+        its parameter indices follow the model's order; renumber them into the two groups."""
+        if len(adamw["param_groups"]) != 1 or len(self.optimizer.param_groups) != 2:
+            return adamw
+        order = [i for i, m in enumerate(self.main_params) if m.dim() >= 2] + \
+                [i for i, m in enumerate(self.main_params) if m.dim() < 2]
+        new_index = {old: new for new, old in enumerate(order)}
+        group = adamw["param_groups"][0]
+        groups = [dict(group, params=list(range(n0 := sum(m.dim() >= 2 for m in self.main_params)))),
+                  dict(group, params=list(range(n0, len(order))), weight_decay=0.0)]
+        return {"state": {new_index[i]: v for i, v in adamw["state"].items()}, "param_groups": groups}

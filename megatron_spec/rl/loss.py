@@ -12,6 +12,18 @@ Aggregation: ``token`` sums l_t over every response token and divides by ``norma
 average over ranks gives the global token mean); ``sequence`` averages within each sample,
 then sums over samples and divides by ``normalizer`` (sequences per DP rank).
 
+The truncated-IS weight multiplies the whole per-token loss, KL term included: both are
+estimated on samples the engine drew, so both get the same off-policy correction.
+
+Tokens outside a support (top-k / top-p / min-p). A log-prob of ``-inf`` means the token is
+outside that policy's processed distribution. The caller removes tokens outside the *old*
+policy's support from ``mask`` before the step (it counts them, ``mismatch/out_of_support_frac``).
+Inside this function, a masked token whose current (or old) log-prob is not finite is read as
+ratio 0, which the clipped surrogate turns into a constant: it adds nothing to the loss or the
+gradient but still counts in ``normalizer`` (``out_of_support`` in the stats); a token whose
+reference log-prob is not finite adds no KL term (the k3 estimate is +inf there). Non-finite
+values never reach ``exp`` or the backward pass: no NaN, whatever the supports.
+
 All log-prob inputs are the *verifier's* (Megatron's); the engine's log-probs enter only
 through the optional truncated importance-sampling weights w_t = min(C, exp(logp_old - logp_engine)),
 detached. Pure: tensors in, loss and detached statistics out.
@@ -34,6 +46,7 @@ class GRPOLossStats:
     ratio_max: float
     kl_sum: float
     pg_loss_sum: float
+    out_of_support: float = 0.0
 
 
 def grpo_loss(
@@ -66,19 +79,26 @@ def grpo_loss(
     if kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     m = mask.to(logprobs.dtype)
-    log_ratio = (logprobs - old_logprobs).masked_fill(m == 0, 0.0)  # [B, T]
-    ratio = log_ratio.exp()
+    on = m > 0
+    valid = on & torch.isfinite(logprobs) & torch.isfinite(old_logprobs)  # [B, T]
+    v = valid.to(logprobs.dtype)
+    # where() before any exp: -inf never reaches a backward that multiplies by it
+    log_ratio = torch.where(valid, logprobs - old_logprobs, torch.zeros_like(logprobs))  # [B, T]
+    ratio = log_ratio.exp() * v  # 0 where the current or old policy excludes the token
     a = advantages.to(logprobs.dtype).unsqueeze(1)  # [B, 1]
     unclipped = ratio * a
     clipped = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high) * a
-    per_token = -torch.minimum(unclipped, clipped)  # [B, T]
-    kl = torch.zeros_like(per_token)
+    pg = -torch.minimum(unclipped, clipped) * v  # [B, T]
+    kl = torch.zeros_like(pg)
     if kl_coef > 0:
-        d = (ref_logprobs - logprobs).masked_fill(m == 0, 0.0)
-        kl = d.exp() - d - 1.0
-        per_token = per_token + kl_coef * kl
+        valid_kl = valid & torch.isfinite(ref_logprobs)
+        d = torch.where(valid_kl, ref_logprobs - logprobs, torch.zeros_like(logprobs))
+        kl = (d.exp() - d - 1.0) * valid_kl.to(logprobs.dtype)
+    per_token = pg + kl_coef * kl
+    w = None
     if is_weights is not None:
-        per_token = per_token * is_weights.detach()
+        w = torch.where(valid, is_weights.detach(), torch.zeros_like(is_weights))
+        per_token = per_token * w
     per_token = per_token * m
     if agg == "token":
         loss = per_token.sum() / normalizer
@@ -86,13 +106,14 @@ def grpo_loss(
         lengths = m.sum(dim=1).clamp(min=1.0)
         loss = (per_token.sum(dim=1) / lengths).sum() / normalizer
     with torch.no_grad():
-        active = m > 0
+        binds = (clipped < unclipped) & valid  # the clip binds in the min
         stats = GRPOLossStats(
             tokens=float(m.sum()),
-            clipped=float(((clipped < unclipped) & active).sum()),  # the clip binds in the min
+            clipped=float(binds.sum()),
             ratio_sum=float((ratio * m).sum()),
-            ratio_max=float(ratio[active].max()) if bool(active.any()) else 1.0,
+            ratio_max=float(ratio[valid].max()) if bool(valid.any()) else 1.0,
             kl_sum=float((kl * m).sum()),
-            pg_loss_sum=float(per_token.sum()),
+            pg_loss_sum=float((pg * m * (w if w is not None else 1.0)).sum()),
+            out_of_support=float((on & ~valid).sum()),
         )
     return loss, stats

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_spec.rollout.types import FINISH_LENGTH
+
 
 @dataclass
 class Rollout:
@@ -67,10 +69,57 @@ def pack(rollouts: list[Rollout], pad_id: int = 0, device: torch.device | str = 
 
 
 def split(items: list, parts: int) -> list[list]:
-    """Split into ``parts`` contiguous chunks of equal size (the caller checked divisibility)."""
-    size = len(items) // parts
-    return [items[i * size:(i + 1) * size] for i in range(parts)]
+    """Split into ``parts`` contiguous chunks whose sizes differ by at most one; nothing is dropped.
+
+    The first ``len % parts`` chunks hold one item more. A run whose rollouts divide evenly (what
+    the launcher checks without dynamic sampling) gets equal chunks; a step that dynamic sampling
+    or truncation filtering shortened gets near-equal ones (some possibly empty).
+    """
+    if parts < 1:
+        raise ValueError(f"cannot split into {parts} parts")
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
 
 
 def micro_batches(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def select_for_training(rollouts: list[Rollout], group_size: int, *, drop_equal_reward_groups: bool = False,
+                        drop_truncated: bool = False) -> tuple[list[Rollout], int, int]:
+    """The rollouts that enter the loss, and (groups dropped, truncated responses dropped).
+
+    ``drop_equal_reward_groups`` (DAPO's dynamic sampling, Yu et al. 2025): a group whose G rewards
+    are all equal has group-relative advantages of exactly 0 and no policy gradient; it is dropped
+    instead of diluting the token mean. No replacement groups are generated: the step trains on
+    fewer rollouts. ``rollouts`` must then be whole groups in order (G consecutive samples of one
+    prompt, as the advantages were computed). ``drop_truncated``: responses cut at the length
+    limit (finish reason ``length``) take no part in the loss; they have already served in their
+    group's baseline.
+    """
+    kept, groups_dropped = list(rollouts), 0
+    if drop_equal_reward_groups:
+        if len(rollouts) % group_size:
+            raise ValueError(f"--dynamic-sampling needs whole groups on every data-parallel rank: {len(rollouts)} "
+                             f"rollouts are not groups of {group_size} (make --prompts-per-step a multiple of the "
+                             f"data-parallel size)")
+        kept = []
+        for i in range(0, len(rollouts), group_size):
+            group = rollouts[i:i + group_size]
+            if len({r.prompt_index for r in group}) != 1:
+                raise ValueError(f"rollouts {i}..{i + group_size - 1} mix prompts "
+                                 f"{sorted({r.prompt_index for r in group})}: not ordered group by group")
+            if all(r.reward == group[0].reward for r in group):
+                groups_dropped += 1
+            else:
+                kept.extend(group)
+    truncated = 0
+    if drop_truncated:
+        truncated = sum(r.finish_reason == FINISH_LENGTH for r in kept)
+        kept = [r for r in kept if r.finish_reason != FINISH_LENGTH]
+    return kept, groups_dropped, truncated
