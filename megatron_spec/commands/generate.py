@@ -23,11 +23,27 @@ from megatron_spec.isa import DTYPE_CHOICES
 HELP = "generate samples with the rollout engine (optionally speculative) from a prompts JSONL file"
 
 
+def _num_draft_tokens(value: str):
+    from megatron_spec.rollout.config import parse_num_draft_tokens
+
+    try:
+        return parse_num_draft_tokens(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="HF checkpoint directory of the target")
-    p.add_argument("--draft-kind", default="none", choices=["none", "eagle3", "model", "mtp", "ngram"])
+    p.add_argument("--draft-kind", default="none", choices=["none", "eagle3", "model", "mtp", "ngram", "history"],
+                   help="history: drafts from earlier responses to the same prompt (native engine)")
     p.add_argument("--draft-path", default=None, help="EAGLE-3 export (ModelOpt) or draft-model checkpoint")
-    p.add_argument("--num-draft-tokens", type=int, default=3, help="k, tokens drafted per verify step")
+    p.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=3,
+                   help="k, tokens drafted per verify step, or auto: chosen per step in 0..--max-draft-tokens from "
+                        "measured acceptance and step cost (native engine)")
+    p.add_argument("--max-draft-tokens", type=int, default=5, help="k_max of --num-draft-tokens auto")
+    p.add_argument("--history", action="store_true",
+                   help="also draft from earlier responses to the same prompt, per row where it is expected to "
+                        "emit more (needs --num-draft-tokens auto and another --draft-kind)")
     p.add_argument("--prompts", required=True, help="JSONL: {'id', 'prompt'} or {'id', 'input_ids'} per line")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's prefill)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -119,13 +135,18 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.model)
     try:
         dtype = resolve_dtype(args.dtype, "cuda" if args.backend == "sglang" else "cpu")
+        if args.backend == "sglang" and (args.num_draft_tokens == "auto" or args.history
+                                         or args.draft_kind == "history"):
+            raise ValueError("--num-draft-tokens auto, --history and --draft-kind history run in the native engine "
+                             "only (SGLang's speculative worker fixes k at start-up; docs/architecture.md)")
         prompts = read_prompts(args.prompts, tokenizer)
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   min_p=args.min_p, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
         requests = [GenerateRequest(rid, ids, sampling, n=args.n) for rid, ids in prompts]
         context = args.context_length or max(len(ids) for _, ids in prompts) + args.max_new_tokens
         config = EngineConfig(model_path=args.model, draft_kind=args.draft_kind, draft_path=args.draft_path,
-                              num_draft_tokens=args.num_draft_tokens, dtype=dtype,
+                              num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
+                              history=args.history, dtype=dtype,
                               max_batch_size=max(args.batch_size, args.n), context_length=context, seed=args.seed,
                               num_threads=args.num_threads)
     except (ValueError, FileNotFoundError) as exc:

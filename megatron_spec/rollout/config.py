@@ -12,8 +12,18 @@ import os
 
 from megatron_spec.isa import DTYPE_CHOICES, resolve_dtype
 
-DRAFT_KINDS = ("none", "eagle3", "model", "mtp", "ngram")
+DRAFT_KINDS = ("none", "eagle3", "model", "mtp", "ngram", "history")
 BACKENDS = ("native", "sglang")
+
+
+def parse_num_draft_tokens(value: "int | str") -> "int | str":
+    """A ``--num-draft-tokens`` value: ``auto`` or an int (argparse ``type`` and YAML values)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"num_draft_tokens must be an integer or 'auto', got {value!r}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +34,14 @@ class EngineConfig:
     """none | eagle3 | model | mtp | ngram."""
     draft_path: str | None = None
     """EAGLE-3 export (ModelOpt) or draft-model HF checkpoint; MTP heads come from the trainer."""
-    num_draft_tokens: int = 3
-    """k: tokens drafted per verify step."""
+    num_draft_tokens: int | str = 3
+    """k: tokens drafted per verify step, or ``auto``: chosen per step in 0..``max_draft_tokens`` by the
+    engine from measured acceptance and step cost (native engine; ``adaptive.py``)."""
+    max_draft_tokens: int = 5
+    """k_max of ``num_draft_tokens auto``."""
+    history: bool = False
+    """Also draft from earlier responses to the same prompt (this call's siblings, earlier calls'),
+    per row and step where the adaptive controller expects it to emit more (needs ``auto``)."""
     dtype: str = "float32"
     """Engine compute dtype: auto | float32 | bfloat16. Each backend resolves it once at start-up through
     ``megatron_spec.isa.resolve_dtype`` (the native engine: bf16 only where the CPU does bf16 natively,
@@ -58,8 +74,14 @@ class EngineConfig:
             raise ValueError(f"draft_kind must be one of {DRAFT_KINDS}, got {self.draft_kind!r}")
         if self.draft_kind in ("eagle3", "model") and not self.draft_path:
             raise ValueError(f"draft_kind {self.draft_kind} needs a draft_path")
-        if self.draft_kind != "none" and self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.num_draft_tokens != "auto" and (not isinstance(self.num_draft_tokens, int)
+                                                or isinstance(self.num_draft_tokens, bool)):
+            raise ValueError(f"num_draft_tokens must be an int or 'auto', got {self.num_draft_tokens!r}")
+        if self.draft_kind != "none" and self.k < 1:
+            raise ValueError(f"num_draft_tokens (max_draft_tokens with auto) must be >= 1, got {self.k}")
+        if self.history and (not self.adaptive or self.draft_kind in ("none", "history")):
+            raise ValueError("history beside a drafter needs num_draft_tokens auto and a draft_kind other than "
+                             "none and history (draft_kind history drafts from the history alone)")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.max_batch_size < 1 or self.context_length < 2:
@@ -75,5 +97,12 @@ class EngineConfig:
         return self if dtype == self.dtype else dataclasses.replace(self, dtype=dtype)
 
     @property
+    def adaptive(self) -> bool:
+        return self.num_draft_tokens == "auto"
+
+    @property
     def k(self) -> int:
-        return self.num_draft_tokens if self.draft_kind != "none" else 0
+        """Tokens drafted per step (k_max with ``auto``); 0 without a drafter."""
+        if self.draft_kind == "none":
+            return 0
+        return self.max_draft_tokens if self.adaptive else self.num_draft_tokens

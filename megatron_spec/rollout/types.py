@@ -87,6 +87,11 @@ class SampleOutput:
     """Drafts accepted at each speculative verify step (empty for plain decoding)."""
     weight_version: str | None = None
     draft_weight_version: str | None = None
+    draft_lengths: list[int] = dataclasses.field(default_factory=list)
+    """Drafts proposed at each verify step after the prefill (the k chosen for this request at that
+    step, fewer where a history proposal was shorter; 0 = a plain step); empty without a drafter."""
+    draft_sources: list[str] = dataclasses.field(default_factory=list)
+    """Where each step's drafts came from: the drafter's kind, or ``history``."""
 
     @property
     def accept_length(self) -> float:
@@ -110,13 +115,38 @@ class GenerateStats:
     """Verify steps that checked drafts (excludes prefill's first token and plain steps)."""
     accepted_at_least: list[int] = dataclasses.field(default_factory=list)
     """accepted_at_least[i]: spec steps that accepted more than i drafts."""
+    k_counts: list[int] = dataclasses.field(default_factory=list)
+    """k_counts[k]: row-steps (one request, one verify step) that drafted k tokens (histogram of k)."""
+    source_steps: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Spec row-steps per draft source (the drafter's kind, ``history``)."""
+    source_accepted: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Drafts accepted per draft source."""
 
-    def add_spec_step(self, num_accepted: int, k: int) -> None:
+    def add_spec_step(self, num_accepted: int, k: int, source: str | None = None) -> None:
         if len(self.accepted_at_least) < k:
             self.accepted_at_least.extend([0] * (k - len(self.accepted_at_least)))
         self.spec_steps += 1
         for i in range(num_accepted):
             self.accepted_at_least[i] += 1
+        if source is not None:
+            self.source_steps[source] = self.source_steps.get(source, 0) + 1
+            self.source_accepted[source] = self.source_accepted.get(source, 0) + num_accepted
+
+    def add_step_k(self, k: int) -> None:
+        if len(self.k_counts) <= k:
+            self.k_counts.extend([0] * (k + 1 - len(self.k_counts)))
+        self.k_counts[k] += 1
+
+    @property
+    def k_mean(self) -> float | None:
+        """Mean drafts per row-step (None: no speculative engine)."""
+        n = sum(self.k_counts)
+        return sum(k * c for k, c in enumerate(self.k_counts)) / n if n else None
+
+    def source_accept_length(self, source: str) -> float | None:
+        """1 + mean drafts accepted over the spec row-steps that drafted from ``source``."""
+        n = self.source_steps.get(source, 0)
+        return 1.0 + self.source_accepted.get(source, 0) / n if n else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -148,6 +178,12 @@ class GenerateStats:
         a = self.accepted_at_least + [0] * (k - len(self.accepted_at_least))
         b = other.accepted_at_least + [0] * (k - len(other.accepted_at_least))
         self.accepted_at_least = [x + y for x, y in zip(a, b)]
+        self.k_counts.extend([0] * (len(other.k_counts) - len(self.k_counts)))
+        for k, c in enumerate(other.k_counts):
+            self.k_counts[k] += c
+        for src, n in other.source_steps.items():
+            self.source_steps[src] = self.source_steps.get(src, 0) + n
+            self.source_accepted[src] = self.source_accepted.get(src, 0) + other.source_accepted.get(src, 0)
 
     def summary(self) -> dict[str, Any]:
         """The JSON summary line of ``megatron-spec generate`` (docs/design.md, "megatron-spec generate")."""
@@ -156,7 +192,10 @@ class GenerateStats:
                 "accept_rate_per_position": [round(r, 4) for r in self.accept_rate_per_position],
                 "wall_s": round(self.wall_s, 4), "num_verify_steps": self.num_verify_steps,
                 "spec_accept_length": round(self.spec_accept_length, 4),
-                "num_draft_tokens": self.num_draft_tokens}
+                "num_draft_tokens": self.num_draft_tokens,
+                "k_mean": None if self.k_mean is None else round(self.k_mean, 4), "k_hist": list(self.k_counts),
+                "source_steps": dict(self.source_steps),
+                "source_accept_length": {s: round(self.source_accept_length(s), 4) for s in self.source_steps}}
 
 
 def stats_from_samples(samples: Sequence[SampleOutput], wall_s: float, k: int) -> GenerateStats:
@@ -167,4 +206,6 @@ def stats_from_samples(samples: Sequence[SampleOutput], wall_s: float, k: int) -
         st.num_verify_steps += s.num_verify_steps
         for a in s.accepted_per_step:
             st.add_spec_step(a, k)
+        for d in s.draft_lengths:
+            st.add_step_k(d)
     return st

@@ -65,6 +65,22 @@ def test_greedy_identical_to_transformers_and_engine_ar(setup, greedy_reference,
         assert stats.spec_steps > 0 and len(stats.accept_rate_per_position) == k
 
 
+@pytest.mark.parametrize("kind", ["ngram", "model", "eagle3"])
+def test_adaptive_k_greedy_identical_to_transformers(setup, greedy_reference, kind):
+    """num_draft_tokens auto: k changes step by step (0 included), the output never does."""
+    prompts, ref = greedy_reference
+    server = _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=4, max_batch_size=4)
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40), n=1 + i % 2)
+            for i, p in enumerate(prompts)]
+    samples, stats = server.generate(reqs)
+    for s in samples:
+        assert s.output_ids == ref[int(s.request_id[1:])], (kind, s.request_id, s.sample_index)
+        assert len(s.draft_lengths) == s.num_verify_steps - 1 and all(0 <= k <= 4 for k in s.draft_lengths)
+    assert sum(stats.k_counts) == sum(len(s.draft_lengths) for s in samples)
+    assert len([c for c in stats.k_counts if c]) >= 2, stats.k_counts  # k did change (exploration at least)
+    assert stats.summary()["k_mean"] is not None
+
+
 @pytest.mark.parametrize("kind", ["none", "eagle3", "model"])
 def test_logprobs_equal_transformers_processed(setup, hf_target, kind):
     """Each reported log-prob is log_softmax of transformers' processed logits (fp32, 1e-5)."""

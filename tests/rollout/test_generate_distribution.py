@@ -39,15 +39,20 @@ def exact_joint(model_dir: str, temperature: float, top_k: int, top_p: float) ->
     return joint
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 10, 0.95), (0.7, 20, 0.9)])
-def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p, draft", [
+    (1.0, 10, 0.95, ("--num-draft-tokens", "3")), (0.7, 20, 0.9, ("--num-draft-tokens", "3")),
+    # adaptive k: one engine runs the 96 prompts' waves one after the other, so the k that drafts the
+    # second token moves from wave to wave (0 = a plain step included); the joint must not move
+    (1.0, 10, 0.95, ("--num-draft-tokens", "auto", "--max-draft-tokens", "3")),
+], ids=["k3-t1", "k3-t0.7", "auto-t1"])
+def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k, top_p, draft):
     prompts = tmp_path / "prompts.jsonl"
     per_request = 64
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": PROMPT}) + "\n"
                                for i in range(N // per_request)))
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "megatron_spec", "generate", "--model", setup.target, "--draft-kind", "eagle3",
-           "--draft-path", setup.eagle3, "--num-draft-tokens", "3", "--prompts", str(prompts),
+           "--draft-path", setup.eagle3, *draft, "--prompts", str(prompts),
            "--n", str(per_request), "--temperature", str(temperature), "--top-k", str(top_k), "--top-p", str(top_p),
            "--max-new-tokens", "2", "--ignore-eos", "--seed", "1234", "--batch-size", "64",
            "--num-threads", "2", "--output", str(out), "--no-progress",
@@ -68,3 +73,5 @@ def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k,
     assert chi_square_pvalue(pairs, joint) > 1e-3
     assert total_variation(pairs, joint) < tv_bound(len(joint), N)
     assert summary["accept_rate_per_position"][0] > 0.0  # drafts were really verified, not bypassed
+    if "auto" in draft:
+        assert sum(1 for c in summary["k_hist"] if c) >= 2, summary["k_hist"]  # k really changed

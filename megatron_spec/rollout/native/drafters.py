@@ -51,6 +51,14 @@ class Drafter(abc.ABC):
     """Target decoder layers whose outputs the drafter consumes (EAGLE-3)."""
     d2t: torch.Tensor | None = None
     """Draft-to-target id offsets of a reduced draft vocabulary (draft probs are over it)."""
+    supports_skip: bool = True
+    """``propose(k=0)`` is allowed (a step drafting nothing; the drafter only keeps its state)."""
+
+    def begin_call(self) -> None:
+        """A new ``generate`` call starts (history drafters age their index)."""
+
+    def finish(self, slot: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """The sample in ``slot`` (of ``prompt``) finished with ``output`` (before its slot is reused)."""
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         """Allocate per-slot state for ``num_slots`` sequences of up to ``max_len`` tokens."""
@@ -78,6 +86,8 @@ class Drafter(abc.ABC):
 
         Args:
             tokens: each row's full token list (prompt + generated so far).
+            k: drafts per row; 0 (adaptive draft length) drafts nothing and returns ``[B, 0]``,
+                the drafter only brings its state up to date for the next ``commit``.
         Returns:
             draft token ids ``[B, k]`` (target vocabulary; -1 ends a row's chain early) and the
             draft distributions they were sampled from ``[B, k, Vd]`` (None: point masses, or
@@ -131,6 +141,7 @@ class _CachedDraftModel(Drafter):
         self.cache = None
         self.pending_tokens: list[list[int]] = []
         self.pending_aux: list[torch.Tensor | None] = []
+        self._skipped = False  # the last propose had k = 0: commit appends to the pending pairs
 
     def _new_cache(self, num_slots: int, max_len: int):
         raise NotImplementedError
@@ -215,6 +226,9 @@ class ModelDrafter(_CachedDraftModel):
 
     def propose(self, tokens, k, sampling, generator):
         b = len(tokens)
+        self._skipped = k == 0
+        if k == 0:
+            return torch.empty(b, 0, dtype=torch.long), None
         ids, lens, positions, _ = self._pad_pending(b)
         base = self.cache.lens[:b].clone()
         logits, _ = self.model(ids, positions, self.cache, base + lens, logits_index=(lens - 1).unsqueeze(1))
@@ -232,6 +246,10 @@ class ModelDrafter(_CachedDraftModel):
         return torch.stack(drafts, 1), _stack_probs(probs)
 
     def commit(self, emitted, num_accepted, verify_aux):
+        if self._skipped:  # nothing was run: the emitted tokens join the pending ones
+            for b, em in enumerate(emitted):
+                self.pending_tokens[b] = self.pending_tokens[b] + list(em)
+            return
         # Entries written for accepted drafts are exact (same tokens, same positions): keep them.
         for b, (em, a) in enumerate(zip(emitted, num_accepted)):
             keep = min(a, self._fed)
@@ -278,6 +296,9 @@ class Eagle3Drafter(_CachedDraftModel):
 
     def propose(self, tokens, k, sampling, generator):
         b = len(tokens)
+        self._skipped = k == 0
+        if k == 0:
+            return torch.empty(b, 0, dtype=torch.long), None
         ids, lens, positions, aux = self._pad_pending(b)
         base = self.cache.lens[:b].clone()
         # draft extend: every pending pair enters the cache, only the last one's output is needed
@@ -297,8 +318,12 @@ class Eagle3Drafter(_CachedDraftModel):
     def commit(self, emitted, num_accepted, verify_aux):
         for b, em in enumerate(emitted):
             n = len(em)
-            self.pending_tokens[b] = list(em)
-            self.pending_aux[b] = verify_aux[b, :n]
+            if self._skipped:  # nothing was run: the new (token, aux) pairs join the pending ones
+                self.pending_tokens[b] = self.pending_tokens[b] + list(em)
+                self.pending_aux[b] = torch.cat([self.pending_aux[b], verify_aux[b, :n]])
+            else:
+                self.pending_tokens[b] = list(em)
+                self.pending_aux[b] = verify_aux[b, :n]
 
 
 class MtpDrafter(Drafter):
@@ -317,6 +342,7 @@ class MtpDrafter(Drafter):
     """
 
     kind = "mtp"
+    supports_skip = False  # depth j's pending rows assume one proposal per verify step
 
     def __init__(self, head, target, num_draft_tokens: int) -> None:
         if num_draft_tokens < 1:

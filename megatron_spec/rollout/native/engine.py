@@ -12,6 +12,14 @@ One :meth:`EngineCore.generate` call runs a list of requests to completion:
   k+1 positions, and verifies with ``megatron_spec.spec.verify_chain`` (accept with
   min(1, p/q), residual on rejection, bonus token when all pass). Rejected positions are
   rolled back by resetting cache lengths.
+* **Draft length.** With ``adaptive`` the k of each speculative step is chosen in
+  ``0..num_draft_tokens`` by ``adaptive.DraftLengthController`` from acceptance per position
+  (per request and per batch) and the step and draft times this engine measured; k = 0 is a
+  plain step that still feeds the drafter (its state stays in sync). With a ``history`` drafter
+  beside the main one, each row of each step drafts from the source the controller expects
+  to emit more tokens (per-request choice; the two sources are not combined into a tree):
+  history rows are verified with a point-mass q, the others with the drafter's q, in two
+  ``verify_chain`` calls over the same target forward.
 * **Retirement.** A row finishes at a stop token or ``max_new_tokens``; its slot is refilled by
   moving the last running row into it, so the batch stays in slots ``0..B-1``.
 
@@ -33,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatron_spec.rollout.native.adaptive import AcceptanceStats, DraftLengthController
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
 from megatron_spec.rollout.types import (
@@ -61,8 +70,12 @@ class _Row:
     out: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     accepted: list[int] = dataclasses.field(default_factory=list)
+    draft_lengths: list[int] = dataclasses.field(default_factory=list)
+    sources: list[str] = dataclasses.field(default_factory=list)
     verify_steps: int = 1  # the prefill produced the first token
     finish: str | None = None
+    acc: dict[str, AcceptanceStats] = dataclasses.field(default_factory=dict)
+    """This request's acceptance per position, per draft source (adaptive k)."""
 
     def emit(self, token: int, logprob: float) -> bool:
         """Append one token; returns True when the row is finished."""
@@ -90,12 +103,23 @@ class EngineCore:
 
     def __init__(self, model: CausalLM, drafter: Drafter | None, *, num_draft_tokens: int = 3,
                  max_batch_size: int = 32, context_length: int = 2048, seed: int = 0,
-                 prefill_token_budget: int = 8192, eos_token_ids: Sequence[int] = ()):
+                 prefill_token_budget: int = 8192, eos_token_ids: Sequence[int] = (), adaptive: bool = False,
+                 history: Drafter | None = None):
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
+        if history is not None and (drafter is None or not adaptive):
+            raise ValueError("a history drafter beside the main one needs a main drafter and adaptive k "
+                             "(the per-row choice of source is the adaptive controller's)")
         self.model = model
         self.drafter = drafter
+        self.history = history
+        """A second draft source (``HistoryDrafter``) chosen per row and step; None: the drafter only."""
         self.k = num_draft_tokens if drafter is not None else 0
+        """k, or k_max with ``adaptive``."""
+        self.controller = None
+        if adaptive and drafter is not None:
+            k_min = 0 if drafter.supports_skip else 1
+            self.controller = DraftLengthController(self.k, k_min=k_min)
         self.max_batch_size = max_batch_size
         self.context_length = context_length
         self.prefill_token_budget = prefill_token_budget
@@ -112,6 +136,8 @@ class EngineCore:
         self.cache = self.model.new_cache(self.max_batch_size, max_len)
         if self.drafter is not None:
             self.drafter.allocate(self.max_batch_size, max_len)
+        if self.history is not None:
+            self.history.allocate(self.max_batch_size, max_len)
 
     def release(self) -> None:
         self.cache = None
@@ -152,6 +178,9 @@ class EngineCore:
             self.allocate()
         t0 = time.perf_counter()
         stats = GenerateStats(num_draft_tokens=self.k if self.spec_enabled else 0)
+        for d in (self.drafter, self.history):
+            if d is not None:
+                d.begin_call()
         waiting = deque(requests)
         rows: list[_Row] = []
         done: list[SampleOutput] = []
@@ -273,6 +302,8 @@ class EngineCore:
                 prompt_idx = prompt_of_row[j]
                 last_aux = aux[prompt_idx, int(lens[prompt_idx]) - 1] if aux is not None else None
                 self.drafter.start(slot, row.req.input_ids, t_, last_aux)
+                if self.history is not None:
+                    self.history.start(slot, row.req.input_ids, t_, None)
             row.emit(t_, l_)
         rows.extend(new_rows)
 
@@ -284,7 +315,11 @@ class EngineCore:
             r = rows[i]
             out = SampleOutput(r.req.request_id, r.sample_index, r.out, r.logprobs, r.finish, r.verify_steps,
                                r.accepted, weight_version=getattr(self, "weight_version", None),
-                               draft_weight_version=getattr(self, "draft_weight_version", None))
+                               draft_weight_version=getattr(self, "draft_weight_version", None),
+                               draft_lengths=r.draft_lengths, draft_sources=r.sources)
+            for d in (self.drafter, self.history):
+                if d is not None:
+                    d.finish(i, r.req.input_ids, r.out)
             done.append(out)
             if on_done is not None:
                 on_done(out)
@@ -293,6 +328,8 @@ class EngineCore:
                 self.cache.move(last, i)
                 if self.drafter is not None:
                     self.drafter.move(last, i)
+                if self.history is not None:
+                    self.history.move(last, i)
                 rows[i] = rows[last]
             rows.pop()
         return True
@@ -315,29 +352,102 @@ class EngineCore:
 
     def _spec_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats,
                    adm: _Admission | None = None) -> None:
-        b, k = len(rows), self.k
-        drafts, q = self.drafter.propose([r.tokens for r in rows], k, sampling, self.generator)  # [B, k]
+        t0 = time.perf_counter()
+        b = len(rows)
+        tokens = [r.tokens for r in rows]
+        main = self.drafter.kind
+        hist = self.history.propose_lists(tokens, self.k) if self.history is not None else None
+        t_draft = time.perf_counter() - t0
+        if self.controller is None:
+            k, use_hist = self.k, [False] * b
+        else:
+            k, use_hist = self._choose(rows, hist)
+        t1 = time.perf_counter()
+        if k > 0 and (not all(use_hist) or not self.drafter.supports_skip):
+            drafts, q = self.drafter.propose(tokens, k, sampling, self.generator)  # [B, k], [B, k, Vd]
+        else:  # no row drafts from the main drafter: a k = 0 proposal only keeps its state in sync
+            self.drafter.propose(tokens, 0, sampling, self.generator)
+            drafts, q = torch.full((b, k), -1, dtype=torch.long), None
+        t_draft += time.perf_counter() - t1
+        point = torch.tensor(use_hist)  # [B] rows verified against a point mass (history drafts)
+        if any(use_hist):
+            drafts = drafts.clone()
+            for i in (i for i, u in enumerate(use_hist) if u):
+                h = hist[i][:k]
+                drafts[i] = -1
+                drafts[i, :len(h)] = torch.tensor(h, dtype=torch.long)
         inputs = torch.cat([torch.tensor([[r.tokens[-1]] for r in rows]), drafts.clamp(min=0)], dim=1)
         base = self.cache.lens[:b].clone()
         pos = base.unsqueeze(1) + torch.arange(k + 1)  # [B, k+1]
         (logits, aux), pre = self._forward(Segment(inputs, pos, base + k + 1), adm, self.drafter.aux_layers)
         lp = process_logits(logits, sampling)  # [B, k+1, V]
         d2t = self.drafter.d2t if q is not None else None  # d2t maps q's vocabulary; drafts are target ids
-        res = verify_chain(lp, drafts, q, d2t=d2t, greedy=sampling.greedy, generator=self.generator)
+        res = self._verify(lp, drafts, q, d2t, sampling.greedy, point)
         tok_lp = res.logprobs
         if bool(sampling.greedy.any()):
             tok_lp = self._token_logprobs(logits, lp, res.tokens, sampling.greedy)
         emitted = res.emitted()
         accepted = res.num_accepted.tolist()
         self.cache.lens[:b] = base + res.num_accepted + 1  # last token + accepted drafts are cached
-        self.drafter.commit(emitted, accepted, aux)
+        # the main drafter's own drafts were accepted only on its rows (a ModelDrafter keeps their entries)
+        self.drafter.commit(emitted, [0 if u else a for a, u in zip(accepted, use_hist)], aux)
         lps = tok_lp.tolist()
-        for r, em, a, l_ in zip(rows, emitted, accepted, lps):
+        for r, em, a, l_, u, dr in zip(rows, emitted, accepted, lps, use_hist, drafts.tolist()):
             r.verify_steps += 1
-            r.accepted.append(a)
-            stats.add_spec_step(a, k)
+            src = "history" if u else main
+            proposed = sum(1 for t_ in dr if t_ >= 0)
+            r.draft_lengths.append(proposed)
+            r.sources.append(src)
+            stats.add_step_k(proposed)
+            if k > 0:
+                r.accepted.append(a)
+                stats.add_spec_step(a, self.k, source=src)
+                if self.controller is not None and proposed > 0:
+                    self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k)), proposed, a)
             for j, t_ in enumerate(em):
                 if r.emit(t_, l_[j]):
                     break
+        if self.controller is not None:
+            self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_draft, prefill=adm is not None)
         if adm is not None:
             self._start(adm, rows, *pre)
+
+    def _choose(self, rows: list[_Row], hist: list[list[int]] | None) -> tuple[int, list[bool]]:
+        """The step's k and, per row, whether it drafts from the history (the source expected to
+        emit more tokens at that k; ties go to the main drafter)."""
+        from megatron_spec.rollout.native.adaptive import expected_tokens
+
+        main = self.drafter.kind
+        options = []
+        for i, r in enumerate(rows):
+            opts = [(self.controller.row_alpha(main, r.acc.get(main)), None)]
+            if hist is not None and hist[i]:
+                opts.append((self.controller.row_alpha("history", r.acc.get("history")), len(hist[i])))
+            options.append(opts)
+        k = self.controller.choose(options)
+        use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
+        return k, use
+
+    @staticmethod
+    def _merge_rows(parts, idx, b: int, width: int):
+        """Scatter per-group verify results back to rows ``idx`` of a ``[B, width]`` result."""
+        from megatron_spec.spec.verify import VerifyResult
+
+        tokens = torch.full((b, width), -1, dtype=torch.long)
+        logprobs = torch.zeros(b, width)
+        num = torch.zeros(b, dtype=torch.long)
+        for res, ix in zip(parts, idx):
+            tokens[ix], logprobs[ix], num[ix] = res.tokens, res.logprobs, res.num_accepted
+        return VerifyResult(tokens=tokens, num_accepted=num, logprobs=logprobs)
+
+    def _verify(self, lp, drafts, q, d2t, greedy, point: torch.Tensor):
+        """``verify_chain``, split in two groups when some rows' drafts are point masses (history)
+        and the others carry the drafter's q: each group is verified exactly by its own rule."""
+        if q is None or not bool(point.any()):
+            return verify_chain(lp, drafts, None if bool(point.all()) else q, d2t=d2t, greedy=greedy,
+                                generator=self.generator)
+        own = (~point).nonzero()[:, 0]
+        pm = point.nonzero()[:, 0]
+        a = verify_chain(lp[own], drafts[own], q[own], d2t=d2t, greedy=greedy[own], generator=self.generator)
+        c = verify_chain(lp[pm], drafts[pm], None, greedy=greedy[pm], generator=self.generator)
+        return self._merge_rows([a, c], [own, pm], lp.shape[0], lp.shape[1])

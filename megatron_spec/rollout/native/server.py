@@ -65,7 +65,13 @@ class EngineServer:
             self.target.load_weights((n, ckpt.get(n)) for n in ckpt.names() if self._is_target_name(n))
             self.versions["target"] = "init"
         self.drafter = self._build_drafter()
-        self.core = EngineCore(self.target, self.drafter, num_draft_tokens=config.num_draft_tokens,
+        history = None
+        if config.history:
+            from megatron_spec.rollout.native.history_drafter import HistoryDrafter
+
+            history = HistoryDrafter()
+        self.core = EngineCore(self.target, self.drafter, num_draft_tokens=config.k, adaptive=config.adaptive,
+                               history=history,
                                max_batch_size=config.max_batch_size, context_length=config.context_length,
                                seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
         self.core.allocate()
@@ -92,6 +98,10 @@ class EngineServer:
             return None
         if cfg.draft_kind == "ngram":
             return NgramDrafter(cfg.ngram_min, cfg.ngram_max)
+        if cfg.draft_kind == "history":
+            from megatron_spec.rollout.native.history_drafter import HistoryDrafter
+
+            return HistoryDrafter()
         if cfg.draft_kind == "model":
             dck = HFCheckpoint(cfg.draft_path)
             dcfg = dck.decoder_config
@@ -118,7 +128,7 @@ class EngineServer:
                 self.versions["draft"] = "init"
             else:
                 head = MtpHead(self.target_cfg, cfg.mtp_num_layers).to(self.dtype).eval()
-            return MtpDrafter(head, self.target, cfg.num_draft_tokens)
+            return MtpDrafter(head, self.target, cfg.k)
         raise ValueError(f"draft_kind {cfg.draft_kind!r} is not available in the native engine")
 
     def _draft_module(self) -> torch.nn.Module | None:
@@ -131,7 +141,8 @@ class EngineServer:
     # ------------------------------------------------------------------ calls
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "architecture": self.target_cfg.architecture, "draft_kind": self.config.draft_kind,
-                "num_draft_tokens": self.config.k, "dtype": self.config.dtype,
+                "num_draft_tokens": self.config.k, "adaptive": self.config.adaptive,
+                "history": self.config.history, "dtype": self.config.dtype,
                 "max_batch_size": self.config.max_batch_size, "context_length": self.config.context_length,
                 "torch_threads": torch.get_num_threads()}
 

@@ -1,0 +1,212 @@
+"""Adaptive draft length: the k of each verify step, chosen from what the engine measured.
+
+Speculation pays ``E(k) / T(B, k)`` tokens per second for a batch of B rows drafting k tokens:
+
+* ``E_b(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_b[j]`` expected tokens emitted by row b, with
+  ``alpha_b[j]`` the probability that draft j is accepted given drafts 1..j-1 were (acceptance per
+  position, Leviathan et al. 2023, sec. 3.1, generalised from one alpha to one per position);
+* ``T(B, k) = V(B * (k+1)) + k * D(B)``: the step's time, V the target forward + verification +
+  host work of ``B * (k+1)`` tokens, D one draft pass over B rows (k = 0: a plain step, ``V(B)``).
+
+Both are measured online by the engine, nothing is tuned to one machine:
+
+* :class:`CostTable` keeps an exponential moving average of seconds per integer size (tokens of
+  a verify step; rows of a draft pass) and interpolates linearly between sizes it has seen
+  (extrapolating with the slope of the two nearest, never below zero slope). Steps that carried a
+  prompt's prefill are not recorded (their time is not the step's).
+* :class:`AcceptanceStats` counts, per draft position, how often it was tried and accepted:
+  per batch with a slow decay (so it follows the draft and the policy as they train) and per
+  request (a row's own history, shrunk towards the batch's rate with ``prior_weight`` pseudo-steps:
+  a request with few steps gets the batch's rate, one with many its own).
+
+:class:`DraftLengthController` picks ``argmax_k sum_b E_b(k) / T(B, k)`` over ``k_min..k_max``;
+every ``explore_every``-th step it tries a neighbour of the best k instead (alternately above and
+below), so the cost table and the deeper positions' acceptance keep being measured. The choice
+never changes any output distribution: verification is exact for every k.
+
+This module knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and
+accepted counts.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+
+class CostTable:
+    """Seconds per integer size, an EMA per size, linear interpolation between sizes."""
+
+    def __init__(self, ema: float = 0.3, max_sizes: int = 512):
+        self.ema = ema
+        self.max_sizes = max_sizes
+        self.sizes: list[int] = []
+        self.seconds: dict[int, float] = {}
+
+    def update(self, size: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        if size in self.seconds:
+            self.seconds[size] += self.ema * (seconds - self.seconds[size])
+            return
+        if len(self.sizes) >= self.max_sizes:  # bounded: forget the size farthest from this one
+            far = max(self.sizes, key=lambda s: abs(s - size))
+            self.sizes.remove(far)
+            del self.seconds[far]
+        bisect.insort(self.sizes, size)
+        self.seconds[size] = seconds
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def estimate(self, size: int) -> float | None:
+        """Seconds at ``size``: measured, interpolated, or extrapolated; None with no data.
+
+        With one measured size s0 the cost is taken proportional to the size (``t0 * size / s0``):
+        optimistic below s0, pessimistic above, so the controller's next choices measure a
+        second size and the table becomes a line."""
+        if not self.sizes:
+            return None
+        if size in self.seconds:
+            return self.seconds[size]
+        if len(self.sizes) == 1:
+            s0 = self.sizes[0]
+            return self.seconds[s0] * size / s0
+        i = bisect.bisect_left(self.sizes, size)
+        lo, hi = (i - 1, i) if 0 < i < len(self.sizes) else ((0, 1) if i == 0 else (-2, -1))
+        s_lo, s_hi = self.sizes[lo], self.sizes[hi]
+        t_lo, t_hi = self.seconds[s_lo], self.seconds[s_hi]
+        slope = max(0.0, (t_hi - t_lo) / (s_hi - s_lo))
+        return max(t_lo + slope * (size - s_lo), min(t_lo, t_hi) * 0.05)
+
+
+class AcceptanceStats:
+    """Tried / accepted counts per draft position (1-based positions stored 0-based)."""
+
+    def __init__(self, k_max: int, decay: float = 1.0):
+        self.decay = decay
+        self.tried = [0.0] * k_max
+        self.accepted = [0.0] * k_max
+
+    def record(self, k: int, num_accepted: int) -> None:
+        """One verify step of one row drafted ``k`` tokens and ``num_accepted`` passed: positions
+        ``1..min(k, a+1)`` were tried (position a+1 was the rejected one when a < k)."""
+        for i in range(min(k, num_accepted + 1)):
+            self.tried[i] += 1.0
+            if i < num_accepted:
+                self.accepted[i] += 1.0
+
+    def decay_all(self) -> None:
+        if self.decay < 1.0:
+            self.tried = [t * self.decay for t in self.tried]
+            self.accepted = [a * self.decay for a in self.accepted]
+
+    def rates(self, prior: Sequence[float] | None = None, prior_weight: float = 1.0,
+              first_prior: float = 0.5) -> list[float]:
+        """Conditional acceptance per position, shrunk towards ``prior`` (or, without one, towards
+        the previous position's rate; ``first_prior`` for position 1) by ``prior_weight`` steps."""
+        out: list[float] = []
+        for i, (t, a) in enumerate(zip(self.tried, self.accepted)):
+            p = prior[i] if prior is not None else (out[-1] if out else first_prior)
+            out.append((a + prior_weight * p) / (t + prior_weight))
+        return out
+
+
+Option = tuple[Sequence[float], "int | None"]
+"""One draft source of one row: acceptance per position, and its proposal length (None: any k)."""
+
+
+def expected_tokens(alpha: Sequence[float], k: int, limit: int | None = None) -> float:
+    """``1 + sum_{i<=k'} prod_{j<=i} alpha[j]`` with ``k' = min(k, limit)`` (a proposal shorter
+    than k drafts only ``limit`` tokens)."""
+    k = k if limit is None else min(k, limit)
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= alpha[i]
+        total += run
+    return total
+
+
+class DraftLengthController:
+    """Chooses k per verify step (see the module docstring)."""
+
+    def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, row_prior_weight: float = 4.0,
+                 batch_decay: float = 0.98):
+        if not 0 <= k_min <= k_max or k_max < 1:
+            raise ValueError(f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}")
+        self.k_max, self.k_min = k_max, k_min
+        self.explore_every = explore_every
+        self.row_prior_weight = row_prior_weight
+        self.batch_decay = batch_decay
+        self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
+        self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
+        self.draft = CostTable()  # one draft pass, keyed by rows B
+        self._steps = 0
+        self._explore_up = True
+
+    def source(self, name: str) -> AcceptanceStats:
+        if name not in self.batch:
+            self.batch[name] = AcceptanceStats(self.k_max, decay=self.batch_decay)
+        return self.batch[name]
+
+    def row_alpha(self, source: str, row: AcceptanceStats | None) -> list[float]:
+        """Acceptance per position of one row's drafts from ``source``: the row's own counts
+        shrunk towards the batch's (``row_prior_weight`` pseudo-steps)."""
+        base = self.source(source).rates()
+        return base if row is None else row.rates(prior=base, prior_weight=self.row_prior_weight)
+
+    def record_accept(self, source: str, row: AcceptanceStats | None, k: int, num_accepted: int) -> None:
+        self.source(source).record(k, num_accepted)
+        if row is not None:
+            row.record(k, num_accepted)
+
+    def step_seconds(self, b: int, k: int) -> float | None:
+        v = self.verify.estimate(b * (k + 1))
+        if v is None:
+            return None
+        if k == 0:
+            return v
+        d = self.draft.estimate(b)
+        return None if d is None else v + k * d
+
+    def expected_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
+        """Expected tokens per second for every k with a cost estimate; row b emits
+        ``max over options[b]`` of ``expected_tokens`` (its best draft source at that k)."""
+        b = len(options)
+        out = {}
+        for k in range(self.k_min, self.k_max + 1):
+            t = self.step_seconds(b, k)
+            if t is not None:
+                out[k] = sum(max(expected_tokens(a, k, m) for a, m in opts) for opts in options) / t
+        return out
+
+    def choose(self, options: Sequence[Sequence[Option]]) -> int:
+        """k for the next step; ``options[b]``: row b's draft sources as (acceptance per position
+        (``row_alpha``), proposal length or None for k)."""
+        self._steps += 1
+        if not len(self.draft) and self.k_max >= 1:
+            return self.k_max  # first: measure a draft pass and every position's acceptance
+        rates = self.expected_rates(options)
+        if not rates:
+            return self.k_max
+        best = max(rates, key=rates.__getitem__)
+        if self.explore_every and self._steps % self.explore_every == 0:
+            step = 1 if self._explore_up else -1
+            self._explore_up = not self._explore_up
+            cand = best + step
+            if not self.k_min <= cand <= self.k_max:
+                cand = best - step
+            if self.k_min <= cand <= self.k_max:
+                return cand
+        return best
+
+    def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool) -> None:
+        """Time of one step (everything but the draft's proposal) and of its proposal; a step
+        that carried a prefill has no representative time and is not recorded."""
+        for stats in self.batch.values():
+            stats.decay_all()
+        if prefill:
+            return
+        self.verify.update(b * (k + 1), step_s)
+        if k > 0 and draft_s > 0:
+            self.draft.update(b, draft_s / k)
