@@ -109,7 +109,10 @@ class GRPOConfig:
     lr: float = _f(1e-5, "policy learning rate (AdamW)")
     lr_warmup_steps: int = _f(0, "linear learning-rate warm-up over the first N RL steps (AdamW's first "
                                  "updates move every parameter by about lr, whatever its gradient's noise)")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
+    lr_decay_style: str = _f("constant", "learning rate after the warm-up, over the remaining --train-iters steps, "
+                                         "down to --lr-min", ("constant", "cosine", "linear"))
+    lr_min: float = _f(0.0, "learning rate a cosine or linear decay reaches at step --train-iters")
+    weight_decay: float = _f(0.0, "AdamW weight decay (matrices only: norms and biases get none)")
     clip_grad: float = _f(1.0, "policy gradient-norm clip (0 = off)")
     clip_eps_low: float = _f(0.2, "ratio clip below: 1 - eps_low")
     clip_eps_high: float = _f(0.28, "ratio clip above: 1 + eps_high")
@@ -117,7 +120,14 @@ class GRPOConfig:
     loss_agg: str = _f("token", "loss aggregation", ("token", "sequence"))
     advantage_baseline: str = _f("group", "baseline of the advantage", ("group", "batch"))
     advantage_normalize_std: bool = _f(True, "divide advantages by the group (or batch) std")
-    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off)")
+    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off); "
+                             "the weight multiplies the policy-gradient and the KL term")
+    dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal before training (DAPO's dynamic "
+                                       "sampling: their advantages are 0); the step trains on fewer rollouts, "
+                                       "train/samples_trained says how many")
+    truncated_responses: str = _f("keep", "responses cut at --rollout-max-new-tokens: keep (train on them as "
+                                          "scored) or drop (no loss on them; they still count in their group's "
+                                          "baseline)", ("keep", "drop"))
 
 
 @dataclass
@@ -180,6 +190,13 @@ class RunConfig:
             raise ConfigError("--eval-interval with a file prompt set needs --eval-data (held-out prompts)")
         if g.lr_warmup_steps < 0:
             raise ConfigError(f"--lr-warmup-steps {g.lr_warmup_steps} must be >= 0")
+        if not 0.0 <= g.lr_min <= g.lr:
+            raise ConfigError(f"--lr-min {g.lr_min} must be in [0, --lr {g.lr}]")
+        if g.dynamic_sampling and g.advantage_baseline != "group":
+            raise ConfigError("--dynamic-sampling needs --advantage-baseline group: with the batch baseline a group "
+                              "of equal rewards still has a non-zero advantage")
+        if g.grpo_num_minibatches < 1:
+            raise ConfigError(f"--grpo-num-minibatches {g.grpo_num_minibatches} must be >= 1")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:
             raise ConfigError("--grpo-group-size and --prompts-per-step must be >= 1")
         if g.micro_batch_size < 1:
