@@ -2,7 +2,7 @@
 
 * :func:`server_kwargs`: ``ServerArgs`` fields from our :class:`EngineConfig` (EAGLE-3 /
   standalone draft model, exact verification, the draft read from its checkpoint, memory saver
-  for colocation, block FP8 for the target only).
+  for colocation, block FP8 for the target only, the engine's GPUs via :func:`gpu_placement`).
 * :func:`update_request` / :func:`session_request` / :func:`checksum_request`: the request
   objects of the weight-update protocol (``UpdateWeightsFromTensorReqInput`` with an explicit
   selector, never SGLang's default ``"all"``, which loads target tensors into the EAGLE-3 draft).
@@ -15,7 +15,11 @@ when a verify commits tokens); the prefill's token is in ``completion_tokens`` b
 ``spec_verify_ct``. ``spec_correct_drafts_histogram[j]`` counts verify steps that accepted j
 drafts. ``output_token_logprobs`` entries are ``(logprob, token_id, text)`` with logprob =
 log_softmax(logits / T) (unscaled for greedy rows): temperature is applied, top-k/top-p
-renormalisation is not (``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset).
+renormalisation is not (``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset), so under top-k/top-p they are
+log p(t) + log Z with Z <= 1 the mass of the support. :func:`parse_output` passes them on as
+they are; the GRPO trainer subtracts the verifier's own log Z (``capture/support.py``) before
+the mismatch metrics and the TIS weights read them (docs/metrics.md). SGLang's own
+renormalised ``return_sampling_mask`` log-probs need a finite top-k and no speculation.
 
 This module imports nothing from SGLang at import time; the request builders take the
 request classes from ``sglang.srt.managers.io_struct`` when called.
@@ -91,9 +95,36 @@ def fp8_target_config(model_path: str) -> dict[str, Any]:
     return dict(hf, quantization_config=quantization_config())
 
 
+def gpu_placement(gpu_ids: Sequence[int], tp_size: int) -> dict[str, int]:
+    """SGLang's ``base_gpu_id`` / ``gpu_id_step`` for an engine whose TP rank i runs on local GPU ``gpu_ids[i]``.
+
+    SGLang places TP rank i (one node, no pipeline parallelism) on ``base_gpu_id + i * gpu_id_step``
+    (``Engine._launch_scheduler_processes``; ``weight_cache.protocol.compute_local_gpu_id``), so it
+    can only run on GPUs in arithmetic progression. Colocated, ``gpu_ids[i]`` is the device of the
+    trainer rank that packs engine TP rank i's payloads (CUDA IPC stays on one device).
+
+    Raises:
+        ValueError: not one id per TP rank, a negative id, or ids SGLang cannot place.
+    """
+    ids = [int(g) for g in gpu_ids]
+    if len(ids) != tp_size:
+        raise ValueError(f"SGLang engine at TP={tp_size} needs one GPU per TP rank, got gpu_ids {ids}")
+    if min(ids) < 0:
+        raise ValueError(f"gpu_ids must be local CUDA device indices >= 0, got {ids}")
+    step = ids[1] - ids[0] if len(ids) > 1 else 1
+    if step < 1 or ids != [ids[0] + i * step for i in range(tp_size)]:
+        raise ValueError(f"SGLang places TP rank i on base_gpu_id + i * gpu_id_step (step >= 1): gpu_ids {ids} are "
+                         f"not increasing in equal steps; colocate each engine with ranks on such GPUs")
+    return {"base_gpu_id": ids[0], "gpu_id_step": step}
+
+
 def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool = True,
-                  overrides: Mapping[str, Any] | None = None, fp8_config_file: str | None = None) -> dict[str, Any]:
+                  overrides: Mapping[str, Any] | None = None, fp8_config_file: str | None = None,
+                  gpu_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """``sglang.Engine(**kwargs)`` for ``config``.
+
+    ``gpu_ids`` (one local device index per TP rank, see :func:`gpu_placement`) become
+    ``base_gpu_id`` / ``gpu_id_step``; without them SGLang uses GPUs ``0 .. tp_size-1``.
 
     FP8 (``config.fp8_weights``): the target is launched as a block-FP8 model with dummy weights,
     since a bf16 checkpoint cannot be loaded into FP8 parameters; the trainer (or
@@ -121,6 +152,8 @@ def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool =
         "load_format": "auto" if config.load_weights else "dummy",
         "weight_version": INITIAL_VERSION,  # what the native engine calls checkpoint weights
     }
+    if gpu_ids is not None:
+        kw.update(gpu_placement(gpu_ids, tp_size))
     if speculation:
         kw.update(speculative_kwargs(config))
     if config.fp8_weights:
@@ -149,7 +182,13 @@ def _check_selector(selector: str) -> None:
 
 
 def update_request(payloads: Sequence[bytes], selector: str, weight_version: str | None, flush_cache: bool):
-    """``UpdateWeightsFromTensorReqInput`` for flattened-bucket payloads (one per engine TP rank)."""
+    """``UpdateWeightsFromTensorReqInput`` for flattened-bucket payloads (one per engine TP rank).
+
+    SGLang's TP rank r deserialises ``serialized_named_tensors[r]`` and nothing else
+    (``TpModelWorker.deserialize_own_rank``), so ``payloads[r]`` must be the bucket packed on
+    rank r's GPU. Each holds the *full* (unsharded) HF tensors: SGLang's parallel layers narrow
+    them to rank r's shard in their ``weight_loader`` (tests/sync/test_sglang_tp_payloads.py).
+    """
     _check_selector(selector)
     if not payloads or not all(isinstance(p, (bytes, bytearray)) for p in payloads):
         raise TypeError("payloads must be a non-empty list of serialized buckets (bytes), one per TP rank")

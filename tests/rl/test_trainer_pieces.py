@@ -20,6 +20,7 @@ bf16 training (defect 6): a --bf16 trainer must move the weights as the fp32 tra
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 import megatron_spec
 from megatron_spec.config import (
-    CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig, RunConfig, SpecConfig)
+    CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig, RolloutConfig, RunConfig, SpecConfig)
 from megatron_spec.models.gpt import unwrap
 from megatron_spec.parallel import destroy_parallel
 from megatron_spec.rl.rollouts import Rollout
@@ -65,11 +66,13 @@ def make_trainer(setup, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(GRPOTrainer, "_start_engine", lambda self: None)  # no rollouts are generated here
 
-    def make(*, bf16: bool = False, lr: float = 1e-3, spec: SpecConfig | None = None, **grpo) -> GRPOTrainer:
+    def make(*, bf16: bool = False, lr: float = 1e-3, spec: SpecConfig | None = None,
+             rollout: RolloutConfig | None = None, **grpo) -> GRPOTrainer:
         cfg = RunConfig(
             model=ModelConfig(hf_checkpoint=setup.target, make_vocab_size_divisible_by=8, bf16=bf16),
             data=DataConfig(prompt_data="synthetic:sum", num_synthetic_prompts=8), spec=spec or SpecConfig(),
-            grpo=GRPOConfig(prompts_per_step=2, grpo_group_size=2, micro_batch_size=2, lr=lr, **grpo),
+            rollout=rollout or RolloutConfig(),
+            grpo=GRPOConfig(**{"prompts_per_step": 2, "grpo_group_size": 2, "micro_batch_size": 2, "lr": lr, **grpo}),
             checkpoint=CheckpointConfig(save=str(tmp_path_factory.mktemp("run"))),
             logging=LoggingConfig(tensorboard_dir="none", quiet=True)).validate()
         trainer = GRPOTrainer(cfg)
@@ -217,3 +220,45 @@ def test_mem_fraction_static_reaches_sglangs_server_args(monkeypatch, setup):
     from sglang.srt.server_args import ServerArgs
 
     assert ServerArgs(**got.value.args[0]).mem_fraction_static == 0.4
+
+
+def test_every_rollout_trains_once_in_minibatches(make_trainer, setup):
+    """Issue 17, defect 1: 12 rollouts, micro-batch 8, 4 minibatches. Before, the list of 2
+    micro-batches was cut into 4 parts of 2 // 4 = 0: four optimizer steps on zero gradients."""
+    trainer = make_trainer(grpo_num_minibatches=4, micro_batch_size=8)
+    rollouts = made_up_rollouts(setup.cfg.vocab_size, n=12)
+    minibatches, mism = trainer._old_logprobs(rollouts)
+    assert [sum(b.input_ids.shape[0] for b, _, _ in mb) for mb in minibatches] == [3, 3, 3, 3]
+    stats = trainer._train(minibatches)
+    assert stats["train/samples_trained"] == 12 and stats["train/optimizer_steps"] == 4
+    assert 0 < stats["train/entropy"] <= math.log(setup.cfg.vocab_size) and mism["mismatch/out_of_support_frac"] == 0
+
+
+def test_top_k_tokens_outside_the_support_are_left_out(make_trainer, setup):
+    """Defect 2: made-up responses are random tokens, most of them outside a top-3 support: they
+    leave the loss (no NaN), the rest train; entropy is of the 3-token distribution."""
+    trainer = make_trainer(rollout=RolloutConfig(rollout_top_k=3, rollout_temperature=1.0), kl_coef=0.01, tis_cap=2.0)
+    rollouts = made_up_rollouts(setup.cfg.vocab_size, n=4)
+    minibatches, mism = trainer._old_logprobs(rollouts)
+    assert 0.5 < mism["mismatch/out_of_support_frac"] < 1.0  # a random token is in a top-3 of ~100 rarely
+    assert all(math.isfinite(v) for v in mism.values())
+    stats = trainer._train(minibatches)
+    assert all(math.isfinite(v) for v in stats.values()), stats
+    assert 0 < stats["train/entropy"] <= math.log(3) + 1e-6 and stats["train/samples_trained"] >= 1
+
+
+def test_dynamic_sampling_drops_groups_of_equal_rewards(make_trainer, setup):
+    trainer = make_trainer(dynamic_sampling=True)
+    rollouts = made_up_rollouts(setup.cfg.vocab_size, n=4)
+    for r, reward in zip(rollouts, [1.0, 1.0, 0.0, 1.0]):  # group 0 all equal, group 1 not
+        r.reward = reward
+    minibatches, mism = trainer._old_logprobs(rollouts)
+    assert mism["train/groups_filtered"] == 1
+    assert trainer._train(minibatches)["train/samples_trained"] == 2
+    for r in rollouts:
+        r.reward = 0.0
+    minibatches, mism = trainer._old_logprobs(rollouts)  # nothing left: no optimizer step
+    before = weights(trainer)
+    stats = trainer._train(minibatches)
+    assert stats["train/samples_trained"] == 0 and stats["train/optimizer_steps"] == 0
+    assert torch.equal(weights(trainer), before)
