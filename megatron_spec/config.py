@@ -49,9 +49,18 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    prompt_data: str = _f(None, "prompt set: a JSONL or Parquet file, or 'synthetic:<task>' (see megatron_spec.rl.tasks)")
+    prompt_data: str = _f(None, "prompt set: a JSONL or Parquet file, a directory a datasets library wrote "
+                                "(save_to_disk) or holding JSONL/Parquet files, or 'synthetic:<task>' (see "
+                                "megatron_spec.rl.tasks)")
     prompt_key: str = _f("prompt", "column holding the prompt text")
     answer_key: str = _f("answer", "column holding the reference answer passed to the reward")
+    apply_chat_template: bool = _f(False, "render each prompt as a user turn with the tokenizer's chat template "
+                                          "(add_generation_prompt; the template writes BOS and the other special "
+                                          "tokens); off: the prompt is tokenised with the tokenizer's own special "
+                                          "tokens (BOS where it adds one)")
+    system_prompt: str = _f(None, "system turn put before each prompt (needs --apply-chat-template)")
+    stop: str = _f(None, "stop string(s) ending a response after the EOS ids of config.json and "
+                         "generation_config.json: one string or a JSON list; the response keeps the stop string")
     reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact) or 'module:function'")
     num_synthetic_prompts: int = _f(2048, "prompts generated for a synthetic task")
     max_prompt_length: int = _f(256, "longest prompt in tokens; longer prompts are an error")
@@ -109,10 +118,7 @@ class GRPOConfig:
     lr: float = _f(1e-5, "policy learning rate (AdamW)")
     lr_warmup_steps: int = _f(0, "linear learning-rate warm-up over the first N RL steps (AdamW's first "
                                  "updates move every parameter by about lr, whatever its gradient's noise)")
-    lr_decay_style: str = _f("constant", "learning rate after the warm-up, over the remaining --train-iters steps, "
-                                         "down to --lr-min", ("constant", "cosine", "linear"))
-    lr_min: float = _f(0.0, "learning rate a cosine or linear decay reaches at step --train-iters")
-    weight_decay: float = _f(0.0, "AdamW weight decay (matrices only: norms and biases get none)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
     clip_grad: float = _f(1.0, "policy gradient-norm clip (0 = off)")
     clip_eps_low: float = _f(0.2, "ratio clip below: 1 - eps_low")
     clip_eps_high: float = _f(0.28, "ratio clip above: 1 + eps_high")
@@ -120,14 +126,7 @@ class GRPOConfig:
     loss_agg: str = _f("token", "loss aggregation", ("token", "sequence"))
     advantage_baseline: str = _f("group", "baseline of the advantage", ("group", "batch"))
     advantage_normalize_std: bool = _f(True, "divide advantages by the group (or batch) std")
-    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off); "
-                             "the weight multiplies the policy-gradient and the KL term")
-    dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal before training (DAPO's dynamic "
-                                       "sampling: their advantages are 0); the step trains on fewer rollouts, "
-                                       "train/samples_trained says how many")
-    truncated_responses: str = _f("keep", "responses cut at --rollout-max-new-tokens: keep (train on them as "
-                                          "scored) or drop (no loss on them; they still count in their group's "
-                                          "baseline)", ("keep", "drop"))
+    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off)")
 
 
 @dataclass
@@ -186,17 +185,18 @@ class RunConfig:
         if lg.eval_interval and r.async_policy_lag:
             raise ConfigError("--eval-interval needs a synchronous run (--async-policy-lag 0): the engine is busy "
                               "generating ahead in async mode")
+        if d.system_prompt and not d.apply_chat_template:
+            raise ConfigError("--system-prompt needs --apply-chat-template (a system turn exists only in a chat template)")
+        try:
+            from megatron_spec.rl.prompting import parse_stop_strings
+
+            parse_stop_strings(d.stop)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         if lg.eval_interval and not d.eval_data and not d.prompt_data.startswith("synthetic:"):
             raise ConfigError("--eval-interval with a file prompt set needs --eval-data (held-out prompts)")
         if g.lr_warmup_steps < 0:
             raise ConfigError(f"--lr-warmup-steps {g.lr_warmup_steps} must be >= 0")
-        if not 0.0 <= g.lr_min <= g.lr:
-            raise ConfigError(f"--lr-min {g.lr_min} must be in [0, --lr {g.lr}]")
-        if g.dynamic_sampling and g.advantage_baseline != "group":
-            raise ConfigError("--dynamic-sampling needs --advantage-baseline group: with the batch baseline a group "
-                              "of equal rewards still has a non-zero advantage")
-        if g.grpo_num_minibatches < 1:
-            raise ConfigError(f"--grpo-num-minibatches {g.grpo_num_minibatches} must be >= 1")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:
             raise ConfigError("--grpo-group-size and --prompts-per-step must be >= 1")
         if g.micro_batch_size < 1:

@@ -1,8 +1,13 @@
 """Prompt sets and a resumable sampler.
 
-``load_prompts(spec)`` reads a local JSONL or Parquet file with the ``datasets`` library
-(``prompt`` / ``answer`` columns by default), or generates a synthetic task
-(``synthetic:sum``). :class:`PromptSampler` walks seeded per-epoch permutations; its state
+``load_prompts(spec)`` reads local data with the ``datasets`` library (``prompt`` / ``answer``
+columns by default, ``--prompt-key/--answer-key`` otherwise): a JSONL or Parquet file, a
+directory ``datasets`` wrote (``save_to_disk``: its train split when it holds several), or a
+directory of JSONL/Parquet files; or it generates a synthetic task (``synthetic:sum``). Nothing
+is downloaded: a hub name is an error. Answers may be in any form the reward reads (GSM8K's
+``... #### 72``, a ``\\boxed{}`` answer): no column is rewritten here.
+
+:class:`PromptSampler` walks seeded per-epoch permutations; its state
 (epoch, position) goes into checkpoints so a resumed run sees exactly the prompts it would
 have seen.
 """
@@ -29,28 +34,72 @@ def load_prompts(spec: str, *, prompt_key: str = "prompt", answer_key: str = "an
         from megatron_spec.rl.tasks import generate
 
         return [PromptExample(e.prompt, e.answer) for e in generate(spec.split(":", 1)[1], num_synthetic, seed)]
+    if os.path.isdir(spec):
+        return _from_rows(spec, _load_dir(spec, cache_dir), prompt_key, answer_key)
     if not os.path.isfile(spec):
-        raise FileNotFoundError(f"prompt data {spec} does not exist (use a JSONL/Parquet file or synthetic:<task>)")
+        raise FileNotFoundError(f"prompt data {spec} does not exist (use a JSONL/Parquet file, a datasets "
+                                f"directory or synthetic:<task>)")
     ext = os.path.splitext(spec)[1].lower()
-    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(ext)
+    builder = _BUILDERS.get(ext)
     if builder is None:
         raise ValueError(f"prompt data {spec}: unsupported extension {ext!r} (.jsonl, .json or .parquet)")
     if os.path.getsize(spec) == 0:
         raise ValueError(f"prompt data {spec} is empty")
+    return _from_rows(spec, _load_files(spec, builder, [spec], cache_dir), prompt_key, answer_key)
+
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def _load_files(spec: str, builder: str, files: list[str], cache_dir: str | None):
     from datasets import load_dataset
 
     # keep the datasets cache out of the home directory
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
         try:
-            ds = load_dataset(builder, data_files=spec, split="train", cache_dir=tmp, keep_in_memory=True)
+            return load_dataset(builder, data_files=files, split="train", cache_dir=tmp, keep_in_memory=True)
         except Exception as exc:  # datasets raises bare StopIteration / ArrowInvalid on bad files
             raise ValueError(f"prompt data {spec} cannot be read as {builder}: {type(exc).__name__}: {exc}") from exc
-        if len(ds) == 0:
-            raise ValueError(f"prompt data {spec} is empty")
-        for key in (prompt_key, answer_key):
-            if key not in ds.column_names:
-                raise ValueError(f"prompt data {spec} has no column {key!r} (columns: {ds.column_names})")
-        rows = [PromptExample(str(r[prompt_key]), str(r[answer_key])) for r in ds]
+
+
+def _load_dir(spec: str, cache_dir: str | None):
+    """A ``save_to_disk`` directory (a Dataset, or a DatasetDict's train split), else the
+    directory's JSONL/Parquet files (one format)."""
+    import datasets
+
+    if os.path.isfile(os.path.join(spec, "dataset_info.json")) or os.path.isfile(os.path.join(spec, "dataset_dict.json")):
+        ds = datasets.load_from_disk(spec, keep_in_memory=True)
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise ValueError(f"prompt data {spec} holds splits {sorted(ds)} and no 'train' split")
+            ds = ds["train"]
+        return ds
+    files = sorted(os.path.join(spec, f) for f in os.listdir(spec)
+                   if os.path.splitext(f)[1].lower() in _BUILDERS and os.path.getsize(os.path.join(spec, f)) > 0)
+    builders = {_BUILDERS[os.path.splitext(f)[1].lower()] for f in files}
+    if not files:
+        raise ValueError(f"prompt data {spec} is a directory with neither a saved dataset (dataset_info.json) "
+                         f"nor non-empty .jsonl/.json/.parquet files")
+    if len(builders) > 1:
+        raise ValueError(f"prompt data {spec} mixes JSON and Parquet files; keep one format per directory")
+    return _load_files(spec, builders.pop(), files, cache_dir)
+
+
+def _from_rows(spec: str, ds, prompt_key: str, answer_key: str) -> list[PromptExample]:
+    if len(ds) == 0:
+        raise ValueError(f"prompt data {spec} is empty")
+    for key in (prompt_key, answer_key):
+        if key not in ds.column_names:
+            raise ValueError(f"prompt data {spec} has no column {key!r} (columns: {ds.column_names})")
+    rows = []
+    for i, r in enumerate(ds):
+        prompt, answer = r[prompt_key], r[answer_key]
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt data {spec} row {i}: column {prompt_key!r} holds {type(prompt).__name__}, "
+                             f"expected text")
+        if answer is None:
+            raise ValueError(f"prompt data {spec} row {i}: column {answer_key!r} is null")
+        rows.append(PromptExample(prompt, str(answer)))
     return rows
 
 

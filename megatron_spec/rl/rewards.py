@@ -6,7 +6,8 @@ would bias training without anyone noticing).
 
 * ``synthetic``: the synthetic tasks' checker (``megatron_spec.rl.tasks.final_answer``).
 * ``math``: a math answer verifier built on the ``math-verify`` package (LaTeX / expressions
-  compared symbolically).
+  compared symbolically); takes GSM8K answers (``... #### 72``) and ``\\boxed{}`` answers as
+  they are in the data.
 * ``exact``: stripped string equality.
 """
 
@@ -28,15 +29,33 @@ def synthetic_reward(prompt: str, response: str, answer: str) -> float:
     return 1.0 if final_answer(response) == answer.strip() else 0.0
 
 
+def _final_part(text: str) -> str:
+    """GSM8K's convention: the final answer follows the last ``####`` (the worked solution
+    before it holds other numbers, ``<<48/2=24>>``, that must not be taken for the answer)."""
+    return text.rsplit("####", 1)[1].strip() if "####" in text else text
+
+
 def math_reward(prompt: str, response: str, answer: str) -> float:
-    """1.0 when math-verify finds the response's final answer equal to the reference."""
+    """1.0 when math-verify finds the response's final answer equal to the reference.
+
+    Both sides go to ``math_verify.parse`` as they are (a ``\\boxed{}`` answer, LaTeX, a plain
+    number, an expression), except that text after a last ``####`` is the answer (GSM8K's
+    ``answer`` column and responses in its format). math-verify's timeouts use ``signal.alarm``,
+    which works on the main thread only: elsewhere they are off.
+    """
+    import threading
+
     from math_verify import parse, verify
 
-    gold = parse(answer if "$" in answer or "\\boxed" in answer else f"${answer}$")
-    pred = parse(response)
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold_text = _final_part(answer)
+    if "$" not in gold_text and "\\boxed" not in gold_text:
+        gold_text = f"${gold_text}$"
+    gold = parse(gold_text, parsing_timeout=timeout)
+    pred = parse(_final_part(response), parsing_timeout=timeout)
     if not gold or not pred:
         return 0.0
-    return 1.0 if verify(gold, pred) else 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
 
 
 def exact_reward(prompt: str, response: str, answer: str) -> float:

@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
-from megatron_spec.capture.support import vocab_parallel_entropy_and_log_mass, vocab_parallel_support_mask
-from megatron_spec.config import RunConfig
+from megatron_spec.capture.support import vocab_parallel_support_mask
+from megatron_spec.config import ConfigError, RunConfig
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights, unwrap
@@ -52,8 +52,10 @@ from megatron_spec.rl import checkpoint as ckpt_io
 from megatron_spec.rl.advantages import grpo_advantages
 from megatron_spec.rl.data import PromptSampler, load_prompts
 from megatron_spec.rl.loss import grpo_loss
+from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_stop_strings, stop_token_ids,
+                                        truncate_at_stop_strings)
 from megatron_spec.rl.rewards import get_reward, score
-from megatron_spec.rl.rollouts import Rollout, micro_batches, pack, select_for_training, split
+from megatron_spec.rl.rollouts import Rollout, micro_batches, pack, split
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SamplingParams
 from megatron_spec.telemetry import MetricsWriter, StageTimer, print_progress, progress_line
@@ -104,6 +106,12 @@ class GRPOTrainer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # prompt format and response ends (rl/prompting.py): chat template, EOS ids of config.json
+        # and generation_config.json, stop strings
+        if cfg.data.apply_chat_template and not has_chat_template(self.tokenizer):
+            raise ConfigError(f"--apply-chat-template: the tokenizer of {m.hf_checkpoint} has no chat_template")
+        self.stop_ids = stop_token_ids(m.hf_checkpoint, self.tokenizer)
+        self.stop_strings = parse_stop_strings(cfg.data.stop)
         dtype = torch.bfloat16 if m.bf16 else torch.float32
         if m.bf16 and not torch.cuda.is_available() and self.info.rank == 0:
             from megatron_spec.isa import probe
@@ -330,14 +338,16 @@ class GRPOTrainer:
         """A generate request of ``n`` samples with the rollout sampling settings; ``what`` names
         the prompt in errors (empty after tokenising, longer than --max-prompt-length)."""
         r = self.cfg.rollout
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        ids = encode_prompt(self.tokenizer, prompt, chat_template=self.cfg.data.apply_chat_template,
+                            system_prompt=self.cfg.data.system_prompt)
         if not ids:
             raise ValueError(f"{what} tokenises to nothing: {prompt!r}")
         if len(ids) > self.cfg.data.max_prompt_length:
             raise ValueError(f"{what} has {len(ids)} tokens, more than --max-prompt-length "
                              f"{self.cfg.data.max_prompt_length}: {prompt[:80]!r}")
         sp = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
-                            min_p=r.rollout_min_p, max_new_tokens=r.rollout_max_new_tokens)
+                            min_p=r.rollout_min_p, max_new_tokens=r.rollout_max_new_tokens,
+                            stop_token_ids=self.stop_ids)
         return GenerateRequest(request_id, ids, sp, n=n)
 
     def _requests(self, indices: list[int]) -> tuple[list[GenerateRequest], list[str]]:
@@ -381,6 +391,7 @@ class GRPOTrainer:
 
     def _finish_batch(self, indices, reqs, prompts, samples, stats, gen_s, version) -> _Batch:
         g = self.cfg.grpo
+        truncate_at_stop_strings(samples, self.tokenizer, self.stop_strings)
         texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
         by_req = {r.request_id: r for r in reqs}
         rollouts = []
@@ -407,6 +418,7 @@ class GRPOTrainer:
         reqs = [self._request(f"eval{i}", ex.prompt, f"held-out prompt {i}", 1)
                 for i, ex in enumerate(self.eval_examples)]
         samples, *_ = self._generate(reqs, seed=self.cfg.model.seed * 100_003 + 99_991)
+        truncate_at_stop_strings(samples, self.tokenizer, self.stop_strings)
         by_id = {s.request_id: s for s in samples}
         texts = self.tokenizer.batch_decode([by_id[q.request_id].output_ids for q in reqs], skip_special_tokens=True)
         rewards = score(self.reward_fn, self.reward_name, [ex.prompt for ex in self.eval_examples], texts,
@@ -445,10 +457,7 @@ class GRPOTrainer:
         return self._finish_batch(indices, reqs, prompts, samples, stats, gen_s, version), exposed
 
     # ------------------------------------------------------------------ verifier forwards
-    def _logprobs(self, model, batch, grad: bool, extras: bool = False):
-        """``[B, L-1]`` log-probs of the targets under the processed distribution (``-inf`` outside
-        its support); with ``extras``, also the entropy of that distribution and ``log Z``, the
-        log-mass its support keeps (capture/support.py), both ``[B, L-1]`` and detached."""
+    def _logprobs(self, model, batch, grad: bool) -> torch.Tensor:
         r = self.cfg.rollout
         logits = model(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]  # [B, L-1, V/tp]
         exclude = vocab_parallel_support_mask(logits.detach(), vocab_size=self.dcfg.vocab_size,
@@ -458,13 +467,7 @@ class GRPOTrainer:
         lp = vocab_parallel_token_logprobs(logits, batch.targets, vocab_size=self.dcfg.vocab_size,
                                            temperature=r.rollout_temperature, exclude_mask=exclude,
                                            tp_group=self.info.tp_group)
-        lp = torch.where(batch.mask > 0, lp, torch.zeros_like(lp)) if not grad else lp  # -inf * 0 would be NaN
-        if not extras:
-            return lp
-        entropy, log_mass = vocab_parallel_entropy_and_log_mass(
-            logits.detach(), exclude, vocab_size=self.dcfg.vocab_size, temperature=r.rollout_temperature,
-            tp_group=self.info.tp_group)
-        return lp, entropy, log_mass
+        return lp * batch.mask if not grad else lp
 
     def _snapshot(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in unwrap(self.model).parameters()]
@@ -478,95 +481,47 @@ class GRPOTrainer:
         return current
 
     @torch.no_grad()
-    def _old_logprobs(self, rollouts: list[Rollout]) -> tuple[list[list], dict[str, float]]:
-        """This rank's rollouts as ``--grpo-num-minibatches`` minibatches, each a list of micro-batches
-        (packed batch, old log-probs, ref log-probs); captures for the draft.
-
-        Every rollout that enters the loss is in exactly one minibatch (rollouts/split). Dynamic
-        sampling and ``--truncated-responses drop`` leave the others out first. Response tokens
-        outside the old policy's support (a bf16 engine and the fp32 verifier disagree at a top-k /
-        top-p boundary) leave the loss mask here, counted in ``mismatch/out_of_support_frac``. An
-        SGLang engine reports log-probs of the untruncated distribution: they are renormalised by
-        the verifier's support mass, ``log Z``, before the mismatch and the TIS weights read them
-        (docs/metrics.md, "Train/rollout mismatch"). Metrics are reduced over the DP ranks.
-        """
-        from megatron_spec.rollout import default_backend
-
-        g, r = self.cfg.grpo, self.cfg.rollout
-        kept, groups_dropped, truncated_dropped = select_for_training(
-            rollouts, g.grpo_group_size, drop_equal_reward_groups=g.dynamic_sampling,
-            drop_truncated=g.truncated_responses == "drop")
-        truncating = r.rollout_temperature > 0 and (r.rollout_top_k > 0 or r.rollout_top_p < 1.0 or r.rollout_min_p > 0)
-        renormalise = truncating and (r.rollout_backend or default_backend()) == "sglang"
+    def _old_logprobs(self, rollouts: list[Rollout]) -> tuple[list, dict[str, float]]:
+        """Per micro-batch: (packed batch, old log-probs, ref log-probs); captures for the draft."""
+        g = self.cfg.grpo
         out = []
-        # sum |diff|, tokens compared, tokens out of the support, response tokens; max |diff|
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
-        diff_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        mism_max, mism_sum, mism_n = 0.0, 0.0, 0.0
         version = rollouts[0].policy_version if rollouts else self.policy_version
         swapped = None
         if version != self.policy_version:  # async: recompute under the generating policy
             swapped = self._swap_in(self.snapshots[version])
         self.model.eval()
         try:
-            for minibatch in split(kept, g.grpo_num_minibatches):
-                micro = []
-                for mb in micro_batches(minibatch, g.micro_batch_size):
-                    batch = pack(mb, self.pad_id, device=self.device)
-                    if self.capture is not None:
-                        response = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
-                        response[:, 1:] = batch.mask > 0  # input position t holds target t-1
-                        with self.capture.record(self.model, response):
-                            old, _, log_mass = self._logprobs(self.model, batch, grad=False, extras=True)
-                    else:
-                        old, _, log_mass = self._logprobs(self.model, batch, grad=False, extras=True)
-                    ref = self._logprobs(self.ref, batch, grad=False) if self.ref is not None else None
-                    on = batch.mask > 0  # [B, L-1]
-                    inside = on & torch.isfinite(old)
-                    if renormalise:  # SGLang's log p(t) + log Z -> log p(t) under the truncated distribution
-                        batch.engine_logprobs = torch.where(on, batch.engine_logprobs - log_mass, batch.engine_logprobs)
-                    batch.mask = batch.mask * inside.to(batch.mask.dtype)  # the out-of-support tokens leave the loss
-                    old = torch.where(inside, old, torch.zeros_like(old))
-                    diff = (old - batch.engine_logprobs).abs()[inside].to(torch.float64)
-                    sums += torch.stack([diff.sum(), inside.sum().to(torch.float64), (on & ~inside).sum().to(
-                        torch.float64), on.sum().to(torch.float64)])
-                    if diff.numel():
-                        diff_max = torch.maximum(diff_max, diff.max())
-                    micro.append((batch, old, ref))
-                out.append(micro)
+            for mb in micro_batches(rollouts, g.micro_batch_size):
+                batch = pack(mb, self.pad_id, device=self.device)
+                if self.capture is not None:
+                    response = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
+                    response[:, 1:] = batch.mask > 0  # input position t holds target t-1
+                    with self.capture.record(self.model, response):
+                        old = self._logprobs(self.model, batch, grad=False)
+                else:
+                    old = self._logprobs(self.model, batch, grad=False)
+                ref = self._logprobs(self.ref, batch, grad=False) if self.ref is not None else None
+                on = batch.mask > 0
+                if bool(on.any()):
+                    diff = (old - batch.engine_logprobs).abs()[on]
+                    mism_max = max(mism_max, float(diff.max()))
+                    mism_sum += float(diff.sum())
+                    mism_n += float(on.sum())
+                out.append((batch, old, ref))
         finally:
             if swapped is not None:
                 self._swap_in(swapped)
-        counts = torch.tensor([groups_dropped, truncated_dropped], dtype=torch.float64, device=self.device)
-        if self.info.dp_size > 1:
-            dist.all_reduce(sums, group=self.info.dp_group)
-            dist.all_reduce(counts, group=self.info.dp_group)
-            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=self.info.dp_group)
-        diff_sum, compared, outside, response = sums.tolist()
-        metrics = {"mismatch/logprob_abs_diff_max": float(diff_max),
-                   "mismatch/logprob_abs_diff_mean": diff_sum / max(compared, 1.0),
-                   "mismatch/out_of_support_frac": outside / max(response, 1.0)}
-        if g.dynamic_sampling:
-            metrics["train/groups_filtered"] = int(counts[0])
-        if g.truncated_responses == "drop":
-            metrics["train/truncated_dropped"] = int(counts[1])
-        return out, metrics
+        return out, {"mismatch/logprob_abs_diff_max": mism_max,
+                     "mismatch/logprob_abs_diff_mean": mism_sum / max(mism_n, 1.0)}
 
     def policy_lr(self) -> float:
-        """The policy's learning rate at this step, a function of the step alone (a resumed run
-        continues the schedule exactly): linear warm-up over ``--lr-warmup-steps`` W, then
-        ``--lr-decay-style`` from ``--lr`` towards ``--lr-min`` over the remaining steps (T =
-        ``--train-iters``): at step s >= W, t = (s - W) / (T - W), cosine
-        ``lr_min + (lr - lr_min) (1 + cos(pi t)) / 2``, linear ``lr - (lr - lr_min) t``
-        (megatron-core's OptimizerParamScheduler; the first step after the warm-up uses ``--lr``)."""
+        """The policy's learning rate at this step: linear warm-up, then constant (a function of
+        the step alone, so a resumed run continues the schedule exactly)."""
         g = self.cfg.grpo
-        if self.step < g.lr_warmup_steps:
-            return g.lr * (self.step + 1) / g.lr_warmup_steps
-        if g.lr_decay_style == "constant":
+        if g.lr_warmup_steps <= 0:
             return g.lr
-        t = min(1.0, (self.step - g.lr_warmup_steps) / max(1, g.train_iters - g.lr_warmup_steps))
-        if g.lr_decay_style == "cosine":
-            return g.lr_min + (g.lr - g.lr_min) * 0.5 * (1.0 + math.cos(math.pi * t))
-        return g.lr - (g.lr - g.lr_min) * t
+        return g.lr * min(1.0, (self.step + 1) / g.lr_warmup_steps)
 
     def _grad_norm(self) -> float:
         """L2 norm of the fp32 gradients over the model (TP shards summed over the TP group)."""
@@ -584,37 +539,26 @@ class GRPOTrainer:
             dist.all_reduce(sharded, group=self.info.tp_group)
         return float((sharded + replicated).sqrt())
 
-    def _train(self, minibatches: list[list]) -> dict[str, float]:
-        """One optimizer step per minibatch of :meth:`_old_logprobs` (a list of micro-batches each).
-
-        A minibatch with no response token on any DP rank takes no optimizer step (AdamW would
-        still move the weights through its moments and the weight decay). The statistics are sums
-        over every DP rank's tokens (max for the ratio), so they describe the whole step.
-        """
+    def _train(self, microbatches: list) -> dict[str, float]:
         g = self.cfg.grpo
         self.model.train()
-        # pg, kl, clipped, ratio, tokens, entropy, out of support, samples trained, optimizer steps
-        sums = torch.zeros(9, dtype=torch.float64, device=self.device)
-        ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
-        grad_norm = 0.0
+        stats = {"loss/pg": 0.0, "loss/kl": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 0.0,
+                 "train/ratio_max": 0.0, "train/grad_norm": 0.0}
+        tokens_total = 0.0
+        minibatches = split(microbatches, g.grpo_num_minibatches) if g.grpo_num_minibatches > 1 else [microbatches]
         for mbs in minibatches:
-            counts = torch.tensor([sum(float(b.mask.sum()) for b, _, _ in mbs),
-                                   sum(float((b.mask.sum(dim=1) > 0).sum()) for b, _, _ in mbs)],
-                                  dtype=torch.float64, device=self.device)  # response tokens, sequences
+            tokens = torch.tensor(sum(float(b.mask.sum()) for b, _, _ in mbs), device=self.device)
+            seqs = torch.tensor(float(sum(b.mask.shape[0] for b, _, _ in mbs)), device=self.device)
             if self.info.dp_size > 1:
-                dist.all_reduce(counts, group=self.info.dp_group)
-            tokens, seqs = counts.tolist()
-            if tokens == 0:  # the same decision on every rank: the counts are global
-                continue
-            normalizer = (tokens if g.loss_agg == "token" else seqs) / self.info.dp_size
+                dist.all_reduce(tokens, group=self.info.dp_group)
+                dist.all_reduce(seqs, group=self.info.dp_group)
+            normalizer = float((tokens if g.loss_agg == "token" else seqs) / self.info.dp_size)
             zero_grads(self.ddp)
             for batch, old, ref in mbs:
-                lp, entropy, _ = self._logprobs(self.ddp, batch, grad=True, extras=True)
+                lp = self._logprobs(self.ddp, batch, grad=True)
                 is_w = None
                 if g.tis_cap > 0:
-                    on = batch.mask > 0  # engine and old log-probs are finite here (_old_logprobs)
-                    is_w = torch.where(on, torch.exp(old - batch.engine_logprobs).clamp(max=g.tis_cap),
-                                       torch.zeros_like(old))
+                    is_w = torch.exp(old - batch.engine_logprobs).clamp(max=g.tis_cap) * batch.mask
                 loss, st = grpo_loss(lp, old, batch.advantages, batch.mask, clip_eps_low=g.clip_eps_low,
                                      clip_eps_high=g.clip_eps_high, ref_logprobs=ref, kl_coef=g.kl_coef,
                                      agg=g.loss_agg, normalizer=max(normalizer, 1.0), is_weights=is_w)
@@ -626,12 +570,12 @@ class GRPOTrainer:
                     raise TrainingDivergedError(f"non-finite GRPO loss ({float(loss)}) at step {self.step}; "
                                                 f"stopping before the optimizer step and any checkpoint")
                 loss.backward()
-                sums += torch.tensor([st.pg_loss_sum, st.kl_sum, st.clipped, st.ratio_sum, st.tokens,
-                                      float((entropy * batch.mask).sum()), st.out_of_support,
-                                      float((batch.mask.sum(dim=1) > 0).sum()), 0.0],
-                                     dtype=torch.float64, device=self.device)
-                ratio_max = torch.maximum(ratio_max, torch.tensor(st.ratio_max, dtype=torch.float64,
-                                                                  device=self.device))
+                stats["loss/pg"] += st.pg_loss_sum
+                stats["loss/kl"] += st.kl_sum
+                stats["train/clip_frac"] += st.clipped
+                stats["train/ratio_mean"] += st.ratio_sum
+                stats["train/ratio_max"] = max(stats["train/ratio_max"], st.ratio_max)
+                tokens_total += st.tokens
             finalize_grads(self.ddp, as_param_grad=False)  # the optimizer reads the fp32 main_grad
             norm = self._grad_norm()
             if not math.isfinite(norm):
@@ -642,20 +586,15 @@ class GRPOTrainer:
                 for grad in self.optimizer.grads():
                     if grad is not None:
                         grad.mul_(scale)
-            grad_norm = max(grad_norm, norm)
+            stats["train/grad_norm"] = max(stats["train/grad_norm"], norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.policy_lr()
             self.optimizer.step()
-            sums[8] += 1.0 / self.info.dp_size  # every rank steps: the DP sum counts it once
-        if self.info.dp_size > 1:
-            dist.all_reduce(sums, group=self.info.dp_group)
-            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self.info.dp_group)
-        pg, kl, clipped, ratio, tokens, entropy, outside, samples, steps = sums.tolist()
-        n = max(tokens, 1.0)
-        return {"loss/pg": pg / n, "loss/kl": kl / n, "train/clip_frac": clipped / n, "train/ratio_mean": ratio / n,
-                "train/ratio_max": float(ratio_max), "train/grad_norm": grad_norm, "train/lr": self.policy_lr(),
-                "train/entropy": entropy / n, "train/out_of_support_frac": outside / n,
-                "train/samples_trained": int(samples), "train/optimizer_steps": int(round(steps))}
+        stats["train/lr"] = self.policy_lr()
+        n = max(tokens_total, 1.0)
+        for key in ("loss/pg", "loss/kl", "train/clip_frac", "train/ratio_mean"):
+            stats[key] /= n
+        return stats
 
     # ------------------------------------------------------------------ the step
     def _broadcast(self, obj):

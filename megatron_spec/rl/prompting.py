@@ -1,0 +1,119 @@
+"""From a prompt string to the engine's token ids, and from the engine's tokens to a response.
+
+* :func:`encode_prompt`: the prompt as the checkpoint expects it. With a chat template
+  (``--apply-chat-template``) the prompt becomes one user turn (after an optional system
+  turn) rendered by ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``: the
+  template writes every special token itself, BOS included, as Hugging Face's own chat
+  pipeline does. Without one the prompt is tokenised with the tokenizer's special tokens, so
+  BOS is there exactly where the tokenizer adds one (Llama's does, Qwen's does not).
+* :func:`stop_token_ids`: the ids that end a response: ``eos_token_id`` of ``config.json``
+  *and* of ``generation_config.json`` (an instruct checkpoint lists its end-of-turn token
+  only there: Llama-3-Instruct's ``<|eot_id|>``) and the tokenizer's EOS. Both engines get
+  them in every request's ``stop_token_ids``.
+* :func:`truncate_at_stop_strings`: a response ends after the token that completes the first
+  stop string (``--stop``). The engines stop on token ids only, so the trainer cuts the
+  sampled tokens (and their log-probs) there: the kept prefix is exactly what the policy
+  sampled, and where it ends is a function of that prefix.
+
+Nothing here knows about models, engines or training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_spec.rollout.types import FINISH_STOP
+
+
+def parse_stop_strings(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``--stop``: one string, or a JSON list of strings (a YAML ``--config`` may give a list)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        if value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--stop {value!r} starts with '[' but is not a JSON list of strings: {exc}") from exc
+        else:
+            return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"--stop must be a string or a list of non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat_template: bool, system_prompt: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` (see the module docstring for what the two modes add)."""
+    if chat_template:
+        if not has_chat_template(tokenizer):
+            raise ValueError(f"--apply-chat-template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} "
+                             f"has no chat_template (tokenizer_config.json or chat_template.jinja)")
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
+        messages.append({"role": "user", "content": prompt})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def _eos_of(path: str) -> list[int]:
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def stop_token_ids(checkpoint_dir: str, tokenizer: Any = None) -> tuple[int, ...]:
+    """EOS ids of ``config.json``, ``generation_config.json`` and the tokenizer, sorted, unique."""
+    ids = set(_eos_of(os.path.join(checkpoint_dir, "config.json")))
+    ids |= set(_eos_of(os.path.join(checkpoint_dir, "generation_config.json")))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return tuple(sorted(ids))
+
+
+def stop_string_end(tokenizer: Any, output_ids: Sequence[int], stops: Sequence[str]) -> int | None:
+    """Tokens to keep so the response ends at its first stop string: the shortest prefix whose
+    text contains one (None when the response has none). Decoding a prefix gives a prefix of
+    the text, so the shortest such prefix is found by bisection (log n decodes, not n)."""
+    if not stops or not output_ids:
+        return None
+
+    def hit(n: int) -> bool:
+        text = tokenizer.decode(list(output_ids[:n]), skip_special_tokens=True)
+        return any(s in text for s in stops)
+
+    if not hit(len(output_ids)):
+        return None
+    lo, hi = 1, len(output_ids)  # hit(hi) holds; find the least n with hit(n)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hit(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def truncate_at_stop_strings(samples: Sequence[Any], tokenizer: Any, stops: Sequence[str]) -> int:
+    """Cut every sample (``SampleOutput``: ``output_ids``, ``logprobs``, ``finish_reason``) after
+    the token that completes its first stop string; returns how many were cut."""
+    cut = 0
+    for s in samples:
+        n = stop_string_end(tokenizer, s.output_ids, stops)
+        if n is None:
+            continue
+        if n < len(s.output_ids):
+            cut += 1
+        s.output_ids, s.logprobs = list(s.output_ids[:n]), list(s.logprobs[:n])
+        s.finish_reason = FINISH_STOP
+    return cut
