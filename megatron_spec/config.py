@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from megatron_spec.isa import DTYPE_CHOICES
+from megatron_spec.rollout.config import parse_num_draft_tokens
 
 
 class ConfigError(ValueError):
@@ -29,8 +30,10 @@ class ConfigError(ValueError):
     checkpoint, a draft for another model). The launcher prints it as one ``error:`` line and exits 2."""
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None) -> Any:
+def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None, parse: Any = None) -> Any:
     meta = {"help": help}
+    if parse:
+        meta["parse"] = parse  # the flag's argparse type where the field's type is a union (int | "auto")
     if choices:
         meta["choices"] = choices
     if flag:
@@ -93,19 +96,38 @@ class RolloutConfig:
                                        "optimizer (fp32 main weights, AdamW moments, gradient buffers) or all (and "
                                        "the weights); a no-op on CPU (docs/memory_plan.md)", ("none", "optimizer", "all"))
     engine_restarts: int = _f(2, "restarts of a dead engine per step before the run fails")
+    rollout_num_engines: int = _f(None, "rollout engines; engine e is owned by the first rank of the e-th block of "
+                                        "world/N ranks and serves a share of each step's prompts (default: one per "
+                                        "node)")
+    rollout_tensor_parallel_size: int = _f(None, "GPUs (ranks) per engine: SGLang's tp_size (default: every rank of "
+                                                 "the engine's block with SGLang; the native engine runs 1)")
+    rollout_wait_timeout_s: float = _f(10800.0, "longest a rank waits for the engines' rollouts (the long-timeout "
+                                                "group around generation); exceeded: the run stops naming the engine")
+    dist_timeout_s: float = _f(600.0, "timeout of the training collectives (gradient reduction, weight gathers)")
 
 
 @dataclass
 class SpecConfig:
-    spec_draft_kind: str = _f("none", "drafter", ("none", "eagle3", "model", "mtp", "ngram"))
+    spec_draft_kind: str = _f("none", "drafter (history: earlier responses to the same prompt, native engine)",
+                              ("none", "eagle3", "model", "mtp", "ngram", "history"))
     spec_draft_path: str = _f(None, "ModelOpt-exported EAGLE-3 directory, or draft-model HF checkpoint")
-    spec_num_draft_tokens: int = _f(3, "k: tokens drafted per verify step")
+    spec_num_draft_tokens: int | str = _f(3, "k: tokens drafted per verify step, or auto: chosen per step in "
+                                             "0..--spec-max-draft-tokens from measured acceptance and step cost "
+                                             "(native engine)", parse=parse_num_draft_tokens)
+    spec_max_draft_tokens: int = _f(5, "k_max of --spec-num-draft-tokens auto")
+    spec_history: bool = _f(False, "also draft from earlier responses to the same prompt (GRPO siblings, earlier "
+                                   "steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)")
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")
     spec_mtp_num_layers: int = _f(1, "MTP heads trained beside the policy (spec-draft-kind mtp)")
     spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off)")
     spec_watchdog_fallback: bool = _f(False, "on acceptance collapse fall back to autoregressive decoding")
+
+    @property
+    def spec_k_max(self) -> int:
+        """Tokens drafted per step at most (the fixed k, or --spec-max-draft-tokens with auto)."""
+        return self.spec_max_draft_tokens if self.spec_num_draft_tokens == "auto" else int(self.spec_num_draft_tokens)
 
 
 @dataclass
@@ -118,7 +140,10 @@ class GRPOConfig:
     lr: float = _f(1e-5, "policy learning rate (AdamW)")
     lr_warmup_steps: int = _f(0, "linear learning-rate warm-up over the first N RL steps (AdamW's first "
                                  "updates move every parameter by about lr, whatever its gradient's noise)")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
+    lr_decay_style: str = _f("constant", "learning rate after the warm-up, over the remaining --train-iters steps, "
+                                         "down to --lr-min", ("constant", "cosine", "linear"))
+    lr_min: float = _f(0.0, "learning rate a cosine or linear decay reaches at step --train-iters")
+    weight_decay: float = _f(0.0, "AdamW weight decay (matrices only: norms and biases get none)")
     clip_grad: float = _f(1.0, "policy gradient-norm clip (0 = off)")
     clip_eps_low: float = _f(0.2, "ratio clip below: 1 - eps_low")
     clip_eps_high: float = _f(0.28, "ratio clip above: 1 + eps_high")
@@ -126,7 +151,14 @@ class GRPOConfig:
     loss_agg: str = _f("token", "loss aggregation", ("token", "sequence"))
     advantage_baseline: str = _f("group", "baseline of the advantage", ("group", "batch"))
     advantage_normalize_std: bool = _f(True, "divide advantages by the group (or batch) std")
-    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off)")
+    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off); "
+                             "the weight multiplies the policy-gradient and the KL term")
+    dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal before training (DAPO's dynamic "
+                                       "sampling: their advantages are 0); the step trains on fewer rollouts, "
+                                       "train/samples_trained says how many")
+    truncated_responses: str = _f("keep", "responses cut at --rollout-max-new-tokens: keep (train on them as "
+                                          "scored) or drop (no loss on them; they still count in their group's "
+                                          "baseline)", ("keep", "drop"))
 
 
 @dataclass
@@ -177,8 +209,20 @@ class RunConfig:
         if s.spec_draft_kind == "mtp" and not s.spec_online_draft_training and not s.spec_draft_path:
             raise ConfigError("--spec-draft-kind mtp needs --spec-online-draft-training (heads trained beside the "
                               "policy) or --spec-draft-path (an MTP export)")
-        if s.spec_draft_kind != "none" and s.spec_num_draft_tokens < 1:
-            raise ConfigError(f"--spec-num-draft-tokens must be >= 1, got {s.spec_num_draft_tokens}")
+        try:
+            s.spec_num_draft_tokens = parse_num_draft_tokens(s.spec_num_draft_tokens)  # YAML may hold "auto" or 3
+        except ValueError as exc:
+            raise ConfigError(f"--spec-num-draft-tokens: {exc}") from exc
+        if s.spec_draft_kind != "none" and s.spec_k_max < 1:
+            raise ConfigError(f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, "
+                              f"got {s.spec_k_max}")
+        if (s.spec_num_draft_tokens == "auto" or s.spec_history or s.spec_draft_kind == "history") \
+                and r.rollout_backend != "native":
+            raise ConfigError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need "
+                              "--rollout-backend native (SGLang fixes k at start-up)")
+        if s.spec_history and (s.spec_num_draft_tokens != "auto" or s.spec_draft_kind in ("none", "history")):
+            raise ConfigError("--spec-history needs --spec-num-draft-tokens auto and a --spec-draft-kind other than "
+                              "none and history")
         lg, d = self.logging, self.data
         if lg.eval_interval < 0 or d.eval_prompts < 1:
             raise ConfigError(f"--eval-interval {lg.eval_interval} must be >= 0 and --eval-prompts {d.eval_prompts} >= 1")
@@ -197,6 +241,13 @@ class RunConfig:
             raise ConfigError("--eval-interval with a file prompt set needs --eval-data (held-out prompts)")
         if g.lr_warmup_steps < 0:
             raise ConfigError(f"--lr-warmup-steps {g.lr_warmup_steps} must be >= 0")
+        if not 0.0 <= g.lr_min <= g.lr:
+            raise ConfigError(f"--lr-min {g.lr_min} must be in [0, --lr {g.lr}]")
+        if g.dynamic_sampling and g.advantage_baseline != "group":
+            raise ConfigError("--dynamic-sampling needs --advantage-baseline group: with the batch baseline a group "
+                              "of equal rewards still has a non-zero advantage")
+        if g.grpo_num_minibatches < 1:
+            raise ConfigError(f"--grpo-num-minibatches {g.grpo_num_minibatches} must be >= 1")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:
             raise ConfigError("--grpo-group-size and --prompts-per-step must be >= 1")
         if g.micro_batch_size < 1:
@@ -216,6 +267,15 @@ class RunConfig:
             raise ConfigError(f"--rollout-mem-fraction-static must be in (0, 1), got {r.rollout_mem_fraction_static}")
         if r.rollout_weight_dtype == "fp8" and r.rollout_dtype == "float32" and r.rollout_backend == "sglang":
             raise ConfigError("--rollout-weight-dtype fp8 with SGLang runs the FP8 kernels; set --rollout-dtype bfloat16")
+        if r.rollout_num_engines is not None and r.rollout_num_engines < 1:
+            raise ConfigError(f"--rollout-num-engines must be >= 1, got {r.rollout_num_engines}")
+        if r.rollout_tensor_parallel_size is not None and r.rollout_tensor_parallel_size < 1:
+            raise ConfigError(f"--rollout-tensor-parallel-size must be >= 1, got {r.rollout_tensor_parallel_size}")
+        if r.rollout_backend == "native" and r.rollout_tensor_parallel_size not in (None, 1):
+            raise ConfigError(f"--rollout-tensor-parallel-size {r.rollout_tensor_parallel_size}: the native engine runs "
+                              f"on one device (1); use --rollout-backend sglang for engines over several GPUs")
+        if r.rollout_wait_timeout_s <= 0 or r.dist_timeout_s <= 0:
+            raise ConfigError("--rollout-wait-timeout-s and --dist-timeout-s must be > 0")
         if self.checkpoint.save_interval < 0:
             raise ConfigError("--save-interval must be >= 0")
         return self
@@ -248,7 +308,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             if kind is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
-                kw["type"] = {int: int, float: float}.get(kind, str)
+                kw["type"] = f.metadata.get("parse") or {int: int, float: float}.get(kind, str)
                 if "choices" in f.metadata:
                     kw["choices"] = f.metadata["choices"]
             group.add_argument(_flag(f), **kw)

@@ -3,7 +3,8 @@
 ``MEGATRON_SPEC_FAULTS="kill_in_save=3,engine_exit_at_generate=2"`` makes the named point
 fail the given time it is reached: ``kill_in_save`` SIGKILLs the trainer after its rank file
 of the checkpoint for step N is written and before the checkpoint is complete;
-``engine_exit_at_generate`` makes the engine process exit abruptly at its N-th generate call;
+``engine_exit_at_generate`` makes the engine process exit abruptly at its N-th generate call
+(``engine<E>_exit_at_generate``: only engine E of a job of several, ``--rollout-num-engines``);
 ``nan_loss`` turns the GRPO loss of step N into NaN. Each fires once per run when
 ``MEGATRON_SPEC_FAULTS_DIR`` is set (a marker file there records that it fired).
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import os
 import socket
 
@@ -33,6 +34,10 @@ class ParallelInfo:
     tp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     device: torch.device
+    wait_group: dist.ProcessGroup | None = None
+    """Every rank, gloo, with the long ``wait_timeout_s``: the waits around generation (a rank
+    that trains nothing while the engines generate must not hit the training timeout)."""
+    wait_timeout_s: float = 0.0
 
 
 def _free_port() -> int:
@@ -41,12 +46,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0) -> ParallelInfo:
+def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0,
+                  wait_timeout_s: float = 10800.0) -> ParallelInfo:
     """Initialise torch.distributed and megatron-core's parallel state.
 
     Args:
         tp_size: tensor-parallel size; must divide the world size (the rest is data parallel).
         seed: base seed for megatron-core's model-parallel RNG tracker.
+        timeout_s: timeout of the default group and megatron-core's groups (training collectives).
+        wait_timeout_s: timeout of :attr:`ParallelInfo.wait_group` (waits for rollouts).
     """
     ensure_megatron_compat()
     from megatron.core import parallel_state as ps
@@ -65,18 +73,22 @@ def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0) 
         raise ValueError(f"tensor-model-parallel-size {tp_size} does not divide the world size {world} "
                          f"(torchrun --nproc_per_node)")
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp_size, pipeline_model_parallel_size=1,
+                                     distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
     elif ps.get_tensor_model_parallel_world_size() != tp_size:
         raise RuntimeError(f"model parallel already initialised with TP="
                            f"{ps.get_tensor_model_parallel_world_size()}, asked for {tp_size}")
     model_parallel_cuda_manual_seed(seed)
+    wait_group = None
+    if world > 1:  # collective: every rank creates it, in the same order
+        wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_timeout_s))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     return ParallelInfo(
         rank=dist.get_rank(), world_size=world,
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
         tp_group=ps.get_tensor_model_parallel_group(), dp_group=ps.get_data_parallel_group(),
-        device=device,
+        device=device, wait_group=wait_group, wait_timeout_s=wait_timeout_s,
     )
 
 

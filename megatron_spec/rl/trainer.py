@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
-from megatron_spec.capture.support import vocab_parallel_support_mask
+from megatron_spec.capture.support import vocab_parallel_entropy_and_log_mass, vocab_parallel_support_mask
 from megatron_spec.config import ConfigError, RunConfig
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
@@ -55,7 +55,7 @@ from megatron_spec.rl.loss import grpo_loss
 from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_stop_strings, stop_token_ids,
                                         truncate_at_stop_strings)
 from megatron_spec.rl.rewards import get_reward, score
-from megatron_spec.rl.rollouts import Rollout, micro_batches, pack, split
+from megatron_spec.rl.rollouts import Rollout, micro_batches, pack, select_for_training, split
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SamplingParams
 from megatron_spec.telemetry import MetricsWriter, StageTimer, print_progress, progress_line
@@ -67,15 +67,36 @@ class TrainingDivergedError(RuntimeError):
     """A non-finite loss or gradient: the run stops before the optimizer step and any checkpoint."""
 
 
+class RolloutWaitTimeout(RuntimeError):
+    """A rank waited longer than ``--rollout-wait-timeout-s`` for an engine's rollouts."""
+
+
+@dataclasses.dataclass
+class _Shard:
+    """One engine's part of a generate round, as its owner sends it to every rank."""
+
+    engine: int
+    samples: list | None
+    stats: GenerateStats | None
+    seconds: float
+    end: float
+    """``perf_counter`` when the engine call returned (meaningful on the owner only)."""
+    error: str | None = None
+    rollouts: list[Rollout] | None = None
+    request_ids: list[str] | None = None
+    restarts: int = 0
+
+
 @dataclasses.dataclass
 class _Batch:
-    """What rank 0 broadcasts after generation + reward."""
+    """A step's rollouts, the same on every rank."""
 
     rollouts: list[Rollout]
     stats: GenerateStats
     prompts: list[str]
     version: int
     gen_seconds: float
+    shards: list[_Shard] = dataclasses.field(default_factory=list)
 
 
 def _rss_mb() -> float:
@@ -94,11 +115,32 @@ class GRPOTrainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         m, s, g = cfg.model, cfg.spec, cfg.grpo
-        self.info = init_parallel(tp_size=m.tensor_model_parallel_size, seed=m.seed)
+        r = cfg.rollout
+        self.info = init_parallel(tp_size=m.tensor_model_parallel_size, seed=m.seed, timeout_s=r.dist_timeout_s,
+                                  wait_timeout_s=r.rollout_wait_timeout_s)
         self.rank0 = self.info.rank == 0
         self.device = self.info.device  # every tensor the trainer makes for the model lives here
-        # the rank that owns the engine, and the TP group that streams weights with it
-        self.streams = self.info.dp_rank == 0
+        # the engines: which rank owns which, which ranks feed them (megatron_spec.rl.engines)
+        from megatron_spec.rl.engines import EngineLayout
+        from megatron_spec.rollout import default_backend
+
+        self.backend = r.rollout_backend or default_backend()
+        self.layout = EngineLayout.resolve(
+            world_size=self.info.world_size, trainer_tp_size=self.info.tp_size, num_engines=r.rollout_num_engines,
+            engine_tp_size=r.rollout_tensor_parallel_size,
+            ranks_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", self.info.world_size)), backend=self.backend)
+        self.owner = self.layout.is_owner(self.info.rank)
+        self.my_engine = self.layout.engine_of(self.info.rank)
+        self.sender_engine = self.layout.sender_engine(self.info.rank)
+        self._sender_group = None
+        if self.layout.engine_tp_size > 1:  # per-TP-rank payloads through the senders' group (sync/forward.py)
+            import datetime
+
+            for e in range(self.layout.num_engines):  # collective: every rank creates every group
+                grp = dist.new_group(ranks=list(self.layout.senders(e)), backend="gloo",
+                                     timeout=datetime.timedelta(seconds=r.dist_timeout_s))
+                if e == self.sender_engine:
+                    self._sender_group = grp
         ckpt = HFCheckpoint(m.hf_checkpoint)
         self.dcfg = ckpt.decoder_config
         self.dcfg.check_tensor_parallel(m.tensor_model_parallel_size)
@@ -162,7 +204,7 @@ class GRPOTrainer:
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self.pending: list[tuple[concurrent.futures.Future, tuple, int]] = []
         self._pipeline_started = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if self.rank0 else None
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1) if self.owner else None
 
         # draft: online EAGLE-3 training from the verifier's hidden states
         self.capture = None
@@ -177,10 +219,10 @@ class GRPOTrainer:
         self.engine = None
         self.streamer = None
         self.watchdog = None
-        if not self.rank0 and self.streams:
-            from megatron_spec.sync.streamer import WeightStreamer
-
-            self.streamer = WeightStreamer(None, weight_dtype=self.cfg.rollout.rollout_weight_dtype)  # gathers only
+        # the policy / draft version each engine holds (the same list on every rank: -1 = none)
+        self.engine_target_version = [-1] * self.layout.num_engines
+        self.engine_draft_version = [-1] * self.layout.num_engines
+        self.engine_restarts_total = 0
         if self.rank0:
             self.writer = MetricsWriter(
                 cfg.logging.metrics_path or os.path.join(self.run_dir, "metrics.jsonl"),
@@ -188,13 +230,24 @@ class GRPOTrainer:
                 else (cfg.logging.tensorboard_dir or os.path.join(self.run_dir, "tensorboard")))
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 f.write(cfg.to_yaml())
+            if self.layout.num_engines > 1 or self.layout.engine_tp_size > 1:
+                print(f"megatron-spec: {self.layout.describe()}", file=sys.stderr, flush=True)
+        if self.owner:
             self._start_engine()
             if s.spec_draft_kind != "none" and s.spec_watchdog_steps > 0:
                 from megatron_spec.sync.watchdog import AcceptanceWatchdog
 
+                # every owner sees the same (job-wide) acceptance, so all engines fall back together
                 self.watchdog = AcceptanceWatchdog(window=s.spec_watchdog_steps, fallback=s.spec_watchdog_fallback)
-        self.target_synced_version = -1
-        self.draft_synced_version = -1
+        elif self.sender_engine is not None:  # a sender of a TP>1 engine: forwards its payloads to the owner
+            from megatron_spec.sync.forward import PayloadForwarder
+            from megatron_spec.sync.streamer import WeightStreamer
+
+            self.streamer = WeightStreamer(
+                PayloadForwarder(self._sender_group, self.layout.owner(self.sender_engine)),
+                bucket_bytes=r.rollout_bucket_mb << 20, weight_dtype=r.rollout_weight_dtype,
+                for_sglang=self.backend == "sglang", verify=False, engine_dtype=self._engine_config().resolved(
+                    self.device.type).dtype, engine_tp_size=1)
 
     def _colocate_offload(self) -> ColocateOffload:
         """The trainer's side of the colocated memory plan (docs/memory_plan.md)."""
@@ -219,25 +272,32 @@ class GRPOTrainer:
             draft_path = None  # the heads are streamed from the trainer before the first rollout
         return EngineConfig(
             model_path=self.cfg.model.hf_checkpoint, draft_kind=kind, draft_path=draft_path,
-            num_draft_tokens=s.spec_num_draft_tokens, dtype=r.rollout_dtype, max_batch_size=r.rollout_max_batch_size,
+            num_draft_tokens=s.spec_num_draft_tokens, max_draft_tokens=s.spec_max_draft_tokens,
+            history=s.spec_history, dtype=r.rollout_dtype, max_batch_size=r.rollout_max_batch_size,
             context_length=self.cfg.data.max_prompt_length + r.rollout_max_new_tokens, seed=self.cfg.model.seed,
             num_threads=r.rollout_num_threads, load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8",
             mtp_num_layers=s.spec_mtp_num_layers)
 
     def _start_engine(self) -> None:
+        """Start this owner's engine (and its streamer); every rank then treats it as holding no weights."""
         from megatron_spec.rollout import make_engine
         from megatron_spec.sync.streamer import WeightStreamer
 
-        self.engine = make_engine(self._engine_config(), backend=self.cfg.rollout.rollout_backend,
-                                  mem_fraction_static=self.cfg.rollout.rollout_mem_fraction_static)
-        self.streamer = WeightStreamer(self.engine, bucket_bytes=self.cfg.rollout.rollout_bucket_mb << 20,
-                                       weight_dtype=self.cfg.rollout.rollout_weight_dtype,
-                                       for_sglang=getattr(self.engine, "backend", "native") == "sglang")
-        self.target_synced_version = -1
-        self.draft_synced_version = -1
+        r = self.cfg.rollout
+        config = dataclasses.replace(self._engine_config(), engine_index=self.my_engine)
+        self.engine = make_engine(config, backend=self.backend, mem_fraction_static=r.rollout_mem_fraction_static,
+                                  tp_size=self.layout.engine_tp_size)
+        target = self.engine
+        if self.layout.engine_tp_size > 1:  # one payload per engine TP rank, from its colocated rank
+            from megatron_spec.sync.forward import PayloadGather
 
-    def _restart_engine(self, why: Exception) -> None:
-        logger.warning("rollout engine failed (%s); restarting it", why)
+            target = PayloadGather(self.engine, self._sender_group, self.info.rank, self.layout.engine_tp_size)
+        self.streamer = WeightStreamer(target, bucket_bytes=r.rollout_bucket_mb << 20,
+                                       weight_dtype=r.rollout_weight_dtype,
+                                       for_sglang=getattr(self.engine, "backend", "native") == "sglang")
+
+    def _restart_engine(self, why: str) -> None:
+        logger.warning("rollout engine %d failed (%s); restarting it", self.my_engine, why)
         try:
             self.engine.shutdown()
         except Exception:
@@ -272,7 +332,7 @@ class GRPOTrainer:
         cache = self.capture.take()
         if cache is not None and cache.num_rows and hasattr(self.draft_trainer, "evaluate"):
             # held out: the draft that generated these rollouts, before it trains on them
-            held = self.draft_trainer.evaluate(cache, steps=max(1, self.cfg.spec.spec_num_draft_tokens))
+            held = self.draft_trainer.evaluate(cache, steps=max(1, self.cfg.spec.spec_k_max))
             metrics.update({k.replace("draft/eval_", "draft/heldout_"): v for k, v in held.items()})
         metrics.update(self.draft_trainer.train_step(cache))
         metrics.update(self.capture.metrics())
@@ -282,34 +342,52 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ weights
     def _sync_weights(self, version: int | None = None) -> dict[str, float]:
-        """Stream the target of ``version`` (default: the current policy) and the draft into the
-        engine when they changed. Collective over the streaming TP group; other DP replicas
-        return at once. An older version is streamed from its snapshot."""
+        """Stream the target of ``version`` (default: the current policy) and the draft into every
+        engine that does not hold them. Collective: every rank calls it at the same point, and
+        each engine is fed by its own senders (their trainer TP groups take part in the gathers;
+        other ranks return at once). An older version is streamed from its snapshot.
+        ``sync/bytes`` and ``sync/seconds`` are engine 0's (rank 0's own sync)."""
         out = {"sync/bytes": 0.0, "sync/seconds": 0.0}
-        if not self.streams:
-            return out
         version = self.policy_version if version is None else version
-        if self.rank0 and self.cfg.rollout.rollout_release_memory and self.cfg.rollout.async_policy_lag == 0:
+        lay, rank = self.layout, self.info.rank
+        if self.owner and self.cfg.rollout.rollout_release_memory and self.cfg.rollout.async_policy_lag == 0:
             self.engine.resume_memory()
-        if self.target_synced_version != version:
-            swapped = self._swap_in(self.snapshots[version]) if version != self.policy_version else None
-            try:  # every rank of the streaming TP group takes part in the gathers
-                rep = self.streamer.sync_target(self.model, str(version), tp_group=self.info.tp_group)
-            finally:
-                if swapped is not None:
-                    self._swap_in(swapped)
+
+        def account(rep) -> None:
             if self.rank0:
                 out["sync/bytes"] += rep.bytes
                 out["sync/seconds"] += rep.seconds
-            self.target_synced_version = version
-        if self.rank0 and self.draft_synced_version != self.draft_version:
-            named = (self.draft_trainer.named_update_tensors() if self.draft_trainer is not None
+
+        need = [e for e in range(lay.num_engines) if self.engine_target_version[e] != version]
+        if need and (self.sender_engine in need or lay.gathers(rank, need)):
+            swapped = self._swap_in(self.snapshots[version]) if version != self.policy_version else None
+            try:  # every rank of a feeding TP group takes part in the gathers
+                if self.sender_engine in need:
+                    account(self.streamer.sync_target(self.model, str(version), tp_group=self.info.tp_group))
+                else:
+                    from megatron_spec.models.gpt import iter_hf_views
+
+                    for _ in iter_hf_views(self.model, self.info.tp_group, stream_order=True):
+                        pass
+            finally:
+                if swapped is not None:
+                    self._swap_in(swapped)
+        for e in need:
+            self.engine_target_version[e] = version
+
+        need = [e for e in range(lay.num_engines) if self.engine_draft_version[e] != self.draft_version]
+        # MTP heads are tensor-parallel: their export gathers over the TP group like the target's
+        collective = self.draft_trainer is not None and self.cfg.spec.spec_draft_kind == "mtp"
+        if need and self.sender_engine in need:
+            named = (list(self.draft_trainer.named_update_tensors()) if self.draft_trainer is not None
                      else self._static_draft())
             if named is not None:  # n-gram and plain decoding have no draft weights
-                rep = self.streamer.sync_draft(named, f"d{self.draft_version}")
-                out["sync/bytes"] += rep.bytes
-                out["sync/seconds"] += rep.seconds
-            self.draft_synced_version = self.draft_version
+                account(self.streamer.sync_draft(named, f"d{self.draft_version}"))
+        elif need and collective and lay.gathers(rank, need):
+            for _ in self.draft_trainer.named_update_tensors():
+                pass
+        for e in need:
+            self.engine_draft_version[e] = self.draft_version
         return out
 
     def _static_draft(self) -> list[tuple[str, torch.Tensor]] | None:
@@ -356,108 +434,202 @@ class GRPOTrainer:
         reqs = [self._request(f"{i}", p, f"prompt {i}", n) for i, p in zip(indices, prompts)]
         return reqs, prompts
 
-    def _generate(self, reqs: list[GenerateRequest], seed: int):
-        """Engine call with restart-and-retry (rank 0; runs in the executor thread in async mode).
+    # ------------------------------------------------------------------ generation over the engines
+    def _shard_plan(self, reqs: list[GenerateRequest]) -> list[list[int]]:
+        """Request positions per engine: whole requests (GRPO groups), balanced by expected work."""
+        from megatron_spec.rl.engines import request_work, shard_requests
 
-        Returns (samples, stats, seconds, end): ``end`` is the ``perf_counter`` time the call
-        returned, so a waiter can tell how much of the generation overlapped its wait."""
+        work = [request_work(q.n, len(q.input_ids), q.sampling.max_new_tokens) for q in reqs]
+        return shard_requests(work, self.layout.num_engines)
+
+    def _engine_seed(self, seed: int, engine: int) -> int:
+        """Engine e's sampling seed for a call (engine 0 keeps the job's seed: one engine runs as before)."""
+        return seed + 1_000_003 * engine
+
+    def _generate_shard(self, reqs: list[GenerateRequest], seed: int) -> _Shard:
+        """This owner's engine call (runs in the executor thread in async mode). A dead or stuck
+        engine is reported, not restarted here: restarting needs the weights again, which every
+        feeding rank streams together (:meth:`_collect`)."""
         from megatron_spec.rollout.native.handle import EngineDiedError, EngineTimeoutError
 
-        tries = self.cfg.rollout.engine_restarts + 1
-        for attempt in range(tries):
-            try:
-                t0 = time.perf_counter()
-                samples, stats = self.engine.generate(reqs, seed=seed)
-                end = time.perf_counter()
-                return samples, stats, end - t0, end
-            except (EngineDiedError, EngineTimeoutError) as exc:
-                if attempt + 1 == tries:
-                    raise RuntimeError(f"rollout engine failed {tries} times in a row; last error: {exc}") from exc
-                self._restart_engine(exc)
-                self._resync_after_restart()
-        raise AssertionError("unreachable")
+        t0 = time.perf_counter()
+        if not reqs:
+            return _Shard(self.my_engine, [], GenerateStats(), 0.0, t0)
+        try:
+            samples, stats = self.engine.generate(reqs, seed=seed)
+        except (EngineDiedError, EngineTimeoutError) as exc:
+            end = time.perf_counter()
+            return _Shard(self.my_engine, None, None, end - t0, end, error=f"{type(exc).__name__}: {exc}")
+        end = time.perf_counter()
+        return _Shard(self.my_engine, samples, stats, end - t0, end)
 
-    def _resync_after_restart(self) -> None:
-        """After a restart the engine has no weights: push target and draft again (rank 0 only;
-        a TP>1 restart re-gathers through the regular prepare stage of the retried step)."""
-        if self.info.tp_size == 1:
-            self.streamer.sync_target(self.model, str(self.policy_version))
-            self.target_synced_version = self.policy_version
-            if self.draft_trainer is not None:
-                self.streamer.sync_draft(self.draft_trainer.named_update_tensors(), f"d{self.draft_version}")
-                self.draft_synced_version = self.draft_version
-        else:
-            raise RuntimeError("the rollout engine died under TP>1 during generation; restart the run with --load")
-
-    def _finish_batch(self, indices, reqs, prompts, samples, stats, gen_s, version) -> _Batch:
-        g = self.cfg.grpo
+    def _score_shard(self, shard: _Shard, meta: dict[str, tuple], version: int) -> _Shard:
+        """The owner turns its samples into rollouts with rewards (the reward work is spread over
+        the owners). ``meta``: request id -> (prompt index, prompt text, answer, prompt ids)."""
+        samples = shard.samples
         truncate_at_stop_strings(samples, self.tokenizer, self.stop_strings)
         texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-        by_req = {r.request_id: r for r in reqs}
         rollouts = []
         for s in samples:
-            req = by_req[s.request_id]
-            rollouts.append(Rollout(int(s.request_id), s.sample_index, list(req.input_ids), s.output_ids,
-                                    s.logprobs, s.finish_reason, version, s.accepted_per_step, s.num_verify_steps))
+            index, _, _, ids = meta[s.request_id]
+            rollouts.append(Rollout(index, s.sample_index, list(ids), s.output_ids, s.logprobs, s.finish_reason,
+                                    version, s.accepted_per_step, s.num_verify_steps))
         with self.timer("reward"):
-            prompt_texts = [prompts[indices.index(ro.prompt_index)] for ro in rollouts]
-            answers = [self.examples[ro.prompt_index].answer for ro in rollouts]
-            rewards = score(self.reward_fn, self.reward_name, prompt_texts, texts, answers)
-            adv = grpo_advantages(torch.tensor(rewards), g.grpo_group_size, baseline=g.advantage_baseline,
-                                  normalize_std=g.advantage_normalize_std)
-            for ro, rew, a in zip(rollouts, rewards, adv.tolist()):
-                ro.reward, ro.advantage = rew, a
-        return _Batch(rollouts, stats, prompts, version, gen_s)
+            rewards = score(self.reward_fn, self.reward_name, [meta[s.request_id][1] for s in samples], texts,
+                            [meta[s.request_id][2] for s in samples])
+        for ro, rew in zip(rollouts, rewards):
+            ro.reward = rew
+        order = {q: i for i, q in enumerate(meta)}
+        keyed = sorted(zip(samples, rollouts), key=lambda p: (order[p[0].request_id], p[0].sample_index))
+        return dataclasses.replace(shard, samples=None, rollouts=[ro for _, ro in keyed],
+                                   request_ids=[s.request_id for s, _ in keyed])
+
+    def _exchange(self, local: _Shard | None, engines: list[int]) -> dict[int, _Shard]:
+        """Every rank gets the shard of every engine in ``engines`` from its owner, over the
+        long-timeout group (a rank waiting for a long generation must not hit the training timeout)."""
+        if self.info.world_size == 1:
+            return {local.engine: local}
+        got = {}
+        for e in engines:
+            owner = self.layout.owner(e)
+            box = [local if self.info.rank == owner else None]
+            try:
+                dist.broadcast_object_list(box, src=owner, group=self.info.wait_group)
+            except RuntimeError as exc:
+                if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                    raise RolloutWaitTimeout(
+                        f"rank {self.info.rank} waited more than --rollout-wait-timeout-s "
+                        f"{self.info.wait_timeout_s:g} for the rollouts of engine {e} (rank {owner}); its generation "
+                        f"is stuck or needs longer: raise --rollout-wait-timeout-s") from exc
+                raise
+            got[e] = box[0]
+        return got
+
+    def _collect(self, reqs: list[GenerateRequest], meta: dict[str, tuple], seed: int, version: int,
+                 first: _Shard | None = None) -> tuple[list[Rollout], list[_Shard]]:
+        """One generate round over all engines (collective): each owner generates its shard of
+        ``reqs`` and scores it; every rank gets every shard. An engine that fails is restarted by its
+        owner and re-fed ``version`` by its senders, and only its shard is generated again; the
+        other engines' rollouts are kept (``--engine-restarts`` rounds at most).
+
+        ``first``: this owner's shard already generated (async mode). Returns the rollouts in
+        request order (then sample index), and the shards (per-engine statistics)."""
+        plan = self._shard_plan(reqs)
+        pending = [e for e in range(self.layout.num_engines) if plan[e]]
+        mine = [reqs[i] for i in plan[self.my_engine]] if self.owner else []
+        done: dict[int, _Shard] = {}
+        tries = self.cfg.rollout.engine_restarts + 1
+        for attempt in range(tries):
+            local = None
+            if self.owner and self.my_engine in pending:
+                local = first if first is not None else self._generate_shard(
+                    mine, self._engine_seed(seed, self.my_engine))
+                if local.error is None:
+                    local = self._score_shard(local, meta, version)
+            first = None
+            got = self._exchange(local, pending)
+            failed = [e for e in pending if got[e].error is not None]
+            done.update({e: got[e] for e in pending if got[e].error is None})
+            if not failed:
+                break
+            if attempt + 1 == tries:
+                raise RuntimeError(f"rollout engine(s) {failed} failed {tries} times in a row; last error: "
+                                   f"{got[failed[0]].error}")
+            if self.rank0:
+                logger.warning("rollout engine(s) %s failed (%s); restarting them and generating their prompts "
+                               "again", failed, got[failed[0]].error)
+            self.engine_restarts_total += len(failed)
+            for e in failed:  # the same bookkeeping on every rank
+                self.engine_target_version[e] = self.engine_draft_version[e] = -1
+            if self.owner and self.my_engine in failed:
+                self._restart_engine(got[self.my_engine].error)
+            self._sync_weights(version)
+            pending = failed
+        order = {q.request_id: i for i, q in enumerate(reqs)}
+        keyed = [(order[q], ro.sample_index, ro) for sh in done.values() for ro, q in zip(sh.rollouts, sh.request_ids)]
+        rollouts = [ro for _, _, ro in sorted(keyed, key=lambda t: (t[0], t[1]))]
+        return rollouts, [done[e] for e in sorted(done)]
+
+    def _meta(self, reqs: list[GenerateRequest], indices: list[int], prompts: list[str], answers: list) -> dict:
+        return {q.request_id: (i, p, a, q.input_ids) for q, i, p, a in zip(reqs, indices, prompts, answers)}
+
+    def _make_batch(self, rollouts: list[Rollout], shards: list[_Shard], prompts: list[str], version: int,
+                    gen_s: float) -> _Batch:
+        """Group-relative advantages over the assembled batch (every rank, the same result)."""
+        g = self.cfg.grpo
+        adv = grpo_advantages(torch.tensor([ro.reward for ro in rollouts]), g.grpo_group_size,
+                              baseline=g.advantage_baseline, normalize_std=g.advantage_normalize_std)
+        for ro, a in zip(rollouts, adv.tolist()):
+            ro.advantage = a
+        stats = GenerateStats()
+        for sh in shards:
+            stats.merge(sh.stats)
+        stats.wall_s = max((sh.seconds for sh in shards), default=0.0)  # the engines ran side by side
+        return _Batch(rollouts, stats, prompts, version, gen_s, shards)
 
     def _evaluate(self) -> dict[str, float]:
-        """Mean reward of the engine's current policy on the held-out prompts (rank 0): one sample
-        per prompt, the rollout sampling settings, the same seed every time (so two evaluations
-        differ by the policy, not by the draw)."""
-        if not self.rank0:
-            return {}
+        """Mean reward of the engines' current policy on the held-out prompts: one sample per prompt,
+        the rollout sampling settings, the same seed every time (so two evaluations differ by the
+        policy, not by the draw). Collective: the prompts are shared out over the engines."""
         reqs = [self._request(f"eval{i}", ex.prompt, f"held-out prompt {i}", 1)
                 for i, ex in enumerate(self.eval_examples)]
-        samples, *_ = self._generate(reqs, seed=self.cfg.model.seed * 100_003 + 99_991)
-        truncate_at_stop_strings(samples, self.tokenizer, self.stop_strings)
-        by_id = {s.request_id: s for s in samples}
-        texts = self.tokenizer.batch_decode([by_id[q.request_id].output_ids for q in reqs], skip_special_tokens=True)
-        rewards = score(self.reward_fn, self.reward_name, [ex.prompt for ex in self.eval_examples], texts,
-                        [ex.answer for ex in self.eval_examples])
+        meta = self._meta(reqs, list(range(len(reqs))), [ex.prompt for ex in self.eval_examples],
+                          [ex.answer for ex in self.eval_examples])
+        version = self.engine_target_version[0]
+        rollouts, _ = self._collect(reqs, meta, seed=self.cfg.model.seed * 100_003 + 99_991, version=version)
+        rewards = [ro.reward for ro in rollouts]
         return {"eval/reward": sum(rewards) / len(rewards), "eval/prompts": len(rewards),
-                "eval/policy_version": self.target_synced_version}
+                "eval/policy_version": version}
 
     def _submit(self, step: int, version: int) -> None:
-        """Draw the prompts of batch ``step`` and start generating it with the weights of
-        ``version``, which the engine holds now (rank 0, async mode)."""
+        """Draw the prompts of batch ``step`` (every rank draws the same) and start generating this
+        owner's shard with the weights of ``version``, which the engines hold now (async mode)."""
         indices = self.sampler.next(self.cfg.grpo.prompts_per_step)
         reqs, prompts = self._requests(indices)
-        fut = self._executor.submit(self._generate, reqs, self.cfg.model.seed * 100_003 + step)
-        self.pending.append((fut, (indices, reqs, prompts), version))
+        seed = self.cfg.model.seed * 100_003 + step
+        fut = None
+        if self.owner:
+            plan = self._shard_plan(reqs)
+            mine = [reqs[i] for i in plan[self.my_engine]]
+            fut = self._executor.submit(self._generate_shard, mine, self._engine_seed(seed, self.my_engine))
+        self.pending.append((fut, (indices, reqs, prompts, seed), version))
 
-    def _get_batch(self) -> tuple[_Batch | None, float]:
-        """Rank 0: the rollouts of this step (exposed generation seconds)."""
+    def _get_batch(self) -> tuple[_Batch, float]:
+        """The rollouts of this step, on every rank (and the generation seconds rank 0 waited for)."""
         lag = self.cfg.rollout.async_policy_lag
         if lag == 0:
             with self.timer("data"):
                 indices = self.sampler.next(self.cfg.grpo.prompts_per_step)
                 reqs, prompts = self._requests(indices)
+                meta = self._meta(reqs, indices, prompts, [self.examples[i].answer for i in indices])
             with self.timer("gen"):
-                samples, stats, gen_s, _ = self._generate(reqs, self.cfg.model.seed * 100_003 + self.step)
-            return self._finish_batch(indices, reqs, prompts, samples, stats, gen_s, self.policy_version), gen_s
+                t0 = time.perf_counter()
+                rollouts, shards = self._collect(reqs, meta, self.cfg.model.seed * 100_003 + self.step,
+                                                 self.policy_version)
+                gen_s = time.perf_counter() - t0
+            return self._make_batch(rollouts, shards, prompts, self.policy_version, gen_s), gen_s
         with self.timer("data"):
             if not self.pending:  # start-up (or resume): the first batch, with the current policy
                 self._submit(self.step, self.policy_version)
         with self.timer("gen"):
             t0 = time.perf_counter()
-            fut, (indices, reqs, prompts), version = self.pending.pop(0)
-            samples, stats, gen_s, end = fut.result()
-            # the part of the generation that overlapped this wait (not the executor's hand-off,
-            # nor a generation that had not started yet when the wait began)
-            exposed = max(0.0, min(gen_s, end - t0))
-        return self._finish_batch(indices, reqs, prompts, samples, stats, gen_s, version), exposed
+            fut, (indices, reqs, prompts, seed), version = self.pending.pop(0)
+            first = fut.result() if fut is not None else None
+            meta = self._meta(reqs, indices, prompts, [self.examples[i].answer for i in indices])
+            rollouts, shards = self._collect(reqs, meta, seed, version, first=first)
+            # the part of the generation that overlapped this wait: from the wait's start to the
+            # end of the last engine's call (or the wait itself, whichever is shorter)
+            exposed = time.perf_counter() - t0
+            if first is not None and first.error is None:
+                exposed = max(0.0, min(first.seconds, first.end - t0)) if self.layout.num_engines == 1 else exposed
+        gen_s = max((sh.seconds for sh in shards), default=0.0)
+        return self._make_batch(rollouts, shards, prompts, version, gen_s), exposed
 
     # ------------------------------------------------------------------ verifier forwards
-    def _logprobs(self, model, batch, grad: bool) -> torch.Tensor:
+    def _logprobs(self, model, batch, grad: bool, extras: bool = False):
+        """``[B, L-1]`` log-probs of the targets under the processed distribution (``-inf`` outside
+        its support); with ``extras``, also the entropy of that distribution and ``log Z``, the
+        log-mass its support keeps (capture/support.py), both ``[B, L-1]`` and detached."""
         r = self.cfg.rollout
         logits = model(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]  # [B, L-1, V/tp]
         exclude = vocab_parallel_support_mask(logits.detach(), vocab_size=self.dcfg.vocab_size,
@@ -467,7 +639,13 @@ class GRPOTrainer:
         lp = vocab_parallel_token_logprobs(logits, batch.targets, vocab_size=self.dcfg.vocab_size,
                                            temperature=r.rollout_temperature, exclude_mask=exclude,
                                            tp_group=self.info.tp_group)
-        return lp * batch.mask if not grad else lp
+        lp = torch.where(batch.mask > 0, lp, torch.zeros_like(lp)) if not grad else lp  # -inf * 0 would be NaN
+        if not extras:
+            return lp
+        entropy, log_mass = vocab_parallel_entropy_and_log_mass(
+            logits.detach(), exclude, vocab_size=self.dcfg.vocab_size, temperature=r.rollout_temperature,
+            tp_group=self.info.tp_group)
+        return lp, entropy, log_mass
 
     def _snapshot(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in unwrap(self.model).parameters()]
@@ -481,47 +659,95 @@ class GRPOTrainer:
         return current
 
     @torch.no_grad()
-    def _old_logprobs(self, rollouts: list[Rollout]) -> tuple[list, dict[str, float]]:
-        """Per micro-batch: (packed batch, old log-probs, ref log-probs); captures for the draft."""
-        g = self.cfg.grpo
+    def _old_logprobs(self, rollouts: list[Rollout]) -> tuple[list[list], dict[str, float]]:
+        """This rank's rollouts as ``--grpo-num-minibatches`` minibatches, each a list of micro-batches
+        (packed batch, old log-probs, ref log-probs); captures for the draft.
+
+        Every rollout that enters the loss is in exactly one minibatch (rollouts/split). Dynamic
+        sampling and ``--truncated-responses drop`` leave the others out first. Response tokens
+        outside the old policy's support (a bf16 engine and the fp32 verifier disagree at a top-k /
+        top-p boundary) leave the loss mask here, counted in ``mismatch/out_of_support_frac``. An
+        SGLang engine reports log-probs of the untruncated distribution: they are renormalised by
+        the verifier's support mass, ``log Z``, before the mismatch and the TIS weights read them
+        (docs/metrics.md, "Train/rollout mismatch"). Metrics are reduced over the DP ranks.
+        """
+        from megatron_spec.rollout import default_backend
+
+        g, r = self.cfg.grpo, self.cfg.rollout
+        kept, groups_dropped, truncated_dropped = select_for_training(
+            rollouts, g.grpo_group_size, drop_equal_reward_groups=g.dynamic_sampling,
+            drop_truncated=g.truncated_responses == "drop")
+        truncating = r.rollout_temperature > 0 and (r.rollout_top_k > 0 or r.rollout_top_p < 1.0 or r.rollout_min_p > 0)
+        renormalise = truncating and (r.rollout_backend or default_backend()) == "sglang"
         out = []
-        mism_max, mism_sum, mism_n = 0.0, 0.0, 0.0
+        # sum |diff|, tokens compared, tokens out of the support, response tokens; max |diff|
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        diff_max = torch.zeros((), dtype=torch.float64, device=self.device)
         version = rollouts[0].policy_version if rollouts else self.policy_version
         swapped = None
         if version != self.policy_version:  # async: recompute under the generating policy
             swapped = self._swap_in(self.snapshots[version])
         self.model.eval()
         try:
-            for mb in micro_batches(rollouts, g.micro_batch_size):
-                batch = pack(mb, self.pad_id, device=self.device)
-                if self.capture is not None:
-                    response = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
-                    response[:, 1:] = batch.mask > 0  # input position t holds target t-1
-                    with self.capture.record(self.model, response):
-                        old = self._logprobs(self.model, batch, grad=False)
-                else:
-                    old = self._logprobs(self.model, batch, grad=False)
-                ref = self._logprobs(self.ref, batch, grad=False) if self.ref is not None else None
-                on = batch.mask > 0
-                if bool(on.any()):
-                    diff = (old - batch.engine_logprobs).abs()[on]
-                    mism_max = max(mism_max, float(diff.max()))
-                    mism_sum += float(diff.sum())
-                    mism_n += float(on.sum())
-                out.append((batch, old, ref))
+            for minibatch in split(kept, g.grpo_num_minibatches):
+                micro = []
+                for mb in micro_batches(minibatch, g.micro_batch_size):
+                    batch = pack(mb, self.pad_id, device=self.device)
+                    if self.capture is not None:
+                        response = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
+                        response[:, 1:] = batch.mask > 0  # input position t holds target t-1
+                        with self.capture.record(self.model, response):
+                            old, _, log_mass = self._logprobs(self.model, batch, grad=False, extras=True)
+                    else:
+                        old, _, log_mass = self._logprobs(self.model, batch, grad=False, extras=True)
+                    ref = self._logprobs(self.ref, batch, grad=False) if self.ref is not None else None
+                    on = batch.mask > 0  # [B, L-1]
+                    inside = on & torch.isfinite(old)
+                    if renormalise:  # SGLang's log p(t) + log Z -> log p(t) under the truncated distribution
+                        batch.engine_logprobs = torch.where(on, batch.engine_logprobs - log_mass, batch.engine_logprobs)
+                    batch.mask = batch.mask * inside.to(batch.mask.dtype)  # the out-of-support tokens leave the loss
+                    old = torch.where(inside, old, torch.zeros_like(old))
+                    diff = (old - batch.engine_logprobs).abs()[inside].to(torch.float64)
+                    sums += torch.stack([diff.sum(), inside.sum().to(torch.float64), (on & ~inside).sum().to(
+                        torch.float64), on.sum().to(torch.float64)])
+                    if diff.numel():
+                        diff_max = torch.maximum(diff_max, diff.max())
+                    micro.append((batch, old, ref))
+                out.append(micro)
         finally:
             if swapped is not None:
                 self._swap_in(swapped)
-        return out, {"mismatch/logprob_abs_diff_max": mism_max,
-                     "mismatch/logprob_abs_diff_mean": mism_sum / max(mism_n, 1.0)}
+        counts = torch.tensor([groups_dropped, truncated_dropped], dtype=torch.float64, device=self.device)
+        if self.info.dp_size > 1:
+            dist.all_reduce(sums, group=self.info.dp_group)
+            dist.all_reduce(counts, group=self.info.dp_group)
+            dist.all_reduce(diff_max, op=dist.ReduceOp.MAX, group=self.info.dp_group)
+        diff_sum, compared, outside, response = sums.tolist()
+        metrics = {"mismatch/logprob_abs_diff_max": float(diff_max),
+                   "mismatch/logprob_abs_diff_mean": diff_sum / max(compared, 1.0),
+                   "mismatch/out_of_support_frac": outside / max(response, 1.0)}
+        if g.dynamic_sampling:
+            metrics["train/groups_filtered"] = int(counts[0])
+        if g.truncated_responses == "drop":
+            metrics["train/truncated_dropped"] = int(counts[1])
+        return out, metrics
 
     def policy_lr(self) -> float:
-        """The policy's learning rate at this step: linear warm-up, then constant (a function of
-        the step alone, so a resumed run continues the schedule exactly)."""
+        """The policy's learning rate at this step, a function of the step alone (a resumed run
+        continues the schedule exactly): linear warm-up over ``--lr-warmup-steps`` W, then
+        ``--lr-decay-style`` from ``--lr`` towards ``--lr-min`` over the remaining steps (T =
+        ``--train-iters``): at step s >= W, t = (s - W) / (T - W), cosine
+        ``lr_min + (lr - lr_min) (1 + cos(pi t)) / 2``, linear ``lr - (lr - lr_min) t``
+        (megatron-core's OptimizerParamScheduler; the first step after the warm-up uses ``--lr``)."""
         g = self.cfg.grpo
-        if g.lr_warmup_steps <= 0:
+        if self.step < g.lr_warmup_steps:
+            return g.lr * (self.step + 1) / g.lr_warmup_steps
+        if g.lr_decay_style == "constant":
             return g.lr
-        return g.lr * min(1.0, (self.step + 1) / g.lr_warmup_steps)
+        t = min(1.0, (self.step - g.lr_warmup_steps) / max(1, g.train_iters - g.lr_warmup_steps))
+        if g.lr_decay_style == "cosine":
+            return g.lr_min + (g.lr - g.lr_min) * 0.5 * (1.0 + math.cos(math.pi * t))
+        return g.lr - (g.lr - g.lr_min) * t
 
     def _grad_norm(self) -> float:
         """L2 norm of the fp32 gradients over the model (TP shards summed over the TP group)."""
@@ -539,26 +765,37 @@ class GRPOTrainer:
             dist.all_reduce(sharded, group=self.info.tp_group)
         return float((sharded + replicated).sqrt())
 
-    def _train(self, microbatches: list) -> dict[str, float]:
+    def _train(self, minibatches: list[list]) -> dict[str, float]:
+        """One optimizer step per minibatch of :meth:`_old_logprobs` (a list of micro-batches each).
+
+        A minibatch with no response token on any DP rank takes no optimizer step (AdamW would
+        still move the weights through its moments and the weight decay). The statistics are sums
+        over every DP rank's tokens (max for the ratio), so they describe the whole step.
+        """
         g = self.cfg.grpo
         self.model.train()
-        stats = {"loss/pg": 0.0, "loss/kl": 0.0, "train/clip_frac": 0.0, "train/ratio_mean": 0.0,
-                 "train/ratio_max": 0.0, "train/grad_norm": 0.0}
-        tokens_total = 0.0
-        minibatches = split(microbatches, g.grpo_num_minibatches) if g.grpo_num_minibatches > 1 else [microbatches]
+        # pg, kl, clipped, ratio, tokens, entropy, out of support, samples trained, optimizer steps
+        sums = torch.zeros(9, dtype=torch.float64, device=self.device)
+        ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        grad_norm = 0.0
         for mbs in minibatches:
-            tokens = torch.tensor(sum(float(b.mask.sum()) for b, _, _ in mbs), device=self.device)
-            seqs = torch.tensor(float(sum(b.mask.shape[0] for b, _, _ in mbs)), device=self.device)
+            counts = torch.tensor([sum(float(b.mask.sum()) for b, _, _ in mbs),
+                                   sum(float((b.mask.sum(dim=1) > 0).sum()) for b, _, _ in mbs)],
+                                  dtype=torch.float64, device=self.device)  # response tokens, sequences
             if self.info.dp_size > 1:
-                dist.all_reduce(tokens, group=self.info.dp_group)
-                dist.all_reduce(seqs, group=self.info.dp_group)
-            normalizer = float((tokens if g.loss_agg == "token" else seqs) / self.info.dp_size)
+                dist.all_reduce(counts, group=self.info.dp_group)
+            tokens, seqs = counts.tolist()
+            if tokens == 0:  # the same decision on every rank: the counts are global
+                continue
+            normalizer = (tokens if g.loss_agg == "token" else seqs) / self.info.dp_size
             zero_grads(self.ddp)
             for batch, old, ref in mbs:
-                lp = self._logprobs(self.ddp, batch, grad=True)
+                lp, entropy, _ = self._logprobs(self.ddp, batch, grad=True, extras=True)
                 is_w = None
                 if g.tis_cap > 0:
-                    is_w = torch.exp(old - batch.engine_logprobs).clamp(max=g.tis_cap) * batch.mask
+                    on = batch.mask > 0  # engine and old log-probs are finite here (_old_logprobs)
+                    is_w = torch.where(on, torch.exp(old - batch.engine_logprobs).clamp(max=g.tis_cap),
+                                       torch.zeros_like(old))
                 loss, st = grpo_loss(lp, old, batch.advantages, batch.mask, clip_eps_low=g.clip_eps_low,
                                      clip_eps_high=g.clip_eps_high, ref_logprobs=ref, kl_coef=g.kl_coef,
                                      agg=g.loss_agg, normalizer=max(normalizer, 1.0), is_weights=is_w)
@@ -570,12 +807,12 @@ class GRPOTrainer:
                     raise TrainingDivergedError(f"non-finite GRPO loss ({float(loss)}) at step {self.step}; "
                                                 f"stopping before the optimizer step and any checkpoint")
                 loss.backward()
-                stats["loss/pg"] += st.pg_loss_sum
-                stats["loss/kl"] += st.kl_sum
-                stats["train/clip_frac"] += st.clipped
-                stats["train/ratio_mean"] += st.ratio_sum
-                stats["train/ratio_max"] = max(stats["train/ratio_max"], st.ratio_max)
-                tokens_total += st.tokens
+                sums += torch.tensor([st.pg_loss_sum, st.kl_sum, st.clipped, st.ratio_sum, st.tokens,
+                                      float((entropy * batch.mask).sum()), st.out_of_support,
+                                      float((batch.mask.sum(dim=1) > 0).sum()), 0.0],
+                                     dtype=torch.float64, device=self.device)
+                ratio_max = torch.maximum(ratio_max, torch.tensor(st.ratio_max, dtype=torch.float64,
+                                                                  device=self.device))
             finalize_grads(self.ddp, as_param_grad=False)  # the optimizer reads the fp32 main_grad
             norm = self._grad_norm()
             if not math.isfinite(norm):
@@ -586,24 +823,22 @@ class GRPOTrainer:
                 for grad in self.optimizer.grads():
                     if grad is not None:
                         grad.mul_(scale)
-            stats["train/grad_norm"] = max(stats["train/grad_norm"], norm)
+            grad_norm = max(grad_norm, norm)
             for group in self.optimizer.param_groups:
                 group["lr"] = self.policy_lr()
             self.optimizer.step()
-        stats["train/lr"] = self.policy_lr()
-        n = max(tokens_total, 1.0)
-        for key in ("loss/pg", "loss/kl", "train/clip_frac", "train/ratio_mean"):
-            stats[key] /= n
-        return stats
+            sums[8] += 1.0 / self.info.dp_size  # every rank steps: the DP sum counts it once
+        if self.info.dp_size > 1:
+            dist.all_reduce(sums, group=self.info.dp_group)
+            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self.info.dp_group)
+        pg, kl, clipped, ratio, tokens, entropy, outside, samples, steps = sums.tolist()
+        n = max(tokens, 1.0)
+        return {"loss/pg": pg / n, "loss/kl": kl / n, "train/clip_frac": clipped / n, "train/ratio_mean": ratio / n,
+                "train/ratio_max": float(ratio_max), "train/grad_norm": grad_norm, "train/lr": self.policy_lr(),
+                "train/entropy": entropy / n, "train/out_of_support_frac": outside / n,
+                "train/samples_trained": int(samples), "train/optimizer_steps": int(round(steps))}
 
     # ------------------------------------------------------------------ the step
-    def _broadcast(self, obj):
-        if self.info.world_size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def train_step(self) -> dict[str, Any]:
         g, r = self.cfg.grpo, self.cfg.rollout
         self.timer.reset()
@@ -625,20 +860,21 @@ class GRPOTrainer:
                 with self.timer("prepare"):
                     metrics.update(self._sync_weights())
                 self._pipeline_started = True
-        batch, exposed = (self._get_batch() if self.rank0 else (None, 0.0))
+        batch, exposed = self._get_batch()  # collective: every rank gets every engine's rollouts
         if lag > 0:
-            # The engine is idle: give it version max(0, t+1-L) and start batch t+1 with it.
+            # The engines are idle: give them version max(0, t+1-L) and start batch t+1 with it.
             # One engine call is in flight at a time; a policy lag of L comes from the version
             # pushed, not from queueing L generations.
             version = max(0, self.step + 1 - lag)
             with self.timer("prepare"):
                 metrics.update(self._sync_weights(version))
-            if self.rank0 and self.step + 1 < self.cfg.grpo.train_iters:
+            if self.step + 1 < self.cfg.grpo.train_iters:
                 self._submit(self.step + 1, version)
-        if self.rank0 and r.rollout_release_memory and lag == 0:
-            self.engine.release_memory()
-            self.target_synced_version = self.draft_synced_version = -1  # released weights must be re-pushed
-        batch = self._broadcast(batch)
+        if r.rollout_release_memory and lag == 0:
+            if self.owner:
+                self.engine.release_memory()
+            n = self.layout.num_engines  # released weights must be re-pushed (the same on every rank)
+            self.engine_target_version, self.engine_draft_version = [-1] * n, [-1] * n
         self._last_batch = batch
         mine = split(batch.rollouts, self.info.dp_size)[self.info.dp_rank]
         with self.timer("logprob"):
@@ -665,8 +901,26 @@ class GRPOTrainer:
             metrics.update({k.replace("eval/", "eval_final/"): v for k, v in final.items()})
         metrics.update(mism)
         metrics.update(self._step_metrics(batch, exposed))
+        metrics.update(self._engine_metrics(batch))
         metrics.update(self.timer.metrics())
         return metrics
+
+    def _engine_metrics(self, batch: _Batch) -> dict[str, Any]:
+        """Per-engine work and speculation (docs/metrics.md, "rollout engines")."""
+        from megatron_spec.rl.engines import imbalance
+
+        out: dict[str, Any] = {"rollout/num_engines": self.layout.num_engines,
+                               "rollout/engine_restarts": self.engine_restarts_total}
+        by_engine = {sh.engine: sh for sh in batch.shards}
+        for e in range(self.layout.num_engines):
+            sh = by_engine.get(e)
+            st = sh.stats if sh is not None else None
+            out[f"rollout/engine{e}/samples"] = len(sh.rollouts) if sh is not None else 0
+            out[f"rollout/engine{e}/gen_s"] = sh.seconds if sh is not None else 0.0
+            out[f"rollout/engine{e}/accept_length"] = (st.spec_accept_length if st is not None and st.spec_steps
+                                                       else 1.0)
+        out["rollout/imbalance"] = imbalance([sh.seconds for sh in batch.shards])
+        return out
 
     def _step_metrics(self, batch: _Batch, exposed: float) -> dict[str, Any]:
         s = self.cfg.spec
@@ -690,6 +944,13 @@ class GRPOTrainer:
         }
         for i, rate in enumerate(st.accept_rate_per_position):
             out[f"spec/accept_rate_pos{i}"] = rate
+        if st.k_mean is not None:  # draft length per request and step (adaptive k: its histogram)
+            out["spec/k_mean"] = st.k_mean
+            total = sum(st.k_counts)
+            out.update({f"spec/k_frac{k}": c / total for k, c in enumerate(st.k_counts)})
+        if st.source_accept_length("history") is not None:
+            out["spec/history_accept_length"] = st.source_accept_length("history")
+            out["spec/history_frac"] = st.source_steps["history"] / max(1, sum(st.source_steps.values()))
         if self.draft_trainer is None:
             out["draft/loss"] = None
         return out
@@ -747,7 +1008,7 @@ class GRPOTrainer:
         try:
             while self.step < cfg.grpo.train_iters:
                 m = self.train_step()
-                if self.watchdog is not None and self.rank0 and self.engine is not None:
+                if self.watchdog is not None and self.owner and self.engine is not None:
                     from megatron_spec.sync.watchdog import Action
 
                     action = self.watchdog.observe(m["spec/accept_length"])

@@ -18,10 +18,14 @@ def default_backend() -> str:
     return "sglang" if torch.cuda.is_available() else "native"
 
 
-def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fraction_static: float | None = None):
+def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fraction_static: float | None = None,
+                tp_size: int = 1):
     """Start a rollout engine; the caller shuts it down (it is a context manager).
 
     Args:
+        tp_size: the engine's tensor parallelism (SGLang; its GPUs are this process's device and
+            the next ``tp_size - 1``: the colocated ranks of ``megatron_spec.rl.engines``). The
+            native engine runs on one device and takes 1 only.
         mem_fraction_static: SGLang's share of the GPU for weights and KV cache (colocated runs
             leave the rest to the trainer, docs/memory_plan.md); ``None`` lets SGLang choose. The
             native engine sizes its KV cache from ``config`` and ignores it.
@@ -30,10 +34,12 @@ def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fractio
     if backend == "native":
         from megatron_spec.rollout.native.handle import NativeEngine
 
+        if tp_size != 1:
+            raise ValueError(f"the native engine runs on one device: tp_size must be 1, got {tp_size}")
         return NativeEngine(config)
     if backend == "sglang":
         from megatron_spec.rollout.sglang_backend import SGLangEngine
 
         overrides = {} if mem_fraction_static is None else {"mem_fraction_static": mem_fraction_static}
-        return SGLangEngine(config, server_overrides=overrides)
+        return SGLangEngine(config, tp_size=tp_size, server_overrides=overrides)
     raise ValueError(f"rollout backend must be 'native' or 'sglang', got {backend!r}")

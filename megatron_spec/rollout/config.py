@@ -68,6 +68,9 @@ class EngineConfig:
     (``model.warm_linears``), so the first rollouts do not pay for them."""
     startup_timeout_s: float = 600.0
     call_timeout_s: float = 3600.0
+    engine_index: int = 0
+    """Which of the job's engines this is (``--rollout-num-engines``): names it in logs and in
+    the fault-injection points of the tests (``megatron_spec.faults``)."""
 
     def __post_init__(self) -> None:
         if self.draft_kind not in DRAFT_KINDS:

@@ -163,7 +163,8 @@ class EngineServer:
         from megatron_spec import faults
 
         self._generate_calls = getattr(self, "_generate_calls", 0) + 1
-        if faults.should_fire("engine_exit_at_generate", self._generate_calls):
+        if faults.should_fire("engine_exit_at_generate", self._generate_calls) or \
+                faults.should_fire(f"engine{self.config.engine_index}_exit_at_generate", self._generate_calls):
             os._exit(3)
         self.core.weight_version = self.versions["target"]
         self.core.draft_weight_version = self.versions["draft"]
