@@ -21,8 +21,15 @@ What it adds on top of SGLang:
 * FP8: block-FP8 launch config, and with ``load_weights`` the checkpoint is quantised and
   pushed at start (a bf16 checkpoint cannot be loaded into FP8 parameters).
 
+Tensor parallelism (``tp_size`` T > 1): the engine runs on ``gpu_ids``, the GPUs of the trainer
+ranks it is colocated with (SGLang's ``base_gpu_id`` / ``gpu_id_step``), and each weight update
+takes exactly T payloads, one per engine TP rank, each the full bucket packed on that rank's GPU
+(SGLang's loaders narrow full tensors to the rank's shard). Who packs them is the caller's
+business (``megatron_spec.sync``); this handle checks the count and passes them on in order.
+
 It needs a GPU and the full SGLang install; on CPU everything up to ``sglang.Engine`` is
-tested against SGLang's own classes (tests/sync/test_sglang_backend.py).
+tested against SGLang's own classes (tests/sync/test_sglang_backend.py, and
+tests/sync/test_sglang_tp_payloads.py for TP > 1).
 """
 
 from __future__ import annotations
@@ -63,7 +70,13 @@ class SGLangEngine:
 
     Args:
         config: the engine record both backends read.
-        tp_size: SGLang tensor parallelism (payloads are made once per TP rank).
+        tp_size: SGLang tensor parallelism T; every ``update_weights_from_tensor`` takes T payloads.
+        gpu_ids: the local CUDA device of each engine TP rank, in TP rank order: the devices of the
+            trainer ranks colocated with this engine (rank i packs TP rank i's payloads on its own
+            GPU, so the CUDA IPC handle is opened on the device it was made on). Default: T
+            consecutive devices from this process's current one (the owner and the next T-1 local
+            ranks when ``LOCAL_RANK`` is the device), ``0 .. T-1`` without CUDA. Passed to SGLang as
+            ``base_gpu_id`` / ``gpu_id_step`` (``sglang_protocol.gpu_placement``).
         server_overrides: extra ``ServerArgs`` fields (e.g. ``mem_fraction_static``).
         launch: ``(**server_kwargs) -> engine``; ``sglang.Engine`` by default (tests pass a stand-in).
     """
@@ -71,11 +84,14 @@ class SGLangEngine:
     backend = "sglang"
     checksum_kind = "digest"
 
-    def __init__(self, config: EngineConfig, *, tp_size: int = 1, server_overrides: dict[str, Any] | None = None,
-                 launch: Callable[..., Any] | None = None):
+    def __init__(self, config: EngineConfig, *, tp_size: int = 1, gpu_ids: Sequence[int] | None = None,
+                 server_overrides: dict[str, Any] | None = None, launch: Callable[..., Any] | None = None):
         config = config.resolved("cuda")  # auto -> bfloat16 on the GPU
         self.config = config
+        if isinstance(tp_size, bool) or int(tp_size) != tp_size or tp_size < 1:
+            raise ValueError(f"SGLang tp_size must be an integer >= 1, got {tp_size!r}")
         self.tp_size = int(tp_size)
+        self.gpu_ids = self._gpu_ids(gpu_ids)
         self._overrides = dict(server_overrides or {})
         self._launch = launch or _launch_sglang
         self.dtype = _DTYPES[config.dtype]
@@ -106,14 +122,26 @@ class SGLangEngine:
 
         self.digest_ledger = DigestLedger()  # digests are this engine's: every streamer checks against one book
         self.info = {"backend": "sglang", "draft_kind": config.draft_kind, "num_draft_tokens": config.k,
-                     "dtype": config.dtype, "tp_size": self.tp_size}
+                     "dtype": config.dtype, "tp_size": self.tp_size, "gpu_ids": list(self.gpu_ids)}
         if config.fp8_weights and config.load_weights:
             self._push_checkpoint_fp8()
 
     # ------------------------------------------------------------------ plumbing
+    def _gpu_ids(self, gpu_ids: Sequence[int] | None) -> tuple[int, ...]:
+        if gpu_ids is None:
+            base = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            gpu_ids = range(base, base + self.tp_size)
+        ids = tuple(int(g) for g in gpu_ids)
+        proto.gpu_placement(ids, self.tp_size)  # raises for ids SGLang cannot place
+        if torch.cuda.is_available() and max(ids) >= torch.cuda.device_count():
+            raise ValueError(f"SGLang engine GPUs {list(ids)}: only {torch.cuda.device_count()} CUDA devices are "
+                             f"visible to this process")
+        return ids
+
     def _server_kwargs(self, speculation: bool) -> dict[str, Any]:
         return proto.server_kwargs(self.config, tp_size=self.tp_size, speculation=speculation,
-                                   overrides=self._overrides, fp8_config_file=self._fp8_config_file)
+                                   overrides=self._overrides, fp8_config_file=self._fp8_config_file,
+                                   gpu_ids=self.gpu_ids)
 
     def _write_fp8_config(self) -> str:
         """The target's block-FP8 ``config.json`` in a directory that lives as long as this handle."""
@@ -242,13 +270,29 @@ class SGLangEngine:
 
     def update_weights_from_tensor(self, payloads: bytes | Sequence[bytes], selector: str,
                                    weight_version: str | None = None, flush_cache: bool = True) -> dict[str, Any]:
-        """Load one flattened bucket (one payload per SGLang TP rank) into ``target`` or ``draft``."""
+        """Load one flattened bucket into ``target`` or ``draft``.
+
+        Args:
+            payloads: exactly ``tp_size`` serialized buckets (a single ``bytes`` at TP=1), sent as
+                SGLang's ``serialized_named_tensors``: engine TP rank i deserialises ``payloads[i]``
+                only, so it must be the bucket packed on ``gpu_ids[i]``. Entries hold equal content
+                (the full, unsharded tensors: SGLang's loaders narrow them per rank) through
+                different IPC handles.
+
+        Raises:
+            ValueError: not exactly one payload per TP rank. SGLang itself would index past a
+                short list in the scheduler of a higher rank (an IndexError that takes the
+                scheduler down) and silently leave extra entries unopened.
+        """
         if self._session is None:
             raise RuntimeError("update_weights_from_tensor outside begin_weight_update/end_weight_update")
         if isinstance(payloads, (bytes, bytearray)):
             payloads = [bytes(payloads)]
+        payloads = list(payloads)
         if len(payloads) != self.tp_size:
-            raise ValueError(f"SGLang runs TP={self.tp_size}: expected one payload per rank, got {len(payloads)}")
+            raise ValueError(f"SGLang engine runs TP={self.tp_size} on GPUs {list(self.gpu_ids)}: "
+                             f"update_weights_from_tensor needs exactly one payload per engine TP rank "
+                             f"(payloads[i] packed on GPU gpu_ids[i]), got {len(payloads)}")
         if self._session["selector"] not in ("all", selector):
             raise ValueError(f"update for {selector!r} in a session opened for {self._session['selector']!r}")
         if selector == "draft" and not self._speculation:

@@ -93,12 +93,26 @@ def _reduce_cpu_storage_by_name(storage: torch.UntypedStorage):
     return _reductions.rebuild_storage_filename, (type(storage), manager, handle, size)
 
 
+def _reduce_tensor(tensor: torch.Tensor):
+    """torch's tensor reduction, with SGLang's CUDA-only patch kept off CPU tensors.
+
+    SGLang's ``monkey_patch_torch_reductions`` (applied by :func:`make_bucket_payloads` for CUDA
+    buffers, and by SGLang's TP workers) rewrites argument 6 of *every* tensor's reduction as a
+    CUDA device; a CPU tensor's reduction has three arguments, so after the patch any CPU payload
+    in that process (e.g. the draft re-pushed from its host copy) raised IndexError.
+    """
+    if tensor.is_cuda:
+        return _reductions.reduce_tensor(tensor)
+    return getattr(_reductions, "_reduce_tensor_original", _reductions.reduce_tensor)(tensor)
+
+
 def serialize(obj: Any) -> bytes:
     """ForkingPickler bytes (tensors by IPC handle / shared memory), like SGLang's serializer;
     CPU storages travel by shared-memory name (:func:`_reduce_cpu_storage_by_name`)."""
     buf = io.BytesIO()
     pickler = ForkingPickler(buf, pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table[torch.UntypedStorage] = _reduce_cpu_storage_by_name
+    pickler.dispatch_table[torch.Tensor] = _reduce_tensor
     pickler.dump(obj)
     return buf.getvalue()
 

@@ -250,11 +250,12 @@ def _maybe_remap_kv_scale_name():
 _MARKER_DECORATORS = {"supports_quantized_rl_reload"}
 
 
-def loader(relpath: str, class_name: str, method: str = "load_weights"):
+def loader(relpath: str, class_name: str, method: str = "load_weights", *, weight_loader=None):
     """SGLang's ``class_name.method`` compiled from the installed source, with its helpers.
 
     Returns ``(fn, logger)``: call ``fn(fake_model, weights)``; ``logger.warnings`` collects
-    what the loader logged.
+    what the loader logged. ``weight_loader`` replaces the ``default_weight_loader`` the loader
+    uses for parameters without one (SGLang's own for real parameters: :class:`ShardedQwen3`).
     """
     import copy
 
@@ -271,7 +272,8 @@ def loader(relpath: str, class_name: str, method: str = "load_weights"):
     import typing
 
     ns: dict[str, Any] = {n: getattr(typing, n) for n in ("Iterable", "Tuple", "List", "Optional", "Dict", "Any")}
-    ns.update(torch=torch, logger=log, default_weight_loader=_default_weight_loader, get_layer_id=get_layer_id,
+    ns.update(torch=torch, logger=log, default_weight_loader=weight_loader or _default_weight_loader,
+              get_layer_id=get_layer_id,
               add_prefix=add_prefix, maybe_remap_kv_scale_name=_maybe_remap_kv_scale_name())
     missing = _free_names(fn) - set(ns)
     if missing:
@@ -381,6 +383,7 @@ class FakeSGLangEngine:
         self.memory_saver = _MemorySaver(self)
         self.updater = self._weight_updater(mods["sglang.srt.managers.scheduler_components.weight_updater"])
         self.drop_draft = False
+        self.payload_counts: list[int] = []  # len(serialized_named_tensors) per update
         self.session = None
         self.shut = False
         self.dead: BaseException | None = None
@@ -487,9 +490,20 @@ class _FakeTM:
         eng.requests.append(obj)
         if eng.session is None:
             return False, "update_weights_from_tensor must run between begin and end"
-        data = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[0])  # rank 0's own payload
-        bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
-        named = bucket.reconstruct_tensors()
+        tp_size = self.eng.server_args.tp_size
+        if len(obj.serialized_named_tensors) < tp_size:  # SGLang: IndexError in a rank's scheduler, which dies
+            eng.dead = IndexError(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries")
+            raise SchedulerDied(f"SGLang scheduler of TP rank {len(obj.serialized_named_tensors)} died: {eng.dead!r}")
+        per_rank = []  # each TP rank deserialises its own entry (TpModelWorker.deserialize_own_rank)
+        for rank in range(tp_size):
+            data = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[rank])
+            bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+            per_rank.append(bucket.reconstruct_tensors())
+        eng.payload_counts.append(len(obj.serialized_named_tensors))
+        named = per_rank[0]  # TP=1 loaders and stores: every rank must have received the same tensors
+        for rank, other in enumerate(per_rank[1:], 1):
+            assert [n for n, _ in other] == [n for n, _ in named] and all(
+                torch.equal(a, b) for (_, a), (_, b) in zip(other, named)), f"TP rank {rank} got other tensors"
         groups = ["target", "draft"] if obj.selector == "all" else [obj.selector]
         for g in groups:
             if g == "draft" and eng.drop_draft:
@@ -538,3 +552,179 @@ def _safetensors(path: str) -> list[tuple[str, torch.Tensor]]:
 def install_io_struct(monkeypatch=None) -> types.ModuleType:
     """SGLang's ``io_struct`` (imported for real by :func:`srt`)."""
     return srt()["sglang.srt.managers.io_struct"]
+
+
+# ---------------------------------------------------------------------------- one SGLang TP rank on CPU
+def publish_tp_rank(server_args, tp_rank: int, gpu_id: int) -> None:
+    """Make this process SGLang's scheduler of ``tp_rank`` (``get_parallel().tp_rank`` etc.), as
+    SGLang's launcher does for each spawned scheduler (``runtime_context.publish``)."""
+    from sglang.srt.runtime_context import SpawnRanks, publish, spawn_world_rank
+
+    world_rank = spawn_world_rank(server_args, tp_rank=tp_rank, pp_rank=0)
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=world_rank, gpu_id=gpu_id))
+
+
+def _compiled_methods(relpath: str, names: Iterable[tuple[str, str]], ns: dict[str, Any]) -> dict[str, Any]:
+    """``(class, method)`` of an installed SGLang module compiled from its source with the globals in ``ns``."""
+    _, tree = source(relpath)
+    out = {}
+    for class_name, name in names:
+        fn = _method(_class(tree, class_name), name)
+        missing = _free_names(fn) - set(ns)
+        if missing:
+            raise AssertionError(f"{class_name}.{name} now uses {sorted(missing)}: supply them in sglang_support.py")
+        scope = dict(ns)
+        exec(compile(ast.Module(body=[fn], type_ignores=[]), os.path.join(sglang_root(), relpath), "exec"), scope)
+        out[name] = scope[name]
+    return out
+
+
+class CountingSerializer:
+    """SGLang's ``MultiprocessingSerializer``, recording which payload each call deserialised."""
+
+    def __init__(self):
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
+        self._real = MultiprocessingSerializer
+        self.calls: list[bytes] = []
+
+    def deserialize(self, data, *args, **kwargs):
+        self.calls.append(data)
+        return self._real.deserialize(data, *args, **kwargs)
+
+
+def tp_worker_class(serializer: CountingSerializer) -> type:
+    """SGLang's ``TpModelWorker`` for weight updates: its own ``deserialize_own_rank`` and
+    ``weight_update_runners``, compiled from srt/managers/tp_worker.py (the module's import chain
+    needs ``setproctitle`` / ``uvloop``, which the CPU install lacks)."""
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    ns = {"MultiprocessingSerializer": serializer, "get_parallel": get_parallel,
+          "monkey_patch_torch_reductions": monkey_patch_torch_reductions, "List": list, "Tuple": tuple,
+          "ModelRunner": object}
+    methods = _compiled_methods("srt/managers/tp_worker.py", (("BaseTpWorker", "deserialize_own_rank"),
+                                                              ("TpModelWorker", "weight_update_runners")), ns)
+
+    def __init__(self, model_runner):
+        self._model_runner = model_runner
+
+    return type("TpModelWorkerWeights", (), {"__init__": __init__, **methods})
+
+
+class ShardedQwen3(torch.nn.Module):
+    """SGLang's ``Qwen3ForCausalLM`` parameters at the published TP rank, built from SGLang's own
+    parallel layers (``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``RowParallelLinear``,
+    ``VocabParallelEmbedding``, ``ParallelLMHead``, ``RMSNorm``) with their own ``weight_loader``s;
+    ``load_weights`` is SGLang's Qwen3 loader. Attention kernels and rotary embeddings (no
+    parameters, GPU code) are left out: the whole model cannot be built on CPU (its rotary
+    embedding asks for vLLM's kernel there)."""
+
+    def __init__(self, hf_config: dict, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from sglang.srt.layers.layernorm import RMSNorm
+        from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+        from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        c = hf_config
+        h, head_dim, heads, kv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+        inter, vocab = c["intermediate_size"], c["vocab_size"]
+        self.config = types.SimpleNamespace(tie_word_embeddings=c["tie_word_embeddings"])
+        self.pp_group = types.SimpleNamespace(is_last_rank=True)
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = VocabParallelEmbedding(vocab, h, params_dtype=dtype)
+        self.model.layers = torch.nn.ModuleList()
+        for _ in range(c["num_hidden_layers"]):
+            layer = torch.nn.Module()
+            layer.self_attn = torch.nn.Module()
+            layer.self_attn.qkv_proj = QKVParallelLinear(h, head_dim, heads, kv, bias=False, params_dtype=dtype)
+            layer.self_attn.o_proj = RowParallelLinear(heads * head_dim, h, bias=False, params_dtype=dtype)
+            layer.self_attn.q_norm = RMSNorm(head_dim, weight_dtype=dtype)
+            layer.self_attn.k_norm = RMSNorm(head_dim, weight_dtype=dtype)
+            layer.mlp = torch.nn.Module()
+            layer.mlp.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], bias=False, params_dtype=dtype)
+            layer.mlp.down_proj = RowParallelLinear(inter, h, bias=False, params_dtype=dtype)
+            layer.input_layernorm = RMSNorm(h, weight_dtype=dtype)
+            layer.post_attention_layernorm = RMSNorm(h, weight_dtype=dtype)
+            self.model.layers.append(layer)
+        self.model.norm = RMSNorm(h, weight_dtype=dtype)
+        if not c["tie_word_embeddings"]:
+            self.lm_head = ParallelLMHead(vocab, h, params_dtype=dtype)
+        for p in self.parameters():  # SGLang allocates with torch.empty: make unloaded values visible
+            p.data.fill_(float("nan"))
+        self.received: list[tuple[str, torch.Tensor]] = []  # what load_weights was handed
+        fn, self.log = loader("srt/models/qwen3.py", "Qwen3ForCausalLM", weight_loader=default_weight_loader)
+        self._load = fn
+
+    def load_weights(self, weights):
+        weights = list(weights)
+        self.received += weights
+        return self._load(self, weights)
+
+
+class TpRank:
+    """One SGLang TP rank's weight-update path, SGLang's code from the request to the layers:
+    the scheduler's ``SchedulerWeightUpdaterManager`` -> ``TpModelWorker.deserialize_own_rank``
+    (:func:`tp_worker_class`) -> the model runner's ``WeightUpdater.update_weights_from_tensor``
+    (flattened bucket: ``FlattenedTensorBucket.reconstruct_tensors``) -> :class:`ShardedQwen3`.
+
+    Stand-ins: the TP CPU group is a one-process gloo group (the ranks run one after another
+    here, so its barrier has no one to wait for), cache flushing always succeeds, the scheduler
+    only records weight versions, and the model-runner fields a CPU load does not read
+    (model config, CUDA-graph recapture) are None.
+    """
+
+    def __init__(self, server_args, tp_rank: int, gpu_id: int, hf_config: dict):
+        import torch.distributed as dist
+        from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+        from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+        from sglang.srt.runtime_context import get_parallel
+
+        publish_tp_rank(server_args, tp_rank, gpu_id)
+        self.tp_rank, self.gpu_id = tp_rank, gpu_id
+        self.model = ShardedQwen3(hf_config)
+        self.serializer = CountingSerializer()
+        runner = types.SimpleNamespace()
+        runner.weight_updater = WeightUpdater(
+            tp_rank=tp_rank, device="cpu", gpu_id=gpu_id, model_config=None, custom_weight_loaders={},
+            get_model=lambda: self.model, update_model_fields=None, recapture_cuda_graph=None,
+            get_model_runner=lambda: runner)
+        self.versions: list[str | None] = []
+        self._own_group = not dist.is_initialized()
+        if self._own_group:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        with get_parallel().override(tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD)):
+            self.manager = SchedulerWeightUpdaterManager(
+                tp_worker=tp_worker_class(self.serializer)(runner), draft_worker=None, memory_saver_adapter=None,
+                flush_cache=lambda **kw: True, is_fully_idle=lambda **kw: True,
+                scheduler=types.SimpleNamespace(record_weight_version_change=lambda new_version: self.versions.append(
+                    new_version)))
+
+    def handle(self, obj):
+        """What this rank's scheduler does with a request object (as ``_request_dispatcher`` routes it)."""
+        io = srt()["sglang.srt.managers.io_struct"]
+        obj = io.msgpack_decode(io.msgpack_encode(obj))  # the tokenizer -> scheduler hop (sock_send / sock_recv)
+        method = {"BeginWeightUpdateReqInput": "begin_weight_update",
+                  "UpdateWeightsFromTensorReqInput": "update_weights_from_tensor"}[type(obj).__name__]
+        return getattr(self.manager, method)(obj)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self._own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._own_group = False
+
+
+def undo_torch_reduction_patch() -> None:
+    """Undo SGLang's ``monkey_patch_torch_reductions`` in this process (its TP worker code applies
+    it, for good): afterwards every CPU tensor pickled by a plain ``ForkingPickler`` fails, which
+    would break unrelated tests later in the session."""
+    import torch.multiprocessing.reductions as reductions
+
+    if hasattr(reductions, "_reduce_tensor_original"):
+        reductions.reduce_tensor = reductions._reduce_tensor_original
+        reductions.rebuild_cuda_tensor = reductions._rebuild_cuda_tensor_original
+        del reductions._reduce_tensor_original, reductions._rebuild_cuda_tensor_original
+        reductions.init_reductions()
