@@ -217,7 +217,7 @@ class RunConfig:
             raise ConfigError(f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, "
                               f"got {s.spec_k_max}")
         if (s.spec_num_draft_tokens == "auto" or s.spec_history or s.spec_draft_kind == "history") \
-                and r.rollout_backend != "native":
+                and r.rollout_backend == "sglang":
             raise ConfigError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need "
                               "--rollout-backend native (SGLang fixes k at start-up)")
         if s.spec_history and (s.spec_num_draft_tokens != "auto" or s.spec_draft_kind in ("none", "history")):

@@ -1,0 +1,97 @@
+"""The adaptive draft-length controller (rollout/native/adaptive.py) and its flags.
+
+Hand-computed cases: with a verify cost flat in the step's tokens (memory-bound) and every draft
+accepted, the longest k wins; with no draft ever accepted, k = 0; a cost linear in the tokens
+(compute-bound) at alpha = 0.5 makes k = 0 best (E(k) = 2 - 2^-k < k + 1 for k >= 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_spec.config import ConfigError, RunConfig
+from megatron_spec.rollout.native.adaptive import AcceptanceStats, CostTable, DraftLengthController, expected_tokens
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    t = CostTable()
+    assert t.estimate(4) is None
+    t.update(4, 2.0)
+    assert t.estimate(2) == pytest.approx(1.0)  # one point: proportional to the size
+    t.update(8, 3.0)
+    assert t.estimate(6) == pytest.approx(2.5)  # between the two
+    assert t.estimate(12) == pytest.approx(4.0)  # slope of the two nearest
+    t.update(8, 4.0)  # EMA: 3 + 0.3 * (4 - 3)
+    assert t.estimate(8) == pytest.approx(3.3)
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 1.0, 1.0], 3, limit=1) == pytest.approx(2.0)  # a proposal of one token
+
+
+def test_acceptance_counts_positions_tried():
+    s = AcceptanceStats(4)
+    s.record(4, 1)  # position 1 accepted, position 2 rejected, 3 and 4 never checked
+    assert s.tried == [1, 1, 0, 0] and s.accepted == [1, 0, 0, 0]
+    s.record(2, 2)
+    assert s.tried == [2, 2, 0, 0] and s.accepted == [2, 1, 0, 0]
+
+
+def _train(ctl: DraftLengthController, b: int, cost, accept: float, steps: int = 200) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        k = ctl.choose([[(ctl.row_alpha("d", None), None)]] * b)
+        chosen.append(k)
+        for _ in range(b):  # acceptance deterministic in expectation: accept `accept` of the positions
+            ctl.record_accept("d", None, k, round(accept * k))
+        ctl.record_step(b, k, cost(b * (k + 1)), 0.01 * b * k, prefill=False)
+    return chosen
+
+
+def test_controller_picks_k_max_when_cheap_and_accepted():
+    ctl = DraftLengthController(5)
+    chosen = _train(ctl, 2, lambda n: 1.0, accept=1.0)
+    assert max(set(chosen[-50:]), key=chosen[-50:].count) == 5
+
+
+def test_controller_picks_zero_when_nothing_accepted():
+    ctl = DraftLengthController(5)
+    chosen = _train(ctl, 2, lambda n: 1.0 + 0.01 * n, accept=0.0)
+    assert max(set(chosen[-50:]), key=chosen[-50:].count) == 0
+
+
+def test_controller_picks_zero_when_compute_bound():
+    ctl = DraftLengthController(4)
+    chosen = _train(ctl, 16, lambda n: 0.01 * n, accept=0.5)
+    assert max(set(chosen[-50:]), key=chosen[-50:].count) == 0
+
+
+def test_row_history_outweighs_the_batch():
+    ctl = DraftLengthController(3)
+    row = AcceptanceStats(3)
+    for _ in range(50):
+        ctl.record_accept("d", None, 3, 0)  # the other requests reject everything
+        ctl.record_accept("d", row, 3, 3)  # this one accepts everything (its steps count in the batch too)
+    assert ctl.row_alpha("d", row)[0] > 0.9 and abs(ctl.row_alpha("d", None)[0] - 0.5) < 0.02
+
+
+def test_flags(tmp_path):
+    def cfg(**spec):
+        c = RunConfig()
+        c.model.hf_checkpoint, c.data.prompt_data = str(tmp_path), "synthetic:sum"
+        for k, v in spec.items():
+            setattr(c.spec, k, v)
+        return c
+
+    c = cfg(spec_draft_kind="eagle3", spec_draft_path=str(tmp_path), spec_num_draft_tokens="auto").validate()
+    assert c.spec.spec_k_max == 5
+    assert cfg(spec_draft_kind="ngram", spec_num_draft_tokens="4").validate().spec.spec_num_draft_tokens == 4
+    with pytest.raises(ConfigError, match="spec-num-draft-tokens"):
+        cfg(spec_draft_kind="ngram", spec_num_draft_tokens="often").validate()
+    with pytest.raises(ConfigError, match="--spec-history needs --spec-num-draft-tokens auto"):
+        cfg(spec_draft_kind="ngram", spec_history=True).validate()
+    bad = cfg(spec_draft_kind="ngram", spec_num_draft_tokens="auto")
+    bad.rollout.rollout_backend = "sglang"
+    with pytest.raises(ConfigError, match="rollout-backend native"):
+        bad.validate()
