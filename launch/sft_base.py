@@ -1,6 +1,8 @@
 """Make the demo's base policy: a small model trained by SFT on a synthetic task.
 
     python launch/sft_base.py --out runs/demo/base --task sum --steps 600
+    python launch/sft_base.py --out runs/math/base --data train.jsonl --prompt-key question \
+        --eval-data interpolate.jsonl --reward math --steps 600
 
 Starts from a freshly initialised HF checkpoint (transformers' own init, character
 tokenizer), trains it as a megatron-core GPTModel on prompt + step-by-step solution (loss on
@@ -27,6 +29,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output HF checkpoint directory")
     ap.add_argument("--task", default="sum")
+    ap.add_argument("--data", default=None, help="train on a prompt set (JSONL/Parquet/datasets folder, read as "
+                                                 "--prompt-data is) instead of --task: prompt -> answer")
+    ap.add_argument("--eval-data", default=None, help="held-out prompt set for the final accuracy (with --data)")
+    ap.add_argument("--prompt-key", default="prompt")
+    ap.add_argument("--answer-key", default="answer")
+    ap.add_argument("--reward", default="synthetic", help="reward scoring the held-out accuracy (math with --data)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="response length of the held-out accuracy")
     ap.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3"])
     ap.add_argument("--hidden-size", type=int, default=256)
     ap.add_argument("--intermediate-size", type=int, default=768)
@@ -51,8 +60,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if not 0.0 <= args.noisy_frac < 1.0:
         raise SystemExit(f"--noisy-frac {args.noisy_frac} must be in [0, 1)")
-    if args.noisy_frac and args.task != "sum":
-        raise SystemExit(f"--noisy-frac is defined for the sum task, not {args.task!r}")
+    if args.noisy_frac and (args.task != "sum" or args.data):
+        raise SystemExit(f"--noisy-frac is defined for the sum task, not {args.data or args.task!r}")
+    if bool(args.data) != bool(args.eval_data):
+        raise SystemExit("--data and --eval-data go together (a prompt set and its held-out prompts)")
     import random
 
     from tqdm import tqdm
@@ -90,7 +101,8 @@ def main(argv=None) -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-    stream = iterate(args.task, seed=args.seed + 1 + info.dp_rank)
+    stream = (iterate(args.task, seed=args.seed + 1 + info.dp_rank) if not args.data
+              else data_stream(args, seed=args.seed + 1 + info.dp_rank))
     noise_rng = random.Random(args.seed + 7919 + info.dp_rank)
     per_rank = args.batch_size // info.dp_size
     t0 = time.perf_counter()
@@ -120,9 +132,13 @@ def main(argv=None) -> int:
     state = export_hf_state_dict(model)
     if rank0:
         save_hf_checkpoint(args.out, state, ckpt.config_dict, copy_files_from=init_dir)
-        held_out = generate(args.task, args.eval_prompts, seed=10_000 + args.seed)
-        acc = greedy_accuracy(args.out, held_out)
-        sampled = greedy_accuracy(args.out, held_out, temperature=1.0)
+        if args.data:
+            held_out = load_examples(args.eval_data, args)[:args.eval_prompts]
+        else:
+            held_out = generate(args.task, args.eval_prompts, seed=10_000 + args.seed)
+        acc = greedy_accuracy(args.out, held_out, reward=args.reward, max_new_tokens=args.max_new_tokens)
+        sampled = greedy_accuracy(args.out, held_out, temperature=1.0, reward=args.reward,
+                                  max_new_tokens=args.max_new_tokens)
         print(json.dumps({"out": args.out, "params": cfg.num_params, "steps": args.steps, "final_loss": loss.item(),
                           "train_s": round(train_s, 1), "noisy_frac": args.noisy_frac, "greedy_accuracy": acc,
                           "sampled_accuracy_t1": sampled}), flush=True)
@@ -130,24 +146,50 @@ def main(argv=None) -> int:
     return 0
 
 
-def greedy_accuracy(model_dir: str, examples, temperature: float = 0.0) -> float:
+def load_examples(spec: str, args):
+    """A prompt set as SFT examples: the target is the answer column, as it is."""
+    from megatron_spec.rl.data import load_prompts
+    from megatron_spec.rl.tasks import Example
+
+    return [Example(e.prompt, e.answer, e.answer)
+            for e in load_prompts(spec, prompt_key=args.prompt_key, answer_key=args.answer_key)]
+
+
+def data_stream(args, seed: int):
+    """The prompt set's examples in a fresh seeded order every epoch."""
+    import random
+
+    examples = load_examples(args.data, args)
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(examples)))
+        rng.shuffle(order)
+        for i in order:
+            yield examples[i]
+
+
+def greedy_accuracy(model_dir: str, examples, temperature: float = 0.0, reward: str = "synthetic",
+                    max_new_tokens: int = 96) -> float:
     """Share of held-out prompts the exported checkpoint solves (native engine; greedy unless a
     temperature is given)."""
     from transformers import AutoTokenizer
 
-    from megatron_spec.rl.rewards import synthetic_reward
+    from megatron_spec.rl.rewards import get_reward
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    srv = EngineServer(EngineConfig(model_path=model_dir, max_batch_size=32, context_length=160))
-    sp = SamplingParams(temperature=temperature, max_new_tokens=96)
+    reward_fn = get_reward(reward)
+    sp = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     reqs = [GenerateRequest(str(i), tok(e.prompt, add_special_tokens=False)["input_ids"], sp)
             for i, e in enumerate(examples)]
+    longest = max(len(r.input_ids) for r in reqs)
+    srv = EngineServer(EngineConfig(model_path=model_dir, max_batch_size=32,
+                                    context_length=max(64, longest) + max_new_tokens))
     samples, _ = srv.generate(reqs, seed=0)
     texts = tok.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
-    return sum(synthetic_reward(e.prompt, t, e.answer) for e, t in zip(examples, texts)) / len(examples)
+    return sum(reward_fn(e.prompt, t, e.answer) for e, t in zip(examples, texts)) / len(examples)
 
 
 if __name__ == "__main__":
