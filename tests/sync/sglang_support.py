@@ -675,7 +675,8 @@ class TpRank:
     (model config, CUDA-graph recapture) are None.
     """
 
-    def __init__(self, server_args, tp_rank: int, gpu_id: int, hf_config: dict):
+    def __init__(self, server_args, tp_rank: int, gpu_id: int, hf_config: dict,
+                 dtype: torch.dtype = torch.float32):
         import torch.distributed as dist
         from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
         from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
@@ -683,7 +684,7 @@ class TpRank:
 
         publish_tp_rank(server_args, tp_rank, gpu_id)
         self.tp_rank, self.gpu_id = tp_rank, gpu_id
-        self.model = ShardedQwen3(hf_config)
+        self.model = ShardedQwen3(hf_config, dtype)
         self.serializer = CountingSerializer()
         runner = types.SimpleNamespace()
         runner.weight_updater = WeightUpdater(

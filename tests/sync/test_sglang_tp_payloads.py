@@ -69,7 +69,8 @@ def _sglang_gpu_ids(args) -> list[int]:
     ns = {"get_parallel": get_parallel, "Tuple": tuple}
     exec(compile(ast.Module(body=[ranges], type_ignores=[]), "engine.py", "exec"), ns)
     pp_ranks, tp_ranks, pp_per_node, tp_per_node = ns["_calculate_rank_ranges"](get_parallel().node_rank)
-    launch = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_launch_scheduler_processes")
+    launch = next(n for n in ast.walk(tree)
+                  if isinstance(n, ast.FunctionDef) and n.name == "_launch_scheduler_processes")
     expr = next(n.value for n in ast.walk(launch) if isinstance(n, ast.Assign)
                 and [ast.unparse(t) for t in n.targets] == ["gpu_id"])
     code = compile(ast.Expression(expr), "engine.py", "eval")
@@ -143,13 +144,16 @@ def tp2_args(ckpts):
     return _resolved(proto.server_kwargs(cfg, tp_size=2, gpu_ids=(2, 3)))
 
 
-@pytest.mark.parametrize("content", ["equal", "distinct"])
-def test_each_tp_rank_loads_its_own_payload_and_narrows_full_tensors(ckpts, tp2_args, content):
+@pytest.mark.parametrize("content,dtype", [("equal", torch.float32), ("equal", torch.bfloat16),
+                                           ("distinct", torch.float32)], ids=["equal-fp32", "equal-bf16",
+                                                                                "distinct-fp32"])
+def test_each_tp_rank_loads_its_own_payload_and_narrows_full_tensors(ckpts, tp2_args, content, dtype):
     """``equal``: what the trainer sends (the same bucket packed on each rank's device, two IPC
     handles); ``distinct``: rank 1's entry holds other weights, so a rank that read the wrong
     entry would hold the wrong shard."""
     hf_config = json.load(open(os.path.join(ckpts.qwen3, "config.json")))
     sent = [_hf_named(ckpts.qwen3_other), _hf_named(ckpts.qwen3_other if content == "equal" else ckpts.qwen3)]
+    sent = [[(n, t.to(dtype)) for n, t in named] for named in sent]
     packed = [_pack(named) for named in sent]
     buffers, payloads = [b for b, _ in packed], [p for _, p in packed]
     assert payloads[0] != payloads[1]  # two buffers: different handles, whatever the content
@@ -157,7 +161,7 @@ def test_each_tp_rank_loads_its_own_payload_and_narrows_full_tensors(ckpts, tp2_
     vocab = hf_config["vocab_size"]
     vocab_padded = -(-vocab // 64) * 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE
     for rank in (0, 1):
-        r = ss.TpRank(tp2_args, rank, gpu_id=2 + rank, hf_config=hf_config)
+        r = ss.TpRank(tp2_args, rank, gpu_id=2 + rank, hf_config=hf_config, dtype=dtype)
         try:
             assert r.handle(proto.session_request(True, "target")).success
             out = r.handle(req)
@@ -174,7 +178,8 @@ def test_each_tp_rank_loads_its_own_payload_and_narrows_full_tensors(ckpts, tp2_
             full = dict(sent[rank])
             for name, param in r.model.named_parameters():
                 assert not param.isnan().any(), f"{name} never loaded on TP rank {rank}"
-                assert torch.equal(param, _shard(full, name, rank, 2, vocab_padded)), (name, rank)
+                assert param.dtype == dtype and torch.equal(param, _shard(full, name, rank, 2, vocab_padded)), \
+                    (name, rank)
             assert r.model.model.embed_tokens.weight.shape[0] == vocab_padded // 2
         finally:
             r.close()
