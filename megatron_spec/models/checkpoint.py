@@ -11,6 +11,7 @@ This module knows file layouts and names, not model architectures (see ``convert
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -80,7 +81,17 @@ class HFCheckpoint:
 
     @property
     def decoder_config(self) -> DecoderConfig:
-        return DecoderConfig.from_hf_dict(self.config_dict, source=os.path.join(self.path, "config.json"))
+        """The architecture of ``config.json``; its EOS ids joined by those of ``generation_config.json``,
+        where instruct checkpoints list their end-of-turn token (Llama-3-Instruct's ``<|eot_id|>``)."""
+        cfg = DecoderConfig.from_hf_dict(self.config_dict, source=os.path.join(self.path, "config.json"))
+        gen_path = os.path.join(self.path, "generation_config.json")
+        if not os.path.isfile(gen_path):
+            return cfg
+        with open(gen_path) as f:
+            eos = json.load(f).get("eos_token_id")
+        extra = [] if eos is None else [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+        merged = tuple(dict.fromkeys([*cfg.eos_token_ids, *extra]))
+        return cfg if merged == cfg.eos_token_ids else dataclasses.replace(cfg, eos_token_ids=merged)
 
     def names(self) -> set[str]:
         return set(self._name_to_file)

@@ -150,6 +150,27 @@ def test_math_reward_takes_gsm8k_and_boxed_answers_as_they_are():
     assert out == [1.0]
 
 
+def test_native_engine_stops_at_an_eos_id_of_generation_config(tmp_path, tok):
+    """Without any stop ids in the request (``megatron-spec generate``, sft_base's accuracy): the
+    engine's own EOS ids include generation_config.json's <|eot_id|> (HFCheckpoint.decoder_config)."""
+    from megatron_spec.models import HFCheckpoint
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    ckpt = make_chat_checkpoint(str(tmp_path / "ckpt"), eot_bias=0.6)
+    eos, eot = tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(EOT)
+    assert HFCheckpoint(ckpt).decoder_config.eos_token_ids == (eos, eot)
+    srv = EngineServer(EngineConfig(model_path=ckpt, max_batch_size=16, context_length=64, num_threads=1))
+    ids = encode_prompt(tok, "What is 3 + 5?", chat_template=True)
+    samples, _ = srv.generate([GenerateRequest("0", ids, SamplingParams(temperature=1.0, max_new_tokens=12), n=16)],
+                              seed=0)
+    for s in samples:
+        assert not {eos, eot} & set(s.output_ids[:-1]) and (s.finish_reason == "stop") == (s.output_ids[-1] == eot)
+    # p(<|eot_id|>) ~ 0.28 per token: all 16 run 12 tokens without it with probability ~ 0.02**16
+    assert sum(s.finish_reason == "stop" for s in samples) >= 12
+
+
 @pytest.mark.dist
 def test_launcher_chat_template_path_stops_at_eot_from_generation_config(tmp_path):
     """GRPO on the BPE checkpoint with --apply-chat-template: the prompts the engine got are the
