@@ -222,6 +222,19 @@ MS_HD bool spec_accept(double u, float q, float p) {
   return dmul_rn(u, static_cast<double>(q)) < static_cast<double>(p);
 }
 
+// Input checks (megatron_spec/ops/verify_reference.py, "Input checks"): the mass of a sampled row's
+// log-probs, summed in float64 in the sampling order, must lie within kMassTol of 1; a greedy row's
+// largest probability must be one a distribution can have; a tested draft's p_i(x_i) must not exceed
+// 1 + kMassTol. All are false for NaN.
+constexpr double kMassTol = 1e-3;
+MS_HD bool spec_mass_ok(double m) { return m >= 1.0 - kMassTol && m <= 1.0 + kMassTol; }
+MS_HD bool spec_p_ok(float p) { return static_cast<double>(p) <= 1.0 + kMassTol; }
+// A greedy row's largest probability, as a distribution has it: in [(1 - kMassTol) / V, 1 + kMassTol].
+MS_HD bool spec_greedy_max_ok(float p_max, int64_t V) {
+  const double p = static_cast<double>(p_max);
+  return p <= 1.0 + kMassTol && dmul_rn(p, static_cast<double>(V)) >= 1.0 - kMassTol;
+}
+
 // One term of the residual max(0, p - q) in float64 (NaN -> 0, so NaN tokens are never sampled).
 MS_HD double spec_residual(float p, float q) {
   const double d = dsub_rn(static_cast<double>(p), static_cast<double>(q));

@@ -17,6 +17,12 @@
 // full-vocabulary loops (residual sampling, argmax, exp) are in csrc/cpu/kernels_impl.h, compiled per
 // ISA and chosen at run time (csrc/cpu/kernels.h); this file checks arguments and walks the chains.
 //
+// Input checks, at the positions the walk reads anyway (verify_reference.py, "Input checks"): a
+// sampled row's emission mass within kMassTol of 1 (summed in the sampling pass), no NaN where a
+// greedy row takes an argmax and its largest probability at the emission position in [1/V, 1], and
+// p_i(x_i) <= 1 + kMassTol at every tested draft. The first offending row is reported, as the
+// reference does.
+//
 // References: Leviathan et al., "Fast Inference from Transformers via Speculative Decoding" (2023);
 // Chen et al., "Accelerating LLM Decoding with Speculative Sampling" (2023).
 #include <ATen/ATen.h>
@@ -39,22 +45,32 @@ constexpr int64_t kC = kSampleChunk;
 
 enum class QMode { kNone, kDense, kMapped, kPoint };
 
+// Returns the token, or -1 when p has no mass; *mass is the mass of p (the input check).
 int64_t sample_position(const cpu::KernelTable& kt, QMode mode, const float* lp, const QSource& s, int64_t V,
-                        double u, std::vector<double>& prefix, double* rbuf) {
+                        double u, std::vector<double>& prefix, double* rbuf, float* pbuf, double* mass) {
   prefix.resize(static_cast<size_t>((V + kC - 1) / kC));
   int64_t t = -1;
+  double unused;
   switch (mode) {
-    case QMode::kDense: t = kt.sample_dense(lp, s, V, u, prefix.data(), rbuf); break;
-    case QMode::kMapped: t = kt.sample_mapped(lp, s, V, u, prefix.data(), rbuf); break;
-    case QMode::kPoint: t = kt.sample_point(lp, s, V, u, prefix.data(), rbuf); break;
-    case QMode::kNone: break;
+    case QMode::kDense: t = kt.sample_dense(lp, s, V, u, prefix.data(), rbuf, pbuf, mass); break;
+    case QMode::kMapped: t = kt.sample_mapped(lp, s, V, u, prefix.data(), rbuf, pbuf, mass); break;
+    case QMode::kPoint: t = kt.sample_point(lp, s, V, u, prefix.data(), rbuf, pbuf, mass); break;
+    case QMode::kNone: return kt.sample_p(lp, s, V, u, prefix.data(), rbuf, pbuf, mass);
   }
-  // No residual mass (p <= q everywhere, reachable through rounding) or no draft: sample p itself.
-  if (t < 0) t = kt.sample_p(lp, s, V, u, prefix.data(), rbuf);
+  if (!spec_mass_ok(*mass)) return -1;
+  // No residual mass (p <= q everywhere, reachable through rounding): sample p itself.
+  if (t < 0) t = kt.sample_p(lp, s, V, u, prefix.data(), rbuf, pbuf, &unused);
   return t;
 }
 
-enum RowError : int8_t { kOk = 0, kNoMass = 1 };
+// Per-row outcome; the first row with one raises after the parallel walk (as the reference does).
+enum RowError : int8_t { kOk = 0, kNoMass = 1, kGreedyNaN = 2, kBadDraftP = 3, kBadMass = 4, kBadGreedyMax = 5 };
+struct RowErr {
+  int8_t kind = kOk;
+  int64_t pos = 0;
+  int64_t tok = 0;
+  double val = 0.0;
+};
 
 std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_logprobs,
                                                     const at::Tensor& draft_tokens,
@@ -148,16 +164,17 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
 
   int64_t* out_tok = tokens.data_ptr<int64_t>();
   int64_t* out_acc = num_accepted.data_ptr<int64_t>();
-  std::vector<int8_t> row_err(static_cast<size_t>(B), kOk);
-  std::vector<int64_t> row_err_pos(static_cast<size_t>(B), 0);
+  std::vector<RowErr> row_err(static_cast<size_t>(B));
 
   const cpu::KernelTable& kt = cpu::kernels();
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> prefix;
     std::vector<double> rbuf(static_cast<size_t>(kTileChunks * kC));
+    std::vector<float> pbuf(static_cast<size_t>(kTileChunks * kC));
     for (int64_t b = begin; b < end; ++b) {
       const float* lpb = lp + b * K1 * V;
       const int64_t* xb = dt + b * k;
+      RowErr& err = row_err[static_cast<size_t>(b)];
       int64_t n_acc = 0;
       int64_t greedy_tok = -1;  // argmax at the position where a greedy row stopped
       bool drafted = false;     // whether position n_acc holds a (rejected) draft
@@ -167,6 +184,10 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
         bool accept;
         if (gr[b]) {
           const int64_t am = kt.argmax_first(lpb + i * V, V);
+          if (am < 0) {
+            err = {kGreedyNaN, i, 0, 0.0};
+            break;
+          }
           accept = am == x;
           if (!accept) greedy_tok = am;
         } else {
@@ -179,7 +200,12 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
             const int32_t d = t2d[static_cast<size_t>(x)];
             q = d < 0 ? 0.0f : spec_clean_q(qp[(b * k + i) * Vd + d]);
           }
-          accept = spec_accept(ua[b * k + i], q, spec_expf(lpb[i * V + x]));
+          const float p = spec_expf(lpb[i * V + x]);
+          if (!spec_p_ok(p)) {
+            err = {kBadDraftP, i, x, static_cast<double>(lpb[i * V + x])};
+            break;
+          }
+          accept = spec_accept(ua[b * k + i], q, p);
         }
         if (!accept) {
           drafted = true;
@@ -187,10 +213,20 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
         }
         ++n_acc;
       }
+      if (err.kind != kOk) continue;
       const int64_t j = n_acc;
       int64_t tok;
       if (gr[b]) {
         tok = greedy_tok >= 0 ? greedy_tok : kt.argmax_first(lpb + j * V, V);
+        if (tok < 0) {
+          err = {kGreedyNaN, j, 0, 0.0};
+          continue;
+        }
+        const float p_max = spec_expf(lpb[j * V + tok]);
+        if (!spec_greedy_max_ok(p_max, V)) {
+          err = {kBadGreedyMax, j, 0, static_cast<double>(p_max)};
+          continue;
+        }
       } else {
         QSource src;
         QMode mode = QMode::kNone;
@@ -200,10 +236,14 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
           src.t2d = has_map ? t2d.data() : nullptr;
           src.q = has_q ? qp + (b * k + j) * Vd : nullptr;
         }
-        tok = sample_position(kt, mode, lpb + j * V, src, V, us[b], prefix, rbuf.data());
+        double m = 0.0;
+        tok = sample_position(kt, mode, lpb + j * V, src, V, us[b], prefix, rbuf.data(), pbuf.data(), &m);
+        if (!spec_mass_ok(m)) {
+          err = {kBadMass, j, 0, m};
+          continue;
+        }
         if (tok < 0) {
-          row_err[static_cast<size_t>(b)] = kNoMass;
-          row_err_pos[static_cast<size_t>(b)] = j;
+          err = {kNoMass, j, 0, 0.0};
           continue;
         }
       }
@@ -214,9 +254,24 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cpu(const at::Tensor& target_log
     }
   });
   for (int64_t b = 0; b < B; ++b) {
-    const int8_t e = row_err[static_cast<size_t>(b)];
-    const int64_t i = row_err_pos[static_cast<size_t>(b)];
-    TORCH_CHECK_VALUE(e != kNoMass, "verify_chain: target_logprobs[", b, ", ", i,
+    const RowErr& e = row_err[static_cast<size_t>(b)];
+    const int64_t i = e.pos;
+    TORCH_CHECK_VALUE(e.kind != kGreedyNaN, "verify_chain: target_logprobs[", b, ", ", i,
+                      "] contains NaN (greedy row); log-probs must be finite or -inf");
+    TORCH_CHECK_VALUE(e.kind != kBadDraftP, "verify_chain: target_logprobs[", b, ", ", i, ", ", e.tok, "] = ", e.val,
+                      " is not a log-probability (NaN, or above 0); pass normalised log-probs "
+                      "(process_logits / log_softmax), not raw logits");
+    TORCH_CHECK_VALUE(e.kind != kBadGreedyMax, "verify_chain: target_logprobs[", b, ", ", i,
+                      "] is not normalised: its largest probability is ", e.val, ", outside [1/V, 1] (V = ", V,
+                      ", tolerance ", kMassTol, "); pass log-probs (process_logits / log_softmax), not raw logits");
+    TORCH_CHECK_VALUE(!(e.kind == kBadMass && e.val != e.val), "verify_chain: target_logprobs[", b, ", ", i,
+                      "] contains NaN");
+    TORCH_CHECK_VALUE(!(e.kind == kBadMass && e.val == 0.0), "verify_chain: target_logprobs[", b, ", ", i,
+                      "] has no probability mass (every log-prob is -inf)");
+    TORCH_CHECK_VALUE(e.kind != kBadMass, "verify_chain: target_logprobs[", b, ", ", i,
+                      "] is not normalised: its probabilities sum to ", e.val, ", not 1 (tolerance ", kMassTol,
+                      "); pass log-probs (process_logits / log_softmax), not raw logits");
+    TORCH_CHECK_VALUE(e.kind != kNoMass, "verify_chain: target_logprobs[", b, ", ", i,
                       "] has no probability mass (every log-prob is -inf or NaN)");
   }
   return {tokens, num_accepted};

@@ -45,9 +45,10 @@ struct QSource {
 };
 
 // Inverse-CDF draw of a token from max(0, p - q) (q = 0: from p). prefix holds ceil(V / 256)
-// doubles, rbuf kTileChunks * 256. Returns -1 when the residual has no mass.
+// doubles, rbuf kTileChunks * 256 doubles, pbuf kTileChunks * 256 floats. Returns -1 when the
+// residual has no mass; writes the mass of p itself (sum of exp(lp), the input check) to *mass.
 using SampleResidualFn = int64_t (*)(const float* lp, const QSource& s, int64_t V, double u, double* prefix,
-                                     double* rbuf);
+                                     double* rbuf, float* pbuf, double* mass);
 
 struct KernelTable {
   const char* name;  // "default", "avx2", "avx512" (ATEN_CPU_CAPABILITY's words)
@@ -61,7 +62,7 @@ struct KernelTable {
   SampleResidualFn sample_dense;   // q dense over the target vocabulary
   SampleResidualFn sample_mapped;  // q over a draft vocabulary, reached through t2d
   SampleResidualFn sample_point;   // q a point mass at x
-  int64_t (*argmax_first)(const float* x, int64_t V);  // lowest index of the max
+  int64_t (*argmax_first)(const float* x, int64_t V);  // lowest index of the max; -1 if x has a NaN
   void (*spec_exp)(const float* x, float* out, int64_t n);
 };
 

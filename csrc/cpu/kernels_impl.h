@@ -265,38 +265,55 @@ inline float q_at(const QSource& s, int64_t t) {
   }
 }
 
-// r[t - t0] = max(0, p(t) - q(t)) in float64 for t in [t0, t1).
+// r[t - t0] = max(0, p(t) - q(t)) in float64 and pt[t - t0] = p(t) for t in [t0, t1).
 template <QMode M>
-void residual_tile(const float* __restrict lp, const QSource& s, int64_t t0, int64_t t1, double* __restrict r) {
-  for (int64_t t = t0; t < t1; ++t) r[t - t0] = spec_residual(spec_expf(lp[t]), q_at<M>(s, t));
+void residual_tile(const float* __restrict lp, const QSource& s, int64_t t0, int64_t t1, double* __restrict r,
+                   float* __restrict pt) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const float p = spec_expf(lp[t]);
+    pt[t - t0] = p;
+    r[t - t0] = spec_residual(p, q_at<M>(s, t));
+  }
 }
 
 // Inverse-CDF draw from the (unnormalised) residual, float64 sums in the fixed chunked order of
-// megatron_spec/ops/verify_reference.py. Returns -1 when the residual has no mass.
+// megatron_spec/ops/verify_reference.py. Returns -1 when the residual has no mass. The same pass sums
+// p itself in the same order into *mass (the input check, verify_reference.logprob_mass).
 template <QMode M>
 int64_t sample_residual(const float* __restrict lp, const QSource& s, int64_t V, double u, double* __restrict S,
-                        double* __restrict rbuf) {
+                        double* __restrict rbuf, float* __restrict pbuf, double* __restrict mass) {
   const int64_t nC = (V + kC - 1) / kC;
+  double m = 0.0;
   // Chunk sums: each chunk summed sequentially from 0.0 in token order.
   for (int64_t t0 = 0; t0 < V; t0 += kTileChunks * kC) {
     const int64_t t1 = imin(V, t0 + kTileChunks * kC);
-    residual_tile<M>(lp, s, t0, t1, rbuf);
+    residual_tile<M>(lp, s, t0, t1, rbuf, pbuf);
     const int64_t c0 = t0 / kC;
     if (t1 - t0 == kTileChunks * kC) {
       double acc[kTileChunks] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+      double pacc[kTileChunks] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
       for (int64_t i = 0; i < kC; ++i) {
         for (int64_t g = 0; g < kTileChunks; ++g) acc[g] = dadd_rn(acc[g], rbuf[g * kC + i]);
+        for (int64_t g = 0; g < kTileChunks; ++g) pacc[g] = dadd_rn(pacc[g], static_cast<double>(pbuf[g * kC + i]));
       }
-      for (int64_t g = 0; g < kTileChunks; ++g) S[c0 + g] = acc[g];
+      for (int64_t g = 0; g < kTileChunks; ++g) {
+        S[c0 + g] = acc[g];
+        m = dadd_rn(m, pacc[g]);
+      }
     } else {
       for (int64_t a = 0; a < t1 - t0; a += kC) {
         const int64_t b = imin(t1 - t0, a + kC);
-        double acc = 0.0;
-        for (int64_t i = a; i < b; ++i) acc = dadd_rn(acc, rbuf[i]);
+        double acc = 0.0, pacc = 0.0;
+        for (int64_t i = a; i < b; ++i) {
+          acc = dadd_rn(acc, rbuf[i]);
+          pacc = dadd_rn(pacc, static_cast<double>(pbuf[i]));
+        }
         S[c0 + a / kC] = acc;
+        m = dadd_rn(m, pacc);
       }
     }
   }
+  *mass = m;
   // Sequential prefix over chunk sums, in place.
   double P = 0.0;
   for (int64_t c = 0; c < nC; ++c) {
@@ -315,7 +332,7 @@ int64_t sample_residual(const float* __restrict lp, const QSource& s, int64_t V,
   }
   const double theta_local = dsub_rn(theta, cs > 0 ? S[cs - 1] : 0.0);
   const int64_t a = cs * kC, b = imin(V, a + kC);
-  residual_tile<M>(lp, s, a, b, rbuf);
+  residual_tile<M>(lp, s, a, b, rbuf, pbuf);
   double acc = 0.0;
   int64_t last_pos = -1;
   for (int64_t i = 0; i < b - a; ++i) {
@@ -327,18 +344,28 @@ int64_t sample_residual(const float* __restrict lp, const QSource& s, int64_t V,
   return last_pos;
 }
 
-// First index of the maximum (lowest index on ties), like torch.argmax for NaN-free input.
+// First index of the maximum (lowest index on ties), like torch.argmax; -1 when x holds a NaN (the
+// verifier refuses such rows: torch.argmax would pick the NaN, a max over ordered compares skips it).
 int64_t argmax_first(const float* __restrict x, int64_t V) {
 #if MS_ISA_LEVEL == 2
   if (V >= 16) {
     __m512 vm = _mm512_set1_ps(-__builtin_inff());
+    __mmask16 nan = 0;
     int64_t t = 0;
-    for (; t + 16 <= V; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(x + t));
+    for (; t + 16 <= V; t += 16) {
+      const __m512 v = _mm512_loadu_ps(x + t);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      vm = _mm512_max_ps(vm, v);
+    }
     alignas(64) float lanes[16];
     _mm512_store_ps(lanes, vm);
     float m = lanes[0];
     for (int l = 1; l < 16; ++l) m = lanes[l] > m ? lanes[l] : m;
-    for (; t < V; ++t) m = x[t] > m ? x[t] : m;
+    for (; t < V; ++t) {
+      if (x[t] != x[t]) nan = 1;
+      m = x[t] > m ? x[t] : m;
+    }
+    if (nan) return -1;
     const __m512 vmv = _mm512_set1_ps(m);
     for (t = 0; t + 16 <= V; t += 16) {
       const __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + t), vmv, _CMP_EQ_OQ);
@@ -351,13 +378,23 @@ int64_t argmax_first(const float* __restrict x, int64_t V) {
 #elif MS_ISA_LEVEL == 1
   if (V >= 8) {
     __m256 vm = _mm256_set1_ps(-__builtin_inff());
+    __m256 vnan = _mm256_setzero_ps();
     int64_t t = 0;
-    for (; t + 8 <= V; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + t));
+    for (; t + 8 <= V; t += 8) {
+      const __m256 v = _mm256_loadu_ps(x + t);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      vm = _mm256_max_ps(vm, v);
+    }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, vm);
     float m = lanes[0];
     for (int l = 1; l < 8; ++l) m = lanes[l] > m ? lanes[l] : m;
-    for (; t < V; ++t) m = x[t] > m ? x[t] : m;
+    bool nan = _mm256_movemask_ps(vnan) != 0;
+    for (; t < V; ++t) {
+      if (x[t] != x[t]) nan = true;
+      m = x[t] > m ? x[t] : m;
+    }
+    if (nan) return -1;
     const __m256 vmv = _mm256_set1_ps(m);
     for (t = 0; t + 8 <= V; t += 8) {
       const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + t), vmv, _CMP_EQ_OQ));
@@ -370,13 +407,15 @@ int64_t argmax_first(const float* __restrict x, int64_t V) {
 #endif
   int64_t best = 0;
   float bv = x[0];
+  bool nan = x[0] != x[0];
   for (int64_t t = 1; t < V; ++t) {
+    nan = nan || x[t] != x[t];
     if (x[t] > bv) {
       bv = x[t];
       best = t;
     }
   }
-  return best;
+  return nan ? -1 : best;
 }
 
 void spec_exp_n(const float* __restrict x, float* __restrict out, int64_t n) {

@@ -34,8 +34,12 @@ enum VerifyStatus : int {
   kBadD2tRange = 3,  // smallest draft id mapped outside [0, V)
   kD2tCollision = 4, // a target id reached by two draft ids
   kNoMass = 5,       // smallest row whose sampled position has no probability mass
-  kNumStatus = 6
+  kBadInput = 6,     // smallest row whose log-probs fail the input checks (details in row_err)
+  kNumStatus = 7
 };
+
+// Kinds in row_err[b * 4 + 0] (row_err[b * 4 + 1..3]: position, token, value), as csrc/verify_cpu.cpp.
+enum VerifyRowError : int { kRowGreedyNaN = 2, kRowBadDraftP = 3, kRowBadMass = 4, kRowBadGreedyMax = 5 };
 
 // Checks draft_tokens [B*k] < V and the uniforms, records the first offenders in status.
 cudaError_t launch_verify_validate(const int64_t* draft_tokens, const double* u_accept, const double* u_sample,
@@ -46,13 +50,14 @@ cudaError_t launch_build_t2d(const int64_t* d2t, int64_t Vd, int64_t V, int32_t*
                              cudaStream_t stream);
 
 // One block per row. draft_probs may be null (point-mass drafts); t2d null unless a d2t map is used.
-// chunk_scratch: B * ceil(V / kSampleChunk) doubles. tokens [B, k+1] and num_accepted [B] are written
-// for every row (tokens padded with -1).
+// chunk_scratch: B * 2 * ceil(V / kSampleChunk) doubles. tokens [B, k+1] and num_accepted [B] are
+// written for every row without an error (tokens padded with -1); row_err: B * 4 doubles, written for
+// rows that fail the input checks (megatron_spec/ops/verify_reference.py, "Input checks").
 cudaError_t launch_verify_chain(const float* target_logprobs, const int64_t* draft_tokens,
                                 const float* draft_probs, const int32_t* t2d, int64_t Vd, const bool* greedy,
                                 const double* u_accept, const double* u_sample, int64_t B, int64_t k,
                                 int64_t V, double* chunk_scratch, int64_t* tokens, int64_t* num_accepted,
-                                int32_t* status, cudaStream_t stream);
+                                int32_t* status, double* row_err, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace megatron_spec

@@ -188,15 +188,41 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cuda(const at::Tensor& target_lo
                     s[cuda::kD2tCollision]);
 
   const int64_t nC = (V + kSampleChunk - 1) / kSampleChunk;
-  at::Tensor scratch = at::empty({B, nC}, lp.options().dtype(at::kDouble));
+  at::Tensor scratch = at::empty({B, 2 * nC}, lp.options().dtype(at::kDouble));
+  at::Tensor row_err = at::empty({B, 4}, lp.options().dtype(at::kDouble));
   check_cuda(cuda::launch_verify_chain(lp.data_ptr<float>(), dt.data_ptr<int64_t>(),
                                        has_q ? q.data_ptr<float>() : nullptr,
                                        has_map ? t2d.data_ptr<int32_t>() : nullptr, Vd, g.data_ptr<bool>(),
                                        ua.data_ptr<double>(), us.data_ptr<double>(), B, k, V,
                                        scratch.data_ptr<double>(), tokens.data_ptr<int64_t>(),
-                                       num_accepted.data_ptr<int64_t>(), status.data_ptr<int32_t>(), stream),
+                                       num_accepted.data_ptr<int64_t>(), status.data_ptr<int32_t>(),
+                                       row_err.data_ptr<double>(), stream),
              "verify_chain");
-  const int32_t no_mass = status[cuda::kNoMass].item<int32_t>();
+  // One host sync for the status words; the row_err of the first bad row only when there is one. The
+  // messages are the CPU kernel's (csrc/verify_cpu.cpp), so both devices fail the same way.
+  const at::Tensor st2 = status.cpu();
+  const int32_t no_mass = st2.data_ptr<int32_t>()[cuda::kNoMass];
+  const int32_t bad = st2.data_ptr<int32_t>()[cuda::kBadInput];
+  if (bad != cuda::kNoError && bad < no_mass) {
+    const at::Tensor e = row_err[bad].cpu();
+    const double* ep = e.data_ptr<double>();
+    const int kind = static_cast<int>(ep[0]);
+    const int64_t i = static_cast<int64_t>(ep[1]), tok = static_cast<int64_t>(ep[2]);
+    const double val = ep[3];
+    TORCH_CHECK_VALUE(kind != cuda::kRowGreedyNaN, "verify_chain: target_logprobs[", bad, ", ", i,
+                      "] contains NaN (greedy row); log-probs must be finite or -inf");
+    TORCH_CHECK_VALUE(kind != cuda::kRowBadDraftP, "verify_chain: target_logprobs[", bad, ", ", i, ", ", tok, "] = ",
+                      val, " is not a log-probability (NaN, or above 0); pass normalised log-probs "
+                      "(process_logits / log_softmax), not raw logits");
+    TORCH_CHECK_VALUE(kind != cuda::kRowBadGreedyMax, "verify_chain: target_logprobs[", bad, ", ", i,
+                      "] is not normalised: its largest probability is ", val, ", outside [1/V, 1] (V = ", V,
+                      ", tolerance ", kMassTol, "); pass log-probs (process_logits / log_softmax), not raw logits");
+    TORCH_CHECK_VALUE(val == val, "verify_chain: target_logprobs[", bad, ", ", i, "] contains NaN");
+    TORCH_CHECK_VALUE(val != 0.0, "verify_chain: target_logprobs[", bad, ", ", i,
+                      "] has no probability mass (every log-prob is -inf)");
+    TORCH_CHECK_VALUE(false, "verify_chain: target_logprobs[", bad, ", ", i, "] is not normalised: its probabilities sum to ",
+                      val, ", not 1 (tolerance ", kMassTol, "); pass log-probs (process_logits / log_softmax), not raw logits");
+  }
   TORCH_CHECK_VALUE(no_mass == cuda::kNoError, "verify_chain: row ", no_mass,
                     " has no probability mass at its sampled position (every log-prob is -inf or NaN)");
   return {tokens, num_accepted};

@@ -6,7 +6,9 @@
 // control flow), greedy rows use a block-wide argmax (lowest index on ties), and the residual /
 // bonus draw sums each kSampleChunk-token chunk sequentially in one thread, then thread 0 scans the
 // chunk sums and the selected chunk in order. Parallel across chunks, sequential inside them: the
-// rounding is identical to the CPU's.
+// rounding is identical to the CPU's. The input checks (NaN in a greedy argmax and its largest
+// probability, p_i(x_i) of a tested draft, a sampled row's emission mass) are those of the CPU
+// kernel, at the same positions.
 // References: Leviathan et al. (2023); Chen et al. (2023).
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -39,11 +41,18 @@ __device__ void argmax_combine(float& bv, int64_t& bi, float ov, int64_t oi) {
   }
 }
 
-// First index of the maximum over x[0, V) (lowest index on ties); every thread returns it.
+// First index of the maximum over x[0, V) (lowest index on ties), or -1 when x holds a NaN; every
+// thread returns it.
 __device__ int64_t block_argmax(const float* __restrict__ x, int64_t V, float* s_val, int64_t* s_idx) {
   float bv = 0.0f;
   int64_t bi = -1;
-  for (int64_t t = threadIdx.x; t < V; t += kThreads) argmax_combine(bv, bi, x[t], t);
+  int nan = 0;
+  for (int64_t t = threadIdx.x; t < V; t += kThreads) {
+    const float v = x[t];
+    nan |= v != v;
+    argmax_combine(bv, bi, v, t);
+  }
+  if (__syncthreads_or(nan)) return -1;
   for (int off = 16; off > 0; off >>= 1) {
     const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, off);
     const int64_t oi = __shfl_xor_sync(0xFFFFFFFFu, bi, off);
@@ -65,19 +74,30 @@ __device__ int64_t block_argmax(const float* __restrict__ x, int64_t V, float* s
   return r;
 }
 
-// Inverse-CDF draw from max(0, p - q) of one row position. Returns -1 when there is no mass.
+// Inverse-CDF draw from max(0, p - q) of one row position. Returns -1 when there is no mass. S holds
+// 2 * ceil(V / kSampleChunk) doubles; the same pass writes the mass of p itself to *s_mass.
 __device__ int64_t block_sample(const float* __restrict__ lp, int mode, const float* q, const int32_t* t2d,
-                                int64_t x, int64_t V, double u, double* __restrict__ S, int64_t* s_tok) {
+                                int64_t x, int64_t V, double u, double* __restrict__ S, int64_t* s_tok,
+                                double* s_mass) {
   const int64_t C = kSampleChunk;
   const int64_t nC = (V + C - 1) / C;
+  double* M = S + nC;
   for (int64_t c = threadIdx.x; c < nC; c += kThreads) {
     const int64_t a = c * C, b = min(V, a + C);
-    double acc = 0.0;
-    for (int64_t t = a; t < b; ++t) acc = dadd_rn(acc, spec_residual(spec_expf(lp[t]), q_at(mode, q, t2d, x, t)));
+    double acc = 0.0, pacc = 0.0;
+    for (int64_t t = a; t < b; ++t) {
+      const float p = spec_expf(lp[t]);
+      acc = dadd_rn(acc, spec_residual(p, q_at(mode, q, t2d, x, t)));
+      pacc = dadd_rn(pacc, static_cast<double>(p));
+    }
     S[c] = acc;
+    M[c] = pacc;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    double m = 0.0;
+    for (int64_t c = 0; c < nC; ++c) m = dadd_rn(m, M[c]);
+    *s_mass = m;
     double P = 0.0;
     for (int64_t c = 0; c < nC; ++c) {
       P = dadd_rn(P, S[c]);
@@ -121,16 +141,29 @@ __global__ void __launch_bounds__(kThreads)
                         const int32_t* __restrict__ t2d, int64_t Vd, const bool* __restrict__ greedy,
                         const double* __restrict__ ua, const double* __restrict__ us, int64_t k, int64_t V,
                         double* __restrict__ scratch, int64_t* __restrict__ tokens, int64_t* __restrict__ num_acc,
-                        int32_t* __restrict__ status) {
+                        int32_t* __restrict__ status, double* __restrict__ row_err) {
   __shared__ float s_val[kThreads / 32];
   __shared__ int64_t s_idx[kThreads / 32];
   __shared__ int64_t s_tok;
+  __shared__ double s_mass;
   const int64_t b = blockIdx.x;
   const int64_t K1 = k + 1;
   const float* lpb = lp + b * K1 * V;
   const int64_t* xb = dt + b * k;
   const bool is_greedy = greedy[b];
   const int draft_mode = qp == nullptr ? kModePoint : (t2d != nullptr ? kModeMapped : kModeDense);
+  // Uniform control flow: every thread takes the same branches, so all return together on an error.
+  auto fail = [&](int kind, int64_t pos, int64_t tok, double val) {
+    if (threadIdx.x == 0) {
+      double* e = row_err + b * 4;
+      e[0] = kind;
+      e[1] = static_cast<double>(pos);
+      e[2] = static_cast<double>(tok);
+      e[3] = val;
+      atomicMin(&status[kBadInput], static_cast<int32_t>(b));
+    }
+  };
+  double* S = scratch + b * 2 * ((V + kSampleChunk - 1) / kSampleChunk);
   int64_t n_acc = 0, greedy_tok = -1;
   bool drafted = false;
   for (int64_t i = 0; i < k; ++i) {
@@ -139,6 +172,7 @@ __global__ void __launch_bounds__(kThreads)
     bool accept;
     if (is_greedy) {
       const int64_t am = block_argmax(lpb + i * V, V, s_val, s_idx);
+      if (am < 0) return fail(kRowGreedyNaN, i, 0, 0.0);
       accept = am == x;
       if (!accept) greedy_tok = am;
     } else {
@@ -151,7 +185,9 @@ __global__ void __launch_bounds__(kThreads)
         const int32_t d = t2d[x];
         q = d < 0 ? 0.0f : spec_clean_q(qp[(b * k + i) * Vd + d]);
       }
-      accept = spec_accept(ua[b * k + i], q, spec_expf(lpb[i * V + x]));
+      const float p = spec_expf(lpb[i * V + x]);
+      if (!spec_p_ok(p)) return fail(kRowBadDraftP, i, x, static_cast<double>(lpb[i * V + x]));
+      accept = spec_accept(ua[b * k + i], q, p);
     }
     if (!accept) {
       drafted = true;
@@ -163,13 +199,18 @@ __global__ void __launch_bounds__(kThreads)
   int64_t tok;
   if (is_greedy) {
     tok = greedy_tok >= 0 ? greedy_tok : block_argmax(lpb + j * V, V, s_val, s_idx);
+    if (tok < 0) return fail(kRowGreedyNaN, j, 0, 0.0);
+    const float p_max = spec_expf(lpb[j * V + tok]);
+    if (!spec_greedy_max_ok(p_max, V)) return fail(kRowBadGreedyMax, j, 0, static_cast<double>(p_max));
   } else {
     const int mode = drafted ? draft_mode : kModeNone;
     const float* qrow = (drafted && qp != nullptr) ? qp + (b * k + j) * Vd : nullptr;
     const int64_t x = drafted ? xb[j] : -1;
-    double* S = scratch + b * ((V + kSampleChunk - 1) / kSampleChunk);
-    tok = block_sample(lpb + j * V, mode, qrow, t2d, x, V, us[b], S, &s_tok);
-    if (tok < 0 && mode != kModeNone) tok = block_sample(lpb + j * V, kModeNone, nullptr, nullptr, -1, V, us[b], S, &s_tok);
+    tok = block_sample(lpb + j * V, mode, qrow, t2d, x, V, us[b], S, &s_tok, &s_mass);
+    const double m = s_mass;  // written by thread 0 before block_sample's barriers
+    if (!spec_mass_ok(m)) return fail(kRowBadMass, j, 0, m);
+    if (tok < 0 && mode != kModeNone)
+      tok = block_sample(lpb + j * V, kModeNone, nullptr, nullptr, -1, V, us[b], S, &s_tok, &s_mass);
     if (tok < 0 && threadIdx.x == 0) atomicMin(&status[kNoMass], static_cast<int32_t>(b));
   }
   if (threadIdx.x == 0) {
@@ -234,12 +275,12 @@ cudaError_t launch_verify_chain(const float* target_logprobs, const int64_t* dra
                                 const float* draft_probs, const int32_t* t2d, int64_t Vd, const bool* greedy,
                                 const double* u_accept, const double* u_sample, int64_t B, int64_t k,
                                 int64_t V, double* chunk_scratch, int64_t* tokens, int64_t* num_accepted,
-                                int32_t* status, cudaStream_t stream) {
+                                int32_t* status, double* row_err, cudaStream_t stream) {
   if (B == 0) return cudaSuccess;
   if (B > 2147483647LL) return cudaErrorInvalidValue;
   verify_chain_kernel<<<static_cast<unsigned int>(B), kThreads, 0, stream>>>(
       target_logprobs, draft_tokens, draft_probs, t2d, Vd, greedy, u_accept, u_sample, k, V, chunk_scratch, tokens,
-      num_accepted, status);
+      num_accepted, status, row_err);
   return cudaGetLastError();
 }
 

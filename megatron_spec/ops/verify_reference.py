@@ -22,6 +22,26 @@ Semantics (the compiled CPU/CUDA kernels return the same tokens for the same inp
   ``torch.cumsum`` on CPU accumulates sequentially in float64, so it realises this order (a test
   pins that); on CUDA it scans in parallel, so compare CUDA kernels with this reference on CPU.
 
+Input checks: the verifier refuses input it would sample wrongly (raw logits passed as log-probs
+accept nearly every draft; a NaN in a greedy row made the kernels and this reference disagree). Only
+at positions the kernels read anyway, so the checks cost no extra pass over the vocabulary for
+sampled rows; the kernels make the same checks at the same positions and refuse the same inputs:
+
+* a sampled row's emission position ``j`` (where its correction or bonus token is drawn) must hold a
+  distribution: its mass ``m = sum_t spec_exp(lp[b, j, t])``, summed in float64 in the chunked order
+  above (in the same pass as the draw), must lie within ``MASS_TOL`` of 1 (NaN anywhere makes ``m``
+  NaN);
+* a greedy row refuses NaN at every position where it takes an argmax (positions ``0..j``), and at
+  ``j`` the largest probability ``spec_exp(max_t lp[b, j, t])`` must lie in ``[(1 - MASS_TOL) / V,
+  1 + MASS_TOL]``, as it does in a distribution. Greedy rows get this bound, not the sum: their token
+  does not depend on normalisation, and the extra exp pass made greedy verification 5-11x slower;
+* a sampled row refuses a tested draft (positions ``0..j``) whose ``p_i(x_i)`` is NaN or above
+  ``1 + MASS_TOL``: a log-prob above 0 comes only from unnormalised input.
+
+Point masses (log-prob 0 at one id, -inf elsewhere: greedy rows of ``process_logits``, top-k 1) and
+-inf entries in general are legal. Positions the chain never reaches are not checked. The first
+offending row (lowest ``b``) is reported; within a row, the first offending position.
+
 This module knows nothing about models, engines or how the uniforms were drawn.
 References: Leviathan et al. (2023), "Fast Inference from Transformers via Speculative Decoding";
 Chen et al. (2023), "Accelerating Large Language Model Decoding with Speculative Sampling".
@@ -32,6 +52,10 @@ from __future__ import annotations
 import torch
 
 SAMPLE_CHUNK = 256  # csrc/ms_math.h kSampleChunk
+# csrc/ms_math.h kMassTol. process_logits' float32 log_softmax sums to 1 within ~1e-6 even at
+# V = 152k and low temperature (tests/ops/test_ops_verify.py measures it); raw logits sum to 1 within
+# 1e-3 only by accident.
+MASS_TOL = 1e-3
 
 # float32 constants of spec_exp, written exactly (csrc/ms_math.h uses the same hex literals).
 _LOG2E = float.fromhex("0x1.715476p+0")
@@ -101,6 +125,90 @@ def inverse_cdf_chunked(r: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor,
     last = torch.where(r3[rows, cs] > 0, pos, torch.full_like(pos, -1)).amax(dim=-1)
     ti = torch.where(ti < C, ti, last)
     return cs * C + ti, has_mass
+
+
+def logprob_mass(lp: torch.Tensor) -> torch.Tensor:
+    """``[R]`` float64 mass ``sum_t spec_exp(lp[r, t])`` of ``lp [R, V]`` float32, in the chunked order.
+
+    Sequential inside each ``SAMPLE_CHUNK``-token chunk, then sequential over the chunk sums (the
+    order of the inverse-CDF draw); NaN anywhere in a row makes its mass NaN.
+    """
+    R, V = lp.shape
+    C = SAMPLE_CHUNK
+    nC = -(-V // C)
+    p3 = torch.nn.functional.pad(spec_exp_reference(lp).double(), (0, nC * C - V)).view(R, nC, C)
+    chunk = torch.cumsum(p3, dim=-1)[..., -1].contiguous()  # [R, nC]
+    return torch.cumsum(chunk, dim=-1)[:, -1] if nC else torch.zeros(R, dtype=torch.float64, device=lp.device)
+
+
+def _mass_ok(m: torch.Tensor) -> torch.Tensor:
+    return (m >= 1.0 - MASS_TOL) & (m <= 1.0 + MASS_TOL)  # False for NaN
+
+
+def _greedy_max_ok(p_max: torch.Tensor, V: int) -> torch.Tensor:
+    p = p_max.double()
+    return (p <= 1.0 + MASS_TOL) & (p * V >= 1.0 - MASS_TOL)  # False for NaN
+
+
+def _check_distributions(lp, x, valid, greedy, p_x, j) -> None:
+    """Raise for the first row whose checked positions are not log-probabilities (module docstring)."""
+    B, K1, V = lp.shape
+    k = K1 - 1
+    # first bad position of each row among the chain's own checks (K1 = none)
+    first = torch.full((B,), K1, dtype=torch.int64, device=lp.device)
+    if k:
+        tested = (torch.arange(k, device=lp.device)[None, :] <= j[:, None]) & valid & ~greedy[:, None]
+        bad_p = tested & ~(p_x.double() <= 1.0 + MASS_TOL)  # [B, k]
+        first = torch.where(bad_p.any(1), bad_p.long().argmax(1), first)
+    g_rows = greedy.nonzero()[:, 0]
+    if g_rows.numel():
+        reached = torch.arange(K1, device=lp.device)[None, :] <= j[g_rows, None]
+        bad_nan = lp[g_rows].isnan().any(-1) & reached  # [g, K1]
+        first[g_rows] = torch.where(bad_nan.any(1), bad_nan.long().argmax(1), first[g_rows])
+    s_rows = (~greedy).nonzero()[:, 0]
+    bad_at_j = torch.zeros(B, dtype=torch.bool, device=lp.device)
+    m = torch.zeros(B, dtype=torch.float64, device=lp.device)
+    if s_rows.numel():
+        m[s_rows] = logprob_mass(lp[s_rows, j[s_rows]])  # [Bs]
+        bad_at_j[s_rows] = ~_mass_ok(m[s_rows])
+    p_max = torch.zeros(B, dtype=torch.float32, device=lp.device)
+    if g_rows.numel():
+        p_max[g_rows] = spec_exp_reference(lp[g_rows, j[g_rows]].amax(dim=-1))  # NaN rows failed above
+        bad_at_j[g_rows] = ~_greedy_max_ok(p_max[g_rows], V)
+    bad_row = (first < K1) | bad_at_j
+    if not bool(bad_row.any()):
+        return
+    b = int(bad_row.nonzero()[0, 0])
+    i = int(first[b])
+    if i < K1 and bool(greedy[b]):
+        raise ValueError(f"verify_chain: target_logprobs[{b}, {i}] contains NaN (greedy row); "
+                         f"log-probs must be finite or -inf")
+    if i < K1:
+        t = int(x[b, i])
+        raise ValueError(
+            f"verify_chain: target_logprobs[{b}, {i}, {t}] = {float(lp[b, i, t])} is not a log-probability "
+            f"(NaN, or above 0); pass normalised log-probs (process_logits / log_softmax), not raw logits"
+        )
+    if bool(greedy[b]):
+        raise ValueError(
+            f"verify_chain: target_logprobs[{b}, {int(j[b])}] is not normalised: its largest probability is "
+            f"{float(p_max[b]):.9g}, outside [1/V, 1] (V = {V}, tolerance {MASS_TOL:g}); pass log-probs "
+            f"(process_logits / log_softmax), not raw logits"
+        )
+    _raise_mass(b, int(j[b]), float(m[b]))
+
+
+def _raise_mass(b: int, j: int, m: float) -> None:
+    if m != m:
+        raise ValueError(f"verify_chain: target_logprobs[{b}, {j}] contains NaN")
+    if m == 0.0:
+        raise ValueError(
+            f"verify_chain: target_logprobs[{b}, {j}] has no probability mass (every log-prob is -inf)"
+        )
+    raise ValueError(
+        f"verify_chain: target_logprobs[{b}, {j}] is not normalised: its probabilities sum to {m:.9g}, not 1 "
+        f"(tolerance {MASS_TOL:g}); pass log-probs (process_logits / log_softmax), not raw logits"
+    )
 
 
 def _t2d(d2t: torch.Tensor, V: int) -> torch.Tensor:
@@ -228,6 +336,7 @@ def verify_chain_reference(
     drafted = torch.zeros(B, dtype=torch.bool, device=device)
     if k:
         drafted = (j < k) & valid.gather(1, j.clamp(max=k - 1)[:, None])[:, 0]
+    _check_distributions(lp, x, valid, greedy, p_x, j)
 
     tok = torch.empty(B, dtype=torch.int64, device=device)
     if g_rows.numel():
