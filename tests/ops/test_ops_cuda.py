@@ -49,3 +49,42 @@ def test_verify_cuda_matches_cpu_reference(mode):
         t, n = torch.ops.megatron_spec.verify_chain(*cuda_args)
         t_r, n_r = verify_chain_reference(*args)
         assert torch.equal(t.cpu(), t_r) and torch.equal(n.cpu(), n_r)
+
+
+def test_verify_cuda_refuses_what_the_reference_refuses():
+    """The input checks of issue 18 (tests/ops/test_ops_verify.py run them on the CPU kernels)."""
+    g = torch.Generator().manual_seed(2)
+    B, k, V = 4, 2, 3000
+    lp = torch.log_softmax(torch.randn(B, k + 1, V, generator=g), -1)
+    x = lp[:, :k].argmax(-1)
+    ua = torch.rand(B, k, dtype=torch.float64, generator=g)
+    us = torch.rand(B, dtype=torch.float64, generator=g)
+    sampled, greedy = torch.zeros(B, dtype=torch.bool), torch.ones(B, dtype=torch.bool)
+    nan_greedy = lp.clone()
+    nan_greedy[2, 1, 2999] = float("nan")
+    shifted = lp.clone()
+    shifted[1] += 0.01
+    positive = lp.clone()
+    positive[3, 0, x[3, 0]] = 0.5
+    cases = [
+        ((lp * 3 + 1, x, None, None, sampled, ua, us), r"target_logprobs\[0, \d(, \d+)?\]"),
+        ((nan_greedy, x, None, None, greedy, ua, us), r"target_logprobs\[2, 1\] contains NaN \(greedy row\)"),
+        ((shifted, torch.full_like(x, -1), None, None, sampled, ua, us), r"target_logprobs\[1, 0\] is not normalised"),
+        ((positive, x, None, None, sampled, ua, us), r"target_logprobs\[3, 0, \d+\] = 0\.5"),
+    ]
+    for args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            verify_chain_reference(*args)
+        with pytest.raises(ValueError, match=match):
+            torch.ops.megatron_spec.verify_chain(*(a.cuda() if a is not None else None for a in args))
+    # a NaN the chain never reads (rows rejected at position 0 never read position 1) is not looked at
+    unread = lp.clone()
+    unread[:, 1, 0] = float("nan")
+    x0 = x.clone()
+    x0[:, 0] = (x[:, 0] + 1) % V  # rejected at position 0
+    t, n = torch.ops.megatron_spec.verify_chain(unread.cuda(), x0.cuda(), None, None, greedy.cuda(), ua.cuda(), us.cuda())
+    t_r, n_r = verify_chain_reference(unread, x0, None, None, greedy, ua, us)
+    assert torch.equal(t.cpu(), t_r) and torch.equal(n.cpu(), n_r)
+    t, n = torch.ops.megatron_spec.verify_chain(lp.cuda(), x.cuda(), None, None, greedy.cuda(), ua.cuda(), us.cuda())
+    t_r, n_r = verify_chain_reference(lp, x, None, None, greedy, ua, us)
+    assert torch.equal(t.cpu(), t_r) and torch.equal(n.cpu(), n_r)
