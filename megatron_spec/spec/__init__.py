@@ -5,6 +5,8 @@
 * ``verify``: ``verify_chain`` (rejection sampling of drafted chains, greedy verification, reduced draft
   vocabularies through ``d2t``), ``sample_from_logprobs`` and the analytic acceptance formulas.
 * ``guard``: ``check_lossless``, which refuses engine settings that would break exactness.
+* ``history``: ``HistoryIndex``, the suffix index over earlier responses to a prompt that the history
+  drafter proposes from (the one stateful object here; its proposals are verified as point masses).
 
 Functions here take tensors and explicit randomness (uniforms or a ``torch.Generator``) and return
 tensors; they hold no state and know nothing about models, engines or process groups. The compiled
@@ -12,6 +14,7 @@ kernels behind ``verify_chain`` live in ``megatron_spec.ops``.
 """
 
 from megatron_spec.spec.guard import SGLANG_EXACT_ALGORITHMS, LossyConfigError, check_lossless
+from megatron_spec.spec.history import HistoryIndex
 from megatron_spec.spec.logits import SamplingTensors, process_logits
 from megatron_spec.spec.verify import (
     VerifyResult,
@@ -22,6 +25,7 @@ from megatron_spec.spec.verify import (
 )
 
 __all__ = [
+    "HistoryIndex",
     "LossyConfigError",
     "SGLANG_EXACT_ALGORITHMS",
     "SamplingTensors",
