@@ -262,3 +262,29 @@ def test_dynamic_sampling_drops_groups_of_equal_rewards(make_trainer, setup):
     stats = trainer._train(minibatches)
     assert stats["train/samples_trained"] == 0 and stats["train/optimizer_steps"] == 0
     assert torch.equal(weights(trainer), before)
+
+
+def test_sglang_logprobs_are_renormalised_to_the_support(make_trainer, setup):
+    """SGLang reports log softmax(logits / T) of the sampled token, not renormalised to the top-k
+    set: log p(t) + log Z. Given exactly those, the trainer's renormalisation brings the mismatch
+    to rounding; without it (a native engine's numbers are already renormalised) it is |log Z|."""
+    from megatron_spec.rl.rollouts import pack
+
+    trainer = make_trainer(rollout=RolloutConfig(rollout_top_k=3, rollout_temperature=1.0))
+    rollouts = made_up_rollouts(setup.cfg.vocab_size, n=4)
+    batch = pack(rollouts, trainer.pad_id, device=trainer.device)
+    with torch.no_grad():
+        logits = trainer.model(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]
+        full = torch.log_softmax(logits[..., :setup.cfg.vocab_size].float(), dim=-1)  # [B, L-1, V]
+        top = logits[..., :setup.cfg.vocab_size].topk(3, dim=-1).indices  # [B, L-1, 3]
+    for i, r in enumerate(rollouts):  # one response token (the prompt alone decides its logits), from the
+        start = len(r.prompt_ids) - 1  # top-3 set, with the log-prob SGLang would report
+        token = int(top[i, start, i % 3])
+        r.response_ids, r.engine_logprobs = [token], [float(full[i, start, token])]
+    trainer.cfg.rollout.rollout_backend = "native"
+    _, native = trainer._old_logprobs(rollouts)
+    trainer.cfg.rollout.rollout_backend = "sglang"
+    _, sglang = trainer._old_logprobs(rollouts)
+    assert native["mismatch/out_of_support_frac"] == 0 and sglang["mismatch/out_of_support_frac"] == 0
+    assert native["mismatch/logprob_abs_diff_mean"] > 0.1  # |log Z|: the top 3 of ~100 near-equal logits
+    assert sglang["mismatch/logprob_abs_diff_max"] < 1e-5
