@@ -6,8 +6,9 @@ Each test runs the launcher (torchrun, gloo) for a few steps on the session's ti
 * ``--grpo-num-minibatches 4`` with 48 rollouts and micro-batch 8: every rollout trained once
   per step (before, two thirds of the micro-batch list was cut away: 32 of 48 trained);
 * top-p 0.9 and top-k 20 with a bf16 engine: finite loss, no NaN, ``mismatch/*`` reported;
-* ``--kl-coef 0.01``, ``--loss-agg sequence``, ``--tis-cap 2``, dynamic sampling and an LR decay;
-* DP=2 against DP=1 on the same rollouts: the metrics are those of all ranks' tokens.
+* ``--kl-coef 0.01``, ``--loss-agg sequence``, ``--tis-cap 2``, dynamic sampling, dropped
+  truncated responses, cosine and linear LR decay;
+* DP=2 and TP=2 against one rank on the same rollouts: the metrics are those of all ranks' tokens.
 """
 
 from __future__ import annotations
@@ -80,7 +81,11 @@ def test_truncated_sampling_with_a_bf16_engine(setup, tmp_path, sampling, bounda
      lambda m: all(r["train/groups_filtered"] == 4 and r["train/samples_trained"] == 0
                    and r["train/optimizer_steps"] == 0 and r["train/grad_norm"] == 0 for r in m)
      and [r["train/lr"] for r in m] == pytest.approx([1e-3, 5.5e-4])),
-], ids=["kl", "sequence", "tis", "dynamic_sampling_cosine"])
+    # 12 new tokens: the tiny model rarely ends a response, most are cut and leave the loss
+    (["--truncated-responses", "drop", "--lr-decay-style", "linear"],
+     lambda m: all(r["train/truncated_dropped"] > 0 and r["train/samples_trained"] == 8 - r["train/truncated_dropped"]
+                   for r in m) and [r["train/lr"] for r in m] == pytest.approx([1e-3, 5e-4])),
+], ids=["kl", "sequence", "tis", "dynamic_sampling_cosine", "truncated_drop_linear"])
 def test_loss_options_in_the_loop(setup, tmp_path, extra, check):
     run = tmp_path / "run"
     grpo(setup, run, "--train-iters", "2", *extra)
@@ -89,18 +94,23 @@ def test_loss_options_in_the_loop(setup, tmp_path, extra, check):
     assert check(m), m
 
 
-def test_dp2_metrics_cover_every_rank(setup, tmp_path):
-    """One step from the same start and the same rollouts (rank 0's engine, same seed) under DP=1
-    and DP=2: before, DP=2 reported rank 0's half of the tokens; now the sums are over both."""
-    # a bf16 engine, so that the mismatch differs from token to token (fp32 on both sides: 0)
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "1"], ["--tensor-model-parallel-size", "2"]],
+                         ids=["dp2", "tp2"])
+def test_two_ranks_report_what_one_rank_does(setup, tmp_path, layout):
+    """One step from the same start and the same rollouts (rank 0's engine, same seed) on one rank
+    and on two. DP=2: before, the metrics were rank 0's half of the tokens; now the sums are over
+    both ranks. TP=2: entropy, support and log-probs come from the vocabulary-parallel reductions
+    (top-k 20 builds the support from both halves of the vocabulary)."""
+    # a bf16 engine, so that the mismatch differs from token to token (fp32 on both sides: 0), and
+    # TIS weights, so that loss/pg is not 0 (equal lengths and zero-mean advantages at ratio 1)
     common = ["--train-iters", "1", "--rollout-temperature", "1.0", "--rollout-dtype", "bfloat16",
-              "--dump-rollouts", "--kl-coef", "0.01"]
-    one, two = tmp_path / "dp1", tmp_path / "dp2"
+              "--rollout-top-k", "20", "--dump-rollouts", "--kl-coef", "0.01", "--tis-cap", "2"]
+    one, two = tmp_path / "one", tmp_path / "two"
     grpo(setup, one, *common)
-    grpo(setup, two, *common, nproc=2)
+    grpo(setup, two, *common, *layout, nproc=2)
     a, b = metrics(one)[0], metrics(two)[0]
     assert (one / "rollouts" / "step_000001.jsonl").read_text() == (two / "rollouts" / "step_000001.jsonl").read_text()
     assert a["train/samples_trained"] == b["train/samples_trained"] == 8
     for key in ("loss/pg", "train/entropy", "train/ratio_mean", "train/clip_frac", "mismatch/logprob_abs_diff_mean",
-                "mismatch/logprob_abs_diff_max", "train/grad_norm"):
+                "mismatch/logprob_abs_diff_max", "mismatch/out_of_support_frac", "train/grad_norm"):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])
