@@ -40,7 +40,9 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
 
     Both sides go to ``math_verify.parse`` as they are (a ``\\boxed{}`` answer, LaTeX, a plain
     number, an expression), except that text after a last ``####`` is the answer (GSM8K's
-    ``answer`` column and responses in its format). math-verify's timeouts use ``signal.alarm``,
+    ``answer`` column and responses in its format). A reference that is one word (mathematics_dataset's
+    ``True`` / ``False``) is matched by the response's last word, case-insensitively.
+    math-verify's timeouts use ``signal.alarm``,
     which works on the main thread only: elsewhere they are off.
     """
     import threading
@@ -49,6 +51,9 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold_text = _final_part(answer)
+    if gold_text.strip().rstrip(".").isalpha():  # a word, no math (mathematics_dataset's True/False)
+        words = _final_part(response).strip().rstrip(".").split()
+        return 1.0 if words and words[-1].lower() == gold_text.strip().rstrip(".").lower() else 0.0
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"
     gold = parse(gold_text, parsing_timeout=timeout)

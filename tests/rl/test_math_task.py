@@ -18,7 +18,8 @@ from megatron_spec.rl.rewards import get_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 MATHDS_PYTHON = ROOT / ".venv-mathds" / "bin" / "python"
-MODULES = ["numbers__place_value", "arithmetic__add_or_sub", "numbers__gcd", "algebra__linear_1d"]
+MODULES = ["numbers__place_value", "arithmetic__add_or_sub", "numbers__gcd", "algebra__linear_1d",
+           "numbers__round_number", "comparison__pair"]
 
 pytestmark = pytest.mark.skipif(not MATHDS_PYTHON.exists(),
                                 reason=".venv-mathds missing (scripts/make_math_task.sh creates it)")

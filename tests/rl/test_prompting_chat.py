@@ -143,6 +143,9 @@ def test_math_reward_takes_gsm8k_and_boxed_answers_as_they_are():
     assert math("", "#### 1234", "#### 1,234") == 1.0
     assert math("", "we get $\\frac{1}{2}$", "\\boxed{0.5}") == 1.0
     assert math("", "-573.6", "-573.6") == 1.0 and math("", "-573.7", "-573.6") == 0.0
+    # a one-word reference (mathematics_dataset's comparison answers): the response's last word
+    assert math("", "True", "True") == 1.0 and math("", "so it is false.", "False") == 1.0
+    assert math("", "False", "True") == 0.0 and math("", "", "True") == 0.0
     out = []  # math-verify's signal timeouts are main-thread only: a worker thread must still work
     t = threading.Thread(target=lambda: out.append(math("", "\\boxed{3}", "3")))
     t.start()
