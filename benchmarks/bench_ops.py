@@ -10,7 +10,8 @@ hits both alike:
   memcpy does), and of the reference;
 * chain verification at batch B, k drafts: rows/s of the compiled op and the reference at each
   vocabulary size, for dense EAGLE-style draft probabilities (the headline), a reduced draft
-  vocabulary through d2t, and point-mass (n-gram) drafts.
+  vocabulary through d2t, point-mass (n-gram) drafts, and greedy rows (argmax verification, the
+  first draft the target's argmax).
 
 Prints a table, then ONE JSON line with the figures and ratios, the CPU capability
 (``megatron_spec.isa``), the compiled kernel variant that ran (``kernel_isa``: default / avx2 /
@@ -91,7 +92,9 @@ def verify_inputs(B: int, k: int, V: int, mode: str, g: torch.Generator):
         Vd = min(32000, V // 2)
         d2t = torch.randperm(V, generator=g)[:Vd].sort().values - torch.arange(Vd)
         q = torch.softmax(torch.randn(B, k, Vd, generator=g) * 2, -1)  # [B, k, Vd]
-    greedy = torch.zeros(B, dtype=torch.bool)
+    greedy = torch.full((B,), mode == "greedy")
+    if mode == "greedy" and k:
+        x[:, 0] = lp[:, 0].argmax(-1)  # accepted: the row takes two argmax passes
     ua = torch.rand(B, k, dtype=torch.float64, generator=g)
     us = torch.rand(B, dtype=torch.float64, generator=g)
     return lp, x, q, d2t, greedy, ua, us
@@ -154,7 +157,7 @@ def main() -> None:
     }
     print(f"verify chain B={args.batch} k={args.k}  (rows/s)")
     for V in args.vocab:
-        for mode in ("dense", "d2t", "point"):
+        for mode in ("dense", "d2t", "point", "greedy"):
             r = bench_verify(args.batch, args.k, V, mode, args.repeats)
             ratio = r["cpp"] / r["torch"]
             print(f"  V={V:<7d} q={mode:6s} C++ {r['cpp']:10.1f}   PyTorch {r['torch']:8.1f}   {ratio:6.1f}x")

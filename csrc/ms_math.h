@@ -223,9 +223,9 @@ MS_HD bool spec_accept(double u, float q, float p) {
 }
 
 // Input checks (megatron_spec/ops/verify_reference.py, "Input checks"): the mass of a sampled row's
-// log-probs, summed in float64 in the sampling order, must lie within kMassTol of 1; a greedy row's
-// largest probability must be one a distribution can have; a tested draft's p_i(x_i) must not exceed
-// 1 + kMassTol. All are false for NaN.
+// log-probs, summed in float64 in the order of verify_reference.logprob_mass, must lie within
+// kMassTol of 1; a greedy row's largest probability must be one a distribution can have; a tested
+// draft's p_i(x_i) must not exceed 1 + kMassTol. All are false for NaN.
 constexpr double kMassTol = 1e-3;
 MS_HD bool spec_mass_ok(double m) { return m >= 1.0 - kMassTol && m <= 1.0 + kMassTol; }
 MS_HD bool spec_p_ok(float p) { return static_cast<double>(p) <= 1.0 + kMassTol; }

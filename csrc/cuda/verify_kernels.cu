@@ -84,14 +84,21 @@ __device__ int64_t block_sample(const float* __restrict__ lp, int mode, const fl
   double* M = S + nC;
   for (int64_t c = threadIdx.x; c < nC; c += kThreads) {
     const int64_t a = c * C, b = min(V, a + C);
-    double acc = 0.0, pacc = 0.0;
-    for (int64_t t = a; t < b; ++t) {
-      const float p = spec_expf(lp[t]);
-      acc = dadd_rn(acc, spec_residual(p, q_at(mode, q, t2d, x, t)));
-      pacc = dadd_rn(pacc, static_cast<double>(p));
+    double acc = 0.0;
+    double l[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};  // the mass in the CPU's lane order
+    for (int64_t t0 = a; t0 < b; t0 += 8) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int64_t t = t0 + j;
+        if (t < b) {
+          const float p = spec_expf(lp[t]);
+          acc = dadd_rn(acc, spec_residual(p, q_at(mode, q, t2d, x, t)));
+          l[j] = dadd_rn(l[j], static_cast<double>(p));
+        }
+      }
     }
     S[c] = acc;
-    M[c] = pacc;
+    M[c] = dadd_rn(dadd_rn(dadd_rn(l[0], l[1]), dadd_rn(l[2], l[3])), dadd_rn(dadd_rn(l[4], l[5]), dadd_rn(l[6], l[7])));
   }
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -28,9 +28,9 @@ at positions the kernels read anyway, so the checks cost no extra pass over the 
 sampled rows; the kernels make the same checks at the same positions and refuse the same inputs:
 
 * a sampled row's emission position ``j`` (where its correction or bonus token is drawn) must hold a
-  distribution: its mass ``m = sum_t spec_exp(lp[b, j, t])``, summed in float64 in the chunked order
-  above (in the same pass as the draw), must lie within ``MASS_TOL`` of 1 (NaN anywhere makes ``m``
-  NaN);
+  distribution: its mass ``m = sum_t spec_exp(lp[b, j, t])``, summed in float64 in the fixed order of
+  ``logprob_mass`` (the kernels sum it in the same pass as the draw), must lie within ``MASS_TOL`` of 1
+  (NaN anywhere makes ``m`` NaN);
 * a greedy row refuses NaN at every position where it takes an argmax (positions ``0..j``), and at
   ``j`` the largest probability ``spec_exp(max_t lp[b, j, t])`` must lie in ``[(1 - MASS_TOL) / V,
   1 + MASS_TOL]``, as it does in a distribution. Greedy rows get this bound, not the sum: their token
@@ -128,17 +128,23 @@ def inverse_cdf_chunked(r: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def logprob_mass(lp: torch.Tensor) -> torch.Tensor:
-    """``[R]`` float64 mass ``sum_t spec_exp(lp[r, t])`` of ``lp [R, V]`` float32, in the chunked order.
+    """``[R]`` float64 mass ``sum_t spec_exp(lp[r, t])`` of ``lp [R, V]`` float32, in a fixed order.
 
-    Sequential inside each ``SAMPLE_CHUNK``-token chunk, then sequential over the chunk sums (the
-    order of the inverse-CDF draw); NaN anywhere in a row makes its mass NaN.
+    Per ``SAMPLE_CHUNK``-token chunk, eight lanes: lane ``l`` sums the chunk's tokens ``l, l+8, ...``
+    sequentially from 0.0, and the chunk's mass is ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`` (the order
+    the kernels vectorise); the chunk masses are then summed sequentially. NaN anywhere in a row makes
+    its mass NaN.
     """
     R, V = lp.shape
     C = SAMPLE_CHUNK
     nC = -(-V // C)
-    p3 = torch.nn.functional.pad(spec_exp_reference(lp).double(), (0, nC * C - V)).view(R, nC, C)
-    chunk = torch.cumsum(p3, dim=-1)[..., -1].contiguous()  # [R, nC]
-    return torch.cumsum(chunk, dim=-1)[:, -1] if nC else torch.zeros(R, dtype=torch.float64, device=lp.device)
+    if nC == 0:
+        return torch.zeros(R, dtype=torch.float64, device=lp.device)
+    p = torch.nn.functional.pad(spec_exp_reference(lp).double(), (0, nC * C - V))  # zeros add nothing
+    lanes = torch.cumsum(p.view(R, nC, C // 8, 8), dim=2)[:, :, -1]  # [R, nC, 8] sequential per lane
+    pairs = lanes[..., 0::2] + lanes[..., 1::2]  # [R, nC, 4]
+    chunk = (pairs[..., 0] + pairs[..., 1]) + (pairs[..., 2] + pairs[..., 3])  # [R, nC]
+    return torch.cumsum(chunk.contiguous(), dim=-1)[:, -1]
 
 
 def _mass_ok(m: torch.Tensor) -> torch.Tensor:

@@ -334,3 +334,21 @@ def test_process_logits_output_is_well_inside_the_tolerance():
         m = logprob_mass(process_logits(logits, s))
         worst = max(worst, float((m - 1).abs().max()))
     assert worst < MASS_TOL / 20, worst  # measured 1.5e-5 (temperature 1, full vocabulary): 66x inside
+
+
+def test_logprob_mass_order_is_the_kernels_lane_order():
+    """The mass the kernels sum (csrc/cpu/kernels_impl.h chunk_mass), written out in plain Python."""
+    from megatron_spec.ops.verify_reference import logprob_mass
+
+    g = torch.Generator().manual_seed(17)
+    for V in [1, 7, 8, 255, 256, 257, 1000]:
+        lp = torch.log_softmax(torch.randn(3, V, generator=g) * 4, -1)
+        p = spec_exp_reference(lp).double().tolist()
+        for r in range(3):
+            m = 0.0
+            for a in range(0, V, SAMPLE_CHUNK):
+                lanes = [0.0] * 8
+                for i, v in enumerate(p[r][a: a + SAMPLE_CHUNK]):
+                    lanes[i % 8] += v
+                m += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+            assert logprob_mass(lp[r: r + 1]).item() == m
