@@ -230,6 +230,10 @@ class HistoryIndex:
             return []
         tail = context_ids[-_MATCH_DEPTH:]
         pattern = array("i", reversed(tail))
+        if min(pattern) < 0:  # not a token (padding): match only what follows it, never a separator
+            pattern = pattern[: next(i for i, t in enumerate(pattern) if t < 0)]
+            if len(pattern) < self.min_match:
+                return []
         best, best_seg, best_start = 0, None, -1
         for seg in reversed(segments):  # newest first: ties keep the newer segment
             m, s = seg.longest(pattern)

@@ -60,6 +60,14 @@ def test_longest_suffix_and_its_continuation():
     assert HistoryIndex(min_match=1).propose("p", [5], 2) == []  # another index: nothing stored
 
 
+def test_negative_ids_in_the_context_never_match_a_separator():
+    h = HistoryIndex(min_match=1)
+    h.add("p", [1, 2], step=0)
+    h.add("p", [3, 4], step=0)  # stored as 2 1 -1 4 3 -1: "-1 then 3" would cross responses
+    assert h.propose("p", [2, -1, 3], 1) == [4]  # only the part after the -1 is matched
+    assert h.propose("p", [5, -1], 2) == []
+
+
 def test_min_match_and_a_long_common_suffix():
     h = HistoryIndex(min_match=3)
     h.add("p", [5, 6, 7, 8], step=0)
