@@ -80,6 +80,11 @@ class PayloadGather:
     def end_weight_update(self) -> Any:
         return self._call(self.engine.end_weight_update)
 
+    def abort_weight_update(self) -> None:
+        """Local (no round): close the engine's session after a failed bucket."""
+        abort = getattr(self.engine, "abort_weight_update", None)
+        abort() if abort is not None else self.engine.end_weight_update()
+
 
 class PayloadForwarder:
     """A non-owner sender's stand-in for the engine: forwards payloads to the owner.
@@ -113,6 +118,10 @@ class PayloadForwarder:
 
     def end_weight_update(self) -> Any:
         return self._wait("end_weight_update")
+
+    def abort_weight_update(self) -> None:
+        """Local: after a failed round every sender stops at the same bucket (all saw the error);
+        the owner closes the engine's session."""
 
     def health(self, timeout: float = 60.0) -> dict:
         raise RuntimeError("a forwarding sender has no engine to ask; the owner verifies")
