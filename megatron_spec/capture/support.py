@@ -125,24 +125,37 @@ def _lse_parts(x: torch.Tensor, group, tp_size: int) -> tuple[torch.Tensor, torc
 @torch.no_grad()
 def vocab_parallel_entropy_and_log_mass(logits: torch.Tensor, exclude_mask: torch.Tensor | None, *,
                                         vocab_size: int, temperature: float,
-                                        tp_group: dist.ProcessGroup | None = None
-                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                                        tp_group: dist.ProcessGroup | None = None, log_mass: bool = True
+                                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Entropy (nats) of the processed distribution and ``log Z``, the log of the mass its support
     holds under the temperature-scaled, untruncated distribution; both ``[B, S]`` float32.
+
+    One sequence at a time: the float32 temporaries are ``[S, V_local]``, not ``[B, S, V_local]``
+    (a few GB per copy at B=8, S=4096 and a 150k vocabulary).
 
     Args:
         logits: this rank's vocabulary slice ``[B, S, V_local]``.
         exclude_mask: :func:`vocab_parallel_support_mask`'s result (None: nothing cut, log Z = 0).
         temperature: as the rollout; <= 0 (greedy) scores the unscaled policy.
+        log_mass: False skips ``log Z`` (returned as None) and its pass over the vocabulary.
     """
     tp_rank, tp_size = _tp_info(tp_group)
     v_local = logits.shape[-1]
     ids = torch.arange(tp_rank * v_local, (tp_rank + 1) * v_local, device=logits.device)
-    x = scale_by_temperature(logits, temperature).masked_fill(ids >= vocab_size, float("-inf"))
-    m_all, z_all, s_all = _lse_parts(x, tp_group, tp_size)
-    if exclude_mask is None:
-        return z_all.log() - s_all / z_all, torch.zeros_like(z_all)
-    m, z, s = _lse_parts(x.masked_fill(exclude_mask, float("-inf")), tp_group, tp_size)
-    entropy = z.log() - s / z
-    log_mass = (m + z.log()) - (m_all + z_all.log())  # logsumexp over the support - over all
-    return entropy, log_mass.clamp(max=0.0)
+    entropies, masses = [], []
+    for i in range(logits.shape[0]):  # the same count on every TP rank: the collectives line up
+        x = scale_by_temperature(logits[i:i + 1], temperature).masked_fill(ids >= vocab_size, float("-inf"))
+        kept = x if exclude_mask is None else x.masked_fill(exclude_mask[i:i + 1], float("-inf"))
+        m, z, s = _lse_parts(kept, tp_group, tp_size)
+        entropies.append(z.log() - s / z)
+        if not log_mass:
+            continue
+        if exclude_mask is None:
+            masses.append(torch.zeros_like(z))
+            continue
+        m_all, z_all, _ = _lse_parts(x, tp_group, tp_size)
+        masses.append(((m + z.log()) - (m_all + z_all.log())).clamp(max=0.0))  # logsumexp: support - all
+    entropy = torch.cat(entropies) if entropies else logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+    if not log_mass:
+        return entropy, None
+    return entropy, (torch.cat(masses) if masses else torch.zeros_like(entropy))

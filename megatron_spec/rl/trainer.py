@@ -626,10 +626,10 @@ class GRPOTrainer:
         return self._make_batch(rollouts, shards, prompts, version, gen_s), exposed
 
     # ------------------------------------------------------------------ verifier forwards
-    def _logprobs(self, model, batch, grad: bool, extras: bool = False):
+    def _logprobs(self, model, batch, grad: bool, extras: bool = False, log_mass: bool = False):
         """``[B, L-1]`` log-probs of the targets under the processed distribution (``-inf`` outside
-        its support); with ``extras``, also the entropy of that distribution and ``log Z``, the
-        log-mass its support keeps (capture/support.py), both ``[B, L-1]`` and detached."""
+        its support); with ``extras``, also the entropy of that distribution and (``log_mass``)
+        ``log Z``, the log-mass its support keeps (capture/support.py; else None), ``[B, L-1]``, detached."""
         r = self.cfg.rollout
         logits = model(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]  # [B, L-1, V/tp]
         exclude = vocab_parallel_support_mask(logits.detach(), vocab_size=self.dcfg.vocab_size,
@@ -644,7 +644,7 @@ class GRPOTrainer:
             return lp
         entropy, log_mass = vocab_parallel_entropy_and_log_mass(
             logits.detach(), exclude, vocab_size=self.dcfg.vocab_size, temperature=r.rollout_temperature,
-            tp_group=self.info.tp_group)
+            tp_group=self.info.tp_group, log_mass=log_mass)
         return lp, entropy, log_mass
 
     def _snapshot(self) -> list[torch.Tensor]:
@@ -679,6 +679,13 @@ class GRPOTrainer:
             drop_truncated=g.truncated_responses == "drop")
         truncating = r.rollout_temperature > 0 and (r.rollout_top_k > 0 or r.rollout_top_p < 1.0 or r.rollout_min_p > 0)
         renormalise = truncating and (r.rollout_backend or default_backend()) == "sglang"
+
+        def score(batch):  # old log-probs, and log Z where SGLang's log-probs need it
+            if not renormalise:
+                return self._logprobs(self.model, batch, grad=False), None
+            lp, _, log_z = self._logprobs(self.model, batch, grad=False, extras=True, log_mass=True)
+            return lp, log_z
+
         out = []
         # sum |diff|, tokens compared, tokens out of the support, response tokens; max |diff|
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)
@@ -697,9 +704,9 @@ class GRPOTrainer:
                         response = torch.zeros(batch.input_ids.shape, dtype=torch.bool, device=self.device)
                         response[:, 1:] = batch.mask > 0  # input position t holds target t-1
                         with self.capture.record(self.model, response):
-                            old, _, log_mass = self._logprobs(self.model, batch, grad=False, extras=True)
+                            old, log_mass = score(batch)
                     else:
-                        old, _, log_mass = self._logprobs(self.model, batch, grad=False, extras=True)
+                        old, log_mass = score(batch)
                     ref = self._logprobs(self.ref, batch, grad=False) if self.ref is not None else None
                     on = batch.mask > 0  # [B, L-1]
                     inside = on & torch.isfinite(old)
