@@ -135,13 +135,19 @@ def logprob_mass(lp: torch.Tensor) -> torch.Tensor:
     the kernels vectorise); the chunk masses are then summed sequentially. NaN anywhere in a row makes
     its mass NaN.
     """
-    R, V = lp.shape
+    return _mass(spec_exp_reference(lp))
+
+
+def _mass(p: torch.Tensor) -> torch.Tensor:
+    """``logprob_mass`` of the probabilities ``p [R, V]`` (float32, already ``spec_exp``'d)."""
+    R, V = p.shape
     C = SAMPLE_CHUNK
     nC = -(-V // C)
     if nC == 0:
-        return torch.zeros(R, dtype=torch.float64, device=lp.device)
-    p = torch.nn.functional.pad(spec_exp_reference(lp).double(), (0, nC * C - V))  # zeros add nothing
-    lanes = torch.cumsum(p.view(R, nC, C // 8, 8), dim=2)[:, :, -1]  # [R, nC, 8] sequential per lane
+        return torch.zeros(R, dtype=torch.float64, device=p.device)
+    pd = torch.nn.functional.pad(p.double(), (0, nC * C - V))  # zeros add nothing
+    by_lane = pd.view(R, nC, C // 8, 8).transpose(2, 3).contiguous()  # [R, nC, 8, C/8]
+    lanes = torch.cumsum(by_lane, dim=-1)[..., -1]  # [R, nC, 8]: sequential per lane
     pairs = lanes[..., 0::2] + lanes[..., 1::2]  # [R, nC, 4]
     chunk = (pairs[..., 0] + pairs[..., 1]) + (pairs[..., 2] + pairs[..., 3])  # [R, nC]
     return torch.cumsum(chunk.contiguous(), dim=-1)[:, -1]
@@ -156,8 +162,11 @@ def _greedy_max_ok(p_max: torch.Tensor, V: int) -> torch.Tensor:
     return (p <= 1.0 + MASS_TOL) & (p * V >= 1.0 - MASS_TOL)  # False for NaN
 
 
-def _check_distributions(lp, x, valid, greedy, p_x, j) -> None:
-    """Raise for the first row whose checked positions are not log-probabilities (module docstring)."""
+def _check_distributions(lp, x, valid, greedy, p_x, j, p_emit) -> None:
+    """Raise for the first row whose checked positions are not log-probabilities (module docstring).
+
+    ``p_emit [Bs, V]``: ``spec_exp`` of the sampled rows' emission positions (the draw reuses it).
+    """
     B, K1, V = lp.shape
     k = K1 - 1
     # first bad position of each row among the chain's own checks (K1 = none)
@@ -175,7 +184,7 @@ def _check_distributions(lp, x, valid, greedy, p_x, j) -> None:
     bad_at_j = torch.zeros(B, dtype=torch.bool, device=lp.device)
     m = torch.zeros(B, dtype=torch.float64, device=lp.device)
     if s_rows.numel():
-        m[s_rows] = logprob_mass(lp[s_rows, j[s_rows]])  # [Bs]
+        m[s_rows] = _mass(p_emit)  # [Bs]
         bad_at_j[s_rows] = ~_mass_ok(m[s_rows])
     p_max = torch.zeros(B, dtype=torch.float32, device=lp.device)
     if g_rows.numel():
@@ -342,15 +351,16 @@ def verify_chain_reference(
     drafted = torch.zeros(B, dtype=torch.bool, device=device)
     if k:
         drafted = (j < k) & valid.gather(1, j.clamp(max=k - 1)[:, None])[:, 0]
-    _check_distributions(lp, x, valid, greedy, p_x, j)
+    s_rows = (~greedy).nonzero()[:, 0]
+    p_emit = spec_exp_reference(lp[s_rows, j[s_rows]]) if s_rows.numel() else None  # [Bs, V]
+    _check_distributions(lp, x, valid, greedy, p_x, j, p_emit)
 
     tok = torch.empty(B, dtype=torch.int64, device=device)
     if g_rows.numel():
         tok[g_rows] = lp[g_rows, j[g_rows]].argmax(dim=-1)
-    s_rows = (~greedy).nonzero()[:, 0]
     if s_rows.numel():
         js = j[s_rows]
-        p = spec_exp_reference(lp[s_rows, js])  # [Bs, V]
+        p = p_emit  # [Bs, V]
         q = None
         dr = drafted[s_rows]
         if bool(dr.any()):
