@@ -94,6 +94,11 @@ def verify_chain(
 
     Returns:
         :class:`VerifyResult` with ``tokens [B, k+1]``, ``num_accepted [B]``, ``logprobs [B, k+1]``.
+
+    Raises:
+        ValueError: ``target_logprobs`` are not log-probabilities where the chain reads them (raw
+            logits, NaN, a sampled row whose emission position does not sum to 1 within 1e-3:
+            ``megatron_spec/ops/verify_reference.py``, "Input checks"), or malformed arguments.
     """
     if target_logprobs.dim() != 3:
         raise ValueError(f"verify_chain: target_logprobs must be [B, k+1, V], got shape {tuple(target_logprobs.shape)}")
@@ -137,7 +142,8 @@ def sample_from_logprobs(
     """One token per row of ``logprobs [B, V]`` (autoregressive step): ``[B]`` int64.
 
     The same inverse-CDF draw the verifier uses for its bonus token (a chain with k = 0), so plain
-    and speculative decoding share one sampler. ``u [B]`` float64 in [0, 1), or a ``generator``.
+    and speculative decoding share one sampler, and the same input checks (each sampled row must sum
+    to 1 within 1e-3; greedy rows refuse NaN). ``u [B]`` float64 in [0, 1), or a ``generator``.
     """
     if logprobs.dim() != 2:
         raise ValueError(f"sample_from_logprobs: logprobs must be [B, V], got shape {tuple(logprobs.shape)}")

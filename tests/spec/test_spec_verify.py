@@ -223,3 +223,18 @@ def test_empty_batch_and_k_zero():
     lp = torch.log_softmax(torch.randn(4, 1, 7), -1)
     r = verify_chain(lp, torch.zeros(4, 0, dtype=torch.int64), generator=torch.Generator().manual_seed(0))
     assert r.tokens.shape == (4, 1) and (r.num_accepted == 0).all() and (r.tokens >= 0).all()
+
+
+def test_raw_logits_are_refused_by_the_public_api():
+    """Issue 18: logits passed where log-probs belong accepted nearly every draft before."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 3, 50, generator=g) * 3
+    x = torch.randint(0, 50, (4, 2), generator=g)
+    with pytest.raises(ValueError, match="not a log-probability|not normalised"):
+        verify_chain(logits, x, generator=g)
+    with pytest.raises(ValueError, match="not normalised"):
+        sample_from_logprobs(logits[:, 0], generator=g)
+    with pytest.raises(ValueError, match=r"contains NaN \(greedy row\)"):
+        sample_from_logprobs(torch.full((2, 5), float("nan")), torch.ones(2, dtype=torch.bool), generator=g)
+    lp = torch.log_softmax(logits, -1)
+    assert verify_chain(lp, x, generator=g).tokens.shape == (4, 3)
