@@ -152,7 +152,10 @@ class HistoryIndex:
 
     Bounded: at most ``max_prompts`` prompts (the one added to least recently leaves first), at most
     ``max_responses_per_prompt`` responses per prompt (the oldest leave first), and responses older
-    than ``max_age_steps`` steps leave at ``advance_step``.
+    than ``max_age_steps`` steps leave at ``advance_step``. Memory is 8 bytes per stored token
+    (``stats()["bytes"]``): at most ``max_prompts * max_responses_per_prompt`` responses (2 GiB of
+    1000-token responses at the defaults), in GRPO the prompts of the last ``max_age_steps + 1``
+    steps times their samples.
     """
 
     def __init__(self, *, max_responses_per_prompt: int = 64, max_prompts: int = 4096, max_age_steps: int = 4,
