@@ -129,12 +129,16 @@ class _Segment:
         text, sa, L = self.text, self.sa, len(pattern)
         i = bisect.bisect_left(sa, pattern, key=lambda s: text[s: s + L])
         best, start = 0, -1
-        for j in (i - 1, i):  # the longest common prefix is with a neighbour of the insertion point
+        # The longest common prefix is with a neighbour of the insertion point. sa[i - 1] sorts
+        # strictly below the pattern, so only sa[i] can match all of it: then it alone is the answer.
+        for j in (i, i - 1):
             if 0 <= j < len(sa):
                 s = sa[j]
                 m = _common_prefix(text, s, pattern, L)
                 if m > best or (m == best and m > 0 and s > start):  # of the two, the later response
                     best, start = m, s
+                if best == L:
+                    break
         return best, start
 
     def continuation(self, start: int, k: int) -> list[int]:
@@ -242,6 +246,8 @@ class HistoryIndex:
             m, s = seg.longest(pattern)
             if m > best:
                 best, best_seg, best_start = m, seg, s
+                if best == len(pattern):  # an older segment could only tie
+                    break
         if best < self.min_match:
             return []
         out = best_seg.continuation(best_start, k)

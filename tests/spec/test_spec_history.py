@@ -161,19 +161,23 @@ def test_propose_takes_microseconds():
                 h.add(f"p{p}", r, step=step)
                 t_add.append(time.perf_counter() - t0)
                 last[p] = r
-    contexts = [list(range(50)) + last[p][: rng.randrange(20, 480)] for p in range(16)]
-    times, hits = [], 0
-    for i in range(800):
-        p = i % 16
-        t0 = time.perf_counter()
-        out = h.propose(f"p{p}", contexts[p], 4)
-        times.append(time.perf_counter() - t0)
-        hits += bool(out)
-    med = statistics.median(times)
-    print(f"propose median {med * 1e6:.1f} us, add median {statistics.median(t_add) * 1e3:.2f} ms, "
-          f"{h.stats()}")
-    assert hits == 800
-    assert med < 1e-3  # microseconds: measured ~20-50 us on a loaded 2-core machine; 1 ms is the failure line
+    stored = [list(range(50)) + last[p][: rng.randrange(20, 480)] for p in range(16)]  # a stored prefix
+    diverged = [c[:-3] + [rng.randrange(32000)] + c[-2:] for c in stored]  # differs 3 tokens back
+    unseen = [c[:-2] + [32001, 32002] for c in stored]  # matches nothing
+    meds = {}
+    for name, contexts, hit in [("stored", stored, True), ("diverged", diverged, True), ("unseen", unseen, False)]:
+        times = []
+        for i in range(800):
+            p = i % 16
+            t0 = time.perf_counter()
+            out = h.propose(f"p{p}", contexts[p], 4)
+            times.append(time.perf_counter() - t0)
+            assert bool(out) == hit, (name, out)
+        meds[name] = statistics.median(times)
+    print(f"propose median us {({k: round(v * 1e6, 1) for k, v in meds.items()})}, add median "
+          f"{statistics.median(t_add) * 1e3:.2f} ms, {h.stats()}")
+    # microseconds: measured 6 / 25 / 18 us (stored / diverged / unseen) on the loaded 2-core machine
+    assert max(meds.values()) < 1e-3
 
 
 # ---------------------------------------------------------------------------------------------
