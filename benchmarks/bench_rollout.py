@@ -34,6 +34,21 @@ it, and gives a second, lower ceiling (``*_in_loop``) reported beside the first.
 pays only while v is close to 1 (memory-bound decode); on 2 CPU cores that regime ends at a
 small batch.
 
+Adaptive draft length (issue 18): ``eagle3_auto`` (``num_draft_tokens auto``, k_max the largest k
+measured) runs in the same rounds; ``adaptive_over_best_fixed`` is its paired ratio over the best
+fixed k in 0..k_max at that batch size (k = 0 is AR), ``adaptive_over_best_fixed_min`` the minimum
+over batch sizes.
+
+GRPO-shaped workload (``--grpo``): the demo task's prompts, 16 prompts x 8 samples through max
+batch 16, temperature 1, responses ending at EOS (varied lengths), every prompt seen once before
+(each measured call follows a priming call on the same prompts with another seed; the history
+index is emptied before the priming call, so "earlier rollouts" are exactly one step's). Configs,
+interleaved round by round: AR, EAGLE-3 k=3, EAGLE-3 auto, history alone (auto), EAGLE-3 + history
+(auto). Keys: ``adaptive_over_k3_grpo``, ``history_accept_length_grpo`` (1 + drafts accepted per
+history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3
+auto), ``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last one's, AR
+over combined). ``--sections`` limits the run to some of: main, grpo.
+
 Prints a table and, last, one JSON line with the ratios.
 """
 
@@ -104,14 +119,72 @@ def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int) 
     return paths
 
 
-def _server(paths, dtype: str, kind: str, k: int, batch: int, new_tokens: int):
+def _server(paths, dtype: str, kind: str, k, batch: int, new_tokens: int, **kw):
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
 
     draft = {"eagle3": paths["eagle3"], "model": paths["draft_model"]}.get(kind)
     return EngineServer(EngineConfig(model_path=paths["target"], draft_kind=kind, draft_path=draft,
                                      num_draft_tokens=k, dtype=dtype, max_batch_size=batch,
-                                     context_length=32 + new_tokens, num_threads=2))
+                                     context_length=32 + new_tokens, num_threads=2, **kw))
+
+
+def _reset_history(server) -> None:
+    """Empty the history index of a server's history drafter (main or beside), if it has one."""
+    for d in (server.core.drafter, server.core.history):
+        if d is not None and d.kind == "history":
+            d.reset()
+
+
+def tail_seconds(finish_times: list[float]) -> float:
+    """Time from the 90th-percentile sample's finish to the last one's."""
+    t = sorted(finish_times)
+    return t[-1] - t[max(0, -(-9 * len(t) // 10) - 1)]
+
+
+def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int) -> dict:
+    """The GRPO-shaped workload (module docstring); returns the keys and each config's numbers."""
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    prompts = task_prompts(tok, 16, seed=2718)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    reqs = [GenerateRequest(f"g{i}", p, sp, n=8) for i, p in enumerate(prompts)]
+    auto = dict(max_draft_tokens=5)
+    servers = {"ar": _server(paths, dtype, "none", 1, 16, new_tokens),
+               "eagle3_k3": _server(paths, dtype, "eagle3", 3, 16, new_tokens),
+               "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, **auto),
+               "history_auto": _server(paths, dtype, "history", "auto", 16, new_tokens, **auto),
+               "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True, **auto)}
+    for srv in servers.values():  # warm-up: oneDNN primitives, and the adaptive controllers' tables
+        _reset_history(srv)
+        srv.core.generate(reqs[:2], seed=99)
+    runs: dict = {name: [] for name in servers}
+    for r in range(rounds):
+        for name, srv in servers.items():
+            _reset_history(srv)
+            srv.core.generate(reqs, seed=1000 + r)  # the step before: the prompts' earlier rollouts
+            t0 = time.perf_counter()
+            finish: list[float] = []
+            _, st = srv.core.generate(reqs, lambda _s: finish.append(time.perf_counter() - t0), seed=r)
+            runs[name].append((st, tail_seconds(finish)))
+            print(f"[grpo] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {finish and tail_seconds(finish):.2f}s, "
+                  f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
+    del servers
+    stats = {n: [x[0] for x in v] for n, v in runs.items()}
+    tails = {n: [x[1] for x in v] for n, v in runs.items()}
+    hist_al = [st.source_accept_length("history") for st in stats["combined"]]
+    hist_al = [x for x in hist_al if x is not None]
+    return {
+        "adaptive_over_k3_grpo": paired_ratio(stats["eagle3_auto"], stats["eagle3_k3"]),
+        "history_accept_length_grpo": statistics.median(hist_al) if hist_al else None,
+        "history_alone_accept_length_grpo": statistics.median(st.spec_accept_length for st in stats["history_auto"]),
+        "combined_over_eagle3_grpo": paired_ratio(stats["combined"], stats["eagle3_auto"]),
+        "tail_speedup_grpo": statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"])),
+        "grpo_per_config": {n: {"tokens_per_s": max(st.tokens_per_s for st in v),
+                                "tail_s": statistics.median(tails[n]),
+                                "k_mean": v[-1].k_mean, "accept_length": v[-1].spec_accept_length}
+                            for n, v in stats.items()},
+    }
 
 
 def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -> dict:
@@ -275,6 +348,10 @@ def main() -> int:
     ap.add_argument("--steady-state-out", default=None,
                     help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)")
     ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
+    ap.add_argument("--sections", default="main,grpo", help="what to measure: main (the batch-size table), grpo")
+    ap.add_argument("--grpo-new-tokens", type=int, default=96)
+    ap.add_argument("--grpo-rounds", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
     args = ap.parse_args()
     torch.set_num_threads(2)
     paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
@@ -296,17 +373,28 @@ def main() -> int:
         if args.steady_only:
             return 0
     results: dict = {}
-    for dtype in dtypes:
+    best_fixed_name: dict = {}
+    sections = set(args.sections.split(","))
+    grpo = grpo_workload(paths, main_dtype, tok, args.grpo_new_tokens, args.grpo_rounds) if "grpo" in sections else {}
+    for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)
             row: dict = {}
             servers = {"ar": _server(paths, dtype, "none", 1, b, args.new_tokens)}
             servers.update({f"eagle3_k{k}": _server(paths, dtype, "eagle3", k, b, args.new_tokens) for k in ks})
+            servers["eagle3_auto"] = _server(paths, dtype, "eagle3", "auto", b, args.new_tokens, max_draft_tokens=max(ks))
             servers.update({kind: _server(paths, dtype, kind, 3, b, args.new_tokens) for kind in ("model", "ngram")})
             configs = {name: (srv, 0.0) for name, srv in servers.items()}
             configs["ar_sampling"] = (servers["ar"], 1.0)
             runs = run_interleaved(configs, prompts, args.new_tokens)
             k3_over_ar = paired_ratio(runs["eagle3_k3"], runs["ar"])
+            fixed = ["ar", *[f"eagle3_k{k}" for k in ks]]
+            best_fixed = max(fixed, key=lambda n: max(x.tokens_per_s for x in runs[n]))
+            row["adaptive_over_best_fixed"] = paired_ratio(runs["eagle3_auto"], runs[best_fixed])
+            row["k_mean_auto"] = runs["eagle3_auto"][-1].k_mean
+            best_fixed_name[f"{dtype}_b{b}"] = best_fixed
+            if "model" in runs:
+                row["model_k3_over_ar"] = paired_ratio(runs["model"], runs["ar"])
             for name, rounds in runs.items():
                 st = max(rounds, key=lambda x: x.tokens_per_s)
                 row[name] = st.tokens_per_s
@@ -317,8 +405,9 @@ def main() -> int:
             if "eagle3_k3" in servers:
                 row["v"], row["c"], row["c_in_loop"] = forward_costs(servers["eagle3_k3"], b, 3)
             del servers, configs, runs
-            row["hf_generate"] = hf_generate(paths["target"], dtype, prompts[:b], args.new_tokens)
-            if b == 1:
+            if not args.no_hf:
+                row["hf_generate"] = hf_generate(paths["target"], dtype, prompts[:b], args.new_tokens)
+            if b == 1 and not args.no_hf:
                 row["hf_assisted"] = hf_generate(paths["target"], dtype, prompts[:1], args.new_tokens,
                                                  assistant=paths["draft_model"])
             tau = row["accept_k3"]
@@ -331,7 +420,8 @@ def main() -> int:
             print(f"{dtype} B={b}: " + ", ".join(f"{k}={v:.3g}" for k, v in row.items()), file=sys.stderr, flush=True)
 
     # table
-    cols = ["ar", "ar_sampling", *[f"eagle3_k{k}" for k in ks], "model", "ngram", "hf_generate", "hf_assisted"]
+    cols = ["ar", "ar_sampling", *[f"eagle3_k{k}" for k in ks], "eagle3_auto", "model", "ngram", "hf_generate",
+            "hf_assisted"]
     print(f"{'config':<14}" + "".join(f"{c:>13}" for c in cols) + f"{'tau_k3':>8}{'v':>6}{'c':>6}{'ceil':>6}{'frac':>6}"
           + f"{'c_loop':>8}{'ceil_l':>8}{'frac_l':>8}")
     for key, row in results.items():
@@ -343,17 +433,29 @@ def main() -> int:
                                               for k, r in results.items()}))
     main_dtype = main_dtype if main_dtype in dtypes else dtypes[0]
     b1, b16 = results.get(f"{main_dtype}_b1"), results.get(f"{main_dtype}_b16")  # None: batch not measured
+    rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    mine = [r for k, r in results.items() if k.startswith(f"{main_dtype}_")]
     summary = {
-        "eagle3_k3_over_ar_b1": round(b1["eagle3_k3_over_ar"], 3) if b1 else None,
-        "accept_length_k3_b1": round(b1["accept_k3"], 3) if b1 else None,
-        "fraction_of_ceiling_k3_min": round(min(r["fraction_of_ceiling_k3"] for r in results.values()), 3),
-        "fraction_of_ceiling_k3_min_in_loop": round(min(r["fraction_of_ceiling_k3_in_loop"]
-                                                        for r in results.values()), 3),
-        "ar_over_hf_generate_b16": round(b16["ar_sampling"] / b16["hf_generate"], 3) if b16 else None,
-        "eagle3_k3_over_hf_assisted_b1": round(b1["eagle3_k3"] / b1["hf_assisted"], 3) if b1 else None,
+        "eagle3_k3_over_ar_b1": rnd(b1["eagle3_k3_over_ar"]) if b1 else None,
+        "accept_length_k3_b1": rnd(b1["accept_k3"]) if b1 else None,
+        "fraction_of_ceiling_k3_min": rnd(min(r["fraction_of_ceiling_k3"] for r in results.values())) if results
+        else None,
+        "fraction_of_ceiling_k3_min_in_loop": rnd(min(r["fraction_of_ceiling_k3_in_loop"] for r in results.values()))
+        if results else None,
+        "ar_over_hf_generate_b16": rnd(b16["ar_sampling"] / b16["hf_generate"]) if b16 and "hf_generate" in b16
+        else None,
+        "eagle3_k3_over_hf_assisted_b1": rnd(b1["eagle3_k3"] / b1["hf_assisted"]) if b1 and "hf_assisted" in b1
+        else None,
+        "adaptive_over_best_fixed_min": rnd(min(r["adaptive_over_best_fixed"] for r in mine)) if mine else None,
+        "best_fixed": best_fixed_name,
+        "adaptive_over_k3_grpo": rnd(grpo.get("adaptive_over_k3_grpo")),
+        "history_accept_length_grpo": rnd(grpo.get("history_accept_length_grpo")),
+        "combined_over_eagle3_grpo": rnd(grpo.get("combined_over_eagle3_grpo")),
+        "tail_speedup_grpo": rnd(grpo.get("tail_speedup_grpo")),
+        "grpo_per_config": {n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()},
         "dtype": main_dtype,
         "cpu_capability": probe().capability,
-        "per_config": {k: {a: round(v, 3) for a, v in r.items()} for k, r in results.items()},
+        "per_config": {k: {a: round(v, 3) for a, v in r.items() if v is not None} for k, r in results.items()},
     }
     print(json.dumps(summary))
     return 0

@@ -21,8 +21,10 @@ def test_cost_table_interpolates_and_extrapolates():
     t.update(8, 3.0)
     assert t.estimate(6) == pytest.approx(2.5)  # between the two
     assert t.estimate(12) == pytest.approx(4.0)  # slope of the two nearest
-    t.update(8, 4.0)  # EMA: 3 + 0.3 * (4 - 3)
-    assert t.estimate(8) == pytest.approx(3.3)
+    t.update(8, 4.0)  # slower: rises by ema_up, 3 + 0.2 * (4 - 3)
+    assert t.estimate(8) == pytest.approx(3.2)
+    t.update(8, 2.2)  # faster: falls by ema_down, 3.2 - 0.7 * (3.2 - 2.2)
+    assert t.estimate(8) == pytest.approx(2.5)
 
 
 def test_expected_tokens():

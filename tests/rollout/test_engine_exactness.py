@@ -65,14 +65,19 @@ def test_greedy_identical_to_transformers_and_engine_ar(setup, greedy_reference,
         assert stats.spec_steps > 0 and len(stats.accept_rate_per_position) == k
 
 
-@pytest.mark.parametrize("kind", ["ngram", "model", "eagle3"])
-def test_adaptive_k_greedy_identical_to_transformers(setup, greedy_reference, kind):
-    """num_draft_tokens auto: k changes step by step (0 included), the output never does."""
+@pytest.mark.parametrize("kind, history", [("ngram", False), ("model", False), ("eagle3", False),
+                                           ("history", False), ("model", True), ("eagle3", True)])
+def test_adaptive_k_greedy_identical_to_transformers(setup, greedy_reference, kind, history):
+    """num_draft_tokens auto: k changes step by step (0 included), the output never does; nor with
+    the history drafter alone or beside a drafter (the second call drafts from the first's responses)."""
     prompts, ref = greedy_reference
-    server = _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=4, max_batch_size=4)
+    server = _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=4, max_batch_size=4, history=history)
     reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40), n=1 + i % 2)
             for i, p in enumerate(prompts)]
+    server.generate(reqs)
     samples, stats = server.generate(reqs)
+    if kind == "history" or history:
+        assert stats.source_steps.get("history", 0) > 0, stats.source_steps
     for s in samples:
         assert s.output_ids == ref[int(s.request_id[1:])], (kind, s.request_id, s.sample_index)
         assert len(s.draft_lengths) == s.num_verify_steps - 1 and all(0 <= k <= 4 for k in s.draft_lengths)

@@ -75,3 +75,51 @@ def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k,
     assert summary["accept_rate_per_position"][0] > 0.0  # drafts were really verified, not bypassed
     if "auto" in draft:
         assert sum(1 for c in summary["k_hist"] if c) >= 2, summary["k_hist"]  # k really changed
+
+
+def exact_third(model_dir: str, temperature: float, top_k: int, top_p: float
+                ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
+    """p(t2, t3) and p(t3), summing the exact p(t1) p(t2 | t1) p(t3 | t1, t2) over t1 (and t2)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sampling = lambda b: SamplingTensors.from_values(temperature, top_k, top_p, 0.0, batch_size=b)  # noqa: E731
+    pair: dict[tuple[int, int], float] = {}
+    with torch.no_grad():
+        for (t1, t2), p12 in exact_joint(model_dir, temperature, top_k, top_p).items():
+            p3 = process_logits(hf(torch.tensor([PROMPT + [t1, t2]])).logits[:, -1], sampling(1)).exp()[0]
+            for t3 in (p3 > 0).nonzero()[:, 0].tolist():
+                pair[(t2, t3)] = pair.get((t2, t3), 0.0) + p12 * float(p3[t3])
+    third: dict[int, float] = {}
+    for (_, t3), p in pair.items():
+        third[t3] = third.get(t3, 0.0) + p
+    return pair, third
+
+
+def test_history_beside_eagle3_follows_the_target(setup, tmp_path):
+    """EAGLE-3 + the history drafter, adaptive k: every wave of 64 samples of the same prompt drafts
+    from the responses of the waves before (and of its finished siblings) wherever the controller
+    expects more from them; those rows are verified with a point-mass q, the others with the draft's q,
+    in the same step. The third token (the first one a history match of min_match 2 can draft) and the
+    pair (t2, t3) must follow the target."""
+    temperature, top_k, top_p = 0.7, 5, 0.9  # a peaked target: siblings repeat, the history is drafted from
+    prompts = tmp_path / "prompts.jsonl"
+    per_request = 64
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": PROMPT}) + "\n"
+                               for i in range(N // per_request)))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "megatron_spec", "generate", "--model", setup.target, "--draft-kind", "eagle3",
+           "--draft-path", setup.eagle3, "--num-draft-tokens", "auto", "--max-draft-tokens", "3", "--history",
+           "--prompts", str(prompts), "--n", str(per_request), "--temperature", str(temperature), "--top-k",
+           str(top_k), "--top-p", str(top_p), "--max-new-tokens", "4", "--ignore-eos", "--seed", "4321",
+           "--batch-size", "64", "--num-threads", "2", "--output", str(out), "--no-progress", "--dtype", "float32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["source_steps"].get("history", 0) > 100, summary  # the history really drafted
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == N
+    pair, third = exact_third(setup.target, temperature, top_k, top_p)
+    got_pair = Counter(tuple(r["output_ids"][1:3]) for r in rows)
+    got_third = Counter(r["output_ids"][2] for r in rows)
+    assert chi_square_pvalue(got_third, third) > 1e-3
+    assert chi_square_pvalue(got_pair, pair) > 1e-3
+    assert total_variation(got_pair, pair) < tv_bound(len(pair), N)

@@ -10,14 +10,18 @@ Speculation pays ``E(k) / T(B, k)`` tokens per second for a batch of B rows draf
 
 Both are measured online by the engine, nothing is tuned to one machine:
 
-* :class:`CostTable` keeps an exponential moving average of seconds per integer size (tokens of
-  a verify step; rows of a draft pass) and interpolates linearly between sizes it has seen
-  (extrapolating with the slope of the two nearest, never below zero slope). Steps that carried a
-  prompt's prefill are not recorded (their time is not the step's).
+* :class:`CostTable` keeps a moving average of seconds per integer size (tokens of a verify step;
+  rows of a draft pass) and interpolates linearly between sizes it has seen (extrapolating with
+  the slope of the two nearest, never below zero slope). The average falls fast and rises slowly
+  (``ema_down`` > ``ema_up``): interference from other processes and cold first calls only ever
+  make a step slower, and a size measured once in a slow moment would otherwise look expensive
+  until it is chosen again. Steps that carried a prompt's prefill are not recorded (their time is
+  not the step's).
 * :class:`AcceptanceStats` counts, per draft position, how often it was tried and accepted:
   per batch with a slow decay (so it follows the draft and the policy as they train) and per
   request (a row's own history, shrunk towards the batch's rate with ``prior_weight`` pseudo-steps:
-  a request with few steps gets the batch's rate, one with many its own).
+  a request with few steps gets the batch's rate, one with many its own). A source nobody has
+  tried yet starts optimistic (rate 1 with one pseudo-step), so it is tried and then judged.
 
 :class:`DraftLengthController` picks ``argmax_k sum_b E_b(k) / T(B, k)`` over ``k_min..k_max``;
 every ``explore_every``-th step it tries a neighbour of the best k instead (alternately above and
@@ -35,10 +39,10 @@ from collections.abc import Sequence
 
 
 class CostTable:
-    """Seconds per integer size, an EMA per size, linear interpolation between sizes."""
+    """Seconds per integer size, an asymmetric EMA per size, linear interpolation between sizes."""
 
-    def __init__(self, ema: float = 0.3, max_sizes: int = 512):
-        self.ema = ema
+    def __init__(self, ema_up: float = 0.2, ema_down: float = 0.7, max_sizes: int = 512):
+        self.ema_up, self.ema_down = ema_up, ema_down
         self.max_sizes = max_sizes
         self.sizes: list[int] = []
         self.seconds: dict[int, float] = {}
@@ -47,7 +51,8 @@ class CostTable:
         if seconds <= 0:
             return
         if size in self.seconds:
-            self.seconds[size] += self.ema * (seconds - self.seconds[size])
+            old = self.seconds[size]
+            self.seconds[size] += (self.ema_down if seconds < old else self.ema_up) * (seconds - old)
             return
         if len(self.sizes) >= self.max_sizes:  # bounded: forget the size farthest from this one
             far = max(self.sizes, key=lambda s: abs(s - size))
@@ -152,7 +157,7 @@ class DraftLengthController:
     def row_alpha(self, source: str, row: AcceptanceStats | None) -> list[float]:
         """Acceptance per position of one row's drafts from ``source``: the row's own counts
         shrunk towards the batch's (``row_prior_weight`` pseudo-steps)."""
-        base = self.source(source).rates()
+        base = self.source(source).rates(first_prior=1.0)  # optimistic: an untried source gets tried
         return base if row is None else row.rates(prior=base, prior_weight=self.row_prior_weight)
 
     def record_accept(self, source: str, row: AcceptanceStats | None, k: int, num_accepted: int) -> None:

@@ -392,7 +392,7 @@ class EngineCore:
         # the main drafter's own drafts were accepted only on its rows (a ModelDrafter keeps their entries)
         self.drafter.commit(emitted, [0 if u else a for a, u in zip(accepted, use_hist)], aux)
         lps = tok_lp.tolist()
-        for r, em, a, l_, u, dr in zip(rows, emitted, accepted, lps, use_hist, drafts.tolist()):
+        for i, (r, em, a, l_, u, dr) in enumerate(zip(rows, emitted, accepted, lps, use_hist, drafts.tolist())):
             r.verify_steps += 1
             src = "history" if u else main
             proposed = sum(1 for t_ in dr if t_ >= 0)
@@ -404,6 +404,8 @@ class EngineCore:
                 stats.add_spec_step(a, self.k, source=src)
                 if self.controller is not None and proposed > 0:
                     self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k)), proposed, a)
+            if hist is not None and hist[i] and not u:
+                self._record_unused_history(r, hist[i], em)
             for j, t_ in enumerate(em):
                 if r.emit(t_, l_[j]):
                     break
@@ -411,6 +413,19 @@ class EngineCore:
             self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_draft, prefill=adm is not None)
         if adm is not None:
             self._start(adm, rows, *pre)
+
+    def _record_unused_history(self, row: _Row, proposal: list[int], emitted: list[int]) -> None:
+        """Acceptance of a history proposal the row did not use, from what the row emitted: a point-mass
+        draft x is accepted with probability p(x), the probability that the target's own token is x,
+        so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
+        of acceptance at position j. Positions past the emitted tokens are not observed. Without this,
+        the history would only be judged on the rows where the main drafter looked weak (a biased
+        sample) and, once judged badly there, never chosen again."""
+        n = min(len(proposal), len(emitted))
+        m = 0
+        while m < n and proposal[m] == emitted[m]:
+            m += 1
+        self.controller.record_accept("history", row.acc.setdefault("history", AcceptanceStats(self.k)), n, m)
 
     def _choose(self, rows: list[_Row], hist: list[list[int]] | None) -> tuple[int, list[bool]]:
         """The step's k and, per row, whether it drafts from the history (the source expected to
