@@ -352,6 +352,7 @@ def main() -> int:
     ap.add_argument("--grpo-new-tokens", type=int, default=96)
     ap.add_argument("--grpo-rounds", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
+    ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds of the batch-size table")
     args = ap.parse_args()
     torch.set_num_threads(2)
     paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
@@ -386,7 +387,7 @@ def main() -> int:
             servers.update({kind: _server(paths, dtype, kind, 3, b, args.new_tokens) for kind in ("model", "ngram")})
             configs = {name: (srv, 0.0) for name, srv in servers.items()}
             configs["ar_sampling"] = (servers["ar"], 1.0)
-            runs = run_interleaved(configs, prompts, args.new_tokens)
+            runs = run_interleaved(configs, prompts, args.new_tokens, repeats=args.rounds)
             k3_over_ar = paired_ratio(runs["eagle3_k3"], runs["ar"])
             fixed = ["ar", *[f"eagle3_k{k}" for k in ks]]
             best_fixed = max(fixed, key=lambda n: max(x.tokens_per_s for x in runs[n]))
