@@ -62,7 +62,8 @@ def test_untouched_group():
 def test_watchdog_warns_once_then_keeps_advising(caplog):
     wd = AcceptanceWatchdog(window=3, fallback=False)
     with caplog.at_level(logging.WARNING, logger="megatron_spec.sync.watchdog"):
-        actions = [wd.observe(a) for a in (2.4, 1.02, 1.0, 1.05, 1.0, 1.01)]
+        # 1.08 after 1.25 is not sudden (gain 0.08 > a quarter of 0.25): the window of 3 applies
+        actions = [wd.observe(a) for a in (1.25, 1.08, 1.0, 1.05, 1.0, 1.01)]
     assert actions == [Action.OK, Action.OK, Action.OK, Action.WARN, Action.WARN, Action.WARN]
     assert sum("acceptance collapsed" in r.message for r in caplog.records) == 1
     assert wd.observe(1.9) is Action.OK and wd.streak == 0  # one healthy step resets it
@@ -78,3 +79,35 @@ def test_watchdog_fallback_and_arguments():
         AcceptanceWatchdog(threshold=0.5)
     with pytest.raises(ValueError, match="must be a number"):
         wd.observe(float("nan"))
+
+
+def test_watchdog_falls_back_at_once_on_a_sudden_collapse(caplog):
+    wd = AcceptanceWatchdog(window=3, fallback=True)
+    with caplog.at_level(logging.WARNING, logger="megatron_spec.sync.watchdog"):
+        actions = [wd.observe(a) for a in (3.6, 3.5, 3.62, 1.03, 1.0, 1.0)]
+    # healthy gain ~2.57 tokens; 0.03 is below a quarter of it: the first collapsed step acts
+    assert actions == [Action.OK] * 3 + [Action.FALLBACK] * 3
+    assert sum("fell to 1.030 from 3.573" in r.message for r in caplog.records) == 1
+    assert wd.observe(2.0) is Action.OK and wd.streak == 0 and not wd.tripped
+    # without fallback the same collapse warns on its first step
+    warn = AcceptanceWatchdog(window=3)
+    assert [warn.observe(a) for a in (2.2, 1.0)] == [Action.OK, Action.WARN]
+
+
+def test_watchdog_keeps_its_window_for_slow_decay():
+    wd = AcceptanceWatchdog(window=3, fallback=True)
+    # a gradual fall: the first collapsed step (1.09, gain 0.09) is above a quarter of the recent
+    # healthy gain (mean of 1.45, 1.3, 1.18 -> 0.31; a quarter 0.078): not sudden, the window applies
+    decay = (1.6, 1.45, 1.3, 1.18, 1.09, 1.06, 1.04, 1.03)
+    assert [wd.observe(a) for a in decay] == [Action.OK] * 6 + [Action.FALLBACK] * 2
+    # no healthy step seen yet (a draft that never worked): the window applies too
+    cold = AcceptanceWatchdog(window=3, fallback=True)
+    assert [cold.observe(a) for a in (1.0, 1.0, 1.0)] == [Action.OK, Action.OK, Action.FALLBACK]
+    # a single noisy dip that is not a collapse to ~1 never acts, however steep
+    noisy = AcceptanceWatchdog(window=3, fallback=True)
+    assert [noisy.observe(a) for a in (3.6, 1.2, 3.5)] == [Action.OK] * 3
+    # the immediate path can be switched off: windowed only
+    windowed = AcceptanceWatchdog(window=2, fallback=True, sudden_fraction=-1)
+    assert [windowed.observe(a) for a in (3.6, 1.0, 1.0)] == [Action.OK, Action.OK, Action.FALLBACK]
+    with pytest.raises(ValueError, match="sudden_fraction must be < 1"):
+        AcceptanceWatchdog(sudden_fraction=1.0)
