@@ -22,7 +22,7 @@ t0=$(date +%s)
 if [ ! -f "$RUN/base/config.json" ]; then
   python launch/sft_base.py --out "$RUN/base" --data "$TASK/$MODULE/train-easy.jsonl" \
       --eval-data "$TASK/$MODULE/interpolate.jsonl" --prompt-key question --reward math --max-new-tokens 8 \
-      --steps "${SFT_STEPS:-150}" --hidden-size 128 --intermediate-size 384 --num-layers 4 \
+      --steps "${SFT_STEPS:-300}" --hidden-size 128 --intermediate-size 384 --num-layers 4 \
       --num-attention-heads 4 --num-kv-heads 2 --eval-prompts 200
 fi
 rm -rf "$RUN/grpo"
