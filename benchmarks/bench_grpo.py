@@ -54,6 +54,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(ap, steps=12, port=29611)
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--rollout-num-engines", type=int, default=None,
+                    help="engines for both runs; above 1, the speculative run is repeated with one engine on the "
+                         "same ranks and the generation times per step are reported side by side")
     args = ap.parse_args()
     args.base, args.draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
                                           tag="bench_grpo")
@@ -61,10 +64,15 @@ def main() -> int:
     from megatron_spec.telemetry import start_end_means
 
     runs = {}
-    for name, kind in (("spec", "eagle3"), ("ar", "none")):
+    engines = args.rollout_num_engines
+    plan = [("spec", "eagle3", engines), ("ar", "none", engines)]
+    if engines and engines > 1:
+        plan.append(("spec_engines1", "eagle3", 1))
+    for name, kind, n in plan:
         run_dir = os.path.join(args.work_dir, name)
         cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft, config=args.config,
-                       nproc=args.nproc, port=args.port)
+                       nproc=args.nproc, port=args.port,
+                       extra=() if n is None else ("--rollout-num-engines", str(n)))
         runs[name] = run_grpo(cmd, run_dir, "bench_grpo")
     import yaml
 
@@ -86,10 +94,10 @@ def main() -> int:
     from megatron_spec.rl.report import write_report
 
     write_report(os.path.join(args.work_dir, "spec"), os.path.join(args.work_dir, "ar"))
-    print(f"{'':<8}{'gen s':>8}{'step s':>8}{'accept':>8}{'reward start->end':>20}")
+    print(f"{'':<14}{'gen s':>8}{'step s':>8}{'accept':>8}{'reward start->end':>20}")
     reward = {name: start_end_means(rows, "reward/mean")[:2] for name, rows in runs.items()}
     for name, rows in runs.items():
-        print(f"{name:<8}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
+        print(f"{name:<14}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
               f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
               "{:>10.3f} -> {:.3f}".format(*reward[name]))
     summary = {
@@ -104,6 +112,17 @@ def main() -> int:
         "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),
         "steps": args.steps, "dtype": dtype, "cpu_capability": probe().capability, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
+    if "spec_engines1" in runs:  # the same ranks, N engines against one (on 2 CPU cores: the mechanism)
+        one = runs["spec_engines1"][1:]
+        summary.update({
+            "rollout_num_engines": engines, "nproc": args.nproc,
+            "gen_s_per_step_engines": round(gen_s, 3),
+            "gen_s_per_step_engines1": round(mean([r["time/gen"] for r in one]), 3),
+            "engines_gen_speedup": round(mean([r["time/gen"] for r in one]) / gen_s, 3),
+            "engines_imbalance": round(mean([r["rollout/imbalance"] for r in spec]), 3),
+            "engine_samples_per_step": [round(mean([r[f"rollout/engine{e}/samples"] for r in spec]), 2)
+                                        for e in range(engines)],
+        })
     print(json.dumps(summary))
     return 0
 

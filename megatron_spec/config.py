@@ -87,7 +87,9 @@ class RolloutConfig:
     rollout_min_p: float = _f(0.0, "min-p sampling (0 = off)")
     rollout_num_threads: int = _f(None, "torch threads in the native engine process")
     rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
-    async_policy_lag: int = _f(0, "generate up to L steps ahead of training (0 = synchronous)")
+    async_policy_lag: int = _f(0, "policy lag L: the engines generate the next batch while the trainer trains this "
+                                  "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "
+                                  "so L=1 gives all the overlap and L>1 only older weights (0 = synchronous)")
     rollout_release_memory: bool = _f(True, "release engine memory (KV cache, weights) while the trainer trains")
     rollout_mem_fraction_static: float = _f(None, "SGLang's mem_fraction_static: the share of GPU memory its weights "
                                                    "and KV cache take while it generates (default: SGLang's choice, "

@@ -4,8 +4,11 @@
 fail the given time it is reached: ``kill_in_save`` SIGKILLs the trainer after its rank file
 of the checkpoint for step N is written and before the checkpoint is complete;
 ``engine_exit_at_generate`` makes the engine process exit abruptly at its N-th generate call
-(``engine<E>_exit_at_generate``: only engine E of a job of several, ``--rollout-num-engines``);
-``nan_loss`` turns the GRPO loss of step N into NaN. Each fires once per run when
+(``engine<E>_exit_at_generate``: only engine E of a job of several, ``--rollout-num-engines``;
+``engine<E>_stall_at_generate`` makes it hang there instead);
+``nan_loss`` turns the GRPO loss of step N into NaN; ``corrupt_draft`` replaces the online-trained
+draft's weights by large random ones right after its update of step N (:func:`corrupt_weights`:
+the next step's rollouts draft garbage, the acceptance watchdog's test). Each fires once per run when
 ``MEGATRON_SPEC_FAULTS_DIR`` is set (a marker file there records that it fired).
 
 Real failures come without warning; these points exist so tests can show what the run does
@@ -43,3 +46,18 @@ def should_fire(point: str, count: int) -> bool:
 
 def kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def corrupt_weights(module, seed: int = 0) -> None:
+    """Overwrite every floating parameter of ``module`` in place with Gaussian noise of the same
+    root-mean-square (a fixed seed: the same garbage on every rank): a draft update gone wrong. The
+    magnitudes stay those of a trained model (finite logits), but the function is random, so the
+    draft proposes tokens unrelated to the target's and nearly every draft is rejected."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.is_floating_point():
+                rms = float(p.detach().float().pow(2).mean().sqrt())
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(rms or 1.0).to(p.dtype))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,6 +61,9 @@ class NativeEngine:
         child.close()
         self._ids = itertools.count()
         self._closed = False
+        # one call at a time over the pipe: a second thread's call (e.g. a speculation switch while
+        # an async generate is in flight) waits for the first instead of reading its reply
+        self._lock = threading.RLock()
         self.info: dict[str, Any] = self._wait_ready(config.startup_timeout_s)
 
     # ------------------------------------------------------------------ plumbing
@@ -101,6 +105,11 @@ class NativeEngine:
 
     def _call(self, method: str, *args, timeout: float | None = None,
               on_progress: Callable[[int], None] | None = None, **kwargs):
+        with self._lock:
+            return self._call_locked(method, *args, timeout=timeout, on_progress=on_progress, **kwargs)
+
+    def _call_locked(self, method: str, *args, timeout: float | None = None,
+                     on_progress: Callable[[int], None] | None = None, **kwargs):
         if self._closed:
             raise EngineError(f"native engine is shut down (call {method})")
         call_id = next(self._ids)

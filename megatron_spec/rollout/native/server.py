@@ -166,6 +166,8 @@ class EngineServer:
         if faults.should_fire("engine_exit_at_generate", self._generate_calls) or \
                 faults.should_fire(f"engine{self.config.engine_index}_exit_at_generate", self._generate_calls):
             os._exit(3)
+        if faults.should_fire(f"engine{self.config.engine_index}_stall_at_generate", self._generate_calls):
+            time.sleep(600)  # a generation that never ends (for the trainer's wait timeout)
         self.core.weight_version = self.versions["target"]
         self.core.draft_weight_version = self.versions["draft"]
         done = [0]
