@@ -111,3 +111,30 @@ def test_watchdog_keeps_its_window_for_slow_decay():
     assert [windowed.observe(a) for a in (3.6, 1.0, 1.0)] == [Action.OK, Action.OK, Action.FALLBACK]
     with pytest.raises(ValueError, match="sudden_fraction must be < 1"):
         AcceptanceWatchdog(sudden_fraction=1.0)
+
+
+@pytest.mark.dist
+def test_corrupted_draft_update_falls_back_within_one_step(setup, tmp_path):
+    """In the GRPO loop: the online draft's update of step 2 is corrupted (``corrupt_draft=2``);
+    step 3 drafts with it and its acceptance collapses, the watchdog (window 3) says fallback on
+    step 3's row, and step 4 decodes without drafts."""
+    from tests.rl.test_grpo_e2e import grpo, metrics
+
+    run = tmp_path / "run"
+    grpo(setup, run, "--train-iters", "4", "--rollout-temperature", "0", "--rollout-dtype", "float32",
+         "--rollout-max-new-tokens", "24", "--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3,
+         "--spec-online-draft-training", "--spec-watchdog-steps", "3", "--spec-watchdog-fallback",
+         env={"MEGATRON_SPEC_FAULTS": "corrupt_draft=2", "MEGATRON_SPEC_FAULTS_DIR": str(tmp_path)})
+    m = metrics(run)
+    assert [r["step"] for r in m] == [1, 2, 3, 4]
+    # steps 1-2: the ModelOpt draft (then its online updates) works, greedy
+    assert all(r["spec/accept_length"] > 1.3 and r["spec/watchdog"] == "ok" for r in m[:2]), m[:2]
+    # step 3 drafts with the corrupted update: acceptance collapses, the watchdog acts on this row
+    # although its window is 3 steps (a sudden collapse)
+    assert m[2]["spec/accept_length"] < 1.05 and m[2]["spec/num_draft_tokens"] == 3, m[2]
+    assert m[2]["spec/watchdog"] == "fallback"
+    # step 4 decodes without drafts: no speculative verify step at all
+    assert m[3]["spec/accept_length"] == 1.0 and m[3]["spec/tokens_per_verify"] == 1.0, m[3]
+    assert m[3]["spec/num_draft_tokens"] == 0 and "spec/accept_rate_pos0" not in m[3] and "spec/k_mean" not in m[3]
+    assert m[3]["spec/watchdog"] == "fallback"
+    assert (tmp_path / "fired-corrupt_draft").exists()
