@@ -7,8 +7,14 @@ Writes into ``RUN_DIR/report/``:
 * ``stage_times.png``: stacked stage times per step (data, prepare, gen, reward, logprob, train);
 * ``step_time.png``: step time of this run and, with a baseline run (same job with
   ``--spec-draft-kind none``), the autoregressive step time beside it;
+* ``acceptance_compare.png`` (with ``compare_dir``, ``megatron-spec report RUN --compare OTHER``):
+  the acceptance length per step of this run and of another speculative run of the same job
+  on one figure, e.g. online draft training against the frozen ModelOpt draft
+  (benchmarks/bench_draft_drift.py); the top panel on the full 1 .. k+1 scale, the bottom one
+  zoomed with 10-step running means; watchdog fallbacks marked;
 * ``summary.md``: start/end reward, acceptance, mean stage times, speedups against the
-  baseline, train/rollout mismatch, weight-sync bytes and seconds, memory.
+  baseline, train/rollout mismatch, weight-sync bytes and seconds, memory, and with
+  ``compare_dir`` both runs' acceptance over the first and last fifth of the steps.
 
 Reads metrics only; it knows nothing about models.
 """
@@ -31,7 +37,11 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str]:
+def write_report(run_dir: str, baseline_dir: str | None = None, compare_dir: str | None = None,
+                 labels: Sequence[str] | None = None) -> dict[str, str]:
+    """Plots and summary into ``run_dir/report``. ``baseline_dir``: the same job without speculation
+    (step time); ``compare_dir``: another speculative run (acceptance per step on one figure),
+    ``labels`` = (this run's, the other's) legend names (default: from the runs, :func:`run_label`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,6 +54,11 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
     if not rows:
         raise ValueError(f"{metrics_path} has no step records")
     base = read_metrics(os.path.join(baseline_dir, "metrics.jsonl")) if baseline_dir else None
+    other = _read_run(compare_dir) if compare_dir else None
+    if other is not None:
+        labels = tuple(labels) if labels else _distinct_labels(run_dir, rows, compare_dir, other)
+        if len(labels) != 2:
+            raise ValueError(f"labels names the two compared runs, got {len(labels)}: {labels}")
     out_dir = os.path.join(run_dir, "report")
     os.makedirs(out_dir, exist_ok=True)
     steps = [int(r["step"]) for r in rows]
@@ -97,6 +112,16 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
     fig.savefig(files["step_time"], dpi=110)
     plt.close(fig)
 
+    compare_lines = []
+    if other is not None:
+        runs = {labels[0]: rows, labels[1]: other}
+        fig = compare_acceptance_figure(runs)
+        files["acceptance_compare"] = os.path.join(out_dir, "acceptance_compare.png")
+        fig.savefig(files["acceptance_compare"], dpi=110)
+        plt.close(fig)
+        compare_lines = ["", f"## Acceptance length per step: {labels[0]} vs {labels[1]} "
+                             f"({os.path.abspath(compare_dir)})", "", *acceptance_table(runs)]
+
     first, last = rows[0], rows[-1]
     reward_start, reward_end, k = start_end_means(rows, "reward/mean")
     lines = [f"# GRPO run report: {os.path.abspath(run_dir)}", "",
@@ -121,6 +146,7 @@ def write_report(run_dir: str, baseline_dir: str | None = None) -> dict[str, str
         step_s, step_b = _mean(_col(rows, "time/step")), _mean(_col(base, "time/step"))
         lines += ["", f"- against the baseline {os.path.abspath(baseline_dir)}: generation {gen_b / gen_s:.2f}x, "
                       f"step {step_b / step_s:.2f}x"]
+    lines += compare_lines
     lines += ["", "Plots: " + ", ".join(f"[{name}]({os.path.basename(p)})" for name, p in files.items())]
     files["summary"] = os.path.join(out_dir, "summary.md")
     with open(files["summary"], "w") as f:
@@ -154,6 +180,97 @@ def acceptance_figure(rows: Sequence[dict[str, Any]]):
     lines, labels = (a + b for a, b in zip(ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()))
     fig.legend(lines, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 3), frameon=False)
     return fig
+
+
+def _read_run(run_dir: str) -> list[dict[str, Any]]:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
+    rows = read_metrics(path)
+    if not rows:
+        raise ValueError(f"{path} has no step records")
+    return rows
+
+
+def run_label(rows: Sequence[dict[str, Any]]) -> str:
+    """What kind of draft a run used, from its metrics: ``online draft`` (the draft trained in the
+    loop: ``draft/step`` logged), ``no speculation`` (no draft tokens ever), else ``frozen draft``."""
+    if any(r.get("draft/step") is not None for r in rows):
+        return "online draft"
+    if all(not r.get("spec/num_draft_tokens") for r in rows):
+        return "no speculation"
+    return "frozen draft"
+
+
+def _distinct_labels(dir_a: str, rows_a, dir_b: str, rows_b) -> tuple[str, str]:
+    a, b = run_label(rows_a), run_label(rows_b)
+    if a == b:  # two runs of the same kind: name them by their directories too
+        a, b = (f"{a} ({os.path.basename(os.path.normpath(d))})" for d in (dir_a, dir_b))
+    return a, b
+
+
+def _running_mean(xs: Sequence[float], n: int) -> list[float]:
+    out = []
+    for i in range(len(xs)):
+        out.append(_mean(xs[max(0, i - n + 1): i + 1]))
+    return out
+
+
+def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: str | None = None, smooth: int = 10):
+    """Acceptance length per step of several runs on one figure: top, the full scale 1 .. k+1 (so
+    that noise reads as noise); bottom, zoomed to the data with ``smooth``-step running means
+    (dotted: each run's raw curve is the top panel's). An online run's held-out expected
+    acceptance (``draft/heldout_tau``) is drawn dashed; steps where the acceptance watchdog said
+    ``fallback`` are marked with an x at the bottom of the top panel."""
+    import matplotlib.pyplot as plt
+
+    fig, (top, zoom) = plt.subplots(2, 1, figsize=(7.5, 6.2), sharex=True, layout="constrained",
+                                    gridspec_kw={"height_ratios": [1, 1.2]})
+    k, values = 1, []
+    for i, (name, rows) in enumerate(runs.items()):
+        color = f"C{i}"
+        steps = [int(r["step"]) for r in rows]
+        accept = _col(rows, "spec/accept_length")
+        values += [a for a in accept if a == a]
+        k = max([k] + [int(r["spec/num_draft_tokens"]) for r in rows if r.get("spec/num_draft_tokens")])
+        top.plot(steps, accept, color=color, lw=1.2, label=name)
+        zoom.plot(steps, accept, color=color, lw=0.6, alpha=0.45)
+        zoom.plot(steps, _running_mean(accept, smooth), color=color, lw=2.0,
+                  label=f"{name}: {smooth}-step running mean")
+        tau = [(int(r["step"]), r["draft/heldout_tau"]) for r in rows if r.get("draft/heldout_tau") is not None]
+        if tau:
+            zoom.plot(*zip(*tau), color=color, ls="--", lw=0.9, label=f"{name}: held-out expected tau")
+        fallback = [int(r["step"]) for r in rows if r.get("spec/watchdog") == "fallback"]
+        if fallback:
+            top.plot(fallback, [1.0] * len(fallback), "x", color=color, clip_on=False,
+                     label=f"{name}: watchdog fallback")
+    high = max([k + 1.0] + values)
+    top.set(ylabel="accept length", ylim=(1, high + 0.02 * (high - 1)),
+            title=title or "Acceptance length per GRPO step (tokens per verify step)")
+    top.legend(fontsize=8, loc="lower right")
+    top.grid(alpha=0.3)
+    if values:
+        lo, hi = min(values), max(values)
+        pad = 0.05 * (hi - lo or 1.0)
+        zoom.set_ylim(lo - pad, hi + pad)
+    zoom.set(xlabel="GRPO step", ylabel="accept length (zoomed)")
+    zoom.grid(alpha=0.3)
+    zoom.legend(fontsize=7, loc="lower left", ncol=2)
+    return fig
+
+
+def acceptance_table(runs: dict[str, Sequence[dict[str, Any]]]) -> list[str]:
+    """Markdown table: each run's acceptance length over the first and last fifth of its steps,
+    its mean and minimum, and the last fifth against the first run's."""
+    lines = ["| run | steps | first fifth | last fifth | mean | min | last fifth / first run's |", "|---|---|---|---|---|---|---|"]
+    ref = None
+    for name, rows in runs.items():
+        first, last, n = start_end_means(rows, "spec/accept_length")
+        accept = [a for a in _col(rows, "spec/accept_length") if a == a]
+        ref = last if ref is None else ref
+        lines.append(f"| {name} | {len(rows)} | {first:.3f} | {last:.3f} | {_mean(accept):.3f} | "
+                     f"{min(accept) if accept else float('nan'):.3f} | {last / ref:.3f} |")
+    return lines
 
 
 def _batch_note(run_dir: str) -> str:

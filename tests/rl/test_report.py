@@ -80,3 +80,63 @@ def test_acceptance_axis_starts_at_one_and_the_legend_is_off_the_lines():
             "accept length (tokens / verify)", "P(draft 1 accepted)", "P(draft 2 accepted)", "P(draft 3 accepted)"]
     finally:
         plt.close(fig)
+
+
+def _write_run(path, rows):
+    path.mkdir()
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_compare_plots_two_speculative_runs_on_one_figure(tmp_path):
+    # online: 3.5 rising to 3.7 over 100 steps, draft trained (draft/step); frozen: 3.6 falling to 3.5
+    online = [_row(s, **{"spec/accept_length": 3.5 + 0.002 * s, "draft/step": float(s),
+                         "draft/heldout_tau": 3.5 + 0.002 * s}) for s in range(1, 101)]
+    frozen = [_row(s, **{"spec/accept_length": 3.6 - 0.001 * s}) for s in range(1, 101)]
+    for r in frozen:
+        r.pop("draft/loss")
+    frozen[-1].update({"spec/accept_length": 1.0, "spec/watchdog": "fallback"})
+    a, b = _write_run(tmp_path / "online", online), _write_run(tmp_path / "frozen", frozen)
+    files = write_report(a, compare_dir=b)
+    data = open(files["acceptance_compare"], "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    summary = open(files["summary"]).read()
+    # fifths of 100 steps: 20 each; online first = 3.5 + 0.002 * 10.5, last = 3.5 + 0.002 * 90.5
+    assert "## Acceptance length per step: online draft vs frozen draft" in summary
+    assert "| online draft | 100 | 3.521 | 3.681 | 3.601 | 3.502 | 1.000 |" in summary
+    frozen_last = (sum(3.6 - 0.001 * s for s in range(81, 100)) + 1.0) / 20
+    assert f"| frozen draft | 100 | 3.590 | {frozen_last:.3f} |" in summary
+    assert f"| {frozen_last / 3.681:.3f} |" in summary
+    # the figure: both runs, the held-out tau, the fallback marker; full scale on top
+    from megatron_spec.rl.report import compare_acceptance_figure
+
+    fig = compare_acceptance_figure({"online draft": online, "frozen draft": frozen})
+    top, zoom = fig.axes
+    assert top.get_ylim()[0] == 1.0 and 4.0 <= top.get_ylim()[1] < 4.2
+    assert [t.get_text() for t in top.get_legend().get_texts()] == [
+        "online draft", "frozen draft", "frozen draft: watchdog fallback"]
+    assert "online draft: held-out expected tau" in [t.get_text() for t in zoom.get_legend().get_texts()]
+    # the same kind twice: named by directory; explicit labels win; bad input is named
+    files = write_report(b, compare_dir=b)
+    assert "frozen draft (frozen) vs frozen draft (frozen)" in open(files["summary"]).read()
+    files = write_report(a, compare_dir=b, labels=("lr 3e-4", "ModelOpt"))
+    assert "| lr 3e-4 | 100 |" in open(files["summary"]).read()
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        write_report(a, compare_dir=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="labels names the two compared runs"):
+        write_report(a, compare_dir=b, labels=("one",))
+
+
+def test_report_command_compare_flags(tmp_path, capsys):
+    from megatron_spec.commands import report as cmd
+
+    a = _write_run(tmp_path / "a", [_row(s, **{"draft/step": float(s)}) for s in range(1, 6)])
+    b = _write_run(tmp_path / "b", [_row(s) for s in range(1, 6)])
+    import argparse
+
+    p = argparse.ArgumentParser()
+    cmd.add_arguments(p)
+    assert cmd.run(p.parse_args([a, "--compare", b, "--labels", "online,frozen"])) == 0
+    assert "acceptance_compare:" in capsys.readouterr().out
+    assert cmd.run(p.parse_args([a, "--labels", "online,frozen"])) == 2
+    assert "--labels takes two names, THIS,OTHER, and needs --compare" in capsys.readouterr().err
