@@ -10,7 +10,9 @@ same prompts; the policies are updated by the same GRPO recipe, so they differ o
 the draft and through the sampled tokens.
 
 Prints the acceptance length (tokens per verify step) of every step for both runs, writes a
-plot (``--plot``, default ``docs/draft_drift.png``) and ends with one JSON line:
+plot (``--plot``, default ``docs/draft_drift.png``: the figure of ``megatron-spec report
+WORK/drift_online --compare WORK/drift_frozen``, which it also writes, into
+``WORK/drift_online/report/``) and ends with one JSON line:
 
 * ``online_over_frozen_accept_last``: mean acceptance over the last fifth of the steps, online
   over frozen (target >= 1.0);
@@ -51,25 +53,15 @@ def first_last(rows: list[dict], key: str) -> tuple[float, float]:
 
 
 def plot(path: str, runs: dict[str, list[dict]], title: str) -> None:
+    """The figure of ``megatron-spec report ONLINE --compare FROZEN`` (acceptance_compare.png)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for name, rows in runs.items():
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, [r["spec/accept_length"] for r in rows], label=name, lw=1.2)
-    online = runs.get("online", [])
-    tau = [(r["step"], r["draft/heldout_tau"]) for r in online if r.get("draft/heldout_tau") is not None]
-    if tau:
-        ax.plot(*zip(*tau), ls="--", lw=1.0, label="online: held-out expected tau")
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("acceptance length (k=3)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    from megatron_spec.rl.report import compare_acceptance_figure
+
+    fig = compare_acceptance_figure({f"{name} draft": rows for name, rows in runs.items()}, title=title)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -123,6 +115,10 @@ def main() -> int:
     title = (f"frozen vs online EAGLE-3 draft, {args.steps} GRPO steps, {dtype} engine; "
              f"last fifth online/frozen {o_last / f_last:.3f}")
     plot(args.plot, runs, title)
+    from megatron_spec.rl.report import write_report
+
+    report = write_report(os.path.join(args.work_dir, "drift_online"),
+                          compare_dir=os.path.join(args.work_dir, "drift_frozen"))
     loss_first, loss_last = first_last(online, "draft/loss")
     tau_first, tau_last = first_last(online, "draft/heldout_tau")
     summary = {
@@ -139,7 +135,7 @@ def main() -> int:
         "reward_first_online": round(first_last(online, "reward/mean")[0], 3),
         "reward_last_online": round(first_last(online, "reward/mean")[1], 3),
         "steps": args.steps, "wall_s": round(wall, 1), "dtype": dtype, "cpu_capability": probe().capability,
-        "plot": os.path.relpath(args.plot, ROOT),
+        "plot": os.path.relpath(args.plot, ROOT), "report": os.path.relpath(report["summary"], ROOT),
     }
     print(json.dumps(summary))
     return 0

@@ -123,7 +123,8 @@ class SpecConfig:
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")
     spec_mtp_num_layers: int = _f(1, "MTP heads trained beside the policy (spec-draft-kind mtp)")
-    spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off)")
+    spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off); a sudden "
+                                    "collapse from healthy acceptance acts on its first step")
     spec_watchdog_fallback: bool = _f(False, "on acceptance collapse fall back to autoregressive decoding")
 
     @property
