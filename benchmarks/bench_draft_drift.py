@@ -23,6 +23,13 @@ WORK/drift_online --compare WORK/drift_frozen``, which it also writes, into
   states before it trains on them), ``wall_s``, ``dtype`` (the engine's, resolved for this CPU) and
   ``cpu_capability``.
 
+With ``--corrupt-at N`` a third run (online draft, ``--spec-watchdog-fallback``) has its draft
+update of step N corrupted (fault point ``corrupt_draft``): ``corrupted_*`` keys give the
+acceptance at steps N, N+1 (drafting with the corrupted update) and N+2 (after the watchdog's
+verdict on N+1), the first step whose row says ``fallback``, and the generation seconds of those
+steps; its plot against the online run is ``--watchdog-plot`` (default ``docs/draft_watchdog.png``).
+``--reuse`` keeps finished runs (same step count) instead of running them again.
+
 The base policy and draft are made with launch/sft_base.py and launch/make_draft.py when not
 given, and cached in ``--work-dir`` (the same ones as bench_grpo.py: ``runs/bench_grpo``).
 The numbers and the plot: docs/draft_training.md.
@@ -67,6 +74,25 @@ def plot(path: str, runs: dict[str, list[dict]], title: str) -> None:
     plt.close(fig)
 
 
+def corrupted_summary(rows: list[dict], n: int) -> dict:
+    """The watchdog run: acceptance at step n (the last good draft), n + 1 (drafting with the
+    corrupted update of step n) and n + 2 (the step after the watchdog's verdict on n + 1)."""
+    by_step = {int(r["step"]): r for r in rows}
+    fallback = [int(r["step"]) for r in rows if r.get("spec/watchdog") == "fallback"]
+    return {
+        "corrupted_at": n,
+        "corrupted_accept_before": round(by_step[n]["spec/accept_length"], 4),
+        "corrupted_accept_next": round(by_step[n + 1]["spec/accept_length"], 4),
+        "corrupted_watchdog_next": by_step[n + 1].get("spec/watchdog"),
+        "corrupted_first_fallback_step": fallback[0] if fallback else None,
+        "corrupted_accept_after": round(by_step[n + 2]["spec/accept_length"], 4),
+        "corrupted_draft_tokens_after": by_step[n + 2].get("spec/num_draft_tokens"),
+        "corrupted_gen_s_before": round(by_step[n]["gen/seconds"], 3),
+        "corrupted_gen_s_next": round(by_step[n + 1]["gen/seconds"], 3),
+        "corrupted_gen_s_after": round(by_step[n + 2]["gen/seconds"], 3),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(ap, steps=60, port=29612)
@@ -74,6 +100,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of both runs (1 on a machine shared with other jobs); default: the config's")
     ap.add_argument("--extra", default="", help="more launcher flags for the online run (e.g. --spec-draft-lr 1e-4)")
+    ap.add_argument("--corrupt-at", type=int, default=0, metavar="N",
+                    help="also run the online draft with its update of step N corrupted (fault corrupt_draft=N) "
+                         "and --spec-watchdog-fallback, for N + 10 steps: the acceptance watchdog's fallback on "
+                         "the demo (plot --watchdog-plot, corrupted_* keys); 0 = off")
+    ap.add_argument("--watchdog-plot", default=os.path.join(ROOT, "docs", "draft_watchdog.png"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse a run whose directory already holds metrics of --steps steps (e.g. add --corrupt-at "
+                         "to a finished benchmark without rerunning it)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     base, draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
@@ -81,19 +115,40 @@ def main() -> int:
     from tqdm import tqdm
 
     runs: dict[str, list[dict]] = {}
-    bar = tqdm(total=len(RUNS) * args.steps, desc="steps", file=sys.stderr)
-    for name, extra in RUNS:
+    plan = [(name, extra, args.steps, {}) for name, extra in RUNS]
+    if args.corrupt_at:
+        if not 1 <= args.corrupt_at < args.steps:
+            ap.error(f"--corrupt-at must be a step in 1 .. {args.steps - 1}, got {args.corrupt_at}")
+        plan.append(("corrupted", RUNS[1][1] + ("--spec-watchdog-fallback",), args.corrupt_at + 10,
+                     {"MEGATRON_SPEC_FAULTS": f"corrupt_draft={args.corrupt_at}"}))
+    bar = tqdm(total=sum(n for _, _, n, _ in plan), desc="steps", file=sys.stderr)
+    for name, extra, steps, env in plan:
         bar.set_description(name)
-        if name == "online" and args.extra:
+        if name in ("online", "corrupted") and args.extra:
             extra = tuple(extra) + tuple(args.extra.split())
         run_dir = os.path.join(args.work_dir, f"drift_{name}")
-        cmd = grpo_cmd(run_dir, base, args.steps, draft=draft, config=args.config, port=args.port, extra=extra)
+        done = os.path.join(run_dir, "metrics.jsonl")
+        if args.reuse and os.path.exists(done):
+            from megatron_spec.telemetry import read_metrics
+
+            rows = read_metrics(done)
+            if len(rows) == steps:
+                runs[name] = rows
+                bar.update(steps)
+                continue
+        cmd = grpo_cmd(run_dir, base, steps, draft=draft, config=args.config, port=args.port, extra=extra)
 
         def on_step(row, name=name):
             bar.update(1)
             bar.set_postfix(accept=f"{row.get('spec/accept_length', float('nan')):.2f}")
 
-        runs[name] = run_grpo(cmd, run_dir, "bench_draft_drift", on_step=on_step, threads=args.threads)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the fault point (read by the launcher's processes)
+        try:
+            runs[name] = run_grpo(cmd, run_dir, "bench_draft_drift", on_step=on_step, threads=args.threads)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     bar.close()
     wall = time.perf_counter() - t0
 
@@ -114,7 +169,7 @@ def main() -> int:
     dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))
     title = (f"frozen vs online EAGLE-3 draft, {args.steps} GRPO steps, {dtype} engine; "
              f"last fifth online/frozen {o_last / f_last:.3f}")
-    plot(args.plot, runs, title)
+    plot(args.plot, {name: runs[name] for name, _ in RUNS}, title)
     from megatron_spec.rl.report import write_report
 
     report = write_report(os.path.join(args.work_dir, "drift_online"),
@@ -137,6 +192,15 @@ def main() -> int:
         "steps": args.steps, "wall_s": round(wall, 1), "dtype": dtype, "cpu_capability": probe().capability,
         "plot": os.path.relpath(args.plot, ROOT), "report": os.path.relpath(report["summary"], ROOT),
     }
+    if "corrupted" in runs:
+        summary.update(corrupted_summary(runs["corrupted"], args.corrupt_at))
+        import shutil
+
+        files = write_report(os.path.join(args.work_dir, "drift_corrupted"),
+                             compare_dir=os.path.join(args.work_dir, "drift_online"),
+                             labels=(f"online draft, update {args.corrupt_at} corrupted", "online draft"))
+        shutil.copyfile(files["acceptance_compare"], args.watchdog_plot)
+        summary["watchdog_plot"] = os.path.relpath(args.watchdog_plot, ROOT)
     print(json.dumps(summary))
     return 0
 
