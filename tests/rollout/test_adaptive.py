@@ -97,3 +97,25 @@ def test_flags(tmp_path):
     bad.rollout.rollout_backend = "sglang"
     with pytest.raises(ConfigError, match="rollout-backend native"):
         bad.validate()
+
+
+def test_thread_chooser_measures_both_then_keeps_the_faster():
+    import torch
+
+    from megatron_spec.rollout.native.drafters import ThreadChooser
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ch = ThreadChooser(retry_every=4)
+        assert ch.choose(3) == 1  # untried: 1 thread first
+        ch.seconds[(3, 1)] = 0.5
+        assert ch.choose(3) == 2  # then the engine's threads
+        ch.seconds[(3, 2)] = 0.1
+        picks = [ch.choose(3) for _ in range(8)]  # calls 3..10: the faster (2), the other at calls 4 and 8
+        assert picks == [2, 1, 2, 2, 2, 1, 2, 2]
+        with ch.run(3):
+            pass
+        assert torch.get_num_threads() == 2  # restored
+    finally:
+        torch.set_num_threads(n)
