@@ -68,7 +68,8 @@ def plot(path: str, runs: dict[str, list[dict]], title: str) -> None:
 
     from megatron_spec.rl.report import compare_acceptance_figure
 
-    fig = compare_acceptance_figure({f"{name} draft": rows for name, rows in runs.items()}, title=title)
+    fig = compare_acceptance_figure({name if " " in name else f"{name} draft": rows for name, rows in runs.items()},
+                                    title=title)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -115,6 +116,7 @@ def main() -> int:
     from tqdm import tqdm
 
     runs: dict[str, list[dict]] = {}
+    reused: list[str] = []  # wall_s counts the runs made by this invocation only
     plan = [(name, extra, args.steps, {}) for name, extra in RUNS]
     if args.corrupt_at:
         if not 1 <= args.corrupt_at < args.steps:
@@ -134,6 +136,7 @@ def main() -> int:
             rows = read_metrics(done)
             if len(rows) == steps:
                 runs[name] = rows
+                reused.append(name)
                 bar.update(steps)
                 continue
         cmd = grpo_cmd(run_dir, base, steps, draft=draft, config=args.config, port=args.port, extra=extra)
@@ -167,7 +170,7 @@ def main() -> int:
     from megatron_spec.isa import probe, resolve_dtype
 
     dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))
-    title = (f"frozen vs online EAGLE-3 draft, {args.steps} GRPO steps, {dtype} engine; "
+    title = (f"frozen vs online EAGLE-3 draft, {args.steps} GRPO steps, {dtype} engine\n"
              f"last fifth online/frozen {o_last / f_last:.3f}")
     plot(args.plot, {name: runs[name] for name, _ in RUNS}, title)
     from megatron_spec.rl.report import write_report
@@ -189,17 +192,20 @@ def main() -> int:
         "reward_last_frozen": round(first_last(frozen, "reward/mean")[1], 3),
         "reward_first_online": round(first_last(online, "reward/mean")[0], 3),
         "reward_last_online": round(first_last(online, "reward/mean")[1], 3),
-        "steps": args.steps, "wall_s": round(wall, 1), "dtype": dtype, "cpu_capability": probe().capability,
+        "steps": args.steps, "wall_s": round(wall, 1), "reused": reused, "dtype": dtype, "cpu_capability": probe().capability,
         "plot": os.path.relpath(args.plot, ROOT), "report": os.path.relpath(report["summary"], ROOT),
     }
     if "corrupted" in runs:
         summary.update(corrupted_summary(runs["corrupted"], args.corrupt_at))
-        import shutil
-
-        files = write_report(os.path.join(args.work_dir, "drift_corrupted"),
-                             compare_dir=os.path.join(args.work_dir, "drift_online"),
-                             labels=(f"online draft, update {args.corrupt_at} corrupted", "online draft"))
-        shutil.copyfile(files["acceptance_compare"], args.watchdog_plot)
+        labels = (f"online draft, update {args.corrupt_at} corrupted", "online draft")
+        write_report(os.path.join(args.work_dir, "drift_corrupted"),
+                     compare_dir=os.path.join(args.work_dir, "drift_online"), labels=labels)
+        steps = len(runs["corrupted"])  # the same steps of both: they are the same run up to the fault
+        with open(os.path.join(args.work_dir, "drift_corrupted", "config.yaml")) as fh:
+            window = (yaml.safe_load(fh) or {}).get("spec", {}).get("spec_watchdog_steps")
+        plot(args.watchdog_plot, {labels[0]: runs["corrupted"], labels[1]: runs["online"][:steps]},
+             f"the online draft's update of step {args.corrupt_at} corrupted (fault corrupt_draft), "
+             f"--spec-watchdog-fallback\nwatchdog window {window} steps; x: the row says fallback")
         summary["watchdog_plot"] = os.path.relpath(args.watchdog_plot, ROOT)
     print(json.dumps(summary))
     return 0

@@ -216,16 +216,24 @@ def _running_mean(xs: Sequence[float], n: int) -> list[float]:
     return out
 
 
-def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: str | None = None, smooth: int = 10):
+def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: str | None = None, smooth: int = 10,
+                              zoom: bool | None = None):
     """Acceptance length per step of several runs on one figure: top, the full scale 1 .. k+1 (so
     that noise reads as noise); bottom, zoomed to the data with ``smooth``-step running means
     (dotted: each run's raw curve is the top panel's). An online run's held-out expected
     acceptance (``draft/heldout_tau``) is drawn dashed; steps where the acceptance watchdog said
-    ``fallback`` are marked with an x at the bottom of the top panel."""
+    ``fallback`` are marked with an x at the bottom of the top panel. ``zoom`` None: the bottom
+    panel only when no run fell back (a collapse to 1.0 leaves nothing to zoom into)."""
     import matplotlib.pyplot as plt
 
-    fig, (top, zoom) = plt.subplots(2, 1, figsize=(7.5, 6.2), sharex=True, layout="constrained",
-                                    gridspec_kw={"height_ratios": [1, 1.2]})
+    if zoom is None:
+        zoom = not any(r.get("spec/watchdog") == "fallback" for rows in runs.values() for r in rows)
+    if zoom:
+        fig, (top, zoom) = plt.subplots(2, 1, figsize=(7.5, 6.2), sharex=True, layout="constrained",
+                                        gridspec_kw={"height_ratios": [1, 1.2]})
+    else:
+        fig, top = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
+        zoom = None
     k, values = 1, []
     for i, (name, rows) in enumerate(runs.items()):
         color = f"C{i}"
@@ -234,21 +242,25 @@ def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: 
         values += [a for a in accept if a == a]
         k = max([k] + [int(r["spec/num_draft_tokens"]) for r in rows if r.get("spec/num_draft_tokens")])
         top.plot(steps, accept, color=color, lw=1.2, label=name)
-        zoom.plot(steps, accept, color=color, lw=0.6, alpha=0.45)
-        zoom.plot(steps, _running_mean(accept, smooth), color=color, lw=2.0,
-                  label=f"{name}: {smooth}-step running mean")
-        tau = [(int(r["step"]), r["draft/heldout_tau"]) for r in rows if r.get("draft/heldout_tau") is not None]
-        if tau:
-            zoom.plot(*zip(*tau), color=color, ls="--", lw=0.9, label=f"{name}: held-out expected tau")
+        if zoom is not None:
+            zoom.plot(steps, accept, color=color, lw=0.6, alpha=0.45)
+            zoom.plot(steps, _running_mean(accept, smooth), color=color, lw=2.0,
+                      label=f"{name}: {smooth}-step running mean")
+            tau = [(int(r["step"]), r["draft/heldout_tau"]) for r in rows if r.get("draft/heldout_tau") is not None]
+            if tau:
+                zoom.plot(*zip(*tau), color=color, ls="--", lw=0.9, label=f"{name}: held-out expected tau")
         fallback = [int(r["step"]) for r in rows if r.get("spec/watchdog") == "fallback"]
         if fallback:
             top.plot(fallback, [1.0] * len(fallback), "x", color=color, clip_on=False,
                      label=f"{name}: watchdog fallback")
     high = max([k + 1.0] + values)
-    top.set(ylabel="accept length", ylim=(1, high + 0.02 * (high - 1)),
-            title=title or "Acceptance length per GRPO step (tokens per verify step)")
+    top.set(ylabel="accept length", ylim=(1, high + 0.02 * (high - 1)))
+    top.set_title(title or "Acceptance length per GRPO step (tokens per verify step)", fontsize=9)
     top.legend(fontsize=8, loc="lower right")
     top.grid(alpha=0.3)
+    if zoom is None:
+        top.set_xlabel("GRPO step")
+        return fig
     if values:
         lo, hi = min(values), max(values)
         pad = 0.05 * (hi - lo or 1.0)

@@ -110,12 +110,15 @@ def test_compare_plots_two_speculative_runs_on_one_figure(tmp_path):
     # the figure: both runs, the held-out tau, the fallback marker; full scale on top
     from megatron_spec.rl.report import compare_acceptance_figure
 
-    fig = compare_acceptance_figure({"online draft": online, "frozen draft": frozen})
+    fig = compare_acceptance_figure({"online draft": online, "frozen draft": frozen}, zoom=True)
     top, zoom = fig.axes
     assert top.get_ylim()[0] == 1.0 and 4.0 <= top.get_ylim()[1] < 4.2
     assert [t.get_text() for t in top.get_legend().get_texts()] == [
         "online draft", "frozen draft", "frozen draft: watchdog fallback"]
     assert "online draft: held-out expected tau" in [t.get_text() for t in zoom.get_legend().get_texts()]
+    # by default a run that fell back leaves no zoomed panel (nothing to zoom into)
+    assert len(compare_acceptance_figure({"online draft": online, "frozen draft": frozen}).axes) == 1
+    assert len(compare_acceptance_figure({"online draft": online}).axes) == 2
     # the same kind twice: named by directory; explicit labels win; bad input is named
     files = write_report(b, compare_dir=b)
     assert "frozen draft (frozen) vs frozen draft (frozen)" in open(files["summary"]).read()
