@@ -1062,7 +1062,9 @@ class GRPOTrainer:
                 if self.watchdog is not None and self.owner and self.engine is not None:
                     from megatron_spec.sync.watchdog import Action
 
-                    action = self.watchdog.observe(m["spec/accept_length"])
+                    # no per-position rate: no speculative verify step this step (off, or adaptive k = 0)
+                    spec = any(k.startswith("spec/accept_rate_pos") for k in m)
+                    action = self.watchdog.observe(m["spec/accept_length"] if spec else None)
                     m["spec/watchdog"] = action.value
                     if action is Action.FALLBACK and self.cfg.spec.spec_watchdog_fallback:
                         self._speculation_off = True

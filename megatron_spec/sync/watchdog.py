@@ -17,7 +17,9 @@ else ``Action.WARN``:
 * after ``window`` consecutive collapsed steps otherwise (slow decay, or no healthy step seen
   yet): one step near the threshold after a gradual fall is not evidence enough.
 
-One healthy step resets it.
+One healthy step resets it. A step without any speculative verify step (``None``: speculation
+already off, or an adaptive engine that chose k = 0 throughout) is no evidence either way: the
+streak stands and the current verdict is repeated.
 
 Plain state, no engines or processes.
 """
@@ -65,9 +67,11 @@ class AcceptanceWatchdog:
         self.tripped = False
         self.healthy: list[float] = []  # the last ``window`` healthy accept lengths
 
-    def observe(self, accept_length: float) -> Action:
-        """Record one step's mean accept length; returns what to do now."""
-        if accept_length is None or math.isnan(accept_length):
+    def observe(self, accept_length: float | None) -> Action:
+        """Record one step's mean accept length (None: the step verified no draft); returns what to do now."""
+        if accept_length is None:
+            return (Action.FALLBACK if self.fallback else Action.WARN) if self.tripped else Action.OK
+        if math.isnan(accept_length):
             raise ValueError(f"accept length must be a number, got {accept_length!r}")
         if accept_length > self.threshold:
             if self.tripped:

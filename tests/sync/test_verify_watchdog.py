@@ -106,6 +106,10 @@ def test_watchdog_keeps_its_window_for_slow_decay():
     # a single noisy dip that is not a collapse to ~1 never acts, however steep
     noisy = AcceptanceWatchdog(window=3, fallback=True)
     assert [noisy.observe(a) for a in (3.6, 1.2, 3.5)] == [Action.OK] * 3
+    # a step that verified no draft (None) is no evidence: the streak stands, the verdict repeats
+    idle = AcceptanceWatchdog(window=2, fallback=True)
+    assert [idle.observe(a) for a in (1.3, None, 1.2, None, 1.09, None)] == [Action.OK] * 6
+    assert idle.streak == 1 and idle.observe(1.0) is Action.FALLBACK and idle.observe(None) is Action.FALLBACK
     # the immediate path can be switched off: windowed only
     windowed = AcceptanceWatchdog(window=2, fallback=True, sudden_fraction=-1)
     assert [windowed.observe(a) for a in (3.6, 1.0, 1.0)] == [Action.OK, Action.OK, Action.FALLBACK]
