@@ -11,8 +11,8 @@ else ``Action.WARN``:
 
 * at once, on the first collapsed step, when the collapse is *sudden*: the step's gain over
   plain decoding (accept length - 1) is at most ``sudden_fraction`` of the gain of the healthy
-  steps just before it (their mean over the last ``window``). A draft that accepted 2.6 tokens
-  per verify step and now accepts 0.02 was broken by something (a corrupted or lost update),
+  steps just before it (their mean over the last ``window``). A draft that gained 2.6 accepted
+  tokens per verify step and now gains 0.02 was broken by something (a corrupted or lost update),
   not by drift: waiting ``window`` steps would spend them drafting for nothing;
 * after ``window`` consecutive collapsed steps otherwise (slow decay, or no healthy step seen
   yet): one step near the threshold after a gradual fall is not evidence enough.
