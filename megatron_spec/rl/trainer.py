@@ -127,6 +127,12 @@ class GRPOTrainer:
         from megatron_spec.rollout import default_backend
 
         self.backend = r.rollout_backend or default_backend()
+        if self.backend == "sglang" and (cfg.spec.spec_num_draft_tokens == "auto" or cfg.spec.spec_history
+                                         or cfg.spec.spec_draft_kind == "history"):
+            # the flags' check covers an explicit --rollout-backend sglang; this, SGLang as the GPU default
+            raise ConfigError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history run in the "
+                              "native engine only (SGLang drafts a fixed k: docs/architecture.md); the rollout backend "
+                              "defaults to sglang on a GPU: pass --rollout-backend native or a fixed k")
         self.layout = EngineLayout.resolve(
             world_size=self.info.world_size, trainer_tp_size=self.info.tp_size, num_engines=r.rollout_num_engines,
             engine_tp_size=r.rollout_tensor_parallel_size,
