@@ -47,12 +47,7 @@ def write_report(run_dir: str, baseline_dir: str | None = None, compare_dir: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(metrics_path):
-        raise FileNotFoundError(f"no metrics.jsonl in {run_dir}")
-    rows = read_metrics(metrics_path)
-    if not rows:
-        raise ValueError(f"{metrics_path} has no step records")
+    rows = _read_run(run_dir)
     base = read_metrics(os.path.join(baseline_dir, "metrics.jsonl")) if baseline_dir else None
     other = _read_run(compare_dir) if compare_dir else None
     if other is not None:
