@@ -15,7 +15,6 @@ import dataclasses
 import datetime
 import math
 import os
-import socket
 
 import torch
 import torch.distributed as dist
@@ -40,12 +39,6 @@ class ParallelInfo:
     wait_timeout_s: float = 0.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0,
                   wait_timeout_s: float = 10800.0) -> ParallelInfo:
     """Initialise torch.distributed and megatron-core's parallel state.
@@ -61,13 +54,20 @@ def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0,
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not dist.is_initialized():
+        store = None
         if "RANK" not in os.environ:  # plain `python script.py`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            # an in-process store: no rendezvous port (a "free" port can be taken by another process
+            # between finding it and binding it: EADDRINUSE under a busy machine)
+            store = dist.HashStore()
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     world = dist.get_world_size()
     if tp_size < 1 or world % tp_size:
         raise ValueError(f"tensor-model-parallel-size {tp_size} does not divide the world size {world} "
