@@ -55,7 +55,8 @@ def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0,
 
     if not dist.is_initialized():
         store = None
-        if "RANK" not in os.environ:  # plain `python script.py`: a world of one
+        if "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+            # plain `python script.py` (or a second init in it): a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             # an in-process store: no rendezvous port (a "free" port can be taken by another process
             # between finding it and binding it: EADDRINUSE under a busy machine)
