@@ -494,10 +494,8 @@ class GRPOTrainer:
                             [meta[s.request_id][2] for s in samples])
         for ro, rew in zip(rollouts, rewards):
             ro.reward = rew
-        order = {q: i for i, q in enumerate(meta)}
-        keyed = sorted(zip(samples, rollouts), key=lambda p: (order[p[0].request_id], p[0].sample_index))
-        return dataclasses.replace(shard, samples=None, rollouts=[ro for _, ro in keyed],
-                                   request_ids=[s.request_id for s, _ in keyed])
+        # put in request order by :meth:`_collect`, with every engine's rollouts
+        return dataclasses.replace(shard, samples=None, rollouts=rollouts, request_ids=[s.request_id for s in samples])
 
     def _exchange(self, local: _Shard | None, engines: list[int]) -> dict[int, _Shard]:
         """Every rank gets the shard of every engine in ``engines`` from its owner, over the
@@ -661,8 +659,8 @@ class GRPOTrainer:
             # the part of the generation that overlapped this wait: from the wait's start to the
             # end of the last engine's call (or the wait itself, whichever is shorter)
             exposed = time.perf_counter() - t0
-            if first is not None and first.error is None:
-                exposed = max(0.0, min(first.seconds, first.end - t0)) if self.layout.num_engines == 1 else exposed
+            if self.layout.num_engines == 1 and first is not None and first.error is None:
+                exposed = max(0.0, min(first.seconds, first.end - t0))
         gen_s = max((sh.seconds for sh in shards), default=0.0)
         return self._make_batch(rollouts, shards, prompts, version, gen_s), exposed
 
