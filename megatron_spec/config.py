@@ -119,6 +119,8 @@ class SpecConfig:
     spec_max_draft_tokens: int = _f(5, "k_max of --spec-num-draft-tokens auto")
     spec_history: bool = _f(False, "also draft from earlier responses to the same prompt (GRPO siblings, earlier "
                                    "steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)")
+    spec_history_max_draft_tokens: int = _f(10, "the longest history proposal beside the drafter (--spec-history): "
+                                                "steps where only the history drafts may verify this many tokens")
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")
@@ -223,6 +225,8 @@ class RunConfig:
                 and r.rollout_backend == "sglang":
             raise ConfigError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need "
                               "--rollout-backend native (SGLang fixes k at start-up)")
+        if s.spec_history_max_draft_tokens < 1:
+            raise ConfigError(f"--spec-history-max-draft-tokens must be >= 1, got {s.spec_history_max_draft_tokens}")
         if s.spec_history and (s.spec_num_draft_tokens != "auto" or s.spec_draft_kind in ("none", "history")):
             raise ConfigError("--spec-history needs --spec-num-draft-tokens auto and a --spec-draft-kind other than "
                               "none and history")

@@ -42,6 +42,9 @@ class EngineConfig:
     history: bool = False
     """Also draft from earlier responses to the same prompt (this call's siblings, earlier calls'),
     per row and step where the adaptive controller expects it to emit more (needs ``auto``)."""
+    history_max_draft_tokens: int = 10
+    """The longest history proposal beside a drafter (``history``): in steps where only the history
+    drafts, the verify step may be this wide (a proposal from the history costs no forward)."""
     dtype: str = "float32"
     """Engine compute dtype: auto | float32 | bfloat16. Each backend resolves it once at start-up through
     ``megatron_spec.isa.resolve_dtype`` (the native engine: bf16 only where the CPU does bf16 natively,
@@ -85,6 +88,8 @@ class EngineConfig:
         if self.history and (not self.adaptive or self.draft_kind in ("none", "history")):
             raise ValueError("history beside a drafter needs num_draft_tokens auto and a draft_kind other than "
                              "none and history (draft_kind history drafts from the history alone)")
+        if self.history and self.history_max_draft_tokens < 1:
+            raise ValueError(f"history_max_draft_tokens must be >= 1, got {self.history_max_draft_tokens}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.max_batch_size < 1 or self.context_length < 2:
@@ -109,3 +114,8 @@ class EngineConfig:
         if self.draft_kind == "none":
             return 0
         return self.max_draft_tokens if self.adaptive else self.num_draft_tokens
+
+    @property
+    def k_verify(self) -> int:
+        """The widest verify step, in drafted tokens: k, or the history's longest proposal beside it."""
+        return max(self.k, self.history_max_draft_tokens) if self.history else self.k

@@ -119,3 +119,46 @@ def test_thread_chooser_measures_both_then_keeps_the_faster():
         assert torch.get_num_threads() == 2  # restored
     finally:
         torch.set_num_threads(n)
+
+
+def _train_two(ctl: DraftLengthController, b: int, main_accept: float, hist_accept: float, hist_len: int,
+               draft_s: float, steps: int = 200) -> list[tuple[int, bool]]:
+    """Rows with both sources; verify costs 1 + 0.01 per token, a main-drafter pass ``draft_s``."""
+    chosen = []
+    for _ in range(steps):
+        opts = [[(ctl.row_alpha("d", None), None), (ctl.row_alpha("history", None), hist_len)]] * b
+        k, hist_only = ctl.choose_step(opts)
+        chosen.append((k, hist_only))
+        for _ in range(b):
+            if hist_only:
+                n = min(k, hist_len)
+                ctl.record_accept("history", None, n, round(hist_accept * n))
+            else:
+                ctl.record_accept("d", None, k, round(main_accept * k))
+                n = min(k, hist_len)  # the engine also judges the unused history proposal
+                ctl.record_accept("history", None, n, round(hist_accept * n))
+        ctl.record_step(b, k, 1.0 + 0.01 * b * (k + 1), 0.0 if hist_only else draft_s * k, prefill=False)
+    return chosen
+
+
+def test_history_only_steps_draft_past_the_main_drafters_k():
+    # the history's proposals are long and always right, the main drafter's often wrong and costly:
+    # the controller lets the history draft alone, longer than the main drafter ever may
+    ctl = DraftLengthController(8, k_main=3)
+    chosen = _train_two(ctl, 2, main_accept=0.3, hist_accept=1.0, hist_len=8, draft_s=0.3)
+    late = chosen[-50:]
+    assert sum(h for _, h in late) > 40 and max(set(late), key=late.count) == (8, True)
+
+
+def test_a_good_main_drafter_keeps_the_mixed_step():
+    ctl = DraftLengthController(8, k_main=3)
+    chosen = _train_two(ctl, 2, main_accept=1.0, hist_accept=0.0, hist_len=8, draft_s=0.01)
+    late = chosen[-50:]
+    assert sum(h for _, h in late) < 10 and max(set(late), key=late.count) == (3, False)
+
+
+def test_k_main_bounds():
+    with pytest.raises(ValueError, match="k_main"):
+        DraftLengthController(4, k_main=5)
+    ctl = DraftLengthController(8, k_main=3)
+    assert ctl.choose([[([1.0] * 8, None)]]) == 3  # no history source: never past k_main

@@ -23,10 +23,13 @@ Both are measured online by the engine, nothing is tuned to one machine:
   a request with few steps gets the batch's rate, one with many its own). A source nobody has
   tried yet starts optimistic (rate 1 with one pseudo-step), so it is tried and then judged.
 
-:class:`DraftLengthController` picks ``argmax_k sum_b E_b(k) / T(B, k)`` over ``k_min..k_max``;
-every ``explore_every``-th step it tries a neighbour of the best k instead (alternately above and
-below), so the cost table and the deeper positions' acceptance keep being measured. The choice
-never changes any output distribution: verification is exact for every k.
+:class:`DraftLengthController` picks ``argmax_k sum_b E_b(k) / T(B, k)`` over ``k_min..k_main``
+(the main drafter's longest proposal). With a second source beside it (the history drafter,
+whose proposals cost no forward), it also weighs a step where only the rows with a history
+proposal draft, up to ``k_max`` tokens, and the main drafter does not run: ``T = V(B * (k+1))``,
+the other rows emit one token. Every ``explore_every``-th step it tries a neighbour of the best
+k instead (alternately above and below), so the cost table and the deeper positions' acceptance
+keep being measured. The choice never changes any output distribution: verification is exact for every k.
 
 This module knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and
 accepted counts.
@@ -136,10 +139,14 @@ class DraftLengthController:
     """Chooses k per verify step (see the module docstring)."""
 
     def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, row_prior_weight: float = 4.0,
-                 batch_decay: float = 0.98):
+                 batch_decay: float = 0.98, k_main: int | None = None):
         if not 0 <= k_min <= k_max or k_max < 1:
             raise ValueError(f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}")
-        self.k_max, self.k_min = k_max, k_min
+        k_main = k_max if k_main is None else k_main
+        if not max(1, k_min) <= k_main <= k_max:
+            raise ValueError(f"k_main (the main drafter's longest proposal) must be in {max(1, k_min)}..{k_max}, "
+                             f"got {k_main}")
+        self.k_max, self.k_min, self.k_main = k_max, k_min, k_main
         self.explore_every = explore_every
         self.row_prior_weight = row_prior_weight
         self.batch_decay = batch_decay
@@ -175,39 +182,67 @@ class DraftLengthController:
         return None if d is None else v + k * d
 
     def expected_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
-        """Expected tokens per second for every k with a cost estimate; row b emits
-        ``max over options[b]`` of ``expected_tokens`` (its best draft source at that k)."""
+        """Expected tokens per second for every k in ``k_min..k_main`` with a cost estimate, every row
+        drafting: row b emits ``max over options[b]`` of ``expected_tokens`` (its best draft source
+        at that k) and the step pays k passes of the main drafter."""
         b = len(options)
         out = {}
-        for k in range(self.k_min, self.k_max + 1):
+        for k in range(self.k_min, self.k_main + 1):
             t = self.step_seconds(b, k)
             if t is not None:
                 out[k] = sum(max(expected_tokens(a, k, m) for a, m in opts) for opts in options) / t
         return out
 
+    def history_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
+        """Expected tokens per second for every k in ``1..k_max`` when only the rows with a second
+        source (``options[b][1]``, the history's proposal) draft and the main drafter does not run:
+        those rows emit ``expected_tokens`` of their proposal, the others one token, and the step
+        costs the verify forward alone (a proposal from the history costs no forward). Empty when
+        no row has a second source."""
+        if not any(len(opts) > 1 for opts in options):
+            return {}
+        b = len(options)
+        out = {}
+        for k in range(1, self.k_max + 1):
+            t = self.verify.estimate(b * (k + 1))
+            if t is not None:
+                out[k] = sum(expected_tokens(*opts[1], k) if len(opts) > 1 else 1.0 for opts in options) / t
+        return out
+
     def choose(self, options: Sequence[Sequence[Option]]) -> int:
-        """k for the next step; ``options[b]``: row b's draft sources as (acceptance per position
-        (``row_alpha``), proposal length or None for k)."""
+        """k for the next step with every row drafting (``choose_step`` without the history-only mode)."""
+        return self._pick(self.expected_rates(options), {})[0]
+
+    def choose_step(self, options: Sequence[Sequence[Option]]) -> tuple[int, bool]:
+        """k for the next step and whether only the rows' second sources draft (the main drafter
+        skips the step); ``options[b]``: row b's draft sources as (acceptance per position
+        (``row_alpha``), proposal length or None for any k), the main drafter's first."""
+        return self._pick(self.expected_rates(options), self.history_rates(options))
+
+    def _pick(self, rates: dict[int, float], hist_rates: dict[int, float]) -> tuple[int, bool]:
         self._steps += 1
-        if not len(self.draft) and self.k_max >= 1:
-            return self.k_max  # first: measure a draft pass and every position's acceptance
-        rates = self.expected_rates(options)
-        if not rates:
-            return self.k_max
-        best = max(rates, key=rates.__getitem__)
+        if not len(self.draft) and self.k_main >= 1:
+            return self.k_main, False  # first: measure a draft pass and every position's acceptance
+        if not rates and not hist_rates:
+            return self.k_main, False
+        best_mixed = max(rates, key=rates.__getitem__) if rates else None
+        best_hist = max(hist_rates, key=hist_rates.__getitem__) if hist_rates else None
+        hist_only = best_hist is not None and (best_mixed is None or hist_rates[best_hist] > rates[best_mixed])
+        best, lo, hi = (best_hist, 1, self.k_max) if hist_only else (best_mixed, self.k_min, self.k_main)
         if self.explore_every and self._steps % self.explore_every == 0:
             step = 1 if self._explore_up else -1
             self._explore_up = not self._explore_up
             cand = best + step
-            if not self.k_min <= cand <= self.k_max:
+            if not lo <= cand <= hi:
                 cand = best - step
-            if self.k_min <= cand <= self.k_max:
-                return cand
-        return best
+            if lo <= cand <= hi:
+                return cand, hist_only
+        return best, hist_only
 
     def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool) -> None:
-        """Time of one step (everything but the draft's proposal) and of its proposal; a step
-        that carried a prefill has no representative time and is not recorded."""
+        """Time of one step (everything but the draft's proposal) and of the main drafter's proposal
+        of k tokens (0: it did not run); a step that carried a prefill has no representative time and
+        is not recorded."""
         for stats in self.batch.values():
             stats.decay_all()
         if prefill:

@@ -104,7 +104,7 @@ class EngineCore:
     def __init__(self, model: CausalLM, drafter: Drafter | None, *, num_draft_tokens: int = 3,
                  max_batch_size: int = 32, context_length: int = 2048, seed: int = 0,
                  prefill_token_budget: int = 8192, eos_token_ids: Sequence[int] = (), adaptive: bool = False,
-                 history: Drafter | None = None):
+                 history: Drafter | None = None, history_max_draft_tokens: int | None = None):
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         if history is not None and (drafter is None or not adaptive):
@@ -115,11 +115,16 @@ class EngineCore:
         self.history = history
         """A second draft source (``HistoryDrafter``) chosen per row and step; None: the drafter only."""
         self.k = num_draft_tokens if drafter is not None else 0
-        """k, or k_max with ``adaptive``."""
+        """k, or k_max with ``adaptive`` (of the main drafter)."""
+        self.k_history = 0 if history is None else (history_max_draft_tokens or self.k)
+        """The longest history proposal beside the main drafter (drafted in steps where the main drafter
+        does not run: a proposal from the history costs no forward, so it may be longer)."""
+        self.k_all = max(self.k, self.k_history)
+        """The widest verify step (the cache keeps that many spare positions)."""
         self.controller = None
         if adaptive and drafter is not None:
             k_min = 0 if drafter.supports_skip else 1
-            self.controller = DraftLengthController(self.k, k_min=k_min)
+            self.controller = DraftLengthController(self.k_all, k_min=k_min, k_main=self.k)
         self.max_batch_size = max_batch_size
         self.context_length = context_length
         self.prefill_token_budget = prefill_token_budget
@@ -132,7 +137,7 @@ class EngineCore:
     # ------------------------------------------------------------------ memory
     def allocate(self) -> None:
         # k + 1 spare positions: a verify step writes up to k+1 entries past a row's length
-        max_len = self.context_length + self.k + 1
+        max_len = self.context_length + self.k_all + 1
         self.cache = self.model.new_cache(self.max_batch_size, max_len)
         if self.drafter is not None:
             self.drafter.allocate(self.max_batch_size, max_len)
@@ -177,7 +182,7 @@ class EngineCore:
         if self.cache is None:
             self.allocate()
         t0 = time.perf_counter()
-        stats = GenerateStats(num_draft_tokens=self.k if self.spec_enabled else 0)
+        stats = GenerateStats(num_draft_tokens=self.k_all if self.spec_enabled else 0)
         for d in (self.drafter, self.history):
             if d is not None:
                 d.begin_call()
@@ -356,19 +361,21 @@ class EngineCore:
         b = len(rows)
         tokens = [r.tokens for r in rows]
         main = self.drafter.kind
-        hist = self.history.propose_lists(tokens, self.k) if self.history is not None else None
+        hist = self.history.propose_lists(tokens, self.k_history) if self.history is not None else None
         t_draft = time.perf_counter() - t0
         if self.controller is None:
-            k, use_hist = self.k, [False] * b
+            k, use_hist, hist_only = self.k, [False] * b, False
         else:
-            k, use_hist = self._choose(rows, hist)
+            k, use_hist, hist_only = self._choose(rows, hist)
         t1 = time.perf_counter()
-        if k > 0 and (not all(use_hist) or not self.drafter.supports_skip):
+        main_ran = k > 0 and not hist_only and (not all(use_hist) or not self.drafter.supports_skip)
+        if main_ran:
             drafts, q = self.drafter.propose(tokens, k, sampling, self.generator)  # [B, k], [B, k, Vd]
         else:  # no row drafts from the main drafter: a k = 0 proposal only keeps its state in sync
             self.drafter.propose(tokens, 0, sampling, self.generator)
             drafts, q = torch.full((b, k), -1, dtype=torch.long), None
-        t_draft += time.perf_counter() - t1
+        t_main = time.perf_counter() - t1
+        t_draft += t_main
         point = torch.tensor(use_hist)  # [B] rows verified against a point mass (history drafts)
         if any(use_hist):
             drafts = drafts.clone()
@@ -401,16 +408,19 @@ class EngineCore:
             stats.add_step_k(proposed)
             if k > 0:
                 r.accepted.append(a)
-                stats.add_spec_step(a, self.k, source=src)
+                stats.add_spec_step(a, self.k_all, source=src)
                 if self.controller is not None and proposed > 0:
-                    self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k)), proposed, a)
+                    self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k_all)),
+                                                  proposed, a)
             if hist is not None and hist[i] and not u:
                 self._record_unused_history(r, hist[i], em)
             for j, t_ in enumerate(em):
                 if r.emit(t_, l_[j]):
                     break
         if self.controller is not None:
-            self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_draft, prefill=adm is not None)
+            # the draft table is the main drafter's: a step where it did not run teaches it nothing
+            self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_main if main_ran else 0.0,
+                                        prefill=adm is not None)
         if adm is not None:
             self._start(adm, rows, *pre)
 
@@ -425,11 +435,12 @@ class EngineCore:
         m = 0
         while m < n and proposal[m] == emitted[m]:
             m += 1
-        self.controller.record_accept("history", row.acc.setdefault("history", AcceptanceStats(self.k)), n, m)
+        self.controller.record_accept("history", row.acc.setdefault("history", AcceptanceStats(self.k_all)), n, m)
 
-    def _choose(self, rows: list[_Row], hist: list[list[int]] | None) -> tuple[int, list[bool]]:
-        """The step's k and, per row, whether it drafts from the history (the source expected to
-        emit more tokens at that k; ties go to the main drafter)."""
+    def _choose(self, rows: list[_Row], hist: list[list[int]] | None) -> tuple[int, list[bool], bool]:
+        """The step's k, per row whether it drafts from the history (the source expected to emit more
+        tokens at that k; ties go to the main drafter), and whether the main drafter sits the step out
+        (only rows with a history proposal draft: ``DraftLengthController.history_rates``)."""
         from megatron_spec.rollout.native.adaptive import expected_tokens
 
         main = self.drafter.kind
@@ -439,9 +450,11 @@ class EngineCore:
             if hist is not None and hist[i]:
                 opts.append((self.controller.row_alpha("history", r.acc.get("history")), len(hist[i])))
             options.append(opts)
-        k = self.controller.choose(options)
+        k, hist_only = self.controller.choose_step(options)
+        if hist_only:
+            return k, [len(o) > 1 for o in options], True
         use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
-        return k, use
+        return k, use, False
 
     @staticmethod
     def _merge_rows(parts, idx, b: int, width: int):

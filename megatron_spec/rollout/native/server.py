@@ -58,7 +58,7 @@ class EngineServer:
         self.dtype = _DTYPES[config.dtype]
         ckpt = HFCheckpoint(config.model_path)
         self.target_cfg = ckpt.decoder_config
-        self.target = CausalLM(self.target_cfg, max_positions=config.context_length + config.k + 1)
+        self.target = CausalLM(self.target_cfg, max_positions=config.context_length + config.k_verify + 1)
         self.target.to(self.dtype).eval()
         self.versions: dict[str, str | None] = {"target": None, "draft": None}
         if config.load_weights:
@@ -71,7 +71,7 @@ class EngineServer:
 
             history = HistoryDrafter()
         self.core = EngineCore(self.target, self.drafter, num_draft_tokens=config.k, adaptive=config.adaptive,
-                               history=history,
+                               history=history, history_max_draft_tokens=config.history_max_draft_tokens,
                                max_batch_size=config.max_batch_size, context_length=config.context_length,
                                seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
         self.core.allocate()
@@ -81,7 +81,7 @@ class EngineServer:
         if config.warm_up:
             t0 = time.perf_counter()
             calls = warm_linears([m for m in (self.target, self._draft_module()) if m is not None],
-                                 config.max_batch_size * (config.k + 1))
+                                 config.max_batch_size * (config.k_verify + 1))
             logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
         self._updating: dict[str, set[str]] | None = None
         self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received (see update_weights_from_tensor)
