@@ -2,11 +2,15 @@
 
     python benchmarks/bench_grpo.py [--base DIR --draft DIR] [--steps 12] [--nproc 1]
 
-Runs ``launch/pretrain_grpo_spec.py`` twice from the same base policy, seed and prompts:
-once with the EAGLE-3 draft (k=3), once with ``--spec-draft-kind none``. Reports, from the
-two metrics files:
+Runs ``launch/pretrain_grpo_spec.py`` from the same base policy, seed and prompts: with the
+EAGLE-3 draft (k=3), with ``--spec-draft-kind none``, and (unless ``--no-adaptive``) with the
+EAGLE-3 draft at adaptive k plus the history drafter (``--spec-num-draft-tokens auto
+--spec-history``). Reports, from the metrics files:
 
-* ``gen_speedup`` = mean AR generation time / mean speculative generation time;
+* ``gen_speedup`` = mean AR generation time / mean speculative generation time (k=3);
+  ``gen_speedup_adaptive_history`` the same for the adaptive + history run, with its
+  ``step_speedup_adaptive_history``, ``accept_length_adaptive_history``, ``k_mean_adaptive_history``
+  and ``history_frac`` (share of request-steps drafted from the history);
 * ``step_speedup`` = mean AR step time / mean speculative step time;
 * ``gen_fraction_ar`` = generation's share of the AR step, and the Amdahl bound
   1 / ((1 - f) + f / gen_speedup) that ``step_speedup`` is compared with;
@@ -54,6 +58,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(ap, steps=12, port=29611)
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive k + history run")
     ap.add_argument("--rollout-num-engines", type=int, default=None,
                     help="engines for both runs; above 1, the speculative run is repeated with one engine on the "
                          "same ranks and the generation times per step are reported side by side")
@@ -65,14 +70,17 @@ def main() -> int:
 
     runs = {}
     engines = args.rollout_num_engines
-    plan = [("spec", "eagle3", engines), ("ar", "none", engines)]
+    adaptive = ("--spec-num-draft-tokens", "auto", "--spec-history")
+    plan = [("spec", "eagle3", engines, ()), ("ar", "none", engines, ())]
+    if not args.no_adaptive:
+        plan.append(("spec_adaptive_history", "eagle3", engines, adaptive))
     if engines and engines > 1:
-        plan.append(("spec_engines1", "eagle3", 1))
-    for name, kind, n in plan:
+        plan.append(("spec_engines1", "eagle3", 1, ()))
+    for name, kind, n, flags in plan:
         run_dir = os.path.join(args.work_dir, name)
         cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft, config=args.config,
                        nproc=args.nproc, port=args.port,
-                       extra=() if n is None else ("--rollout-num-engines", str(n)))
+                       extra=(() if n is None else ("--rollout-num-engines", str(n))) + flags)
         runs[name] = run_grpo(cmd, run_dir, "bench_grpo")
     import yaml
 
@@ -112,6 +120,16 @@ def main() -> int:
         "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),
         "steps": args.steps, "dtype": dtype, "cpu_capability": probe().capability, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
+    if "spec_adaptive_history" in runs:
+        ah = runs["spec_adaptive_history"][1:]
+        summary.update({
+            "gen_speedup_adaptive_history": round(gen_a / mean([r["time/gen"] for r in ah]), 3),
+            "step_speedup_adaptive_history": round(step_a / mean([r["time/step"] for r in ah]), 3),
+            "accept_length_adaptive_history": round(mean([r["spec/accept_length"] for r in ah]), 3),
+            "k_mean_adaptive_history": round(mean([r["spec/k_mean"] for r in ah
+                                                   if r.get("spec/k_mean") is not None]), 3),
+            "history_frac": round(mean([r.get("spec/history_frac", 0.0) for r in ah]), 3),
+        })
     if "spec_engines1" in runs:  # the same ranks, N engines against one (on 2 CPU cores: the mechanism)
         one = runs["spec_engines1"][1:]
         summary.update({

@@ -39,15 +39,17 @@ measured) runs in the same rounds; ``adaptive_over_best_fixed`` is its paired ra
 fixed k in 0..k_max at that batch size (k = 0 is AR), ``adaptive_over_best_fixed_min`` the minimum
 over batch sizes.
 
-GRPO-shaped workload (``--grpo``): the demo task's prompts, 16 prompts x 8 samples through max
-batch 16, temperature 1, responses ending at EOS (varied lengths), every prompt seen once before
-(each measured call follows a priming call on the same prompts with another seed; the history
-index is emptied before the priming call, so "earlier rollouts" are exactly one step's). Configs,
-interleaved round by round: AR, EAGLE-3 k=3, EAGLE-3 auto, history alone (auto), EAGLE-3 + history
-(auto). Keys: ``adaptive_over_k3_grpo``, ``history_accept_length_grpo`` (1 + drafts accepted per
-history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3
-auto), ``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last one's, AR
-over combined). ``--sections`` limits the run to some of: main, grpo.
+GRPO-shaped workload (``--sections grpo``): the demo task's prompts with 2..12 terms
+(``--grpo-terms``; one response step per term, so lengths vary 4x and the batch has a long tail as
+an RL batch does), 16 prompts x 8 samples through max batch 16, temperature 1, responses ending at
+EOS, every prompt seen once before (each measured call follows a priming call on the same prompts
+with another seed; the history index is emptied before the priming call, so "earlier rollouts" are
+exactly one step's). Configs, interleaved round by round: AR, EAGLE-3 k=3, EAGLE-3 auto, history
+alone (auto, k_max 10), EAGLE-3 + history (auto; EAGLE-3 up to 5, history up to 10 tokens in steps
+where it drafts alone). Keys: ``adaptive_over_k3_grpo``, ``history_accept_length_grpo`` (1 + drafts
+accepted per history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over
+EAGLE-3 auto), ``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last
+one's, AR over combined). ``--sections`` limits the run to some of: main, grpo.
 
 Prints a table and, last, one JSON line with the ratios.
 """
@@ -142,19 +144,32 @@ def tail_seconds(finish_times: list[float]) -> float:
     return t[-1] - t[max(0, -(-9 * len(t) // 10) - 1)]
 
 
-def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int) -> dict:
+def grpo_prompts(tok, n: int, seed: int, terms: tuple[int, int]) -> list[list[int]]:
+    """The demo task's prompts with ``terms[0]..terms[1]`` terms (responses of one step per term:
+    varied lengths, as an RL batch's are)."""
+    import random
+
+    from megatron_spec.rl.tasks import sum_example
+
+    rng = random.Random(seed)
+    return [tok(sum_example(rng, *terms).prompt, add_special_tokens=False)["input_ids"] for _ in range(n)]
+
+
+def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, terms: tuple[int, int] = (2, 12),
+                  history_max: int = 10) -> dict:
     """The GRPO-shaped workload (module docstring); returns the keys and each config's numbers."""
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
-    prompts = task_prompts(tok, 16, seed=2718)
+    prompts = grpo_prompts(tok, 16, 2718, terms)
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     reqs = [GenerateRequest(f"g{i}", p, sp, n=8) for i, p in enumerate(prompts)]
     auto = dict(max_draft_tokens=5)
     servers = {"ar": _server(paths, dtype, "none", 1, 16, new_tokens),
                "eagle3_k3": _server(paths, dtype, "eagle3", 3, 16, new_tokens),
                "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, **auto),
-               "history_auto": _server(paths, dtype, "history", "auto", 16, new_tokens, **auto),
-               "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True, **auto)}
+               "history_auto": _server(paths, dtype, "history", "auto", 16, new_tokens, max_draft_tokens=history_max),
+               "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True,
+                                   history_max_draft_tokens=history_max, **auto)}
     for srv in servers.values():  # warm-up: oneDNN primitives, and the adaptive controllers' tables
         _reset_history(srv)
         srv.core.generate(reqs[:2], seed=99)
@@ -351,6 +366,12 @@ def main() -> int:
     ap.add_argument("--sections", default="main,grpo", help="what to measure: main (the batch-size table), grpo")
     ap.add_argument("--grpo-new-tokens", type=int, default=96)
     ap.add_argument("--grpo-rounds", type=int, default=3)
+    ap.add_argument("--grpo-terms", default="2,12",
+                    help="terms per prompt of the GRPO workload, min,max (the demo task trains on 3..6; wider "
+                         "gives the varied response lengths of an RL batch and its long tail)")
+    ap.add_argument("--grpo-history-max", type=int, default=10,
+                    help="longest history proposal (history alone: its k_max; beside EAGLE-3: "
+                         "history_max_draft_tokens)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
     ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds of the batch-size table")
     args = ap.parse_args()
@@ -376,7 +397,10 @@ def main() -> int:
     results: dict = {}
     best_fixed_name: dict = {}
     sections = set(args.sections.split(","))
-    grpo = grpo_workload(paths, main_dtype, tok, args.grpo_new_tokens, args.grpo_rounds) if "grpo" in sections else {}
+    grpo = {}
+    if "grpo" in sections:
+        grpo = grpo_workload(paths, main_dtype, tok, args.grpo_new_tokens, args.grpo_rounds,
+                             tuple(int(x) for x in args.grpo_terms.split(",")), args.grpo_history_max)
     for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)

@@ -40,8 +40,11 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
 
     Both sides go to ``math_verify.parse`` as they are (a ``\\boxed{}`` answer, LaTeX, a plain
     number, an expression), except that text after a last ``####`` is the answer (GSM8K's
-    ``answer`` column and responses in its format). A reference that is one word (mathematics_dataset's
-    ``True`` / ``False``) is matched by the response's last word, case-insensitively.
+    ``answer`` column and responses in its format); a response without ``$`` or ``\\boxed`` is also
+    read between ``$...$`` (a bare list, ``-80, -6, -1``, is one answer only there; math-verify
+    compares lists as sets, so the order of a list is not checked). A reference that is one word
+    (mathematics_dataset's ``True`` / ``False``) is matched by the response's last word,
+    case-insensitively.
     math-verify's timeouts use ``signal.alarm``,
     which works on the main thread only: elsewhere they are off.
     """
@@ -57,10 +60,15 @@ def math_reward(prompt: str, response: str, answer: str) -> float:
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"
     gold = parse(gold_text, parsing_timeout=timeout)
-    pred = parse(_final_part(response), parsing_timeout=timeout)
-    if not gold or not pred:
+    if not gold:
         return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+    text = _final_part(response)
+    preds = [parse(text, parsing_timeout=timeout)]
+    if "$" not in text and "\\boxed" not in text:
+        # a bare list or expression ("-80, -6, -1": mathematics_dataset's comparison__sort) is read
+        # as one answer only between $...$, as the reference is; plain text keeps the first reading
+        preds.append(parse(f"${text.strip()}$", parsing_timeout=timeout))
+    return 1.0 if any(p and verify(gold, p, timeout_seconds=timeout) for p in preds) else 0.0
 
 
 def exact_reward(prompt: str, response: str, answer: str) -> float:

@@ -46,6 +46,16 @@ def test_math_reward_uses_math_verify():
     assert math("", "the answer is \\boxed{3}", "4") == 0.0
 
 
+def test_math_reward_reads_a_bare_list_as_one_answer():
+    # mathematics_dataset's comparison__sort answers: a bare list scored 0 even when identical
+    math = get_reward("math")
+    assert math("", "-80, -6, -1", "-80, -6, -1") == 1.0
+    assert math("", " 37, 4, 3, -4, -26", "37, 4, 3, -4, -26") == 1.0
+    assert math("", "-80, -6, -2", "-80, -6, -1") == 0.0
+    assert math("", "5, 6", "5") == 0.0
+    assert math("", "The answer is 5", "5") == 1.0
+
+
 def test_reward_by_import_path_and_errors():
     assert get_reward("megatron_spec.rl.rewards:exact_reward")("", " a ", "a") == 1.0
     with pytest.raises(ValueError, match="neither a registered name"):
