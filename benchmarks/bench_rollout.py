@@ -39,17 +39,19 @@ measured) runs in the same rounds; ``adaptive_over_best_fixed`` is its paired ra
 fixed k in 0..k_max at that batch size (k = 0 is AR), ``adaptive_over_best_fixed_min`` the minimum
 over batch sizes.
 
-GRPO-shaped workload (``--sections grpo``): the demo task's prompts with 2..12 terms
-(``--grpo-terms``; one response step per term, so lengths vary 4x and the batch has a long tail as
-an RL batch does), 16 prompts x 8 samples through max batch 16, temperature 1, responses ending at
-EOS, every prompt seen once before (each measured call follows a priming call on the same prompts
-with another seed; the history index is emptied before the priming call, so "earlier rollouts" are
-exactly one step's). Configs, interleaved round by round: AR, EAGLE-3 k=3, EAGLE-3 auto, history
-alone (auto, k_max 10), EAGLE-3 + history (auto; EAGLE-3 up to 5, history up to 10 tokens in steps
-where it drafts alone). Keys: ``adaptive_over_k3_grpo``, ``history_accept_length_grpo`` (1 + drafts
-accepted per history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over
-EAGLE-3 auto), ``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last
-one's, AR over combined). ``--sections`` limits the run to some of: main, grpo.
+GRPO-shaped workload (``--sections grpo``): the demo task with 2..12 terms (``--grpo-task
+sum_long``; one response step per term, so lengths vary 4x and the batch has a long tail as an RL
+batch does), on its own small base, ModelOpt EAGLE-3 draft and widened target trained on that task
+exactly as the main table's are on ``sum`` (``WORK_DIR/models_sum_long``), 16 prompts x 8 samples
+through max batch 16, temperature 1, responses ending at EOS, every prompt seen once before (each
+measured call follows a priming call on the same prompts with another seed; the history index is
+emptied before the priming call, so "earlier rollouts" are exactly one step's). Configs, interleaved
+round by round: AR, EAGLE-3 k=3, EAGLE-3 auto, history alone (auto, k_max 10), EAGLE-3 + history
+(auto; EAGLE-3 up to 5, history up to 10 tokens in steps where it drafts alone). Keys:
+``adaptive_over_k3_grpo``, ``history_accept_length_grpo`` (1 + drafts accepted per history-drafted
+request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3 auto),
+``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last one's, AR over
+combined). ``--sections`` limits the run to some of: main, grpo.
 
 Prints a table and, last, one JSON line with the ratios.
 """
@@ -73,14 +75,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 WIDE = dict(hidden=1024, heads=32, kv_heads=8, intermediate=3584)
 
 
-def task_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+def task_prompts(tokenizer, n: int, seed: int, task: str = "sum") -> list[list[int]]:
     from megatron_spec.rl.tasks import generate
 
-    return [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in generate("sum", n, seed)]
+    return [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in generate(task, n, seed)]
 
 
-def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int) -> dict[str, str]:
-    """Small base (trained), its ModelOpt EAGLE-3 draft, and both widened; cached in ``work``."""
+def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int,
+                 task: str = "sum") -> dict[str, str]:
+    """Small base (trained on ``task``), its ModelOpt EAGLE-3 draft, and both widened; cached in ``work``."""
     from transformers import AutoTokenizer
 
     from _expand import expand_decoder, expand_eagle3
@@ -94,7 +97,7 @@ def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int) 
     if not os.path.isdir(small):
         print("[setup] training the small base model (launch/sft_base.py)", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", small,
-                        "--steps", str(sft_steps)], check=True)
+                        "--steps", str(sft_steps), "--task", task], check=True)
     paths = {"small": small, "target": os.path.join(work, "target"), "eagle3": os.path.join(work, "eagle3"),
              "eagle3_small": os.path.join(work, "eagle3_small"), "draft_model": os.path.join(work, "draft_model")}
     if not os.path.isdir(paths["draft_model"]):
@@ -103,16 +106,20 @@ def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int) 
         print("[setup] training the draft model (launch/sft_base.py, 0.8M parameters)", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", paths["draft_model"],
                         "--steps", "150", "--hidden-size", "128", "--intermediate-size", "384", "--num-layers", "4",
-                        "--num-attention-heads", "4", "--num-kv-heads", "2", "--seed", "7"], check=True)
+                        "--num-attention-heads", "4", "--num-kv-heads", "2", "--seed", "7", "--task", task],
+                       check=True)
     if not os.path.isdir(paths["eagle3_small"]):
         print("[setup] EAGLE-3 draft trained by ModelOpt on the base's continuations", file=sys.stderr, flush=True)
         tok = AutoTokenizer.from_pretrained(small)
-        prompts = task_prompts(tok, 512, seed=777)
-        srv = EngineServer(EngineConfig(model_path=small, max_batch_size=64, context_length=160))
-        samples, _ = srv.generate([GenerateRequest(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=96))
+        prompts = task_prompts(tok, 512, seed=777, task=task)
+        long = task != "sum"  # sum_long: up to 24 prompt and ~100 response tokens
+        srv = EngineServer(EngineConfig(model_path=small, max_batch_size=64, context_length=192 if long else 160))
+        samples, _ = srv.generate([GenerateRequest(str(i), p, SamplingParams(temperature=0.0,
+                                                                             max_new_tokens=144 if long else 96))
                                    for i, p in enumerate(prompts)])
         seqs = [p + s.output_ids for p, s in zip(prompts, samples)]
-        train_and_export_eagle3(small, paths["eagle3_small"], seqs, steps=eagle_steps, batch_size=16, max_len=96,
+        train_and_export_eagle3(small, paths["eagle3_small"], seqs, steps=eagle_steps, batch_size=16,
+                                max_len=160 if long else 96,
                                 ttt_steps=3, lr=3e-3, export_rope_scaling={}, progress=True)
     if not os.path.isdir(paths["target"]):
         expand_decoder(small, paths["target"], **WIDE)
@@ -144,23 +151,13 @@ def tail_seconds(finish_times: list[float]) -> float:
     return t[-1] - t[max(0, -(-9 * len(t) // 10) - 1)]
 
 
-def grpo_prompts(tok, n: int, seed: int, terms: tuple[int, int]) -> list[list[int]]:
-    """The demo task's prompts with ``terms[0]..terms[1]`` terms (responses of one step per term:
-    varied lengths, as an RL batch's are)."""
-    import random
-
-    from megatron_spec.rl.tasks import sum_example
-
-    rng = random.Random(seed)
-    return [tok(sum_example(rng, *terms).prompt, add_special_tokens=False)["input_ids"] for _ in range(n)]
-
-
-def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, terms: tuple[int, int] = (2, 12),
+def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: str = "sum_long",
                   history_max: int = 10) -> dict:
-    """The GRPO-shaped workload (module docstring); returns the keys and each config's numbers."""
+    """The GRPO-shaped workload (module docstring) on models trained on ``task``; returns the keys
+    and each config's numbers."""
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
-    prompts = grpo_prompts(tok, 16, 2718, terms)
+    prompts = task_prompts(tok, 16, 2718, task=task)
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     reqs = [GenerateRequest(f"g{i}", p, sp, n=8) for i, p in enumerate(prompts)]
     auto = dict(max_draft_tokens=5)
@@ -364,11 +361,11 @@ def main() -> int:
                     help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)")
     ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
     ap.add_argument("--sections", default="main,grpo", help="what to measure: main (the batch-size table), grpo")
-    ap.add_argument("--grpo-new-tokens", type=int, default=96)
+    ap.add_argument("--grpo-new-tokens", type=int, default=128)
     ap.add_argument("--grpo-rounds", type=int, default=3)
-    ap.add_argument("--grpo-terms", default="2,12",
-                    help="terms per prompt of the GRPO workload, min,max (the demo task trains on 3..6; wider "
-                         "gives the varied response lengths of an RL batch and its long tail)")
+    ap.add_argument("--grpo-task", default="sum_long",
+                    help="task of the GRPO workload and of its own models (in WORK_DIR/models_TASK): sum_long "
+                         "(2..12 terms) gives the varied response lengths of an RL batch and its long tail")
     ap.add_argument("--grpo-history-max", type=int, default=10,
                     help="longest history proposal (history alone: its k_max; beside EAGLE-3: "
                          "history_max_draft_tokens)")
@@ -399,8 +396,11 @@ def main() -> int:
     sections = set(args.sections.split(","))
     grpo = {}
     if "grpo" in sections:
-        grpo = grpo_workload(paths, main_dtype, tok, args.grpo_new_tokens, args.grpo_rounds,
-                             tuple(int(x) for x in args.grpo_terms.split(",")), args.grpo_history_max)
+        gpaths = paths if args.grpo_task == "sum" else build_models(
+            os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
+            task=args.grpo_task)
+        grpo = grpo_workload(gpaths, main_dtype, AutoTokenizer.from_pretrained(gpaths["target"]),
+                             args.grpo_new_tokens, args.grpo_rounds, args.grpo_task, args.grpo_history_max)
     for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)

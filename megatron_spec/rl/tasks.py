@@ -37,7 +37,13 @@ def sum_example(rng: random.Random, min_terms: int = 3, max_terms: int = 6) -> E
     return Example(prompt="+".join(map(str, terms)) + "=", answer=str(total), solution=";".join(steps) + f"#{total}")
 
 
-TASKS = {"sum": sum_example}
+def sum_long_example(rng: random.Random) -> Example:
+    """``sum`` with 2..12 terms: responses of 1..11 steps, lengths that vary as an RL batch's do
+    (the GRPO-shaped rollout benchmark's task)."""
+    return sum_example(rng, 2, 12)
+
+
+TASKS = {"sum": sum_example, "sum_long": sum_long_example}
 
 
 def corrupt_solution(example: Example, rng: random.Random | None = None) -> str:

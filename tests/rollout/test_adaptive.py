@@ -162,3 +162,14 @@ def test_k_main_bounds():
         DraftLengthController(4, k_main=5)
     ctl = DraftLengthController(8, k_main=3)
     assert ctl.choose([[([1.0] * 8, None)]]) == 3  # no history source: never past k_main
+
+
+def test_a_proposal_is_timed_per_k_not_as_k_equal_passes():
+    # EAGLE-3's first pass also extends over the last step's accepted tokens: a proposal costs a + b k
+    ctl = DraftLengthController(5)
+    ctl.record_step(1, 1, 1.0, 0.50, prefill=False)
+    ctl.record_step(1, 3, 1.0, 0.60, prefill=False)
+    assert ctl.step_seconds(1, 3) == pytest.approx(1.0 + 0.60)  # measured, not 3 x the average pass
+    assert ctl.step_seconds(1, 1) == pytest.approx(1.0 + 0.50)
+    avg = ctl.draft.estimate(1)
+    assert ctl.step_seconds(1, 5) == pytest.approx(ctl.verify.estimate(6) + 5 * avg)  # unmeasured k

@@ -5,8 +5,11 @@ Speculation pays ``E(k) / T(B, k)`` tokens per second for a batch of B rows draf
 * ``E_b(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_b[j]`` expected tokens emitted by row b, with
   ``alpha_b[j]`` the probability that draft j is accepted given drafts 1..j-1 were (acceptance per
   position, Leviathan et al. 2023, sec. 3.1, generalised from one alpha to one per position);
-* ``T(B, k) = V(B * (k+1)) + k * D(B)``: the step's time, V the target forward + verification +
-  host work of ``B * (k+1)`` tokens, D one draft pass over B rows (k = 0: a plain step, ``V(B)``).
+* ``T(B, k) = V(B * (k+1)) + P_k(B)``: the step's time, V the target forward + verification +
+  host work of ``B * (k+1)`` tokens, ``P_k`` the main drafter's proposal of k tokens over B rows
+  (k = 0: a plain step, ``V(B)``). A proposal is not k equal passes (EAGLE-3's first pass also
+  extends over the tokens accepted in the last step and fuses the target's hidden states), so it
+  is measured per k; a k not measured yet is estimated as k times the average pass, ``k * D(B)``.
 
 Both are measured online by the engine, nothing is tuned to one machine:
 
@@ -152,7 +155,8 @@ class DraftLengthController:
         self.batch_decay = batch_decay
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
-        self.draft = CostTable()  # one draft pass, keyed by rows B
+        self.draft = CostTable()  # one draft pass (a proposal over k), keyed by rows B
+        self.proposal: dict[int, CostTable] = {}  # a whole proposal of k tokens, per k, keyed by rows B
         self._steps = 0
         self._explore_up = True
 
@@ -178,6 +182,9 @@ class DraftLengthController:
             return None
         if k == 0:
             return v
+        whole = self.proposal[k].estimate(b) if k in self.proposal else None
+        if whole is not None:
+            return v + whole
         d = self.draft.estimate(b)
         return None if d is None else v + k * d
 
@@ -250,3 +257,4 @@ class DraftLengthController:
         self.verify.update(b * (k + 1), step_s)
         if k > 0 and draft_s > 0:
             self.draft.update(b, draft_s / k)
+            self.proposal.setdefault(k, CostTable()).update(b, draft_s)
