@@ -46,12 +46,13 @@ exactly as the main table's are on ``sum`` (``WORK_DIR/models_sum_long``), 16 pr
 through max batch 16, temperature 1, responses ending at EOS, every prompt seen once before (each
 measured call follows a priming call on the same prompts with another seed; the history index is
 emptied before the priming call, so "earlier rollouts" are exactly one step's). Configs, interleaved
-round by round: AR, EAGLE-3 k=3, EAGLE-3 auto, history alone (auto, k_max 10), EAGLE-3 + history
-(auto; EAGLE-3 up to 5, history up to 10 tokens in steps where it drafts alone). Keys:
-``adaptive_over_k3_grpo``, ``history_accept_length_grpo`` (1 + drafts accepted per history-drafted
-request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3 auto),
-``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last one's, AR over
-combined). ``--sections`` limits the run to some of: main, grpo.
+round by round: AR, EAGLE-3 k=2, 3 and 4, EAGLE-3 auto, history alone (auto, k_max 10), EAGLE-3 +
+history (auto; EAGLE-3 up to 5, history up to 10 tokens in steps where it drafts alone). Keys:
+``adaptive_over_k3_grpo``, ``best_fixed_grpo`` (the fastest of AR and k=2..4, median tokens/s) and
+``adaptive_over_best_fixed_grpo``, ``history_accept_length_grpo`` (1 + drafts accepted per
+history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3
+auto), ``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last one's, AR
+over combined). ``--sections`` limits the run to some of: main, grpo.
 
 Prints a table and, last, one JSON line with the ratios.
 """
@@ -162,7 +163,9 @@ def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: st
     reqs = [GenerateRequest(f"g{i}", p, sp, n=8) for i, p in enumerate(prompts)]
     auto = dict(max_draft_tokens=5)
     servers = {"ar": _server(paths, dtype, "none", 1, 16, new_tokens),
+               "eagle3_k2": _server(paths, dtype, "eagle3", 2, 16, new_tokens),
                "eagle3_k3": _server(paths, dtype, "eagle3", 3, 16, new_tokens),
+               "eagle3_k4": _server(paths, dtype, "eagle3", 4, 16, new_tokens),
                "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, **auto),
                "history_auto": _server(paths, dtype, "history", "auto", 16, new_tokens, max_draft_tokens=history_max),
                "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True,
@@ -186,8 +189,13 @@ def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: st
     tails = {n: [x[1] for x in v] for n, v in runs.items()}
     hist_al = [st.source_accept_length("history") for st in stats["combined"]]
     hist_al = [x for x in hist_al if x is not None]
+    fixed = {n: statistics.median(st.tokens_per_s for st in stats[n]) for n in ("ar", "eagle3_k2", "eagle3_k3",
+                                                                                "eagle3_k4")}
+    best_fixed = max(fixed, key=fixed.__getitem__)
     return {
         "adaptive_over_k3_grpo": paired_ratio(stats["eagle3_auto"], stats["eagle3_k3"]),
+        "best_fixed_grpo": best_fixed,
+        "adaptive_over_best_fixed_grpo": paired_ratio(stats["eagle3_auto"], stats[best_fixed]),
         "history_accept_length_grpo": statistics.median(hist_al) if hist_al else None,
         "history_alone_accept_length_grpo": statistics.median(st.spec_accept_length for st in stats["history_auto"]),
         "combined_over_eagle3_grpo": paired_ratio(stats["combined"], stats["eagle3_auto"]),
@@ -474,6 +482,8 @@ def main() -> int:
         "adaptive_over_best_fixed_min": rnd(min(r["adaptive_over_best_fixed"] for r in mine)) if mine else None,
         "best_fixed": best_fixed_name,
         "adaptive_over_k3_grpo": rnd(grpo.get("adaptive_over_k3_grpo")),
+        "best_fixed_grpo": grpo.get("best_fixed_grpo"),
+        "adaptive_over_best_fixed_grpo": rnd(grpo.get("adaptive_over_best_fixed_grpo")),
         "history_accept_length_grpo": rnd(grpo.get("history_accept_length_grpo")),
         "combined_over_eagle3_grpo": rnd(grpo.get("combined_over_eagle3_grpo")),
         "tail_speedup_grpo": rnd(grpo.get("tail_speedup_grpo")),

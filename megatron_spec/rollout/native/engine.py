@@ -406,7 +406,7 @@ class EngineCore:
             r.draft_lengths.append(proposed)
             r.sources.append(src)
             stats.add_step_k(proposed)
-            if k > 0:
+            if k > 0 and not (hist_only and not u):  # a row that sat out a history-only step drafted nothing
                 r.accepted.append(a)
                 stats.add_spec_step(a, self.k_all, source=src)
                 if self.controller is not None and proposed > 0:
