@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,13 +120,45 @@ def gpu_placement(gpu_ids: Sequence[int], tp_size: int) -> dict[str, int]:
     return {"base_gpu_id": ids[0], "gpu_id_step": step}
 
 
+NCCL_PORT_LOW, NCCL_PORT_BLOCK, NCCL_PORT_BLOCKS = 22000, 1000, 8
+"""Where engines look for their NCCL port: SGLang's own choice is a random free port in
+22000-29999 (``get_free_port_below_ephemeral``); here engine e looks in block ``e % 8`` of 1000."""
+
+
+def nccl_port(engine_index: int, *, attempts: int = 64, rng: random.Random | None = None) -> int:
+    """A free TCP port for the NCCL group of engine ``engine_index``, from a block of its own.
+
+    Each SGLang engine's scheduler binds an ``nccl_port`` only after start-up, and SGLang picks it
+    (``PortArgs.init_new`` with ``nccl_port`` None) as a random port of 22000-29999 that is free
+    at that moment: engines started together on one node can pick the same one and one of them
+    fails to bind. Engines of one node have different indices, and with at most 8 GPUs a node
+    holds at most 8 engines, so blocks ``engine_index % 8`` never overlap between them. Checked
+    free by binding it on all IPv4 addresses, as SGLang's own check does.
+
+    Raises:
+        RuntimeError: no free port among ``attempts`` tries in the block.
+    """
+    lo = NCCL_PORT_LOW + (engine_index % NCCL_PORT_BLOCKS) * NCCL_PORT_BLOCK
+    rng = rng or random.Random()
+    for port in rng.sample(range(lo, lo + NCCL_PORT_BLOCK), attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lo}-{lo + NCCL_PORT_BLOCK - 1} for engine {engine_index}'s NCCL group "
+                       f"after {attempts} tries")
+
+
 def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool = True,
                   overrides: Mapping[str, Any] | None = None, fp8_config_file: str | None = None,
                   gpu_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """``sglang.Engine(**kwargs)`` for ``config``.
 
     ``gpu_ids`` (one local device index per TP rank, see :func:`gpu_placement`) become
-    ``base_gpu_id`` / ``gpu_id_step``; without them SGLang uses GPUs ``0 .. tp_size-1``.
+    ``base_gpu_id`` / ``gpu_id_step``; without them SGLang uses GPUs ``0 .. tp_size-1``. The NCCL
+    port comes from the engine's own block (:func:`nccl_port`), not from SGLang's shared range.
 
     FP8 (``config.fp8_weights``): the target is launched as a block-FP8 model with dummy weights,
     since a bf16 checkpoint cannot be loaded into FP8 parameters; the trainer (or
@@ -151,6 +185,7 @@ def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool =
         "enable_memory_saver": True,  # release/resume around training (colocated)
         "load_format": "auto" if config.load_weights else "dummy",
         "weight_version": INITIAL_VERSION,  # what the native engine calls checkpoint weights
+        "nccl_port": nccl_port(config.engine_index),  # engines started together on a node do not race for one
     }
     if gpu_ids is not None:
         kw.update(gpu_placement(gpu_ids, tp_size))

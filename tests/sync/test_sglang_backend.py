@@ -464,3 +464,51 @@ def test_real_sglang_engine(ckpts):
         eng.resume_memory()
         st.sync_target_tensors([(n, t.cuda()) for n, t in named], "t2")
         assert eng.health()["draft_weight_version"] == "t1"
+
+
+def test_engines_of_one_node_take_nccl_ports_from_blocks_of_their_own(ckpts):
+    """Several engines started together on a node: SGLang's own choice (a free port of 22000-29999
+    at that moment, bound later by the scheduler) can give two of them the same port. Each engine
+    takes its port from a block of its own, and SGLang's PortArgs uses it."""
+    import socket
+
+    from sglang.srt.server_args import PortArgs
+
+    ports = {}
+    for e in range(8):
+        cfg = EngineConfig(model_path=ckpts.qwen3, dtype="bfloat16", context_length=256, engine_index=e)
+        args, _ = _resolved(proto.server_kwargs(cfg, tp_size=1))
+        ports[e] = PortArgs.init_new(args).nccl_port
+        lo = proto.NCCL_PORT_LOW + e * proto.NCCL_PORT_BLOCK
+        assert lo <= ports[e] < lo + proto.NCCL_PORT_BLOCK, (e, ports[e])
+    assert len(set(ports.values())) == 8
+    # a port in use is passed over; a block with none free is a clear error
+    lo = proto.NCCL_PORT_LOW + 3 * proto.NCCL_PORT_BLOCK
+    socks = []
+    try:
+        for p in range(lo, lo + 4):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind(("0.0.0.0", p))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        taken = {s.getsockname()[1] for s in socks}
+        for seed in range(20):
+            assert proto.nccl_port(3, rng=__import__("random").Random(seed)) not in taken
+        with pytest.raises(RuntimeError, match="no free port"):
+            proto.nccl_port(3, attempts=len(taken), rng=_FirstPorts(sorted(taken)))
+    finally:
+        for s in socks:
+            s.close()
+
+
+class _FirstPorts:
+    """A stand-in for ``random.Random`` whose ``sample`` offers only the given ports."""
+
+    def __init__(self, ports):
+        self.ports = ports
+
+    def sample(self, population, k):
+        return self.ports[:k]
