@@ -93,6 +93,9 @@ def test_flags(tmp_path):
         cfg(spec_draft_kind="ngram", spec_num_draft_tokens="often").validate()
     with pytest.raises(ConfigError, match="--spec-history needs --spec-num-draft-tokens auto"):
         cfg(spec_draft_kind="ngram", spec_history=True).validate()
+    with pytest.raises(ConfigError, match="--spec-history-max-draft-tokens must be >= 1"):
+        cfg(spec_draft_kind="ngram", spec_num_draft_tokens="auto", spec_history=True,
+            spec_history_max_draft_tokens=0).validate()
     bad = cfg(spec_draft_kind="ngram", spec_num_draft_tokens="auto")
     bad.rollout.rollout_backend = "sglang"
     with pytest.raises(ConfigError, match="rollout-backend native"):
