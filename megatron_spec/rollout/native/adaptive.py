@@ -191,7 +191,7 @@ class DraftLengthController:
     def expected_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
         """Expected tokens per second for every k in ``k_min..k_main`` with a cost estimate, every row
         drafting: row b emits ``max over options[b]`` of ``expected_tokens`` (its best draft source
-        at that k) and the step pays k passes of the main drafter."""
+        at that k) and the step pays the main drafter's proposal of k tokens."""
         b = len(options)
         out = {}
         for k in range(self.k_min, self.k_main + 1):
