@@ -224,11 +224,11 @@ def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: 
     if zoom is None:
         zoom = not any(r.get("spec/watchdog") == "fallback" for rows in runs.values() for r in rows)
     if zoom:
-        fig, (top, zoom) = plt.subplots(2, 1, figsize=(7.5, 6.2), sharex=True, layout="constrained",
-                                        gridspec_kw={"height_ratios": [1, 1.2]})
+        fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.5, 6.2), sharex=True, layout="constrained",
+                                          gridspec_kw={"height_ratios": [1, 1.2]})
     else:
         fig, top = plt.subplots(figsize=(7.5, 3.6), layout="constrained")
-        zoom = None
+        bottom = None
     k, values = 1, []
     for i, (name, rows) in enumerate(runs.items()):
         color = f"C{i}"
@@ -237,13 +237,13 @@ def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: 
         values += [a for a in accept if a == a]
         k = max([k] + [int(r["spec/num_draft_tokens"]) for r in rows if r.get("spec/num_draft_tokens")])
         top.plot(steps, accept, color=color, lw=1.2, label=name)
-        if zoom is not None:
-            zoom.plot(steps, accept, color=color, lw=0.6, alpha=0.45)
-            zoom.plot(steps, _running_mean(accept, smooth), color=color, lw=2.0,
-                      label=f"{name}: {smooth}-step running mean")
+        if bottom is not None:
+            bottom.plot(steps, accept, color=color, lw=0.6, alpha=0.45)
+            bottom.plot(steps, _running_mean(accept, smooth), color=color, lw=2.0,
+                        label=f"{name}: {smooth}-step running mean")
             tau = [(int(r["step"]), r["draft/heldout_tau"]) for r in rows if r.get("draft/heldout_tau") is not None]
             if tau:
-                zoom.plot(*zip(*tau), color=color, ls="--", lw=0.9, label=f"{name}: held-out expected tau")
+                bottom.plot(*zip(*tau), color=color, ls="--", lw=0.9, label=f"{name}: held-out expected tau")
         fallback = [int(r["step"]) for r in rows if r.get("spec/watchdog") == "fallback"]
         if fallback:
             top.plot(fallback, [1.0] * len(fallback), "x", color=color, clip_on=False,
@@ -253,16 +253,16 @@ def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: 
     top.set_title(title or "Acceptance length per GRPO step (tokens per verify step)", fontsize=9)
     top.legend(fontsize=8, loc="lower right")
     top.grid(alpha=0.3)
-    if zoom is None:
+    if bottom is None:
         top.set_xlabel("GRPO step")
         return fig
     if values:
         lo, hi = min(values), max(values)
         pad = 0.05 * (hi - lo or 1.0)
-        zoom.set_ylim(lo - pad, hi + pad)
-    zoom.set(xlabel="GRPO step", ylabel="accept length (zoomed)")
-    zoom.grid(alpha=0.3)
-    zoom.legend(fontsize=7, loc="lower left", ncol=2)
+        bottom.set_ylim(lo - pad, hi + pad)
+    bottom.set(xlabel="GRPO step", ylabel="accept length (zoomed)")
+    bottom.grid(alpha=0.3)
+    bottom.legend(fontsize=7, loc="lower left", ncol=2)
     return fig
 
 

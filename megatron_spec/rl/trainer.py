@@ -284,7 +284,8 @@ class GRPOTrainer:
         return EngineConfig(
             model_path=self.cfg.model.hf_checkpoint, draft_kind=kind, draft_path=draft_path,
             num_draft_tokens=s.spec_num_draft_tokens, max_draft_tokens=s.spec_max_draft_tokens,
-            history=s.spec_history, history_max_draft_tokens=s.spec_history_max_draft_tokens, dtype=r.rollout_dtype, max_batch_size=r.rollout_max_batch_size,
+            history=s.spec_history, history_max_draft_tokens=s.spec_history_max_draft_tokens,
+            dtype=r.rollout_dtype, max_batch_size=r.rollout_max_batch_size,
             context_length=self.cfg.data.max_prompt_length + r.rollout_max_new_tokens, seed=self.cfg.model.seed,
             num_threads=r.rollout_num_threads, load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8",
             mtp_num_layers=s.spec_mtp_num_layers)

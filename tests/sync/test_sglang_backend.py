@@ -470,6 +470,7 @@ def test_engines_of_one_node_take_nccl_ports_from_blocks_of_their_own(ckpts):
     """Several engines started together on a node: SGLang's own choice (a free port of 22000-29999
     at that moment, bound later by the scheduler) can give two of them the same port. Each engine
     takes its port from a block of its own, and SGLang's PortArgs uses it."""
+    import random
     import socket
 
     from sglang.srt.server_args import PortArgs
@@ -496,7 +497,7 @@ def test_engines_of_one_node_take_nccl_ports_from_blocks_of_their_own(ckpts):
             socks.append(s)
         taken = {s.getsockname()[1] for s in socks}
         for seed in range(20):
-            assert proto.nccl_port(3, rng=__import__("random").Random(seed)) not in taken
+            assert proto.nccl_port(3, rng=random.Random(seed)) not in taken
         with pytest.raises(RuntimeError, match="no free port"):
             proto.nccl_port(3, attempts=len(taken), rng=_FirstPorts(sorted(taken)))
     finally:
