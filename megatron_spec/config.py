@@ -121,6 +121,9 @@ class SpecConfig:
                                    "steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)")
     spec_history_max_draft_tokens: int = _f(10, "the longest history proposal beside the drafter (--spec-history): "
                                                 "steps where only the history drafts may verify this many tokens")
+    spec_history_tree: str = _f("auto", "tree steps beside --spec-history (the drafter's and the history's "
+                                        "proposals as two branches of one verify): auto (where the cost model "
+                                        "expects them to pay), off, always", ("auto", "off", "always"))
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history-max-draft-tokens", type=int, default=10,
                    help="the longest history proposal beside the drafter (--history): steps where only the "
                         "history drafts may verify this many tokens")
+    p.add_argument("--history-tree", choices=("auto", "off", "always"), default="auto",
+                   help="tree steps beside --history (the drafter's and the history's proposals as two branches "
+                        "of one verify): auto (where the cost model expects them to pay), off, always")
     p.add_argument("--prompts", required=True, help="JSONL: {'id', 'prompt'} or {'id', 'input_ids'} per line")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's prefill)")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -150,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         config = EngineConfig(model_path=args.model, draft_kind=args.draft_kind, draft_path=args.draft_path,
                               num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
                               history=args.history, history_max_draft_tokens=args.history_max_draft_tokens,
+                              history_tree=args.history_tree,
                               dtype=dtype,
                               max_batch_size=max(args.batch_size, args.n), context_length=context, seed=args.seed,
                               num_threads=args.num_threads)

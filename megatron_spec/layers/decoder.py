@@ -148,7 +148,8 @@ class Attention(nn.Module):
             t = rows.shape[1]
             q = q.gather(2, rows.view(b, 1, t, 1).expand(-1, self.nq, -1, self.d))  # [B, nq, T', d]
             positions = positions.gather(1, rows)
-            mask = None
+            if mask is not None:  # a given mask (a tree's) keeps the rows of the kept queries
+                mask = mask.gather(2, rows.view(b, 1, t, 1).expand(-1, 1, -1, mask.shape[-1]))
         if mask is None:
             mask = attention_mask(positions, kv_lens, read_len)
         if q.dtype == torch.float32 or b * t >= 8:

@@ -80,6 +80,14 @@ class KVCache:
             t[idx, :, :length] = t[src, :, :length].unsqueeze(0)
         self.lens[idx] = length
 
+    def shift(self, slot: int, src: int, dst: int, n: int) -> None:
+        """Move the ``n`` entries at positions ``src..`` of ``slot`` to ``dst..`` in every layer (a tree
+        verify's winning second branch, written after the first, takes the first's place)."""
+        if n <= 0 or src == dst:
+            return
+        for t in self.k + self.v:
+            t[slot, :, dst:dst + n] = t[slot, :, src:src + n].clone()
+
 
 
 READ_BUCKET = 32
@@ -98,6 +106,25 @@ def read_length(kv_lens: torch.Tensor, max_len: int, bucket: int = READ_BUCKET) 
     """
     n = int(kv_lens.max())
     return min(-(-n // bucket) * bucket, max_len)
+
+
+def tree_attention_mask(cache_positions: torch.Tensor, visible: torch.Tensor, length: int) -> torch.Tensor:
+    """Attention mask of a forward whose new tokens form a tree (several branches after one root).
+
+    Args:
+        cache_positions: ``[B, T]`` cache position each new token is written to, ``cache_positions[:, 0]``
+            the first (every earlier position of the row is its prefix, seen by all new tokens).
+        visible: ``[B, T, T]`` bool, ``visible[b, i, j]``: new token i attends to new token j (its
+            ancestors and itself).
+        length: cache length read (``> cache_positions.max()``).
+    Returns:
+        ``[B, 1, T, length]`` bool, True where attention is allowed.
+    """
+    b, t = cache_positions.shape
+    keys = torch.arange(length).view(1, 1, length)
+    mask = (keys < cache_positions[:, :1].unsqueeze(-1)).expand(b, t, length).clone()  # the prefix
+    mask.scatter_(2, cache_positions.unsqueeze(1).expand(b, t, t), visible)
+    return mask.unsqueeze(1)
 
 
 def attention_mask(q_positions: torch.Tensor, kv_lens: torch.Tensor, length: int) -> torch.Tensor:

@@ -285,6 +285,7 @@ class GRPOTrainer:
             model_path=self.cfg.model.hf_checkpoint, draft_kind=kind, draft_path=draft_path,
             num_draft_tokens=s.spec_num_draft_tokens, max_draft_tokens=s.spec_max_draft_tokens,
             history=s.spec_history, history_max_draft_tokens=s.spec_history_max_draft_tokens,
+            history_tree=s.spec_history_tree,
             dtype=r.rollout_dtype, max_batch_size=r.rollout_max_batch_size,
             context_length=self.cfg.data.max_prompt_length + r.rollout_max_new_tokens, seed=self.cfg.model.seed,
             num_threads=r.rollout_num_threads, load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8",
@@ -1000,6 +1001,8 @@ class GRPOTrainer:
         if st.source_accept_length("history") is not None:
             out["spec/history_accept_length"] = st.source_accept_length("history")
             out["spec/history_frac"] = st.source_steps["history"] / max(1, sum(st.source_steps.values()))
+        if st.source_steps.get("tree"):
+            out["spec/tree_frac"] = st.source_steps["tree"] / sum(st.source_steps.values())
         if self.draft_trainer is None:
             out["draft/loss"] = None
         return out

@@ -45,6 +45,10 @@ class EngineConfig:
     history_max_draft_tokens: int = 10
     """The longest history proposal beside a drafter (``history``): in steps where only the history
     drafts, the verify step may be this wide (a proposal from the history costs no forward)."""
+    history_tree: str = "auto"
+    """Tree steps beside ``history`` (the drafter's k tokens and up to ``history_max_draft_tokens`` of the
+    history's as two branches of one verify, ``megatron_spec.spec.verify_tree``): ``auto`` where the
+    controller expects them to pay, ``off``, or ``always`` whenever a row has a history proposal (tests)."""
     dtype: str = "float32"
     """Engine compute dtype: auto | float32 | bfloat16. Each backend resolves it once at start-up through
     ``megatron_spec.isa.resolve_dtype`` (the native engine: bf16 only where the CPU does bf16 natively,
@@ -88,6 +92,8 @@ class EngineConfig:
         if self.history and (not self.adaptive or self.draft_kind in ("none", "history")):
             raise ValueError("history beside a drafter needs num_draft_tokens auto and a draft_kind other than "
                              "none and history (draft_kind history drafts from the history alone)")
+        if self.history_tree not in ("auto", "off", "always"):
+            raise ValueError(f"history_tree must be auto, off or always, got {self.history_tree!r}")
         if self.history and self.history_max_draft_tokens < 1:
             raise ValueError(f"history_max_draft_tokens must be >= 1, got {self.history_max_draft_tokens}")
         if self.dtype not in DTYPE_CHOICES:

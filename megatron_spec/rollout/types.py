@@ -121,6 +121,9 @@ class GenerateStats:
     """Spec row-steps per draft source (the drafter's kind, ``history``)."""
     source_accepted: dict[str, int] = dataclasses.field(default_factory=dict)
     """Drafts accepted per draft source."""
+    tree_second: int = 0
+    """Tree row-steps (source ``tree``: the drafter's and the history's proposals as two branches of one
+    verify) that kept the history branch past the drafter's tokens."""
 
     def add_spec_step(self, num_accepted: int, k: int, source: str | None = None) -> None:
         if len(self.accepted_at_least) < k:
@@ -181,6 +184,7 @@ class GenerateStats:
         self.k_counts.extend([0] * (len(other.k_counts) - len(self.k_counts)))
         for k, c in enumerate(other.k_counts):
             self.k_counts[k] += c
+        self.tree_second += other.tree_second
         for src, n in other.source_steps.items():
             self.source_steps[src] = self.source_steps.get(src, 0) + n
             self.source_accepted[src] = self.source_accepted.get(src, 0) + other.source_accepted.get(src, 0)
@@ -194,7 +198,7 @@ class GenerateStats:
                 "spec_accept_length": round(self.spec_accept_length, 4),
                 "num_draft_tokens": self.num_draft_tokens,
                 "k_mean": None if self.k_mean is None else round(self.k_mean, 4), "k_hist": list(self.k_counts),
-                "source_steps": dict(self.source_steps),
+                "source_steps": dict(self.source_steps), "tree_second_steps": self.tree_second,
                 "source_accept_length": {s: round(self.source_accept_length(s), 4) for s in self.source_steps}}
 
 

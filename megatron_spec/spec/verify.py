@@ -25,11 +25,13 @@ import torch
 from megatron_spec.ops import verify_chain_op
 
 __all__ = [
+    "TreeVerifyResult",
     "VerifyResult",
     "acceptance_probability",
     "expected_num_accepted",
     "sample_from_logprobs",
     "verify_chain",
+    "verify_tree",
 ]
 
 
@@ -130,6 +132,101 @@ def verify_chain(
     logprobs = lp.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]  # [B, k+1]
     logprobs = torch.where(tokens >= 0, logprobs, torch.zeros_like(logprobs))
     return VerifyResult(tokens=tokens, num_accepted=num_accepted, logprobs=logprobs)
+
+
+@dataclass(frozen=True)
+class TreeVerifyResult(VerifyResult):
+    """Outcome of :func:`verify_tree`: ``tokens``, ``num_accepted``, ``logprobs`` along the kept path
+    (``[B, k+m+1]``; ``num_accepted`` is the tokens emitted minus one), and where the path ran."""
+
+    positions: torch.Tensor = None
+    """``[B, k+m+1]`` int64: the index into the tree's ``k+1+m`` positions (the last token, x_1..x_k,
+    y_1..y_m) whose logits verified each emitted token (the node of the token before it)."""
+    first_accepted: torch.Tensor = None
+    """``[B]`` int64: drafts of the first branch on the kept path (what a chain of x alone accepted)."""
+    second: torch.Tensor = None
+    """``[B]`` bool: the path went on along y past the first branch's tokens (the cached tokens of the
+    path are then y_1..y_n, whose K/V sit at y's positions)."""
+    second_len: torch.Tensor = None
+    """``[B]`` int64: n, the tokens of y cached on the kept path (``num_accepted``; 0 where not ``second``)."""
+
+
+def verify_tree(
+    target_logprobs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    second_logprobs: torch.Tensor,
+    second_tokens: torch.Tensor,
+    *,
+    d2t: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
+    generator: torch.Generator,
+) -> TreeVerifyResult:
+    """Verify two draft branches after the same last token: ``x_1..x_k`` drawn from ``q`` (as in
+    :func:`verify_chain`) and a deterministic ``y_1..y_m`` (a history proposal, point mass).
+
+    The rule (recursive rejection with a point-mass second draft): at the first position, accept
+    ``x_1`` with ``min(1, p/q)``; else the residual ``r = norm(max(p - q, 0))`` is the distribution
+    left to match, ``y_1`` is accepted with probability ``r(y_1)``, else a token is drawn from ``r``
+    without ``y_1``. That is exactly what drawing the correction token ``c ~ r`` and accepting ``y_1``
+    iff ``c == y_1`` does, so: the first branch is verified as a chain; where the tokens it emitted
+    (accepted drafts and the correction or bonus token) are a prefix of the second branch, the
+    second branch's remaining tokens are verified as a point-mass chain against its own positions'
+    logits. Every emitted token follows ``p`` (the first chain is exact; the second continues from a
+    context the emitted tokens decided, with fresh uniforms, and a proposal fixed before them).
+    With ``y_1 == x_1`` the branches share a prefix and the rule is the same (``r(x_1) = 0``).
+
+    Args:
+        target_logprobs: ``[B, k+1, V]`` the target at the last token and at ``x_1..x_k``.
+        draft_tokens, draft_probs, d2t, greedy: the first branch, as in :func:`verify_chain`.
+        second_logprobs: ``[B, m, V]`` the target at ``y_1..y_m`` (given ``y_1..y_j``).
+        second_tokens: ``[B, m]`` the second branch; -1 ends it (a row without one: all -1).
+        generator: draws the uniforms (of the first chain, then of the second).
+    Returns:
+        :class:`TreeVerifyResult`.
+    """
+    first = verify_chain(target_logprobs, draft_tokens, draft_probs, d2t=d2t, greedy=greedy, generator=generator)
+    b, k1 = first.tokens.shape
+    m = second_tokens.shape[1]
+    y = second_tokens.to(torch.int64)
+    a = first.num_accepted
+    tokens = torch.full((b, k1 + m), -1, dtype=torch.long)
+    logprobs = torch.zeros(b, k1 + m)
+    tokens[:, :k1], logprobs[:, :k1] = first.tokens, first.logprobs
+    num = a.clone()
+    positions = torch.arange(k1 + m).expand(b, -1).clone()
+    second = torch.zeros(b, dtype=torch.bool)
+    second_len = torch.zeros(b, dtype=torch.long)
+
+    def result():
+        return TreeVerifyResult(tokens, num, logprobs, positions, a, second, second_len)
+
+    if m == 0:
+        return result()
+    # go on along y where the a + 1 tokens the first branch emitted are y_1..y_{a+1} and y_{a+2} exists
+    j = torch.arange(k1).view(1, -1)
+    y_pad = torch.cat([y, torch.full((b, max(0, k1 - m)), -1, dtype=torch.long)], 1)[:, :k1]
+    agree = ((first.tokens == y_pad) | (j > a.view(-1, 1))).all(1)
+    cont = agree & (a + 1 < m)
+    cont &= y.gather(1, (a + 1).clamp(max=m - 1).view(-1, 1))[:, 0] >= 0
+    idx = cont.nonzero()[:, 0]
+    if not idx.numel():
+        return result()
+    start = a[idx] + 1  # y_1..y_start are emitted; y_{start+1}.. are verified at the logits of y_start..
+    w = int((m - start).max())  # drafts left on the longest row
+    col = torch.arange(w + 1).view(1, -1)
+    lp2 = second_logprobs[idx.view(-1, 1), (start.view(-1, 1) - 1 + col).clamp(max=m - 1)]  # [R, w+1, V]
+    d_off = start.view(-1, 1) + col[:, :w]
+    d2 = torch.where(d_off < m, y[idx.view(-1, 1), d_off.clamp(max=m - 1)], torch.full_like(d_off, -1))
+    res2 = verify_chain(lp2, d2, None, greedy=None if greedy is None else greedy[idx], generator=generator)
+    for r, s0, toks, lps, n2 in zip(idx.tolist(), start.tolist(), res2.tokens, res2.logprobs,
+                                    res2.num_accepted.tolist()):
+        tokens[r, s0:s0 + n2 + 1] = toks[:n2 + 1]
+        logprobs[r, s0:s0 + n2 + 1] = lps[:n2 + 1]
+        num[r] = second_len[r] = s0 + n2
+        second[r] = True
+        positions[r, s0:] = (k1 - 1 + torch.arange(s0, k1 + m)).clamp(max=k1 + m - 1)  # token j at y_j's logits
+    return result()
 
 
 def sample_from_logprobs(

@@ -130,7 +130,8 @@ def _train_two(ctl: DraftLengthController, b: int, main_accept: float, hist_acce
     chosen = []
     for _ in range(steps):
         opts = [[(ctl.row_alpha("d", None), None), (ctl.row_alpha("history", None), hist_len)]] * b
-        k, hist_only = ctl.choose_step(opts)
+        plan = ctl.choose_step(opts)
+        k, hist_only = plan.k, plan.mode == "history"
         chosen.append((k, hist_only))
         for _ in range(b):
             if hist_only:
@@ -176,3 +177,67 @@ def test_a_proposal_is_timed_per_k_not_as_k_equal_passes():
     assert ctl.step_seconds(1, 1) == pytest.approx(1.0 + 0.50)
     avg = ctl.draft.estimate(1)
     assert ctl.step_seconds(1, 5) == pytest.approx(ctl.verify.estimate(6) + 5 * avg)  # unmeasured k
+
+
+def _train_tree(ctl: DraftLengthController, b: int, per_token_s: float, realized_frac: float,
+                steps: int = 300) -> list:
+    """Rows with both sources, independent (main drafter accepts each position with 0.6, the history
+    with 0.5, proposals of 8); verify costs 1 + ``per_token_s`` per token, a main-drafter pass 0.05;
+    tree rows emit ``realized_frac`` of the drafted tokens the controller predicted."""
+    import random
+
+    from megatron_spec.rollout.native.adaptive import tree_expected_tokens
+
+    rng = random.Random(0)
+
+    def run(n, rate):
+        a = 0
+        while a < n and rng.random() < rate:
+            a += 1
+        return a
+
+    plans = []
+    for _ in range(steps):
+        opts = [[(ctl.row_alpha("d", None), None), (ctl.row_alpha("history", None), 8)]] * b
+        plan = ctl.choose_step(opts)
+        plans.append(plan)
+        k = plan.k
+        for _ in range(b):
+            if plan.mode != "history" and k:
+                ctl.record_accept("d", None, k, run(k, 0.6))
+            n = min(max(k, plan.m), 8)
+            ctl.record_accept("history", None, n, run(n, 0.5))
+        if plan.mode == "tree":
+            pred = b * (tree_expected_tokens(opts[0][0][0], k, opts[0][1][0], 8, plan.m) - 1)
+            ctl.record_tree(pred, realized_frac * pred)
+        width = k + 1 + plan.m
+        ctl.record_step(b, k, 1.0 + per_token_s * b * width, 0.0 if plan.mode == "history" else 0.05 * k,
+                        prefill=False, m=plan.m)
+    return plans
+
+
+def test_tree_steps_chosen_when_the_wider_verify_is_cheap():
+    ctl = DraftLengthController(8, k_main=3, k_tree=8)
+    late = _train_tree(ctl, 1, per_token_s=0.001, realized_frac=1.0)[-60:]
+    assert sum(p.mode == "tree" for p in late) > 45, late
+
+
+def test_no_tree_steps_when_the_verify_is_compute_bound_or_trees_underdeliver():
+    ctl = DraftLengthController(8, k_main=3, k_tree=8)
+    late = _train_tree(ctl, 16, per_token_s=0.05, realized_frac=1.0)[-60:]
+    assert sum(p.mode == "tree" for p in late) < 10, late
+    ctl = DraftLengthController(8, k_main=3, k_tree=8)
+    plans = _train_tree(ctl, 1, per_token_s=0.001, realized_frac=0.2, steps=400)
+    # trees gave a fifth of what independence predicts: the calibration falls until they stop paying
+    assert ctl.tree_calibration < 0.8
+    assert sum(p.mode == "tree" for p in plans[:60]) >= 5 and sum(p.mode == "tree" for p in plans[-100:]) == 0
+
+
+def test_tree_modes():
+    with pytest.raises(ValueError, match="tree must be one of"):
+        DraftLengthController(8, k_main=3, k_tree=8, tree="sometimes")
+    off = DraftLengthController(8, k_main=3, k_tree=8, tree="off")
+    assert off.k_tree == 0 and not any(p.mode == "tree" for p in _train_tree(off, 1, 0.001, 1.0, steps=50))
+    always = DraftLengthController(8, k_main=3, k_tree=8, tree="always")
+    plans = _train_tree(always, 16, 0.05, 0.2, steps=50)
+    assert all(p.mode == "tree" for p in plans[1:])  # (the first step measures the drafter)

@@ -193,3 +193,22 @@ def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
         for s, t in zip(mine, ref):
             assert s.output_ids == t.output_ids
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "model"])
+def test_tree_steps_greedy_identical_to_transformers(setup, greedy_reference, kind):
+    """history_tree always: wherever a row has a history proposal the step is a tree (the drafter's k
+    tokens and the history's as two branches of one verify); the history branch is kept past the
+    drafter's tokens (its cache entries moved into place, the drafter's state rebuilt from the kept
+    path) and the output is still transformers' greedy output."""
+    prompts, ref = greedy_reference
+    server = _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=3, max_batch_size=4, history=True,
+                     history_max_draft_tokens=8, history_tree="always")
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40), n=1 + i % 2)
+            for i, p in enumerate(prompts)]
+    server.generate(reqs)
+    samples, stats = server.generate(reqs)
+    assert stats.source_steps.get("tree", 0) > 20 and stats.tree_second > 10, (stats.source_steps, stats.tree_second)
+    for s in samples:
+        assert s.output_ids == ref[int(s.request_id[1:])], (kind, s.request_id, s.sample_index)
+    assert stats.source_accept_length("tree") > stats.source_accept_length(kind)

@@ -60,3 +60,39 @@ def test_segments_in_one_forward_equal_separate_forwards(setup):
                                        atol=1e-5, rtol=0)
             torch.testing.assert_close(caches[0].v[layer][slot, :, :n], caches[1].v[layer][slot, :, :n],
                                        atol=1e-5, rtol=0)
+
+
+def test_tree_segment_equals_each_branch_alone(setup):
+    """A tree segment ``[last, a_1..a_k, b_1..b_m]`` (b at the RoPE positions of a, written after it)
+    gives each branch the logits and K/V of a chain forward of that branch alone; after
+    ``KVCache.shift`` the b branch's entries sit where a chain forward of b would have put them."""
+    from megatron_spec.rollout.native.engine import tree_segment
+    from tests.conftest import load_native
+
+    model = load_native(setup.target)
+    g = torch.Generator().manual_seed(6)
+    vocab = setup.cfg.vocab_size
+    prompt = torch.randint(4, vocab, (2, 7), generator=g)
+    k, m = 3, 4
+    last = torch.randint(4, vocab, (2, 1), generator=g)
+    a = torch.randint(4, vocab, (2, k), generator=g)
+    b = torch.randint(4, vocab, (2, m), generator=g)
+    caches = [model.new_cache(2, 32) for _ in range(3)]
+    with torch.no_grad():
+        for c in caches:
+            model(prompt, torch.arange(7).expand(2, 7), c, torch.tensor([7, 7]))
+        base = torch.tensor([7, 7])
+        seg = tree_segment(torch.cat([last, a, b], 1), base, k, m)
+        tree_logits, _ = model.forward_segments([seg], caches[0])[0]
+        chain_a, _ = model(torch.cat([last, a], 1), 7 + torch.arange(k + 1).expand(2, -1), caches[1],
+                           torch.tensor([11, 11]))
+        chain_b, _ = model(torch.cat([last, b], 1), 7 + torch.arange(m + 1).expand(2, -1), caches[2],
+                           torch.tensor([12, 12]))
+    torch.testing.assert_close(tree_logits[:, :k + 1], chain_a, atol=1e-4, rtol=0)
+    torch.testing.assert_close(tree_logits[:, k + 1:], chain_b[:, 1:], atol=1e-4, rtol=0)
+    for slot in range(2):
+        caches[0].shift(slot, 7 + k + 1, 7 + 1, m)
+    for layer in range(setup.cfg.num_layers):
+        for t in ("k", "v"):
+            torch.testing.assert_close(getattr(caches[0], t)[layer][:, :, :7 + m + 1],
+                                       getattr(caches[2], t)[layer][:, :, :7 + m + 1], atol=1e-4, rtol=0)

@@ -94,12 +94,14 @@ def exact_third(model_dir: str, temperature: float, top_k: int, top_p: float
     return pair, third
 
 
-def test_history_beside_eagle3_follows_the_target(setup, tmp_path):
+@pytest.mark.parametrize("tree", ["auto", "always"])
+def test_history_beside_eagle3_follows_the_target(setup, tmp_path, tree):
     """EAGLE-3 + the history drafter, adaptive k: every wave of 64 samples of the same prompt drafts
     from the responses of the waves before (and of its finished siblings) wherever the controller
     expects more from them; those rows are verified with a point-mass q, the others with the draft's q,
-    in the same step. The third token (the first one a history match of min_match 2 can draft) and the
-    pair (t2, t3) must follow the target."""
+    in the same step. With ``--history-tree always`` every such row carries both proposals as two
+    branches of one verify (``verify_tree``). The third token (the first one a history match of
+    min_match 2 can draft) and the pair (t2, t3) must follow the target."""
     temperature, top_k, top_p = 0.7, 5, 0.9  # a peaked target: siblings repeat, the history is drafted from
     prompts = tmp_path / "prompts.jsonl"
     per_request = 64
@@ -108,13 +110,16 @@ def test_history_beside_eagle3_follows_the_target(setup, tmp_path):
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "megatron_spec", "generate", "--model", setup.target, "--draft-kind", "eagle3",
            "--draft-path", setup.eagle3, "--num-draft-tokens", "auto", "--max-draft-tokens", "3", "--history",
-           "--prompts", str(prompts), "--n", str(per_request), "--temperature", str(temperature), "--top-k",
+           "--history-tree", tree, "--prompts", str(prompts), "--n", str(per_request), "--temperature", str(temperature), "--top-k",
            str(top_k), "--top-p", str(top_p), "--max-new-tokens", "4", "--ignore-eos", "--seed", "4321",
            "--batch-size", "64", "--num-threads", "2", "--output", str(out), "--no-progress", "--dtype", "float32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["source_steps"].get("history", 0) > 100, summary  # the history really drafted
+    if tree == "always":  # the trees really ran, and the history branch was kept past the draft's tokens
+        assert summary["source_steps"].get("tree", 0) > 500 and summary["tree_second_steps"] > 100, summary
+    else:
+        assert summary["source_steps"].get("history", 0) > 100, summary  # the history really drafted
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == N
     pair, third = exact_third(setup.target, temperature, top_k, top_p)

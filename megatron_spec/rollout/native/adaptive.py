@@ -30,9 +30,17 @@ Both are measured online by the engine, nothing is tuned to one machine:
 (the main drafter's longest proposal). With a second source beside it (the history drafter,
 whose proposals cost no forward), it also weighs a step where only the rows with a history
 proposal draft, up to ``k_max`` tokens, and the main drafter does not run: ``T = V(B * (k+1))``,
-the other rows emit one token. Every ``explore_every``-th step it tries a neighbour of the best
-k instead (alternately above and below), so the cost table and the deeper positions' acceptance
-keep being measured. The choice never changes any output distribution: verification is exact for every k.
+the other rows emit one token; and, with ``k_tree``, a *tree* step: every row drafts k tokens from
+the main drafter and the rows with a history proposal also carry up to m of it as a second branch
+of the same verify (``megatron_spec.spec.verify_tree``), ``T = V(B * (1+k+m)) + P_k(B)``. A tree
+row emits ``1 + max(a, n)`` tokens, a the main branch's accepted drafts and n the history's
+matching ones; the controller estimates ``E = 1 + sum_j P(a >= j or n >= j)`` as if the two were
+independent (``1 - (1 - PA_j)(1 - PB_j)``), then scales the drafted part by what tree steps
+really emitted over what it predicted for them (an online calibration: the two sources are
+correlated, both right on easy text, and the independence estimate is optimistic). Every
+``explore_every``-th step it tries a neighbour of the best k instead (alternately above and below),
+so the cost table and the deeper positions' acceptance keep being measured. The choice never
+changes any output distribution: verification is exact for every k, m and mode.
 
 This module knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and
 accepted counts.
@@ -42,6 +50,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
 
 
 class CostTable:
@@ -138,18 +149,58 @@ def expected_tokens(alpha: Sequence[float], k: int, limit: int | None = None) ->
     return total
 
 
+def tree_expected_tokens(main: Sequence[float], k: int, hist: Sequence[float] | None, limit: int, m: int) -> float:
+    """``1 + sum_j (1 - (1 - PA_j)(1 - PB_j))`` for a tree row: PA_j the main branch's chance to accept
+    j drafts (j <= k), PB_j the history branch's chance to match j tokens (j <= min(m, limit))."""
+    if hist is None or not limit or not m:
+        return expected_tokens(main, k)
+    m = min(m, limit)
+    total, pa, pb = 1.0, 1.0, 1.0
+    for j in range(max(k, m)):
+        pa = pa * main[j] if j < k else 0.0
+        pb = pb * hist[j] if j < m else 0.0
+        total += pa + pb - pa * pb
+    return total
+
+
+class StepPlan(NamedTuple):
+    """What the next verify step drafts: ``k`` main-drafter tokens (or history tokens in ``history``
+    mode), ``mode`` one of ``all`` (every row drafts from its better source), ``history`` (only rows
+    with a history proposal draft; the main drafter sits out), ``tree`` (every row drafts k from the
+    main drafter, rows with a history proposal add up to ``m`` of it as a second branch)."""
+
+    k: int
+    mode: str = "all"
+    m: int = 0
+
+
+TREE_MODES = ("auto", "off", "always")
+
+
 class DraftLengthController:
     """Chooses k per verify step (see the module docstring)."""
 
     def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, row_prior_weight: float = 4.0,
-                 batch_decay: float = 0.98, k_main: int | None = None):
+                 batch_decay: float = 0.98, k_main: int | None = None, k_tree: int = 0, tree: str = "auto",
+                 tree_calibration_ema: float = 0.05):
         if not 0 <= k_min <= k_max or k_max < 1:
             raise ValueError(f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}")
         k_main = k_max if k_main is None else k_main
         if not max(1, k_min) <= k_main <= k_max:
             raise ValueError(f"k_main (the main drafter's longest proposal) must be in {max(1, k_min)}..{k_max}, "
                              f"got {k_main}")
+        if tree not in TREE_MODES:
+            raise ValueError(f"tree must be one of {TREE_MODES}, got {tree!r}")
+        if k_tree < 0:
+            raise ValueError(f"k_tree must be >= 0, got {k_tree}")
         self.k_max, self.k_min, self.k_main = k_max, k_min, k_main
+        self.k_tree = 0 if tree == "off" else k_tree
+        """The longest second (history) branch of a tree step; 0: no tree steps."""
+        self.tree = tree
+        self.tree_calibration = 1.0
+        """Tree rows' drafted tokens emitted over predicted (EMA over tree steps): starts at 1, so tree
+        steps get tried, and falls to what they really give."""
+        self.tree_calibration_ema = tree_calibration_ema
         self.explore_every = explore_every
         self.row_prior_weight = row_prior_weight
         self.batch_decay = batch_decay
@@ -216,45 +267,107 @@ class DraftLengthController:
                 out[k] = sum(expected_tokens(*opts[1], k) if len(opts) > 1 else 1.0 for opts in options) / t
         return out
 
+    def tree_expected(self, options: Sequence[Sequence[Option]], k: int, m: int) -> list[float]:
+        """Calibrated expected tokens per row of a tree step (k main drafts, up to m history tokens)."""
+        out = []
+        for opts in options:
+            if len(opts) > 1:
+                e = tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m)
+                out.append(1.0 + self.tree_calibration * (e - 1.0))
+            else:
+                out.append(expected_tokens(opts[0][0], k))
+        return out
+
+    def tree_rates(self, options: Sequence[Sequence[Option]]) -> dict[tuple[int, int], float]:
+        """Expected tokens per second of a tree step for every (k, m), k in ``1..k_main``, m in
+        ``1..k_tree`` (vectorised: ``B x k x m x positions``). Empty without a tree or a history row."""
+        if not self.k_tree or not any(len(opts) > 1 for opts in options):
+            return {}
+        b, kk, mm = len(options), self.k_main, self.k_tree
+        depth = max(kk, mm)
+        pa = np.zeros((b, depth))  # P(the main branch accepts >= j + 1 drafts)
+        pb = np.zeros((b, depth))  # P(the history branch matches >= j + 1 tokens)
+        lim = np.zeros(b, dtype=np.int64)
+        for i, opts in enumerate(options):
+            pa[i, :kk] = np.cumprod(np.asarray(opts[0][0][:kk], dtype=np.float64))
+            if len(opts) > 1:
+                n = min(opts[1][1] or mm, mm)
+                pb[i, :n] = np.cumprod(np.asarray(opts[1][0][:n], dtype=np.float64))
+                lim[i] = n
+        j = np.arange(depth)
+        ka = (j[None, :] < np.arange(1, kk + 1)[:, None]).astype(np.float64)  # [k, depth]
+        mb = (j[None, :] < np.arange(1, mm + 1)[:, None]).astype(np.float64)  # [m, depth]
+        a = pa[:, None, None, :] * ka[None, :, None, :]  # [B, k, 1, depth]
+        h = pb[:, None, None, :] * mb[None, None, :, :]  # [B, 1, m, depth]
+        union = (a + h - a * h).sum(-1)  # [B, k, m]
+        main_only = (pa[:, None, :] * ka[None]).sum(-1)  # [B, k]
+        has = lim > 0
+        drafted = np.where(has[:, None, None], self.tree_calibration * union, main_only[:, :, None])
+        tokens = (1.0 + drafted).sum(0)  # [k, m]
+        out = {}
+        for k in range(1, kk + 1):
+            whole = self.proposal[k].estimate(b) if k in self.proposal else None
+            if whole is None:
+                d = self.draft.estimate(b)
+                if d is None:
+                    continue
+                whole = k * d
+            for m in range(1, mm + 1):
+                t = self.verify.estimate(b * (1 + k + m))
+                if t is not None:
+                    out[(k, m)] = float(tokens[k - 1, m - 1]) / (t + whole)
+        return out
+
+    def record_tree(self, predicted: float, emitted: float) -> None:
+        """One tree step's rows with a second branch: tokens drafted and accepted, predicted (before the
+        calibration) and emitted; moves the calibration towards their ratio."""
+        if predicted > 0:
+            ratio = min(2.0, emitted / predicted)
+            self.tree_calibration += self.tree_calibration_ema * (ratio - self.tree_calibration)
+
     def choose(self, options: Sequence[Sequence[Option]]) -> int:
-        """k for the next step with every row drafting (``choose_step`` without the history-only mode)."""
-        return self._pick(self.expected_rates(options), {})[0]
+        """k for the next step with every row drafting (``choose_step`` without the other modes)."""
+        return self._pick(self.expected_rates(options), {}, {}).k
 
-    def choose_step(self, options: Sequence[Sequence[Option]]) -> tuple[int, bool]:
-        """k for the next step and whether only the rows' second sources draft (the main drafter
-        skips the step); ``options[b]``: row b's draft sources as (acceptance per position
-        (``row_alpha``), proposal length or None for any k), the main drafter's first."""
-        return self._pick(self.expected_rates(options), self.history_rates(options))
+    def choose_step(self, options: Sequence[Sequence[Option]]) -> StepPlan:
+        """The next step's :class:`StepPlan`; ``options[b]``: row b's draft sources as (acceptance per
+        position (``row_alpha``), proposal length or None for any k), the main drafter's first."""
+        return self._pick(self.expected_rates(options), self.history_rates(options), self.tree_rates(options))
 
-    def _pick(self, rates: dict[int, float], hist_rates: dict[int, float]) -> tuple[int, bool]:
+    def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
+              tree_rates: dict[tuple[int, int], float]) -> StepPlan:
         self._steps += 1
         if not len(self.draft) and self.k_main >= 1:
-            return self.k_main, False  # first: measure a draft pass and every position's acceptance
-        if not rates and not hist_rates:
-            return self.k_main, False
-        best_mixed = max(rates, key=rates.__getitem__) if rates else None
-        best_hist = max(hist_rates, key=hist_rates.__getitem__) if hist_rates else None
-        hist_only = best_hist is not None and (best_mixed is None or hist_rates[best_hist] > rates[best_mixed])
-        best, lo, hi = (best_hist, 1, self.k_max) if hist_only else (best_mixed, self.k_min, self.k_main)
+            return StepPlan(self.k_main)  # first: measure a draft pass and every position's acceptance
+        if self.tree == "always" and tree_rates:  # tests and benchmarks: a tree whenever a row can have one
+            rates, hist_rates = {}, {}
+        cands = [(r, StepPlan(k)) for k, r in rates.items()]
+        cands += [(r, StepPlan(k, "history")) for k, r in hist_rates.items()]
+        cands += [(r, StepPlan(k, "tree", m)) for (k, m), r in tree_rates.items()]
+        if not cands:
+            return StepPlan(self.k_main)
+        best = max(cands, key=lambda c: c[0])[1]
+        lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[best.mode]
         if self.explore_every and self._steps % self.explore_every == 0:
             step = 1 if self._explore_up else -1
             self._explore_up = not self._explore_up
-            cand = best + step
+            cand = best.k + step
             if not lo <= cand <= hi:
-                cand = best - step
+                cand = best.k - step
             if lo <= cand <= hi:
-                return cand, hist_only
-        return best, hist_only
+                return best._replace(k=cand)
+        return best
 
-    def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool) -> None:
+    def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool, m: int = 0) -> None:
         """Time of one step (everything but the draft's proposal) and of the main drafter's proposal
-        of k tokens (0: it did not run); a step that carried a prefill has no representative time and
+        of k tokens (0: it did not run); ``m``: a tree step's second branch (its verify forward is
+        ``B * (1+k+m)`` tokens wide). A step that carried a prefill has no representative time and
         is not recorded."""
         for stats in self.batch.values():
             stats.decay_all()
         if prefill:
             return
-        self.verify.update(b * (k + 1), step_s)
+        self.verify.update(b * (k + 1 + m), step_s)
         if k > 0 and draft_s > 0:
             self.draft.update(b, draft_s / k)
             self.proposal.setdefault(k, CostTable()).update(b, draft_s)

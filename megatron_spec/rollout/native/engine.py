@@ -41,7 +41,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_spec.rollout.native.adaptive import AcceptanceStats, DraftLengthController
+from megatron_spec.rollout.native.adaptive import (
+    AcceptanceStats,
+    DraftLengthController,
+    StepPlan,
+    expected_tokens,
+    tree_expected_tokens,
+)
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
 from megatron_spec.rollout.types import (
@@ -52,9 +58,25 @@ from megatron_spec.rollout.types import (
     SampleOutput,
 )
 from megatron_spec.spec import SamplingTensors, process_logits
-from megatron_spec.spec.verify import sample_from_logprobs, verify_chain
+from megatron_spec.spec.verify import sample_from_logprobs, verify_chain, verify_tree
 
 logger = logging.getLogger(__name__)
+
+
+def tree_segment(inputs: torch.Tensor, base: torch.Tensor, k: int, m: int) -> Segment:
+    """The verify forward of a two-branch tree: ``inputs [B, 1+k+m]`` = the last token, the first
+    branch x_1..x_k, the second y_1..y_m, of rows whose caches hold ``base [B]`` tokens. x_i and y_i
+    both sit at RoPE position ``base + i``; their K/V are written one after the other to cache
+    positions ``base..base+k+m``; x_i sees the prefix, the last token and x_1..x_i, y_i the prefix,
+    the last token and y_1..y_i."""
+    b, t = inputs.shape
+    rope = torch.cat([torch.arange(k + 1), torch.arange(1, m + 1)])
+    visible = torch.zeros(t, t, dtype=torch.bool)
+    visible[:k + 1, :k + 1] = torch.ones(k + 1, k + 1, dtype=torch.bool).tril()
+    visible[k + 1:, 0] = True
+    visible[k + 1:, k + 1:] = torch.ones(m, m, dtype=torch.bool).tril()
+    return Segment(inputs, base.unsqueeze(1) + rope, base + t, cache_positions=base.unsqueeze(1) + torch.arange(t),
+                   visible=visible.expand(b, t, t))
 
 
 class RequestError(ValueError):
@@ -104,7 +126,8 @@ class EngineCore:
     def __init__(self, model: CausalLM, drafter: Drafter | None, *, num_draft_tokens: int = 3,
                  max_batch_size: int = 32, context_length: int = 2048, seed: int = 0,
                  prefill_token_budget: int = 8192, eos_token_ids: Sequence[int] = (), adaptive: bool = False,
-                 history: Drafter | None = None, history_max_draft_tokens: int | None = None):
+                 history: Drafter | None = None, history_max_draft_tokens: int | None = None,
+                 history_tree: str = "auto"):
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         if history is not None and (drafter is None or not adaptive):
@@ -120,11 +143,14 @@ class EngineCore:
         """The longest history proposal beside the main drafter (drafted in steps where the main drafter
         does not run: a proposal from the history costs no forward, so it may be longer)."""
         self.k_all = max(self.k, self.k_history)
-        """The widest verify step (the cache keeps that many spare positions)."""
+        """The most drafts one row can have accepted in a step (a chain of k, a history proposal)."""
+        self.k_tree = self.k_history if history is not None and history_tree != "off" else 0
+        """The longest history branch beside the main drafter's k in a tree step (0: no tree steps)."""
         self.controller = None
         if adaptive and drafter is not None:
             k_min = 0 if drafter.supports_skip else 1
-            self.controller = DraftLengthController(self.k_all, k_min=k_min, k_main=self.k)
+            self.controller = DraftLengthController(self.k_all, k_min=k_min, k_main=self.k, k_tree=self.k_tree,
+                                                    tree=history_tree)
         self.max_batch_size = max_batch_size
         self.context_length = context_length
         self.prefill_token_budget = prefill_token_budget
@@ -136,8 +162,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ memory
     def allocate(self) -> None:
-        # k + 1 spare positions: a verify step writes up to k+1 entries past a row's length
-        max_len = self.context_length + self.k_all + 1
+        # spare positions: a verify step writes up to k+1 entries past a row's length (1+k+m: a tree)
+        max_len = self.context_length + max(self.k_all, self.k + self.k_tree) + 1
         self.cache = self.model.new_cache(self.max_batch_size, max_len)
         if self.drafter is not None:
             self.drafter.allocate(self.max_batch_size, max_len)
@@ -364,9 +390,10 @@ class EngineCore:
         hist = self.history.propose_lists(tokens, self.k_history) if self.history is not None else None
         t_draft = time.perf_counter() - t0
         if self.controller is None:
-            k, use_hist, hist_only = self.k, [False] * b, False
+            plan, use_hist, options = StepPlan(self.k), [False] * b, None
         else:
-            k, use_hist, hist_only = self._choose(rows, hist)
+            plan, use_hist, options = self._choose(rows, hist)
+        k, hist_only, tree = plan.k, plan.mode == "history", plan.mode == "tree"
         t1 = time.perf_counter()
         main_ran = k > 0 and not hist_only and (not all(use_hist) or not self.drafter.supports_skip)
         if main_ran:
@@ -383,44 +410,83 @@ class EngineCore:
                 h = hist[i][:k]
                 drafts[i] = -1
                 drafts[i, :len(h)] = torch.tensor(h, dtype=torch.long)
-        inputs = torch.cat([torch.tensor([[r.tokens[-1]] for r in rows]), drafts.clamp(min=0)], dim=1)
+        last = torch.tensor([[r.tokens[-1]] for r in rows])
         base = self.cache.lens[:b].clone()
-        pos = base.unsqueeze(1) + torch.arange(k + 1)  # [B, k+1]
-        (logits, aux), pre = self._forward(Segment(inputs, pos, base + k + 1), adm, self.drafter.aux_layers)
-        lp = process_logits(logits, sampling)  # [B, k+1, V]
+        m = plan.m if tree else 0
+        branch = torch.full((b, m), -1, dtype=torch.long)  # a tree step's second branch (history)
+        for i in range(b) if tree else ():
+            h = hist[i][:m]
+            branch[i, :len(h)] = torch.tensor(h, dtype=torch.long)
+        if tree:
+            seg = tree_segment(torch.cat([last, drafts.clamp(min=0), branch.clamp(min=0)], dim=1), base, k, m)
+        else:
+            inputs = torch.cat([last, drafts.clamp(min=0)], dim=1)
+            seg = Segment(inputs, base.unsqueeze(1) + torch.arange(k + 1), base + k + 1)
+        (logits, aux), pre = self._forward(seg, adm, self.drafter.aux_layers)
+        lp = process_logits(logits, sampling)  # [B, k+1(+m), V]
         d2t = self.drafter.d2t if q is not None else None  # d2t maps q's vocabulary; drafts are target ids
-        res = self._verify(lp, drafts, q, d2t, sampling.greedy, point)
+        if tree:
+            res = verify_tree(lp[:, :k + 1], drafts, q, lp[:, k + 1:], branch, d2t=d2t, greedy=sampling.greedy,
+                              generator=self.generator)
+            path = res.positions  # [B, k+m+1] the tree position that verified each emitted token
+            own = res.first_accepted.tolist()
+            for i in res.second.nonzero()[:, 0].tolist():  # the history branch won: its K/V take the first's place
+                self.cache.shift(i, int(base[i]) + k + 1, int(base[i]) + 1, int(res.second_len[i]))
+            if aux is not None:
+                aux = aux.gather(1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
+        else:
+            res = self._verify(lp, drafts, q, d2t, sampling.greedy, point)
+            path = None
         tok_lp = res.logprobs
         if bool(sampling.greedy.any()):
+            if path is not None:
+                idx = path.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+                logits, lp = logits.gather(1, idx), lp.gather(1, idx)
             tok_lp = self._token_logprobs(logits, lp, res.tokens, sampling.greedy)
         emitted = res.emitted()
         accepted = res.num_accepted.tolist()
+        if not tree:  # the main drafter's own drafts were accepted only on its rows
+            own = [0 if u else a for a, u in zip(accepted, use_hist)]
         self.cache.lens[:b] = base + res.num_accepted + 1  # last token + accepted drafts are cached
-        # the main drafter's own drafts were accepted only on its rows (a ModelDrafter keeps their entries)
-        self.drafter.commit(emitted, [0 if u else a for a, u in zip(accepted, use_hist)], aux)
+        self.drafter.commit(emitted, own, aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
         lps = tok_lp.tolist()
+        predicted = realized = 0.0
         for i, (r, em, a, l_, u, dr) in enumerate(zip(rows, emitted, accepted, lps, use_hist, drafts.tolist())):
             r.verify_steps += 1
-            src = "history" if u else main
             proposed = sum(1 for t_ in dr if t_ >= 0)
+            two = tree and bool(hist[i])  # this row carried a second branch
+            src = "tree" if two else ("history" if u else main)
+            if two:
+                proposed += min(m, len(hist[i]))
             r.draft_lengths.append(proposed)
             r.sources.append(src)
             stats.add_step_k(proposed)
             if k > 0 and not (hist_only and not u):  # a row that sat out a history-only step drafted nothing
                 r.accepted.append(a)
                 stats.add_spec_step(a, self.k_all, source=src)
-                if self.controller is not None and proposed > 0:
-                    self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k_all)),
-                                                  proposed, a)
+                if self.controller is not None:
+                    if tree:  # the first branch is verified as a chain: its own acceptance, unbiased
+                        self.controller.record_accept(main, r.acc.setdefault(main, AcceptanceStats(self.k_all)),
+                                                      k, own[i])
+                    elif proposed > 0:
+                        self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k_all)),
+                                                      proposed, a)
+            if two:
+                stats.tree_second += int(res.second[i])
+                opts = options[i]
+                predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
+                realized += a
             if hist is not None and hist[i] and not u:
-                self._record_unused_history(r, hist[i], em)
+                self._record_unused_history(r, hist[i][:m] if two else hist[i], em)
             for j, t_ in enumerate(em):
                 if r.emit(t_, l_[j]):
                     break
         if self.controller is not None:
+            if tree:
+                self.controller.record_tree(predicted, realized)
             # the draft table is the main drafter's: a step where it did not run teaches it nothing
             self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_main if main_ran else 0.0,
-                                        prefill=adm is not None)
+                                        prefill=adm is not None, m=m)
         if adm is not None:
             self._start(adm, rows, *pre)
 
@@ -437,12 +503,11 @@ class EngineCore:
             m += 1
         self.controller.record_accept("history", row.acc.setdefault("history", AcceptanceStats(self.k_all)), n, m)
 
-    def _choose(self, rows: list[_Row], hist: list[list[int]] | None) -> tuple[int, list[bool], bool]:
-        """The step's k, per row whether it drafts from the history (the source expected to emit more
-        tokens at that k; ties go to the main drafter), and whether the main drafter sits the step out
-        (only rows with a history proposal draft: ``DraftLengthController.history_rates``)."""
-        from megatron_spec.rollout.native.adaptive import expected_tokens
-
+    def _choose(self, rows: list[_Row], hist: list[list[int]] | None) -> tuple[StepPlan, list[bool], list]:
+        """The step's plan (``DraftLengthController.choose_step``: k, and whether every row drafts, only
+        the rows with a history proposal, or a tree), per row whether it drafts from the history (in an
+        ``all`` step: the source expected to emit more tokens at that k; ties go to the main drafter),
+        and the rows' options the choice was made from."""
         main = self.drafter.kind
         options = []
         for i, r in enumerate(rows):
@@ -450,11 +515,14 @@ class EngineCore:
             if hist is not None and hist[i]:
                 opts.append((self.controller.row_alpha("history", r.acc.get("history")), len(hist[i])))
             options.append(opts)
-        k, hist_only = self.controller.choose_step(options)
-        if hist_only:
-            return k, [len(o) > 1 for o in options], True
+        plan = self.controller.choose_step(options)
+        if plan.mode == "history":
+            return plan, [len(o) > 1 for o in options], options
+        if plan.mode == "tree":
+            return plan, [False] * len(options), options
+        k = plan.k
         use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
-        return k, use, False
+        return plan, use, options
 
     @staticmethod
     def _merge_rows(parts, idx, b: int, width: int):

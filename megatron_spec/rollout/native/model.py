@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_spec.layers.decoder import DecoderLayer, LayerPlan, RMSNorm, Rotary, cat_rows, gather_rows
-from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length
+from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
 from megatron_spec.layers.linear import Linear
 from megatron_spec.models.hf_config import DecoderConfig
 
@@ -35,13 +35,20 @@ class Segment:
     """One rectangular group of rows of a forward (see :meth:`CausalLM.forward_segments`):
     ``input_ids``/``positions [B, T]`` of slots ``slot_offset..slot_offset+B-1``, ``kv_lens [B]``
     valid cache entries per row after the forward, ``logits_index [B, T']`` the positions whose
-    logits are wanted (None: all)."""
+    logits are wanted (None: all).
+
+    A tree of new tokens (``tree_attention_mask``) also gives ``cache_positions [B, T]``, where each
+    token's K/V is written (``positions`` are then its RoPE positions, equal on sibling branches),
+    and ``visible [B, T, T]``, which new tokens each one attends to; ``kv_lens`` must cover every
+    written position."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     kv_lens: torch.Tensor
     slot_offset: int = 0
     logits_index: torch.Tensor | None = None
+    cache_positions: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
 
 
 # HF name pieces that load into a fused parameter: (hf piece, fused piece, shard index)
@@ -124,9 +131,12 @@ class CausalLM(nn.Module):
         plans, rows = [], []
         for s in segments:
             read_len = read_length(s.kv_lens, cache.max_len)
+            if s.cache_positions is None:
+                write, mask = s.positions, attention_mask(s.positions, s.kv_lens, read_len)
+            else:
+                write, mask = s.cache_positions, tree_attention_mask(s.cache_positions, s.visible, read_len)
             plans.append(LayerPlan(*s.input_ids.shape, s.positions, s.kv_lens, read_len, s.slot_offset,
-                                   cache.write_index(s.positions, s.slot_offset),  # shared by all layers
-                                   attention_mask(s.positions, s.kv_lens, read_len)))
+                                   cache.write_index(write, s.slot_offset), mask))  # shared by all layers
             # Only the rows whose logits are wanted need the last layer's output (unless it is an
             # aux layer): the others need its keys and values, not its attention output or MLP.
             rows.append(s.logits_index if s.logits_index is not None and last not in aux_layers else None)

@@ -72,6 +72,7 @@ class EngineServer:
             history = HistoryDrafter()
         self.core = EngineCore(self.target, self.drafter, num_draft_tokens=config.k, adaptive=config.adaptive,
                                history=history, history_max_draft_tokens=config.history_max_draft_tokens,
+                               history_tree=config.history_tree,
                                max_batch_size=config.max_batch_size, context_length=config.context_length,
                                seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
         self.core.allocate()
