@@ -96,3 +96,30 @@ def test_tree_segment_equals_each_branch_alone(setup):
         for t in ("k", "v"):
             torch.testing.assert_close(getattr(caches[0], t)[layer][:, :, :7 + m + 1],
                                        getattr(caches[2], t)[layer][:, :, :7 + m + 1], atol=1e-4, rtol=0)
+
+
+def test_draft_extend_padding_stays_inside_the_cache(setup):
+    """A row near the end of the context beside a row with many pending tokens (steps where the drafter
+    sat out): the draft extend's padding must not write past the cache, and the rows' results must not
+    change (row 0 alone gives the same drafts)."""
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.spec import SamplingTensors
+
+    server = EngineServer(EngineConfig(model_path=setup.target, draft_kind="eagle3", draft_path=setup.eagle3,
+                                       context_length=16, max_batch_size=2))
+    drafter = server.core.drafter
+    max_len = drafter.cache.max_len
+    aux_dim = len(drafter.aux_layers) * setup.cfg.hidden_size
+    g = torch.Generator().manual_seed(3)
+    outs = []
+    for rows in (2, 1):
+        drafter.cache.lens[:2] = torch.tensor([max_len - 4, 0])
+        drafter.pending_tokens[:2] = [[5], list(range(4, 4 + max_len - 2))]
+        gen = torch.Generator().manual_seed(0)
+        aux = torch.randn(max_len, aux_dim, generator=g.manual_seed(3))
+        drafter.pending_aux[:2] = [aux[:1], aux[:max_len - 2]]
+        drafts, _ = drafter.propose([[1]] * rows, 2, SamplingTensors.from_values(0.0, 0, 1.0, 0.0, batch_size=rows),
+                                    gen)
+        outs.append(drafts[0])
+    assert outs[0].tolist() == outs[1].tolist()

@@ -244,7 +244,10 @@ class _CachedDraftModel(Drafter):
             aux = self.pending_aux[0].new_zeros(batch, m, a)
             for b in range(batch):
                 aux[b, :lens[b]] = self.pending_aux[b]
-        positions = self.cache.lens[:batch].unsqueeze(1) + torch.arange(m)  # [B, M]
+        # a row with fewer pending pairs than the longest writes padding past its own: those entries
+        # are never read, but must stay inside the cache (the longest may be many steps' worth, after
+        # steps where this drafter sat out, while a short row is near the end of the context)
+        positions = (self.cache.lens[:batch].unsqueeze(1) + torch.arange(m)).clamp(max=self.cache.max_len - 1)
         return ids, lens, positions, aux
 
 
