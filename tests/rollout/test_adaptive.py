@@ -69,6 +69,20 @@ def test_controller_picks_zero_when_compute_bound():
     assert max(set(chosen[-50:]), key=chosen[-50:].count) == 0
 
 
+def test_exploration_skips_a_neighbour_that_loses_badly():
+    # compute-bound: k = 1 costs ~2 plain steps for 1.5 tokens per row; it is tried only on the rare
+    # exploration steps (every 64th), not on every 8th
+    ctl = DraftLengthController(4)
+    chosen = _train(ctl, 16, lambda n: 0.01 * n, accept=0.5, steps=400)
+    late = chosen[-256:]
+    assert late.count(0) >= 250 and 1 <= sum(1 for k in late if k) <= 5, late
+    # where a neighbour is nearly as good it is still tried every 8th step
+    ctl = DraftLengthController(3)
+    ctl.record_step(1, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
+    picks = [ctl._pick({0: 1.0, 1: 0.9, 2: 0.5}, {}, {}).k for _ in range(64)]
+    assert picks.count(1) == 8 and picks.count(2) == 0
+
+
 def test_row_history_outweighs_the_batch():
     ctl = DraftLengthController(3)
     row = AcceptanceStats(3)

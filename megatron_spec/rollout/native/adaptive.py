@@ -39,8 +39,12 @@ independent (``1 - (1 - PA_j)(1 - PB_j)``), then scales the drafted part by what
 really emitted over what it predicted for them (an online calibration: the two sources are
 correlated, both right on easy text, and the independence estimate is optimistic). Every
 ``explore_every``-th step it tries a neighbour of the best k instead (alternately above and below),
-so the cost table and the deeper positions' acceptance keep being measured. The choice never
-changes any output distribution: verification is exact for every k, m and mode.
+so the cost table and the deeper positions' acceptance keep being measured, but only a neighbour
+expected to give at least ``explore_margin`` of the best rate (or on every ``explore_every *
+explore_rare``-th step): where speculation loses badly (a large batch on a compute-bound CPU, where
+a verify of B(k+1) tokens costs nearly k+1 plain steps), trying k = 1 every 8th step cost 10-15% of
+the plain rate. The choice never changes any output distribution: verification is exact for every
+k, m and mode.
 
 This module knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and
 accepted counts.
@@ -180,7 +184,8 @@ TREE_MODES = ("auto", "off", "always")
 class DraftLengthController:
     """Chooses k per verify step (see the module docstring)."""
 
-    def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, row_prior_weight: float = 4.0,
+    def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, explore_margin: float = 0.85,
+                 explore_rare: int = 8, row_prior_weight: float = 4.0,
                  batch_decay: float = 0.98, k_main: int | None = None, k_tree: int = 0, tree: str = "auto",
                  tree_calibration_ema: float = 0.05):
         if not 0 <= k_min <= k_max or k_max < 1:
@@ -202,6 +207,7 @@ class DraftLengthController:
         steps get tried, and falls to what they really give."""
         self.tree_calibration_ema = tree_calibration_ema
         self.explore_every = explore_every
+        self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.row_prior_weight = row_prior_weight
         self.batch_decay = batch_decay
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
@@ -346,16 +352,17 @@ class DraftLengthController:
         cands += [(r, StepPlan(k, "tree", m)) for (k, m), r in tree_rates.items()]
         if not cands:
             return StepPlan(self.k_main)
-        best = max(cands, key=lambda c: c[0])[1]
+        rate, best = max(cands, key=lambda c: c[0])
         lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[best.mode]
         if self.explore_every and self._steps % self.explore_every == 0:
             step = 1 if self._explore_up else -1
             self._explore_up = not self._explore_up
-            cand = best.k + step
-            if not lo <= cand <= hi:
-                cand = best.k - step
-            if lo <= cand <= hi:
-                return best._replace(k=cand)
+            rare = self._steps % (self.explore_every * max(1, self.explore_rare)) == 0
+            same_mode = {p: r for r, p in cands}
+            for cand in (best.k + step, best.k - step):
+                plan = best._replace(k=cand)
+                if lo <= cand <= hi and (rare or same_mode.get(plan, 0.0) >= self.explore_margin * rate):
+                    return plan
         return best
 
     def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool, m: int = 0) -> None:
