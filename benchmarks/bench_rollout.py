@@ -47,12 +47,14 @@ through max batch 16, temperature 1, responses ending at EOS, every prompt seen 
 measured call follows a priming call on the same prompts with another seed; the history index is
 emptied before the priming call, so "earlier rollouts" are exactly one step's). Configs, interleaved
 round by round: AR, EAGLE-3 k=2, 3 and 4, EAGLE-3 auto, history alone (auto, k_max 10), EAGLE-3 +
-history (auto; EAGLE-3 up to 5, history up to 10 tokens in steps where it drafts alone). Keys:
+history (auto; EAGLE-3 up to 5, history up to 10 tokens in steps where it drafts alone; tree steps
+where the controller expects them to pay), and the same without tree steps (``--history-tree off``). Keys:
 ``adaptive_over_k3_grpo``, ``best_fixed_grpo`` (the fastest of AR and k=2..4, median tokens/s) and
 ``adaptive_over_best_fixed_grpo``, ``history_accept_length_grpo`` (1 + drafts accepted per
 history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3
-auto), ``tail_speedup_grpo`` (time from the 90th-percentile sample's finish to the last one's, AR
-over combined). ``--sections`` limits the run to some of: main, grpo.
+auto), ``tree_over_no_tree_grpo`` (combined over combined without trees), ``tail_speedup_grpo``
+(time from the 90th-percentile sample's finish to the last one's, AR over combined). ``--sections``
+limits the run to some of: main, grpo; ``--grpo-configs`` the GRPO workload to some configs.
 
 Prints a table and, last, one JSON line with the ratios.
 """
@@ -152,8 +154,12 @@ def tail_seconds(finish_times: list[float]) -> float:
     return t[-1] - t[max(0, -(-9 * len(t) // 10) - 1)]
 
 
+GRPO_CONFIGS = ("ar", "eagle3_k2", "eagle3_k3", "eagle3_k4", "eagle3_auto", "history_auto", "combined",
+                "combined_no_tree")
+
+
 def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: str = "sum_long",
-                  history_max: int = 10) -> dict:
+                  history_max: int = 10, configs: tuple[str, ...] = GRPO_CONFIGS) -> dict:
     """The GRPO-shaped workload (module docstring) on models trained on ``task``; returns the keys
     and each config's numbers."""
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
@@ -169,7 +175,10 @@ def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: st
                "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, **auto),
                "history_auto": _server(paths, dtype, "history", "auto", 16, new_tokens, max_draft_tokens=history_max),
                "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True,
-                                   history_max_draft_tokens=history_max, **auto)}
+                                   history_max_draft_tokens=history_max, **auto),
+               "combined_no_tree": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True,
+                                           history_max_draft_tokens=history_max, history_tree="off", **auto)}
+    servers = {n: s for n, s in servers.items() if n in configs}
     for srv in servers.values():  # warm-up: oneDNN primitives, and the adaptive controllers' tables
         _reset_history(srv)
         srv.core.generate(reqs[:2], seed=99)
@@ -187,22 +196,31 @@ def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: st
     del servers
     stats = {n: [x[0] for x in v] for n, v in runs.items()}
     tails = {n: [x[1] for x in v] for n, v in runs.items()}
-    hist_al = [st.source_accept_length("history") for st in stats["combined"]]
+
+    def ratio(a, b):
+        return paired_ratio(stats[a], stats[b]) if a in stats and b in stats else None
+
+    hist_al = [st.source_accept_length("history") for st in stats.get("combined", [])]
     hist_al = [x for x in hist_al if x is not None]
-    fixed = {n: statistics.median(st.tokens_per_s for st in stats[n]) for n in ("ar", "eagle3_k2", "eagle3_k3",
-                                                                                "eagle3_k4")}
-    best_fixed = max(fixed, key=fixed.__getitem__)
+    fixed = {n: statistics.median(st.tokens_per_s for st in stats[n])
+             for n in ("ar", "eagle3_k2", "eagle3_k3", "eagle3_k4") if n in stats}
+    best_fixed = max(fixed, key=fixed.__getitem__) if fixed else None
     return {
-        "adaptive_over_k3_grpo": paired_ratio(stats["eagle3_auto"], stats["eagle3_k3"]),
+        "adaptive_over_k3_grpo": ratio("eagle3_auto", "eagle3_k3"),
         "best_fixed_grpo": best_fixed,
-        "adaptive_over_best_fixed_grpo": paired_ratio(stats["eagle3_auto"], stats[best_fixed]),
+        "adaptive_over_best_fixed_grpo": ratio("eagle3_auto", best_fixed),
         "history_accept_length_grpo": statistics.median(hist_al) if hist_al else None,
-        "history_alone_accept_length_grpo": statistics.median(st.spec_accept_length for st in stats["history_auto"]),
-        "combined_over_eagle3_grpo": paired_ratio(stats["combined"], stats["eagle3_auto"]),
-        "tail_speedup_grpo": statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"])),
+        "history_alone_accept_length_grpo": (statistics.median(st.spec_accept_length for st in stats["history_auto"])
+                                             if "history_auto" in stats else None),
+        "combined_over_eagle3_grpo": ratio("combined", "eagle3_auto"),
+        "tree_over_no_tree_grpo": ratio("combined", "combined_no_tree"),
+        "tail_speedup_grpo": (statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"]))
+                              if "ar" in tails and "combined" in tails else None),
         "grpo_per_config": {n: {"tokens_per_s": max(st.tokens_per_s for st in v),
                                 "tail_s": statistics.median(tails[n]),
-                                "k_mean": v[-1].k_mean, "accept_length": v[-1].spec_accept_length}
+                                "k_mean": v[-1].k_mean, "accept_length": v[-1].spec_accept_length,
+                                "tree_frac": v[-1].source_steps.get("tree", 0) / max(1, sum(v[-1].source_steps.values())),
+                                "tree_second": v[-1].tree_second}
                             for n, v in stats.items()},
     }
 
@@ -377,6 +395,8 @@ def main() -> int:
     ap.add_argument("--grpo-history-max", type=int, default=10,
                     help="longest history proposal (history alone: its k_max; beside EAGLE-3: "
                          "history_max_draft_tokens)")
+    ap.add_argument("--grpo-configs", default=",".join(GRPO_CONFIGS),
+                    help="configs of the GRPO workload to run (keys needing a missing one are null)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
     ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds of the batch-size table")
     args = ap.parse_args()
@@ -408,7 +428,8 @@ def main() -> int:
             os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
             task=args.grpo_task)
         grpo = grpo_workload(gpaths, main_dtype, AutoTokenizer.from_pretrained(gpaths["target"]),
-                             args.grpo_new_tokens, args.grpo_rounds, args.grpo_task, args.grpo_history_max)
+                             args.grpo_new_tokens, args.grpo_rounds, args.grpo_task, args.grpo_history_max,
+                             tuple(args.grpo_configs.split(",")))
     for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)
@@ -486,6 +507,7 @@ def main() -> int:
         "adaptive_over_best_fixed_grpo": rnd(grpo.get("adaptive_over_best_fixed_grpo")),
         "history_accept_length_grpo": rnd(grpo.get("history_accept_length_grpo")),
         "combined_over_eagle3_grpo": rnd(grpo.get("combined_over_eagle3_grpo")),
+        "tree_over_no_tree_grpo": rnd(grpo.get("tree_over_no_tree_grpo")),
         "tail_speedup_grpo": rnd(grpo.get("tail_speedup_grpo")),
         "grpo_per_config": {n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()},
         "dtype": main_dtype,

@@ -17,9 +17,11 @@ One :meth:`EngineCore.generate` call runs a list of requests to completion:
   (per request and per batch) and the step and draft times this engine measured; k = 0 is a
   plain step that still feeds the drafter (its state stays in sync). With a ``history`` drafter
   beside the main one, each row of each step drafts from the source the controller expects
-  to emit more tokens (per-request choice; the two sources are not combined into a tree):
-  history rows are verified with a point-mass q, the others with the drafter's q, in two
-  ``verify_chain`` calls over the same target forward.
+  to emit more tokens: history rows are verified with a point-mass q, the others with the
+  drafter's q, in two ``verify_chain`` calls over the same target forward; or the step is a
+  *tree*: every row drafts from the main drafter and the rows with a history proposal also
+  carry it as a second branch of the same verify (``tree_segment``, ``verify_tree``; the
+  winning branch's cache entries are moved into place).
 * **Retirement.** A row finishes at a stop token or ``max_new_tokens``; its slot is refilled by
   moving the last running row into it, so the batch stays in slots ``0..B-1``.
 
@@ -414,10 +416,9 @@ class EngineCore:
         base = self.cache.lens[:b].clone()
         m = plan.m if tree else 0
         branch = torch.full((b, m), -1, dtype=torch.long)  # a tree step's second branch (history)
-        for i in range(b) if tree else ():
-            h = hist[i][:m]
-            branch[i, :len(h)] = torch.tensor(h, dtype=torch.long)
         if tree:
+            for i, h in enumerate(hist):
+                branch[i, :len(h[:m])] = torch.tensor(h[:m], dtype=torch.long)
             seg = tree_segment(torch.cat([last, drafts.clamp(min=0), branch.clamp(min=0)], dim=1), base, k, m)
         else:
             inputs = torch.cat([last, drafts.clamp(min=0)], dim=1)
