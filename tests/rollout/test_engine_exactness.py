@@ -195,12 +195,13 @@ def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "model"])
+@pytest.mark.parametrize("kind", ["eagle3", "model", "ngram"])
 def test_tree_steps_greedy_identical_to_transformers(setup, greedy_reference, kind):
     """history_tree always: wherever a row has a history proposal the step is a tree (the drafter's k
     tokens and the history's as two branches of one verify); the history branch is kept past the
     drafter's tokens (its cache entries moved into place, the drafter's state rebuilt from the kept
-    path) and the output is still transformers' greedy output."""
+    path) and the output is still transformers' greedy output. n-gram: a point-mass first branch,
+    often shorter than k (-1 padding inside the tree)."""
     prompts, ref = greedy_reference
     server = _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=3, max_batch_size=4, history=True,
                      history_max_draft_tokens=8, history_tree="always")
