@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from megatron_spec.isa import DTYPE_CHOICES
-from megatron_spec.rollout.config import parse_num_draft_tokens
+from megatron_spec.rollout.config import HISTORY_TREE_MODES, parse_num_draft_tokens
 
 
 class ConfigError(ValueError):
@@ -123,7 +123,7 @@ class SpecConfig:
                                                 "steps where only the history drafts may verify this many tokens")
     spec_history_tree: str = _f("auto", "tree steps beside --spec-history (the drafter's and the history's "
                                         "proposals as two branches of one verify): auto (where the cost model "
-                                        "expects them to pay), off, always", ("auto", "off", "always"))
+                                        "expects them to pay), off, always", HISTORY_TREE_MODES)
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")

@@ -33,6 +33,8 @@ def _num_draft_tokens(value: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from megatron_spec.rollout.config import HISTORY_TREE_MODES
+
     p.add_argument("--model", required=True, help="HF checkpoint directory of the target")
     p.add_argument("--draft-kind", default="none", choices=["none", "eagle3", "model", "mtp", "ngram", "history"],
                    help="history: drafts from earlier responses to the same prompt (native engine)")
@@ -47,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--history-max-draft-tokens", type=int, default=10,
                    help="the longest history proposal beside the drafter (--history): steps where only the "
                         "history drafts may verify this many tokens")
-    p.add_argument("--history-tree", choices=("auto", "off", "always"), default="auto",
+    p.add_argument("--history-tree", choices=HISTORY_TREE_MODES, default="auto",
                    help="tree steps beside --history (the drafter's and the history's proposals as two branches "
                         "of one verify): auto (where the cost model expects them to pay), off, always")
     p.add_argument("--prompts", required=True, help="JSONL: {'id', 'prompt'} or {'id', 'input_ids'} per line")

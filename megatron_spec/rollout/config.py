@@ -13,6 +13,7 @@ import os
 from megatron_spec.isa import DTYPE_CHOICES, resolve_dtype
 
 DRAFT_KINDS = ("none", "eagle3", "model", "mtp", "ngram", "history")
+HISTORY_TREE_MODES = ("auto", "off", "always")
 BACKENDS = ("native", "sglang")
 
 
@@ -92,8 +93,8 @@ class EngineConfig:
         if self.history and (not self.adaptive or self.draft_kind in ("none", "history")):
             raise ValueError("history beside a drafter needs num_draft_tokens auto and a draft_kind other than "
                              "none and history (draft_kind history drafts from the history alone)")
-        if self.history_tree not in ("auto", "off", "always"):
-            raise ValueError(f"history_tree must be auto, off or always, got {self.history_tree!r}")
+        if self.history_tree not in HISTORY_TREE_MODES:
+            raise ValueError(f"history_tree must be one of {HISTORY_TREE_MODES}, got {self.history_tree!r}")
         if self.history and self.history_max_draft_tokens < 1:
             raise ValueError(f"history_max_draft_tokens must be >= 1, got {self.history_max_draft_tokens}")
         if self.dtype not in DTYPE_CHOICES:

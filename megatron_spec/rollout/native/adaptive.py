@@ -58,6 +58,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatron_spec.rollout.config import HISTORY_TREE_MODES
+
 
 class CostTable:
     """Seconds per integer size, an asymmetric EMA per size, linear interpolation between sizes."""
@@ -178,9 +180,6 @@ class StepPlan(NamedTuple):
     m: int = 0
 
 
-TREE_MODES = ("auto", "off", "always")
-
-
 class DraftLengthController:
     """Chooses k per verify step (see the module docstring)."""
 
@@ -194,8 +193,8 @@ class DraftLengthController:
         if not max(1, k_min) <= k_main <= k_max:
             raise ValueError(f"k_main (the main drafter's longest proposal) must be in {max(1, k_min)}..{k_max}, "
                              f"got {k_main}")
-        if tree not in TREE_MODES:
-            raise ValueError(f"tree must be one of {TREE_MODES}, got {tree!r}")
+        if tree not in HISTORY_TREE_MODES:
+            raise ValueError(f"tree must be one of {HISTORY_TREE_MODES}, got {tree!r}")
         if k_tree < 0:
             raise ValueError(f"k_tree must be >= 0, got {k_tree}")
         self.k_max, self.k_min, self.k_main = k_max, k_min, k_main
@@ -271,17 +270,6 @@ class DraftLengthController:
             t = self.verify.estimate(b * (k + 1))
             if t is not None:
                 out[k] = sum(expected_tokens(*opts[1], k) if len(opts) > 1 else 1.0 for opts in options) / t
-        return out
-
-    def tree_expected(self, options: Sequence[Sequence[Option]], k: int, m: int) -> list[float]:
-        """Calibrated expected tokens per row of a tree step (k main drafts, up to m history tokens)."""
-        out = []
-        for opts in options:
-            if len(opts) > 1:
-                e = tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m)
-                out.append(1.0 + self.tree_calibration * (e - 1.0))
-            else:
-                out.append(expected_tokens(opts[0][0], k))
         return out
 
     def tree_rates(self, options: Sequence[Sequence[Option]]) -> dict[tuple[int, int], float]:
