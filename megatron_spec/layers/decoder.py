@@ -185,6 +185,15 @@ class LayerPlan:
     slot_offset: int = 0
     write_index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    pack: torch.Tensor | None = None
+    """Flat indices (into ``b * t``) of the tokens this segment really runs, in order (None: all):
+    the projections and the MLP see only these rows; attention scatters them back into the
+    ``[b, t]`` layout (the others as zeros, whose K/V land beyond ``kv_lens`` and are never read)."""
+
+    @property
+    def n(self) -> int:
+        """Rows this segment holds in a layer's flat input."""
+        return self.b * self.t if self.pack is None else int(self.pack.numel())
 
 
 def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -209,18 +218,24 @@ class DecoderLayer(nn.Module):
 
     def forward_flat(self, x: torch.Tensor, plans: Sequence[LayerPlan], rotary: Rotary, cache: KVCache,
                      layer: int, rows: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """Segments laid end to end: ``x [N, H]`` holds each plan's ``B x T`` rows in turn.
+        """Segments laid end to end: ``x [N, H]`` holds each plan's ``B x T`` rows (or its packed
+        rows, ``LayerPlan.pack``) in turn.
 
         The projections and the MLP run once over all of them (one pass over the weights);
         attention runs per segment over its slots. ``rows[j]``: as in :meth:`forward`, per
         segment. Returns ``[N', H]`` (N' counts only the kept rows)."""
         qkv = self.self_attn.qkv_proj(self.input_layernorm(x))
-        sizes = [p.b * p.t for p in plans]
+        sizes = [p.n for p in plans]
         outs, kept = [], []
         for p, part, xs, r in zip(plans, qkv.split(sizes), x.split(sizes), rows):
+            if p.pack is not None:  # a packed segment: attention runs on the padded layout
+                if r is not None:
+                    raise ValueError("a packed segment computes every row it runs (rows must be None)")
+                part = part.new_zeros(p.b * p.t, part.shape[-1]).index_copy_(0, p.pack, part)
             o = self.self_attn.attend(part.view(p.b, p.t, -1), p.positions, rotary, cache, layer, p.kv_lens,
                                       p.read_len, p.slot_offset, p.write_index, p.mask, r)
-            outs.append(o.reshape(-1, o.shape[-1]))
+            o = o.reshape(-1, o.shape[-1])
+            outs.append(o if p.pack is None else o.index_select(0, p.pack))
             kept.append(xs if r is None else gather_rows(xs.view(p.b, p.t, -1), r).reshape(-1, xs.shape[-1]))
         x = cat_rows(kept) + self.self_attn.o_proj(cat_rows(outs))
         return x + self.mlp(self.post_attention_layernorm(x))

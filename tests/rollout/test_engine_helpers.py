@@ -3,6 +3,7 @@ sample and its distribution otherwise) and the target model's mixed-segment forw
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_spec.rollout.native.drafters import draw
@@ -96,6 +97,50 @@ def test_tree_segment_equals_each_branch_alone(setup):
         for t in ("k", "v"):
             torch.testing.assert_close(getattr(caches[0], t)[layer][:, :, :7 + m + 1],
                                        getattr(caches[2], t)[layer][:, :, :7 + m + 1], atol=1e-4, rtol=0)
+
+
+def test_packed_segment_equals_padded_segment(setup):
+    """A packed verify (rows of different draft lengths; only their real tokens run through the
+    projections and the MLP) gives the padded forward's logits, aux states and K/V at every real
+    position, and zeros elsewhere; it also rides along with a prefill segment."""
+    from megatron_spec.rollout.native.model import Segment
+    from tests.conftest import load_native
+
+    model = load_native(setup.target)
+    g = torch.Generator().manual_seed(8)
+    vocab = setup.cfg.vocab_size
+    b, t = 3, 5
+    prompt = torch.randint(4, vocab, (b, 6), generator=g)
+    ids = torch.randint(4, vocab, (b, t), generator=g)
+    lens = torch.tensor([5, 1, 3])  # tokens each row really runs
+    pack = torch.arange(t).unsqueeze(0) < lens.unsqueeze(1)
+    caches = [model.new_cache(b + 1, 32) for _ in range(2)]
+    aux_layers = (0, setup.cfg.num_layers - 1)
+    extra = torch.randint(4, vocab, (1, 4), generator=g)
+    outs = []
+    with torch.no_grad():
+        for c, pk in zip(caches, (None, pack)):
+            model(prompt, torch.arange(6).expand(b, 6), c, torch.full((b,), 6))
+            seg = Segment(ids, 6 + torch.arange(t).expand(b, t), 6 + lens, pack=pk)
+            pre = Segment(extra, torch.arange(4).unsqueeze(0), torch.tensor([4]), slot_offset=b,
+                          logits_index=torch.tensor([[3]]))
+            outs.append(model.forward_segments([seg, pre], c, aux_layers=aux_layers))
+    (lg_pad, aux_pad), pre_pad = outs[0]
+    (lg_pack, aux_pack), pre_pack = outs[1]
+    torch.testing.assert_close(lg_pack[pack], lg_pad[pack], atol=1e-4, rtol=0)
+    torch.testing.assert_close(aux_pack[pack], aux_pad[pack], atol=1e-4, rtol=0)
+    assert not lg_pack[~pack].any() and not aux_pack[~pack].any()
+    torch.testing.assert_close(pre_pack[0], pre_pad[0], atol=1e-4, rtol=0)
+    for layer in range(setup.cfg.num_layers):
+        for name in ("k", "v"):
+            a, c = getattr(caches[0], name)[layer], getattr(caches[1], name)[layer]
+            for row in range(b):
+                n = 6 + int(lens[row])
+                torch.testing.assert_close(c[row, :, :n], a[row, :, :n], atol=1e-4, rtol=0)
+            torch.testing.assert_close(c[b, :, :4], a[b, :, :4], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="logits_index"):
+        model.forward_segments([Segment(ids, 6 + torch.arange(t).expand(b, t), 6 + lens,
+                                        logits_index=torch.zeros(b, 1, dtype=torch.long), pack=pack)], caches[1])
 
 
 def test_draft_extend_padding_stays_inside_the_cache(setup):

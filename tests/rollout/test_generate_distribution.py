@@ -119,7 +119,7 @@ def test_history_beside_eagle3_follows_the_target(setup, tmp_path, tree):
     if tree == "always":  # the trees really ran, and the history branch was kept past the draft's tokens
         assert summary["source_steps"].get("tree", 0) > 500 and summary["tree_second_steps"] > 100, summary
     else:
-        assert summary["source_steps"].get("history", 0) > 100, summary  # the history really drafted
+        assert summary["source_steps"].get("history", 0) > 50, summary  # the history really drafted (its share is timed)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == N
     pair, third = exact_third(setup.target, temperature, top_k, top_p)

@@ -29,8 +29,9 @@ Both are measured online by the engine, nothing is tuned to one machine:
 :class:`DraftLengthController` picks ``argmax_k sum_b E_b(k) / T(B, k)`` over ``k_min..k_main``
 (the main drafter's longest proposal). With a second source beside it (the history drafter,
 whose proposals cost no forward), it also weighs a step where only the rows with a history
-proposal draft, up to ``k_max`` tokens, and the main drafter does not run: ``T = V(B * (k+1))``,
-the other rows emit one token; and, with ``k_tree``, a *tree* step: every row drafts k tokens from
+proposal draft, up to ``k_max`` tokens, and the main drafter does not run: ``T = V(B + sum_b
+min(k, n_b))`` (the verify forward runs packed: each row its last token and its own proposal of
+n_b tokens, ``Segment.pack``), the other rows emit one token; and, with ``k_tree``, a *tree* step: every row drafts k tokens from
 the main drafter and the rows with a history proposal also carry up to m of it as a second branch
 of the same verify (``megatron_spec.spec.verify_tree``), ``T = V(B * (1+k+m)) + P_k(B)``. A tree
 row emits ``1 + max(a, n)`` tokens, a the main branch's accepted drafts and n the history's
@@ -266,8 +267,8 @@ class DraftLengthController:
             return {}
         b = len(options)
         out = {}
-        for k in range(1, self.k_max + 1):
-            t = self.verify.estimate(b * (k + 1))
+        for k in range(1, self.k_max + 1):  # packed: the rows without a proposal run their last token only
+            t = self.verify.estimate(b + sum(min(k, opts[1][1] or k) for opts in options if len(opts) > 1))
             if t is not None:
                 out[k] = sum(expected_tokens(*opts[1], k) if len(opts) > 1 else 1.0 for opts in options) / t
         return out
@@ -353,16 +354,18 @@ class DraftLengthController:
                     return plan
         return best
 
-    def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool, m: int = 0) -> None:
+    def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool, m: int = 0,
+                    tokens: int | None = None) -> None:
         """Time of one step (everything but the draft's proposal) and of the main drafter's proposal
         of k tokens (0: it did not run); ``m``: a tree step's second branch (its verify forward is
-        ``B * (1+k+m)`` tokens wide). A step that carried a prefill has no representative time and
-        is not recorded."""
+        ``B * (1+k+m)`` tokens wide); ``tokens``: what a packed verify forward really ran (rows
+        drafting fewer than k). A step that carried a prefill has no representative time and is not
+        recorded."""
         for stats in self.batch.values():
             stats.decay_all()
         if prefill:
             return
-        self.verify.update(b * (k + 1 + m), step_s)
+        self.verify.update(b * (k + 1 + m) if tokens is None else tokens, step_s)
         if k > 0 and draft_s > 0:
             self.draft.update(b, draft_s / k)
             self.proposal.setdefault(k, CostTable()).update(b, draft_s)

@@ -422,7 +422,10 @@ class EngineCore:
             seg = tree_segment(torch.cat([last, drafts.clamp(min=0), branch.clamp(min=0)], dim=1), base, k, m)
         else:
             inputs = torch.cat([last, drafts.clamp(min=0)], dim=1)
-            seg = Segment(inputs, base.unsqueeze(1) + torch.arange(k + 1), base + k + 1)
+            # rows drafting fewer than k (a history-only step's other rows, shorter proposals) run packed
+            valid = drafts >= 0
+            pack = None if bool(valid.all()) else torch.cat([torch.ones(b, 1, dtype=torch.bool), valid], dim=1)
+            seg = Segment(inputs, base.unsqueeze(1) + torch.arange(k + 1), base + k + 1, pack=pack)
         (logits, aux), pre = self._forward(seg, adm, self.drafter.aux_layers)
         lp = process_logits(logits, sampling)  # [B, k+1(+m), V]
         d2t = self.drafter.d2t if q is not None else None  # d2t maps q's vocabulary; drafts are target ids
@@ -487,7 +490,8 @@ class EngineCore:
                 self.controller.record_tree(predicted, realized)
             # the draft table is the main drafter's: a step where it did not run teaches it nothing
             self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_main if main_ran else 0.0,
-                                        prefill=adm is not None, m=m)
+                                        prefill=adm is not None, m=m,
+                                        tokens=None if tree or seg.pack is None else int(seg.pack.sum()))
         if adm is not None:
             self._start(adm, rows, *pre)
 

@@ -40,7 +40,12 @@ class Segment:
     A tree of new tokens (``tree_attention_mask``) also gives ``cache_positions [B, T]``, where each
     token's K/V is written (``positions`` are then its RoPE positions, equal on sibling branches),
     and ``visible [B, T, T]``, which new tokens each one attends to; ``kv_lens`` must cover every
-    written position."""
+    written position.
+
+    ``pack [B, T]`` (bool; None: all) marks the tokens that really run: a verify whose rows draft
+    different lengths pays the projections and the MLP for ``B + sum(k_b)`` tokens, not
+    ``B (k_max + 1)`` (attention still reads the padded layout). Logits and aux at the other
+    positions are zeros. Needs ``logits_index`` None."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -49,6 +54,7 @@ class Segment:
     logits_index: torch.Tensor | None = None
     cache_positions: torch.Tensor | None = None
     visible: torch.Tensor | None = None
+    pack: torch.Tensor | None = None
 
 
 # HF name pieces that load into a fused parameter: (hf piece, fused piece, shard index)
@@ -56,6 +62,15 @@ STACKED = (
     ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
     ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
 )
+
+
+def _unpack(rows: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
+    """A segment's flat rows -> ``[b, t', ...]``; a packed segment's rows scattered back into its
+    ``[b, t]`` layout, zeros elsewhere."""
+    if plan.pack is None:
+        return rows.view(plan.b, -1, rows.shape[-1])
+    full = rows.new_zeros(plan.b * plan.t, rows.shape[-1]).index_copy_(0, plan.pack, rows)
+    return full.view(plan.b, plan.t, -1)
 
 
 def _copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -135,34 +150,44 @@ class CausalLM(nn.Module):
                 write, mask = s.positions, attention_mask(s.positions, s.kv_lens, read_len)
             else:
                 write, mask = s.cache_positions, tree_attention_mask(s.cache_positions, s.visible, read_len)
+            pack = None
+            if s.pack is not None:
+                if s.logits_index is not None:
+                    raise ValueError("a packed segment returns the logits of every position it runs; "
+                                     "logits_index must be None")
+                pack = s.pack.reshape(-1).nonzero()[:, 0]
             plans.append(LayerPlan(*s.input_ids.shape, s.positions, s.kv_lens, read_len, s.slot_offset,
-                                   cache.write_index(write, s.slot_offset), mask))  # shared by all layers
+                                   cache.write_index(write, s.slot_offset), mask, pack))  # shared by all layers
             # Only the rows whose logits are wanted need the last layer's output (unless it is an
             # aux layer): the others need its keys and values, not its attention output or MLP.
             rows.append(s.logits_index if s.logits_index is not None and last not in aux_layers else None)
         h = self.cfg.hidden_size
-        x = cat_rows([self.embed_tokens(s.input_ids).reshape(-1, h) for s in segments])
+        x = cat_rows([self.embed_tokens(s.input_ids.reshape(-1) if p.pack is None else
+                                        s.input_ids.reshape(-1).index_select(0, p.pack)) for s, p in zip(segments, plans)])
         aux: list[list[torch.Tensor]] = [[] for _ in segments]
         no_rows = [None] * len(segments)
-        seg_rows = [p.b * p.t for p in plans]
+        seg_rows = [p.n for p in plans]
         for i, layer in enumerate(self.layers):
             x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
             if i in aux_layers:
                 for j, part in enumerate(x.split(seg_rows)):
-                    aux[j].append(part.view(plans[j].b, plans[j].t, h))
+                    aux[j].append(_unpack(part, plans[j]))
         outs = []
-        for p, s, r, part in zip(plans, segments, rows, x.split([p.b * (p.t if r is None else r.shape[1])
+        for p, s, r, part in zip(plans, segments, rows, x.split([p.n if r is None else p.b * r.shape[1]
                                                                   for p, r in zip(plans, rows)])):
+            if p.pack is not None:
+                outs.append(part)
+                continue
             part = part.view(p.b, -1, h)
-            outs.append(gather_rows(part, s.logits_index) if s.logits_index is not None and r is None else part)
-        sizes = [o.shape[1] for o in outs]
-        normed = self.norm(cat_rows([o.reshape(-1, h) for o in outs]))
+            outs.append((gather_rows(part, s.logits_index) if s.logits_index is not None and r is None
+                         else part).reshape(-1, h))
+        normed = self.norm(cat_rows(outs))
         logits = (F.linear(normed, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(normed)).float()
         order = sorted(aux_layers)
         result = []
-        for p, n, lg, a in zip(plans, sizes, logits.split([p.b * n for p, n in zip(plans, sizes)]), aux):
+        for p, lg, a in zip(plans, logits.split([o.shape[0] for o in outs]), aux):
             aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
-            result.append((lg.view(p.b, n, -1), aux_out))
+            result.append((_unpack(lg, p), aux_out))
         return result
 
     # ---------------------------------------------------------------- weights
