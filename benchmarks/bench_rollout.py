@@ -46,11 +46,13 @@ exactly as the main table's are on ``sum`` (``WORK_DIR/models_sum_long``), 16 pr
 through max batch 16, temperature 1, responses ending at EOS, every prompt seen once before (each
 measured call follows a priming call on the same prompts with another seed; the history index is
 emptied before the priming call, so "earlier rollouts" are exactly one step's). Configs, interleaved
-round by round: AR, EAGLE-3 k=2, 3 and 4, EAGLE-3 auto, history alone (auto, k_max 10), EAGLE-3 +
+round by round: AR, EAGLE-3 k=2, 3, 4 and 5, EAGLE-3 auto, history alone (auto, k_max 10), EAGLE-3 +
 history (auto; EAGLE-3 up to 5, history up to 10 tokens in steps where it drafts alone; tree steps
 where the controller expects them to pay), and the same without tree steps (``--history-tree off``). Keys:
-``adaptive_over_k3_grpo``, ``best_fixed_grpo`` (the fastest of AR and k=2..4, median tokens/s) and
-``adaptive_over_best_fixed_grpo``, ``history_accept_length_grpo`` (1 + drafts accepted per
+``adaptive_over_k3_grpo``, ``best_fixed_grpo`` (the fastest of AR and k=2..5, median tokens/s) and
+``adaptive_over_best_fixed_grpo``, ``length_oracle_over_k3_grpo`` (the ceiling of any draft-length
+choice over fixed k=3 at batch 16, from EAGLE-3 k=5's acceptance per position and the adaptive
+engine's measured costs: ``length_policy_ceiling``; ``..._by_batch`` at 16, 8, 4), ``history_accept_length_grpo`` (1 + drafts accepted per
 history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3
 auto), ``tree_over_no_tree_grpo`` (combined over combined without trees), ``tail_speedup_grpo``
 (time from the 90th-percentile sample's finish to the last one's, AR over combined). ``--sections``
@@ -69,6 +71,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,8 +157,46 @@ def tail_seconds(finish_times: list[float]) -> float:
     return t[-1] - t[max(0, -(-9 * len(t) // 10) - 1)]
 
 
-GRPO_CONFIGS = ("ar", "eagle3_k2", "eagle3_k3", "eagle3_k4", "eagle3_auto", "history_auto", "combined",
+GRPO_CONFIGS = ("ar", "eagle3_k2", "eagle3_k3", "eagle3_k4", "eagle3_k5", "eagle3_auto", "history_auto", "combined",
                 "combined_no_tree")
+
+
+def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float | None:
+    """The most any choice of draft length (per step or per row) could gain over fixed ``k_ref`` at
+    batch ``b``, under the costs ``controller`` (an adaptive engine's ``DraftLengthController``)
+    measured in the same run.
+
+    ``at_least[j]``: the chance that a row's chain accepts more than j drafts, from a fixed k_max run
+    (a chain's first positions are accepted at the same rates whatever k is). An oracle that knew
+    which drafts will be accepted drafts through the longest chain it wants (K passes of the draft)
+    and verifies exactly each row's accepted drafts: a row emits ``1 + a`` tokens from a packed
+    verify of ``1 + a`` tokens (and pays no cost of packing). Its rate ``b (1 + S_K) / (V(b (1 + S_K)) + P_K(b))``, ``S_K`` the sum
+    of ``at_least`` up to K, maximised over K, over fixed k's ``b (1 + S_k) / (V(b (k + 1)) + P_k(b))``.
+    None where the controller has no costs for some K."""
+    def proposal(k):
+        t = controller.proposal[k].estimate(b) if k in controller.proposal else None
+        if t is None:
+            d = controller.draft.estimate(b)
+            t = None if d is None else k * d
+        return t
+
+    # the verify forward's cost, a least-squares line through the table's sizes in b..b(K+1): the
+    # table's neighbouring entries come from different (rows, k) at different moments and are noisy,
+    # and an oracle choosing between sizes a few tokens apart would read that noise as a gain
+    pts = [(n, controller.verify.seconds[n]) for n in controller.verify.sizes if b <= n <= b * (len(at_least) + 1)]
+    if len(pts) < 2:
+        return None
+    slope, icpt = np.polyfit([n for n, _ in pts], [t for _, t in pts], 1)
+
+    def rate(k, tokens):
+        p = proposal(k)
+        return None if p is None else b * (1 + sum(at_least[:k])) / (icpt + slope * tokens + p)
+
+    ref = rate(k_ref, b * (k_ref + 1))
+    oracle = [rate(k, b * (1 + sum(at_least[:k]))) for k in range(1, len(at_least) + 1)]
+    if ref is None or any(r is None for r in oracle):
+        return None
+    return max(oracle) / ref
 
 
 def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: str = "sum_long",
@@ -172,6 +213,7 @@ def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: st
                "eagle3_k2": _server(paths, dtype, "eagle3", 2, 16, new_tokens),
                "eagle3_k3": _server(paths, dtype, "eagle3", 3, 16, new_tokens),
                "eagle3_k4": _server(paths, dtype, "eagle3", 4, 16, new_tokens),
+               "eagle3_k5": _server(paths, dtype, "eagle3", 5, 16, new_tokens),
                "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, **auto),
                "history_auto": _server(paths, dtype, "history", "auto", 16, new_tokens, max_draft_tokens=history_max),
                "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True,
@@ -193,8 +235,14 @@ def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: st
             runs[name].append((st, tail_seconds(finish)))
             print(f"[grpo] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {finish and tail_seconds(finish):.2f}s, "
                   f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
-    del servers
     stats = {n: [x[0] for x in v] for n, v in runs.items()}
+    ceiling = {}
+    if "eagle3_k5" in stats and "eagle3_auto" in servers:
+        steps = sum(st.spec_steps for st in stats["eagle3_k5"])
+        at_least = [sum(st.accepted_at_least[j] for st in stats["eagle3_k5"]) / steps for j in range(5)]
+        for b in (16, 8, 4):
+            ceiling[b] = length_policy_ceiling(at_least, servers["eagle3_auto"].core.controller, b)
+    del servers
     tails = {n: [x[1] for x in v] for n, v in runs.items()}
 
     def ratio(a, b):
@@ -203,12 +251,14 @@ def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: st
     hist_al = [st.source_accept_length("history") for st in stats.get("combined", [])]
     hist_al = [x for x in hist_al if x is not None]
     fixed = {n: statistics.median(st.tokens_per_s for st in stats[n])
-             for n in ("ar", "eagle3_k2", "eagle3_k3", "eagle3_k4") if n in stats}
+             for n in ("ar", "eagle3_k2", "eagle3_k3", "eagle3_k4", "eagle3_k5") if n in stats}
     best_fixed = max(fixed, key=fixed.__getitem__) if fixed else None
     return {
         "adaptive_over_k3_grpo": ratio("eagle3_auto", "eagle3_k3"),
         "best_fixed_grpo": best_fixed,
         "adaptive_over_best_fixed_grpo": ratio("eagle3_auto", best_fixed),
+        "length_oracle_over_k3_grpo": ceiling.get(16),
+        "length_oracle_over_k3_grpo_by_batch": ceiling,
         "history_accept_length_grpo": statistics.median(hist_al) if hist_al else None,
         "history_alone_accept_length_grpo": (statistics.median(st.spec_accept_length for st in stats["history_auto"])
                                              if "history_auto" in stats else None),
@@ -505,6 +555,9 @@ def main() -> int:
         "adaptive_over_k3_grpo": rnd(grpo.get("adaptive_over_k3_grpo")),
         "best_fixed_grpo": grpo.get("best_fixed_grpo"),
         "adaptive_over_best_fixed_grpo": rnd(grpo.get("adaptive_over_best_fixed_grpo")),
+        "length_oracle_over_k3_grpo": rnd(grpo.get("length_oracle_over_k3_grpo")),
+        "length_oracle_over_k3_grpo_by_batch": {b: rnd(v) for b, v in grpo.get("length_oracle_over_k3_grpo_by_batch",
+                                                                              {}).items()},
         "history_accept_length_grpo": rnd(grpo.get("history_accept_length_grpo")),
         "combined_over_eagle3_grpo": rnd(grpo.get("combined_over_eagle3_grpo")),
         "tree_over_no_tree_grpo": rnd(grpo.get("tree_over_no_tree_grpo")),

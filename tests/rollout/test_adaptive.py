@@ -255,3 +255,32 @@ def test_tree_modes():
     always = DraftLengthController(8, k_main=3, k_tree=8, tree="always")
     plans = _train_tree(always, 16, 0.05, 0.2, steps=50)
     assert all(p.mode == "tree" for p in plans[1:])  # (the first step measures the drafter)
+
+
+def test_length_policy_ceiling_is_the_oracle_over_fixed_k():
+    """benchmarks/bench_rollout.py's ceiling of any draft-length choice: an oracle verifying exactly
+    each row's accepted drafts, at its best longest chain K, over fixed k=3, under the controller's
+    measured costs (a line through the verify table). Checked against the rates computed by hand."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_rollout.py")
+    spec = importlib.util.spec_from_file_location("bench_rollout_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    c = DraftLengthController(5)
+    for n in range(16, 97, 8):
+        c.verify.update(n, 0.010 + 0.0005 * n)
+    for k in range(1, 6):
+        c.proposal.setdefault(k, CostTable()).update(16, 0.003 * k)
+    at_least = [0.9, 0.8, 0.7, 0.3, 0.2]
+
+    def rate(k, tokens):
+        return 16 * (1 + sum(at_least[:k])) / (0.010 + 0.0005 * tokens + 0.003 * k)
+
+    ref = rate(3, 64)
+    oracle = max(rate(k, 16 * (1 + sum(at_least[:k]))) for k in range(1, 6))
+    got = bench.length_policy_ceiling(at_least, c, 16)
+    assert got == pytest.approx(oracle / ref, rel=1e-9)
+    assert got > 1.0  # the oracle can always verify fewer tokens than fixed k=3 does
+    assert bench.length_policy_ceiling(at_least, DraftLengthController(5), 16) is None  # no costs yet
