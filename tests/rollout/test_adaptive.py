@@ -21,10 +21,24 @@ def test_cost_table_interpolates_and_extrapolates():
     t.update(8, 3.0)
     assert t.estimate(6) == pytest.approx(2.5)  # between the two
     assert t.estimate(12) == pytest.approx(4.0)  # slope of the two nearest
-    t.update(8, 4.0)  # slower: rises by ema_up, 3 + 0.2 * (4 - 3)
-    assert t.estimate(8) == pytest.approx(3.2)
-    t.update(8, 2.2)  # faster: falls by ema_down, 3.2 - 0.7 * (3.2 - 2.2)
-    assert t.estimate(8) == pytest.approx(2.5)
+    t.update(8, 4.0)  # the median of the window: (3 + 4) / 2
+    assert t.estimate(8) == pytest.approx(3.5)
+    t.update(8, 2.2)
+    assert t.estimate(8) == pytest.approx(3.0)
+    t.update(8, 30.0)  # one slow outlier (interference) moves the median by one rank only
+    t.update(8, 0.1)  # and so does one lucky fast step
+    assert t.estimate(8) == pytest.approx(3.0)
+
+
+def test_cost_table_window_follows_a_lasting_change():
+    t = CostTable(window=3)
+    for s in (1.0, 1.0, 1.0):
+        t.update(4, s)
+    for s in (2.0, 2.0):  # the machine got slower: two of the three kept measurements say so
+        t.update(4, s)
+    assert t.estimate(4) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="window"):
+        CostTable(window=0)
 
 
 def test_expected_tokens():
