@@ -21,9 +21,9 @@ def test_cost_table_interpolates_and_extrapolates():
     t.update(8, 3.0)
     assert t.estimate(6) == pytest.approx(2.5)  # between the two
     assert t.estimate(12) == pytest.approx(4.0)  # slope of the two nearest
-    t.update(8, 4.0)  # the median of the window: (3 + 4) / 2
-    assert t.estimate(8) == pytest.approx(3.5)
-    t.update(8, 2.2)
+    t.update(8, 4.0)  # under `trust` (3) measurements: the fastest
+    assert t.estimate(8) == pytest.approx(3.0)
+    t.update(8, 2.2)  # from 3 on, the median of the window
     assert t.estimate(8) == pytest.approx(3.0)
     t.update(8, 30.0)  # one slow outlier (interference) moves the median by one rank only
     t.update(8, 0.1)  # and so does one lucky fast step
@@ -39,6 +39,10 @@ def test_cost_table_window_follows_a_lasting_change():
     assert t.estimate(4) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="window"):
         CostTable(window=0)
+    cold = CostTable()
+    cold.update(64, 0.200)  # the first call of a new shape builds its kernels
+    cold.update(64, 0.050)
+    assert cold.estimate(64) == pytest.approx(0.050)  # one warm call is enough to price it
 
 
 def test_expected_tokens():

@@ -14,7 +14,8 @@ Speculation pays ``E(k) / T(B, k)`` tokens per second for a batch of B rows draf
 Both are measured online by the engine, nothing is tuned to one machine:
 
 * :class:`CostTable` keeps the median of the last ``window`` measurements per integer size (tokens
-  of a verify step; rows of a draft pass) and interpolates linearly between sizes it has seen
+  of a verify step; rows of a draft pass; the fastest of them while a size has fewer than
+  ``trust``, since the first call of a new shape also builds its kernels) and interpolates linearly between sizes it has seen
   (extrapolating with the slope of the two nearest, never below zero slope). A median shrugs off a
   slow outlier (interference from other processes, a cold first call) and a lucky fast one alike,
   and it weighs a size measured in few steps the same way as one measured in many. (An average
@@ -67,13 +68,13 @@ from megatron_spec.rollout.config import HISTORY_TREE_MODES
 
 
 class CostTable:
-    """Seconds per integer size, the median of its last ``window`` measurements, linear
-    interpolation between sizes."""
+    """Seconds per integer size, the median of its last ``window`` measurements (the fastest one
+    while it has fewer than ``trust``), linear interpolation between sizes."""
 
-    def __init__(self, window: int = 9, max_sizes: int = 512):
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
-        self.window = window
+    def __init__(self, window: int = 9, max_sizes: int = 512, trust: int = 3):
+        if window < 1 or not 1 <= trust <= window:
+            raise ValueError(f"need window >= 1 and 1 <= trust <= window, got window {window}, trust {trust}")
+        self.window, self.trust = window, trust
         self.max_sizes = max_sizes
         self.sizes: list[int] = []
         self.seconds: dict[int, float] = {}
@@ -92,7 +93,9 @@ class CostTable:
             self._samples[size] = deque(maxlen=self.window)
         window = self._samples[size]
         window.append(seconds)
-        self.seconds[size] = statistics.median(window)
+        # under ``trust`` measurements the fastest one: the first call of a new shape also pays for
+        # building its kernels, and a median of it and one warm call would still price it as cold
+        self.seconds[size] = min(window) if len(window) < self.trust else statistics.median(window)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -248,11 +251,26 @@ class DraftLengthController:
             return None
         if k == 0:
             return v
-        whole = self.proposal[k].estimate(b) if k in self.proposal else None
-        if whole is not None:
-            return v + whole
+        p = self.proposal_seconds(b, k)
+        return None if p is None else v + p
+
+    def proposal_seconds(self, b: int, k: int) -> float | None:
+        """Seconds of the main drafter's proposal of k tokens over b rows: its table for k, within the
+        rows it was measured at; outside them, its nearest measurement scaled by how one draft pass
+        scales from those rows to b (a table measured at one row count alone would otherwise price b
+        rows b times as high: a draft pass over 16 rows costs about what one over 1 row does on a
+        CPU); a k never measured: k average passes."""
+        table = self.proposal.get(k)
         d = self.draft.estimate(b)
-        return None if d is None else v + k * d
+        if table is not None and table.sizes:
+            if table.sizes[0] <= b <= table.sizes[-1]:
+                return table.estimate(b)
+            near = min(table.sizes, key=lambda s: abs(s - b))
+            d_near = self.draft.estimate(near)
+            if d is not None and d_near:
+                return table.seconds[near] * d / d_near
+            return table.estimate(b)
+        return None if d is None else k * d
 
     def expected_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
         """Expected tokens per second for every k in ``k_min..k_main`` with a cost estimate, every row
@@ -310,12 +328,9 @@ class DraftLengthController:
         tokens = (1.0 + drafted).sum(0)  # [k, m]
         out = {}
         for k in range(1, kk + 1):
-            whole = self.proposal[k].estimate(b) if k in self.proposal else None
+            whole = self.proposal_seconds(b, k)
             if whole is None:
-                d = self.draft.estimate(b)
-                if d is None:
-                    continue
-                whole = k * d
+                continue
             for m in range(1, mm + 1):
                 t = self.verify.estimate(b * (1 + k + m))
                 if t is not None:
@@ -335,7 +350,16 @@ class DraftLengthController:
 
     def choose_step(self, options: Sequence[Sequence[Option]]) -> StepPlan:
         """The next step's :class:`StepPlan`; ``options[b]``: row b's draft sources as (acceptance per
-        position (``row_alpha``), proposal length or None for any k), the main drafter's first."""
+        position (``row_alpha``), proposal length or None for any k), the main drafter's first.
+
+        A batch whose widest step (``k_main`` drafts per row) is larger than any verify the table has
+        measured runs that step first, as the very first step does: every cost up to it is then
+        interpolated between measurements, not extrapolated from small batches (where a verify's
+        cost per token says little about a larger one's)."""
+        b = len(options)
+        if self.k_main >= 1 and len(self.draft) and self.verify.sizes and b * (self.k_main + 1) > self.verify.sizes[-1]:
+            self._steps += 1
+            return StepPlan(self.k_main)
         return self._pick(self.expected_rates(options), self.history_rates(options), self.tree_rates(options))
 
     def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
