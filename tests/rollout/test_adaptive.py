@@ -10,7 +10,13 @@ from __future__ import annotations
 import pytest
 
 from megatron_spec.config import ConfigError, RunConfig
-from megatron_spec.rollout.native.adaptive import AcceptanceStats, CostTable, DraftLengthController, expected_tokens
+from megatron_spec.rollout.native.adaptive import (
+    AcceptanceStats,
+    CostTable,
+    DraftLengthController,
+    StepPlan,
+    expected_tokens,
+)
 
 
 def test_cost_table_interpolates_and_extrapolates():
@@ -302,3 +308,33 @@ def test_length_policy_ceiling_is_the_oracle_over_fixed_k():
     assert got == pytest.approx(oracle / ref, rel=1e-9)
     assert got > 1.0  # the oracle can always verify fewer tokens than fixed k=3 does
     assert bench.length_policy_ceiling(at_least, DraftLengthController(5), 16) is None  # no costs yet
+
+
+def test_a_wider_batch_first_measures_k_max_then_chooses():
+    """Measured at one row only, a batch of 16 would be priced by extrapolation (a verify's cost per
+    token at 1 row says little about 16 rows): its first step runs k_max, after that the choice is
+    the controller's again."""
+    c = DraftLengthController(5, explore_every=0)
+    for k in range(0, 6):
+        c.record_step(1, k, 0.010 + 0.0002 * k, 0.003 * k, prefill=False)
+    one = [[([0.3] * 5, None)]]
+    sixteen = one * 16
+
+    def best(options):
+        rates = c.expected_rates(options)
+        return StepPlan(max(rates, key=rates.get))
+
+    assert c.choose_step(one) == best(one) != StepPlan(5)  # within the measured sizes: the best k
+    assert c.choose_step(sixteen) == StepPlan(5)  # 16 x 6 tokens: wider than any verify measured
+    c.record_step(16, 5, 0.060, 0.020, prefill=False)
+    assert c.choose_step(sixteen) == best(sixteen) != StepPlan(5)  # measured: chosen by rate again
+
+
+def test_proposal_cost_outside_its_rows_scales_with_one_draft_pass():
+    c = DraftLengthController(3)
+    c.record_step(1, 3, 0.010, 0.009, prefill=False)  # a 3-token proposal over 1 row: 9 ms (3 ms a pass)
+    c.record_step(16, 1, 0.030, 0.004, prefill=False)  # one pass over 16 rows: 4 ms
+    # k=3 at 16 rows: never measured there; 9 ms scaled by the pass's 4/3, not by 16 rows / 1
+    assert c.proposal_seconds(16, 3) == pytest.approx(0.009 * 0.004 / 0.003)
+    assert c.proposal_seconds(1, 3) == pytest.approx(0.009)  # measured
+    assert c.proposal_seconds(16, 2) == pytest.approx(2 * 0.004)  # never measured at any row count: 2 passes
