@@ -9,7 +9,10 @@ Speculation pays ``E(k) / T(B, k)`` tokens per second for a batch of B rows draf
   host work of ``B * (k+1)`` tokens, ``P_k`` the main drafter's proposal of k tokens over B rows
   (k = 0: a plain step, ``V(B)``). A proposal is not k equal passes (EAGLE-3's first pass also
   extends over the tokens accepted in the last step and fuses the target's hidden states), so it
-  is measured per k; a k not measured yet is estimated as k times the average pass, ``k * D(B)``.
+  is measured per k; a k not measured yet is estimated as k times the average pass, ``k * D(B)``,
+  and a k measured only at other row counts as its nearest measurement scaled by ``D``. A batch
+  wider than any verify measured so far (``B (k_main+1)`` tokens) first runs one step at
+  ``k_main``, so its costs are interpolated rather than extrapolated from smaller batches.
 
 Both are measured online by the engine, nothing is tuned to one machine:
 
