@@ -328,6 +328,11 @@ def test_a_wider_batch_first_measures_k_max_then_chooses():
     assert c.choose_step(sixteen) == StepPlan(5)  # 16 x 6 tokens: wider than any verify measured
     c.record_step(16, 5, 0.060, 0.020, prefill=False)
     assert c.choose_step(sixteen) == best(sixteen) != StepPlan(5)  # measured: chosen by rate again
+    c.record_step(16, 3, 0.050, 0.012, prefill=True)  # a step carrying a prefill is not recorded ...
+    twenty = one * 20
+    assert c.choose_step(twenty) == StepPlan(5)
+    c.record_step(20, 5, 0.070, 0.022, prefill=True)
+    assert c.choose_step(twenty) == best(twenty) != StepPlan(5)  # ... and the wider batch is not forced a second time
 
 
 def test_proposal_cost_outside_its_rows_scales_with_one_draft_pass():

@@ -18,8 +18,9 @@ Both are measured online by the engine, nothing is tuned to one machine:
 
 * :class:`CostTable` keeps the median of the last ``window`` measurements per integer size (tokens
   of a verify step; rows of a draft pass; the fastest of them while a size has fewer than
-  ``trust``, since the first call of a new shape also builds its kernels) and interpolates linearly between sizes it has seen
-  (extrapolating with the slope of the two nearest, never below zero slope). A median shrugs off a
+  ``trust``, since the first call of a new shape also builds its kernels) and interpolates
+  linearly between sizes it has seen (extrapolating with the slope of the two nearest, never
+  below zero slope). A median shrugs off a
   slow outlier (interference from other processes, a cold first call) and a lucky fast one alike,
   and it weighs a size measured in few steps the same way as one measured in many. (An average
   that fell fast and rose slowly, tried first, kept the lucky lows of the sizes chosen rarely: on
@@ -37,12 +38,13 @@ Both are measured online by the engine, nothing is tuned to one machine:
 whose proposals cost no forward), it also weighs a step where only the rows with a history
 proposal draft, up to ``k_max`` tokens, and the main drafter does not run: ``T = V(B + sum_b
 min(k, n_b))`` (the verify forward runs packed: each row its last token and its own proposal of
-n_b tokens, ``Segment.pack``), the other rows emit one token; and, with ``k_tree``, a *tree* step: every row drafts k tokens from
-the main drafter and the rows with a history proposal also carry up to m of it as a second branch
-of the same verify (``megatron_spec.spec.verify_tree``), ``T = V(B * (1+k+m)) + P_k(B)``. A tree
-row emits ``1 + max(a, n)`` tokens, a the main branch's accepted drafts and n the history's
-matching ones; the controller estimates ``E = 1 + sum_j P(a >= j or n >= j)`` as if the two were
-independent (``1 - (1 - PA_j)(1 - PB_j)``), then scales the drafted part by what tree steps
+n_b tokens, ``Segment.pack``), the other rows emit one token; and, with ``k_tree``, a *tree*
+step: every row drafts k tokens from the main drafter and the rows with a history proposal also
+carry up to m of it as a second branch of the same verify (``megatron_spec.spec.verify_tree``),
+``T = V(B * (1+k+m)) + P_k(B)``. A tree row emits ``1 + max(a, n)`` tokens, a the main branch's
+accepted drafts and n the history's matching ones; the controller estimates
+``E = 1 + sum_j P(a >= j or n >= j)`` as if the two were independent
+(``1 - (1 - PA_j)(1 - PB_j)``), then scales the drafted part by what tree steps
 really emitted over what it predicted for them (an online calibration: the two sources are
 correlated, both right on easy text, and the independence estimate is optimistic). Every
 ``explore_every``-th step it tries a neighbour of the best k instead (alternately above and below),
@@ -231,6 +233,7 @@ class DraftLengthController:
         self.proposal: dict[int, CostTable] = {}  # a whole proposal of k tokens, per k, keyed by rows B
         self._steps = 0
         self._explore_up = True
+        self._measured_wide: set[int] = set()
 
     def source(self, name: str) -> AcceptanceStats:
         if name not in self.batch:
@@ -360,7 +363,9 @@ class DraftLengthController:
         interpolated between measurements, not extrapolated from small batches (where a verify's
         cost per token says little about a larger one's)."""
         b = len(options)
-        if self.k_main >= 1 and len(self.draft) and self.verify.sizes and b * (self.k_main + 1) > self.verify.sizes[-1]:
+        wide = self.verify.sizes and b * (self.k_main + 1) > self.verify.sizes[-1]
+        if wide and len(self.draft) and b not in self._measured_wide:
+            self._measured_wide.add(b)  # once per batch size (its step may carry a prefill, not recorded)
             self._steps += 1
             return StepPlan(self.k_main)
         return self._pick(self.expected_rates(options), self.history_rates(options), self.tree_rates(options))
