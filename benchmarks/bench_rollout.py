@@ -52,10 +52,11 @@ where the controller expects them to pay), and the same without tree steps (``--
 ``adaptive_over_k3_grpo``, ``best_fixed_grpo`` (the fastest of AR and k=2..5, median tokens/s) and
 ``adaptive_over_best_fixed_grpo``, ``length_oracle_over_k3_grpo`` (the ceiling of any draft-length
 choice over fixed k=3 at batch 16, from EAGLE-3 k=5's acceptance per position and the adaptive
-engine's measured costs: ``length_policy_ceiling``; ``..._by_batch`` at 16, 8, 4), ``history_accept_length_grpo`` (1 + drafts accepted per
-history-drafted request-step, in the combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3
-auto), ``tree_over_no_tree_grpo`` (combined over combined without trees), ``tail_speedup_grpo``
-(time from the 90th-percentile sample's finish to the last one's, AR over combined). ``--sections``
+engine's measured costs: ``length_policy_ceiling``; ``..._by_batch`` at 16, 8, 4),
+``history_accept_length_grpo`` (1 + drafts accepted per history-drafted request-step, in the
+combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3 auto), ``tree_over_no_tree_grpo``
+(combined over combined without trees), ``tail_speedup_grpo`` (time from the 90th-percentile
+sample's finish to the last one's, AR over combined). ``--sections``
 limits the run to some of: main, grpo; ``--grpo-configs`` the GRPO workload to some configs.
 
 Prints a table and, last, one JSON line with the ratios.
@@ -170,15 +171,10 @@ def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float
     (a chain's first positions are accepted at the same rates whatever k is). An oracle that knew
     which drafts will be accepted drafts through the longest chain it wants (K passes of the draft)
     and verifies exactly each row's accepted drafts: a row emits ``1 + a`` tokens from a packed
-    verify of ``1 + a`` tokens (and pays no cost of packing). Its rate ``b (1 + S_K) / (V(b (1 + S_K)) + P_K(b))``, ``S_K`` the sum
-    of ``at_least`` up to K, maximised over K, over fixed k's ``b (1 + S_k) / (V(b (k + 1)) + P_k(b))``.
-    None where the controller has no costs for some K."""
-    def proposal(k):
-        t = controller.proposal[k].estimate(b) if k in controller.proposal else None
-        if t is None:
-            d = controller.draft.estimate(b)
-            t = None if d is None else k * d
-        return t
+    verify of ``1 + a`` tokens (and pays no cost of packing). Its rate
+    ``b (1 + S_K) / (V(b (1 + S_K)) + P_K(b))``, ``S_K`` the sum of ``at_least`` up to K, maximised
+    over K, over fixed k's ``b (1 + S_k) / (V(b (k + 1)) + P_k(b))``, P the controller's own
+    proposal costs (``proposal_seconds``). None where the controller has no costs for some K."""
 
     # the verify forward's cost, a least-squares line through the table's sizes in b..b(K+1): the
     # table's neighbouring entries come from different (rows, k) at different moments and are noisy,
@@ -189,7 +185,7 @@ def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float
     slope, icpt = np.polyfit([n for n, _ in pts], [t for _, t in pts], 1)
 
     def rate(k, tokens):
-        p = proposal(k)
+        p = controller.proposal_seconds(b, k)
         return None if p is None else b * (1 + sum(at_least[:k])) / (icpt + slope * tokens + p)
 
     ref = rate(k_ref, b * (k_ref + 1))
