@@ -20,9 +20,9 @@ Both are measured online by the engine, nothing is tuned to one machine:
   of a verify step; rows of a draft pass; the fastest of them while a size has fewer than
   ``trust``, since the first call of a new shape also builds its kernels) and interpolates
   linearly between sizes it has seen (extrapolating with the slope of the two nearest, never
-  below zero slope). A median shrugs off a
-  slow outlier (interference from other processes, a cold first call) and a lucky fast one alike,
-  and it weighs a size measured in few steps the same way as one measured in many. (An average
+  below zero slope). A median shrugs off a slow outlier (interference from other processes, a
+  cold first call) and a lucky fast one alike, and it weighs a size measured in few steps the
+  same way as one measured in many. (An average
   that fell fast and rose slowly, tried first, kept the lucky lows of the sizes chosen rarely: on
   the GRPO workload it put k=2 at B=16 10% under its real 55 ms a step and chose it over the
   faster k=3 in 36 of 66 steps.) Steps that carried a prompt's prefill are not recorded (their
@@ -83,7 +83,7 @@ class CostTable:
         self.max_sizes = max_sizes
         self.sizes: list[int] = []
         self.seconds: dict[int, float] = {}
-        """The current estimate per size (the median of its window)."""
+        """The current estimate per size (the median of its window; its fastest under ``trust``)."""
         self._samples: dict[int, deque[float]] = {}
 
     def update(self, size: int, seconds: float) -> None:
@@ -266,17 +266,15 @@ class DraftLengthController:
         scales from those rows to b (a table measured at one row count alone would otherwise price b
         rows b times as high: a draft pass over 16 rows costs about what one over 1 row does on a
         CPU); a k never measured: k average passes."""
-        table = self.proposal.get(k)
-        d = self.draft.estimate(b)
-        if table is not None and table.sizes:
-            if table.sizes[0] <= b <= table.sizes[-1]:
-                return table.estimate(b)
-            near = min(table.sizes, key=lambda s: abs(s - b))
-            d_near = self.draft.estimate(near)
-            if d is not None and d_near:
-                return table.seconds[near] * d / d_near
+        table = self.proposal.get(k) or None  # (an empty table is falsy)
+        if table is not None and table.sizes[0] <= b <= table.sizes[-1]:
             return table.estimate(b)
-        return None if d is None else k * d
+        d = self.draft.estimate(b)
+        if table is None:
+            return None if d is None else k * d
+        near = min(table.sizes, key=lambda s: abs(s - b))
+        d_near = self.draft.estimate(near)
+        return table.seconds[near] * d / d_near if d is not None and d_near else table.estimate(b)
 
     def expected_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
         """Expected tokens per second for every k in ``k_min..k_main`` with a cost estimate, every row

@@ -491,7 +491,7 @@ class EngineCore:
             # the draft table is the main drafter's: a step where it did not run teaches it nothing
             self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_main if main_ran else 0.0,
                                         prefill=adm is not None, m=m,
-                                        tokens=None if tree or seg.pack is None else int(seg.pack.sum()))
+                                        tokens=None if seg.pack is None else int(seg.pack.sum()))
         if adm is not None:
             self._start(adm, rows, *pre)
 
