@@ -279,6 +279,7 @@ def test_tree_modes():
     always = DraftLengthController(8, k_main=3, k_tree=8, tree="always")
     plans = _train_tree(always, 16, 0.05, 0.2, steps=50)
     assert all(p.mode == "tree" for p in plans[1:])  # (the first step measures the drafter)
+    assert all(p.m == 8 for p in plans[1:])  # the whole history proposal is the second branch, whatever it costs
 
 
 def test_length_policy_ceiling_is_the_oracle_over_fixed_k():

@@ -366,7 +366,11 @@ class DraftLengthController:
             self._measured_wide.add(b)  # once per batch size (its step may carry a prefill, not recorded)
             self._steps += 1
             return StepPlan(self.k_main)
-        return self._pick(self.expected_rates(options), self.history_rates(options), self.tree_rates(options))
+        trees = self.tree_rates(options)
+        if self.tree == "always" and trees:  # the whole history proposal rides along (its branch is exercised
+            m = max(min(o[1][1] or self.k_tree, self.k_tree) for o in options if len(o) > 1)  # past the draft)
+            trees = {km: r for km, r in trees.items() if km[1] == m}
+        return self._pick(self.expected_rates(options), self.history_rates(options), trees)
 
     def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
               tree_rates: dict[tuple[int, int], float]) -> StepPlan:
