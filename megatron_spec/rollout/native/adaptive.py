@@ -367,8 +367,9 @@ class DraftLengthController:
             self._steps += 1
             return StepPlan(self.k_main)
         trees = self.tree_rates(options)
-        if self.tree == "always" and trees:  # the whole history proposal rides along (its branch is exercised
-            m = max(min(o[1][1] or self.k_tree, self.k_tree) for o in options if len(o) > 1)  # past the draft)
+        if self.tree == "always" and trees:
+            # the whole history proposal rides along, so its branch is exercised past the drafter's tokens
+            m = max(min(o[1][1] or self.k_tree, self.k_tree) for o in options if len(o) > 1)
             trees = {km: r for km, r in trees.items() if km[1] == m}
         return self._pick(self.expected_rates(options), self.history_rates(options), trees)
 
