@@ -367,10 +367,10 @@ class DraftLengthController:
             self._steps += 1
             return StepPlan(self.k_main)
         trees = self.tree_rates(options)
-        if self.tree == "always" and trees:
-            # the whole history proposal rides along, so its branch is exercised past the drafter's tokens
+        if self.tree == "always" and trees:  # tests and benchmarks: a tree whenever a row can have one, the
+            # whole history proposal its second branch (exercised past the drafter's tokens); only k is chosen
             m = max(min(o[1][1] or self.k_tree, self.k_tree) for o in options if len(o) > 1)
-            trees = {km: r for km, r in trees.items() if km[1] == m}
+            return self._pick({}, {}, {km: r for km, r in trees.items() if km[1] == m})
         return self._pick(self.expected_rates(options), self.history_rates(options), trees)
 
     def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
@@ -378,8 +378,6 @@ class DraftLengthController:
         self._steps += 1
         if not len(self.draft) and self.k_main >= 1:
             return StepPlan(self.k_main)  # first: measure a draft pass and every position's acceptance
-        if self.tree == "always" and tree_rates:  # tests and benchmarks: a tree whenever a row can have one
-            rates, hist_rates = {}, {}
         cands = [(r, StepPlan(k)) for k, r in rates.items()]
         cands += [(r, StepPlan(k, "history")) for k, r in hist_rates.items()]
         cands += [(r, StepPlan(k, "tree", m)) for (k, m), r in tree_rates.items()]
