@@ -31,6 +31,14 @@ bool is_fp8_bytes(const at::Tensor& t) {
   return t.scalar_type() == at::kByte || t.scalar_type() == at::kFloat8_e4m3fn;
 }
 
+// Every tensor argument on the first one's device: the dispatcher picks this kernel when any argument is
+// on a GPU, and a host tensor beside it would reach the kernel as a host pointer (an illegal-address error
+// that kills the process) instead of an exception naming it.
+void check_device(const char* op, const char* name, const at::Tensor& t, const char* first, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", ", first, " on ", device,
+                    "; every tensor argument must be on one device");
+}
+
 void check_cuda(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, "megatron_spec ", what, " launch failed: ", cudaGetErrorString(err));
 }
@@ -40,6 +48,8 @@ void fp8_block_quantize_out_cuda(const at::Tensor& w, int64_t block_n, int64_t b
   TORCH_CHECK_VALUE(block_n > 0 && block_k > 0, "megatron_spec fp8 block size must be positive, got [", block_n,
                     ", ", block_k, "]");
   TORCH_CHECK_VALUE(w.dim() == 2, "fp8_block_quantize expects a 2-D weight [N, K], got shape ", w.sizes());
+  check_device("fp8_block_quantize", "out", out, "w", w.device());
+  check_device("fp8_block_quantize", "scale_inv", scale_inv, "w", w.device());
   const cuda::FloatKind kind = kind_of(w.scalar_type());
   const int64_t N = w.size(0), K = w.size(1);
   const int64_t sn = (N + block_n - 1) / block_n, sk = (K + block_k - 1) / block_k;
@@ -88,7 +98,7 @@ at::Tensor fp8_block_dequantize_cuda(const at::Tensor& w_fp8, const at::Tensor& 
                         scale_inv.scalar_type() == at::kFloat,
                     "fp8_block_dequantize expects float32 weight_scale_inv of shape [", sn, ", ", sk, "], got ",
                     scale_inv.scalar_type(), " of shape ", scale_inv.sizes());
-  TORCH_CHECK_VALUE(scale_inv.device() == w_fp8.device(), "fp8_block_dequantize: weight and scale on different devices");
+  check_device("fp8_block_dequantize", "scale_inv", scale_inv, "w_fp8", w_fp8.device());
   const cuda::FloatKind kind = kind_of(dtype);
   const c10::cuda::CUDAGuard guard(w_fp8.device());
   const at::Tensor qc = w_fp8.contiguous();
@@ -146,7 +156,14 @@ std::tuple<at::Tensor, at::Tensor> verify_chain_cuda(const at::Tensor& target_lo
                       "verify_chain: draft_probs must be float32 [", B, ", ", k, ", ", Vd, "], got ",
                       draft_probs->scalar_type(), " of shape ", draft_probs->sizes());
   }
-  const c10::cuda::CUDAGuard guard(target_logprobs.device());
+  const at::Device dev = target_logprobs.device();
+  check_device("verify_chain", "draft_tokens", draft_tokens, "target_logprobs", dev);
+  check_device("verify_chain", "greedy", greedy, "target_logprobs", dev);
+  check_device("verify_chain", "u_accept", u_accept, "target_logprobs", dev);
+  check_device("verify_chain", "u_sample", u_sample, "target_logprobs", dev);
+  if (has_q) check_device("verify_chain", "draft_probs", *draft_probs, "target_logprobs", dev);
+  if (has_map) check_device("verify_chain", "d2t", *d2t, "target_logprobs", dev);
+  const c10::cuda::CUDAGuard guard(dev);
   const auto stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor tokens = at::full({B, K1}, -1, draft_tokens.options());
   at::Tensor num_accepted = at::zeros({B}, draft_tokens.options());

@@ -84,6 +84,8 @@ class MtpDraft(torch.nn.Module):
         use_te = te_available() if use_te is None else use_te
         spec = get_gpt_mtp_block_spec(tcfg, gpt.transformer_layer_spec, use_transformer_engine=use_te)
         self.block = MultiTokenPredictionBlock(config=tcfg, spec=spec)
+        # megatron-core makes the local spec's norms on the CPU whatever the device: beside the policy
+        self.block.to(next(gpt.parameters()).device)
         self.config = tcfg
         self.__dict__["_policy"] = gpt  # referenced, not owned: its parameters are not ours
         self.decoder_config: DecoderConfig = gpt.decoder_config

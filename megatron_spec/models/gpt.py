@@ -45,6 +45,11 @@ def te_available() -> bool:
     return True
 
 
+def default_model_device() -> torch.device:
+    """The current CUDA device when there is one (``init_parallel`` sets it per local rank), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def transformer_config(cfg: DecoderConfig, *, tp_size: int, params_dtype: torch.dtype = torch.float32,
                        sequence_parallel: bool = False, mtp_num_layers: int | None = None, **overrides):
     """megatron-core TransformerConfig for ``cfg`` (dropout off: RL log-probs must be exact)."""
@@ -99,11 +104,19 @@ def build_gpt_model(
     vocab_divisible_by: int = 128,
     sequence_parallel: bool = False,
     mtp_num_layers: int | None = None,
+    device: torch.device | str | None = None,
 ):
-    """A GPTModel for ``cfg`` on this rank (parallel state must be initialised).
+    """A GPTModel for ``cfg`` on this rank (parallel state must be initialised), every parameter and
+    buffer on ``device``.
 
     Args:
         tp_size: defaults to megatron-core's current tensor-parallel size.
+        device: where the model lives; None: the current CUDA device when there is one, else the CPU.
+            megatron-core creates its linear weights on the current CUDA device
+            (``use_cpu_initialization=False``) but the local spec's norms (``torch.nn.RMSNorm`` behind
+            ``WrappedTorchNorm``) on the CPU, so the model is moved as a whole, as Megatron-LM's
+            ``get_model`` does with ``model.cuda()``. (RoPE's ``inv_freq`` is a plain attribute, made on
+            the current CUDA device and moved there by megatron-core's own forward.)
         use_te: force the TransformerEngine (True) or local (False) layer spec; None picks TE
             when it imports and CUDA exists.
         vocab_divisible_by: Megatron-LM's ``--make-vocab-size-divisible-by``.
@@ -148,6 +161,7 @@ def build_gpt_model(
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
         mtp_block_spec=mtp_spec,
     )
+    model.to(default_model_device() if device is None else device)
     model.decoder_config = cfg  # the HF-side description travels with the model
     model.true_vocab_size = cfg.vocab_size
     logger.debug("built GPTModel %s (TP=%d, %s spec, padded vocab %d)", cfg.architecture, tp,

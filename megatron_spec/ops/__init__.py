@@ -34,6 +34,7 @@ if compiled_ops_available():
 
 __all__ = [
     "SAMPLE_CHUNK",
+    "check_devices",
     "compiled_kernel_for",
     "fp8_block_dequantize",
     "fp8_block_dequantize_reference",
@@ -62,6 +63,21 @@ def _has_kernel(op_name: str, dispatch_key: str) -> bool:
     # The dispatcher lookup costs tens of microseconds and is asked on every sampling call of the
     # engine (several per verify step); the registrations of _C do not change once it is loaded.
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"megatron_spec::{op_name}", dispatch_key)
+
+
+def check_devices(op: str, first: str, tensors: dict[str, torch.Tensor | None]) -> torch.device:
+    """The device of ``tensors[first]``; ValueError naming the argument when another tensor is elsewhere.
+
+    The dispatcher picks the CUDA kernel when any argument is on a GPU; a host tensor beside it would
+    reach the kernel as a host pointer and kill the process with an illegal-address error instead of
+    raising (the CUDA binding checks again, for callers of ``torch.ops`` directly).
+    """
+    device = tensors[first].device
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, {first} on {device}; every tensor argument must be "
+                             f"on one device")
+    return device
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -98,6 +114,7 @@ def fp8_block_quantize(
     bn, bk = _block(block_size)
     if out is not None:
         w_fp8, scale_inv = out
+        check_devices("fp8_block_quantize", "w", {"w": w, "out[0]": w_fp8, "out[1]": scale_inv})
         if w_fp8.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fp8_block_quantize: out must be float8_e4m3fn, got {w_fp8.dtype}")
         if compiled_kernel_for("fp8_block_quantize_out", w.device):
@@ -135,6 +152,7 @@ def fp8_block_dequantize(
 ) -> torch.Tensor:
     """Inverse of :func:`fp8_block_quantize`: ``w_fp8 [N, K] * weight_scale_inv`` in float32, cast to ``dtype``."""
     bn, bk = _block(block_size)
+    check_devices("fp8_block_dequantize", "w_fp8", {"w_fp8": w_fp8, "scale_inv": scale_inv})
     if compiled_kernel_for("fp8_block_dequantize", w_fp8.device):
         if w_fp8.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fp8_block_dequantize expects a float8_e4m3fn weight, got {w_fp8.dtype}")
@@ -163,7 +181,10 @@ def verify_chain_op(
     Low-level op with the exact argument types of the kernel (see ``verify_reference``); the API
     the engine calls is ``megatron_spec.spec.verify_chain``.
     """
-    if compiled_kernel_for("verify_chain", target_logprobs.device):
+    device = check_devices("verify_chain", "target_logprobs", {
+        "target_logprobs": target_logprobs, "draft_tokens": draft_tokens, "draft_probs": draft_probs, "d2t": d2t,
+        "greedy": greedy, "u_accept": u_accept, "u_sample": u_sample})
+    if compiled_kernel_for("verify_chain", device):
         return torch.ops.megatron_spec.verify_chain(
             target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_accept, u_sample
         )

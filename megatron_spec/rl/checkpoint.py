@@ -53,16 +53,24 @@ def _barrier() -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """Every generator a resumed step draws from: torch's CPU and CUDA default generators (one state per
+    visible GPU; an empty list without one), Python's, numpy's and megatron-core's model-parallel tracker."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "tracker": get_cuda_rng_tracker().get_states()}
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(), "python": random.getstate(),
+            "numpy": np.random.get_state(), "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
+    cuda = state.get("cuda")  # absent in checkpoints written before it was saved
+    if cuda is not None and len(cuda) != torch.cuda.device_count():
+        raise CheckpointLoadError(f"the checkpoint holds CUDA generator states for {len(cuda)} GPUs, this process "
+                                  f"sees {torch.cuda.device_count()}: resume with as many GPUs visible per process")
     torch.set_rng_state(state["torch"])
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     get_cuda_rng_tracker().set_states(state["tracker"])

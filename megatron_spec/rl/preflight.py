@@ -67,6 +67,22 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
 
     if s.spec_draft_kind in ("eagle3", "model", "mtp") and s.spec_draft_path:
         _check_draft(s.spec_draft_kind, s.spec_draft_path, target)
+    _check_backend(cfg.rollout.rollout_backend)
+
+
+def _check_backend(backend: str | None) -> None:
+    """SGLang, asked for or the default on a GPU, imports here; else one line naming the way out."""
+    from megatron_spec.rollout import default_backend
+
+    chosen = backend or default_backend()
+    if chosen != "sglang":
+        return
+    try:
+        import sglang  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install raising anything at import
+        how = "--rollout-backend sglang" if backend else "the rollout backend defaults to sglang on a GPU, but"
+        raise ConfigError(f"{how} sglang does not import here ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+                          f"install it (requirements/gpu.txt) or pass --rollout-backend native") from None
 
 
 def _check_draft(kind: str, path: str, target) -> None:

@@ -170,7 +170,8 @@ class GRPOTrainer:
                 print(f"megatron-spec: warning: --bf16 training on a CPU where {probe().why_not_bf16()}: "
                       "bf16 matmuls run 30-130x slower than fp32 here; drop --bf16 on this machine",
                       file=sys.stderr, flush=True)
-        self.model = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by)
+        self.model = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by,
+                                     device=self.device)
         load_hf_weights(self.model, ckpt)
         self.ddp = wrap_ddp(self.model)
         self.params = [p for p in self.ddp.parameters() if p.requires_grad]
@@ -178,7 +179,8 @@ class GRPOTrainer:
         self.optimizer = MixedPrecisionAdamW(self.params, lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.999))
         self.ref = None
         if g.kl_coef > 0:
-            self.ref = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by)
+            self.ref = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by,
+                                       device=self.device)
             load_hf_weights(self.ref, ckpt)
             self.ref.eval().requires_grad_(False)
         self.offload = self._colocate_offload()

@@ -77,3 +77,40 @@ def test_tp_size_that_does_not_divide_heads(parallel, hf_checkpoints):
     cfg = HFCheckpoint(hf_checkpoints["qwen3"]).decoder_config  # 8 heads, 2 kv heads
     with pytest.raises(ValueError, match="does not divide num_key_value_heads 2"):
         build_gpt_model(cfg, tp_size=4)
+
+
+def _off_device(module: torch.nn.Module, device: torch.device) -> list[str]:
+    """Every parameter and buffer of ``module`` that is not on ``device``."""
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    return [f"{n} on {t.device}" for n, t in named if t.device != device]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama_tied_rope_scaling"])
+def test_policy_is_built_on_the_requested_device(parallel, hf_checkpoints, name):
+    """Issue 27, defect 1: megatron-core makes the local spec's norms (``torch.nn.RMSNorm`` behind
+    ``WrappedTorchNorm``) on the CPU whatever ``use_cpu_initialization`` says, so a GPU policy kept
+    its norms on the host and failed at its first forward. ``meta`` stands in for the GPU here: a
+    model built for it must hold every parameter and buffer there."""
+    cfg = HFCheckpoint(hf_checkpoints[name]).decoder_config
+    model = build_gpt_model(cfg, device="meta")
+    assert _off_device(model, torch.device("meta")) == []
+    assert any(".layernorm" in n or "final_layernorm" in n for n, _ in model.named_parameters())  # norms were checked
+
+
+def test_policy_defaults_to_the_current_device(parallel, hf_checkpoints):
+    from megatron_spec.models.gpt import default_model_device
+
+    model = build_gpt_model(HFCheckpoint(hf_checkpoints["qwen3"]).decoder_config)
+    device = default_model_device()
+    assert device == (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                      else torch.device("cpu"))
+    assert _off_device(model, device) == []
+
+
+def test_mtp_draft_follows_the_policys_device(parallel, hf_checkpoints):
+    """The MTP head beside the policy: its norms are made on the CPU by megatron-core too."""
+    from megatron_spec.draft.mtp import MtpDraft
+
+    policy = build_gpt_model(HFCheckpoint(hf_checkpoints["qwen3"]).decoder_config, device="meta")
+    draft = MtpDraft(policy, 1, use_te=False)
+    assert _off_device(draft, torch.device("meta")) == []

@@ -88,3 +88,32 @@ def test_verify_cuda_refuses_what_the_reference_refuses():
     t, n = torch.ops.megatron_spec.verify_chain(lp.cuda(), x.cuda(), None, None, greedy.cuda(), ua.cuda(), us.cuda())
     t_r, n_r = verify_chain_reference(lp, x, None, None, greedy, ua, us)
     assert torch.equal(t.cpu(), t_r) and torch.equal(n.cpu(), n_r)
+
+
+@pytest.mark.parametrize("name", ["draft_tokens", "draft_probs", "greedy", "u_accept", "u_sample"])
+def test_cuda_binding_refuses_a_host_tensor(name):
+    """Issue 27, defect 3: a host tensor beside CUDA inputs reached the kernel as a host pointer and
+    killed the process (illegal address). Both the wrapper and the binding itself name the argument."""
+    g = torch.Generator().manual_seed(3)
+    B, k, V = 3, 2, 50
+    args = {"target_logprobs": torch.log_softmax(torch.randn(B, k + 1, V, generator=g), -1),
+            "draft_tokens": torch.randint(0, V, (B, k), generator=g),
+            "draft_probs": torch.softmax(torch.randn(B, k, V, generator=g), -1), "d2t": None,
+            "greedy": torch.zeros(B, dtype=torch.bool), "u_accept": torch.rand(B, k, dtype=torch.float64, generator=g),
+            "u_sample": torch.rand(B, dtype=torch.float64, generator=g)}
+    cuda_args = {n: (a.cuda() if a is not None and n != name else a) for n, a in args.items()}
+    with pytest.raises(ValueError, match=f"{name} is on cpu"):
+        torch.ops.megatron_spec.verify_chain(*cuda_args.values())
+    with pytest.raises(ValueError, match=f"{name} is on cpu"):
+        ops.verify_chain_op(**cuda_args)
+    torch.cuda.synchronize()  # the context survived: nothing reached the kernel
+
+
+def test_fp8_cuda_binding_refuses_a_host_scale():
+    w = torch.randn(256, 256, device="cuda")
+    q, s = torch.ops.megatron_spec.fp8_block_quantize(w, 128, 128)
+    with pytest.raises(ValueError, match="scale_inv is on cpu"):
+        torch.ops.megatron_spec.fp8_block_dequantize(q, s.cpu(), 128, 128, torch.float32)
+    with pytest.raises(ValueError, match="scale_inv is on cpu"):
+        torch.ops.megatron_spec.fp8_block_quantize_out(w, 128, 128, out=torch.empty_like(q), scale_inv=s.cpu())
+    torch.cuda.synchronize()

@@ -137,3 +137,21 @@ def test_under_torchrun_the_error_line_comes_first_and_no_rank_traceback(models,
     assert lines[0] == f"pretrain_grpo_spec.py: {line}" and proc.stderr.count("error: --hf-checkpoint") == 1
     # what remains is torchrun's own report of a worker that exited 2, no worker traceback
     assert "[rank0]" not in proc.stderr and "[rank1]" not in proc.stderr and "exitcode  : 2" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", [None, "sglang"])
+def test_sglang_missing_on_a_gpu_is_one_line_naming_the_native_backend(models, monkeypatch, backend):
+    """Issue 27, defect 7: on a GPU the rollout backend defaults to SGLang; where sglang does not import
+    (the lent GPU machines have no sglang), the launcher says so and names --rollout-backend native.
+    The GPU is simulated by torch.cuda.is_available; a None entry in sys.modules makes ``import sglang``
+    raise ImportError as a missing package does."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    with pytest.raises(ConfigError) as info:
+        check_inputs(_cfg(models, rollout__rollout_backend=backend))
+    message = str(info.value)
+    assert "\n" not in message and "--rollout-backend native" in message and "sglang does not import" in message
+    assert ("defaults to sglang on a GPU" in message) == (backend is None)
+    check_inputs(_cfg(models, rollout__rollout_backend="native"))  # the way out works

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from megatron_spec.sync import fingerprint
 from megatron_spec.sync.fingerprint import Fingerprint, _numpy_sums, _torch_sums, fingerprint_tensors
 
 MOD = 1 << 64
@@ -51,6 +53,29 @@ def test_numpy_and_torch_paths_agree_across_chunks():
         x = (torch.randn(100_003, generator=torch.Generator().manual_seed(3)) * 50).to(dtype)
         bits = x.view(view)
         assert _numpy_sums(bits.numpy()) == _torch_sums(bits), dtype
+
+
+def test_device_path_reads_back_once_per_tensor(monkeypatch):
+    """Issue 27, defect 5: the device path read two sums back to the host per 32K-element chunk (about 5e5
+    host syncs per weight sync of an 8B model on a GPU). Now it accumulates on the device and reads back
+    once per tensor, whatever the chunking; here on the CPU, counting every way a tensor reaches the host."""
+    reads = []
+    for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name: (reads.append(_n), _o(self, *a))[1])
+    monkeypatch.setattr(fingerprint, "_DEVICE_CHUNK", 1000)
+    bits = (torch.randn(10_500, generator=torch.Generator().manual_seed(4)) * 1e4).view(torch.int32)
+    sums = _torch_sums(bits)  # 11 chunks
+    assert len(reads) == 1, reads
+    monkeypatch.undo()
+    assert sums == _numpy_sums(bits.numpy())
+
+
+@pytest.mark.gpu
+def test_cuda_fingerprint_equals_the_hosts():
+    x = torch.randn(3_000_001, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    assert fingerprint_tensors([x.cuda()]) == fingerprint_tensors([x])
+    assert fingerprint_tensors([x.float().cuda()], torch.bfloat16) == fingerprint_tensors([x])
 
 
 def test_dict_round_trip_and_merge():
