@@ -65,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-length", type=int, default=None,
                    help="engine context (default: longest prompt + max-new-tokens)")
     p.add_argument("--backend", default="native", choices=["native", "sglang"])
+    p.add_argument("--device", default="cpu", help="where the native engine runs: cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="engine compute dtype (auto: bfloat16 where the CPU does bf16 natively or on a GPU, "
                         "float32 elsewhere; see megatron-spec info)")
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tokenizer = load_tokenizer(args.model)
     try:
-        dtype = resolve_dtype(args.dtype, "cuda" if args.backend == "sglang" else "cpu")
+        dtype = resolve_dtype(args.dtype, "cuda" if args.backend == "sglang" else args.device.partition(":")[0])
         if args.backend == "sglang" and (args.num_draft_tokens == "auto" or args.history
                                          or args.draft_kind == "history"):
             raise ValueError("--num-draft-tokens auto, --history and --draft-kind history run in the native engine "
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                               num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
                               history=args.history, history_max_draft_tokens=args.history_max_draft_tokens,
                               history_tree=args.history_tree,
-                              dtype=dtype,
+                              dtype=dtype, device=args.device,
                               max_batch_size=max(args.batch_size, args.n), context_length=context, seed=args.seed,
                               num_threads=args.num_threads)
     except (ValueError, FileNotFoundError) as exc:

@@ -89,7 +89,8 @@ class MtpHead(nn.Module):
     def new_caches(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> list[KVCache]:
         cfg = self.target_cfg
         dtype = dtype or self.layers[0].eh_proj.weight.dtype
-        return [KVCache(1, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype) for _ in self.layers]
+        device = self.layers[0].eh_proj.weight.device
+        return [KVCache(1, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device) for _ in self.layers]
 
     # ------------------------------------------------------------------ weights by HF name
     def _views(self) -> Iterator[tuple[str, torch.Tensor]]:

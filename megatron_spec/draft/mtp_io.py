@@ -79,12 +79,13 @@ def load_mtp_head(
     target_cfg: DecoderConfig,
     dtype: torch.dtype = torch.float32,
     num_layers: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> MtpHead:
-    """The native :class:`MtpHead` of an MTP export (strict: every name must load)."""
+    """The native :class:`MtpHead` of an MTP export on ``device`` (strict: every name must load)."""
     n = read_mtp_config(path, target_cfg)
     if num_layers is not None and num_layers != n:
         raise ValueError(f"MTP export at {os.fspath(path)} has {n} layers, the engine expects {num_layers}")
-    head = MtpHead(target_cfg, n).to(dtype)
+    head = MtpHead(target_cfg, n).to(device=device, dtype=dtype)
     head.load_weights(load_mtp_tensors(path).items())
     return head.eval()
 

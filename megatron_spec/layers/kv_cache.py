@@ -28,7 +28,11 @@ class KVCache:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.lens = torch.zeros(num_slots, dtype=torch.long)
+        self.lens = torch.zeros(num_slots, dtype=torch.long, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lens.device
 
     @property
     def nbytes(self) -> int:
@@ -42,8 +46,8 @@ class KVCache:
             raise IndexError(f"KV cache position {int(positions.max())} >= max_len {self.max_len}: "
                              f"sequence longer than the engine's context")
         b = positions.shape[0]
-        slots = torch.arange(slot_offset, slot_offset + b).view(b, 1, 1)
-        heads = torch.arange(self.num_kv_heads).view(1, -1, 1)
+        slots = torch.arange(slot_offset, slot_offset + b, device=positions.device).view(b, 1, 1)
+        heads = torch.arange(self.num_kv_heads, device=positions.device).view(1, -1, 1)
         return ((slots * self.num_kv_heads + heads) * self.max_len + positions.unsqueeze(1)).reshape(-1)
 
     def write(self, layer: int, index: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -75,7 +79,7 @@ class KVCache:
         dsts = [d for d in dsts if d != src]
         if not dsts:
             return
-        idx = torch.tensor(dsts)
+        idx = torch.tensor(dsts, device=self.lens.device)
         for t in self.k + self.v:
             t[idx, :, :length] = t[src, :, :length].unsqueeze(0)
         self.lens[idx] = length
@@ -121,7 +125,7 @@ def tree_attention_mask(cache_positions: torch.Tensor, visible: torch.Tensor, le
         ``[B, 1, T, length]`` bool, True where attention is allowed.
     """
     b, t = cache_positions.shape
-    keys = torch.arange(length).view(1, 1, length)
+    keys = torch.arange(length, device=cache_positions.device).view(1, 1, length)
     mask = (keys < cache_positions[:, :1].unsqueeze(-1)).expand(b, t, length).clone()  # the prefix
     mask.scatter_(2, cache_positions.unsqueeze(1).expand(b, t, t), visible)
     return mask.unsqueeze(1)
@@ -137,6 +141,6 @@ def attention_mask(q_positions: torch.Tensor, kv_lens: torch.Tensor, length: int
     Returns:
         ``[B, 1, T, length]`` bool, True where attention is allowed.
     """
-    keys = torch.arange(length).view(1, 1, 1, length)
+    keys = torch.arange(length, device=q_positions.device).view(1, 1, 1, length)
     allowed = keys <= q_positions.unsqueeze(1).unsqueeze(-1)  # [B, 1, T, L]
     return allowed & (keys < kv_lens.view(-1, 1, 1, 1))

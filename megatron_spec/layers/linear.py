@@ -60,7 +60,8 @@ class Linear(nn.Module):
         self._packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and not torch.is_grad_enabled() and x.dtype == self.weight_t.dtype:
+        if (self._packed is not None and not torch.is_grad_enabled() and x.dtype == self.weight_t.dtype
+                and x.device.type == "cpu"):
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, self.bias,
                                                     "none", [], "")
             return y.view(*x.shape[:-1], self.out_features)
@@ -102,5 +103,5 @@ def warm_linears(modules: Iterable[nn.Module], max_rows: int, max_primitives: in
     with torch.inference_mode():
         for m in shapes.values():
             for r in range(1, rows + 1):
-                m(torch.zeros(r, m.in_features, dtype=m.weight_t.dtype))
+                m(torch.zeros(r, m.in_features, dtype=m.weight_t.dtype, device=m.weight_t.device))
     return rows * len(shapes)

@@ -285,6 +285,7 @@ class GRPOTrainer:
             draft_path = None  # the heads are streamed from the trainer before the first rollout
         return EngineConfig(
             model_path=self.cfg.model.hf_checkpoint, draft_kind=kind, draft_path=draft_path,
+            device=str(self.device),  # the native engine shares this rank's device (SGLang places itself)
             num_draft_tokens=s.spec_num_draft_tokens, max_draft_tokens=s.spec_max_draft_tokens,
             history=s.spec_history, history_max_draft_tokens=s.spec_history_max_draft_tokens,
             history_tree=s.spec_history_tree,

@@ -50,6 +50,9 @@ class EngineConfig:
     """Tree steps beside ``history`` (the drafter's k tokens and up to ``history_max_draft_tokens`` of the
     history's as two branches of one verify, ``megatron_spec.spec.verify_tree``): ``auto`` where the
     controller expects them to pay, ``off``, or ``always`` whenever a row has a history proposal (tests)."""
+    device: str = "cpu"
+    """Where the native engine runs: ``cpu``, ``cuda`` or ``cuda:N`` (the trainer passes its own device, so a
+    GPU rank's engine shares its GPU). SGLang places itself (``tp_size`` GPUs from this process's)."""
     dtype: str = "float32"
     """Engine compute dtype: auto | float32 | bfloat16. Each backend resolves it once at start-up through
     ``megatron_spec.isa.resolve_dtype`` (the native engine: bf16 only where the CPU does bf16 natively,
@@ -97,6 +100,9 @@ class EngineConfig:
             raise ValueError(f"history_tree must be one of {HISTORY_TREE_MODES}, got {self.history_tree!r}")
         if self.history and self.history_max_draft_tokens < 1:
             raise ValueError(f"history_max_draft_tokens must be >= 1, got {self.history_max_draft_tokens}")
+        kind, _, index = self.device.partition(":")
+        if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {DTYPE_CHOICES}, got {self.dtype!r}")
         if self.max_batch_size < 1 or self.context_length < 2:
@@ -106,10 +112,16 @@ class EngineConfig:
         if self.draft_path and self.draft_kind in ("eagle3", "model") and not os.path.isdir(self.draft_path):
             raise FileNotFoundError(f"draft_path {self.draft_path} is not a directory")
 
-    def resolved(self, device: str = "cpu") -> "EngineConfig":
-        """This config with ``dtype`` resolved for an engine on ``device`` (``cpu`` | ``cuda``)."""
-        dtype = resolve_dtype(self.dtype, device)
+    def resolved(self, device: str | None = None) -> "EngineConfig":
+        """This config with ``dtype`` resolved for an engine on ``device`` (``cpu`` | ``cuda``; default: the
+        config's own ``device``)."""
+        dtype = resolve_dtype(self.dtype, device or self.device_type)
         return self if dtype == self.dtype else dataclasses.replace(self, dtype=dtype)
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` or ``cuda``."""
+        return self.device.partition(":")[0]
 
     @property
     def adaptive(self) -> bool:

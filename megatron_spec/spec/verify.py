@@ -188,15 +188,16 @@ def verify_tree(
     first = verify_chain(target_logprobs, draft_tokens, draft_probs, d2t=d2t, greedy=greedy, generator=generator)
     b, k1 = first.tokens.shape
     m = second_tokens.shape[1]
-    y = second_tokens.to(torch.int64)
+    dev = first.tokens.device
+    y = second_tokens.to(device=dev, dtype=torch.int64)
     a = first.num_accepted
-    tokens = torch.full((b, k1 + m), -1, dtype=torch.long)
-    logprobs = torch.zeros(b, k1 + m)
+    tokens = torch.full((b, k1 + m), -1, dtype=torch.long, device=dev)
+    logprobs = torch.zeros(b, k1 + m, device=dev)
     tokens[:, :k1], logprobs[:, :k1] = first.tokens, first.logprobs
     num = a.clone()
-    positions = torch.arange(k1 + m).expand(b, -1).clone()
-    second = torch.zeros(b, dtype=torch.bool)
-    second_len = torch.zeros(b, dtype=torch.long)
+    positions = torch.arange(k1 + m, device=dev).expand(b, -1).clone()
+    second = torch.zeros(b, dtype=torch.bool, device=dev)
+    second_len = torch.zeros(b, dtype=torch.long, device=dev)
 
     def result():
         return TreeVerifyResult(tokens, num, logprobs, positions, a, second, second_len)
@@ -204,8 +205,8 @@ def verify_tree(
     if m == 0:
         return result()
     # go on along y where the a + 1 tokens the first branch emitted are y_1..y_{a+1} and y_{a+2} exists
-    j = torch.arange(k1).view(1, -1)
-    y_pad = torch.cat([y, torch.full((b, max(0, k1 - m)), -1, dtype=torch.long)], 1)[:, :k1]
+    j = torch.arange(k1, device=dev).view(1, -1)
+    y_pad = torch.cat([y, torch.full((b, max(0, k1 - m)), -1, dtype=torch.long, device=dev)], 1)[:, :k1]
     agree = ((first.tokens == y_pad) | (j > a.view(-1, 1))).all(1)
     cont = agree & (a + 1 < m)
     cont &= y.gather(1, (a + 1).clamp(max=m - 1).view(-1, 1))[:, 0] >= 0
@@ -214,7 +215,7 @@ def verify_tree(
         return result()
     start = a[idx] + 1  # y_1..y_start are emitted; y_{start+1}.. are verified at the logits of y_start..
     w = int((m - start).max())  # drafts left on the longest row
-    col = torch.arange(w + 1).view(1, -1)
+    col = torch.arange(w + 1, device=dev).view(1, -1)
     lp2 = second_logprobs[idx.view(-1, 1), (start.view(-1, 1) - 1 + col).clamp(max=m - 1)]  # [R, w+1, V]
     d_off = start.view(-1, 1) + col[:, :w]
     d2 = torch.where(d_off < m, y[idx.view(-1, 1), d_off.clamp(max=m - 1)], torch.full_like(d_off, -1))
@@ -225,7 +226,7 @@ def verify_tree(
         logprobs[r, s0:s0 + n2 + 1] = lps[:n2 + 1]
         num[r] = second_len[r] = s0 + n2
         second[r] = True
-        positions[r, s0:] = (k1 - 1 + torch.arange(s0, k1 + m)).clamp(max=k1 + m - 1)  # token j at y_j's logits
+        positions[r, s0:] = (k1 - 1 + torch.arange(s0, k1 + m, device=dev)).clamp(max=k1 + m - 1)  # token j at y_j's
     return result()
 
 

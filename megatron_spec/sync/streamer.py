@@ -295,6 +295,8 @@ class WeightStreamer:
                 raise WeightSyncError(group, f"engine refused to finish the update: {exc}") from exc
         finally:
             torch.set_num_threads(threads)
+            if device.type == "cuda":  # buckets the engine has let go of (docs/memory_plan.md) go back to the pool
+                torch.cuda.ipc_collect()
             if mem is not None:
                 mem.__exit__(None, None, None)
                 rep.peak_extra_bytes = None if mem.peak_extra_bytes is None else mem.peak_extra_bytes + held

@@ -22,43 +22,17 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
-import megatron_spec
 from megatron_spec.config import (
     CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig, RolloutConfig, RunConfig, SpecConfig)
 from megatron_spec.models.gpt import unwrap
 from megatron_spec.parallel import destroy_parallel
 from megatron_spec.rl.rollouts import Rollout
 from megatron_spec.rl.trainer import GRPOTrainer
-
-PACKAGE = os.path.dirname(megatron_spec.__file__) + os.sep
-COMPAT = os.path.join(PACKAGE, "compat") + os.sep
-FACTORIES = {torch.tensor, torch.as_tensor, torch.zeros, torch.ones, torch.full, torch.empty, torch.arange,
-             torch.rand, torch.randn, torch.randint, torch.linspace, torch.eye}
-
-
-class OtherDefaultDevice(TorchFunctionMode):
-    """Factories called from megatron_spec code without ``device=`` make ``meta`` tensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.redirected: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in FACTORIES and kwargs.get("device") is None:
-            caller = sys._getframe(1)  # factories are builtins: frame 1 is the code that called them
-            path = caller.f_code.co_filename
-            if path.startswith(PACKAGE) and not path.startswith(COMPAT):
-                kwargs["device"] = "meta"
-                self.redirected.append(f"{os.path.relpath(path, PACKAGE)}:{caller.f_lineno}")
-        return func(*args, **kwargs)
-
+from tests.device_utils import PACKAGE, OtherDefaultDevice
 
 @pytest.fixture(scope="module")
 def make_trainer(setup, tmp_path_factory):

@@ -46,23 +46,35 @@ def exact_joint(model_dir: str, temperature: float, top_k: int, top_p: float) ->
     (1.0, 10, 0.95, ("--num-draft-tokens", "auto", "--max-draft-tokens", "3")),
 ], ids=["k3-t1", "k3-t0.7", "auto-t1"])
 def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k, top_p, draft):
+    check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, N, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("draft", [("--num-draft-tokens", "3"), ("--num-draft-tokens", "auto", "--max-draft-tokens", "3")],
+                         ids=["k3", "auto"])
+def test_first_two_tokens_follow_the_target_on_cuda(setup, tmp_path, draft):
+    """The engine on a GPU (its CUDA verify kernel, its CUDA generator), at a smaller N (the bounds follow N)."""
+    check_first_two_tokens(setup, tmp_path, 1.0, 10, 0.95, draft, 2048, "cuda")
+
+
+def check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, n_samples: int, device: str):
     prompts = tmp_path / "prompts.jsonl"
     per_request = 64
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": PROMPT}) + "\n"
-                               for i in range(N // per_request)))
+                               for i in range(n_samples // per_request)))
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "megatron_spec", "generate", "--model", setup.target, "--draft-kind", "eagle3",
            "--draft-path", setup.eagle3, *draft, "--prompts", str(prompts),
            "--n", str(per_request), "--temperature", str(temperature), "--top-k", str(top_k), "--top-p", str(top_p),
            "--max-new-tokens", "2", "--ignore-eos", "--seed", "1234", "--batch-size", "64",
-           "--num-threads", "2", "--output", str(out), "--no-progress",
+           "--num-threads", "2", "--output", str(out), "--no-progress", "--device", device,
            "--dtype", "float32"]  # the oracle below is the fp32 target (auto is bf16 on a CPU with native bf16)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert summary["num_tokens"] == 2 * N and len(summary["accept_rate_per_position"]) == 3
+    assert summary["num_tokens"] == 2 * n_samples and len(summary["accept_rate_per_position"]) == 3
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == N
+    assert len(rows) == n_samples
     pairs = Counter(tuple(r["output_ids"][:2]) for r in rows)
     joint = exact_joint(setup.target, temperature, top_k, top_p)
     first = Counter(k[0] for k in pairs.elements())
@@ -71,7 +83,7 @@ def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k,
         marginal[t1] = marginal.get(t1, 0.0) + p
     assert chi_square_pvalue(first, marginal) > 1e-3
     assert chi_square_pvalue(pairs, joint) > 1e-3
-    assert total_variation(pairs, joint) < tv_bound(len(joint), N)
+    assert total_variation(pairs, joint) < tv_bound(len(joint), n_samples)
     assert summary["accept_rate_per_position"][0] > 0.0  # drafts were really verified, not bypassed
     if "auto" in draft:
         assert sum(1 for c in summary["k_hist"] if c) >= 2, summary["k_hist"]  # k really changed

@@ -125,12 +125,12 @@ class NgramDrafter(Drafter):
         return []
 
     def propose(self, tokens, k, sampling, generator):
-        out = torch.full((len(tokens), k), -1, dtype=torch.long)
+        out = torch.full((len(tokens), k), -1, dtype=torch.long, device="cpu")  # host: the engine moves it once
         for b, seq in enumerate(tokens):
             for n in range(self.max_n, self.min_n - 1, -1):
                 cont = self._lookup(seq, n, k)
                 if cont:
-                    out[b, :len(cont)] = torch.tensor(cont)
+                    out[b, :len(cont)] = torch.tensor(cont, device="cpu")
                     break
         return out, None
 
@@ -150,6 +150,8 @@ class ThreadChooser:
         self.retry_every, self.ema = retry_every, ema
         self.seconds: dict[tuple[int, int], float] = {}
         self.calls = 0
+        self.enabled = True
+        """False on a GPU: the host's threads only launch its kernels (``allocate`` sets it)."""
 
     def choose(self, batch: int) -> int:
         n = torch.get_num_threads()
@@ -166,6 +168,9 @@ class ThreadChooser:
 
     @contextlib.contextmanager
     def run(self, batch: int):
+        if not self.enabled:
+            yield
+            return
         n = torch.get_num_threads()
         t = self.choose(batch)
         if t != n:
@@ -195,8 +200,13 @@ class _CachedDraftModel(Drafter):
     def _new_cache(self, num_slots: int, max_len: int):
         raise NotImplementedError
 
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
     def allocate(self, num_slots, max_len):
         self.cache = self._new_cache(num_slots, max_len)
+        self.threads.enabled = self.cache.device.type == "cpu"
         self.pending_tokens = [[] for _ in range(num_slots)]
         self.pending_aux = [None] * num_slots
 
@@ -217,37 +227,41 @@ class _CachedDraftModel(Drafter):
 
         Returns (ids ``[P, M]``, positions ``[P, M]``, kv_lens ``[P]``, logits_index ``[P, 1]``).
         """
-        p = len(prompts)
-        lens = torch.tensor([len(x) - 1 for x in prompts])
+        p, dev = len(prompts), self.device
+        n = [len(x) - 1 for x in prompts]
+        lens = torch.tensor(n, device=dev)
         self.cache.lens[slot_offset:slot_offset + p] = lens
-        m = int(lens.max())
+        m = max(n)
         if m == 0:
             return None
-        ids = torch.zeros(p, m, dtype=torch.long)
+        ids = torch.zeros(p, m, dtype=torch.long, device="cpu")  # filled on the host, moved once
         for i, x in enumerate(prompts):
-            ids[i, :len(x) - 1] = torch.tensor(list(x[shift:shift + len(x) - 1]))
+            ids[i, :n[i]] = torch.tensor(list(x[shift:shift + n[i]]), device="cpu")
         # rows shorter than m write padding past their length: masked out, overwritten later
-        return ids, torch.arange(m).expand(p, m), lens.clamp(min=1), torch.zeros(p, 1, dtype=torch.long)
+        return (ids.to(dev), torch.arange(m, device=dev).expand(p, m), lens.clamp(min=1),
+                torch.zeros(p, 1, dtype=torch.long, device=dev))
 
     def _pad_pending(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Pending tokens/aux of slots ``0..B-1`` padded to ``[B, M]``; also their lengths ``[B]``."""
-        lens = torch.tensor([len(self.pending_tokens[b]) for b in range(batch)])
-        if int(lens.min()) < 1:
+        dev = self.device
+        n = [len(self.pending_tokens[b]) for b in range(batch)]
+        if min(n) < 1:
             raise RuntimeError("draft has no pending token for a running row (engine bookkeeping bug)")
-        m = int(lens.max())
-        ids = torch.zeros(batch, m, dtype=torch.long)
+        m = max(n)
+        ids = torch.zeros(batch, m, dtype=torch.long, device="cpu")  # filled on the host, moved once
         for b in range(batch):
-            ids[b, :lens[b]] = torch.tensor(self.pending_tokens[b])
+            ids[b, :n[b]] = torch.tensor(self.pending_tokens[b], device="cpu")
+        ids, lens = ids.to(dev), torch.tensor(n, device=dev)
         aux = None
         if self.pending_aux[0] is not None:
             a = self.pending_aux[0].shape[-1]
             aux = self.pending_aux[0].new_zeros(batch, m, a)
             for b in range(batch):
-                aux[b, :lens[b]] = self.pending_aux[b]
+                aux[b, :n[b]] = self.pending_aux[b]
         # a row with fewer pending pairs than the longest writes padding past its own: those entries
         # are never read, but must stay inside the cache (the longest may be many steps' worth, after
         # steps where this drafter sat out, while a short row is near the end of the context)
-        positions = (self.cache.lens[:batch].unsqueeze(1) + torch.arange(m)).clamp(max=self.cache.max_len - 1)
+        positions = (self.cache.lens[:batch].unsqueeze(1) + torch.arange(m, device=dev)).clamp(max=self.cache.max_len - 1)
         return ids, lens, positions, aux
 
 
@@ -280,7 +294,7 @@ class ModelDrafter(_CachedDraftModel):
         b = len(tokens)
         self._skipped = k == 0
         if k == 0:
-            return torch.empty(b, 0, dtype=torch.long), None
+            return torch.empty(b, 0, dtype=torch.long, device=self.device), None
         with self.threads.run(b):
             return self._propose(b, k, sampling, generator)
 
@@ -329,7 +343,10 @@ class Eagle3Drafter(_CachedDraftModel):
         self.head = head
         self.embed = embed
         self.aux_layers = tuple(head.cfg.aux_layer_ids)
-        self.d2t = head.d2t
+
+    @property
+    def d2t(self) -> torch.Tensor | None:
+        return self.head.d2t  # the head's buffer, wherever the head was moved
 
     def _new_cache(self, num_slots, max_len):
         return self.head.new_cache(num_slots, max_len)
@@ -354,7 +371,7 @@ class Eagle3Drafter(_CachedDraftModel):
         b = len(tokens)
         self._skipped = k == 0
         if k == 0:
-            return torch.empty(b, 0, dtype=torch.long), None
+            return torch.empty(b, 0, dtype=torch.long, device=self.device), None
         ids, lens, positions, aux = self._pad_pending(b)
         base = self.cache.lens[:b].clone()
         # draft extend: every pending pair enters the cache, only the last one's output is needed
@@ -411,8 +428,13 @@ class MtpDrafter(Drafter):
         self.inputs: list[list[torch.Tensor]] = []
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return self.target.embed_tokens.weight.device
+
     def _empty(self) -> torch.Tensor:
-        return torch.zeros(0, self.target.cfg.hidden_size, dtype=self.target.embed_tokens.weight.dtype)
+        w = self.target.embed_tokens.weight
+        return torch.zeros(0, self.target.cfg.hidden_size, dtype=w.dtype, device=w.device)
 
     def _h0(self, aux: torch.Tensor) -> torch.Tensor:
         """The target's final-normed hidden state (megatron's decoder output) from its last layer's output."""
@@ -427,22 +449,23 @@ class MtpDrafter(Drafter):
              tokens: Sequence[Sequence[int]], want_logits: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Depth ``d`` (0-based) on rows ``starts[i] ..`` of slots ``slot_offset + i``; per slot the
         outputs ``[c_i, H]`` and, with ``want_logits``, the logits ``[B, V]`` of each slot's last row."""
-        b = len(tokens)
-        counts = torch.tensor([len(t) for t in tokens])
-        m = int(counts.max()) if b else 0
+        b, dev = len(tokens), self.device
+        n = [len(t) for t in tokens]
+        m = max(n) if b else 0
         if m == 0:
             return [self._empty() for _ in range(b)], None
+        counts = torch.tensor(n, device=dev)
         h = hiddens[0].shape[-1] if hiddens else self.target.cfg.hidden_size
-        ids = torch.zeros(b, m, dtype=torch.long)
+        ids = torch.zeros(b, m, dtype=torch.long, device="cpu")  # filled on the host, moved once
         hid = self._empty().new_zeros(b, m, h)
         for i, (tok, hs) in enumerate(zip(tokens, hiddens)):
             if tok:
-                ids[i, :len(tok)] = torch.tensor(tok)
+                ids[i, :len(tok)] = torch.tensor(tok, device="cpu")
                 hid[i, :len(tok)] = hs
-        positions = starts.view(-1, 1) + torch.arange(m)  # [B, M]
-        out = self.head.layers[d](self.target.embed_tokens(ids), hid, positions, self.target.rotary,
+        positions = starts.view(-1, 1) + torch.arange(m, device=dev)  # [B, M]
+        out = self.head.layers[d](self.target.embed_tokens(ids.to(dev)), hid, positions, self.target.rotary,
                                   self.caches[d], (starts + counts).clamp(min=1), slot_offset)  # [B, M, H]
-        outs = [out[i, :int(counts[i])] for i in range(b)]
+        outs = [out[i, :n[i]] for i in range(b)]
         logits = None
         if want_logits:
             last = (counts - 1).clamp(min=0).view(b, 1, 1).expand(-1, 1, out.shape[-1])
@@ -474,12 +497,12 @@ class MtpDrafter(Drafter):
         p = len(prompts)
         h0 = self._h0(aux)  # [P, T, H]
         prev = [h0[i, :max(0, len(x) - 1)] for i, x in enumerate(prompts)]
-        zeros = torch.zeros(p, dtype=torch.long)
+        zeros = torch.zeros(p, dtype=torch.long, device=self.device)
         for d in range(self.depth):
             n_rows = [max(0, len(x) - 1 - d) for x in prompts]
             toks = [list(x[d + 1:d + 1 + n]) for x, n in zip(prompts, n_rows)]
             outs, _ = self._run(d, slot_offset, zeros, [pv[:n] for pv, n in zip(prev, n_rows)], toks, False)
-            self.caches[d].lens[slot_offset:slot_offset + p] = torch.tensor(n_rows)
+            self.caches[d].lens[slot_offset:slot_offset + p] = torch.tensor(n_rows, device=self.device)
             for i, x in enumerate(prompts):
                 if d + 1 < self.depth:  # depth d+2 (1-based) will need row P-2-d of this depth's output
                     lo = max(0, len(x) - 2 - d)
@@ -500,9 +523,10 @@ class MtpDrafter(Drafter):
         for d in range(self.depth):
             cache = self.caches[d]
             starts = cache.lens[:b].clone()
+            start = starts.tolist()  # one host read per depth
             hiddens, toks = [], []
             for i in range(b):
-                s0, n = int(starts[i]), last[i]
+                s0, n = start[i], last[i]
                 h_in = self.inputs[d][i] if prev_out is None else torch.cat([self.inputs[d][i], prev_out[i]])
                 if h_in.shape[0] != n - s0:
                     raise RuntimeError(f"MTP depth {d + 1}: {h_in.shape[0]} pending states for rows {s0}..{n - 1} "
@@ -516,9 +540,8 @@ class MtpDrafter(Drafter):
                 drafts[i].append(t)
             kept = [max(0, n - d) for n in last]  # rows <= N-1-d hold verified tokens only
             if d + 1 < self.depth:
-                new_inputs[d + 1] = [outs[i][max(0, last[i] - d - 1) - int(starts[i]):kept[i] - int(starts[i])]
-                                     for i in range(b)]
-            cache.lens[:b] = torch.tensor(kept)
+                new_inputs[d + 1] = [outs[i][max(0, last[i] - d - 1) - start[i]:kept[i] - start[i]] for i in range(b)]
+            cache.lens[:b] = torch.tensor(kept, device=self.device)
             chain_h = torch.stack([o[-1] for o in outs]).unsqueeze(1)  # [B, 1, H] output at row N-1
             prev_out = outs
         for i in range(b):
@@ -527,17 +550,17 @@ class MtpDrafter(Drafter):
             for i in range(b):
                 self.inputs[d][i] = rows[i]
         top = self.depth - 1
-        base = torch.tensor(last)
+        base = torch.tensor(last, device=self.device)
         for j in range(self.depth, k):  # beyond the trained depths: reuse the last one autoregressively
             pos = (base - 1 + (j - top)).unsqueeze(1)  # [B, 1]
-            ids = torch.tensor([[dr[-1]] for dr in drafts])
+            ids = torch.tensor([[dr[-1]] for dr in drafts], device=self.device)
             chain_h = self.head.layers[top](self.target.embed_tokens(ids), chain_h, pos, self.target.rotary,
                                             self.caches[top], pos.squeeze(1) + 1)
             tok, q = draw(self._logits(chain_h[:, 0]), sampling, generator)
             probs.append(q)
             for i, t in enumerate(tok.tolist()):
                 drafts[i].append(t)
-        return torch.tensor(drafts, dtype=torch.long), _stack_probs(probs)
+        return torch.tensor(drafts, dtype=torch.long, device=self.device), _stack_probs(probs)
 
     def commit(self, emitted, num_accepted, verify_aux):
         h0 = self._h0(verify_aux)  # [B, k+1, H]

@@ -72,13 +72,14 @@ def tree_segment(inputs: torch.Tensor, base: torch.Tensor, k: int, m: int) -> Se
     positions ``base..base+k+m``; x_i sees the prefix, the last token and x_1..x_i, y_i the prefix,
     the last token and y_1..y_i."""
     b, t = inputs.shape
-    rope = torch.cat([torch.arange(k + 1), torch.arange(1, m + 1)])
-    visible = torch.zeros(t, t, dtype=torch.bool)
-    visible[:k + 1, :k + 1] = torch.ones(k + 1, k + 1, dtype=torch.bool).tril()
+    dev = inputs.device
+    rope = torch.cat([torch.arange(k + 1, device=dev), torch.arange(1, m + 1, device=dev)])
+    visible = torch.zeros(t, t, dtype=torch.bool, device=dev)
+    visible[:k + 1, :k + 1] = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev).tril()
     visible[k + 1:, 0] = True
-    visible[k + 1:, k + 1:] = torch.ones(m, m, dtype=torch.bool).tril()
-    return Segment(inputs, base.unsqueeze(1) + rope, base + t, cache_positions=base.unsqueeze(1) + torch.arange(t),
-                   visible=visible.expand(b, t, t))
+    visible[k + 1:, k + 1:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
+    return Segment(inputs, base.unsqueeze(1) + rope, base + t,
+                   cache_positions=base.unsqueeze(1) + torch.arange(t, device=dev), visible=visible.expand(b, t, t))
 
 
 class RequestError(ValueError):
@@ -120,6 +121,8 @@ class _Admission:
 
     batch: list[GenerateRequest]
     segment: Segment
+    lens: list[int]
+    """Prompt lengths (on the host: read per prompt while spreading the prefill)."""
 
 
 class EngineCore:
@@ -157,7 +160,10 @@ class EngineCore:
         self.context_length = context_length
         self.prefill_token_budget = prefill_token_budget
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = model.device
+        """Where the model, the caches and every tensor of a step live (the model's device)."""
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        """Draws every uniform of sampling and verification, on the engine's device."""
         self.cache = None
         self.spec_enabled = drafter is not None
         """The acceptance-collapse watchdog may turn speculation off (see ``sync``/``rl``)."""
@@ -244,13 +250,18 @@ class EngineCore:
         return done, stats
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _sampling(rows: Sequence[_Row]) -> SamplingTensors:
+    def _sampling(self, rows: Sequence[_Row]) -> SamplingTensors:
         if not rows:
-            return SamplingTensors.from_values(1.0, 0, 1.0, 0.0, batch_size=0)
+            return SamplingTensors.from_values(1.0, 0, 1.0, 0.0, batch_size=0, device=self.device)
         sp = [r.req.sampling for r in rows]
         return SamplingTensors.from_values([s.temperature for s in sp], [s.top_k for s in sp],
-                                           [s.top_p for s in sp], [s.min_p for s in sp])
+                                           [s.top_p for s in sp], [s.min_p for s in sp], device=self.device)
+
+    def _sync(self) -> None:
+        """Wait for the device's queued kernels (a GPU runs them after the host returns); before a
+        timing the adaptive controller learns from. Nothing to wait for on the CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _stop_ids(self, req: GenerateRequest) -> frozenset[int]:
         ids = set(req.sampling.stop_token_ids)
@@ -283,13 +294,15 @@ class EngineCore:
             tokens += len(nxt.input_ids)
         if not batch:
             return None
-        base, p = len(rows), len(batch)
-        lens = torch.tensor([len(r.input_ids) for r in batch])
-        t = int(lens.max())
-        ids = torch.zeros(p, t, dtype=torch.long)
+        base, p, dev = len(rows), len(batch), self.device
+        n = [len(r.input_ids) for r in batch]
+        t = max(n)
+        ids = torch.zeros(p, t, dtype=torch.long, device="cpu")  # filled on the host, moved once
         for i, r in enumerate(batch):
-            ids[i, :len(r.input_ids)] = torch.tensor(r.input_ids)
-        return _Admission(batch, Segment(ids, torch.arange(t).expand(p, t), lens, base, (lens - 1).unsqueeze(1)))
+            ids[i, :n[i]] = torch.tensor(r.input_ids, device="cpu")
+        lens = torch.tensor(n, device=dev)
+        seg = Segment(ids.to(dev), torch.arange(t, device=dev).expand(p, t), lens, base, (lens - 1).unsqueeze(1))
+        return _Admission(batch, seg, n)
 
     def _forward(self, seg: Segment, adm: _Admission | None, aux_layers: Sequence[int]):
         """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,
@@ -304,7 +317,7 @@ class EngineCore:
         """After ``adm``'s prefill forward (``logits [P, 1, V]`` at each prompt's last position,
         ``aux [P, T, A]``): fill the draft's cache, spread each prompt to the slots of its
         samples, sample their first tokens and append them to ``rows``."""
-        batch, base, lens = adm.batch, adm.segment.slot_offset, adm.segment.kv_lens
+        batch, base, lens, n = adm.batch, adm.segment.slot_offset, adm.segment.kv_lens, adm.lens
         p = len(batch)
         self.cache.lens[base:base + p] = lens  # the sampled first token is the next step's input
         if self.drafter is not None:
@@ -317,12 +330,12 @@ class EngineCore:
                 self.cache.move(base + i, starts[i])
                 if self.drafter is not None:
                     self.drafter.move(base + i, starts[i])
-            self.cache.copy_prefix(starts[i], dsts, int(lens[i]))
+            self.cache.copy_prefix(starts[i], dsts, n[i])
             if self.drafter is not None:
                 self.drafter.copy_prefix(starts[i], dsts)
         # first tokens, one per sample, from each prompt's last-position logits
-        reps = torch.tensor([r.n for r in batch])
-        first_logits = logits[:, 0].repeat_interleave(reps, dim=0)  # [N, V]
+        reps = torch.tensor([r.n for r in batch], device=self.device)
+        first_logits = logits[:, 0].repeat_interleave(reps, dim=0, output_size=sum(r.n for r in batch))  # [N, V]
         new_rows = [_Row(r, s, list(r.input_ids), self._stop_ids(r)) for r in batch for s in range(r.n)]
         sampling = self._sampling(new_rows)
         lp = process_logits(first_logits, sampling)
@@ -333,7 +346,7 @@ class EngineCore:
             slot = base + j
             if self.drafter is not None:
                 prompt_idx = prompt_of_row[j]
-                last_aux = aux[prompt_idx, int(lens[prompt_idx]) - 1] if aux is not None else None
+                last_aux = aux[prompt_idx, n[prompt_idx] - 1] if aux is not None else None
                 self.drafter.start(slot, row.req.input_ids, t_, last_aux)
                 if self.history is not None:
                     self.history.start(slot, row.req.input_ids, t_, None)
@@ -370,7 +383,7 @@ class EngineCore:
     def _plain_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats,
                     adm: _Admission | None = None) -> None:
         b = len(rows)
-        ids = torch.tensor([[r.tokens[-1]] for r in rows])
+        ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
         pos = self.cache.lens[:b].unsqueeze(1).clone()  # [B, 1]
         (logits, _), pre = self._forward(Segment(ids, pos, pos.squeeze(1) + 1), adm, ())
         lp = process_logits(logits[:, 0], sampling)
@@ -386,7 +399,7 @@ class EngineCore:
     def _spec_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats,
                    adm: _Admission | None = None) -> None:
         t0 = time.perf_counter()
-        b = len(rows)
+        b, dev = len(rows), self.device
         tokens = [r.tokens for r in rows]
         main = self.drafter.kind
         hist = self.history.propose_lists(tokens, self.k_history) if self.history is not None else None
@@ -400,32 +413,36 @@ class EngineCore:
         main_ran = k > 0 and not hist_only and (not all(use_hist) or not self.drafter.supports_skip)
         if main_ran:
             drafts, q = self.drafter.propose(tokens, k, sampling, self.generator)  # [B, k], [B, k, Vd]
+            drafts = drafts.to(dev)  # point-mass drafters (n-gram, history) propose on the host
         else:  # no row drafts from the main drafter: a k = 0 proposal only keeps its state in sync
             self.drafter.propose(tokens, 0, sampling, self.generator)
-            drafts, q = torch.full((b, k), -1, dtype=torch.long), None
+            drafts, q = torch.full((b, k), -1, dtype=torch.long, device=dev), None
+        self._sync()  # the proposal's kernels are done: its time is what the controller learns
         t_main = time.perf_counter() - t1
         t_draft += t_main
-        point = torch.tensor(use_hist)  # [B] rows verified against a point mass (history drafts)
+        point = torch.tensor(use_hist, device=dev)  # [B] rows verified against a point mass (history drafts)
         if any(use_hist):
-            drafts = drafts.clone()
+            hd = torch.full((b, k), -1, dtype=torch.long, device="cpu")  # filled on the host, moved once
             for i in (i for i, u in enumerate(use_hist) if u):
                 h = hist[i][:k]
-                drafts[i] = -1
-                drafts[i, :len(h)] = torch.tensor(h, dtype=torch.long)
-        last = torch.tensor([[r.tokens[-1]] for r in rows])
+                hd[i, :len(h)] = torch.tensor(h, dtype=torch.long, device="cpu")
+            drafts = torch.where(point.view(-1, 1), hd.to(dev), drafts)
+        last = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         base = self.cache.lens[:b].clone()
         m = plan.m if tree else 0
-        branch = torch.full((b, m), -1, dtype=torch.long)  # a tree step's second branch (history)
         if tree:
+            branch = torch.full((b, m), -1, dtype=torch.long, device="cpu")  # the second branch (history)
             for i, h in enumerate(hist):
-                branch[i, :len(h[:m])] = torch.tensor(h[:m], dtype=torch.long)
+                branch[i, :len(h[:m])] = torch.tensor(h[:m], dtype=torch.long, device="cpu")
+            branch = branch.to(dev)
             seg = tree_segment(torch.cat([last, drafts.clamp(min=0), branch.clamp(min=0)], dim=1), base, k, m)
         else:
             inputs = torch.cat([last, drafts.clamp(min=0)], dim=1)
             # rows drafting fewer than k (a history-only step's other rows, shorter proposals) run packed
             valid = drafts >= 0
-            pack = None if bool(valid.all()) else torch.cat([torch.ones(b, 1, dtype=torch.bool), valid], dim=1)
-            seg = Segment(inputs, base.unsqueeze(1) + torch.arange(k + 1), base + k + 1, pack=pack)
+            pack = None if bool(valid.all()) else torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), valid],
+                                                            dim=1)
+            seg = Segment(inputs, base.unsqueeze(1) + torch.arange(k + 1, device=dev), base + k + 1, pack=pack)
         (logits, aux), pre = self._forward(seg, adm, self.drafter.aux_layers)
         lp = process_logits(logits, sampling)  # [B, k+1(+m), V]
         d2t = self.drafter.d2t if q is not None else None  # d2t maps q's vocabulary; drafts are target ids
@@ -434,8 +451,9 @@ class EngineCore:
                               generator=self.generator)
             path = res.positions  # [B, k+m+1] the tree position that verified each emitted token
             own = res.first_accepted.tolist()
+            base_h, second_len = base.tolist(), res.second_len.tolist()
             for i in res.second.nonzero()[:, 0].tolist():  # the history branch won: its K/V take the first's place
-                self.cache.shift(i, int(base[i]) + k + 1, int(base[i]) + 1, int(res.second_len[i]))
+                self.cache.shift(i, base_h[i] + k + 1, base_h[i] + 1, second_len[i])
             if aux is not None:
                 aux = aux.gather(1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
         else:
@@ -454,6 +472,7 @@ class EngineCore:
         self.cache.lens[:b] = base + res.num_accepted + 1  # last token + accepted drafts are cached
         self.drafter.commit(emitted, own, aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
         lps = tok_lp.tolist()
+        second = res.second.tolist() if tree else None
         predicted = realized = 0.0
         for i, (r, em, a, l_, u, dr) in enumerate(zip(rows, emitted, accepted, lps, use_hist, drafts.tolist())):
             r.verify_steps += 1
@@ -476,7 +495,7 @@ class EngineCore:
                         self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k_all)),
                                                       proposed, a)
             if two:
-                stats.tree_second += int(res.second[i])
+                stats.tree_second += int(second[i])
                 opts = options[i]
                 predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
                 realized += a
@@ -534,9 +553,10 @@ class EngineCore:
         """Scatter per-group verify results back to rows ``idx`` of a ``[B, width]`` result."""
         from megatron_spec.spec.verify import VerifyResult
 
-        tokens = torch.full((b, width), -1, dtype=torch.long)
-        logprobs = torch.zeros(b, width)
-        num = torch.zeros(b, dtype=torch.long)
+        dev = parts[0].tokens.device
+        tokens = torch.full((b, width), -1, dtype=torch.long, device=dev)
+        logprobs = torch.zeros(b, width, device=dev)
+        num = torch.zeros(b, dtype=torch.long, device=dev)
         for res, ix in zip(parts, idx):
             tokens[ix], logprobs[ix], num[ix] = res.tokens, res.logprobs, res.num_accepted
         return VerifyResult(tokens=tokens, num_accepted=num, logprobs=logprobs)

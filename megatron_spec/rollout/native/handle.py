@@ -52,7 +52,7 @@ class NativeEngine:
     def __init__(self, config: EngineConfig):
         from megatron_spec.rollout.native.server import serve
 
-        config = config.resolved("cpu")  # auto/bfloat16 -> what this CPU computes well (megatron_spec.isa)
+        config = config.resolved()  # auto/bfloat16 -> what the engine's device computes well (megatron_spec.isa)
         self.config = config
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         self._conn, child = ctx.Pipe(duplex=True)

@@ -70,10 +70,10 @@ class HistoryDrafter(Drafter):
         return [self.index.propose(self.prompts[b], seq, k)[:k] if k else [] for b, seq in enumerate(tokens)]
 
     def propose(self, tokens, k, sampling, generator):
-        drafts = torch.full((len(tokens), k), -1, dtype=torch.long)
+        drafts = torch.full((len(tokens), k), -1, dtype=torch.long, device="cpu")  # host: the engine moves it once
         for b, cont in enumerate(self.propose_lists(tokens, k)):
             if cont:
-                drafts[b, :len(cont)] = torch.tensor(cont, dtype=torch.long)
+                drafts[b, :len(cont)] = torch.tensor(cont, dtype=torch.long, device="cpu")
         return drafts, None
 
     def stats(self) -> dict:

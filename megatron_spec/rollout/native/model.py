@@ -99,12 +99,16 @@ class CausalLM(nn.Module):
                              cfg.rope_scaling_factor)
 
     @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         return KVCache(self.cfg.num_layers, num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
-                       dtype or self.embed_tokens.weight.dtype)
+                       dtype or self.embed_tokens.weight.dtype, self.device)
 
     def forward(
         self,
@@ -224,7 +228,7 @@ class CausalLM(nn.Module):
                     dst = param.narrow(0, offset, sizes[piece][idx])
                 if tuple(dst.shape) != tuple(tensor.shape):
                     raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-                _copy_weight(dst, tensor.to(dst.dtype))
+                _copy_weight(dst, tensor.to(dst.device, dst.dtype))
                 loaded.add(name)
         if strict_complete:
             missing = self.expected_hf_names() - loaded

@@ -51,15 +51,20 @@ class EngineServer:
     """Engine state and the calls the handle makes."""
 
     def __init__(self, config: EngineConfig):
-        config = config.resolved("cpu")  # already resolved by the handle; direct users get the same choice
+        config = config.resolved()  # already resolved by the handle; direct users get the same choice
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"engine device {config.device} but torch sees no CUDA device in the engine process")
+            torch.cuda.set_device(self.device)  # this process's CUDA context and allocator on the trainer's GPU
         self.dtype = _DTYPES[config.dtype]
         ckpt = HFCheckpoint(config.model_path)
         self.target_cfg = ckpt.decoder_config
         self.target = CausalLM(self.target_cfg, max_positions=config.context_length + config.k_verify + 1)
-        self.target.to(self.dtype).eval()
+        self.target.to(device=self.device, dtype=self.dtype).eval()
         self.versions: dict[str, str | None] = {"target": None, "draft": None}
         if config.load_weights:
             self.target.load_weights((n, ckpt.get(n)) for n in ckpt.names() if self._is_target_name(n))
@@ -86,6 +91,11 @@ class EngineServer:
             logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
         self._updating: dict[str, set[str]] | None = None
         self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received (see update_weights_from_tensor)
+        self._keep_mapped = self.device.type == "cpu"
+        """Keep the two mapped buckets between updates (CPU: the sender reuses its two shared-memory buffers, and a
+        mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets after each
+        sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine drops its
+        mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free them."""
         self._released: set[str] = set()
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
                               for m in (self.target, self._draft_module()) if m is not None}
@@ -109,7 +119,7 @@ class EngineServer:
             if dcfg.vocab_size != self.target_cfg.vocab_size:
                 raise ValueError(f"draft model {cfg.draft_path} has vocab_size {dcfg.vocab_size}, the target "
                                  f"{self.target_cfg.vocab_size}: a draft model must share the target's tokenizer")
-            model = CausalLM(dcfg, max_positions=cfg.context_length + cfg.k + 1).to(self.dtype).eval()
+            model = CausalLM(dcfg, max_positions=cfg.context_length + cfg.k + 1).to(self.device, self.dtype).eval()
             model.load_weights((n, dck.get(n)) for n in dck.names()
                                if not (dcfg.tie_word_embeddings and n == "lm_head.weight"))
             self.versions["draft"] = "init"
@@ -117,7 +127,7 @@ class EngineServer:
         if cfg.draft_kind == "eagle3":
             from megatron_spec.draft.modelopt_io import load_eagle3
 
-            head = load_eagle3(cfg.draft_path, self.target_cfg, dtype=self.dtype).eval()
+            head = load_eagle3(cfg.draft_path, self.target_cfg, dtype=self.dtype, device=self.device).eval()
             self.versions["draft"] = "init"
             return Eagle3Drafter(head, self.target.embed_tokens)
         if cfg.draft_kind == "mtp":  # heads streamed by the trainer; an MTP export dir optionally
@@ -125,10 +135,11 @@ class EngineServer:
             from megatron_spec.draft.mtp_head import MtpHead
 
             if cfg.draft_path:
-                head = load_mtp_head(cfg.draft_path, self.target_cfg, dtype=self.dtype, num_layers=cfg.mtp_num_layers)
+                head = load_mtp_head(cfg.draft_path, self.target_cfg, dtype=self.dtype, num_layers=cfg.mtp_num_layers,
+                                     device=self.device)
                 self.versions["draft"] = "init"
             else:
-                head = MtpHead(self.target_cfg, cfg.mtp_num_layers).to(self.dtype).eval()
+                head = MtpHead(self.target_cfg, cfg.mtp_num_layers).to(self.device, self.dtype).eval()
             return MtpDrafter(head, self.target, cfg.k)
         raise ValueError(f"draft_kind {cfg.draft_kind!r} is not available in the native engine")
 
@@ -143,7 +154,7 @@ class EngineServer:
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "architecture": self.target_cfg.architecture, "draft_kind": self.config.draft_kind,
                 "num_draft_tokens": self.config.k, "adaptive": self.config.adaptive,
-                "history": self.config.history, "dtype": self.config.dtype,
+                "history": self.config.history, "dtype": self.config.dtype, "device": str(self.device),
                 "max_batch_size": self.config.max_batch_size, "context_length": self.config.context_length,
                 "torch_threads": torch.get_num_threads()}
 
@@ -231,6 +242,8 @@ class EngineServer:
         if self._updating is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
         updating, self._updating = self._updating, None
+        if not self._keep_mapped:
+            self._mapped = []
         for group in ("target", "draft"):
             names = updating.get(group)
             if names is None:
@@ -268,8 +281,10 @@ class EngineServer:
                     continue
                 pack_linears(module, enable=False)
                 for p in module.parameters():
-                    p.data = torch.empty(0, dtype=p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self.versions = {"target": None, "draft": None}
+        if self.device.type == "cuda":  # hand the freed blocks back: the trainer is another process
+            torch.cuda.empty_cache()
         self._released |= set(tags)
 
     def resume_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
@@ -279,15 +294,21 @@ class EngineServer:
             for module in (self.target, self._draft_module()):
                 if module is not None:
                     for name, p in module.named_parameters():
-                        p.data = torch.zeros(self._param_shapes[id(module)][name], dtype=p.dtype)
+                        p.data = torch.zeros(self._param_shapes[id(module)][name], dtype=p.dtype, device=p.device)
         if "kv_cache" in tags and self.core.cache is None:
             self.core.allocate()
         self._released -= {"kv_cache"} & set(tags)
 
+    @property
+    def mapped_bucket_bytes(self) -> int:
+        """Bytes of the sender's bucket buffers this process still maps (docs/memory_plan.md)."""
+        return sum(t.untyped_storage().nbytes() for t in self._mapped)
+
     def health(self) -> dict[str, Any]:
         out = {"alive": True, "pid": os.getpid(), "weight_version": self.versions["target"],
                "draft_weight_version": self.versions["draft"], "released": sorted(self._released),
-               "kv_cache_bytes": self.core.cache_bytes, "checksums": {}}
+               "kv_cache_bytes": self.core.cache_bytes, "mapped_bucket_bytes": self.mapped_bucket_bytes,
+               "checksums": {}}
         for group in ("target", "draft"):
             module = self.target if group == "target" else self._draft_module()
             if module is not None and self.versions[group] is not None:
