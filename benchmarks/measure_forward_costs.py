@@ -121,10 +121,7 @@ def measure_depth(name: str, layers: int, args, device: torch.device, timer: Tim
             print(f"  {name} L={layers} B={b}: verify k=0 {1e3 * out['verify_s'][str(args.k[0])][str(b)]:.2f} ms, "
                   f"k={k_max} {1e3 * out['verify_s'][str(k_max)][str(b)]:.2f} ms, draft pass "
                   f"{1e3 * out['eagle3_draft_pass_s'][str(b)]:.2f} ms", flush=True)
-    del model, head, cache, draft_cache
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    return out  # the model and its caches go with this frame (the caller empties the CUDA cache)
 
 
 def extrapolate(tables: dict[int, dict], full: int) -> dict:
@@ -175,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         full = builtin_config(name)["num_hidden_layers"]
         print(f"{name}: {full} layers, measuring {layers}", flush=True)
         t0 = time.perf_counter()
-        per_depth = {n: measure_depth(name, n, args, device, timer) for n in layers}
+        per_depth = {}
+        for n in layers:
+            per_depth[n] = measure_depth(name, n, args, device, timer)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         cfg = builtin_config(name)
         entries.append({
             "model": name, "shape": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most tokens per sequence the engine verifies in one pass over the KV cache "
                         "(GPU default 4, as calibrated; 0: any k in one pass)")
     e.add_argument("--params", help="calibration JSON (default: megatron_spec/sim/data/calibration.json)")
+    e.add_argument("--measured", default=None,
+                   help="measured forward times of a GPU run (benchmarks/measure_forward_costs.py; default: "
+                        "megatron_spec/sim/data/measured_forwards.json when it exists); 'none': the roofline alone")
     e.add_argument("--k-max", type=int, default=10, help="largest k searched for the optimal k")
     p.add_argument("--validate-engine-bench", metavar="FILE",
                    help="compare with an engine benchmark JSON instead of simulating a step")
@@ -111,7 +114,8 @@ def build_config(args: argparse.Namespace):
         accept_length=args.accept_length, accept_rates=args.accept_rates, tp=args.tp, ep=args.ep,
         num_engines=args.num_engines, workload=wl, rollout_dtype=args.rollout_dtype, train_gpus=args.train_gpus,
         draft_model=args.draft_model, online_draft_training=args.online_draft_training,
-        efficiency=eff, engine=engine, calibration_path=args.params)
+        efficiency=eff, engine=engine, calibration_path=args.params,
+        measured_path=False if args.measured == "none" else args.measured)
 
 
 def _calibration_summary(hardware_kind: str, path) -> dict:
@@ -206,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:  # the other mode is extra information: say why it is missing
             out["projections"][other.mode] = {"error": str(err)}
         out["calibration"] = _calibration_summary(cfg.hardware.kind, args.params)
+        out["calibration"]["measured_points"] = out.get("measured_points")
         print(json.dumps(out))
         return 0
     except ValueError as err:

@@ -72,6 +72,9 @@ class SimConfig:
     efficiency: EfficiencyParams | None = None
     engine: EngineSettings | None = None
     calibration_path: str | Path | None = None
+    measured_path: str | Path | bool | None = None
+    """Measured verify/draft forward times (``sim.measured``): None reads the committed GPU run's file when
+    there is one, a path reads that file, False uses the roofline alone."""
 
     def replace(self, **changes) -> SimConfig:
         return dataclasses.replace(self, **changes)
@@ -203,6 +206,23 @@ def step_cost_breakdown(steps: StepModel, batch: float, ctx_per_seq: float, tau:
     return out
 
 
+def _forward_models(cfg: SimConfig, model: ModelProfile, hw: HardwareProfile, eff, settings, par
+                    ) -> tuple[ForwardModel, ForwardModel | None]:
+    """The target's and the draft's forward models, with the measured points that cover them."""
+    from megatron_spec.sim.measured import measured_for
+
+    target = ForwardModel(model, hw, eff, settings, par, cfg.rollout_dtype,
+                          measured=measured_for(model, hw, cfg.rollout_dtype, par, "target", cfg.measured_path))
+    dprof = draft_profile(cfg.draft_kind, model, cfg.draft_model)
+    # the draft runs inside the same engine, with the same sharding (a dense draft ignores ep)
+    draft = None
+    if dprof is not None:
+        dmeas = (measured_for(model, hw, cfg.rollout_dtype, par, "eagle3", cfg.measured_path)
+                 if cfg.draft_kind == "eagle3" else None)
+        draft = ForwardModel(dprof, hw, eff, settings, par, cfg.rollout_dtype, measured=dmeas)
+    return target, draft
+
+
 def build_step_model(cfg: SimConfig, k: int | None = None) -> StepModel:
     """The decode/verify step costs of one engine of ``cfg``'s layout (tp and ep given) at ``k``
     draft tokens (default cfg's), without simulating a whole RL step."""
@@ -214,9 +234,7 @@ def build_step_model(cfg: SimConfig, k: int | None = None) -> StepModel:
     settings = cfg.engine or default_engine_settings(hw)
     par = Parallelism(cfg.tp, cfg.ep or 1)
     _check_parallelism(model, par)
-    target = ForwardModel(model, hw, eff, settings, par, cfg.rollout_dtype)
-    dprof = draft_profile(cfg.draft_kind, model, cfg.draft_model)
-    draft = ForwardModel(dprof, hw, eff, settings, par, cfg.rollout_dtype) if dprof is not None else None
+    target, draft = _forward_models(cfg, model, hw, eff, settings, par)
     return StepModel(target, draft, cfg.draft_kind, cfg.num_draft_tokens if k is None else k)
 
 
@@ -257,10 +275,7 @@ def simulate(cfg: SimConfig) -> SimResult:
         gen_gpus = engines * par.engine_devices
     wl = cfg.workload
 
-    target = ForwardModel(model, hw, eff, settings, par, cfg.rollout_dtype)
-    dprof = draft_profile(cfg.draft_kind, model, cfg.draft_model)
-    # the draft runs inside the same engine, with the same sharding (a dense draft ignores ep)
-    draft = ForwardModel(dprof, hw, eff, settings, par, cfg.rollout_dtype) if dprof is not None else None
+    target, draft = _forward_models(cfg, model, hw, eff, settings, par)
     mem = _memory(cfg, model, hw, settings, target, draft, wl, train_gpus)
     steps = StepModel(target, draft, cfg.draft_kind, k)
 
@@ -282,7 +297,7 @@ def simulate(cfg: SimConfig) -> SimResult:
     prefill = {"ar": steps.prefill(per_engine, wl.prompt_len, with_draft=False),
                "spec": steps.prefill(per_engine, wl.prompt_len, with_draft=True)}
 
-    train = _train_side(model, dprof, hw, eff, wl, train_gpus, cfg.online_draft_training, cfg.draft_train_unroll)
+    train = _train_side(model, None if draft is None else draft.model, hw, eff, wl, train_gpus, cfg.online_draft_training, cfg.draft_train_unroll)
     sync_bytes = target.weight_bytes_per_device()
     if cfg.online_draft_training and draft is not None:
         sync_bytes += draft.weight_bytes_per_device()
@@ -323,6 +338,8 @@ def simulate(cfg: SimConfig) -> SimResult:
         "step_costs": step_costs,
         "model_params": model.summary(),
         "efficiency": eff.as_dict(),
+        "measured_points": {name: (fm.measured.describe() if fm is not None and fm.measured is not None else None)
+                            for name, fm in (("verify", target), ("draft", draft))},
     }
     return SimResult(
         rollout_speedup=stages["ar"]["gen"] / stages["spec"]["gen"],

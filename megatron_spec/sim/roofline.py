@@ -99,8 +99,10 @@ class ForwardModel:
     """Per-device time of engine forwards for one (model, hardware, parallelism, dtype)."""
 
     def __init__(self, model: ModelProfile, hw: HardwareProfile, eff: EfficiencyParams,
-                 settings: EngineSettings, par: Parallelism, dtype: str = "bf16") -> None:
+                 settings: EngineSettings, par: Parallelism, dtype: str = "bf16", measured=None) -> None:
         self.model, self.hw, self.eff, self.settings, self.par = model, hw, eff, settings, par
+        self.measured = measured
+        """``sim.measured.MeasuredForwards`` of this forward on this GPU, or None: the roofline alone."""
         self.dtype = canonical_dtype(dtype)
         self.wbytes = DTYPE_BYTES[self.dtype]
         self.flops = hw.peak_flops(self.dtype) * eff.flop_eff
@@ -143,7 +145,22 @@ class ForwardModel:
     # ---- one forward -------------------------------------------------------------------------
     def forward(self, b, q: int, ctx_sum, fixed_overhead_s: float) -> dict[str, np.ndarray]:
         """Seconds per component for forwards of ``b`` sequences x ``q`` tokens whose KV caches
-        hold ``ctx_sum`` tokens in total (arrays broadcast)."""
+        hold ``ctx_sum`` tokens in total (arrays broadcast). Where a measured point covers ``(b, q)``
+        (``sim.measured``), ``total`` is the measurement moved to this context by the roofline's
+        difference, and ``measured`` is True; the components stay the roofline's."""
+        out = self._roofline(b, q, ctx_sum, fixed_overhead_s)
+        out["measured"] = np.zeros(np.shape(out["total"]), dtype=bool)
+        if self.measured is not None:
+            t, hit = self.measured.lookup(b, q)
+            if hit.any():
+                b_arr = np.asarray(b, dtype=float)
+                at_measured = self._roofline(b_arr, q, b_arr * self.measured.ctx_per_seq, fixed_overhead_s)["total"]
+                moved = np.maximum(t + out["total"] - at_measured, 0.5 * t)
+                out["total"] = np.where(hit, moved, out["total"])
+                out["measured"] = hit & np.ones(np.shape(out["total"]), dtype=bool)
+        return out
+
+    def _roofline(self, b, q: int, ctx_sum, fixed_overhead_s: float) -> dict[str, np.ndarray]:
         m, par = self.model, self.par
         b = np.asarray(b, dtype=float)
         ctx_sum = np.asarray(ctx_sum, dtype=float)

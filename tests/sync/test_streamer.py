@@ -262,3 +262,22 @@ def test_fp8_fingerprint_of_tall_weights_matches_the_receivers_dequantisation():
     rep = WeightStreamer(eng, bucket_bytes=1 << 20, weight_dtype="fp8").sync_target_tensors(named, "v")
     expected = fingerprint_tensors((t for _, t in dequantize_named(quantize_named(named), torch.float32)), torch.float32)
     assert Fingerprint.from_dict(rep.checksums["sent"]) == expected
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_engine_reports_and_lets_go_of_the_mapped_buckets(ckpts, keep):
+    """Issue 27, defect 6: the engine maps the sender's bucket buffers. On a CPU it keeps the last two
+    mapped between syncs (the sender reuses them); on a GPU it must let go at the end of each update,
+    or torch keeps the sent CUDA blocks alive in the trainer. ``health()`` reports what it still maps;
+    here the GPU policy is switched on for a CPU engine (the GPU run: tests/sync/test_streamer_cuda.py)."""
+    from megatron_spec.rollout.native.server import EngineServer
+
+    server = EngineServer(EngineConfig(model_path=ckpts.qwen3, max_batch_size=2, context_length=32, num_threads=1))
+    assert server._keep_mapped  # the CPU default
+    server._keep_mapped = keep
+    WeightStreamer(server, bucket_bytes=16 << 10, weight_dtype="fp32").sync_target_tensors(
+        ckpt_tensors(ckpts.qwen3_other), "t1")
+    mapped = server.health()["mapped_bucket_bytes"]
+    assert (mapped >= 2 * (16 << 10)) if keep else mapped == 0
+    server.release_memory()
+    assert server.health()["mapped_bucket_bytes"] == 0
