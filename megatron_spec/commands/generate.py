@@ -14,6 +14,7 @@ exit status 2; an engine that died, 1. The prompt, output and summary names are 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -77,12 +78,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_paths(args: argparse.Namespace) -> None:
     """The model (and draft) directories exist; checked first, so a typo in ``--model`` is named as
     such rather than as a symptom (no tokenizer, no config.json)."""
+    from megatron_spec.models.fetch import is_model_name, resolve_model
+
+    if is_model_name(args.model):  # smollm2, or a Hub id read from the local huggingface_hub cache
+        args.model = resolve_model(args.model, log=lambda m: print(f"megatron-spec generate: {m}", file=sys.stderr))
     if not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model}: no such directory (an HF checkpoint directory)")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         raise FileNotFoundError(f"--model {args.model} has no config.json (not an HF checkpoint directory)")
     if args.draft_path and args.draft_kind in ("eagle3", "model", "mtp") and not os.path.isdir(args.draft_path):
         raise FileNotFoundError(f"--draft-path {args.draft_path}: no such directory")
+
+
+_PART = "\x00"  # joins a request id and the index of one of its batches (never in a JSON id a user wrote)
+
+
+def batched_requests(prompts, sampling, n: int, batch_size: int) -> list:
+    """One request per prompt, or, where ``n`` samples do not fit ``batch_size`` sequences at once, one per
+    batch of at most ``batch_size`` samples (the engine holds ``batch_size`` KV-cache slots, not ``n``)."""
+    from megatron_spec.rollout.types import GenerateRequest
+
+    if n <= batch_size:
+        return [GenerateRequest(rid, ids, sampling, n=n) for rid, ids in prompts]
+    return [GenerateRequest(f"{rid}{_PART}{j}", ids, sampling, n=min(batch_size, n - start))
+            for rid, ids in prompts for j, start in enumerate(range(0, n, batch_size))]
+
+
+def merge_batches(samples, batch_size: int) -> list:
+    """The samples of :func:`batched_requests`' batches under their prompt's id, numbered 0..n-1."""
+    out = []
+    for s in samples:
+        if _PART in s.request_id:
+            rid, j = s.request_id.split(_PART)
+            s = dataclasses.replace(s, request_id=rid, sample_index=int(j) * batch_size + s.sample_index)
+        out.append(s)
+    return out
+
+
+def check_context(args: argparse.Namespace, prompts) -> int:
+    """The engine's context: the longest prompt plus ``--max-new-tokens`` (or ``--context-length``), refused
+    with one error when it exceeds the model's positions (``max_position_embeddings``)."""
+    from megatron_spec.models.hf_config import DecoderConfig
+
+    limit = DecoderConfig.from_pretrained(args.model).max_position_embeddings
+    rid, ids = max(prompts, key=lambda p: len(p[1]))
+    need = len(ids) + args.max_new_tokens
+    if need > limit:
+        raise ValueError(f"prompt {rid!r} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs "
+                         f"{need} positions, more than the model's context of {limit} (max_position_embeddings in "
+                         f"{args.model}/config.json)")
+    if args.context_length and args.context_length > limit:
+        raise ValueError(f"--context-length {args.context_length} exceeds the model's context of {limit} "
+                         f"(max_position_embeddings)")
+    return args.context_length or need
 
 
 def load_tokenizer(model_dir: str):
@@ -151,14 +199,14 @@ def run(args: argparse.Namespace) -> int:
         prompts = read_prompts(args.prompts, tokenizer)
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                   min_p=args.min_p, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-        requests = [GenerateRequest(rid, ids, sampling, n=args.n) for rid, ids in prompts]
-        context = args.context_length or max(len(ids) for _, ids in prompts) + args.max_new_tokens
+        requests = batched_requests(prompts, sampling, args.n, args.batch_size)
+        context = check_context(args, prompts)
         config = EngineConfig(model_path=args.model, draft_kind=args.draft_kind, draft_path=args.draft_path,
                               num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
                               history=args.history, history_max_draft_tokens=args.history_max_draft_tokens,
                               history_tree=args.history_tree,
                               dtype=dtype, device=args.device,
-                              max_batch_size=max(args.batch_size, args.n), context_length=context, seed=args.seed,
+                              max_batch_size=args.batch_size, context_length=context, seed=args.seed,
                               num_threads=args.num_threads)
     except (ValueError, FileNotFoundError) as exc:
         print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
@@ -180,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 samples, stats = engine.generate(requests, on_progress=on_progress)
+                samples = merge_batches(samples, args.batch_size)
                 bar.update(total - seen[0])
             finally:
                 bar.close()

