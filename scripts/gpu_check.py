@@ -158,10 +158,8 @@ def run(args) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1", MEGATRON_SPEC_TEST_MODELS=str(kit / "models"))
     env.pop("OUT", None)
     site = Path(args.site)
-    if not dry:
-        env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    else:
-        env["PYTHONPATH"] = str(ROOT)
+    inherited = [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []
+    env["PYTHONPATH"] = os.pathsep.join(([] if dry else [str(site)]) + [str(ROOT)] + inherited)
     r = Run(out, args.deadline_s, env)
     models = kit / "models"
     if not (models / "setup.json").is_file():

@@ -142,9 +142,10 @@ class MtpDraft(torch.nn.Module):
         return F.linear(h, self.output_weight()).transpose(0, 1)
 
     def megatron_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """Parameters under GPTModel's naming (``mtp.layers.{k}.*``)."""
+        """Parameters under GPTModel's naming (``mtp.layers.{k}.*``; a depth's transformer layer is
+        ``transformer_layer`` as megatron-core 0.16 names it, ``mtp_model_layer`` from 0.19 on)."""
         for name, p in self.block.named_parameters():
-            yield "mtp." + name, p
+            yield "mtp." + name.replace(".mtp_model_layer.", ".transformer_layer."), p
 
 
 # ---------------------------------------------------------------------- HF naming

@@ -76,7 +76,7 @@ def _megatron_mtp_logits(policy, draft: MtpDraft, seq: torch.Tensor, depth: int)
                 attention_mask=None,
                 rotary_pos_emb=rope,
                 embedding=policy.embedding,
-            )
+            )[:3]  # megatron-core 0.19 also returns the rolled padding mask
         return policy.output_layer(
             hidden,
             weight=policy.shared_embedding_or_output_weight()
