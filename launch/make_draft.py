@@ -26,6 +26,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="output directory (ModelOpt export)")
     ap.add_argument("--task", default="sum", help="synthetic task whose prompts are continued")
     ap.add_argument("--prompt-data", default=None, help="or a JSONL/Parquet prompt set (column 'prompt')")
+    ap.add_argument("--prompt-key", default="prompt", help="the prompt column of --prompt-data")
+    ap.add_argument("--apply-chat-template", action="store_true",
+                    help="format each prompt as a user turn with the target's chat template (a chat model)")
+    ap.add_argument("--dtype", default="auto", help="the engine's dtype for the rollouts (auto, float32, bfloat16)")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--samples-per-prompt", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=1.0)
@@ -50,10 +54,17 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.target)
     spec = args.prompt_data or f"synthetic:{args.task}"
-    examples = load_prompts(spec, num_synthetic=args.num_prompts, seed=args.seed + 99)[: args.num_prompts]
-    prompts = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    examples = load_prompts(spec, prompt_key=args.prompt_key, num_synthetic=args.num_prompts,
+                            seed=args.seed + 99)[: args.num_prompts]
+    if args.apply_chat_template:  # the chat model's own turns: what it will be asked to continue in GRPO
+        from megatron_spec.rl.prompting import encode_prompt
+
+        prompts = [encode_prompt(tok, e.prompt, chat_template=True) for e in examples]
+    else:
+        prompts = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
     context = max(map(len, prompts)) + args.max_new_tokens
-    srv = EngineServer(EngineConfig(model_path=args.target, max_batch_size=64, context_length=context, seed=args.seed))
+    srv = EngineServer(EngineConfig(model_path=args.target, max_batch_size=64, context_length=context, seed=args.seed,
+                                    dtype=args.dtype))
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     samples, stats = srv.generate([GenerateRequest(str(i), p, sp, n=args.samples_per_prompt)
                                    for i, p in enumerate(prompts)])
