@@ -180,7 +180,7 @@ class CheckpointConfig:
 class LoggingConfig:
     metrics_path: str = _f(None, "metrics JSONL (default <save>/metrics.jsonl)")
     tensorboard_dir: str = _f(None, "TensorBoard directory (default <save>/tensorboard; 'none' = off)")
-    log_interval: int = _f(1, "progress line every N steps")
+    log_interval: int = _f(1, "progress line every N steps (0: none)")
     quiet: bool = _f(False, "no progress line")
     dump_rollouts: bool = _f(False, "write every step's rollouts to <save>/rollouts/step_NNNNNN.jsonl")
     eval_interval: int = _f(0, "every N steps and after the last, the mean reward of the current policy on held-out "
@@ -234,6 +234,8 @@ class RunConfig:
             raise ConfigError("--spec-history needs --spec-num-draft-tokens auto and a --spec-draft-kind other than "
                               "none and history")
         lg, d = self.logging, self.data
+        if lg.log_interval < 0:
+            raise ConfigError(f"--log-interval {lg.log_interval} must be >= 0 (0: no progress line)")
         if lg.eval_interval < 0 or d.eval_prompts < 1:
             raise ConfigError(f"--eval-interval {lg.eval_interval} must be >= 0 and --eval-prompts {d.eval_prompts} >= 1")
         if lg.eval_interval and r.async_policy_lag:

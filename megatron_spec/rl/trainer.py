@@ -1083,7 +1083,8 @@ class GRPOTrainer:
                     self.writer.write(m)
                     if cfg.logging.dump_rollouts:
                         self._dump_rollouts(self._last_batch)
-                    if not cfg.logging.quiet and self.step % cfg.logging.log_interval == 0:
+                    interval = cfg.logging.log_interval  # 0: no progress line
+                    if not cfg.logging.quiet and interval and self.step % interval == 0:
                         print_progress(progress_line(m, cfg.grpo.train_iters))
                 history.append(m)
                 interval = cfg.checkpoint.save_interval

@@ -125,6 +125,9 @@ def test_flags_yaml_and_validation(tmp_path):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--spec-draft-kind", "eagle3"])
     with pytest.raises(ValueError, match="does not divide"):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--grpo-num-minibatches", "3"])
+    with pytest.raises(ValueError, match="--log-interval -1 must be >= 0"):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--log-interval", "-1"])
+    assert _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--log-interval", "0"]).logging.log_interval == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text("grpo:\n  nope: 1\n")
     with pytest.raises(ValueError, match="unknown key grpo.nope"):
