@@ -205,7 +205,9 @@ def run(args) -> int:
     r.step("forward_costs", [py, "benchmarks/measure_forward_costs.py", "--out", str(costs)]
            + (["--quick", "--device", "cpu"] if dry else ["--device", "cuda"]), 150)
     # 6. the trainer and the engine on the GPU
-    r.step("smoke", pytest + SMOKE_TESTS, 200)
+    # (the dry run collects every smoke test and runs the gpu-marked ones, which skip here: the suite runs the
+    # rest of these files anyway, and twice would cost CI a minute)
+    r.step("smoke", pytest + (["-m", "gpu"] if dry else []) + SMOKE_TESTS, 200)
     # 7. two short GRPO runs on the native engine
     steps = 2 if dry else 6
     grpo = ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(args.port),
