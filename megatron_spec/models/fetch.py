@@ -51,7 +51,12 @@ def is_model_name(name: str) -> bool:
     """``name`` is no folder but names a model :func:`resolve_model` can find (a built-in one or a Hub id)."""
     if os.path.isdir(name):
         return False
-    return name in BUILTIN or (name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.exists(name))
+    return name in BUILTIN or (_is_hub_id(name) and not os.path.exists(name))
+
+
+def _is_hub_id(name: str) -> bool:
+    """``Org/Name``: one slash, not a relative or absolute path."""
+    return name.count("/") == 1 and not name.startswith((".", "/"))
 
 
 def resolve_model(name: str, *, fetch: bool = True, log=None) -> str:
@@ -69,7 +74,7 @@ def resolve_model(name: str, *, fetch: bool = True, log=None) -> str:
         if not fetch:
             raise ModelNotFoundError(f"{name}: not fetched yet (megatron-spec fetch-model {name})")
         return fetch_smollm2(out, log=log)
-    if name.count("/") == 1 and not name.startswith((".", "/")):
+    if _is_hub_id(name):
         return _from_hub_cache(name)
     raise ModelNotFoundError(f"{name}: no such directory, not one of {list(BUILTIN)} and not a Hub id (org/name)")
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_spec.rollout.native.rows import pad_rows
 from megatron_spec.spec import SamplingTensors, process_logits
 from megatron_spec.spec.verify import sample_from_logprobs
 
@@ -125,14 +126,15 @@ class NgramDrafter(Drafter):
         return []
 
     def propose(self, tokens, k, sampling, generator):
-        out = torch.full((len(tokens), k), -1, dtype=torch.long, device="cpu")  # host: the engine moves it once
-        for b, seq in enumerate(tokens):
+        conts = []
+        for seq in tokens:
+            cont: list[int] = []
             for n in range(self.max_n, self.min_n - 1, -1):
                 cont = self._lookup(seq, n, k)
                 if cont:
-                    out[b, :len(cont)] = torch.tensor(cont, device="cpu")
                     break
-        return out, None
+            conts.append(cont)
+        return pad_rows(conts, k, -1, "cpu"), None  # on the host: the engine moves it once
 
 
 class ThreadChooser:
@@ -234,11 +236,9 @@ class _CachedDraftModel(Drafter):
         m = max(n)
         if m == 0:
             return None
-        ids = torch.zeros(p, m, dtype=torch.long, device="cpu")  # filled on the host, moved once
-        for i, x in enumerate(prompts):
-            ids[i, :n[i]] = torch.tensor(list(x[shift:shift + n[i]]), device="cpu")
+        ids = pad_rows([list(x[shift:shift + n[i]]) for i, x in enumerate(prompts)], m, 0, dev)
         # rows shorter than m write padding past their length: masked out, overwritten later
-        return (ids.to(dev), torch.arange(m, device=dev).expand(p, m), lens.clamp(min=1),
+        return (ids, torch.arange(m, device=dev).expand(p, m), lens.clamp(min=1),
                 torch.zeros(p, 1, dtype=torch.long, device=dev))
 
     def _pad_pending(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -248,10 +248,7 @@ class _CachedDraftModel(Drafter):
         if min(n) < 1:
             raise RuntimeError("draft has no pending token for a running row (engine bookkeeping bug)")
         m = max(n)
-        ids = torch.zeros(batch, m, dtype=torch.long, device="cpu")  # filled on the host, moved once
-        for b in range(batch):
-            ids[b, :n[b]] = torch.tensor(self.pending_tokens[b], device="cpu")
-        ids, lens = ids.to(dev), torch.tensor(n, device=dev)
+        ids, lens = pad_rows(self.pending_tokens[:batch], m, 0, dev), torch.tensor(n, device=dev)
         aux = None
         if self.pending_aux[0] is not None:
             a = self.pending_aux[0].shape[-1]
@@ -456,14 +453,13 @@ class MtpDrafter(Drafter):
             return [self._empty() for _ in range(b)], None
         counts = torch.tensor(n, device=dev)
         h = hiddens[0].shape[-1] if hiddens else self.target.cfg.hidden_size
-        ids = torch.zeros(b, m, dtype=torch.long, device="cpu")  # filled on the host, moved once
+        ids = pad_rows(tokens, m, 0, dev)
         hid = self._empty().new_zeros(b, m, h)
         for i, (tok, hs) in enumerate(zip(tokens, hiddens)):
             if tok:
-                ids[i, :len(tok)] = torch.tensor(tok, device="cpu")
                 hid[i, :len(tok)] = hs
         positions = starts.view(-1, 1) + torch.arange(m, device=dev)  # [B, M]
-        out = self.head.layers[d](self.target.embed_tokens(ids.to(dev)), hid, positions, self.target.rotary,
+        out = self.head.layers[d](self.target.embed_tokens(ids), hid, positions, self.target.rotary,
                                   self.caches[d], (starts + counts).clamp(min=1), slot_offset)  # [B, M, H]
         outs = [out[i, :n[i]] for i in range(b)]
         logits = None

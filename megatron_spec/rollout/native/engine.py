@@ -52,6 +52,7 @@ from megatron_spec.rollout.native.adaptive import (
 )
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
+from megatron_spec.rollout.native.rows import pad_rows
 from megatron_spec.rollout.types import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -297,11 +298,9 @@ class EngineCore:
         base, p, dev = len(rows), len(batch), self.device
         n = [len(r.input_ids) for r in batch]
         t = max(n)
-        ids = torch.zeros(p, t, dtype=torch.long, device="cpu")  # filled on the host, moved once
-        for i, r in enumerate(batch):
-            ids[i, :n[i]] = torch.tensor(r.input_ids, device="cpu")
+        ids = pad_rows([r.input_ids for r in batch], t, 0, dev)
         lens = torch.tensor(n, device=dev)
-        seg = Segment(ids.to(dev), torch.arange(t, device=dev).expand(p, t), lens, base, (lens - 1).unsqueeze(1))
+        seg = Segment(ids, torch.arange(t, device=dev).expand(p, t), lens, base, (lens - 1).unsqueeze(1))
         return _Admission(batch, seg, n)
 
     def _forward(self, seg: Segment, adm: _Admission | None, aux_layers: Sequence[int]):
@@ -422,19 +421,13 @@ class EngineCore:
         t_draft += t_main
         point = torch.tensor(use_hist, device=dev)  # [B] rows verified against a point mass (history drafts)
         if any(use_hist):
-            hd = torch.full((b, k), -1, dtype=torch.long, device="cpu")  # filled on the host, moved once
-            for i in (i for i, u in enumerate(use_hist) if u):
-                h = hist[i][:k]
-                hd[i, :len(h)] = torch.tensor(h, dtype=torch.long, device="cpu")
-            drafts = torch.where(point.view(-1, 1), hd.to(dev), drafts)
+            hd = pad_rows([hist[i][:k] if u else [] for i, u in enumerate(use_hist)], k, -1, dev)
+            drafts = torch.where(point.view(-1, 1), hd, drafts)
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         base = self.cache.lens[:b].clone()
         m = plan.m if tree else 0
         if tree:
-            branch = torch.full((b, m), -1, dtype=torch.long, device="cpu")  # the second branch (history)
-            for i, h in enumerate(hist):
-                branch[i, :len(h[:m])] = torch.tensor(h[:m], dtype=torch.long, device="cpu")
-            branch = branch.to(dev)
+            branch = pad_rows([h[:m] for h in hist], m, -1, dev)  # the second branch (history)
             seg = tree_segment(torch.cat([last, drafts.clamp(min=0), branch.clamp(min=0)], dim=1), base, k, m)
         else:
             inputs = torch.cat([last, drafts.clamp(min=0)], dim=1)

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
 
 from megatron_spec.rollout.native.drafters import Drafter
+from megatron_spec.rollout.native.rows import pad_rows
 
 
 class HistoryDrafter(Drafter):
@@ -70,11 +70,7 @@ class HistoryDrafter(Drafter):
         return [self.index.propose(self.prompts[b], seq, k)[:k] if k else [] for b, seq in enumerate(tokens)]
 
     def propose(self, tokens, k, sampling, generator):
-        drafts = torch.full((len(tokens), k), -1, dtype=torch.long, device="cpu")  # host: the engine moves it once
-        for b, cont in enumerate(self.propose_lists(tokens, k)):
-            if cont:
-                drafts[b, :len(cont)] = torch.tensor(cont, dtype=torch.long, device="cpu")
-        return drafts, None
+        return pad_rows(self.propose_lists(tokens, k), k, -1, "cpu"), None  # on the host: the engine moves it once
 
     def stats(self) -> dict:
         return self.index.stats()
