@@ -15,7 +15,6 @@ import pytest
 from megatron_spec.sim.hardware import get_hardware
 from megatron_spec.sim.measured import measured_for
 from megatron_spec.sim.models import get_model
-from megatron_spec.sim.params import EfficiencyParams, EngineSettings
 from megatron_spec.sim.rl_step import SimConfig, build_step_model, simulate
 
 H100 = get_hardware("h100")
@@ -88,4 +87,3 @@ def test_tp_above_one_is_not_matched(tmp_path):
     from megatron_spec.sim.roofline import Parallelism
 
     assert measured_for(MODEL, H100, "bf16", Parallelism(2, 1), "target", write_doc(tmp_path / "m.json")) is None
-    assert EfficiencyParams and EngineSettings  # imported for readers looking for the knobs
