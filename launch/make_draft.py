@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-key", default="prompt", help="the prompt column of --prompt-data")
     ap.add_argument("--apply-chat-template", action="store_true",
                     help="format each prompt as a user turn with the target's chat template (a chat model)")
+    ap.add_argument("--prompt-template", default=None,
+                    help="each prompt becomes this text with {prompt} replaced, as GRPO's --prompt-template")
     ap.add_argument("--dtype", default="auto", help="the engine's dtype for the rollouts (auto, float32, bfloat16)")
     ap.add_argument("--num-prompts", type=int, default=512)
     ap.add_argument("--samples-per-prompt", type=int, default=2)
@@ -59,9 +61,12 @@ def main(argv=None) -> int:
     if args.apply_chat_template:  # the chat model's own turns: what it will be asked to continue in GRPO
         from megatron_spec.rl.prompting import encode_prompt
 
-        prompts = [encode_prompt(tok, e.prompt, chat_template=True) for e in examples]
+        prompts = [encode_prompt(tok, e.prompt, chat_template=True, template=args.prompt_template) for e in examples]
     else:
-        prompts = [tok(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+        from megatron_spec.rl.prompting import apply_prompt_template
+
+        prompts = [tok(apply_prompt_template(args.prompt_template, e.prompt), add_special_tokens=False)["input_ids"]
+                   for e in examples]
     context = max(map(len, prompts)) + args.max_new_tokens
     srv = EngineServer(EngineConfig(model_path=args.target, max_batch_size=64, context_length=context, seed=args.seed,
                                     dtype=args.dtype))

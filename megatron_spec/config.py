@@ -62,6 +62,8 @@ class DataConfig:
                                           "tokens); off: the prompt is tokenised with the tokenizer's own special "
                                           "tokens (BOS where it adds one)")
     system_prompt: str = _f(None, "system turn put before each prompt (needs --apply-chat-template)")
+    prompt_template: str = _f(None, "text each prompt becomes, with {prompt} standing for the prompt column, "
+                                    "before the chat template: e.g. '{prompt} Answer True or False.'")
     stop: str = _f(None, "stop string(s) ending a response after the EOS ids of config.json and "
                          "generation_config.json: one string or a JSON list; the response keeps the stop string")
     reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact) or 'module:function'")
@@ -241,6 +243,8 @@ class RunConfig:
         if lg.eval_interval and r.async_policy_lag:
             raise ConfigError("--eval-interval needs a synchronous run (--async-policy-lag 0): the engine is busy "
                               "generating ahead in async mode")
+        if d.prompt_template is not None and "{prompt}" not in d.prompt_template:
+            raise ConfigError(f"--prompt-template {d.prompt_template!r} has no {{prompt}} placeholder")
         if d.system_prompt and not d.apply_chat_template:
             raise ConfigError("--system-prompt needs --apply-chat-template (a system turn exists only in a chat template)")
         try:

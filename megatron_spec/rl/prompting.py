@@ -49,8 +49,17 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(tokenizer: Any, prompt: str, *, chat_template: bool, system_prompt: str | None = None) -> list[int]:
-    """Token ids of ``prompt`` (see the module docstring for what the two modes add)."""
+def apply_prompt_template(template: str | None, prompt: str) -> str:
+    """``--prompt-template``: ``template`` with ``{prompt}`` replaced by ``prompt`` (plain text
+    replacement: the braces of a math prompt stay as they are); None leaves the prompt alone."""
+    return prompt if template is None else template.replace("{prompt}", prompt)
+
+
+def encode_prompt(tokenizer: Any, prompt: str, *, chat_template: bool, system_prompt: str | None = None,
+                  template: str | None = None) -> list[int]:
+    """Token ids of ``prompt`` (see the module docstring for what the two modes add), after
+    :func:`apply_prompt_template`."""
+    prompt = apply_prompt_template(template, prompt)
     if chat_template:
         if not has_chat_template(tokenizer):
             raise ValueError(f"--apply-chat-template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} "

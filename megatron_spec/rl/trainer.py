@@ -437,7 +437,7 @@ class GRPOTrainer:
         the prompt in errors (empty after tokenising, longer than --max-prompt-length)."""
         r = self.cfg.rollout
         ids = encode_prompt(self.tokenizer, prompt, chat_template=self.cfg.data.apply_chat_template,
-                            system_prompt=self.cfg.data.system_prompt)
+                            system_prompt=self.cfg.data.system_prompt, template=self.cfg.data.prompt_template)
         if not ids:
             raise ValueError(f"{what} tokenises to nothing: {prompt!r}")
         if len(ids) > self.cfg.data.max_prompt_length:
@@ -614,7 +614,9 @@ class GRPOTrainer:
         version = self.engine_target_version[0]
         rollouts, _ = self._collect(reqs, meta, seed=self.cfg.model.seed * 100_003 + 99_991, version=version)
         rewards = [ro.reward for ro in rollouts]
-        return {"eval/reward": sum(rewards) / len(rewards), "eval/prompts": len(rewards),
+        mean = sum(rewards) / len(rewards)
+        var = sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)
+        return {"eval/reward": mean, "eval/reward_se": math.sqrt(var / len(rewards)), "eval/prompts": len(rewards),
                 "eval/policy_version": version}
 
     def _submit(self, step: int, version: int) -> None:

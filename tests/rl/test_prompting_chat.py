@@ -50,6 +50,14 @@ def test_chat_template_renders_one_bos_and_the_generation_prompt(tok):
         encode_prompt(char_tokenizer(), "1+2=", chat_template=True)
 
 
+def test_prompt_template_wraps_the_prompt_before_the_chat_template(tok):
+    q = "Is {x} in f(x) = {1, 2}?"  # braces of the prompt itself stay as they are
+    want = encode_prompt(tok, q + " Answer True or False.", chat_template=True)
+    assert encode_prompt(tok, q, chat_template=True, template="{prompt} Answer True or False.") == want
+    assert encode_prompt(tok, q, chat_template=False, template="Q: {prompt}") == encode_prompt(tok, "Q: " + q,
+                                                                                             chat_template=False)
+
+
 def test_plain_prompts_get_bos_only_where_the_tokenizer_adds_one(tok):
     from megatron_spec.models.tiny import char_tokenizer
 
@@ -96,6 +104,9 @@ def test_stop_flag_parsing_and_config_checks():
     assert cfg.data.apply_chat_template and cfg.data.system_prompt == "Be brief."
     with pytest.raises(ConfigError, match="--system-prompt needs --apply-chat-template"):
         _parse(base + ["--system-prompt", "x"])
+    assert _parse(base + ["--prompt-template", "{prompt} Answer."]).data.prompt_template == "{prompt} Answer."
+    with pytest.raises(ConfigError, match="has no {prompt} placeholder"):
+        _parse(base + ["--prompt-template", "Answer."])
     with pytest.raises(ConfigError, match="not a JSON list"):
         _parse(base + ["--stop", "[1,"])
 
