@@ -21,6 +21,7 @@ Reads metrics only; it knows nothing about models.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -303,13 +304,29 @@ def _eval_points(rows: list[dict]) -> list[tuple[int, float]]:
     return evals
 
 
+def _eval_ses(rows: list[dict]) -> list[float | None]:
+    """The standard error of each evaluation of :func:`_eval_points`, in its order (None where a
+    run from before ``eval/reward_se`` did not write it)."""
+    ses = [r.get("eval/reward_se") for r in rows if r.get("eval/reward") is not None]
+    final = [r for r in rows if r.get("eval_final/reward") is not None]
+    if final:
+        ses.append(final[-1].get("eval_final/reward_se"))
+    return ses
+
+
 def _eval_lines(rows: list[dict]) -> list[str]:
-    """The held-out evaluations, first -> final, when the run made them."""
+    """The held-out evaluations, first -> final, with their standard errors and the lift from the
+    first to the last in standard errors of the difference, when the run made them."""
     evals = _eval_points(rows)
     if not evals:
         return []
     n = next(r.get("eval/prompts") or r.get("eval_final/prompts") for r in rows
              if r.get("eval/prompts") or r.get("eval_final/prompts"))
-    path = " -> ".join(f"{v:.3f}" for _, v in evals)
-    return [f"- held-out reward ({n} prompts, one sample each, same seed every time), after steps "
-            f"{', '.join(str(s) for s, _ in evals)}: {path}"]
+    ses = _eval_ses(rows)
+    path = " -> ".join(f"{v:.3f}" + (f" ± {se:.3f}" if se is not None else "") for (_, v), se in zip(evals, ses))
+    line = (f"- held-out reward ({n} prompts, one sample each, same seed every time), after steps "
+            f"{', '.join(str(s) for s, _ in evals)}: {path}")
+    if len(evals) > 1 and ses[0] is not None and ses[-1] is not None and (ses[0] or ses[-1]):
+        lift = evals[-1][1] - evals[0][1]
+        line += f" (lift {lift:+.3f} = {lift / math.hypot(ses[0], ses[-1]):+.1f} standard errors)"
+    return [line]

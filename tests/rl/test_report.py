@@ -48,6 +48,17 @@ def test_report_writes_plots_and_a_summary_with_windows_and_held_out(tmp_path):
     assert "acceptance length: 3.00" in summary
 
 
+def test_report_gives_held_out_standard_errors_and_the_lift_in_them(tmp_path):
+    rows = [_row(s) for s in range(1, 5)]
+    rows[0].update({"eval/reward": 0.25, "eval/reward_se": 0.03, "eval/prompts": 128})
+    rows[-1].update({"eval_final/reward": 0.75, "eval_final/reward_se": 0.04, "eval_final/prompts": 128})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("grpo:\n  prompts_per_step: 4\n  grpo_group_size: 2\n")
+    summary = open(write_report(str(tmp_path))["summary"]).read()
+    # the difference's standard error: hypot(0.03, 0.04) = 0.05, so +0.5 is 10 of them
+    assert "after steps 0, 4: 0.250 ± 0.030 -> 0.750 ± 0.040 (lift +0.500 = +10.0 standard errors)" in summary
+
+
 def test_report_names_a_missing_or_empty_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         write_report(str(tmp_path))
