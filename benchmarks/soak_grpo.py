@@ -36,8 +36,8 @@ def _rollout_dtype(run_dir: str) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="policy HF checkpoint (e.g. runs/demo/base)")
-    ap.add_argument("--draft", required=True, help="EAGLE-3 draft (e.g. runs/demo/eagle3)")
+    ap.add_argument("--base", required=True, help="policy HF checkpoint (e.g. runs/demo_tiny/base)")
+    ap.add_argument("--draft", required=True, help="EAGLE-3 draft (e.g. runs/demo_tiny/eagle3)")
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "soak"))
     ap.add_argument("--config", default=os.path.join(ROOT, "launch", "configs", "demo.yaml"))
     ap.add_argument("--steps", type=int, default=200)

