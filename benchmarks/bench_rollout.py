@@ -17,6 +17,18 @@ widened the same way; a separately trained 0.8M model of the same family and tok
 the draft model (also the assistant of transformers' assisted generation); n-gram.
 Workload: the demo task's prompts (``sum``), greedy, responses end at EOS.
 
+``--model smollm2`` (or a Hub id) measures a real pretrained model instead (issue 28;
+benchmarks/_real_model.py): SmolLM2-135M-Instruct as ``megatron-spec fetch-model`` makes it, its
+chat-formatted held-out prompts (mathematics_dataset ``algebra__linear_1d``, interpolate split),
+its ModelOpt EAGLE-3 draft (``--draft``, or trained here on its answers to the train-easy split)
+and, as the draft model, its own first ``--draft-layers`` layers with its final norm and tied
+head. Defaults there: batch sizes 1 and 16, k = 3, 64 new tokens, 3 rounds; the GRPO workload
+on its chat prompts with AR, EAGLE-3 k=3, EAGLE-3 auto and EAGLE-3 + history, 64 new tokens, 2
+rounds. Extra keys: ``real_model``, ``ar_over_hf_generate_b1``, ``eagle3_k3_over_ar_b16`` and
+``eagle3_accept_length_k3_t1`` (EAGLE-3 k=3 sampled at T=1, the median over batch sizes); every
+run has ``accept_pos_k3`` / ``accept_pos_k3_t1`` per batch size in ``per_config`` (the share of
+verify steps accepting at least 1, 2, 3 drafts).
+
 Measured per dtype and batch size B (tokens/s, all through the same engine code; the engine
 configurations run round-robin, 5 rounds, so the machine's drift hits them alike; tokens/s is a
 config's best round, and the speed-up over AR is the median of the rounds' paired ratios):
@@ -135,14 +147,14 @@ def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int,
     return paths
 
 
-def _server(paths, dtype: str, kind: str, k, batch: int, new_tokens: int, **kw):
+def _server(paths, dtype: str, kind: str, k, batch: int, new_tokens: int, prompt_len: int = 32, **kw):
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
 
     draft = {"eagle3": paths["eagle3"], "model": paths["draft_model"]}.get(kind)
     return EngineServer(EngineConfig(model_path=paths["target"], draft_kind=kind, draft_path=draft,
                                      num_draft_tokens=k, dtype=dtype, max_batch_size=batch,
-                                     context_length=32 + new_tokens, num_threads=2, **kw))
+                                     context_length=prompt_len + new_tokens, num_threads=2, **kw))
 
 
 def _reset_history(server) -> None:
@@ -195,28 +207,26 @@ def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float
     return max(oracle) / ref
 
 
-def grpo_workload(paths, dtype: str, tok, new_tokens: int, rounds: int, task: str = "sum_long",
+def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, rounds: int,
                   history_max: int = 10, configs: tuple[str, ...] = GRPO_CONFIGS) -> dict:
-    """The GRPO-shaped workload (module docstring) on models trained on ``task``; returns the keys
-    and each config's numbers."""
+    """The GRPO-shaped workload (module docstring) on ``prompts`` (16: the task's, or the real
+    model's chat prompts); returns the keys and each config's numbers."""
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
-    prompts = task_prompts(tok, 16, 2718, task=task)
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     reqs = [GenerateRequest(f"g{i}", p, sp, n=8) for i, p in enumerate(prompts)]
     auto = dict(max_draft_tokens=5)
-    servers = {"ar": _server(paths, dtype, "none", 1, 16, new_tokens),
-               "eagle3_k2": _server(paths, dtype, "eagle3", 2, 16, new_tokens),
-               "eagle3_k3": _server(paths, dtype, "eagle3", 3, 16, new_tokens),
-               "eagle3_k4": _server(paths, dtype, "eagle3", 4, 16, new_tokens),
-               "eagle3_k5": _server(paths, dtype, "eagle3", 5, 16, new_tokens),
-               "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, **auto),
-               "history_auto": _server(paths, dtype, "history", "auto", 16, new_tokens, max_draft_tokens=history_max),
-               "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True,
-                                   history_max_draft_tokens=history_max, **auto),
-               "combined_no_tree": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, history=True,
-                                           history_max_draft_tokens=history_max, history_tree="off", **auto)}
-    servers = {n: s for n, s in servers.items() if n in configs}
+    plen = max(32, max(map(len, prompts)))
+    make = {"ar": lambda: _server(paths, dtype, "none", 1, 16, new_tokens, plen),
+            **{f"eagle3_k{k}": (lambda k=k: _server(paths, dtype, "eagle3", k, 16, new_tokens, plen)) for k in range(2, 6)},
+            "eagle3_auto": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **auto),
+            "history_auto": lambda: _server(paths, dtype, "history", "auto", 16, new_tokens, plen,
+                                            max_draft_tokens=history_max),
+            "combined": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history=True,
+                                        history_max_draft_tokens=history_max, **auto),
+            "combined_no_tree": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history=True,
+                                                history_max_draft_tokens=history_max, history_tree="off", **auto)}
+    servers = {n: make[n]() for n in make if n in configs}
     for srv in servers.values():  # warm-up: oneDNN primitives, and the adaptive controllers' tables
         _reset_history(srv)
         srv.core.generate(reqs[:2], seed=99)
@@ -420,11 +430,17 @@ def hf_generate(path: str, dtype: str, prompts, new_tokens: int, assistant: str 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=None, help="small trained base model (default: train one here)")
+    ap.add_argument("--model", default=None,
+                    help="a real model instead of the widened small one: smollm2 or a Hub id (megatron-spec "
+                         "fetch-model); its chat prompts, its EAGLE-3 draft (--draft, or trained here) and its first "
+                         "--draft-layers layers as the draft model (benchmarks/_real_model.py)")
+    ap.add_argument("--draft", default=None, help="with --model: its ModelOpt EAGLE-3 export")
+    ap.add_argument("--draft-layers", type=int, default=4, help="with --model: layers of the truncated draft model")
     ap.add_argument("--dtypes", default="auto,float32",
                     help="engine dtypes to measure (auto | float32 | bfloat16), resolved for this CPU")
-    ap.add_argument("--batch-sizes", default="1,4,16")
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--ks", default="1,2,3,4,5")
+    ap.add_argument("--batch-sizes", default=None, help="default 1,4,16 (--model: 1,16)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 96 (--model: 64)")
+    ap.add_argument("--ks", default=None, help="EAGLE-3 k values of the table: default 1,2,3,4,5 (--model: 3)")
     ap.add_argument("--sft-steps", type=int, default=500)
     ap.add_argument("--eagle-steps", type=int, default=300)
     ap.add_argument("--prompts-per-row", type=int, default=2, help="requests per batch slot (continuous batching)")
@@ -433,22 +449,40 @@ def main() -> int:
                     help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)")
     ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
     ap.add_argument("--sections", default="main,grpo", help="what to measure: main (the batch-size table), grpo")
-    ap.add_argument("--grpo-new-tokens", type=int, default=128)
-    ap.add_argument("--grpo-rounds", type=int, default=3)
+    ap.add_argument("--grpo-new-tokens", type=int, default=None, help="default 128 (--model: 64)")
+    ap.add_argument("--grpo-rounds", type=int, default=None, help="default 3 (--model: 2)")
     ap.add_argument("--grpo-task", default="sum_long",
                     help="task of the GRPO workload and of its own models (in WORK_DIR/models_TASK): sum_long "
                          "(2..12 terms) gives the varied response lengths of an RL batch and its long tail")
     ap.add_argument("--grpo-history-max", type=int, default=10,
                     help="longest history proposal (history alone: its k_max; beside EAGLE-3: "
                          "history_max_draft_tokens)")
-    ap.add_argument("--grpo-configs", default=",".join(GRPO_CONFIGS),
-                    help="configs of the GRPO workload to run (keys needing a missing one are null)")
+    ap.add_argument("--grpo-configs", default=None,
+                    help="configs of the GRPO workload to run (keys needing a missing one are null); default all "
+                         "(--model: ar,eagle3_k3,eagle3_auto,combined)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
-    ap.add_argument("--rounds", type=int, default=5, help="round-robin rounds of the batch-size table")
+    ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds of the batch-size table (default 5, "
+                                                                 "--model: 3)")
     args = ap.parse_args()
+    real = args.model is not None
+    for name, small, big in (("batch_sizes", "1,4,16", "1,16"), ("new_tokens", 96, 64), ("ks", "1,2,3,4,5", "3"),
+                             ("grpo_new_tokens", 128, 64), ("grpo_rounds", 3, 2), ("rounds", 5, 3),
+                             ("grpo_configs", ",".join(GRPO_CONFIGS), "ar,eagle3_k3,eagle3_auto,combined")):
+        if getattr(args, name) is None:
+            setattr(args, name, big if real else small)
     torch.set_num_threads(2)
-    paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
     from transformers import AutoTokenizer
+
+    if real:
+        from _real_model import chat_prompts, real_model_paths
+
+        paths = real_model_paths(args.model, args.work_dir, args.draft, args.draft_layers, args.eagle_steps)
+        tok = AutoTokenizer.from_pretrained(paths["target"])
+        make_prompts = lambda n, seed: chat_prompts(tok, args.work_dir, n, seed)  # noqa: E731
+    else:
+        paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
+        tok = AutoTokenizer.from_pretrained(paths["target"])
+        make_prompts = lambda n, seed: task_prompts(tok, n, seed)  # noqa: E731
 
     ks = [int(x) for x in args.ks.split(",")]
     from megatron_spec.isa import probe, resolve_dtype
@@ -456,7 +490,6 @@ def main() -> int:
     main_dtype = resolve_dtype("auto")
     dtypes = list(dict.fromkeys(resolve_dtype(d.strip()) for d in args.dtypes.split(",")))
     print(f"[bench_rollout] CPU {probe().model} ({probe().capability}): dtypes {dtypes}", file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(paths["target"])
     if args.steady_state_out or args.steady_only:
         record = steady_state(paths, main_dtype, [int(x) for x in args.batch_sizes.split(",")], ks, 64, tok)
         out = args.steady_state_out or os.path.join(args.work_dir, "engine_bench.json")
@@ -470,26 +503,33 @@ def main() -> int:
     sections = set(args.sections.split(","))
     grpo = {}
     if "grpo" in sections:
-        gpaths = paths if args.grpo_task == "sum" else build_models(
-            os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
-            task=args.grpo_task)
-        grpo = grpo_workload(gpaths, main_dtype, AutoTokenizer.from_pretrained(gpaths["target"]),
-                             args.grpo_new_tokens, args.grpo_rounds, args.grpo_task, args.grpo_history_max,
-                             tuple(args.grpo_configs.split(",")))
+        if real:
+            gpaths, gprompts = paths, make_prompts(16, 2718)
+        else:
+            gpaths = paths if args.grpo_task == "sum" else build_models(
+                os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
+                task=args.grpo_task)
+            gprompts = task_prompts(AutoTokenizer.from_pretrained(gpaths["target"]), 16, 2718, task=args.grpo_task)
+        grpo = grpo_workload(gpaths, main_dtype, gprompts, args.grpo_new_tokens, args.grpo_rounds,
+                             args.grpo_history_max, tuple(args.grpo_configs.split(",")))
     for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
-            prompts = task_prompts(tok, b * args.prompts_per_row, seed=4242)
+            prompts = make_prompts(b * args.prompts_per_row, 4242)
+            plen = max(32, max(map(len, prompts)))
             row: dict = {}
-            servers = {"ar": _server(paths, dtype, "none", 1, b, args.new_tokens)}
-            servers.update({f"eagle3_k{k}": _server(paths, dtype, "eagle3", k, b, args.new_tokens) for k in ks})
-            servers["eagle3_auto"] = _server(paths, dtype, "eagle3", "auto", b, args.new_tokens, max_draft_tokens=max(ks))
-            servers.update({kind: _server(paths, dtype, kind, 3, b, args.new_tokens) for kind in ("model", "ngram")})
+            servers = {"ar": _server(paths, dtype, "none", 1, b, args.new_tokens, plen)}
+            servers.update({f"eagle3_k{k}": _server(paths, dtype, "eagle3", k, b, args.new_tokens, plen) for k in ks})
+            servers["eagle3_auto"] = _server(paths, dtype, "eagle3", "auto", b, args.new_tokens, plen,
+                                             max_draft_tokens=max(ks))
+            servers.update({kind: _server(paths, dtype, kind, 3, b, args.new_tokens, plen) for kind in ("model", "ngram")})
             configs = {name: (srv, 0.0) for name, srv in servers.items()}
             configs["ar_sampling"] = (servers["ar"], 1.0)
+            if "eagle3_k3" in servers:  # acceptance at the RL sampling temperature
+                configs["eagle3_k3_t1"] = (servers["eagle3_k3"], 1.0)
             runs = run_interleaved(configs, prompts, args.new_tokens, repeats=args.rounds)
             k3_over_ar = paired_ratio(runs["eagle3_k3"], runs["ar"])
             fixed = ["ar", *[f"eagle3_k{k}" for k in ks]]
-            best_fixed = max(fixed, key=lambda n: max(x.tokens_per_s for x in runs[n]))
+            best_fixed = max(fixed, key=lambda n, r=runs: max(x.tokens_per_s for x in r[n]))
             row["adaptive_over_best_fixed"] = paired_ratio(runs["eagle3_auto"], runs[best_fixed])
             row["k_mean_auto"] = runs["eagle3_auto"][-1].k_mean
             best_fixed_name[f"{dtype}_b{b}"] = best_fixed
@@ -500,6 +540,10 @@ def main() -> int:
                 row[name] = st.tokens_per_s
                 if name.startswith("eagle3_k"):
                     row[f"accept_k{name[len('eagle3_k'):]}"] = st.spec_accept_length
+                    if name.startswith("eagle3_k3"):  # per position: the share of verify steps accepting >= j+1
+                        steps = sum(x.spec_steps for x in rounds)
+                        row[f"accept_pos_k{name[len('eagle3_k'):]}"] = [
+                            round(sum(x.accepted_at_least[j] for x in rounds) / max(steps, 1), 3) for j in range(3)]
                 elif name in ("model", "ngram"):
                     row[f"accept_{name}"] = st.spec_accept_length
             if "eagle3_k3" in servers:
@@ -517,10 +561,12 @@ def main() -> int:
             row["ceiling_k3_in_loop"] = tau / (row["v"] + 3 * row["c_in_loop"])
             row["fraction_of_ceiling_k3_in_loop"] = row["eagle3_k3_over_ar"] / row["ceiling_k3_in_loop"]
             results[f"{dtype}_b{b}"] = row
-            print(f"{dtype} B={b}: " + ", ".join(f"{k}={v:.3g}" for k, v in row.items()), file=sys.stderr, flush=True)
+            print(f"{dtype} B={b}: " + ", ".join(f"{k}={v}" if isinstance(v, list) else f"{k}={v:.3g}"
+                                                 for k, v in row.items()), file=sys.stderr, flush=True)
 
     # table
-    cols = ["ar", "ar_sampling", *[f"eagle3_k{k}" for k in ks], "eagle3_auto", "model", "ngram", "hf_generate",
+    cols = ["ar", "ar_sampling", *[f"eagle3_k{k}" for k in ks], "eagle3_k3_t1", "eagle3_auto", "model", "ngram",
+            "hf_generate",
             "hf_assisted"]
     print(f"{'config':<14}" + "".join(f"{c:>13}" for c in cols) + f"{'tau_k3':>8}{'v':>6}{'c':>6}{'ceil':>6}{'frac':>6}"
           + f"{'c_loop':>8}{'ceil_l':>8}{'frac_l':>8}")
@@ -529,13 +575,19 @@ def main() -> int:
               + f"{row['accept_k3']:>8.2f}{row['v']:>6.2f}{row['c']:>6.2f}{row['ceiling_k3']:>6.2f}"
               + f"{row['fraction_of_ceiling_k3']:>6.2f}{row['c_in_loop']:>8.3f}{row['ceiling_k3_in_loop']:>8.2f}"
               + f"{row['fraction_of_ceiling_k3_in_loop']:>8.2f}")
-    print("acceptance lengths: " + json.dumps({k: {a: round(v, 2) for a, v in r.items() if a.startswith("accept")}
+    print("acceptance lengths: " + json.dumps({k: {a: v if isinstance(v, list) else round(v, 2)
+                                                  for a, v in r.items() if a.startswith("accept")}
                                               for k, r in results.items()}))
     main_dtype = main_dtype if main_dtype in dtypes else dtypes[0]
     b1, b16 = results.get(f"{main_dtype}_b1"), results.get(f"{main_dtype}_b16")  # None: batch not measured
     rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
     mine = [r for k, r in results.items() if k.startswith(f"{main_dtype}_")]
     summary = {
+        "real_model": os.path.basename(os.path.normpath(paths["target"])) if real else None,
+        "ar_over_hf_generate_b1": rnd(b1["ar_sampling"] / b1["hf_generate"]) if b1 and "hf_generate" in b1 else None,
+        "eagle3_k3_over_ar_b16": rnd(b16["eagle3_k3_over_ar"]) if b16 else None,
+        "eagle3_accept_length_k3_t1": rnd(statistics.median(r["accept_k3_t1"] for r in mine if "accept_k3_t1" in r))
+        if any("accept_k3_t1" in r for r in mine) else None,
         "eagle3_k3_over_ar_b1": rnd(b1["eagle3_k3_over_ar"]) if b1 else None,
         "accept_length_k3_b1": rnd(b1["accept_k3"]) if b1 else None,
         "fraction_of_ceiling_k3_min": rnd(min(r["fraction_of_ceiling_k3"] for r in results.values())) if results
@@ -561,7 +613,8 @@ def main() -> int:
         "grpo_per_config": {n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()},
         "dtype": main_dtype,
         "cpu_capability": probe().capability,
-        "per_config": {k: {a: round(v, 3) for a, v in r.items() if v is not None} for k, r in results.items()},
+        "per_config": {k: {a: v if isinstance(v, list) else round(v, 3) for a, v in r.items() if v is not None}
+                       for k, r in results.items()},
     }
     print(json.dumps(summary))
     return 0

@@ -106,6 +106,37 @@ def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts
         assert s.output_ids == out.tolist(), (i, CHAT[i])
 
 
+def test_draft_model_of_its_first_layers_is_exact(smollm2, chat_prompts, tmp_path):
+    """The draft-model path on the real model: its own first 4 layers with the final norm and tied head
+    (benchmarks/_real_model.py), same tokenizer, proposing k=3; greedy speculative output equals plain
+    decoding token for token. (Undistilled, the truncated model is a poor drafter: the benchmark
+    measured an acceptance length of 1.04.)"""
+    import importlib.util
+
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "_real_model.py")
+    spec = importlib.util.spec_from_file_location("real_model_for_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    draft = mod.truncated_draft_model(smollm2, str(tmp_path / "draft"), 4)
+    assert json.load(open(os.path.join(draft, "config.json")))["num_hidden_layers"] == 4
+    sp = SamplingParams(temperature=0.0, max_new_tokens=32)
+    prompts = chat_prompts[:4]
+    outs = {}
+    for kind in ("none", "model"):
+        server = EngineServer(EngineConfig(model_path=smollm2, dtype="float32", max_batch_size=4, context_length=128,
+                                           draft_kind=kind, draft_path=draft if kind == "model" else None,
+                                           num_draft_tokens=3))
+        samples, stats = server.generate([GenerateRequest(f"c{i}", p, sp) for i, p in enumerate(prompts)])
+        outs[kind] = ([s.output_ids for s in samples], stats)
+        del server
+    assert outs["model"][0] == outs["none"][0]
+    assert outs["model"][1].spec_steps > 0  # the drafts were verified, not skipped
+
+
 def test_hub_id_resolves_from_the_local_cache_offline(smollm2, tmp_path, monkeypatch):
     """``--hf-checkpoint Org/Name`` as NeMo-RL, slime and verl users type it: huggingface_hub's cache layout
     (models--Org--Name/snapshots/REV, refs/main), filled here by hand; no network (HF_HUB_OFFLINE=1)."""

