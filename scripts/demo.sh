@@ -28,7 +28,7 @@ mkdir -p "$RUN"
 if [ ! -f "$RUN/eagle3/config.json" ]; then
   python launch/make_draft.py --target "$MODEL" --out "$RUN/eagle3" --prompt-data "$TASK/$MODULE/train-easy.jsonl" \
       --prompt-key question --apply-chat-template --prompt-template "$TEMPLATE" --num-prompts 128 \
-      --samples-per-prompt 2 --max-new-tokens 8 --draft-vocab-size "${DRAFT_VOCAB:-512}" \
+      --samples-per-prompt 2 --max-new-tokens 8 --draft-vocab-size "${DRAFT_VOCAB:-256}" \
       --steps "${DRAFT_STEPS:-40}"
 fi
 rm -rf "$RUN/grpo"
