@@ -14,6 +14,7 @@ its drafts and chat prompts.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -24,7 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = "algebra__linear_1d"  # "Solve -376*i - 2525 = 8780 for i.": the chat model answers in ~100 tokens of steps
 
 
-def questions(work: str, split: str) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def questions(work: str, split: str) -> tuple[str, ...]:
     """mathematics_dataset questions of ``split`` (train-easy: the draft's training prompts;
     interpolate: the held-out prompts measured), made once by scripts/make_math_task.sh in
     ``work/math_task``."""
@@ -36,7 +38,7 @@ def questions(work: str, split: str) -> list[str]:
     for module in MODULES.split(","):
         with open(os.path.join(task, module, f"{split}.jsonl")) as f:
             out += [json.loads(line)["question"] for line in f]
-    return out
+    return tuple(out)
 
 
 def truncated_draft_model(target: str, out: str, num_layers: int) -> str:
@@ -82,13 +84,13 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
 
     log = lambda msg: print(f"[setup] {msg}", file=sys.stderr, flush=True)  # noqa: E731
     target = resolve_model(name, log=log)
-    work = os.path.join(work, os.path.basename(os.path.normpath(target)))
-    os.makedirs(work, exist_ok=True)
-    eagle3 = draft or os.path.join(work, "eagle3")
+    model_dir = os.path.join(work, os.path.basename(os.path.normpath(target)))
+    os.makedirs(model_dir, exist_ok=True)
+    eagle3 = draft or os.path.join(model_dir, "eagle3")
     if not os.path.isfile(os.path.join(eagle3, "config.json")):
         log(f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} steps)")
-        prompts = os.path.join(work, "draft_prompts.jsonl")
-        train = questions(os.path.dirname(work), "train-easy")
+        prompts = os.path.join(model_dir, "draft_prompts.jsonl")
+        train = questions(work, "train-easy")
         with open(prompts, "w") as f:
             for q in train:
                 f.write(json.dumps({"prompt": q}) + "\n")
@@ -96,5 +98,5 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
                         "--out", eagle3, "--prompt-data", prompts, "--apply-chat-template", "--num-prompts",
                         str(len(train)), "--samples-per-prompt", "2", "--max-new-tokens", "96",
                         "--draft-vocab-size", "1024", "--batch-size", "8", "--steps", str(eagle_steps)], check=True)
-    model = truncated_draft_model(target, os.path.join(work, f"draft_model_l{draft_layers}"), draft_layers)
+    model = truncated_draft_model(target, os.path.join(model_dir, f"draft_model_l{draft_layers}"), draft_layers)
     return {"target": target, "eagle3": eagle3, "draft_model": model}

@@ -157,6 +157,11 @@ def _server(paths, dtype: str, kind: str, k, batch: int, new_tokens: int, prompt
                                      context_length=prompt_len + new_tokens, num_threads=2, **kw))
 
 
+def _prompt_width(prompts) -> int:
+    """The prompt room of a server's context: the longest prompt, at least the demo task's 32."""
+    return max(32, max(map(len, prompts)))
+
+
 def _reset_history(server) -> None:
     """Empty the history index of a server's history drafter (main or beside), if it has one."""
     for d in (server.core.drafter, server.core.history):
@@ -216,7 +221,7 @@ def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, 
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     reqs = [GenerateRequest(f"g{i}", p, sp, n=8) for i, p in enumerate(prompts)]
     auto = dict(max_draft_tokens=5)
-    plen = max(32, max(map(len, prompts)))
+    plen = _prompt_width(prompts)
     make = {"ar": lambda: _server(paths, dtype, "none", 1, 16, new_tokens, plen),
             **{f"eagle3_k{k}": (lambda k=k: _server(paths, dtype, "eagle3", k, 16, new_tokens, plen)) for k in range(2, 6)},
             "eagle3_auto": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **auto),
@@ -515,7 +520,7 @@ def main() -> int:
     for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = make_prompts(b * args.prompts_per_row, 4242)
-            plen = max(32, max(map(len, prompts)))
+            plen = _prompt_width(prompts)
             row: dict = {}
             servers = {"ar": _server(paths, dtype, "none", 1, b, args.new_tokens, plen)}
             servers.update({f"eagle3_k{k}": _server(paths, dtype, "eagle3", k, b, args.new_tokens, plen) for k in ks})

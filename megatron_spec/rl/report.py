@@ -295,38 +295,35 @@ def _batch_note(run_dir: str) -> str:
     return f"; mean over {grpo['prompts_per_step']} prompts x {grpo['grpo_group_size']} samples per step"
 
 
-def _eval_points(rows: list[dict]) -> list[tuple[int, float]]:
-    """(steps trained, held-out reward) of every evaluation (--eval-interval), the final one last."""
-    evals = [(int(r["step"]) - 1, r["eval/reward"]) for r in rows if r.get("eval/reward") is not None]
+def _evals(rows: list[dict]) -> list[tuple[int, float, float | None]]:
+    """(steps trained, held-out reward, its standard error) of every evaluation (--eval-interval),
+    the final one last; the standard error is None for a run from before ``eval/reward_se``."""
+    evals = [(int(r["step"]) - 1, r["eval/reward"], r.get("eval/reward_se")) for r in rows
+             if r.get("eval/reward") is not None]
     final = [r for r in rows if r.get("eval_final/reward") is not None]
     if final:
-        evals.append((int(final[-1]["step"]), final[-1]["eval_final/reward"]))
+        evals.append((int(final[-1]["step"]), final[-1]["eval_final/reward"], final[-1].get("eval_final/reward_se")))
     return evals
 
 
-def _eval_ses(rows: list[dict]) -> list[float | None]:
-    """The standard error of each evaluation of :func:`_eval_points`, in its order (None where a
-    run from before ``eval/reward_se`` did not write it)."""
-    ses = [r.get("eval/reward_se") for r in rows if r.get("eval/reward") is not None]
-    final = [r for r in rows if r.get("eval_final/reward") is not None]
-    if final:
-        ses.append(final[-1].get("eval_final/reward_se"))
-    return ses
+def _eval_points(rows: list[dict]) -> list[tuple[int, float]]:
+    """(steps trained, held-out reward) of every evaluation, the final one last."""
+    return [(step, value) for step, value, _ in _evals(rows)]
 
 
 def _eval_lines(rows: list[dict]) -> list[str]:
     """The held-out evaluations, first -> final, with their standard errors and the lift from the
     first to the last in standard errors of the difference, when the run made them."""
-    evals = _eval_points(rows)
+    evals = _evals(rows)
     if not evals:
         return []
     n = next(r.get("eval/prompts") or r.get("eval_final/prompts") for r in rows
              if r.get("eval/prompts") or r.get("eval_final/prompts"))
-    ses = _eval_ses(rows)
-    path = " -> ".join(f"{v:.3f}" + (f" ± {se:.3f}" if se is not None else "") for (_, v), se in zip(evals, ses))
+    path = " -> ".join(f"{v:.3f}" + (f" ± {se:.3f}" if se is not None else "") for _, v, se in evals)
     line = (f"- held-out reward ({n} prompts, one sample each, same seed every time), after steps "
-            f"{', '.join(str(s) for s, _ in evals)}: {path}")
-    if len(evals) > 1 and ses[0] is not None and ses[-1] is not None and (ses[0] or ses[-1]):
-        lift = evals[-1][1] - evals[0][1]
-        line += f" (lift {lift:+.3f} = {lift / math.hypot(ses[0], ses[-1]):+.1f} standard errors)"
+            f"{', '.join(str(s) for s, _, _ in evals)}: {path}")
+    (_, first, se0), (_, last, se1) = evals[0], evals[-1]
+    if len(evals) > 1 and se0 is not None and se1 is not None and (se0 or se1):
+        lift = last - first
+        line += f" (lift {lift:+.3f} = {lift / math.hypot(se0, se1):+.1f} standard errors)"
     return [line]
