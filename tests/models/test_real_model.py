@@ -90,6 +90,11 @@ def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dty
 
 
 def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts):
+    """Greedy decoding is the argmax of the model's next-token logits given the tokens so far, so the
+    engine's 16 outputs equal transformers' greedy outputs token for token exactly when, at every
+    position, transformers' forward over prompt + the engine's output puts its argmax on the engine's
+    token (one forward per prompt: ``generate`` one token at a time costs ~20x more). Two prompts also
+    go through ``hf.generate`` itself."""
     import transformers
 
     from megatron_spec.rollout.config import EngineConfig
@@ -100,10 +105,20 @@ def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts
     server = EngineServer(EngineConfig(model_path=smollm2, dtype="float32", max_batch_size=16, context_length=160))
     sp = SamplingParams(temperature=0.0, max_new_tokens=64)
     samples, _ = server.generate([GenerateRequest(f"c{i}", p, sp) for i, p in enumerate(chat_prompts)])
+    ended = 0
     for i, (p, s) in enumerate(zip(chat_prompts, samples)):
+        out = s.output_ids
+        assert 0 < len(out) <= 64, (i, len(out))
         with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=64, pad_token_id=2)[0, len(p):]
-        assert s.output_ids == out.tolist(), (i, CHAT[i])
+            logits = hf(torch.tensor([p + out])).logits[0, len(p) - 1 : len(p) - 1 + len(out)]
+        best = logits.argmax(-1).tolist()
+        assert best == out, (i, CHAT[i], next(t for t, (x, y) in enumerate(zip(best, out)) if x != y))
+        ended += out[-1] == 2
+        if i < 2:  # the literal check through transformers' own generate loop
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=64, pad_token_id=2)[0, len(p):]
+            assert out == ref.tolist(), (i, CHAT[i])
+    assert ended > 0, "no output reached <|im_end|>: the end of turn was never checked"
 
 
 def test_draft_model_of_its_first_layers_is_exact(smollm2, chat_prompts, tmp_path):
