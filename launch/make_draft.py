@@ -8,6 +8,11 @@ predict during GRPO. ModelOpt converts the target (transformers) to an EAGLE-3 m
 the draft with its training-time test, and exports it (``export_speculative_decoding``); the
 export is what ``--spec-draft-path`` takes. RoPE scaling is exported as trained (the short
 contexts of the demo do not need ModelOpt's default YaRN extension).
+
+``--refine-steps N`` then trains the export further from cached target states
+(``megatron_spec.draft.refine``: one target forward over the rollouts, N draft steps without one;
+the online trainer's code), holding out the rollouts of every 16th prompt to report the expected
+acceptance before and after.
 """
 
 from __future__ import annotations
@@ -42,7 +47,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ttt-steps", type=int, default=3)
     ap.add_argument("--draft-vocab-size", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--refine-steps", type=int, default=0,
+                    help="then this many steps from cached target states (megatron_spec.draft.refine); 0 = none")
+    ap.add_argument("--refine-lr", type=float, default=2e-3)
+    ap.add_argument("--refine-rows-per-step", type=int, default=2048)
     args = ap.parse_args(argv)
+    if args.refine_steps < 0:
+        ap.error(f"--refine-steps must be >= 0, got {args.refine_steps}")
 
     import torch
     from transformers import AutoTokenizer
@@ -73,7 +84,13 @@ def main(argv=None) -> int:
     sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     samples, stats = srv.generate([GenerateRequest(str(i), p, sp, n=args.samples_per_prompt)
                                    for i, p in enumerate(prompts)])
-    seqs = [prompts[int(s.request_id)] + s.output_ids for s in samples]
+    rollouts = [(prompts[int(s.request_id)], list(s.output_ids)) for s in samples]
+    # --refine-steps: the rollouts of every 16th prompt are held out (of both trainings) to measure acceptance
+    held = [r for r, s in zip(rollouts, samples) if args.refine_steps and int(s.request_id) % 16 == 15 and r[1]]
+    rollouts = [r for r, s in zip(rollouts, samples) if not (args.refine_steps and int(s.request_id) % 16 == 15)]
+    if args.refine_steps and not held:
+        ap.error(f"--refine-steps holds out every 16th prompt's rollouts: {len(prompts)} prompts give none")
+    seqs = [p + r for p, r in rollouts]
     print(f"[make_draft] {len(seqs)} rollouts, {stats.num_tokens} tokens at {stats.tokens_per_s:.0f} tokens/s",
           file=sys.stderr, flush=True)
     del srv
@@ -81,9 +98,23 @@ def main(argv=None) -> int:
                                   max_len=min(context, max(map(len, seqs))), ttt_steps=args.ttt_steps, lr=args.lr,
                                   draft_vocab_size=args.draft_vocab_size, seed=args.seed, export_rope_scaling={},
                                   progress=True)
-    print(json.dumps({"out": args.out, "steps": args.steps, "final_loss": res.losses[-1] if res.losses else None,
-                      "final_top1": [round(a, 3) for a in res.accuracies[-1]] if res.accuracies else None,
-                      "seconds": round(res.seconds, 1)}), flush=True)
+    summary = {"out": args.out, "steps": args.steps, "final_loss": res.losses[-1] if res.losses else None,
+               "final_top1": [round(a, 3) for a in res.accuracies[-1]] if res.accuracies else None,
+               "seconds": round(res.seconds, 1)}
+    if args.refine_steps:
+        from megatron_spec.draft.refine import refine_eagle3
+        from megatron_spec.parallel import init_parallel
+
+        init_parallel(tp_size=1, seed=args.seed)
+        ref = refine_eagle3(args.target, args.out, [r for r in rollouts if r[1]], held, steps=args.refine_steps, lr=args.refine_lr,
+                            rows_per_step=args.refine_rows_per_step, ttt_steps=args.ttt_steps, seed=args.seed)
+        summary.update({"refine_steps": args.refine_steps,
+                        "held_out_tau_before": round(ref["before"]["draft/eval_tau"], 3),
+                        "held_out_tau_after": round(ref["after"]["draft/eval_tau"], 3),
+                        "held_out_accept_after": [round(ref["after"][f"draft/eval_accept{s}"], 3)
+                                                  for s in range(args.ttt_steps)],
+                        "refine_seconds": round(ref["capture_seconds"] + ref["train_seconds"], 1)})
+    print(json.dumps(summary), flush=True)
     return 0
 
 
