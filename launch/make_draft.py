@@ -86,8 +86,9 @@ def main(argv=None) -> int:
                                    for i, p in enumerate(prompts)])
     rollouts = [(prompts[int(s.request_id)], list(s.output_ids)) for s in samples]
     # --refine-steps: the rollouts of every 16th prompt are held out (of both trainings) to measure acceptance
-    held = [r for r, s in zip(rollouts, samples) if args.refine_steps and int(s.request_id) % 16 == 15 and r[1]]
-    rollouts = [r for r, s in zip(rollouts, samples) if not (args.refine_steps and int(s.request_id) % 16 == 15)]
+    held_out = [bool(args.refine_steps) and int(s.request_id) % 16 == 15 for s in samples]
+    held = [r for r, h in zip(rollouts, held_out) if h and r[1]]
+    rollouts = [r for r, h in zip(rollouts, held_out) if not h]
     if args.refine_steps and not held:
         ap.error(f"--refine-steps holds out every 16th prompt's rollouts: {len(prompts)} prompts give none")
     seqs = [p + r for p, r in rollouts]
@@ -106,8 +107,9 @@ def main(argv=None) -> int:
         from megatron_spec.parallel import init_parallel
 
         init_parallel(tp_size=1, seed=args.seed)
-        ref = refine_eagle3(args.target, args.out, [r for r in rollouts if r[1]], held, steps=args.refine_steps, lr=args.refine_lr,
-                            rows_per_step=args.refine_rows_per_step, ttt_steps=args.ttt_steps, seed=args.seed)
+        ref = refine_eagle3(args.target, args.out, [r for r in rollouts if r[1]], held, steps=args.refine_steps,
+                            lr=args.refine_lr, rows_per_step=args.refine_rows_per_step, ttt_steps=args.ttt_steps,
+                            seed=args.seed)
         summary.update({"refine_steps": args.refine_steps,
                         "held_out_tau_before": round(ref["before"]["draft/eval_tau"], 3),
                         "held_out_tau_after": round(ref["after"]["draft/eval_tau"], 3),

@@ -38,37 +38,33 @@ def capture_rollouts(model: torch.nn.Module, capture: Any, rollouts: Sequence[Ro
     """One no-grad forward of ``model`` per ``batch_size`` rollouts inside ``capture.record``; the
     captured rows of all of them as one :class:`~megatron_spec.capture.cache.DraftCache`.
     ``progress(n)`` is called with the number of rollouts done after each batch."""
-    from megatron_spec.capture.cache import DraftCache
+    from megatron_spec.rollout.native.rows import pad_rows
 
     if not rollouts:
         raise ValueError("capture_rollouts: no rollouts")
     device = next(model.parameters()).device
-    parts = []
     was_training = model.training
     model.eval()
     try:
         for i in range(0, len(rollouts), batch_size):
             chunk = rollouts[i : i + batch_size]
-            width = max(len(p) + len(r) for p, r in chunk)
-            ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.bool)
-            for b, (p, r) in enumerate(chunk):
-                ids[b, : len(p) + len(r)] = torch.tensor([*p, *r], dtype=torch.long)
-                mask[b, len(p) : len(p) + len(r)] = True
-            ids, mask = ids.to(device), mask.to(device)
+            seqs = [[*p, *r] for p, r in chunk]
+            width = max(map(len, seqs))
+            ids = pad_rows(seqs, width, pad_id, device)
             pos = torch.arange(width, device=device).expand_as(ids)
-            with torch.no_grad(), capture.record(model, mask):  # causal: the right padding changes nothing before it
+            start = torch.tensor([len(p) for p, _ in chunk], device=device).unsqueeze(1)
+            end = torch.tensor([len(q) for q in seqs], device=device).unsqueeze(1)
+            response = (pos >= start) & (pos < end)  # causal: the right padding changes nothing before it
+            with torch.no_grad(), capture.record(model, response):
                 model(ids, pos, attention_mask=None)
-            part = capture.take()
-            if part is not None:
-                parts.append(part)
             if progress is not None:
                 progress(min(i + batch_size, len(rollouts)))
     finally:
         model.train(was_training)
-    if not parts:
+    cache = capture.take()  # every batch's rows, concatenated
+    if cache is None:
         raise ValueError("capture_rollouts: no response token was captured (empty responses?)")
-    return DraftCache.concat(parts)
+    return cache
 
 
 def refine_eagle3(
@@ -124,18 +120,12 @@ def refine_eagle3(
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))
     t0 = time.perf_counter()
-    everything = list(rollouts) + list(held_out)
-    bar = tqdm(total=len(everything), desc="target states (one forward)", unit="seq", disable=not progress)
-    done = [0]
-
-    def advance(n: int) -> None:
-        bar.update(n - done[0])
-        done[0] = n
-
-    train_cache = capture_rollouts(model, capture, rollouts, batch_size=capture_batch_size, progress=advance)
-    offset = len(rollouts)
+    bar = tqdm(total=len(rollouts) + len(held_out), desc="target states (one forward)", unit="seq",
+               disable=not progress)
+    train_cache = capture_rollouts(model, capture, rollouts, batch_size=capture_batch_size,
+                                   progress=lambda n: bar.update(n - bar.n))
     eval_cache = capture_rollouts(model, capture, held_out, batch_size=capture_batch_size,
-                                  progress=lambda n: advance(offset + n))
+                                  progress=lambda n: bar.update(len(rollouts) + n - bar.n))
     bar.close()
     del model
     capture_s = time.perf_counter() - t0
