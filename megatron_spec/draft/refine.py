@@ -38,8 +38,6 @@ def capture_rollouts(model: torch.nn.Module, capture: Any, rollouts: Sequence[Ro
     """One no-grad forward of ``model`` per ``batch_size`` rollouts inside ``capture.record``; the
     captured rows of all of them as one :class:`~megatron_spec.capture.cache.DraftCache`.
     ``progress(n)`` is called with the number of rollouts done after each batch."""
-    from megatron_spec.rollout.native.rows import pad_rows
-
     if not rollouts:
         raise ValueError("capture_rollouts: no rollouts")
     device = next(model.parameters()).device
@@ -48,9 +46,9 @@ def capture_rollouts(model: torch.nn.Module, capture: Any, rollouts: Sequence[Ro
     try:
         for i in range(0, len(rollouts), batch_size):
             chunk = rollouts[i : i + batch_size]
-            seqs = [[*p, *r] for p, r in chunk]
-            width = max(map(len, seqs))
-            ids = pad_rows(seqs, width, pad_id, device)
+            seqs = [torch.tensor([*p, *r], dtype=torch.long) for p, r in chunk]
+            ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id).to(device)
+            width = ids.shape[1]
             pos = torch.arange(width, device=device).expand_as(ids)
             start = torch.tensor([len(p) for p, _ in chunk], device=device).unsqueeze(1)
             end = torch.tensor([len(q) for q in seqs], device=device).unsqueeze(1)
