@@ -45,6 +45,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from megatron_spec.rollout.api import WeightReceiver  # noqa: E402
+
 
 def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, int]:
     """Best copy bandwidth of this machine: max over 1 and all torch threads (GB/s, threads)."""
@@ -105,7 +107,7 @@ def layout_receiver(conn, shapes: dict, fused: dict, dtype: torch.dtype) -> None
             conn.send(None)
 
 
-class LayoutReceiver:
+class LayoutReceiver(WeightReceiver):
     """Engine-API handle of :func:`layout_receiver` (target only)."""
 
     def __init__(self, cfg, dtype: str = "bfloat16"):

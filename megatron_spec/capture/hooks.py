@@ -59,9 +59,9 @@ import torch.distributed as dist
 from megatron_spec.capture.cache import DraftCache, segment_runs
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.capture.teacher import draft_vocab_teacher
+from megatron_spec.dtypes import torch_dtype
 
 HOST = torch.device("cpu")
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 FORWARDS = ("logprob", "train")
 
 
@@ -104,10 +104,7 @@ class CaptureConfig:
     def __post_init__(self) -> None:
         if self.draft_kind not in ("eagle3", "mtp"):
             raise ValueError(f"capture draft_kind must be 'eagle3' or 'mtp', got {self.draft_kind!r}")
-        if self.storage_dtype not in _DTYPES:
-            raise ValueError(
-                f"capture storage_dtype must be one of {sorted(_DTYPES)}, got {self.storage_dtype!r}"
-            )
+        torch_dtype(self.storage_dtype, "capture storage_dtype")  # raises for an unknown name
         if self.teacher_topk is not None and self.teacher_topk < 1:
             raise ValueError(f"capture teacher_topk must be >= 1 or None, got {self.teacher_topk}")
         if self.max_bytes <= 0:
@@ -133,7 +130,7 @@ class CaptureConfig:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.storage_dtype]
+        return torch_dtype(self.storage_dtype)
 
 
 class Capture:

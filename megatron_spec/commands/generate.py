@@ -180,7 +180,7 @@ def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
 def run(args: argparse.Namespace) -> int:
     from megatron_spec.rollout import make_engine
     from megatron_spec.rollout.config import EngineConfig
-    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+    from megatron_spec.rollout.types import SamplingParams
 
     from megatron_spec.isa import probe, resolve_dtype
 

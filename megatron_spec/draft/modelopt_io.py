@@ -145,3 +145,18 @@ def save_eagle3(head: Eagle3Head, path: str | os.PathLike, *, dtype: torch.dtype
     if cfg.torch_dtype != _DTYPE_NAMES.get(float_dtype, cfg.torch_dtype):
         cfg = dataclasses.replace(cfg, torch_dtype=_DTYPE_NAMES[float_dtype])
     save_hf_checkpoint(path, tensors, cfg.to_hf_dict(), extra_files=())
+
+
+def startup_draft_tensors(kind: str, path: str | os.PathLike, target_cfg: DecoderConfig, *,
+                          dtype: torch.dtype | None = None) -> list[tuple[str, torch.Tensor]] | None:
+    """The draft weights an engine loads at start-up, as a weight update names them: an EAGLE-3
+    head (``--spec-draft-kind eagle3``, without ``d2t``: engines read it once, at start) or a
+    draft model's HF checkpoint (``model``). None for drafts without weights of their own
+    (n-gram, history, MTP heads, plain decoding). Pushed again after a memory release."""
+    if kind == "eagle3":
+        head = load_eagle3(path, target_cfg, dtype=dtype)
+        return [(n, t.detach()) for n, t in head.named_export_tensors() if n != "d2t"]
+    if kind == "model":
+        ck = HFCheckpoint(path)
+        return [(n, ck.get(n) if dtype is None else ck.get(n).to(dtype)) for n in ck.weight_names()]
+    return None

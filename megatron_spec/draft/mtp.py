@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_spec.capture.cache import DraftCache
+from megatron_spec.capture.cache import DraftCache, micro_batches
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.capture.teacher import (
     vocab_parallel_argmax,
@@ -55,6 +55,7 @@ from megatron_spec.draft.optim import (
     DraftUpdate,
     choose_segments,
     group_info,
+    scored_rows_per_step,
 )
 from megatron_spec.models.convert import ParamRule, canonical_name, megatron_rules, shard
 from megatron_spec.models.hf_config import DecoderConfig
@@ -271,6 +272,43 @@ class MtpTrainer(DraftUpdate):
         lens = [int(cache.seqlens[s]) for s in segments]
         label_ok = (cache.next_tokens >= 0) if cfg.loss == "hard" and segments else None
         return self._update(cache, segments, lens, weights, label_ok, self.dp_group, "mtp", t0)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The MTP layers being trained (:class:`MtpDraft`)."""
+        return self.draft
+
+    @torch.no_grad()
+    def evaluate(self, cache: DraftCache, steps: int | None = None) -> dict[str, float]:
+        """The current depths on every segment of ``cache`` (held out: before training on it), no
+        update: ``draft/eval_ce{k}`` (the training loss at depth k, per scored row) and
+        ``draft/eval_top1_{k}`` (how often the depth's argmax is the teacher's), ``draft/eval_rows``.
+        ``steps`` (the engine's k) is ignored: an MTP draft proposes one token per depth. Collective
+        over the TP group (vocabulary-parallel heads), local to the DP rank."""
+        depth = self.draft.num_layers
+        segments = list(range(len(cache.seqlens)))
+        lens = [int(n) for n in cache.seqlens]
+        label_ok = (cache.next_tokens >= 0) if self.config.loss == "hard" else None
+        counts = scored_rows_per_step(cache, segments, lens, depth, label_ok)
+        loss_sums = torch.zeros(depth, dtype=torch.float64, device=HOST)
+        agree = torch.zeros(depth, dtype=torch.float64, device=HOST)
+        ones = torch.ones(depth, dtype=torch.float64, device=self.optimizer.device)
+        was_training = self.draft.training
+        self.draft.eval()
+        try:
+            for mb in micro_batches(lens, self.config.micro_batch_rows):
+                _, l_s, a_s = self._micro_batch(cache, [segments[i] for i in mb], [1.0] * depth, ones, label_ok)
+                loss_sums += l_s
+                agree += a_s
+        finally:
+            self.draft.train(was_training)
+        out = {}
+        for k in range(depth):
+            n = float(counts[k])
+            out[f"draft/eval_ce{k}"] = float(loss_sums[k]) / n if n else float("nan")
+            out[f"draft/eval_top1_{k}"] = float(agree[k]) / n if n else float("nan")
+        out["draft/eval_rows"] = float(counts[0])
+        return out
 
     def _check_same_rows_across_tp(self, rows: int, segments: int) -> None:
         if self.tp_size == 1:

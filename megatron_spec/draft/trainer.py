@@ -296,6 +296,11 @@ class Eagle3Trainer(DraftUpdate):
             head.train(was_training)
         return alpha, ce, tau
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The EAGLE-3 head being trained."""
+        return self.head
+
     def evaluate(self, cache: DraftCache, steps: int | None = None) -> dict[str, float]:
         """Means of :meth:`acceptance` on ``cache`` (held-out rows): ``draft/eval_accept{s}`` (expected
         acceptance ``1 - TV`` at unrolled step s), ``draft/eval_ce{s}``, ``draft/eval_tau`` (expected

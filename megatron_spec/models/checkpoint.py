@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_spec.models.hf_config import DecoderConfig
+
+# HF tensors that carry no weights and are ignored on load (said in a log line, not silently).
+IGNORED_HF_NAMES = re.compile(r"rotary_emb\.")
+
+
+def is_weight_name(name: str, tie_word_embeddings: bool) -> bool:
+    """Whether the HF tensor ``name`` is a weight a model loads and an engine is sent: not a rotary
+    buffer (:data:`IGNORED_HF_NAMES`), and not ``lm_head.weight`` when the embedding stands in for it."""
+    return not (tie_word_embeddings and name == "lm_head.weight") and not IGNORED_HF_NAMES.search(name)
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (
@@ -95,6 +105,11 @@ class HFCheckpoint:
 
     def names(self) -> set[str]:
         return set(self._name_to_file)
+
+    def weight_names(self) -> list[str]:
+        """The checkpoint's weights (:func:`is_weight_name`), sorted."""
+        tied = self.decoder_config.tie_word_embeddings
+        return sorted(n for n in self._name_to_file if is_weight_name(n, tied))
 
     def _handle(self, fname: str):
         if fname not in self._handles:

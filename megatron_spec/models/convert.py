@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
-from megatron_spec.models.checkpoint import CheckpointError
+from megatron_spec.models.checkpoint import CheckpointError, is_weight_name
 from megatron_spec.models.hf_config import DecoderConfig
 
 _TE_TO_LOCAL = (
@@ -41,9 +41,6 @@ _TE_TO_LOCAL = (
     (re.compile(r"^(decoder\.layers\.\d+)\.mlp\.linear_fc1\.layer_norm_weight$"),
      r"\1.pre_mlp_layernorm.weight"),
 )
-
-# HF tensors that carry no weights and are ignored on load (said in a log line, not silently).
-IGNORED_HF_NAMES = re.compile(r"(rotary_emb\.inv_freq)$")
 
 
 def canonical_name(name: str) -> str:
@@ -233,7 +230,7 @@ def validate_hf_names(cfg: DecoderConfig, available: Mapping[str, tuple[int, ...
                                   f"expected {shape} from config.json")
     ignored, unknown = [], []
     for name in sorted(set(available) - set(expected)):
-        if IGNORED_HF_NAMES.search(name) or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+        if not is_weight_name(name, cfg.tie_word_embeddings):
             ignored.append(name)
         else:
             unknown.append(name)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -310,7 +311,7 @@ class GRPOTrainer:
             target = PayloadGather(self.engine, self._sender_group, self.info.rank, self.layout.engine_tp_size)
         self.streamer = WeightStreamer(target, bucket_bytes=r.rollout_bucket_mb << 20,
                                        weight_dtype=r.rollout_weight_dtype,
-                                       for_sglang=getattr(self.engine, "backend", "native") == "sglang")
+                                       for_sglang=self.engine.backend == "sglang")
 
     def _restart_engine(self, why: str) -> None:
         logger.warning("rollout engine %d failed (%s); restarting it", self.my_engine, why)
@@ -346,7 +347,7 @@ class GRPOTrainer:
         evaluation of the draft that generated these rollouts, then its training step."""
         metrics = {}
         cache = self.capture.take()
-        if cache is not None and cache.num_rows and hasattr(self.draft_trainer, "evaluate"):
+        if cache is not None and cache.num_rows:
             # held out: the draft that generated these rollouts, before it trains on them
             held = self.draft_trainer.evaluate(cache, steps=max(1, self.cfg.spec.spec_k_max))
             metrics.update({k.replace("draft/eval_", "draft/heldout_"): v for k, v in held.items()})
@@ -354,7 +355,7 @@ class GRPOTrainer:
         from megatron_spec import faults
 
         if faults.should_fire("corrupt_draft", self.step + 1):  # a draft update gone wrong (the watchdog's test)
-            faults.corrupt_weights(getattr(self.draft_trainer, "head", None) or self.draft_trainer.draft)
+            faults.corrupt_weights(self.draft_trainer.module)
         metrics.update(self.capture.metrics())
         self.capture.reset_metrics()
         self.draft_version += 1
@@ -400,7 +401,7 @@ class GRPOTrainer:
         collective = self.draft_trainer is not None and self.cfg.spec.spec_draft_kind == "mtp"
         if need and self.sender_engine in need:
             named = (list(self.draft_trainer.named_update_tensors()) if self.draft_trainer is not None
-                     else self._static_draft())
+                     else self._static_draft)
             if named is not None:  # n-gram and plain decoding have no draft weights
                 account(self.streamer.sync_draft(named, f"d{self.draft_version}"))
         elif need and collective and lay.gathers(rank, need):
@@ -410,26 +411,13 @@ class GRPOTrainer:
             self.engine_draft_version[e] = self.draft_version
         return out
 
+    @functools.cached_property
     def _static_draft(self) -> list[tuple[str, torch.Tensor]] | None:
         """The draft's weights as loaded at start-up (kept to re-push after a memory release:
         an engine that released its weights has lost the draft too)."""
-        kind = self.cfg.spec.spec_draft_kind
-        if kind not in ("eagle3", "model"):
-            return None
-        if not hasattr(self, "_static_draft_cache"):
-            path = self.cfg.spec.spec_draft_path
-            if kind == "eagle3":
-                from megatron_spec.draft.modelopt_io import load_eagle3
+        from megatron_spec.draft.modelopt_io import startup_draft_tensors
 
-                head = load_eagle3(path, self.dcfg)
-                self._static_draft_cache = [(n, t.detach().clone()) for n, t in head.named_export_tensors()
-                                            if n != "d2t"]
-            else:
-                dck = HFCheckpoint(path)
-                tied = dck.decoder_config.tie_word_embeddings
-                self._static_draft_cache = [(n, dck.get(n)) for n in sorted(dck.names())
-                                            if not (tied and n == "lm_head.weight") and "rotary_emb" not in n]
-        return self._static_draft_cache
+        return startup_draft_tensors(self.cfg.spec.spec_draft_kind, self.cfg.spec.spec_draft_path, self.dcfg)
 
     # ------------------------------------------------------------------ data + gen
     def _request(self, request_id: str, prompt: str, what: str, n: int) -> GenerateRequest:
@@ -1035,7 +1023,7 @@ class GRPOTrainer:
                          "sampler": self._sampler_state(), "world_size": self.info.world_size,
                          "tp_size": self.info.tp_size, "config": self.cfg.to_dict()}
         draft_saver = None
-        if self.draft_trainer is not None and self.rank0 and hasattr(self.draft_trainer, "export"):
+        if self.draft_trainer is not None and self.rank0:
             draft_saver = self.draft_trainer.export  # the draft in its serving format, for convenience
         ckpt_io.save_checkpoint(self.cfg.checkpoint.save, self.step, rank=self.info.rank, rank_state=rank_state,
                                 trainer_state=trainer_state, draft_saver=draft_saver)

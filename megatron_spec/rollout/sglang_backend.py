@@ -37,18 +37,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron_spec.dtypes import torch_dtype
 from megatron_spec.rollout import sglang_protocol as proto
+from megatron_spec.rollout.api import MEMORY_TAGS, RolloutEngine
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput, stats_from_samples
+
+if TYPE_CHECKING:
+    from megatron_spec.sync.fingerprint import Fingerprint
 
 logger = logging.getLogger(__name__)
 
 _GROUPS = ("target", "draft")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Targets whose SGLang 0.5.23 loader takes block-FP8 ``*.weight_scale_inv`` (checked by running the
 # loaders in tests/sync/test_sglang_backend.py). LlamaForCausalLM's loaders rename it to
 # ``*.weight_scale``, which a block-FP8 layer does not have, and go on after a log warning.
@@ -65,7 +69,7 @@ def _launch_sglang(**kwargs) -> Any:
     return sglang.Engine(**kwargs)
 
 
-class SGLangEngine:
+class SGLangEngine(RolloutEngine):
     """Start with ``SGLangEngine(EngineConfig(...))``; a context manager, like ``NativeEngine``.
 
     Args:
@@ -94,7 +98,7 @@ class SGLangEngine:
         self.gpu_ids = self._gpu_ids(gpu_ids)
         self._overrides = dict(server_overrides or {})
         self._launch = launch or _launch_sglang
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         if config.fp8_weights:
             from megatron_spec.models import HFCheckpoint
 
@@ -331,17 +335,11 @@ class SGLangEngine:
         self._draft_backup = ([(n, t.detach().to("cpu", copy=True)) for n, t in named_tensors], str(version))
 
     def _checkpoint_draft(self) -> list[tuple[str, torch.Tensor]]:
-        from megatron_spec.draft.modelopt_io import load_eagle3
+        from megatron_spec.draft.modelopt_io import startup_draft_tensors
         from megatron_spec.models import HFCheckpoint
 
-        if self.config.draft_kind == "eagle3":
-            head = load_eagle3(self.config.draft_path, HFCheckpoint(self.config.model_path).decoder_config,
-                               dtype=self.dtype)
-            return [(n, t) for n, t in head.named_export_tensors() if n != "d2t"]
-        ck = HFCheckpoint(self.config.draft_path)
-        tied = ck.decoder_config.tie_word_embeddings
-        return [(n, ck.get(n)) for n in sorted(ck.names()) if not (tied and n == "lm_head.weight")
-                and "rotary_emb" not in n]
+        return startup_draft_tensors(self.config.draft_kind, self.config.draft_path,
+                                     HFCheckpoint(self.config.model_path).decoder_config, dtype=self.dtype)
 
     def _repush_draft(self) -> None:
         from megatron_spec.sync.streamer import WeightStreamer
@@ -355,12 +353,11 @@ class SGLangEngine:
         from megatron_spec.sync.streamer import WeightStreamer
 
         ck = HFCheckpoint(self.config.model_path)
-        tied = ck.decoder_config.tie_word_embeddings
-        names = [n for n in sorted(ck.names()) if not (tied and n == "lm_head.weight") and "rotary_emb" not in n]
+        names = ck.weight_names()
         WeightStreamer(self, weight_dtype="fp8", for_sglang=True).sync_target_tensors(
             ((n, ck.get(n)) for n in names), proto.INITIAL_VERSION, shapes={n: ck.shape(n) for n in names})
 
-    def startup_fingerprint(self, group: str):
+    def startup_fingerprint(self, group: str) -> Fingerprint | None:
         """Fingerprint (engine dtype) of the weights the engine loaded at start, or None if it
         started with dummy weights. Used once, when a first sync leaves a digest unchanged."""
         from megatron_spec.models import HFCheckpoint
@@ -370,13 +367,11 @@ class SGLangEngine:
             if not self.config.load_weights or self.config.fp8_weights:
                 return None
             ck = HFCheckpoint(self.config.model_path)
-            tied = ck.decoder_config.tie_word_embeddings
-            names = [n for n in ck.names() if not (tied and n == "lm_head.weight") and "rotary_emb" not in n]
-            return fingerprint_tensors((ck.get(n) for n in names), self.dtype)
+            return fingerprint_tensors((ck.get(n) for n in ck.weight_names()), self.dtype)
         return fingerprint_tensors((t for _, t in self._checkpoint_draft()), self.dtype)
 
     # ------------------------------------------------------------------ memory
-    def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Hand memory back (colocation). Tags already released are not sent again."""
         for tag in tags:
             if tag not in ("kv_cache", "weights", "cuda_graph"):
@@ -390,7 +385,7 @@ class SGLangEngine:
             self._versions = {"target": None, "draft": None}  # contents are gone (draft: PR #31674)
         self._released |= set(tags)
 
-    def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Re-occupy what was released; a tag that is not released is skipped (a no-op when
         nothing is). SGLang's scheduler removes each resumed tag from its ``offload_tags`` with
         ``set.remove``: a tag it never released raises KeyError there and the scheduler takes

@@ -20,10 +20,13 @@ until its timeout; the run then stops with that error.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from megatron_spec.rollout.api import RolloutEngine, WeightReceiver
 
 
 class ForwardedCallError(RuntimeError):
@@ -36,7 +39,7 @@ def _round(group, owner: int, status: Any) -> Any:
     return box[0]
 
 
-class PayloadGather:
+class PayloadGather(WeightReceiver):
     """The owner's engine handle, seen by its streamer as an engine that takes one payload per call.
 
     Args:
@@ -45,15 +48,26 @@ class PayloadGather:
         owner: the owner's global rank.
     """
 
-    def __init__(self, engine: Any, group: dist.ProcessGroup, owner: int, num_senders: int):
+    tp_size = 1  # each sender's streamer makes its own payload; this object makes the list
+
+    def __init__(self, engine: RolloutEngine, group: dist.ProcessGroup, owner: int, num_senders: int):
         self.engine = engine
         self.group = group
         self.owner = owner
         self.num_senders = num_senders
-        self.tp_size = 1  # each sender's streamer makes its own payload; this object makes the list
+        # what the streamer reads of the engine itself (local: no round)
+        self.config = engine.config
+        self.checksum_kind = engine.checksum_kind
+        self.digest_ledger = engine.digest_ledger
 
-    def __getattr__(self, name: str) -> Any:  # config, health, checksum_kind, remember_draft, ...
-        return getattr(self.engine, name)
+    def remember_draft(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str) -> None:
+        self.engine.remember_draft(named_tensors, version)
+
+    def startup_fingerprint(self, group: str):
+        return self.engine.startup_fingerprint(group)
+
+    def health(self, timeout: float = 60.0) -> dict[str, Any]:
+        return self.engine.health(timeout)
 
     def _call(self, fn, *args, **kwargs) -> Any:
         try:
@@ -82,19 +96,15 @@ class PayloadGather:
 
     def abort_weight_update(self) -> None:
         """Local (no round): close the engine's session after a failed bucket."""
-        abort = getattr(self.engine, "abort_weight_update", None)
-        abort() if abort is not None else self.engine.end_weight_update()
+        self.engine.abort_weight_update()
 
 
-class PayloadForwarder:
+class PayloadForwarder(WeightReceiver):
     """A non-owner sender's stand-in for the engine: forwards payloads to the owner.
 
     Its streamer should run with ``verify=False`` (the owner compares checksums); versions are
     still checked on the health the owner passes on.
     """
-
-    checksum_kind = "fingerprint"
-    tp_size = 1
 
     def __init__(self, group: dist.ProcessGroup, owner: int):
         self.group = group

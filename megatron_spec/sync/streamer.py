@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_spec.dtypes import torch_dtype
 from megatron_spec.sync import fp8 as fp8_names
 from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata, alloc_bucket_buffer
 from megatron_spec.sync.fingerprint import Fingerprint
@@ -57,8 +58,6 @@ from megatron_spec.sync.verify import (
 logger = logging.getLogger(__name__)
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp8")
-_TORCH_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-                 "bfloat16": torch.bfloat16}
 _ALIGN_SLACK = 16  # worst-case alignment padding in front of one tensor
 
 __all__ = ["WEIGHT_DTYPES", "SyncReport", "WeightStreamer", "WeightSyncError"]
@@ -146,9 +145,9 @@ class WeightStreamer:
         self.measure_memory = measure_memory
         self.cpu_threads = cpu_threads
         if engine_dtype is None:
-            engine_dtype = getattr(getattr(engine, "config", None), "dtype", "bfloat16")
-        self.engine_dtype = engine_dtype if isinstance(engine_dtype, torch.dtype) else _TORCH_DTYPES[engine_dtype]
-        self.engine_tp_size = int(engine_tp_size or getattr(engine, "tp_size", 1) or 1)
+            engine_dtype = engine.config.dtype if engine is not None and engine.config is not None else "bfloat16"
+        self.engine_dtype = torch_dtype(engine_dtype, "engine_dtype")
+        self.engine_tp_size = int(engine_tp_size or (engine.tp_size if engine is not None else 1))
         self._buffers: list[torch.Tensor] = []
         self._verified: dict[str, tuple[str, dict]] = {}
         self._ledger = DigestLedger()
@@ -213,9 +212,7 @@ class WeightStreamer:
         items = ((n, t, tuple(t.shape)) for n, t in named)
         rep = self._sync("draft", items, version, [(n, tuple(t.shape)) for n, t in named], named[0][1].device,
                          quantize=False)
-        remember = getattr(self.engine, "remember_draft", None)
-        if remember is not None:  # engines that lose the draft on release push it again on resume
-            remember(named, version)
+        self.engine.remember_draft(named, version)  # engines that lose the draft on release push it again on resume
         return rep
 
     def close(self) -> None:
@@ -228,7 +225,7 @@ class WeightStreamer:
             return t_dtype
         if self.weight_dtype == "fp8":
             return self.engine_dtype
-        return _TORCH_DTYPES[self.weight_dtype]
+        return torch_dtype(self.weight_dtype)
 
     def _entries(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, quantize: bool
                  ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -267,7 +264,7 @@ class WeightStreamer:
         mem = PeakMemory(device) if self.measure_memory else None
         held = sum(b.numel() for b in self._buffers)  # kept buffers are resident before the sync starts
         digest_before = None
-        if self.verify and getattr(self.engine, "checksum_kind", "fingerprint") == "digest":
+        if self.verify and self.engine.checksum_kind == "digest":
             ck = reported_checksum(self.engine.health(), group)
             digest_before = None if ck is None else ck.get("digest")
         if mem is not None:
@@ -282,8 +279,7 @@ class WeightStreamer:
                 sent = self._stream(group, items, version, rep, quantize)
             except BaseException:
                 try:  # close the session so the engine does not claim the partial update
-                    abort = getattr(self.engine, "abort_weight_update", None)
-                    abort() if abort is not None else self.engine.end_weight_update()
+                    self.engine.abort_weight_update()
                 except Exception as exc:  # noqa: BLE001 (the first error is the one to report)
                     logger.debug("closing the session after a failed %s sync: %s", group, exc)
                 raise
@@ -320,10 +316,8 @@ class WeightStreamer:
             if "bits" in held:
                 check_fingerprint(group, sent, health)
             elif "digest" in held:
-                startup = getattr(self.engine, "startup_fingerprint", None)
-                ledger = getattr(self.engine, "digest_ledger", None) or self._ledger
-                ledger.check(group, sent, digest_before, held["digest"],
-                                   None if startup is None else (lambda: startup(group)))
+                ledger = self.engine.digest_ledger or self._ledger
+                ledger.check(group, sent, digest_before, held["digest"], lambda: self.engine.startup_fingerprint(group))
             else:
                 raise WeightSyncError(group, f"engine checksum has an unknown form: keys {sorted(held)}")
         other = "draft" if group == "target" else "target"

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
 from megatron_spec.parallel import destroy_parallel, init_parallel
+from megatron_spec.rollout.api import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.handle import NativeEngine
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
@@ -31,7 +32,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from sync_parity import NEW, PROMPT_LEN, TEMPS, megatron_logprobs, perturb  # noqa: E402
 
 
-class TwoRankEngine:
+class TwoRankEngine(WeightReceiver):
     """The native engine seen as an engine of two TP ranks (see the module docstring)."""
 
     tp_size = 2
@@ -62,7 +63,7 @@ class TwoRankEngine:
         return self.engine.end_weight_update()
 
     def abort_weight_update(self):
-        return self.engine.end_weight_update()
+        return self.engine.abort_weight_update()
 
     def health(self, timeout=60.0):
         return self.engine.health(timeout)

@@ -130,6 +130,9 @@ def test_training_never_touches_the_policy_and_names_round_trip(policies, tmp_pa
     with torch.no_grad(), cap.record(policy, mask):
         policy(ids, torch.arange(20).expand(4, 20), attention_mask=None)
     cache = cap.take()
+    weights = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+    held = trainer.evaluate(cache)  # no update: the draft that is about to train, on what it trains on
+    assert all(torch.equal(p, weights[n]) for n, p in trainer.module.named_parameters())
     first = trainer.train_step(cache)
     for _ in range(5):
         last = trainer.train_step(cache)
@@ -137,6 +140,13 @@ def test_training_never_touches_the_policy_and_names_round_trip(policies, tmp_pa
         last["draft/loss_mtp0"] < first["draft/loss_mtp0"]
         and last["draft/loss_mtp1"] < first["draft/loss_mtp1"]
     )
+    # every segment, loss_decay 1: evaluate's per-depth loss is the first step's, before its update
+    assert held["draft/eval_rows"] == first["draft/rows"]
+    for k in range(2):
+        assert held[f"draft/eval_ce{k}"] == pytest.approx(first[f"draft/loss_mtp{k}"], rel=1e-5)
+        assert held[f"draft/eval_top1_{k}"] == pytest.approx(first[f"draft/acc_mtp{k}"], rel=1e-5)
+    after = trainer.evaluate(cache)
+    assert after["draft/eval_ce0"] < held["draft/eval_ce0"] and after["draft/eval_ce1"] < held["draft/eval_ce1"]
     assert all(p.grad is None for p in policy.parameters())
     for n, p in policy.named_parameters():
         assert torch.equal(p, before[n]), n

@@ -175,6 +175,8 @@ def test_online_draft_training_in_the_loop(setup, tmp_path, kind):
     assert "draft" in state  # the draft trainer resumes with the policy
     if kind == "eagle3":
         assert (run / "iter_0000003" / "draft" / "model.safetensors").exists()
+    held = "draft/heldout_tau" if kind == "eagle3" else "draft/heldout_ce0"  # the draft before it trains
+    assert all(r[held] > 0 for r in m)
 
 
 def test_held_out_evaluation_first_every_n_and_final(setup, tmp_path):

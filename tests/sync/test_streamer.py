@@ -14,7 +14,9 @@ import time
 import pytest
 import torch
 
+from megatron_spec.draft.modelopt_io import startup_draft_tensors
 from megatron_spec.models import HFCheckpoint
+from megatron_spec.rollout.api import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.handle import NativeEngine
 from megatron_spec.sync.bucket import BucketWriter, alloc_bucket_buffer
@@ -26,14 +28,11 @@ from megatron_spec.sync.transport import make_bucket_payloads, read_bucket_paylo
 
 def ckpt_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
     ck = HFCheckpoint(path)
-    tied = ck.decoder_config.tie_word_embeddings
-    return [(n, ck.get(n)) for n in sorted(ck.names()) if not (tied and n == "lm_head.weight")]
+    return [(n, ck.get(n)) for n in ck.weight_names()]
 
 
 def draft_tensors(path: str, cfg) -> list[tuple[str, torch.Tensor]]:
-    from megatron_spec.draft.modelopt_io import load_eagle3
-
-    return [(n, t.detach().clone()) for n, t in load_eagle3(path, cfg).named_export_tensors() if n != "d2t"]
+    return startup_draft_tensors("eagle3", path, cfg)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +68,40 @@ def test_draft_sync_lands_exactly_and_leaves_the_target_alone(engine, ckpts):
     assert Fingerprint.from_dict(after["checksums"]["draft"]) == fingerprint_tensors(t for _, t in named)
     with pytest.raises(ValueError, match="d2t must not be re-sent"):
         st.sync_draft(named + [("d2t", torch.zeros(3, dtype=torch.long))], "d1")
+
+
+class FailingBucket:
+    """An engine proxy whose ``fail_at``-th bucket fails (the engine ran out of memory part-way)."""
+
+    def __init__(self, engine, fail_at: int):
+        self._engine, self.config, self.fail_at, self.n = engine, engine.config, fail_at, 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def update_weights_from_tensor(self, payloads, selector, weight_version=None, flush_cache=True):
+        self.n += 1
+        if self.n == self.fail_at:
+            raise RuntimeError("injected: engine out of memory")
+        return self._engine.update_weights_from_tensor(payloads, selector, weight_version, flush_cache)
+
+
+def test_failed_sync_is_aborted_and_the_engine_claims_no_version(engine, ckpts):
+    """The streamer closes a failed session with ``abort_weight_update``: the native engine leaves
+    the touched group without a version (never the partial weights as ``t-partial``), the other
+    group as it was, and takes the next complete sync."""
+    named = ckpt_tensors(ckpts.qwen3_other)
+    before = engine.health()
+    with pytest.raises(RuntimeError, match="injected"):
+        WeightStreamer(FailingBucket(engine, 3), bucket_bytes=16 << 10, weight_dtype="fp32").sync_target_tensors(
+            named, "t-partial")
+    mid = engine.health()
+    assert mid["weight_version"] is None and "target" not in mid["checksums"]
+    assert mid["draft_weight_version"] == before["draft_weight_version"]
+    assert mid["checksums"]["draft"] == before["checksums"]["draft"]
+    engine.abort_weight_update()  # no session open: nothing to do
+    WeightStreamer(engine, bucket_bytes=16 << 10, weight_dtype="fp32").sync_target_tensors(named, "t-whole")
+    assert engine.health()["weight_version"] == "t-whole"
 
 
 class StaleDraft:
@@ -125,7 +158,7 @@ def test_native_engine_dequantises_fp8_blocks(ckpts):
 
 
 # ------------------------------------------------------------------------- in-process stand-in
-class DictEngine:
+class DictEngine(WeightReceiver):
     """Reads payloads like an engine (allowlist, shared memory), keeps only fingerprints."""
 
     def __init__(self, dtype="float32", delay_s=0.0, fail_at=None, cross=False, fp8=False):

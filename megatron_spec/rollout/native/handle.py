@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from megatron_spec.rollout.api import MEMORY_TAGS, RolloutEngine
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
 
@@ -44,8 +45,13 @@ class EngineCallError(EngineError):
         self.exc_type, self.engine_traceback = exc_type, tb
 
 
-class NativeEngine:
-    """Start with ``NativeEngine(EngineConfig(...))``; use as a context manager or call ``shutdown``."""
+class NativeEngine(RolloutEngine):
+    """Start with ``NativeEngine(EngineConfig(...))``; use as a context manager or call ``shutdown``.
+
+    A :class:`~megatron_spec.rollout.api.RolloutEngine` with fingerprint checksums (its ``health``
+    reports the bits of the loaded weights), one TP rank, no digest ledger, and nothing to
+    remember of the draft: it loses the draft with its weights on a release like the target, and
+    the trainer pushes both again."""
 
     backend = "native"
 
@@ -163,10 +169,14 @@ class NativeEngine:
     def end_weight_update(self) -> dict[str, Any]:
         return self._call("end_weight_update")
 
-    def release_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+    def abort_weight_update(self) -> None:
+        """Close a session that failed part-way; the groups it touched are left without a version."""
+        self._call("abort_weight_update")
+
+    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         self._call("release_memory", tuple(tags))
 
-    def resume_memory(self, tags: Sequence[str] = ("kv_cache", "weights")) -> None:
+    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         self._call("resume_memory", tuple(tags))
 
     def health(self, timeout: float = 60.0) -> dict[str, Any]:

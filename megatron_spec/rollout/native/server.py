@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
+from megatron_spec.dtypes import torch_dtype
 from megatron_spec.layers.linear import pack_linears, warm_linears
 from megatron_spec.models import HFCheckpoint
+from megatron_spec.rollout.api import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, MtpDrafter, NgramDrafter
 from megatron_spec.rollout.native.engine import EngineCore
@@ -35,7 +37,6 @@ from megatron_spec.rollout.types import GenerateRequest
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def tensor_group_checksum(tensors) -> dict:
@@ -47,8 +48,9 @@ def tensor_group_checksum(tensors) -> dict:
     return fingerprint_dict(tensors)
 
 
-class EngineServer:
-    """Engine state and the calls the handle makes."""
+class EngineServer(WeightReceiver):
+    """Engine state and the calls the handle makes; in-process, a
+    :class:`~megatron_spec.rollout.api.WeightReceiver` itself (tests stream into it directly)."""
 
     def __init__(self, config: EngineConfig):
         config = config.resolved()  # already resolved by the handle; direct users get the same choice
@@ -60,14 +62,14 @@ class EngineServer:
             if not torch.cuda.is_available():
                 raise RuntimeError(f"engine device {config.device} but torch sees no CUDA device in the engine process")
             torch.cuda.set_device(self.device)  # this process's CUDA context and allocator on the trainer's GPU
-        self.dtype = _DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         ckpt = HFCheckpoint(config.model_path)
         self.target_cfg = ckpt.decoder_config
         self.target = CausalLM(self.target_cfg, max_positions=config.context_length + config.k_verify + 1)
         self.target.to(device=self.device, dtype=self.dtype).eval()
         self.versions: dict[str, str | None] = {"target": None, "draft": None}
         if config.load_weights:
-            self.target.load_weights((n, ckpt.get(n)) for n in ckpt.names() if self._is_target_name(n))
+            self.target.load_weights((n, ckpt.get(n)) for n in ckpt.weight_names())
             self.versions["target"] = "init"
         self.drafter = self._build_drafter()
         history = None
@@ -90,6 +92,8 @@ class EngineServer:
                                  config.max_batch_size * (config.k_verify + 1))
             logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
         self._updating: dict[str, set[str]] | None = None
+        self._session_groups: set[str] = set()  # the groups of the open (or last) weight-update session
+        self._generate_calls = 0  # counts generate calls for the fault points (megatron_spec.faults)
         self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received (see update_weights_from_tensor)
         self._keep_mapped = self.device.type == "cpu"
         """Keep the two mapped buckets between updates (CPU: the sender reuses its two shared-memory buffers, and a
@@ -99,9 +103,6 @@ class EngineServer:
         self._released: set[str] = set()
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
                               for m in (self.target, self._draft_module()) if m is not None}
-
-    def _is_target_name(self, name: str) -> bool:
-        return not (self.target_cfg.tie_word_embeddings and name == "lm_head.weight") and "rotary_emb" not in name
 
     def _build_drafter(self) -> Drafter | None:
         cfg = self.config
@@ -120,8 +121,7 @@ class EngineServer:
                 raise ValueError(f"draft model {cfg.draft_path} has vocab_size {dcfg.vocab_size}, the target "
                                  f"{self.target_cfg.vocab_size}: a draft model must share the target's tokenizer")
             model = CausalLM(dcfg, max_positions=cfg.context_length + cfg.k + 1).to(self.device, self.dtype).eval()
-            model.load_weights((n, dck.get(n)) for n in dck.names()
-                               if not (dcfg.tie_word_embeddings and n == "lm_head.weight"))
+            model.load_weights((n, dck.get(n)) for n in dck.weight_names())
             self.versions["draft"] = "init"
             return ModelDrafter(model)
         if cfg.draft_kind == "eagle3":
@@ -174,7 +174,7 @@ class EngineServer:
                                f"push them with update_weights_from_tensor")
         from megatron_spec import faults
 
-        self._generate_calls = getattr(self, "_generate_calls", 0) + 1
+        self._generate_calls += 1
         if faults.should_fire("engine_exit_at_generate", self._generate_calls) or \
                 faults.should_fire(f"engine{self.config.engine_index}_exit_at_generate", self._generate_calls):
             os._exit(3)
@@ -259,7 +259,7 @@ class EngineServer:
                 raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")
             self.versions[group] = versions.pop()
             pack_linears(module)
-        for group in getattr(self, "_session_groups", ()):  # groups opened but not sent keep their weights
+        for group in self._session_groups:  # groups opened but not sent keep their weights
             module = self.target if group == "target" else self._draft_module()
             if module is not None and group not in updating and self.versions[group] is not None:
                 pack_linears(module)
@@ -267,6 +267,23 @@ class EngineServer:
                                                if self._has_group(g)):
             self._released.discard("weights")
         return self.health()
+
+    def abort_weight_update(self) -> None:
+        """Close a session whose update failed part-way: every group it touched is left without a
+        version (``generate`` refuses until it is pushed again); groups it did not touch keep theirs."""
+        if self._updating is None:
+            return
+        updating, self._updating = self._updating, None
+        if not self._keep_mapped:
+            self._mapped = []
+        for group in self._session_groups:
+            module = self.target if group == "target" else self._draft_module()
+            if module is None:
+                continue
+            if group in updating:
+                self.versions[group] = None
+            elif self.versions[group] is not None:
+                pack_linears(module)
 
     def release_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
         for tag in tags:
