@@ -2,6 +2,10 @@
 # Set up the environment and run the whole test suite (CPU; GPU tests skip with a reason).
 # Extra arguments go to pytest, e.g. scripts/test.sh -k spec -x
 #
+# scripts/test.sh --fast [pytest args]: the fast lane, everything but the multi-process (dist),
+# statistical, slow (> ~30 s) and network tests, on TEST_WORKERS workers: minutes, for the edit-test
+# loop. The full suite (no arguments) is the README's command and CI's.
+#
 # With no arguments the suite runs on TEST_WORKERS pytest-xdist workers (default 2; 0 runs it in this
 # process), each file on one worker: much of a test's time is a subprocess starting, importing torch
 # and megatron-core, or waiting on a rendezvous, which the other worker fills. Measured alone on a
@@ -27,6 +31,11 @@ NO_NATIVE_BF16_TESTS=(
     tests/draft/test_online_acceptance.py
 )
 
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    exec python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=10 \
+        -m "not dist and not statistical and not slow and not network and not gpu" "$@"
+fi
 if [ "$#" -gt 0 ]; then
     exec python -m pytest -q --durations=15 "$@"
 fi

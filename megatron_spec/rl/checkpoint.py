@@ -78,7 +78,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(root: str, step: int, *, rank: int, rank_state: dict[str, Any], trainer_state: dict[str, Any],
                     draft_saver=None) -> str:
-    """Collective: every rank calls it. Returns the final directory."""
+    """Collective: every rank calls it, ``draft_saver(dir)`` too (a draft trainer's ``export``: it
+    gathers over TP and writes on its first rank). Returns the final directory."""
     final = _iter_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
@@ -96,8 +97,8 @@ def save_checkpoint(root: str, step: int, *, rank: int, rank_state: dict[str, An
     if rank == 0:
         _atomic_write(os.path.join(tmp, "trainer_state.json"),
                       lambda p: open(p, "w").write(json.dumps(trainer_state, indent=2)))
-        if draft_saver is not None:
-            draft_saver(os.path.join(tmp, "draft"))
+    if draft_saver is not None:  # collective (the draft trainers gather and sync), written by their first rank
+        draft_saver(os.path.join(tmp, "draft"))
     _barrier()
     if rank == 0:
         _atomic_write(os.path.join(tmp, "COMPLETE"), lambda p: open(p, "w").write("ok\n"))

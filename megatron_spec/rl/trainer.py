@@ -1022,9 +1022,8 @@ class GRPOTrainer:
         trainer_state = {"step": self.step, "policy_version": self.policy_version, "draft_version": self.draft_version,
                          "sampler": self._sampler_state(), "world_size": self.info.world_size,
                          "tp_size": self.info.tp_size, "config": self.cfg.to_dict()}
-        draft_saver = None
-        if self.draft_trainer is not None and self.rank0:
-            draft_saver = self.draft_trainer.export  # the draft in its serving format, for convenience
+        # the draft in its serving format, for convenience (collective: every rank calls it)
+        draft_saver = self.draft_trainer.export if self.draft_trainer is not None else None
         ckpt_io.save_checkpoint(self.cfg.checkpoint.save, self.step, rank=self.info.rank, rank_state=rank_state,
                                 trainer_state=trainer_state, draft_saver=draft_saver)
 

@@ -162,7 +162,8 @@ class DraftLearner(Protocol):
         ...
 
     def export(self, path: str | os.PathLike) -> None:
-        """Write the draft in the layout its engines load at start-up."""
+        """Write the draft in the layout its engines load at start-up. Collective over the draft's
+        groups (every rank calls it; the first one writes)."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

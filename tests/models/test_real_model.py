@@ -177,6 +177,7 @@ def test_hub_id_resolves_from_the_local_cache_offline(smollm2, tmp_path, monkeyp
         resolve_model("/nonexistent/model")
 
 
+@pytest.mark.statistical
 def test_sampled_output_follows_the_real_model(smollm2, tmp_path):
     """The statistical test through ``megatron-spec generate`` with a real vocabulary (49152): n-gram drafts
     of a chat prompt that repeats itself, verified against the target at T=1, top-k 20, top-p 0.9. The

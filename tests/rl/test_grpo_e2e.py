@@ -161,18 +161,21 @@ def test_async_policy_lag(setup, tmp_path, lag):
     assert all(r["gen/exposed_s"] <= r["gen/seconds"] + 1e-6 for r in m)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
-def test_online_draft_training_in_the_loop(setup, tmp_path, kind):
+@pytest.mark.parametrize("kind, nproc", [("eagle3", 1), ("mtp", 1), ("mtp", 2)])
+def test_online_draft_training_in_the_loop(setup, tmp_path, kind, nproc):
+    """Two ranks: the checkpoint's draft export is collective (it once ran on rank 0 alone and
+    its barrier met the other rank's checkpoint barrier: the run died in the save)."""
     run = tmp_path / "run"
     extra = ["--spec-draft-path", setup.eagle3] if kind == "eagle3" else []
     grpo(setup, run, "--train-iters", "3", "--spec-draft-kind", kind, "--spec-online-draft-training",
-         "--save-interval", "3", *extra)
+         "--save-interval", "3", *extra, nproc=nproc)
     m = metrics(run)
     assert all(r["draft/loss"] is not None and r["draft/loss"] > 0 for r in m)
     assert all(r["capture/rows"] > 0 and r["sync/bytes"] > 0 for r in m)
     assert [r["draft/step"] for r in m] == [1.0, 2.0, 3.0]
     state = torch.load(run / "iter_0000003" / "rank_00000.pt", weights_only=False)
     assert "draft" in state  # the draft trainer resumes with the policy
+    assert any((run / "iter_0000003" / "draft").iterdir())  # and its export, in the serving layout
     if kind == "eagle3":
         assert (run / "iter_0000003" / "draft" / "model.safetensors").exists()
     held = "draft/heldout_tau" if kind == "eagle3" else "draft/heldout_ce0"  # the draft before it trains

@@ -20,6 +20,8 @@ import transformers
 from megatron_spec.spec import SamplingTensors, process_logits
 from tests.stats_utils import chi_square_pvalue, total_variation, tv_bound
 
+pytestmark = pytest.mark.statistical
+
 PROMPT = [5, 6, 7, 8]
 N = 6144
 

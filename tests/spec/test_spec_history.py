@@ -306,6 +306,7 @@ def fit_ok(samples: torch.Tensor, probs: torch.Tensor) -> tuple[bool, str]:
 CASES = [(1.0, {}), (0.7, {"top_p": 0.8}), (1.3, {"top_k": 4})]
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("impl", ["compiled", "reference"])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_history_drafts_verified_exactly(impl, case):
@@ -322,6 +323,7 @@ def test_history_drafts_verified_exactly(impl, case):
     assert 0.2 < acc < 0.9, acc  # history drafts are accepted and rejected: both paths are exercised
 
 
+@pytest.mark.statistical
 def test_the_check_catches_a_verifier_that_trusts_the_history():
     lp1 = markov_target(100, 1.0, {})
     first, second, _ = generate_first_two(lp1, run_accept_always, 20000, 40, seed=0)

@@ -33,6 +33,8 @@ from scipy import stats
 from megatron_spec.ops import inverse_cdf_chunked, verify_chain_reference
 from megatron_spec.spec import SamplingTensors, expected_num_accepted, process_logits, verify_chain
 
+pytestmark = pytest.mark.statistical
+
 DELTA = 1e-6
 P_MIN = 1e-3
 N_DRAWS = 20000

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 
+import pytest
 import torch
 
 from megatron_spec.spec.verify import verify_tree
@@ -64,6 +65,7 @@ def _tree_step(n: int, k: int, m: int, seed: int, greedy: bool = False):
     return res, drafts, ys, gen
 
 
+@pytest.mark.statistical
 def test_tree_emits_the_target_distribution():
     n, k, m = 12000, 2, 3
     res, drafts, ys, gen = _tree_step(n, k, m, seed=7)
