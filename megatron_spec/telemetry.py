@@ -128,3 +128,14 @@ def progress_line(m: Mapping[str, Any], total_steps: int) -> str:
 
 def print_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def current_rss_mb() -> float:
+    """This process's resident memory now (MB; the peak where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -107,13 +107,12 @@ def grpo_loss(
         loss = (per_token.sum(dim=1) / lengths).sum() / normalizer
     with torch.no_grad():
         binds = (clipped < unclipped) & valid  # the clip binds in the min
-        stats = GRPOLossStats(
-            tokens=float(m.sum()),
-            clipped=float(binds.sum()),
-            ratio_sum=float((ratio * m).sum()),
-            ratio_max=float(ratio[valid].max()) if bool(valid.any()) else 1.0,
-            kl_sum=float((kl * m).sum()),
-            pg_loss_sum=float((pg * m * (w if w is not None else 1.0)).sum()),
-            out_of_support=float((on & ~valid).sum()),
-        )
+        ratio_max = torch.where(valid, ratio, torch.full_like(ratio, float("-inf"))).max()
+        ratio_max = torch.where(valid.any(), ratio_max, torch.ones_like(ratio_max))  # no valid token: 1
+        parts = (m.sum(), binds.sum(), (ratio * m).sum(), ratio_max, (kl * m).sum(),
+                 (pg * m * (w if w is not None else 1.0)).sum(), (on & ~valid).sum())
+        # one host sync per call: the statistics are host floats (each exactly its tensor's value)
+        values = torch.stack([x.to(torch.float64) for x in parts]).tolist()
+        stats = GRPOLossStats(tokens=values[0], clipped=values[1], ratio_sum=values[2], ratio_max=values[3], kl_sum=values[4],
+                              pg_loss_sum=values[5], out_of_support=values[6])
     return loss, stats

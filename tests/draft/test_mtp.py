@@ -11,7 +11,7 @@ from megatron_spec.draft.mtp_head import MtpHead
 from megatron_spec.draft.trainer import DraftTrainerConfig
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.tiny import make_hf_checkpoint
-from megatron_spec.rollout.native.drafters import MtpDrafter
+from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams

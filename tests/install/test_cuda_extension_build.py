@@ -117,7 +117,7 @@ def test_whole_extension_builds_with_cuda_and_loads():
         log = build.stdout + build.stderr
         assert build.returncode == 0, f"setup.py build_ext against {version} failed:\n{log[-6000:]}"
         assert f"building CPU + CUDA kernels for sm ['{ARCH}']" in log, log[-3000:]
-        assert re.search(rf"nvcc .*verify_kernels\.cu", log) and f"arch=compute_{ARCH},code=sm_{ARCH}" in log
+        assert re.search(r"nvcc .*verify_kernels\.cu", log) and f"arch=compute_{ARCH},code=sm_{ARCH}" in log
         so = list((tmp / "lib" / "megatron_spec").glob("_C*.so"))
         assert len(so) == 1, so
 

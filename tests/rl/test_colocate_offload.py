@@ -50,30 +50,30 @@ def spy(trainer: GRPOTrainer, seen: dict[str, list[dict[str, int]]]) -> None:
         inner = getattr(obj, name)
 
         def call(*args, **kwargs):
-            seen.setdefault(phase, []).append(trainer.offload.device_bytes())
+            seen.setdefault(phase, []).append(trainer.actor.offload.device_bytes())
             return inner(*args, **kwargs)
 
         setattr(obj, name, call)
 
-    wrap(trainer.streamer, "sync_target", "prepare")
-    wrap(trainer.engine, "generate", "gen")
-    wrap(trainer, "_old_logprobs", "logprob")
-    wrap(trainer, "_train", "train")
+    wrap(trainer.rollout.streamer, "sync_target", "prepare")
+    wrap(trainer.rollout.engine, "generate", "gen")
+    wrap(trainer.actor, "old_logprobs", "logprob")
+    wrap(trainer.actor, "train", "train")
 
 
 @pytest.mark.parametrize("level", ["optimizer", "all"])
 def test_each_stage_runs_with_what_the_plan_holds(make, level):
     bf16 = level == "all"
     plain, moved = make("none", bf16), make(level, bf16)
-    assert not moved.offload.active  # CPU: built inactive
-    moved.offload.active = True
+    assert not moved.actor.offload.active  # CPU: built inactive
+    moved.actor.offload.active = True
     seen: dict[str, list[dict[str, int]]] = {}
     spy(moved, seen)
-    start = moved._snapshot()
+    start = moved.actor._snapshot()
     for _ in range(2):
         plain.train_step()
         moved.train_step()
-    full = moved.offload.device_bytes()  # after the step: in the train phase, all of it
+    full = moved.actor.offload.device_bytes()  # after the step: in the train phase, all of it
     assert all(full[k] > 0 for k in KINDS), full
     assert set(seen) == {"prepare", "gen", "logprob", "train"}
     for phase, records in seen.items():
@@ -81,6 +81,6 @@ def test_each_stage_runs_with_what_the_plan_holds(make, level):
             for kind in KINDS:
                 want = full[kind] if kind in PLAN[level][phase] else 0
                 assert held[kind] == want, f"step {i + 1}, {phase}: {kind} holds {held[kind]} bytes, plan {want}"
-    for a, b in zip(unwrap(plain.model).parameters(), unwrap(moved.model).parameters()):
+    for a, b in zip(unwrap(plain.actor.model).parameters(), unwrap(moved.actor.model).parameters()):
         assert torch.equal(a, b)
-    assert any(not torch.equal(a, b) for a, b in zip(start, moved._snapshot())), "the policy must change here"
+    assert any(not torch.equal(a, b) for a, b in zip(start, moved.actor._snapshot())), "the policy must change here"

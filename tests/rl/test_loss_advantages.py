@@ -79,17 +79,15 @@ def test_truncated_is_weights_scale_tokens():
 def test_policy_lr_warms_up_linearly_and_depends_on_the_step_alone():
     """--lr-warmup-steps N: lr * (step + 1) / N for the first N steps, then lr (so a resumed run,
     which restores the step, continues the schedule exactly); 0 = constant; < 0 is refused."""
-    from types import SimpleNamespace
-
     from megatron_spec.config import RunConfig
-    from megatron_spec.rl.trainer import GRPOTrainer
+    from megatron_spec.rl.actor import policy_lr
 
     cfg = RunConfig()
     cfg.grpo.lr, cfg.grpo.lr_warmup_steps = 1e-4, 4
-    lrs = [GRPOTrainer.policy_lr(SimpleNamespace(cfg=cfg, step=s)) for s in range(6)]
+    lrs = [policy_lr(cfg.grpo, s) for s in range(6)]
     assert lrs == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4])
     cfg.grpo.lr_warmup_steps = 0
-    assert GRPOTrainer.policy_lr(SimpleNamespace(cfg=cfg, step=0)) == 1e-4
+    assert policy_lr(cfg.grpo, 0) == 1e-4
     cfg.grpo.lr_warmup_steps = -1
     cfg.model.hf_checkpoint, cfg.data.prompt_data = "some/checkpoint", "synthetic:sum"
     with pytest.raises(ValueError, match="lr-warmup-steps"):
@@ -166,15 +164,13 @@ def test_split_never_drops_and_select_for_training():
                 1e-5 + 9e-5 * (1 + math.cos(3 * math.pi / 4)) / 2]),
 ])
 def test_lr_schedule_after_the_warm_up(style, expected):
-    from types import SimpleNamespace
-
     from megatron_spec.config import ConfigError, RunConfig
-    from megatron_spec.rl.trainer import GRPOTrainer
+    from megatron_spec.rl.actor import policy_lr
 
     cfg = RunConfig()
     cfg.grpo.lr, cfg.grpo.lr_min, cfg.grpo.lr_warmup_steps, cfg.grpo.train_iters = 1e-4, 1e-5, 2, 6
     cfg.grpo.lr_decay_style = style
-    lrs = [GRPOTrainer.policy_lr(SimpleNamespace(cfg=cfg, step=s)) for s in range(6)]
+    lrs = [policy_lr(cfg.grpo, s) for s in range(6)]
     assert lrs == pytest.approx(expected, rel=1e-9)
     cfg.model.hf_checkpoint, cfg.data.prompt_data = "some/checkpoint", "synthetic:sum"
     cfg.grpo.lr_min = 2e-4

@@ -31,6 +31,7 @@ from megatron_spec.config import (
 from megatron_spec.models.gpt import unwrap
 from megatron_spec.parallel import destroy_parallel
 from megatron_spec.rl.rollouts import Rollout
+from megatron_spec.rl.rollout_manager import RolloutManager
 from megatron_spec.rl.trainer import GRPOTrainer
 from tests.device_utils import PACKAGE, OtherDefaultDevice
 
@@ -38,7 +39,7 @@ from tests.device_utils import PACKAGE, OtherDefaultDevice
 def make_trainer(setup, tmp_path_factory):
     made = []
     mp = pytest.MonkeyPatch()
-    mp.setattr(GRPOTrainer, "_start_engine", lambda self: None)  # no rollouts are generated here
+    mp.setattr(RolloutManager, "_start_engine", lambda self: None)  # no rollouts are generated here
 
     def make(*, bf16: bool = False, lr: float = 1e-3, spec: SpecConfig | None = None,
              rollout: RolloutConfig | None = None, **grpo) -> GRPOTrainer:
@@ -72,12 +73,12 @@ def made_up_rollouts(vocab: int, n: int = 4, seed: int = 0) -> list[Rollout]:
 
 
 def one_step(trainer: GRPOTrainer, rollouts: list[Rollout]) -> dict[str, float]:
-    microbatches, _ = trainer._old_logprobs(rollouts)
-    return trainer._train(microbatches)
+    microbatches, _ = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
+    return trainer.actor.train(microbatches, trainer.step)
 
 
 def weights(trainer: GRPOTrainer) -> torch.Tensor:
-    return torch.cat([p.detach().float().flatten() for p in unwrap(trainer.model).parameters()])
+    return torch.cat([p.detach().float().flatten() for p in unwrap(trainer.actor.model).parameters()])
 
 
 def test_every_tensor_the_trainer_makes_is_on_the_models_device(make_trainer, setup):
@@ -98,18 +99,18 @@ def test_online_draft_training_makes_every_tensor_on_the_models_device(make_trai
     spec = SpecConfig(spec_draft_kind=kind, spec_online_draft_training=True, spec_draft_ttt_steps=2,
                       spec_draft_path=setup.eagle3 if kind == "eagle3" else None)
     trainer = make_trainer(spec=spec)
-    device = trainer.device
-    draft = trainer.draft_trainer.head if kind == "eagle3" else trainer.draft_trainer.draft
+    device = trainer.actor.device
+    draft = trainer.actor.draft.module
     assert {p.device for p in draft.parameters()} == {device}, "the draft is not on the policy's device"
     rollouts = made_up_rollouts(setup.cfg.vocab_size)
     mode = OtherDefaultDevice()
     with mode:
         one_step(trainer, rollouts)  # captures on the logprob forward
-        stats = trainer._train_draft()
+        stats = trainer.actor.train_draft(trainer.step)
         if kind == "eagle3":  # the hard loss looks its labels up in the draft vocabulary
-            trainer.draft_trainer.config = dataclasses.replace(trainer.draft_trainer.config, loss="hard")
+            trainer.actor.draft.config = dataclasses.replace(trainer.actor.draft.config, loss="hard")
             one_step(trainer, rollouts)
-            hard = trainer._train_draft()
+            hard = trainer.actor.train_draft(trainer.step)
     assert stats["capture/rows"] > 0 and stats["draft/rows"] > 0 and stats["draft/grad_norm"] > 0
     if kind == "eagle3":
         assert stats["draft/heldout_rows"] > 0 and hard["draft/grad_norm"] > 0
@@ -138,10 +139,10 @@ def updates(make_trainer, setup, *, lr: float, steps: int) -> dict[str, torch.Te
             one_step(trainer, rollouts)
         out["bf16" if bf16 else "fp32"] = weights(trainer) - before
         if bf16:
-            main = getattr(trainer.optimizer, "main_params", None)
+            main = getattr(trainer.actor.optimizer, "main_params", None)
             out["main"] = torch.cat([m.detach().flatten() for m in main]) - before if main else None
             out["rounded"] = main is not None and all(torch.equal(p, m.to(p.dtype)) for p, m in
-                                                      zip(unwrap(trainer.model).parameters(), main))
+                                                      zip(unwrap(trainer.actor.model).parameters(), main))
     return out
 
 
@@ -201,9 +202,9 @@ def test_every_rollout_trains_once_in_minibatches(make_trainer, setup):
     micro-batches was cut into 4 parts of 2 // 4 = 0: four optimizer steps on zero gradients."""
     trainer = make_trainer(grpo_num_minibatches=4, micro_batch_size=8)
     rollouts = made_up_rollouts(setup.cfg.vocab_size, n=12)
-    minibatches, mism = trainer._old_logprobs(rollouts)
+    minibatches, mism = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
     assert [sum(b.input_ids.shape[0] for b, _, _ in mb) for mb in minibatches] == [3, 3, 3, 3]
-    stats = trainer._train(minibatches)
+    stats = trainer.actor.train(minibatches, trainer.step)
     assert stats["train/samples_trained"] == 12 and stats["train/optimizer_steps"] == 4
     assert 0 < stats["train/entropy"] <= math.log(setup.cfg.vocab_size) and mism["mismatch/out_of_support_frac"] == 0
 
@@ -213,10 +214,10 @@ def test_top_k_tokens_outside_the_support_are_left_out(make_trainer, setup):
     leave the loss (no NaN), the rest train; entropy is of the 3-token distribution."""
     trainer = make_trainer(rollout=RolloutConfig(rollout_top_k=3, rollout_temperature=1.0), kl_coef=0.01, tis_cap=2.0)
     rollouts = made_up_rollouts(setup.cfg.vocab_size, n=4)
-    minibatches, mism = trainer._old_logprobs(rollouts)
+    minibatches, mism = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
     assert 0.5 < mism["mismatch/out_of_support_frac"] < 1.0  # a random token is in a top-3 of ~100 rarely
     assert all(math.isfinite(v) for v in mism.values())
-    stats = trainer._train(minibatches)
+    stats = trainer.actor.train(minibatches, trainer.step)
     assert all(math.isfinite(v) for v in stats.values()), stats
     assert 0 < stats["train/entropy"] <= math.log(3) + 1e-6 and stats["train/samples_trained"] >= 1
 
@@ -226,14 +227,14 @@ def test_dynamic_sampling_drops_groups_of_equal_rewards(make_trainer, setup):
     rollouts = made_up_rollouts(setup.cfg.vocab_size, n=4)
     for r, reward in zip(rollouts, [1.0, 1.0, 0.0, 1.0]):  # group 0 all equal, group 1 not
         r.reward = reward
-    minibatches, mism = trainer._old_logprobs(rollouts)
+    minibatches, mism = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
     assert mism["train/groups_filtered"] == 1
-    assert trainer._train(minibatches)["train/samples_trained"] == 2
+    assert trainer.actor.train(minibatches, trainer.step)["train/samples_trained"] == 2
     for r in rollouts:
         r.reward = 0.0
-    minibatches, mism = trainer._old_logprobs(rollouts)  # nothing left: no optimizer step
+    minibatches, mism = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)  # nothing left: no optimizer step
     before = weights(trainer)
-    stats = trainer._train(minibatches)
+    stats = trainer.actor.train(minibatches, trainer.step)
     assert stats["train/samples_trained"] == 0 and stats["train/optimizer_steps"] == 0
     assert torch.equal(weights(trainer), before)
 
@@ -246,19 +247,19 @@ def test_sglang_logprobs_are_renormalised_to_the_support(make_trainer, setup):
 
     trainer = make_trainer(rollout=RolloutConfig(rollout_top_k=3, rollout_temperature=1.0))
     rollouts = made_up_rollouts(setup.cfg.vocab_size, n=4)
-    batch = pack(rollouts, trainer.pad_id, device=trainer.device)
+    batch = pack(rollouts, trainer.task.pad_id, device=trainer.actor.device)
     with torch.no_grad():
-        logits = trainer.model(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]
+        logits = trainer.actor.model(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]
         full = torch.log_softmax(logits[..., :setup.cfg.vocab_size].float(), dim=-1)  # [B, L-1, V]
         top = logits[..., :setup.cfg.vocab_size].topk(3, dim=-1).indices  # [B, L-1, 3]
     for i, r in enumerate(rollouts):  # one response token (the prompt alone decides its logits), from the
         start = len(r.prompt_ids) - 1  # top-3 set, with the log-prob SGLang would report
         token = int(top[i, start, i % 3])
         r.response_ids, r.engine_logprobs = [token], [float(full[i, start, token])]
-    trainer.cfg.rollout.rollout_backend = "native"
-    _, native = trainer._old_logprobs(rollouts)
-    trainer.cfg.rollout.rollout_backend = "sglang"
-    _, sglang = trainer._old_logprobs(rollouts)
+    trainer.actor.renormalise = False  # a native engine (the trainer decides it from the backend)
+    _, native = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
+    trainer.actor.renormalise = True  # SGLang with a truncating sampler
+    _, sglang = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
     assert native["mismatch/out_of_support_frac"] == 0 and sglang["mismatch/out_of_support_frac"] == 0
     assert native["mismatch/logprob_abs_diff_mean"] > 0.1  # |log Z|: the top 3 of ~100 near-equal logits
     assert sglang["mismatch/logprob_abs_diff_max"] < 1e-5

@@ -67,7 +67,7 @@ def test_tree_segment_equals_each_branch_alone(setup):
     """A tree segment ``[last, a_1..a_k, b_1..b_m]`` (b at the RoPE positions of a, written after it)
     gives each branch the logits and K/V of a chain forward of that branch alone; after
     ``KVCache.shift`` the b branch's entries sit where a chain forward of b would have put them."""
-    from megatron_spec.rollout.native.engine import tree_segment
+    from megatron_spec.rollout.native.spec_step import tree_segment
     from tests.conftest import load_native
 
     model = load_native(setup.target)

@@ -411,3 +411,41 @@ class DraftLengthController:
         if k > 0 and draft_s > 0:
             self.draft.update(b, draft_s / k)
             self.proposal.setdefault(k, CostTable()).update(b, draft_s)
+
+
+def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str, AcceptanceStats]],
+              hist: list[list[int]] | None) -> tuple[StepPlan, list[bool], list]:
+    """The step's plan (:meth:`DraftLengthController.choose_step`: k, and whether every row drafts,
+    only the rows with a history proposal, or a tree), per row whether it drafts from the history
+    (in an ``all`` step: the source expected to emit more tokens at that k; ties go to the main
+    drafter ``main``), and the rows' options the choice was made from. ``accs``: each row's
+    request's acceptance per source."""
+    options = []
+    for i, acc in enumerate(accs):
+        opts = [(controller.row_alpha(main, acc.get(main)), None)]
+        if hist is not None and hist[i]:
+            opts.append((controller.row_alpha("history", acc.get("history")), len(hist[i])))
+        options.append(opts)
+    plan = controller.choose_step(options)
+    if plan.mode == "history":
+        return plan, [len(o) > 1 for o in options], options
+    if plan.mode == "tree":
+        return plan, [False] * len(options), options
+    k = plan.k
+    use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
+    return plan, use, options
+
+
+def record_unused_history(controller: DraftLengthController, acc: dict[str, AcceptanceStats], k_all: int,
+                          proposal: list[int], emitted: list[int]) -> None:
+    """Acceptance of a history proposal a row did not use, from what the row emitted: a point-mass
+    draft x is accepted with probability p(x), the probability that the target's own token is x,
+    so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
+    of acceptance at position j. Positions past the emitted tokens are not observed. Without this,
+    the history would only be judged on the rows where the main drafter looked weak (a biased
+    sample) and, once judged badly there, never chosen again."""
+    n = min(len(proposal), len(emitted))
+    m = 0
+    while m < n and proposal[m] == emitted[m]:
+        m += 1
+    controller.record_accept("history", acc.setdefault("history", AcceptanceStats(k_all)), n, m)

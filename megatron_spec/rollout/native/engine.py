@@ -20,7 +20,7 @@ One :meth:`EngineCore.generate` call runs a list of requests to completion:
   to emit more tokens: history rows are verified with a point-mass q, the others with the
   drafter's q, in two ``verify_chain`` calls over the same target forward; or the step is a
   *tree*: every row drafts from the main drafter and the rows with a history proposal also
-  carry it as a second branch of the same verify (``tree_segment``, ``verify_tree``; the
+  carry it as a second branch of the same verify (``spec_step.tree_segment``, ``verify_tree``; the
   winning branch's cache entries are moved into place).
 * **Retirement.** A row finishes at a stop token or ``max_new_tokens``; its slot is refilled by
   moving the last running row into it, so the batch stays in slots ``0..B-1``.
@@ -35,7 +35,6 @@ This module runs in the engine process (see ``server.py``); it knows nothing of 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -47,83 +46,23 @@ from megatron_spec.rollout.native.adaptive import (
     AcceptanceStats,
     DraftLengthController,
     StepPlan,
-    expected_tokens,
+    plan_step,
+    record_unused_history,
     tree_expected_tokens,
 )
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
-from megatron_spec.rollout.native.rows import pad_rows
-from megatron_spec.rollout.types import (
-    FINISH_LENGTH,
-    FINISH_STOP,
-    GenerateRequest,
-    GenerateStats,
-    SampleOutput,
-)
+from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
+from megatron_spec.rollout.native.spec_step import Proposal, Verified, chain_segment, tree_segment, verify_split
+from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
 from megatron_spec.spec import SamplingTensors, process_logits
-from megatron_spec.spec.verify import sample_from_logprobs, verify_chain, verify_tree
+from megatron_spec.spec.verify import sample_from_logprobs, verify_tree
 
 logger = logging.getLogger(__name__)
 
 
-def tree_segment(inputs: torch.Tensor, base: torch.Tensor, k: int, m: int) -> Segment:
-    """The verify forward of a two-branch tree: ``inputs [B, 1+k+m]`` = the last token, the first
-    branch x_1..x_k, the second y_1..y_m, of rows whose caches hold ``base [B]`` tokens. x_i and y_i
-    both sit at RoPE position ``base + i``; their K/V are written one after the other to cache
-    positions ``base..base+k+m``; x_i sees the prefix, the last token and x_1..x_i, y_i the prefix,
-    the last token and y_1..y_i."""
-    b, t = inputs.shape
-    dev = inputs.device
-    rope = torch.cat([torch.arange(k + 1, device=dev), torch.arange(1, m + 1, device=dev)])
-    visible = torch.zeros(t, t, dtype=torch.bool, device=dev)
-    visible[:k + 1, :k + 1] = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev).tril()
-    visible[k + 1:, 0] = True
-    visible[k + 1:, k + 1:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-    return Segment(inputs, base.unsqueeze(1) + rope, base + t,
-                   cache_positions=base.unsqueeze(1) + torch.arange(t, device=dev), visible=visible.expand(b, t, t))
-
-
 class RequestError(ValueError):
     """A request the engine cannot serve (too long for the context, bad parameters)."""
-
-
-@dataclasses.dataclass
-class _Row:
-    req: GenerateRequest
-    sample_index: int
-    tokens: list[int]
-    stop_ids: frozenset[int]
-    out: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    accepted: list[int] = dataclasses.field(default_factory=list)
-    draft_lengths: list[int] = dataclasses.field(default_factory=list)
-    sources: list[str] = dataclasses.field(default_factory=list)
-    verify_steps: int = 1  # the prefill produced the first token
-    finish: str | None = None
-    acc: dict[str, AcceptanceStats] = dataclasses.field(default_factory=dict)
-    """This request's acceptance per position, per draft source (adaptive k)."""
-
-    def emit(self, token: int, logprob: float) -> bool:
-        """Append one token; returns True when the row is finished."""
-        self.tokens.append(token)
-        self.out.append(token)
-        self.logprobs.append(logprob)
-        if token in self.stop_ids:
-            self.finish = FINISH_STOP
-        elif len(self.out) >= self.req.sampling.max_new_tokens:
-            self.finish = FINISH_LENGTH
-        return self.finish is not None
-
-
-@dataclasses.dataclass
-class _Admission:
-    """Requests taken from the queue and their prefill (into slots ``segment.slot_offset..``,
-    prompt lengths ``segment.kv_lens``; see ``_take``)."""
-
-    batch: list[GenerateRequest]
-    segment: Segment
-    lens: list[int]
-    """Prompt lengths (on the host: read per prompt while spreading the prefill)."""
 
 
 class EngineCore:
@@ -222,7 +161,7 @@ class EngineCore:
             if d is not None:
                 d.begin_call()
         waiting = deque(requests)
-        rows: list[_Row] = []
+        rows: list[Row] = []
         done: list[SampleOutput] = []
         sampling = None
         while waiting or rows:
@@ -251,7 +190,7 @@ class EngineCore:
         return done, stats
 
     # ------------------------------------------------------------------ internals
-    def _sampling(self, rows: Sequence[_Row]) -> SamplingTensors:
+    def _sampling(self, rows: Sequence[Row]) -> SamplingTensors:
         if not rows:
             return SamplingTensors.from_values(1.0, 0, 1.0, 0.0, batch_size=0, device=self.device)
         sp = [r.req.sampling for r in rows]
@@ -282,7 +221,7 @@ class EngineCore:
     def _aux_layers(self) -> tuple[int, ...]:
         return self.drafter.aux_layers if self.drafter is not None else ()
 
-    def _take(self, waiting: deque, rows: list[_Row]) -> _Admission | None:
+    def _take(self, waiting: deque, rows: list[Row]) -> Admission | None:
         """Take the waiting requests that fit the free slots (and the prefill token budget)."""
         free = self.max_batch_size - len(rows)
         batch: list[GenerateRequest] = []
@@ -301,9 +240,9 @@ class EngineCore:
         ids = pad_rows([r.input_ids for r in batch], t, 0, dev)
         lens = torch.tensor(n, device=dev)
         seg = Segment(ids, torch.arange(t, device=dev).expand(p, t), lens, base, (lens - 1).unsqueeze(1))
-        return _Admission(batch, seg, n)
+        return Admission(batch, seg, n)
 
-    def _forward(self, seg: Segment, adm: _Admission | None, aux_layers: Sequence[int]):
+    def _forward(self, seg: Segment, adm: Admission | None, aux_layers: Sequence[int]):
         """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,
         aux) and the prefill's (None without ``adm``)."""
         if adm is None:
@@ -312,7 +251,7 @@ class EngineCore:
                                                 aux_layers=self._aux_layers())  # the drafter's prefill reads them
         return step, pre
 
-    def _start(self, adm: _Admission, rows: list[_Row], logits: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def _start(self, adm: Admission, rows: list[Row], logits: torch.Tensor, aux: torch.Tensor | None) -> None:
         """After ``adm``'s prefill forward (``logits [P, 1, V]`` at each prompt's last position,
         ``aux [P, T, A]``): fill the draft's cache, spread each prompt to the slots of its
         samples, sample their first tokens and append them to ``rows``."""
@@ -335,7 +274,7 @@ class EngineCore:
         # first tokens, one per sample, from each prompt's last-position logits
         reps = torch.tensor([r.n for r in batch], device=self.device)
         first_logits = logits[:, 0].repeat_interleave(reps, dim=0, output_size=sum(r.n for r in batch))  # [N, V]
-        new_rows = [_Row(r, s, list(r.input_ids), self._stop_ids(r)) for r in batch for s in range(r.n)]
+        new_rows = [Row(r, s, list(r.input_ids), self._stop_ids(r)) for r in batch for s in range(r.n)]
         sampling = self._sampling(new_rows)
         lp = process_logits(first_logits, sampling)
         tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
@@ -352,7 +291,7 @@ class EngineCore:
             row.emit(t_, l_)
         rows.extend(new_rows)
 
-    def _retire(self, rows: list[_Row], on_done, done: list[SampleOutput]) -> bool:
+    def _retire(self, rows: list[Row], on_done, done: list[SampleOutput]) -> bool:
         finished = [i for i, r in enumerate(rows) if r.finish is not None]
         if not finished:
             return False
@@ -379,8 +318,8 @@ class EngineCore:
             rows.pop()
         return True
 
-    def _plain_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats,
-                    adm: _Admission | None = None) -> None:
+    def _plain_step(self, rows: list[Row], sampling: SamplingTensors, stats: GenerateStats,
+                    adm: Admission | None = None) -> None:
         b = len(rows)
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
         pos = self.cache.lens[:b].unsqueeze(1).clone()  # [B, 1]
@@ -395,173 +334,145 @@ class EngineCore:
         if adm is not None:
             self._start(adm, rows, *pre)
 
-    def _spec_step(self, rows: list[_Row], sampling: SamplingTensors, stats: GenerateStats,
-                   adm: _Admission | None = None) -> None:
+    def _spec_step(self, rows: list[Row], sampling: SamplingTensors, stats: GenerateStats,
+                   adm: Admission | None = None) -> None:
+        """Propose -> verify -> commit -> account (``spec_step.py``); ``adm``'s prefill rides along."""
+        t0 = time.perf_counter()
+        prop = self._propose(rows, sampling)
+        ver = self._verify_step(rows, sampling, prop, adm)
+        emitted, accepted = self._commit(rows, prop, ver)
+        self._account(rows, prop, ver, emitted, accepted, stats, t0, prefill=adm is not None)
+        if adm is not None:
+            self._start(adm, rows, *ver.prefill)
+
+    def _propose(self, rows: list[Row], sampling: SamplingTensors) -> Proposal:
+        """The step's plan and drafts: the history's proposals, the plan (fixed k, or the adaptive
+        controller's), the main drafter's proposal (k = 0 where no row drafts from it: that only
+        keeps its state in sync), history drafts put in the rows that use them."""
         t0 = time.perf_counter()
         b, dev = len(rows), self.device
         tokens = [r.tokens for r in rows]
-        main = self.drafter.kind
         hist = self.history.propose_lists(tokens, self.k_history) if self.history is not None else None
         t_draft = time.perf_counter() - t0
         if self.controller is None:
             plan, use_hist, options = StepPlan(self.k), [False] * b, None
         else:
-            plan, use_hist, options = self._choose(rows, hist)
-        k, hist_only, tree = plan.k, plan.mode == "history", plan.mode == "tree"
+            plan, use_hist, options = plan_step(self.controller, self.drafter.kind, [r.acc for r in rows], hist)
+        k = plan.k
         t1 = time.perf_counter()
-        main_ran = k > 0 and not hist_only and (not all(use_hist) or not self.drafter.supports_skip)
+        main_ran = k > 0 and plan.mode != "history" and (not all(use_hist) or not self.drafter.supports_skip)
         if main_ran:
             drafts, q = self.drafter.propose(tokens, k, sampling, self.generator)  # [B, k], [B, k, Vd]
             drafts = drafts.to(dev)  # point-mass drafters (n-gram, history) propose on the host
-        else:  # no row drafts from the main drafter: a k = 0 proposal only keeps its state in sync
+        else:
             self.drafter.propose(tokens, 0, sampling, self.generator)
             drafts, q = torch.full((b, k), -1, dtype=torch.long, device=dev), None
         self._sync()  # the proposal's kernels are done: its time is what the controller learns
         t_main = time.perf_counter() - t1
-        t_draft += t_main
-        point = torch.tensor(use_hist, device=dev)  # [B] rows verified against a point mass (history drafts)
         if any(use_hist):
             hd = pad_rows([hist[i][:k] if u else [] for i, u in enumerate(use_hist)], k, -1, dev)
-            drafts = torch.where(point.view(-1, 1), hd, drafts)
+            drafts = torch.where(torch.tensor(use_hist, device=dev).view(-1, 1), hd, drafts)
+        branch = None
+        if plan.mode == "tree":  # the second branch: each row's history proposal
+            branch = pad_rows([h[:plan.m] for h in hist], plan.m, -1, dev)
+        return Proposal(plan, use_hist, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main)
+
+    def _verify_step(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
+                     adm: Admission | None) -> Verified:
+        """One target forward over each row's last token and drafts (a chain, or the two-branch tree),
+        then rejection sampling: chain rows against the drafter's q or a point mass (history), tree
+        rows by ``verify_tree``; the reported log-probs of the emitted tokens."""
+        b, dev, k, m = len(rows), self.device, prop.k, prop.m
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         base = self.cache.lens[:b].clone()
-        m = plan.m if tree else 0
-        if tree:
-            branch = pad_rows([h[:m] for h in hist], m, -1, dev)  # the second branch (history)
-            seg = tree_segment(torch.cat([last, drafts.clamp(min=0), branch.clamp(min=0)], dim=1), base, k, m)
+        drafts = prop.drafts
+        if prop.tree:
+            seg = tree_segment(torch.cat([last, drafts.clamp(min=0), prop.branch.clamp(min=0)], dim=1), base, k, m)
         else:
-            inputs = torch.cat([last, drafts.clamp(min=0)], dim=1)
-            # rows drafting fewer than k (a history-only step's other rows, shorter proposals) run packed
-            valid = drafts >= 0
-            pack = None if bool(valid.all()) else torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), valid],
-                                                            dim=1)
-            seg = Segment(inputs, base.unsqueeze(1) + torch.arange(k + 1, device=dev), base + k + 1, pack=pack)
+            seg = chain_segment(last, drafts, base)
         (logits, aux), pre = self._forward(seg, adm, self.drafter.aux_layers)
         lp = process_logits(logits, sampling)  # [B, k+1(+m), V]
-        d2t = self.drafter.d2t if q is not None else None  # d2t maps q's vocabulary; drafts are target ids
-        if tree:
-            res = verify_tree(lp[:, :k + 1], drafts, q, lp[:, k + 1:], branch, d2t=d2t, greedy=sampling.greedy,
-                              generator=self.generator)
+        d2t = self.drafter.d2t if prop.q is not None else None  # d2t maps q's vocabulary; drafts are target ids
+        if prop.tree:
+            res = verify_tree(lp[:, :k + 1], drafts, prop.q, lp[:, k + 1:], prop.branch, d2t=d2t,
+                              greedy=sampling.greedy, generator=self.generator)
             path = res.positions  # [B, k+m+1] the tree position that verified each emitted token
             own = res.first_accepted.tolist()
-            base_h, second_len = base.tolist(), res.second_len.tolist()
-            for i in res.second.nonzero()[:, 0].tolist():  # the history branch won: its K/V take the first's place
-                self.cache.shift(i, base_h[i] + k + 1, base_h[i] + 1, second_len[i])
             if aux is not None:
                 aux = aux.gather(1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
         else:
-            res = self._verify(lp, drafts, q, d2t, sampling.greedy, point)
+            res = verify_split(lp, drafts, prop.q, d2t, sampling.greedy, torch.tensor(prop.use_hist, device=dev),
+                               self.generator)
             path = None
+            # the main drafter's own drafts were accepted only on its rows
+            own = [0 if u else a for a, u in zip(res.num_accepted.tolist(), prop.use_hist)]
         tok_lp = res.logprobs
         if bool(sampling.greedy.any()):
             if path is not None:
                 idx = path.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
                 logits, lp = logits.gather(1, idx), lp.gather(1, idx)
             tok_lp = self._token_logprobs(logits, lp, res.tokens, sampling.greedy)
+        return Verified(res, tok_lp, aux, own, base, seg, pre)
+
+    def _commit(self, rows: list[Row], prop: Proposal, ver: Verified) -> tuple[list[list[int]], list[int]]:
+        """The kept path into the caches (a tree's winning history branch moves into the first's
+        place), the drafter's state, and the emitted tokens to their rows. Returns what each row
+        emitted and how many drafts it accepted."""
+        b, res = len(rows), ver.result
+        if prop.tree:
+            base_h, second_len = ver.base.tolist(), res.second_len.tolist()
+            for i in res.second.nonzero()[:, 0].tolist():  # the history branch won: its K/V take the first's place
+                self.cache.shift(i, base_h[i] + prop.k + 1, base_h[i] + 1, second_len[i])
         emitted = res.emitted()
         accepted = res.num_accepted.tolist()
-        if not tree:  # the main drafter's own drafts were accepted only on its rows
-            own = [0 if u else a for a, u in zip(accepted, use_hist)]
-        self.cache.lens[:b] = base + res.num_accepted + 1  # last token + accepted drafts are cached
-        self.drafter.commit(emitted, own, aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
-        lps = tok_lp.tolist()
-        second = res.second.tolist() if tree else None
-        predicted = realized = 0.0
-        for i, (r, em, a, l_, u, dr) in enumerate(zip(rows, emitted, accepted, lps, use_hist, drafts.tolist())):
+        self.cache.lens[:b] = ver.base + res.num_accepted + 1  # last token + accepted drafts are cached
+        self.drafter.commit(emitted, ver.own, ver.aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
+        for r, em, l_ in zip(rows, emitted, ver.token_logprobs.tolist()):
             r.verify_steps += 1
+            for j, t_ in enumerate(em):
+                if r.emit(t_, l_[j]):
+                    break
+        return emitted, accepted
+
+    def _account(self, rows: list[Row], prop: Proposal, ver: Verified, emitted: list[list[int]],
+                 accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool) -> None:
+        """Per row: draft length, source and acceptance (the request's and the step's statistics);
+        what the adaptive controller learns (acceptance per source, a history proposal a row did not
+        use, the tree's predicted vs realized tokens, the step's and the draft's time)."""
+        k, m, main, hist = prop.k, prop.m, self.drafter.kind, prop.hist
+        second = ver.result.second.tolist() if prop.tree else None
+        predicted = realized = 0.0
+        for i, (r, em, a, u, dr) in enumerate(zip(rows, emitted, accepted, prop.use_hist, prop.drafts.tolist())):
             proposed = sum(1 for t_ in dr if t_ >= 0)
-            two = tree and bool(hist[i])  # this row carried a second branch
+            two = prop.second_branch(i)
             src = "tree" if two else ("history" if u else main)
             if two:
                 proposed += min(m, len(hist[i]))
             r.draft_lengths.append(proposed)
             r.sources.append(src)
             stats.add_step_k(proposed)
-            if k > 0 and not (hist_only and not u):  # a row that sat out a history-only step drafted nothing
+            if k > 0 and not (prop.hist_only and not u):  # a row that sat out a history-only step drafted nothing
                 r.accepted.append(a)
                 stats.add_spec_step(a, self.k_all, source=src)
                 if self.controller is not None:
-                    if tree:  # the first branch is verified as a chain: its own acceptance, unbiased
+                    if prop.tree:  # the first branch is verified as a chain: its own acceptance, unbiased
                         self.controller.record_accept(main, r.acc.setdefault(main, AcceptanceStats(self.k_all)),
-                                                      k, own[i])
+                                                      k, ver.own[i])
                     elif proposed > 0:
                         self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k_all)),
                                                       proposed, a)
             if two:
                 stats.tree_second += int(second[i])
-                opts = options[i]
+                opts = prop.options[i]
                 predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
                 realized += a
             if hist is not None and hist[i] and not u:
-                self._record_unused_history(r, hist[i][:m] if two else hist[i], em)
-            for j, t_ in enumerate(em):
-                if r.emit(t_, l_[j]):
-                    break
+                record_unused_history(self.controller, r.acc, self.k_all, hist[i][:m] if two else hist[i], em)
         if self.controller is not None:
-            if tree:
+            if prop.tree:
                 self.controller.record_tree(predicted, realized)
             # the draft table is the main drafter's: a step where it did not run teaches it nothing
-            self.controller.record_step(b, k, time.perf_counter() - t0 - t_draft, t_main if main_ran else 0.0,
-                                        prefill=adm is not None, m=m,
-                                        tokens=None if seg.pack is None else int(seg.pack.sum()))
-        if adm is not None:
-            self._start(adm, rows, *pre)
-
-    def _record_unused_history(self, row: _Row, proposal: list[int], emitted: list[int]) -> None:
-        """Acceptance of a history proposal the row did not use, from what the row emitted: a point-mass
-        draft x is accepted with probability p(x), the probability that the target's own token is x,
-        so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
-        of acceptance at position j. Positions past the emitted tokens are not observed. Without this,
-        the history would only be judged on the rows where the main drafter looked weak (a biased
-        sample) and, once judged badly there, never chosen again."""
-        n = min(len(proposal), len(emitted))
-        m = 0
-        while m < n and proposal[m] == emitted[m]:
-            m += 1
-        self.controller.record_accept("history", row.acc.setdefault("history", AcceptanceStats(self.k_all)), n, m)
-
-    def _choose(self, rows: list[_Row], hist: list[list[int]] | None) -> tuple[StepPlan, list[bool], list]:
-        """The step's plan (``DraftLengthController.choose_step``: k, and whether every row drafts, only
-        the rows with a history proposal, or a tree), per row whether it drafts from the history (in an
-        ``all`` step: the source expected to emit more tokens at that k; ties go to the main drafter),
-        and the rows' options the choice was made from."""
-        main = self.drafter.kind
-        options = []
-        for i, r in enumerate(rows):
-            opts = [(self.controller.row_alpha(main, r.acc.get(main)), None)]
-            if hist is not None and hist[i]:
-                opts.append((self.controller.row_alpha("history", r.acc.get("history")), len(hist[i])))
-            options.append(opts)
-        plan = self.controller.choose_step(options)
-        if plan.mode == "history":
-            return plan, [len(o) > 1 for o in options], options
-        if plan.mode == "tree":
-            return plan, [False] * len(options), options
-        k = plan.k
-        use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
-        return plan, use, options
-
-    @staticmethod
-    def _merge_rows(parts, idx, b: int, width: int):
-        """Scatter per-group verify results back to rows ``idx`` of a ``[B, width]`` result."""
-        from megatron_spec.spec.verify import VerifyResult
-
-        dev = parts[0].tokens.device
-        tokens = torch.full((b, width), -1, dtype=torch.long, device=dev)
-        logprobs = torch.zeros(b, width, device=dev)
-        num = torch.zeros(b, dtype=torch.long, device=dev)
-        for res, ix in zip(parts, idx):
-            tokens[ix], logprobs[ix], num[ix] = res.tokens, res.logprobs, res.num_accepted
-        return VerifyResult(tokens=tokens, num_accepted=num, logprobs=logprobs)
-
-    def _verify(self, lp, drafts, q, d2t, greedy, point: torch.Tensor):
-        """``verify_chain``, split in two groups when some rows' drafts are point masses (history)
-        and the others carry the drafter's q: each group is verified exactly by its own rule."""
-        if q is None or not bool(point.any()):
-            return verify_chain(lp, drafts, None if bool(point.all()) else q, d2t=d2t, greedy=greedy,
-                                generator=self.generator)
-        own = (~point).nonzero()[:, 0]
-        pm = point.nonzero()[:, 0]
-        a = verify_chain(lp[own], drafts[own], q[own], d2t=d2t, greedy=greedy[own], generator=self.generator)
-        c = verify_chain(lp[pm], drafts[pm], None, greedy=greedy[pm], generator=self.generator)
-        return self._merge_rows([a, c], [own, pm], lp.shape[0], lp.shape[1])
+            pack = ver.segment.pack
+            self.controller.record_step(len(rows), k, time.perf_counter() - t0 - prop.t_draft,
+                                        prop.t_main if prop.main_ran else 0.0, prefill=prefill, m=m,
+                                        tokens=None if pack is None else int(pack.sum()))

@@ -1,4 +1,5 @@
-"""Token rows of different lengths as one padded tensor on the engine's device.
+"""The engine's rows (:class:`Row`: one sample being generated; :class:`Admission`: prompts taken
+into the batch), and token rows of different lengths as one padded tensor on the engine's device.
 
 Every drafter and the scheduler turn Python lists of token ids (prompts, pending tokens, proposals) into
 ``[B, width]`` int64 tensors; :func:`pad_rows` builds them on the host and moves them once, so a GPU
@@ -7,9 +8,14 @@ engine pays one copy per tensor rather than one per row. It knows nothing about 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
+
+from megatron_spec.rollout.native.adaptive import AcceptanceStats
+from megatron_spec.rollout.native.model import Segment
+from megatron_spec.rollout.types import FINISH_LENGTH, FINISH_STOP, GenerateRequest
 
 
 def pad_rows(rows: Sequence[Sequence[int]], width: int, fill: int, device: torch.device | str) -> torch.Tensor:
@@ -19,3 +25,44 @@ def pad_rows(rows: Sequence[Sequence[int]], width: int, fill: int, device: torch
         if len(row):
             out[i, :len(row)] = torch.tensor(list(row), dtype=torch.long, device="cpu")
     return out.to(device)
+
+
+@dataclasses.dataclass
+class Row:
+    """One sample being generated: its request, tokens so far, what it emitted and how."""
+
+    req: GenerateRequest
+    sample_index: int
+    tokens: list[int]
+    stop_ids: frozenset[int]
+    out: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    accepted: list[int] = dataclasses.field(default_factory=list)
+    draft_lengths: list[int] = dataclasses.field(default_factory=list)
+    sources: list[str] = dataclasses.field(default_factory=list)
+    verify_steps: int = 1  # the prefill produced the first token
+    finish: str | None = None
+    acc: dict[str, AcceptanceStats] = dataclasses.field(default_factory=dict)
+    """This request's acceptance per position, per draft source (adaptive k)."""
+
+    def emit(self, token: int, logprob: float) -> bool:
+        """Append one token; returns True when the row is finished."""
+        self.tokens.append(token)
+        self.out.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish = FINISH_STOP
+        elif len(self.out) >= self.req.sampling.max_new_tokens:
+            self.finish = FINISH_LENGTH
+        return self.finish is not None
+
+
+@dataclasses.dataclass
+class Admission:
+    """Requests taken from the queue and their prefill (into slots ``segment.slot_offset..``,
+    prompt lengths ``segment.kv_lens``; see ``_take``)."""
+
+    batch: list[GenerateRequest]
+    segment: Segment
+    lens: list[int]
+    """Prompt lengths (on the host: read per prompt while spreading the prefill)."""

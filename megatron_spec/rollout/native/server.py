@@ -30,7 +30,8 @@ from megatron_spec.layers.linear import pack_linears, warm_linears
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.api import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, MtpDrafter, NgramDrafter
+from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, NgramDrafter
+from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.types import GenerateRequest

@@ -1,0 +1,107 @@
+"""The task of a GRPO run: its prompts (training and held-out), their format, and the reward.
+
+What the rollout manager asks the engines for (:meth:`PromptTask.next_round`,
+:meth:`PromptTask.eval_round`) and how an owner turns what they return into scored rollouts
+(:meth:`PromptTask.score`). The data position is resumable (:class:`~megatron_spec.rl.data.PromptSampler`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_spec.config import ConfigError, RunConfig
+from megatron_spec.rl.data import PromptSampler, load_prompts
+from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_stop_strings, stop_token_ids,
+                                        truncate_at_stop_strings)
+from megatron_spec.rl.records import Round
+from megatron_spec.rl.rewards import get_reward, score
+from megatron_spec.rl.rollouts import Rollout
+from megatron_spec.rollout.types import GenerateRequest, SamplingParams, SampleOutput
+from megatron_spec.telemetry import StageTimer
+
+
+class PromptTask:
+    """The tokenizer and response ends of ``--hf-checkpoint`` (made first: a bad chat-template flag
+    fails before the policy is built); :meth:`load` then reads the prompts and the reward."""
+
+    def __init__(self, cfg: RunConfig, timer: StageTimer):
+        from transformers import AutoTokenizer
+
+        m = cfg.model
+        self.cfg = cfg
+        self.timer = timer
+        self.tokenizer = AutoTokenizer.from_pretrained(m.hf_checkpoint)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # prompt format and response ends (rl/prompting.py): chat template, EOS ids of config.json
+        # and generation_config.json, stop strings
+        if cfg.data.apply_chat_template and not has_chat_template(self.tokenizer):
+            raise ConfigError(f"--apply-chat-template: the tokenizer of {m.hf_checkpoint} has no chat_template")
+        self.stop_ids = stop_token_ids(m.hf_checkpoint, self.tokenizer)
+        self.stop_strings = parse_stop_strings(cfg.data.stop)
+
+    def load(self, run_dir: str) -> None:
+        """Training and held-out prompts (``run_dir``: the datasets' cache), the sampler, the reward."""
+        cfg, seed = self.cfg, self.cfg.model.seed
+        self.examples = load_prompts(cfg.data.prompt_data, prompt_key=cfg.data.prompt_key,
+                                     answer_key=cfg.data.answer_key, num_synthetic=cfg.data.num_synthetic_prompts,
+                                     seed=seed, cache_dir=run_dir)
+        self.sampler = PromptSampler(len(self.examples), seed)
+        self.eval_examples = []
+        if cfg.logging.eval_interval:
+            self.eval_examples = load_prompts(
+                cfg.data.eval_data or cfg.data.prompt_data, prompt_key=cfg.data.prompt_key,
+                answer_key=cfg.data.answer_key, num_synthetic=cfg.data.eval_prompts,
+                seed=seed + 7_919_000, cache_dir=run_dir)[:cfg.data.eval_prompts]
+        self.reward_name = cfg.data.reward
+        self.reward_fn = get_reward(cfg.data.reward)
+
+    def request(self, request_id: str, prompt: str, what: str, n: int) -> GenerateRequest:
+        """A generate request of ``n`` samples with the rollout sampling settings; ``what`` names
+        the prompt in errors (empty after tokenising, longer than --max-prompt-length)."""
+        r, d = self.cfg.rollout, self.cfg.data
+        ids = encode_prompt(self.tokenizer, prompt, chat_template=d.apply_chat_template,
+                            system_prompt=d.system_prompt, template=d.prompt_template)
+        if not ids:
+            raise ValueError(f"{what} tokenises to nothing: {prompt!r}")
+        if len(ids) > d.max_prompt_length:
+            raise ValueError(f"{what} has {len(ids)} tokens, more than --max-prompt-length "
+                             f"{d.max_prompt_length}: {prompt[:80]!r}")
+        sp = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
+                            min_p=r.rollout_min_p, max_new_tokens=r.rollout_max_new_tokens,
+                            stop_token_ids=self.stop_ids)
+        return GenerateRequest(request_id, ids, sp, n=n)
+
+    def next_round(self, step: int) -> Round:
+        """The prompts of batch ``step`` (every rank draws the same), ``grpo_group_size`` samples each."""
+        indices = self.sampler.next(self.cfg.grpo.prompts_per_step)
+        prompts = [self.examples[i].prompt for i in indices]
+        n = self.cfg.grpo.grpo_group_size
+        reqs = [self.request(f"{i}", p, f"prompt {i}", n) for i, p in zip(indices, prompts)]
+        return Round(reqs, indices, prompts, [self.examples[i].answer for i in indices],
+                     self.cfg.model.seed * 100_003 + step)
+
+    def eval_round(self) -> Round:
+        """The held-out prompts, one sample each, the same seed every time (two evaluations differ by
+        the policy, not by the draw)."""
+        reqs = [self.request(f"eval{i}", ex.prompt, f"held-out prompt {i}", 1)
+                for i, ex in enumerate(self.eval_examples)]
+        return Round(reqs, list(range(len(reqs))), [ex.prompt for ex in self.eval_examples],
+                     [ex.answer for ex in self.eval_examples], seed=self.cfg.model.seed * 100_003 + 99_991)
+
+    def score(self, samples: list[SampleOutput], meta: dict[str, tuple[int, str, Any, tuple[int, ...]]],
+              version: int) -> list[Rollout]:
+        """An engine's samples as rollouts of policy ``version`` with their rewards (stop strings
+        cut first). ``meta``: :meth:`Round.meta`."""
+        truncate_at_stop_strings(samples, self.tokenizer, self.stop_strings)
+        texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
+        rollouts = []
+        for s in samples:
+            index, _, _, ids = meta[s.request_id]
+            rollouts.append(Rollout(index, s.sample_index, list(ids), s.output_ids, s.logprobs, s.finish_reason,
+                                    version, s.accepted_per_step, s.num_verify_steps))
+        with self.timer("reward"):
+            rewards = score(self.reward_fn, self.reward_name, [meta[s.request_id][1] for s in samples], texts,
+                            [meta[s.request_id][2] for s in samples])
+        for ro, rew in zip(rollouts, rewards):
+            ro.reward = rew
+        return rollouts
