@@ -133,7 +133,7 @@ class RolloutManager:
         if self.owner:
             self._start_engine()
             if s.spec_draft_kind != "none" and s.spec_watchdog_steps > 0:
-                from megatron_spec.sync.watchdog import AcceptanceWatchdog
+                from megatron_spec.rl.watchdog import AcceptanceWatchdog
 
                 # every owner sees the same (job-wide) acceptance, so all engines fall back together
                 self.watchdog = AcceptanceWatchdog(window=s.spec_watchdog_steps, fallback=s.spec_watchdog_fallback)
@@ -207,7 +207,7 @@ class RolloutManager:
         the autoregressive fallback; ``spec/watchdog`` says what it decided."""
         if self.watchdog is None or not self.owner or self.engine is None:
             return
-        from megatron_spec.sync.watchdog import Action
+        from megatron_spec.rl.watchdog import Action
 
         # no per-position rate: no speculative verify step this step (off, or adaptive k = 0)
         spec = any(k.startswith("spec/accept_rate_pos") for k in metrics)

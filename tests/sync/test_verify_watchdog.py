@@ -10,7 +10,7 @@ import torch
 
 from megatron_spec.sync.fingerprint import fingerprint_tensors
 from megatron_spec.sync.verify import DigestLedger, WeightSyncError, check_untouched
-from megatron_spec.sync.watchdog import AcceptanceWatchdog, Action
+from megatron_spec.rl.watchdog import AcceptanceWatchdog, Action
 
 A = fingerprint_tensors([torch.ones(3)])
 B = fingerprint_tensors([torch.zeros(3)])
@@ -61,7 +61,7 @@ def test_untouched_group():
 
 def test_watchdog_warns_once_then_keeps_advising(caplog):
     wd = AcceptanceWatchdog(window=3, fallback=False)
-    with caplog.at_level(logging.WARNING, logger="megatron_spec.sync.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="megatron_spec.rl.watchdog"):
         # 1.08 after 1.25 is not sudden (gain 0.08 > a quarter of 0.25): the window of 3 applies
         actions = [wd.observe(a) for a in (1.25, 1.08, 1.0, 1.05, 1.0, 1.01)]
     assert actions == [Action.OK, Action.OK, Action.OK, Action.WARN, Action.WARN, Action.WARN]
@@ -83,7 +83,7 @@ def test_watchdog_fallback_and_arguments():
 
 def test_watchdog_falls_back_at_once_on_a_sudden_collapse(caplog):
     wd = AcceptanceWatchdog(window=3, fallback=True)
-    with caplog.at_level(logging.WARNING, logger="megatron_spec.sync.watchdog"):
+    with caplog.at_level(logging.WARNING, logger="megatron_spec.rl.watchdog"):
         actions = [wd.observe(a) for a in (3.6, 3.5, 3.62, 1.03, 1.0, 1.0)]
     # healthy gain ~2.57 tokens; 0.03 is below a quarter of it: the first collapsed step acts
     assert actions == [Action.OK] * 3 + [Action.FALLBACK] * 3
