@@ -35,7 +35,16 @@ if [ "${1:-}" = "--with-sglang" ]; then
   fi
 fi
 
-echo "[setup] building megatron-spec (C++ extension megatron_spec._C)"
-MAX_JOBS=${MAX_JOBS:-2} pip install -q --no-build-isolation --no-deps -e . 2> .venv/build.log || {
-  cat .venv/build.log >&2; exit 1; }
+# the package and its extension: rebuilt when a source of the build changed since the last one
+bstamp=.venv/.build-stamp
+bwant=$( (cat setup.py pyproject.toml requirements/cpu.txt; find csrc -type f | sort | xargs cat) | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$bstamp" 2>/dev/null)" != "$bwant" ] || ! ls megatron_spec/_C*.so > /dev/null 2>&1 \
+    || ! python -c "import megatron_spec" 2>/dev/null; then
+  echo "[setup] building megatron-spec (C++ extension megatron_spec._C)"
+  MAX_JOBS=${MAX_JOBS:-2} pip install -q --no-build-isolation --no-deps -e . 2> .venv/build.log || {
+    cat .venv/build.log >&2; exit 1; }
+  echo "$bwant" > "$bstamp"
+else
+  echo "[setup] megatron-spec is built and its sources unchanged (.venv/.build-stamp)"
+fi
 python -c "import torch, megatron_spec._C" 2>/dev/null && echo "[setup] compiled ops: yes" || echo "[setup] compiled ops: no (pure-PyTorch fallbacks)"

@@ -3,8 +3,9 @@
 # Extra arguments go to pytest, e.g. scripts/test.sh -k spec -x
 #
 # scripts/test.sh --fast [pytest args]: the fast lane, everything but the multi-process (dist),
-# statistical, slow (> ~30 s) and network tests, on TEST_WORKERS workers: minutes, for the edit-test
-# loop. The full suite (no arguments) is the README's command and CI's.
+# statistical, slow (> ~30 s) and network tests, on TEST_WORKERS workers, with the test models made
+# once into .cache/test_models: under 5 minutes, for the edit-test loop. The full suite (no
+# arguments) is the README's command and CI's.
 #
 # With no arguments the suite runs on TEST_WORKERS pytest-xdist workers (default 2; 0 runs it in this
 # process), each file on one worker: much of a test's time is a subprocess starting, importing torch
@@ -33,6 +34,16 @@ NO_NATIVE_BF16_TESTS=(
 
 if [ "${1:-}" = "--fast" ]; then
     shift
+    # the session's test models (a target, its ModelOpt EAGLE-3 draft, ...: deterministic) made once and
+    # kept in the ignored cache, keyed by what makes them; the full suite makes them afresh
+    key=$(cat tests/model_factory.py megatron_spec/models/tiny.py megatron_spec/draft/modelopt_train.py \
+          requirements/cpu.txt | sha256sum | cut -c1-12)
+    models=.cache/test_models/$key
+    if [ ! -f "$models/setup.json" ]; then
+        echo "[test] making the test models once into $models"
+        python -m tests.model_factory "$models" > /dev/null
+    fi
+    export MEGATRON_SPEC_TEST_MODELS=$PWD/$models
     exec python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=10 \
         -m "not dist and not statistical and not slow and not network and not gpu" "$@"
 fi

@@ -122,6 +122,7 @@ def online_change(world, strong, base: CaptureConfig) -> tuple[float, float, dic
     return float(d.mean()), float(d.std() / d.numel() ** 0.5), ev_before, trainer.evaluate(held, K)
 
 
+@pytest.mark.slow
 def test_online_updates_keep_held_out_acceptance(world):
     strong = _strong_draft(world)
     mean, se, before, after = online_change(world, strong, CaptureConfig())  # what GRPO captures

@@ -49,6 +49,7 @@ def test_prepared_kit_is_small_and_complete(kit):
     assert size < 20 << 20, f"the kit is {size / 2**20:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_step(kit, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="2", PYTHON=sys.executable)

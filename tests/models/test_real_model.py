@@ -89,6 +89,7 @@ def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dty
             assert torch.equal(t.to(torch.bfloat16), ckpt.get(name)), name
 
 
+@pytest.mark.slow
 def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts):
     """Greedy decoding is the argmax of the model's next-token logits given the tokens so far, so the
     engine's 16 outputs equal transformers' greedy outputs token for token exactly when, at every

@@ -67,6 +67,7 @@ def test_greedy_identical_to_transformers_and_engine_ar(setup, greedy_reference,
 
 @pytest.mark.parametrize("kind, history", [("ngram", False), ("model", False), ("eagle3", False),
                                            ("history", False), ("model", True), ("eagle3", True)])
+@pytest.mark.slow  # ~20-30 s each
 def test_adaptive_k_greedy_identical_to_transformers(setup, greedy_reference, kind, history):
     """num_draft_tokens auto: k changes step by step (0 included), the output never does; nor with
     the history drafter alone or beside a drafter (the second call drafts from the first's responses)."""
