@@ -286,8 +286,8 @@ class MtpTrainer(DraftUpdate):
         ``steps`` (the engine's k) is ignored: an MTP draft proposes one token per depth. Collective
         over the TP group (vocabulary-parallel heads), local to the DP rank."""
         depth = self.draft.num_layers
-        segments = list(range(len(cache.seqlens)))
         lens = [int(n) for n in cache.seqlens]
+        segments = list(range(len(lens)))  # every segment
         label_ok = (cache.next_tokens >= 0) if self.config.loss == "hard" else None
         counts = scored_rows_per_step(cache, segments, lens, depth, label_ok)
         loss_sums = torch.zeros(depth, dtype=torch.float64, device=HOST)
@@ -297,7 +297,7 @@ class MtpTrainer(DraftUpdate):
         self.draft.eval()
         try:
             for mb in micro_batches(lens, self.config.micro_batch_rows):
-                _, l_s, a_s = self._micro_batch(cache, [segments[i] for i in mb], [1.0] * depth, ones, label_ok)
+                _, l_s, a_s = self._micro_batch(cache, mb, [1.0] * depth, ones, label_ok)  # mb: segment indices
                 loss_sums += l_s
                 agree += a_s
         finally:

@@ -23,6 +23,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import logging
+import math
 import os
 import sys
 import time
@@ -403,8 +404,6 @@ class RolloutManager:
         """Mean reward of the engines' current policy on the held-out prompts: one sample per prompt,
         the rollout sampling settings, the same seed every time (so two evaluations differ by the
         policy, not by the draw). Collective: the prompts are shared out over the engines."""
-        import math
-
         version = self.engine_target_version[0]
         rollouts, _ = self._collect(self.task.eval_round(), version)
         rewards = [ro.reward for ro in rollouts]

@@ -369,13 +369,14 @@ class EngineCore:
             drafts, q = torch.full((b, k), -1, dtype=torch.long, device=dev), None
         self._sync()  # the proposal's kernels are done: its time is what the controller learns
         t_main = time.perf_counter() - t1
+        point = torch.tensor(use_hist, device=dev)  # [B] rows verified against a point mass (history drafts)
         if any(use_hist):
             hd = pad_rows([hist[i][:k] if u else [] for i, u in enumerate(use_hist)], k, -1, dev)
-            drafts = torch.where(torch.tensor(use_hist, device=dev).view(-1, 1), hd, drafts)
+            drafts = torch.where(point.view(-1, 1), hd, drafts)
         branch = None
         if plan.mode == "tree":  # the second branch: each row's history proposal
             branch = pad_rows([h[:plan.m] for h in hist], plan.m, -1, dev)
-        return Proposal(plan, use_hist, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main)
+        return Proposal(plan, use_hist, point, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main)
 
     def _verify_step(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
                      adm: Admission | None) -> Verified:
@@ -401,8 +402,7 @@ class EngineCore:
             if aux is not None:
                 aux = aux.gather(1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
         else:
-            res = verify_split(lp, drafts, prop.q, d2t, sampling.greedy, torch.tensor(prop.use_hist, device=dev),
-                               self.generator)
+            res = verify_split(lp, drafts, prop.q, d2t, sampling.greedy, prop.point, self.generator)
             path = None
             # the main drafter's own drafts were accepted only on its rows
             own = [0 if u else a for a, u in zip(res.num_accepted.tolist(), prop.use_hist)]

@@ -32,6 +32,8 @@ class Proposal:
     plan: StepPlan
     use_hist: list[bool]
     """Per row: its drafts come from the history (verified against a point mass)."""
+    point: torch.Tensor
+    """``use_hist`` as a ``[B]`` bool tensor on the engine's device."""
     options: list | None
     """Per row, the (acceptance, proposal length) options the adaptive plan was chosen from."""
     hist: list[list[int]] | None
