@@ -71,7 +71,7 @@ def main(argv=None) -> int:
 
     from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
     from megatron_spec.models import HFCheckpoint, save_hf_checkpoint
-    from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
+    from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
     from megatron_spec.models.gpt import build_gpt_model, export_hf_state_dict, load_hf_weights
     from megatron_spec.models.tiny import make_hf_checkpoint
     from megatron_spec.parallel import destroy_parallel, init_parallel

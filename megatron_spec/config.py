@@ -21,8 +21,7 @@ from typing import Any
 
 import yaml
 
-from megatron_spec.isa import DTYPE_CHOICES
-from megatron_spec.rollout.config import HISTORY_TREE_MODES, parse_num_draft_tokens
+from megatron_spec.rollout.config import SETTING, check_speculation, parse_num_draft_tokens
 
 
 class ConfigError(ValueError):
@@ -41,13 +40,19 @@ def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None =
     return field(default=default, metadata=meta)
 
 
+def _setting(name: str) -> Any:
+    """A field declared by the engine settings' one source (``megatron_spec.rollout.config.SETTINGS``)."""
+    s = SETTING[name]
+    return _f(s.default, s.help, s.choices, parse=s.parse)
+
+
 @dataclass
 class ModelConfig:
-    hf_checkpoint: str = _f(None, "HF checkpoint directory of the policy (config.json, safetensors, tokenizer)")
+    hf_checkpoint: str = _setting("hf_checkpoint")
     tensor_model_parallel_size: int = _f(1, "tensor-parallel size (divides the world size; the rest is data parallel)")
     make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this times TP (Megatron-LM)")
     bf16: bool = _f(False, "train the policy in bfloat16 (default float32)")
-    seed: int = _f(1234, "base seed: model-parallel RNG, data order, sampling")
+    seed: int = _setting("seed")
 
 
 @dataclass
@@ -76,18 +81,17 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    rollout_backend: str = _f(None, "rollout engine (default: sglang with a GPU, native without)", ("native", "sglang"))
-    rollout_dtype: str = _f("auto", "engine compute dtype (auto: bfloat16 where the CPU does bf16 natively or on a "
-                                     "GPU, float32 elsewhere; see megatron-spec info)", DTYPE_CHOICES)
+    rollout_backend: str = _setting("rollout_backend")
+    rollout_dtype: str = _setting("rollout_dtype")
     rollout_weight_dtype: str = _f("fp32", "dtype of streamed weights (fp8: block-FP8 target, draft unquantised)",
                                    ("fp32", "bf16", "fp8"))
-    rollout_max_batch_size: int = _f(16, "sequences the engine decodes at once")
-    rollout_max_new_tokens: int = _f(64, "longest response")
-    rollout_temperature: float = _f(1.0, "sampling temperature (0 = greedy)")
-    rollout_top_p: float = _f(1.0, "nucleus sampling (1 = off)")
-    rollout_top_k: int = _f(0, "top-k sampling (0 = off)")
-    rollout_min_p: float = _f(0.0, "min-p sampling (0 = off)")
-    rollout_num_threads: int = _f(None, "torch threads in the native engine process")
+    rollout_max_batch_size: int = _setting("rollout_max_batch_size")
+    rollout_max_new_tokens: int = _setting("rollout_max_new_tokens")
+    rollout_temperature: float = _setting("rollout_temperature")
+    rollout_top_p: float = _setting("rollout_top_p")
+    rollout_top_k: int = _setting("rollout_top_k")
+    rollout_min_p: float = _setting("rollout_min_p")
+    rollout_num_threads: int = _setting("rollout_num_threads")
     rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
     async_policy_lag: int = _f(0, "policy lag L: the engines generate the next batch while the trainer trains this "
                                   "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "
@@ -112,24 +116,17 @@ class RolloutConfig:
 
 @dataclass
 class SpecConfig:
-    spec_draft_kind: str = _f("none", "drafter (history: earlier responses to the same prompt, native engine)",
-                              ("none", "eagle3", "model", "mtp", "ngram", "history"))
-    spec_draft_path: str = _f(None, "ModelOpt-exported EAGLE-3 directory, or draft-model HF checkpoint")
-    spec_num_draft_tokens: int | str = _f(3, "k: tokens drafted per verify step, or auto: chosen per step in "
-                                             "0..--spec-max-draft-tokens from measured acceptance and step cost "
-                                             "(native engine)", parse=parse_num_draft_tokens)
-    spec_max_draft_tokens: int = _f(5, "k_max of --spec-num-draft-tokens auto")
-    spec_history: bool = _f(False, "also draft from earlier responses to the same prompt (GRPO siblings, earlier "
-                                   "steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)")
-    spec_history_max_draft_tokens: int = _f(10, "the longest history proposal beside the drafter (--spec-history): "
-                                                "steps where only the history drafts may verify this many tokens")
-    spec_history_tree: str = _f("auto", "tree steps beside --spec-history (the drafter's and the history's "
-                                        "proposals as two branches of one verify): auto (where the cost model "
-                                        "expects them to pay), off, always", HISTORY_TREE_MODES)
+    spec_draft_kind: str = _setting("spec_draft_kind")
+    spec_draft_path: str = _setting("spec_draft_path")
+    spec_num_draft_tokens: int | str = _setting("spec_num_draft_tokens")
+    spec_max_draft_tokens: int = _setting("spec_max_draft_tokens")
+    spec_history: bool = _setting("spec_history")
+    spec_history_max_draft_tokens: int = _setting("spec_history_max_draft_tokens")
+    spec_history_tree: str = _setting("spec_history_tree")
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")
-    spec_mtp_num_layers: int = _f(1, "MTP heads trained beside the policy (spec-draft-kind mtp)")
+    spec_mtp_num_layers: int = _setting("spec_mtp_num_layers")
     spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off); a sudden "
                                     "collapse from healthy acceptance acts on its first step")
     spec_watchdog_fallback: bool = _f(False, "on acceptance collapse fall back to autoregressive decoding")
@@ -212,8 +209,6 @@ class RunConfig:
             raise ConfigError("--hf-checkpoint is required")
         if not self.data.prompt_data:
             raise ConfigError("--prompt-data is required")
-        if s.spec_draft_kind in ("eagle3", "model") and not s.spec_draft_path:
-            raise ConfigError(f"--spec-draft-kind {s.spec_draft_kind} needs --spec-draft-path")
         if s.spec_online_draft_training and s.spec_draft_kind not in ("eagle3", "mtp"):
             raise ConfigError("--spec-online-draft-training needs --spec-draft-kind eagle3 or mtp")
         if s.spec_draft_kind == "mtp" and not s.spec_online_draft_training and not s.spec_draft_path:
@@ -223,18 +218,10 @@ class RunConfig:
             s.spec_num_draft_tokens = parse_num_draft_tokens(s.spec_num_draft_tokens)  # YAML may hold "auto" or 3
         except ValueError as exc:
             raise ConfigError(f"--spec-num-draft-tokens: {exc}") from exc
-        if s.spec_draft_kind != "none" and s.spec_k_max < 1:
-            raise ConfigError(f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, "
-                              f"got {s.spec_k_max}")
-        if (s.spec_num_draft_tokens == "auto" or s.spec_history or s.spec_draft_kind == "history") \
-                and r.rollout_backend == "sglang":
-            raise ConfigError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need "
-                              "--rollout-backend native (SGLang fixes k at start-up)")
-        if s.spec_history_max_draft_tokens < 1:
-            raise ConfigError(f"--spec-history-max-draft-tokens must be >= 1, got {s.spec_history_max_draft_tokens}")
-        if s.spec_history and (s.spec_num_draft_tokens != "auto" or s.spec_draft_kind in ("none", "history")):
-            raise ConfigError("--spec-history needs --spec-num-draft-tokens auto and a --spec-draft-kind other than "
-                              "none and history")
+        try:
+            check_speculation(dataclasses.asdict(s), r.rollout_backend)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         lg, d = self.logging, self.data
         if lg.log_interval < 0:
             raise ConfigError(f"--log-interval {lg.log_interval} must be >= 0 (0: no progress line)")

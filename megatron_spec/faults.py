@@ -1,4 +1,5 @@
-"""Fault injection for the fault-tolerance tests (off unless ``MEGATRON_SPEC_FAULTS`` is set).
+"""Fault injection for the fault-tolerance tests (off unless ``MEGATRON_SPEC_FAULTS`` is set), and the
+test hooks: modes only tests use, kept out of the flags (off unless ``MEGATRON_SPEC_TEST_HOOKS`` is set).
 
 ``MEGATRON_SPEC_FAULTS="kill_in_save=3,engine_exit_at_generate=2"`` makes the named point
 fail the given time it is reached: ``kill_in_save`` SIGKILLs the trainer after its rank file
@@ -13,6 +14,11 @@ the next step's rollouts draft garbage, the acceptance watchdog's test). Each fi
 
 Real failures come without warning; these points exist so tests can show what the run does
 when a process dies at the worst moment.
+
+``MEGATRON_SPEC_TEST_HOOKS="history_tree_always"`` (:func:`test_hook`): the adaptive controller makes
+every step a tree step where a row has a history proposal, with the whole proposal as the second
+branch (the exactness and distribution tests of tree steps, which the cost model alone would run
+only where they pay). Engine processes inherit the variable.
 """
 
 from __future__ import annotations
@@ -42,6 +48,11 @@ def should_fire(point: str, count: int) -> bool:
             return False
         open(marker, "w").close()
     return True
+
+
+def test_hook(name: str) -> bool:
+    """True when the test hook ``name`` is on (``MEGATRON_SPEC_TEST_HOOKS``, comma-separated names)."""
+    return name in {x.strip() for x in os.environ.get("MEGATRON_SPEC_TEST_HOOKS", "").split(",")}
 
 
 def kill_self() -> None:

@@ -3,9 +3,12 @@
 Reads prompts from JSONL (``{"id", "prompt"}`` or ``{"id", "input_ids"}``), writes one JSON
 line per sample (with the decoded ``text`` when the checkpoint has a tokenizer), shows a
 progress bar on stderr, and ends stdout with one JSON summary line (tokens/s, accept length,
-per-position acceptance, the compute ``dtype`` and the ``cpu_capability``). ``--dtype auto`` (the
-default) is resolved through ``megatron_spec.isa.resolve_dtype``: bf16 only where the CPU does bf16
-natively (or on a GPU), fp32 elsewhere. Bad input (a missing model or draft directory, prompts, a
+per-position acceptance, the compute ``dtype`` and the ``cpu_capability``). The engine and sampling
+flags are the launcher's (``--hf-checkpoint``, ``--spec-draft-kind``, ``--rollout-temperature``: one
+table, ``megatron_spec.rollout.config.SETTINGS``), each also under its older name here (``--model``,
+``--draft-kind``, ``--temperature``). ``--rollout-dtype auto`` (the default) is resolved through
+``megatron_spec.isa.resolve_dtype``: bf16 only where the CPU does bf16 natively (or on a GPU), fp32
+elsewhere. Bad input (a missing model or draft directory, prompts, a
 draft for another model, a prompt too long for the context) is one ``error:`` line on stderr and
 exit status 2; an engine that died, 1. The prompt, output and summary names are a contract
 (docs/design.md, "megatron-spec generate").
@@ -19,75 +22,42 @@ import json
 import os
 import sys
 
-from megatron_spec.isa import DTYPE_CHOICES
-
 HELP = "generate samples with the rollout engine (optionally speculative) from a prompts JSONL file"
 
 
-def _num_draft_tokens(value: str):
-    from megatron_spec.rollout.config import parse_num_draft_tokens
-
-    try:
-        return parse_num_draft_tokens(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from megatron_spec.rollout.config import HISTORY_TREE_MODES
+    """The engine and sampling settings under the launcher's names (``--spec-draft-kind``, ``--rollout-dtype``),
+    each also under its older name here (``--draft-kind``, ``--dtype``): one table,
+    ``megatron_spec.rollout.config.SETTINGS``; then what only a sampler on its own needs."""
+    from megatron_spec.rollout.config import add_setting_arguments
 
-    p.add_argument("--model", required=True, help="HF checkpoint directory of the target")
-    p.add_argument("--draft-kind", default="none", choices=["none", "eagle3", "model", "mtp", "ngram", "history"],
-                   help="history: drafts from earlier responses to the same prompt (native engine)")
-    p.add_argument("--draft-path", default=None, help="EAGLE-3 export (ModelOpt) or draft-model checkpoint")
-    p.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=3,
-                   help="k, tokens drafted per verify step, or auto: chosen per step in 0..--max-draft-tokens from "
-                        "measured acceptance and step cost (native engine)")
-    p.add_argument("--max-draft-tokens", type=int, default=5, help="k_max of --num-draft-tokens auto")
-    p.add_argument("--history", action="store_true",
-                   help="also draft from earlier responses to the same prompt, per row where it is expected to "
-                        "emit more (needs --num-draft-tokens auto and another --draft-kind)")
-    p.add_argument("--history-max-draft-tokens", type=int, default=10,
-                   help="the longest history proposal beside the drafter (--history): steps where only the "
-                        "history drafts may verify this many tokens")
-    p.add_argument("--history-tree", choices=HISTORY_TREE_MODES, default="auto",
-                   help="tree steps beside --history (the drafter's and the history's proposals as two branches "
-                        "of one verify): auto (where the cost model expects them to pay), off, always")
+    add_setting_arguments(p, "generate")
     p.add_argument("--prompts", required=True, help="JSONL: {'id', 'prompt'} or {'id', 'input_ids'} per line")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's prefill)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's EOS")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=32, help="sequences decoded at once")
     p.add_argument("--context-length", type=int, default=None,
-                   help="engine context (default: longest prompt + max-new-tokens)")
-    p.add_argument("--backend", default="native", choices=["native", "sglang"])
+                   help="engine context (default: longest prompt + --rollout-max-new-tokens)")
     p.add_argument("--device", default="cpu", help="where the native engine runs: cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="engine compute dtype (auto: bfloat16 where the CPU does bf16 natively or on a GPU, "
-                        "float32 elsewhere; see megatron-spec info)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
     p.add_argument("--output", required=True, help="output JSONL, one line per sample")
     p.add_argument("--no-progress", action="store_true")
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """The model (and draft) directories exist; checked first, so a typo in ``--model`` is named as
+    """The model (and draft) directories exist; checked first, so a typo in ``--hf-checkpoint`` is named as
     such rather than as a symptom (no tokenizer, no config.json)."""
     from megatron_spec.models.fetch import is_model_name, resolve_model
 
-    if is_model_name(args.model):  # smollm2, or a Hub id read from the local huggingface_hub cache
-        args.model = resolve_model(args.model, log=lambda m: print(f"megatron-spec generate: {m}", file=sys.stderr))
-    if not os.path.isdir(args.model):
-        raise FileNotFoundError(f"--model {args.model}: no such directory (an HF checkpoint directory)")
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise FileNotFoundError(f"--model {args.model} has no config.json (not an HF checkpoint directory)")
-    if args.draft_path and args.draft_kind in ("eagle3", "model", "mtp") and not os.path.isdir(args.draft_path):
-        raise FileNotFoundError(f"--draft-path {args.draft_path}: no such directory")
+    model = args.hf_checkpoint
+    if is_model_name(model):  # smollm2, or a Hub id read from the local huggingface_hub cache
+        model = args.hf_checkpoint = resolve_model(
+            model, log=lambda m: print(f"megatron-spec generate: {m}", file=sys.stderr))
+    if not os.path.isdir(model):
+        raise FileNotFoundError(f"--hf-checkpoint {model}: no such directory (an HF checkpoint directory)")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(f"--hf-checkpoint {model} has no config.json (not an HF checkpoint directory)")
+    path = args.spec_draft_path
+    if path and args.spec_draft_kind in ("eagle3", "model", "mtp") and not os.path.isdir(path):
+        raise FileNotFoundError(f"--spec-draft-path {path}: no such directory")
 
 
 _PART = "\x00"  # joins a request id and the index of one of its batches (never in a JSON id a user wrote)
@@ -116,17 +86,18 @@ def merge_batches(samples, batch_size: int) -> list:
 
 
 def check_context(args: argparse.Namespace, prompts) -> int:
-    """The engine's context: the longest prompt plus ``--max-new-tokens`` (or ``--context-length``), refused
-    with one error when it exceeds the model's positions (``max_position_embeddings``)."""
+    """The engine's context: the longest prompt plus ``--rollout-max-new-tokens`` (or ``--context-length``),
+    refused with one error when it exceeds the model's positions (``max_position_embeddings``)."""
     from megatron_spec.models.hf_config import DecoderConfig
 
-    limit = DecoderConfig.from_pretrained(args.model).max_position_embeddings
+    limit = DecoderConfig.from_pretrained(args.hf_checkpoint).max_position_embeddings
     rid, ids = max(prompts, key=lambda p: len(p[1]))
-    need = len(ids) + args.max_new_tokens
+    new = args.rollout_max_new_tokens
+    need = len(ids) + new
     if need > limit:
-        raise ValueError(f"prompt {rid!r} has {len(ids)} tokens; with --max-new-tokens {args.max_new_tokens} it needs "
+        raise ValueError(f"prompt {rid!r} has {len(ids)} tokens; with --rollout-max-new-tokens {new} it needs "
                          f"{need} positions, more than the model's context of {limit} (max_position_embeddings in "
-                         f"{args.model}/config.json)")
+                         f"{args.hf_checkpoint}/config.json)")
     if args.context_length and args.context_length > limit:
         raise ValueError(f"--context-length {args.context_length} exceeds the model's context of {limit} "
                          f"(max_position_embeddings)")
@@ -179,7 +150,7 @@ def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_spec.rollout import make_engine
-    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.config import EngineConfig, check_speculation, engine_kwargs, sampling_kwargs
     from megatron_spec.rollout.types import SamplingParams
 
     from megatron_spec.isa import probe, resolve_dtype
@@ -189,25 +160,18 @@ def run(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer(args.hf_checkpoint)
+    backend = args.rollout_backend
+    values = vars(args)
     try:
-        dtype = resolve_dtype(args.dtype, "cuda" if args.backend == "sglang" else args.device.partition(":")[0])
-        if args.backend == "sglang" and (args.num_draft_tokens == "auto" or args.history
-                                         or args.draft_kind == "history"):
-            raise ValueError("--num-draft-tokens auto, --history and --draft-kind history run in the native engine "
-                             "only (SGLang's speculative worker fixes k at start-up; docs/architecture.md)")
+        dtype = resolve_dtype(args.rollout_dtype, "cuda" if backend == "sglang" else args.device.partition(":")[0])
+        check_speculation(values, backend)
         prompts = read_prompts(args.prompts, tokenizer)
-        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                  min_p=args.min_p, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos)
-        requests = batched_requests(prompts, sampling, args.n, args.batch_size)
+        sampling = SamplingParams(**sampling_kwargs(values), ignore_eos=args.ignore_eos)
+        batch_size = args.rollout_max_batch_size
+        requests = batched_requests(prompts, sampling, args.n, batch_size)
         context = check_context(args, prompts)
-        config = EngineConfig(model_path=args.model, draft_kind=args.draft_kind, draft_path=args.draft_path,
-                              num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
-                              history=args.history, history_max_draft_tokens=args.history_max_draft_tokens,
-                              history_tree=args.history_tree,
-                              dtype=dtype, device=args.device,
-                              max_batch_size=args.batch_size, context_length=context, seed=args.seed,
-                              num_threads=args.num_threads)
+        config = EngineConfig(**{**engine_kwargs(values), "dtype": dtype}, device=args.device, context_length=context)
     except (ValueError, FileNotFoundError) as exc:
         print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
         return 2
@@ -218,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
 
     total = len(requests) * args.n
     try:
-        with make_engine(config, backend=args.backend) as engine:
+        with make_engine(config, backend=backend) as engine:
             bar = tqdm(total=total, desc="generate", unit="sample", disable=args.no_progress, file=sys.stderr)
             seen = [0]
 
@@ -228,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
             try:
                 samples, stats = engine.generate(requests, on_progress=on_progress)
-                samples = merge_batches(samples, args.batch_size)
+                samples = merge_batches(samples, batch_size)
                 bar.update(total - seen[0])
             finally:
                 bar.close()

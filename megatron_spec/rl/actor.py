@@ -30,10 +30,10 @@ from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.capture.support import vocab_parallel_entropy_and_log_mass, vocab_parallel_support_mask
 from megatron_spec.config import GRPOConfig, RunConfig
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights, unwrap
-from megatron_spec.models.offload import ColocateOffload
-from megatron_spec.models.optimizer import MixedPrecisionAdamW
+from megatron_spec.train.offload import ColocateOffload
+from megatron_spec.train.optimizer import MixedPrecisionAdamW
 from megatron_spec.parallel import ParallelInfo
 from megatron_spec.rl import checkpoint as ckpt_io
 from megatron_spec.rl.loss import grpo_loss
@@ -101,7 +101,7 @@ class PolicyActor:
         load_hf_weights(self.model, ckpt)
         self.ddp = wrap_ddp(self.model)
         self.params = [p for p in self.ddp.parameters() if p.requires_grad]
-        # fp32 main weights and AdamW moments; with --bf16 the model computes in bf16 (models/optimizer.py)
+        # fp32 main weights and AdamW moments; with --bf16 the model computes in bf16 (train/optimizer.py)
         self.optimizer = MixedPrecisionAdamW(self.params, lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.999))
         self.ref = None
         if g.kl_coef > 0:

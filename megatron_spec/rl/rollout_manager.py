@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from megatron_spec.rl.actor import PolicyActor
     from megatron_spec.rl.task import PromptTask
 from megatron_spec.rollout.api import RolloutEngine
-from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.config import EngineConfig, engine_kwargs
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats
 from megatron_spec.telemetry import StageTimer
 
@@ -106,21 +106,17 @@ class RolloutManager:
 
     # ------------------------------------------------------------------ engines
     def engine_config(self, online_draft: bool) -> EngineConfig:
-        r, s = self.cfg.rollout, self.cfg.spec
-        kind = s.spec_draft_kind
-        draft_path = s.spec_draft_path
-        if kind == "mtp" and online_draft:
-            draft_path = None  # the heads are streamed from the trainer before the first rollout
+        """The engine's record from the run's settings (``rollout.config.SETTINGS`` maps them), with what the
+        trainer decides: this rank's device, the context, weights streamed (not read), their dtype."""
+        c, r = self.cfg, self.cfg.rollout
+        values = {**dataclasses.asdict(c.model), **dataclasses.asdict(r), **dataclasses.asdict(c.spec)}
+        if c.spec.spec_draft_kind == "mtp" and online_draft:
+            values["spec_draft_path"] = None  # the heads are streamed from the trainer before the first rollout
         return EngineConfig(
-            model_path=self.cfg.model.hf_checkpoint, draft_kind=kind, draft_path=draft_path,
+            **engine_kwargs(values),
             device=str(self.info.device),  # the native engine shares this rank's device (SGLang places itself)
-            num_draft_tokens=s.spec_num_draft_tokens, max_draft_tokens=s.spec_max_draft_tokens,
-            history=s.spec_history, history_max_draft_tokens=s.spec_history_max_draft_tokens,
-            history_tree=s.spec_history_tree,
-            dtype=r.rollout_dtype, max_batch_size=r.rollout_max_batch_size,
-            context_length=self.cfg.data.max_prompt_length + r.rollout_max_new_tokens, seed=self.cfg.model.seed,
-            num_threads=r.rollout_num_threads, load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8",
-            mtp_num_layers=s.spec_mtp_num_layers)
+            context_length=c.data.max_prompt_length + r.rollout_max_new_tokens,
+            load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8")
 
     def start(self, task: PromptTask, actor: PolicyActor) -> None:
         """Start this owner's engine (and its streamer, and the acceptance watchdog); a sender of a

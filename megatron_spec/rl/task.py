@@ -7,6 +7,7 @@ What the rollout manager asks the engines for (:meth:`PromptTask.next_round`,
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from megatron_spec.config import ConfigError, RunConfig
@@ -16,6 +17,7 @@ from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_
 from megatron_spec.rl.records import Round
 from megatron_spec.rl.rewards import get_reward, score
 from megatron_spec.rl.rollouts import Rollout
+from megatron_spec.rollout.config import sampling_kwargs
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams, SampleOutput
 from megatron_spec.telemetry import StageTimer
 
@@ -66,9 +68,7 @@ class PromptTask:
         if len(ids) > d.max_prompt_length:
             raise ValueError(f"{what} has {len(ids)} tokens, more than --max-prompt-length "
                              f"{d.max_prompt_length}: {prompt[:80]!r}")
-        sp = SamplingParams(temperature=r.rollout_temperature, top_p=r.rollout_top_p, top_k=r.rollout_top_k,
-                            min_p=r.rollout_min_p, max_new_tokens=r.rollout_max_new_tokens,
-                            stop_token_ids=self.stop_ids)
+        sp = SamplingParams(**sampling_kwargs(dataclasses.asdict(r)), stop_token_ids=self.stop_ids)
         return GenerateRequest(request_id, ids, sp, n=n)
 
     def next_round(self, step: int) -> Round:

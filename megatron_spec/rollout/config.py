@@ -1,30 +1,192 @@
-"""What a rollout engine is started with (both backends read the same record).
+"""What a rollout engine is started with, and the settings users give it, declared once.
 
-:class:`EngineConfig` is plain data, picklable into the engine process. The trainer builds
-it from its ``RolloutConfig``/``SpecConfig`` (``megatron_spec.config``); ``megatron-spec
-generate`` builds it from its flags.
+:data:`SETTINGS` is the one source of every engine and sampling setting users set: its name (the
+launcher's ``RunConfig`` field and the flag ``--name`` of both ``pretrain_grpo_spec.py`` and
+``megatron-spec generate``), default, help, choices, the :class:`EngineConfig` field or
+:class:`~megatron_spec.rollout.types.SamplingParams` field it fills, and ``generate``'s older flag
+name, still accepted (``--draft-kind`` for ``--spec-draft-kind``: users have scripts).
+``megatron_spec.config`` declares its rollout and spec fields from it, ``generate`` its flags, and
+both build the engine's record with :func:`engine_kwargs` and :func:`sampling_kwargs`; the rules
+between the speculation settings are :func:`check_speculation`, called by all three.
+
+:class:`EngineConfig` is plain data, picklable into the engine process.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from megatron_spec.isa import DTYPE_CHOICES, resolve_dtype
 
 DRAFT_KINDS = ("none", "eagle3", "model", "mtp", "ngram", "history")
-HISTORY_TREE_MODES = ("auto", "off", "always")
+HISTORY_TREE_MODES = ("auto", "off")
 BACKENDS = ("native", "sglang")
 
 
 def parse_num_draft_tokens(value: "int | str") -> "int | str":
-    """A ``--num-draft-tokens`` value: ``auto`` or an int (argparse ``type`` and YAML values)."""
+    """A ``--spec-num-draft-tokens`` value: ``auto`` or an int (argparse ``type`` and YAML values)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
     try:
         return int(value)
     except (TypeError, ValueError):
         raise ValueError(f"num_draft_tokens must be an integer or 'auto', got {value!r}") from None
+
+
+_SAME = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One engine or sampling setting as users set it."""
+
+    name: str
+    """The ``RunConfig`` field (in :attr:`group`) and, with dashes, the flag of both commands."""
+    group: str
+    """The ``RunConfig`` group holding it: model, rollout or spec."""
+    default: Any
+    help: str
+    choices: tuple | None = None
+    parse: Callable | None = None
+    """The flag's argparse type: the default's type, else ``str`` (a union such as ``int | "auto"`` or a
+    default of None names its own)."""
+    engine: str | None = None
+    """The :class:`EngineConfig` field it fills."""
+    sampling: str | None = None
+    """The ``SamplingParams`` field it fills."""
+    alias: str | None = None
+    """``generate``'s flag for it before the names were one (still accepted there)."""
+    generate: bool = True
+    """Also a flag of ``megatron-spec generate``."""
+    generate_default: Any = _SAME
+    """``generate``'s default where it differs (a sampler on its own, not a trainer's engine)."""
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def default_for(self, command: str) -> Any:
+        return self.default if command != "generate" or self.generate_default is _SAME else self.generate_default
+
+
+def _num_draft_tokens_arg(value: str) -> "int | str":
+    try:
+        return parse_num_draft_tokens(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("hf_checkpoint", "model", None, "HF checkpoint directory of the policy (config.json, safetensors, "
+            "tokenizer)", engine="model_path", alias="--model"),
+    Setting("seed", "model", 1234, "base seed: model-parallel RNG, data order, sampling", engine="seed",
+            generate_default=0),
+    Setting("rollout_backend", "rollout", None, "rollout engine: native (PyTorch, its own process) or sglang; "
+            "the launcher's default: sglang with a GPU, native without", BACKENDS, alias="--backend",
+            generate_default="native"),
+    Setting("rollout_dtype", "rollout", "auto", "engine compute dtype (auto: bfloat16 where the CPU does bf16 "
+            "natively or on a GPU, float32 elsewhere; see megatron-spec info)", DTYPE_CHOICES, engine="dtype",
+            alias="--dtype"),
+    Setting("rollout_max_batch_size", "rollout", 16, "sequences the engine decodes at once", engine="max_batch_size",
+            alias="--batch-size", generate_default=32),
+    Setting("rollout_max_new_tokens", "rollout", 64, "longest response", sampling="max_new_tokens",
+            alias="--max-new-tokens", generate_default=128),
+    Setting("rollout_temperature", "rollout", 1.0, "sampling temperature (0 = greedy)", sampling="temperature",
+            alias="--temperature"),
+    Setting("rollout_top_p", "rollout", 1.0, "nucleus sampling (1 = off)", sampling="top_p", alias="--top-p"),
+    Setting("rollout_top_k", "rollout", 0, "top-k sampling (0 = off)", sampling="top_k", alias="--top-k"),
+    Setting("rollout_min_p", "rollout", 0.0, "min-p sampling (0 = off)", sampling="min_p", alias="--min-p"),
+    Setting("rollout_num_threads", "rollout", None, "torch threads in the native engine process", parse=int,
+            engine="num_threads", alias="--num-threads"),
+    Setting("spec_draft_kind", "spec", "none", "drafter (history: earlier responses to the same prompt, native "
+            "engine)", DRAFT_KINDS, engine="draft_kind", alias="--draft-kind"),
+    Setting("spec_draft_path", "spec", None, "ModelOpt-exported EAGLE-3 directory, or draft-model HF checkpoint",
+            engine="draft_path", alias="--draft-path"),
+    Setting("spec_num_draft_tokens", "spec", 3, "k: tokens drafted per verify step, or auto: chosen per step in "
+            "0..--spec-max-draft-tokens from measured acceptance and step cost (native engine)",
+            parse=_num_draft_tokens_arg, engine="num_draft_tokens", alias="--num-draft-tokens"),
+    Setting("spec_max_draft_tokens", "spec", 5, "k_max of --spec-num-draft-tokens auto", engine="max_draft_tokens",
+            alias="--max-draft-tokens"),
+    Setting("spec_history", "spec", False, "also draft from earlier responses to the same prompt (GRPO siblings, "
+            "earlier steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)",
+            engine="history", alias="--history"),
+    Setting("spec_history_max_draft_tokens", "spec", 10, "the longest history proposal beside the drafter "
+            "(--spec-history): steps where only the history drafts may verify this many tokens",
+            engine="history_max_draft_tokens", alias="--history-max-draft-tokens"),
+    Setting("spec_history_tree", "spec", "auto", "tree steps beside --spec-history (the drafter's and the "
+            "history's proposals as two branches of one verify): auto (where the cost model expects them to "
+            "pay) or off", HISTORY_TREE_MODES, engine="history_tree", alias="--history-tree"),
+    Setting("spec_mtp_num_layers", "spec", 1, "MTP heads trained beside the policy (spec-draft-kind mtp)",
+            engine="mtp_num_layers", generate=False),
+)
+SETTING: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+def engine_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`EngineConfig` fields that ``values`` (setting name -> value: a ``RunConfig``'s groups
+    merged, or ``generate``'s parsed flags) give."""
+    return {s.engine: values[s.name] for s in SETTINGS if s.engine and s.name in values}
+
+
+def sampling_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``SamplingParams`` fields that ``values`` give (see :func:`engine_kwargs`)."""
+    return {s.sampling: values[s.name] for s in SETTINGS if s.sampling and s.name in values}
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser, command: str = "generate") -> None:
+    """The flags of ``command`` for the settings it takes: the one name (``--spec-draft-kind``) and the
+    older one (``--draft-kind``), parsed into ``args.<setting name>``."""
+    for s in SETTINGS:
+        if not s.generate:
+            continue
+        names = [s.flag] + ([s.alias] if s.alias else [])
+        default = s.default_for(command)
+        kw: dict[str, Any] = {"dest": s.name, "default": default, "help": f"{s.help} (default: {default})"}
+        if isinstance(s.default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw["type"] = s.parse or (type(s.default) if s.default is not None else str)
+            if s.choices:
+                kw["choices"] = s.choices
+            else:
+                kw["metavar"] = s.name.rsplit("_", 1)[-1].upper()
+        if s.name == "hf_checkpoint":
+            kw["required"] = True
+        parser.add_argument(*names, **kw)
+
+
+def check_speculation(values: Mapping[str, Any], backend: str | None = None) -> None:
+    """The rules between the speculation settings (``values``: setting name -> value, as for
+    :func:`engine_kwargs`), each a ``ValueError`` naming the flags; ``backend``: the engine's, where known.
+    The launcher, ``generate`` and :class:`EngineConfig` all check through this."""
+    kind, path = values.get("spec_draft_kind", "none"), values.get("spec_draft_path")
+    k, k_max = values.get("spec_num_draft_tokens", 3), values.get("spec_max_draft_tokens", 5)
+    history, hist_k = values.get("spec_history", False), values.get("spec_history_max_draft_tokens", 10)
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f"--spec-draft-kind must be one of {DRAFT_KINDS}, got {kind!r}")
+    if kind in ("eagle3", "model") and not path:
+        raise ValueError(f"--spec-draft-kind {kind} needs --spec-draft-path")
+    if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
+        raise ValueError(f"--spec-num-draft-tokens must be an integer or 'auto', got {k!r}")
+    if kind != "none" and (k_max if k == "auto" else k) < 1:
+        raise ValueError(f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, "
+                         f"got {k_max if k == 'auto' else k}")
+    if hist_k < 1:
+        raise ValueError(f"--spec-history-max-draft-tokens must be >= 1, got {hist_k}")
+    if history and (k != "auto" or kind in ("none", "history")):
+        raise ValueError("--spec-history needs --spec-num-draft-tokens auto and a --spec-draft-kind other than "
+                         "none and history (--spec-draft-kind history drafts from the history alone)")
+    if values.get("spec_history_tree", "auto") not in HISTORY_TREE_MODES:
+        raise ValueError(f"--spec-history-tree must be one of {HISTORY_TREE_MODES}, "
+                         f"got {values.get('spec_history_tree')!r}")
+    if backend == "sglang" and (k == "auto" or history or kind == "history"):
+        raise ValueError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need the "
+                         "native engine (--rollout-backend native): SGLang's speculative worker fixes k at "
+                         "start-up (docs/architecture.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +211,8 @@ class EngineConfig:
     history_tree: str = "auto"
     """Tree steps beside ``history`` (the drafter's k tokens and up to ``history_max_draft_tokens`` of the
     history's as two branches of one verify, ``megatron_spec.spec.verify_tree``): ``auto`` where the
-    controller expects them to pay, ``off``, or ``always`` whenever a row has a history proposal (tests)."""
+    controller expects them to pay, or ``off`` (the tests force them with the test hook
+    ``history_tree_always``, ``megatron_spec.faults``)."""
     device: str = "cpu"
     """Where the native engine runs: ``cpu``, ``cuda`` or ``cuda:N`` (the trainer passes its own device, so a
     GPU rank's engine shares its GPU). SGLang places itself (``tp_size`` GPUs from this process's)."""
@@ -84,22 +247,7 @@ class EngineConfig:
     the fault-injection points of the tests (``megatron_spec.faults``)."""
 
     def __post_init__(self) -> None:
-        if self.draft_kind not in DRAFT_KINDS:
-            raise ValueError(f"draft_kind must be one of {DRAFT_KINDS}, got {self.draft_kind!r}")
-        if self.draft_kind in ("eagle3", "model") and not self.draft_path:
-            raise ValueError(f"draft_kind {self.draft_kind} needs a draft_path")
-        if self.num_draft_tokens != "auto" and (not isinstance(self.num_draft_tokens, int)
-                                                or isinstance(self.num_draft_tokens, bool)):
-            raise ValueError(f"num_draft_tokens must be an int or 'auto', got {self.num_draft_tokens!r}")
-        if self.draft_kind != "none" and self.k < 1:
-            raise ValueError(f"num_draft_tokens (max_draft_tokens with auto) must be >= 1, got {self.k}")
-        if self.history and (not self.adaptive or self.draft_kind in ("none", "history")):
-            raise ValueError("history beside a drafter needs num_draft_tokens auto and a draft_kind other than "
-                             "none and history (draft_kind history drafts from the history alone)")
-        if self.history_tree not in HISTORY_TREE_MODES:
-            raise ValueError(f"history_tree must be one of {HISTORY_TREE_MODES}, got {self.history_tree!r}")
-        if self.history and self.history_max_draft_tokens < 1:
-            raise ValueError(f"history_max_draft_tokens must be >= 1, got {self.history_max_draft_tokens}")
+        check_speculation({s.name: getattr(self, s.engine) for s in SETTINGS if s.engine and s.group == "spec"})
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")

@@ -29,7 +29,7 @@ from megatron_spec.draft.mtp import MtpTrainer
 from megatron_spec.draft.mtp_head import MtpHead
 from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
 from megatron_spec.parallel import destroy_parallel, init_parallel
 

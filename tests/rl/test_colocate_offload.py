@@ -4,7 +4,7 @@ run without offload.
 
 On CPU the trainer builds its offload inactive (there is nowhere else to move to); the test
 switches it on, so the same moves run as on a GPU, and reads them off the storage sizes
-(models/offload.py).
+(train/offload.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from megatron_spec.config import (CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig,
                                   RolloutConfig, RunConfig)
 from megatron_spec.models.gpt import unwrap
-from megatron_spec.models.offload import KINDS, PLAN
+from megatron_spec.train.offload import KINDS, PLAN
 from megatron_spec.parallel import destroy_parallel
 from megatron_spec.rl.trainer import GRPOTrainer
 

@@ -64,10 +64,16 @@ def test_acceptance_counts_positions_tried():
     assert s.tried == [2, 2, 0, 0] and s.accepted == [2, 1, 0, 0]
 
 
+def _choose_k(ctl: DraftLengthController, options) -> int:
+    """k for the next step with every row drafting from the main drafter (the controller's choice among
+    fixed-k steps alone, without the history and tree modes)."""
+    return ctl._pick(ctl.expected_rates(options), {}, {}).k
+
+
 def _train(ctl: DraftLengthController, b: int, cost, accept: float, steps: int = 200) -> list[int]:
     chosen = []
     for _ in range(steps):
-        k = ctl.choose([[(ctl.row_alpha("d", None), None)]] * b)
+        k = _choose_k(ctl, [[(ctl.row_alpha("d", None), None)]] * b)
         chosen.append(k)
         for _ in range(b):  # acceptance deterministic in expectation: accept `accept` of the positions
             ctl.record_accept("d", None, k, round(accept * k))
@@ -203,7 +209,7 @@ def test_k_main_bounds():
     with pytest.raises(ValueError, match="k_main"):
         DraftLengthController(4, k_main=5)
     ctl = DraftLengthController(8, k_main=3)
-    assert ctl.choose([[([1.0] * 8, None)]]) == 3  # no history source: never past k_main
+    assert _choose_k(ctl, [[([1.0] * 8, None)]]) == 3  # no history source: never past k_main
 
 
 def test_a_proposal_is_timed_per_k_not_as_k_equal_passes():
@@ -271,12 +277,15 @@ def test_no_tree_steps_when_the_verify_is_compute_bound_or_trees_underdeliver():
     assert sum(p.mode == "tree" for p in plans[:60]) >= 5 and sum(p.mode == "tree" for p in plans[-100:]) == 0
 
 
-def test_tree_modes():
-    with pytest.raises(ValueError, match="tree must be one of"):
-        DraftLengthController(8, k_main=3, k_tree=8, tree="sometimes")
+def test_tree_modes(monkeypatch):
+    for bad in ("sometimes", "always"):  # always: the test hook's, not a mode users can set
+        with pytest.raises(ValueError, match="tree must be one of"):
+            DraftLengthController(8, k_main=3, k_tree=8, tree=bad)
     off = DraftLengthController(8, k_main=3, k_tree=8, tree="off")
     assert off.k_tree == 0 and not any(p.mode == "tree" for p in _train_tree(off, 1, 0.001, 1.0, steps=50))
-    always = DraftLengthController(8, k_main=3, k_tree=8, tree="always")
+    assert not DraftLengthController(8, k_main=3, k_tree=8).force_tree
+    monkeypatch.setenv("MEGATRON_SPEC_TEST_HOOKS", "history_tree_always")
+    always = DraftLengthController(8, k_main=3, k_tree=8)
     plans = _train_tree(always, 16, 0.05, 0.2, steps=50)
     assert all(p.mode == "tree" for p in plans[1:])  # (the first step measures the drafter)
     assert all(p.m == 8 for p in plans[1:])  # the whole history proposal is the second branch, whatever it costs

@@ -26,7 +26,7 @@ CONFIGS = {
     "mtp": dict(draft_kind="mtp", num_draft_tokens=3, mtp_num_layers=2),
     "history": dict(draft_kind="history", num_draft_tokens="auto", max_draft_tokens=4),
     "eagle3-auto-history-tree": dict(draft_kind="eagle3", num_draft_tokens="auto", max_draft_tokens=3,
-                                     history=True, history_max_draft_tokens=6, history_tree="always"),
+                                     history=True, history_max_draft_tokens=6),  # trees by the test hook
     "model-auto-history": dict(draft_kind="model", num_draft_tokens="auto", max_draft_tokens=3, history=True,
                                history_max_draft_tokens=6, history_tree="off"),
 }
@@ -54,8 +54,11 @@ def server_for(setup, name: str, device: str = "cpu", **kw) -> EngineServer:
     cfg = dict(CONFIGS[name], **kw)
     path = {"eagle3": setup.eagle3, "model": setup.draft_model, "mtp": getattr(setup, "mtp", None)}.get(
         cfg["draft_kind"])
-    return EngineServer(EngineConfig(model_path=setup.target, draft_path=path, context_length=96, max_batch_size=6,
-                                     device=device, seed=3, **cfg))
+    with pytest.MonkeyPatch.context() as mp:  # the controller reads the test hook when the server builds it
+        if name.endswith("-tree"):
+            mp.setenv("MEGATRON_SPEC_TEST_HOOKS", "history_tree_always")
+        return EngineServer(EngineConfig(model_path=setup.target, draft_path=path, context_length=96,
+                                         max_batch_size=6, device=device, seed=3, **cfg))
 
 
 def requests(cfg, seed: int = 5) -> list[GenerateRequest]:

@@ -199,15 +199,16 @@ def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "model", "ngram"])
-def test_tree_steps_greedy_identical_to_transformers(setup, greedy_reference, kind):
-    """history_tree always: wherever a row has a history proposal the step is a tree (the drafter's k
+def test_tree_steps_greedy_identical_to_transformers(setup, greedy_reference, kind, monkeypatch):
+    """The test hook history_tree_always: wherever a row has a history proposal the step is a tree (the drafter's k
     tokens and the history's as two branches of one verify); the history branch is kept past the
     drafter's tokens (its cache entries moved into place, the drafter's state rebuilt from the kept
     path) and the output is still transformers' greedy output. n-gram: a point-mass first branch,
     often shorter than k (-1 padding inside the tree)."""
     prompts, ref = greedy_reference
+    monkeypatch.setenv("MEGATRON_SPEC_TEST_HOOKS", "history_tree_always")
     server = _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=3, max_batch_size=4, history=True,
-                     history_max_draft_tokens=8, history_tree="always")
+                     history_max_draft_tokens=8)
     reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40), n=1 + i % 2)
             for i, p in enumerate(prompts)]
     server.generate(reqs)

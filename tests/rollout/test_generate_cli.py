@@ -91,7 +91,7 @@ def test_a_missing_model_directory_is_named(models, tmp_path, capsys):
                  "--no-progress"]) == 2
     err = capsys.readouterr().err
     # one line naming the directory, not the symptom (a text prompt and no tokenizer)
-    assert err.strip().splitlines() == [f"megatron-spec generate: error: --model {missing}: no such directory "
+    assert err.strip().splitlines() == [f"megatron-spec generate: error: --hf-checkpoint {missing}: no such directory "
                                         "(an HF checkpoint directory)"]
     assert not out.exists()
 
@@ -101,7 +101,7 @@ def test_dtype_defaults_to_auto_and_the_summary_says_what_ran(models, tmp_path, 
     from megatron_spec.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--model", "m", "--prompts", "p", "--output", "o"])
-    assert args.dtype == "auto"
+    assert args.rollout_dtype == "auto"
     # the no-native-bf16 switch: an explicit bfloat16 runs fp32 (one warning), auto picks fp32
     monkeypatch.setenv(isa.NO_NATIVE_BF16_ENV, "1")
     for asked in ("auto", "bfloat16"):

@@ -9,6 +9,7 @@ p(t1, t2) = P1(t1) * P2(t2 | t1), each the processed distribution (temperature, 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -113,7 +114,7 @@ def test_history_beside_eagle3_follows_the_target(setup, tmp_path, tree):
     """EAGLE-3 + the history drafter, adaptive k: every wave of 64 samples of the same prompt drafts
     from the responses of the waves before (and of its finished siblings) wherever the controller
     expects more from them; those rows are verified with a point-mass q, the others with the draft's q,
-    in the same step. With ``--history-tree always`` every such row carries both proposals as two
+    in the same step. With the test hook history_tree_always every such row carries both proposals as two
     branches of one verify (``verify_tree``). The third token (the first one a history match of
     min_match 2 can draft) and the pair (t2, t3) must follow the target."""
     temperature, top_k, top_p = 0.7, 5, 0.9  # a peaked target: siblings repeat, the history is drafted from
@@ -124,10 +125,11 @@ def test_history_beside_eagle3_follows_the_target(setup, tmp_path, tree):
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "megatron_spec", "generate", "--model", setup.target, "--draft-kind", "eagle3",
            "--draft-path", setup.eagle3, "--num-draft-tokens", "auto", "--max-draft-tokens", "3", "--history",
-           "--history-tree", tree, "--prompts", str(prompts), "--n", str(per_request), "--temperature", str(temperature), "--top-k",
+           "--prompts", str(prompts), "--n", str(per_request), "--temperature", str(temperature), "--top-k",
            str(top_k), "--top-p", str(top_p), "--max-new-tokens", "4", "--ignore-eos", "--seed", "4321",
            "--batch-size", "64", "--num-threads", "2", "--output", str(out), "--no-progress", "--dtype", "float32"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    env = dict(os.environ, MEGATRON_SPEC_TEST_HOOKS="history_tree_always" if tree == "always" else "")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     if tree == "always":  # the trees really ran, and the history branch was kept past the draft's tokens

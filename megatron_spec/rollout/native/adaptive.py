@@ -69,6 +69,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatron_spec.faults import test_hook
 from megatron_spec.rollout.config import HISTORY_TREE_MODES
 
 
@@ -218,7 +219,8 @@ class DraftLengthController:
         self.k_max, self.k_min, self.k_main = k_max, k_min, k_main
         self.k_tree = 0 if tree == "off" else k_tree
         """The longest second (history) branch of a tree step; 0: no tree steps."""
-        self.tree = tree
+        self.force_tree = tree == "auto" and test_hook("history_tree_always")
+        """Tests only (``megatron_spec.faults.test_hook``): a tree step wherever a row can have one."""
         self.tree_calibration = 1.0
         """Tree rows' drafted tokens emitted over predicted (EMA over tree steps): starts at 1, so tree
         steps get tried, and falls to what they really give."""
@@ -348,10 +350,6 @@ class DraftLengthController:
             ratio = min(2.0, emitted / predicted)
             self.tree_calibration += self.tree_calibration_ema * (ratio - self.tree_calibration)
 
-    def choose(self, options: Sequence[Sequence[Option]]) -> int:
-        """k for the next step with every row drafting (``choose_step`` without the other modes)."""
-        return self._pick(self.expected_rates(options), {}, {}).k
-
     def choose_step(self, options: Sequence[Sequence[Option]]) -> StepPlan:
         """The next step's :class:`StepPlan`; ``options[b]``: row b's draft sources as (acceptance per
         position (``row_alpha``), proposal length or None for any k), the main drafter's first.
@@ -367,8 +365,8 @@ class DraftLengthController:
             self._steps += 1
             return StepPlan(self.k_main)
         trees = self.tree_rates(options)
-        if self.tree == "always" and trees:  # tests and benchmarks: a tree whenever a row can have one, the
-            # whole history proposal its second branch (exercised past the drafter's tokens); only k is chosen
+        if self.force_tree and trees:  # the test hook: a tree whenever a row can have one, the whole
+            # history proposal its second branch (exercised past the drafter's tokens); only k is chosen
             m = max(min(o[1][1] or self.k_tree, self.k_tree) for o in options if len(o) > 1)
             return self._pick({}, {}, {km: r for km, r in trees.items() if km[1] == m})
         return self._pick(self.expected_rates(options), self.history_rates(options), trees)

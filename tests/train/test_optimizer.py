@@ -1,4 +1,4 @@
-"""The policy's optimizer (models/optimizer.py) on megatron-core DDP: a --bf16 checkpoint resumes
+"""The policy's optimizer (train/optimizer.py) on megatron-core DDP: a --bf16 checkpoint resumes
 from its fp32 main weights, not from the rounded bf16 weights."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
-from megatron_spec.models.optimizer import MixedPrecisionAdamW
+from megatron_spec.train.optimizer import MixedPrecisionAdamW
 from megatron_spec.parallel import destroy_parallel, init_parallel
 
 

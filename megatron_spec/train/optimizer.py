@@ -25,7 +25,7 @@ it to 0, not to its initial 1).
 What it does not know: data or tensor parallelism (gradients arrive reduced in ``main_grad``;
 the caller computes the norm over its groups and clips through :meth:`grads`), schedules
 (the caller sets ``param_groups[i]["lr"]``), where tensors live between phases
-(``models/offload.py``).
+(``train/offload.py``).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class MixedPrecisionAdamW:
         for p, main in zip(self.params, self.main_params):
             main.grad = None
             if main is not p:
-                p.grad = None  # a bf16 copy of the gradient (models/ddp.finalize_grads): not read, freed
+                p.grad = None  # a bf16 copy of the gradient (train/ddp.finalize_grads): not read, freed
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Every tensor this optimizer owns beyond the model's weights: the fp32 main copies of

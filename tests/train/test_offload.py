@@ -1,4 +1,4 @@
-"""The colocated memory plan's trainer side (models/offload.py) on megatron-core DDP and the
+"""The colocated memory plan's trainer side (train/offload.py) on megatron-core DDP and the
 policy's optimizer, in-process (TP=1): what leaves the device in each phase, what comes back,
 and that training after a round trip is bit for bit training without one.
 
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.models.ddp import finalize_grads, wrap_ddp, zero_grads
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
-from megatron_spec.models.offload import KINDS, PHASES, PLAN, ColocateOffload
-from megatron_spec.models.optimizer import MixedPrecisionAdamW
+from megatron_spec.train.offload import KINDS, PHASES, PLAN, ColocateOffload
+from megatron_spec.train.optimizer import MixedPrecisionAdamW
 from megatron_spec.parallel import destroy_parallel, init_parallel
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_spec.models.optimizer import MixedPrecisionAdamW
+from megatron_spec.train.optimizer import MixedPrecisionAdamW
 
 
 def _model() -> torch.nn.Module:

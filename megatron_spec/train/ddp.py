@@ -40,7 +40,7 @@ def finalize_grads(ddp_model: torch.nn.Module, num_tokens: torch.Tensor | None =
             ``finalize_model_grads`` semantics) instead of averaged over DP ranks.
         as_param_grad: point ``param.grad`` at the reduced gradient (a copy in the parameter's
             dtype for bf16 weights). ``False`` leaves them in the fp32 ``main_grad`` buffers only,
-            where :class:`megatron_spec.models.optimizer.MixedPrecisionAdamW` reads them.
+            where :class:`megatron_spec.train.optimizer.MixedPrecisionAdamW` reads them.
     """
     from megatron.core.distributed import finalize_model_grads
 
