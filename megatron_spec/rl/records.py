@@ -112,7 +112,7 @@ def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculati
 
 def engine_metrics(batch: Batch, num_engines: int, restarts: int) -> dict[str, Any]:
     """Per-engine work and speculation (docs/metrics.md, "rollout engines")."""
-    from megatron_spec.rl.engines import imbalance
+    from megatron_spec.rollout.fleet import imbalance
 
     out: dict[str, Any] = {"rollout/num_engines": num_engines,
                            "rollout/engine_restarts": restarts}

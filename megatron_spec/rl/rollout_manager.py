@@ -4,7 +4,7 @@ the engines, restarts, held-out evaluation, and the weight push from the policy 
 * **data**: ``prompts_per_step`` prompts (resumable position), tokenised, lengths checked;
 * **prepare** (:meth:`RolloutManager.push_weights`): the policy (and the online-trained draft)
   streamed into every engine that does not hold them, verified by version and checksum
-  (``megatron_spec.sync``); each engine is fed by its own senders (``rl/engines.py``);
+  (``megatron_spec.sync``); each engine is fed by its own senders (``rollout/fleet.py``);
 * **gen** (:meth:`RolloutManager.next_batch`): ``grpo_group_size`` samples per prompt; engine e
   is owned by the first rank of the e-th block of ranks; the prompts are shared out as whole
   groups, each owner generates and scores its shard (**reward**), every rank gets every shard.
@@ -61,7 +61,7 @@ class RolloutManager:
     """
 
     def __init__(self, cfg: RunConfig, info: ParallelInfo, timer: StageTimer):
-        from megatron_spec.rl.engines import EngineLayout
+        from megatron_spec.rollout.fleet import EngineLayout
         from megatron_spec.rollout import default_backend
 
         self.cfg = cfg
@@ -270,7 +270,7 @@ class RolloutManager:
     # ------------------------------------------------------------------ generation over the engines
     def _shard_plan(self, reqs: list[GenerateRequest]) -> list[list[int]]:
         """Request positions per engine: whole requests (GRPO groups), balanced by expected work."""
-        from megatron_spec.rl.engines import request_work, shard_requests
+        from megatron_spec.rollout.fleet import request_work, shard_requests
 
         work = [request_work(q.n, len(q.input_ids), q.sampling.max_new_tokens) for q in reqs]
         return shard_requests(work, self.layout.num_engines)

@@ -24,7 +24,7 @@ def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fractio
 
     Args:
         tp_size: the engine's tensor parallelism (SGLang; its GPUs are this process's device and
-            the next ``tp_size - 1``: the colocated ranks of ``megatron_spec.rl.engines``). The
+            the next ``tp_size - 1``: the colocated ranks of ``megatron_spec.rollout.fleet``). The
             native engine runs on one device and takes 1 only.
         mem_fraction_static: SGLang's share of the GPU for weights and KV cache (colocated runs
             leave the rest to the trainer, docs/memory_plan.md); ``None`` lets SGLang choose. The

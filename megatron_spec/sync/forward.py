@@ -2,7 +2,7 @@
 
 An engine of tensor parallelism T (SGLang ``tp_size``) takes ``update_weights_from_tensor``
 with a list of T payloads: engine TP rank i deserialises entry i. Its senders, the T trainer
-ranks colocated with its GPUs (``megatron_spec.rl.engines.EngineLayout.senders``), each run a
+ranks colocated with its GPUs (``megatron_spec.rollout.fleet.EngineLayout.senders``), each run a
 :class:`~megatron_spec.sync.streamer.WeightStreamer` over the same tensors (all-gathered in their
 trainer TP groups), packing every bucket on their own device. A payload is a few hundred bytes (a
 CUDA IPC handle or a shared-memory name), never the weights: the owner collects the T payloads of

@@ -20,7 +20,8 @@ balances the expected work (samples x (prompt + max new tokens) tokens). The rol
 in request order, whatever the split, so a run's batches do not depend on how many engines
 made them (token for token under greedy decoding).
 
-It knows nothing about models or training; ``megatron_spec.rl.trainer`` drives it.
+It knows nothing about models or training; the rollout manager (``megatron_spec.rl.rollout_manager``)
+drives it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_spec.config import ConfigError
-from megatron_spec.rl.engines import EngineLayout, imbalance, request_work, shard_requests
+from megatron_spec.rollout.fleet import EngineLayout, imbalance, request_work, shard_requests
 
 
 def layout(world, tp=1, n=None, t=None, per_node=None, backend="native"):
