@@ -146,8 +146,8 @@ def test_empty_dataset_and_foreign_draft_are_named(setup, tmp_path):
     assert proc.returncode != 0 and "hidden_size" in proc.stderr
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_async_policy_lag(setup, tmp_path, lag):
+def test_async_policy_lag(setup, tmp_path, lag=1):
+    """One rank, one engine; lag 2 and two engines: tests/rl/test_grpo_engines.py (the async resume test)."""
     run = tmp_path / "run"
     grpo(setup, run, "--train-iters", "4", "--async-policy-lag", str(lag), "--spec-draft-kind", "eagle3",
          "--spec-draft-path", setup.eagle3, "--dump-rollouts")
