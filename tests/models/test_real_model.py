@@ -122,6 +122,7 @@ def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts
     assert ended > 0, "no output reached <|im_end|>: the end of turn was never checked"
 
 
+@pytest.mark.slow  # ~33 s here
 def test_draft_model_of_its_first_layers_is_exact(smollm2, chat_prompts, tmp_path):
     """The draft-model path on the real model: its own first 4 layers with the final norm and tied head
     (benchmarks/_real_model.py), same tokenizer, proposing k=3; greedy speculative output equals plain
