@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The engine and sampling settings under the launcher's names (``--spec-draft-kind``, ``--rollout-dtype``),
     each also under its older name here (``--draft-kind``, ``--dtype``): one table,
     ``megatron_spec.rollout.config.SETTINGS``; then what only a sampler on its own needs."""
-    from megatron_spec.rollout.config import add_setting_arguments
+    from megatron_spec.rollout.config import add_generate_arguments
 
-    add_setting_arguments(p, "generate")
+    add_generate_arguments(p)
     p.add_argument("--prompts", required=True, help="JSONL: {'id', 'prompt'} or {'id', 'input_ids'} per line")
     p.add_argument("--n", type=int, default=1, help="samples per prompt (they share the prompt's prefill)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's EOS")

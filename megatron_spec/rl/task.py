@@ -40,6 +40,8 @@ class PromptTask:
             raise ConfigError(f"--apply-chat-template: the tokenizer of {m.hf_checkpoint} has no chat_template")
         self.stop_ids = stop_token_ids(m.hf_checkpoint, self.tokenizer)
         self.stop_strings = parse_stop_strings(cfg.data.stop)
+        self.sampling = SamplingParams(**sampling_kwargs(dataclasses.asdict(cfg.rollout)), stop_token_ids=self.stop_ids)
+        """Every request's sampling: the rollout settings and the stop ids (frozen, shared)."""
 
     def load(self, run_dir: str) -> None:
         """Training and held-out prompts (``run_dir``: the datasets' cache), the sampler, the reward."""
@@ -60,7 +62,7 @@ class PromptTask:
     def request(self, request_id: str, prompt: str, what: str, n: int) -> GenerateRequest:
         """A generate request of ``n`` samples with the rollout sampling settings; ``what`` names
         the prompt in errors (empty after tokenising, longer than --max-prompt-length)."""
-        r, d = self.cfg.rollout, self.cfg.data
+        d = self.cfg.data
         ids = encode_prompt(self.tokenizer, prompt, chat_template=d.apply_chat_template,
                             system_prompt=d.system_prompt, template=d.prompt_template)
         if not ids:
@@ -68,8 +70,7 @@ class PromptTask:
         if len(ids) > d.max_prompt_length:
             raise ValueError(f"{what} has {len(ids)} tokens, more than --max-prompt-length "
                              f"{d.max_prompt_length}: {prompt[:80]!r}")
-        sp = SamplingParams(**sampling_kwargs(dataclasses.asdict(r)), stop_token_ids=self.stop_ids)
-        return GenerateRequest(request_id, ids, sp, n=n)
+        return GenerateRequest(request_id, ids, self.sampling, n=n)
 
     def next_round(self, step: int) -> Round:
         """The prompts of batch ``step`` (every rank draws the same), ``grpo_group_size`` samples each."""

@@ -69,9 +69,6 @@ class Setting:
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
-    def default_for(self, command: str) -> Any:
-        return self.default if command != "generate" or self.generate_default is _SAME else self.generate_default
-
 
 def _num_draft_tokens_arg(value: str) -> "int | str":
     try:
@@ -137,14 +134,15 @@ def sampling_kwargs(values: Mapping[str, Any]) -> dict[str, Any]:
     return {s.sampling: values[s.name] for s in SETTINGS if s.sampling and s.name in values}
 
 
-def add_setting_arguments(parser: argparse.ArgumentParser, command: str = "generate") -> None:
-    """The flags of ``command`` for the settings it takes: the one name (``--spec-draft-kind``) and the
-    older one (``--draft-kind``), parsed into ``args.<setting name>``."""
+def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    """``megatron-spec generate``'s flags for the settings it takes: the one name (``--spec-draft-kind``) and
+    the older one (``--draft-kind``), parsed into ``args.<setting name>``. (The launcher's flags come from
+    the ``RunConfig`` fields, which are declared from the same settings: ``megatron_spec.config``.)"""
     for s in SETTINGS:
         if not s.generate:
             continue
         names = [s.flag] + ([s.alias] if s.alias else [])
-        default = s.default_for(command)
+        default = s.default if s.generate_default is _SAME else s.generate_default
         kw: dict[str, Any] = {"dest": s.name, "default": default, "help": f"{s.help} (default: {default})"}
         if isinstance(s.default, bool):
             kw["action"] = argparse.BooleanOptionalAction
@@ -172,9 +170,9 @@ def check_speculation(values: Mapping[str, Any], backend: str | None = None) -> 
         raise ValueError(f"--spec-draft-kind {kind} needs --spec-draft-path")
     if k != "auto" and (not isinstance(k, int) or isinstance(k, bool)):
         raise ValueError(f"--spec-num-draft-tokens must be an integer or 'auto', got {k!r}")
-    if kind != "none" and (k_max if k == "auto" else k) < 1:
-        raise ValueError(f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, "
-                         f"got {k_max if k == 'auto' else k}")
+    k_most = k_max if k == "auto" else k
+    if kind != "none" and k_most < 1:
+        raise ValueError(f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, got {k_most}")
     if hist_k < 1:
         raise ValueError(f"--spec-history-max-draft-tokens must be >= 1, got {hist_k}")
     if history and (k != "auto" or kind in ("none", "history")):

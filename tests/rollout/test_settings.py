@@ -55,8 +55,7 @@ def test_the_launcher_and_generate_build_the_same_engine_record(setup):
     cfg = run_config.from_args(parser.parse_args(["--hf-checkpoint", setup.target, "--prompt-data", "synthetic:sum",
                                                   *argv]))
     launcher = {**dataclasses.asdict(cfg.model), **dataclasses.asdict(cfg.rollout), **dataclasses.asdict(cfg.spec)}
-    for key in ("spec_mtp_num_layers",):  # a launcher-only setting (the heads trained beside the policy)
-        launcher.pop(key)
+    launcher.pop("spec_mtp_num_layers")  # a launcher-only setting (the heads trained beside the policy)
     assert engine_kwargs(gen) == engine_kwargs(launcher)
     assert SamplingParams(**sampling_kwargs(gen)) == SamplingParams(**sampling_kwargs(launcher))
     e = EngineConfig(**engine_kwargs(gen))
