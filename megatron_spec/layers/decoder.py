@@ -12,6 +12,7 @@ It does not know about whole models, weight names, requests, sampling or draftin
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -40,6 +41,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op, the same bits (fp32)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
@@ -70,16 +73,39 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    _memo: dict | None = None
+
+    @contextlib.contextmanager
+    def reuse_tables(self):
+        """Within this block a lookup at the same ``positions`` tensor is made once (one forward: every
+        layer rotates at the same positions, so 30 layers make one lookup instead of 30 - two gathers and
+        two casts a layer). Nothing may modify a positions tensor in place inside the block."""
+        self._memo = {}
+        try:
+            yield
+        finally:
+            self._memo = None
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[B, 1, T, d]`` at ``positions [B, T]`` in ``dtype``."""
+        memo, key = self._memo, (id(positions), dtype)
+        if memo is not None and key in memo and memo[key][0] is positions:
+            return memo[key][1], memo[key][2]
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        if memo is not None:
+            memo[key] = (positions, cos, sin)  # holds positions, so its id is not reused in the block
+        return cos, sin
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [B, n, T, d]`` (queries and keys alike, or both heads stacked on ``n``)."""
+        cos, sin = self.tables(positions, x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, nq, T, d]``, k ``[B, nkv, T, d]``, positions ``[B, T]``."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [B, 1, T, d]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-
-        def rot(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.chunk(2, dim=-1)
-            return torch.cat([-x2, x1], dim=-1)
-
-        return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+        return self.apply(q, positions), self.apply(k, positions)
 
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -87,8 +113,8 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
     q ``[B, nq, T, d]``, k/v ``[B, nkv, L, d]`` (strided cache views are fine), mask
     ``[B, 1, T, L]`` (True = attend). Query head h uses KV head h // (nq / nkv), as in
-    transformers. On CPU at decode sizes this is 1.5-4x faster than
-    ``scaled_dot_product_attention`` (whose bf16 path is slow here; fp32 results agree to 1e-6).
+    transformers. On CPU it beats ``scaled_dot_product_attention`` for batches of several queries a
+    row (a batched verify) and in bf16 (:func:`use_fused_attention`; fp32 results agree to 1e-6).
     """
     b, nq, t, d = q.shape
     nkv = k.shape[1]
@@ -97,6 +123,18 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     scores = scores.view(b, nkv, g, t, -1).masked_fill(~mask.view(b, 1, 1, t, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype).view(b, nkv, g * t, -1)
     return torch.matmul(probs, v).view(b, nq, t, d)
+
+
+def use_fused_attention(dtype: torch.dtype, b: int, t: int) -> bool:
+    """Whether torch's ``scaled_dot_product_attention`` beats :func:`gqa_attention` for ``b`` rows of
+    ``t`` queries. Measured with torch 2.13 on a 2-core AVX2 CPU (SmolLM2's 9 query / 3 KV heads of 64,
+    cache 128-512): fp32, one query a row (decode) or one row (a batch-1 verify), the fused kernel
+    takes 0.4-0.8x the time (B=1: 61 vs 146 us; B=16 decode: 423 vs 561 us), while several rows of
+    several queries (a batched verify) take 1.2-2.7x longer in it (16 x 4: 1160 vs 861 us). Its bf16
+    path is fast only for a single row (below 8 queries in all)."""
+    if dtype == torch.float32:
+        return t == 1 or b == 1
+    return b * t < 8
 
 
 class Attention(nn.Module):
@@ -133,12 +171,12 @@ class Attention(nn.Module):
         """:meth:`forward` between the two projections: ``qkv [B, T, (nq + 2 nkv) d]`` (the output
         of ``qkv_proj``) -> attention output ``[B, T', nq d]`` before ``o_proj``."""
         b, t, _ = qkv.shape
-        q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        q = q.view(b, t, self.nq, self.d)
-        k = k.view(b, t, self.nkv, self.d)
+        qk, v = qkv.split([(self.nq + self.nkv) * self.d, self.nkv * self.d], dim=-1)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q.transpose(1, 2), k.transpose(1, 2), positions)  # [B, n, T, d]
+            q, k = qk.view(b, t, -1, self.d).split([self.nq, self.nkv], dim=2)
+            q, k = rotary(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), positions)  # [B, n, T, d]
+        else:  # queries and keys rotated in one go (the same elementwise arithmetic, half the ops)
+            q, k = rotary.apply(qk.view(b, t, -1, self.d).transpose(1, 2), positions).split([self.nq, self.nkv], 1)
         v = v.view(b, t, self.nkv, self.d).transpose(1, 2)
         if write_index is None:
             write_index = cache.write_index(positions, slot_offset)
@@ -152,10 +190,10 @@ class Attention(nn.Module):
                 mask = mask.gather(2, rows.view(b, 1, t, 1).expand(-1, 1, -1, mask.shape[-1]))
         if mask is None:
             mask = attention_mask(positions, kv_lens, read_len)
-        if q.dtype == torch.float32 or b * t >= 8:
-            out = gqa_attention(q, k_all, v_all, mask, self.scale)
-        else:  # a single bf16 row: torch's fused kernel is the faster one
+        if use_fused_attention(q.dtype, b, t):
             out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        else:
+            out = gqa_attention(q, k_all, v_all, mask, self.scale)
         return out.transpose(1, 2).reshape(b, t, self.nq * self.d)
 
 

@@ -69,6 +69,29 @@ class Linear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+class TiedLinear(Linear):
+    """``y = x E^T`` over the weight ``E [out, in]`` of a module it does not own (a tied LM head over the
+    embedding table), packed for oneDNN as :class:`Linear` is; it holds no parameter of its own.
+
+    Why: the LM head is the largest matrix of a small model (SmolLM2-135M: 49152 x 576, a fifth of its
+    weights), and ``F.linear`` over the unpacked table ran 1.3x (1 row) to 4x (16 rows) slower than
+    the packed copy on this 2-core AVX2 CPU (fp32: 12 -> 9.6 ms at 1 row, 60 -> 15 ms at 16 rows).
+    The packed copy costs the table's size once more in memory.
+    """
+
+    def __init__(self, owner: nn.Module, name: str = "weight"):
+        nn.Module.__init__(self)
+        self._owner = [owner]  # a list, so that the table is not registered as this module's submodule
+        self._name = name
+        self.out_features, self.in_features = getattr(owner, name).shape
+        self.bias = None
+        self._packed = None
+
+    @property
+    def weight_t(self) -> torch.Tensor:  # type: ignore[override]
+        return getattr(self._owner[0], self._name).t()
+
+
 def pack_linears(module: nn.Module, enable: bool = True) -> int:
     """(Re)pack every :class:`Linear` in ``module`` (or drop the packed copies); returns how many."""
     n = 0

@@ -21,12 +21,11 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_spec.layers.decoder import DecoderLayer, LayerPlan, RMSNorm, Rotary, cat_rows, gather_rows
 from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
-from megatron_spec.layers.linear import Linear
+from megatron_spec.layers.linear import Linear, TiedLinear
 from megatron_spec.models.hf_config import DecoderConfig
 
 
@@ -95,12 +94,18 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tied_head = TiedLinear(self.embed_tokens) if cfg.tie_word_embeddings else None
+        """The tied LM head: the embedding table, packed for oneDNN like every Linear (no parameter of its own)."""
         self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                              cfg.rope_scaling_factor)
 
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    def head(self, normed: torch.Tensor) -> torch.Tensor:
+        """Logits (float32) of final-normed hidden states, through the LM head or the tied embedding table."""
+        return (self.lm_head(normed) if self.lm_head is not None else self.tied_head(normed)).float()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -171,11 +176,12 @@ class CausalLM(nn.Module):
         aux: list[list[torch.Tensor]] = [[] for _ in segments]
         no_rows = [None] * len(segments)
         seg_rows = [p.n for p in plans]
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
-            if i in aux_layers:
-                for j, part in enumerate(x.split(seg_rows)):
-                    aux[j].append(_unpack(part, plans[j]))
+        with self.rotary.reuse_tables():
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
+                if i in aux_layers:
+                    for j, part in enumerate(x.split(seg_rows)):
+                        aux[j].append(_unpack(part, plans[j]))
         outs = []
         for p, s, r, part in zip(plans, segments, rows, x.split([p.n if r is None else p.b * r.shape[1]
                                                                   for p, r in zip(plans, rows)])):
@@ -186,7 +192,7 @@ class CausalLM(nn.Module):
             outs.append((gather_rows(part, s.logits_index) if s.logits_index is not None and r is None
                          else part).reshape(-1, h))
         normed = self.norm(cat_rows(outs))
-        logits = (F.linear(normed, self.embed_tokens.weight) if self.lm_head is None else self.lm_head(normed)).float()
+        logits = self.head(normed)
         order = sorted(aux_layers)
         result = []
         for p, lg, a in zip(plans, logits.split([o.shape[0] for o in outs]), aux):

@@ -51,9 +51,7 @@ class MtpDrafter(Drafter):
         return self.target.norm(aux)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        t = self.target
-        out = t.lm_head(h) if t.lm_head is not None else torch.nn.functional.linear(h, t.embed_tokens.weight)
-        return out.float()
+        return self.target.head(h)
 
     def _run(self, d: int, slot_offset: int, starts: torch.Tensor, hiddens: Sequence[torch.Tensor],
              tokens: Sequence[Sequence[int]], want_logits: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
