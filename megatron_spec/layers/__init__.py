@@ -1,12 +1,13 @@
 """Inference layers the native rollout engine and the draft heads both stand on.
 
 - :mod:`.linear`: :class:`Linear` (weight stored transposed, optional oneDNN-prepacked copy),
+  :class:`TiedLinear` (the same over a table another module owns: a tied LM head),
   :func:`pack_linears`, :func:`warm_linears`.
 - :mod:`.kv_cache`: :class:`KVCache` (preallocated, slot-based), :func:`read_length` (cache
   lengths read in buckets), :func:`attention_mask`.
 - :mod:`.decoder`: :class:`RMSNorm`, :class:`Rotary`, :class:`Attention` (GQA over the slot
-  cache), :class:`MLP`, :class:`DecoderLayer` (one or several row segments per forward),
-  :func:`gather_rows`.
+  cache; :func:`use_fused_attention` picks torch's fused kernel or :func:`gqa_attention`),
+  :class:`MLP`, :class:`DecoderLayer` (one or several row segments per forward), :func:`gather_rows`.
 
 The target model (``megatron_spec.rollout.native.model``) and the drafters
 (``megatron_spec.draft``) import these; this package imports neither, nor anything about
