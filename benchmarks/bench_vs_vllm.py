@@ -126,10 +126,10 @@ class OurEngine:
     def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
         from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
+        from bench_rollout import _reset_history
+
         sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
-        for d in (self.srv.core.drafter, self.srv.core.history):
-            if d is not None and d.kind == "history":
-                d.reset()  # every round repeats the same prompts: the last round's greedy answers would replay
+        _reset_history(self.srv)  # every round repeats the same prompts: the last round's greedy answers would replay
         samples, st = self.srv.core.generate([GenerateRequest(str(i), p, sp) for i, p in enumerate(prompts)], seed=0)
         return st.wall_s, [list(s.output_ids) for s in samples]
 

@@ -89,12 +89,12 @@ class Rotary(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[B, 1, T, d]`` at ``positions [B, T]`` in ``dtype``."""
         memo, key = self._memo, (id(positions), dtype)
-        if memo is not None and key in memo and memo[key][0] is positions:
-            return memo[key][1], memo[key][2]
+        if memo is not None and key in memo:
+            return memo[key][1:]
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
         if memo is not None:
-            memo[key] = (positions, cos, sin)  # holds positions, so its id is not reused in the block
+            memo[key] = (positions, cos, sin)  # holds positions, so no other tensor takes its id in the block
         return cos, sin
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
