@@ -25,6 +25,66 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def generate_rollouts(args) -> list[tuple[int, list[int], list[int]]]:
+    """The target's own answers to the prompts (``--samples-per-prompt`` each, at ``--temperature``):
+    ``(prompt index, prompt ids, response ids)``."""
+    from transformers import AutoTokenizer
+
+    from megatron_spec.rl.data import load_prompts
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(args.target)
+    spec = args.prompt_data or f"synthetic:{args.task}"
+    examples = load_prompts(spec, prompt_key=args.prompt_key, num_synthetic=args.num_prompts,
+                            seed=args.seed + 99)[: args.num_prompts]
+    if args.apply_chat_template:  # the chat model's own turns: what it will be asked to continue in GRPO
+        from megatron_spec.rl.prompting import encode_prompt
+
+        prompts = [encode_prompt(tok, e.prompt, chat_template=True, template=args.prompt_template) for e in examples]
+    else:
+        from megatron_spec.rl.prompting import apply_prompt_template
+
+        prompts = [tok(apply_prompt_template(args.prompt_template, e.prompt), add_special_tokens=False)["input_ids"]
+                   for e in examples]
+    context = max(map(len, prompts)) + args.max_new_tokens
+    srv = EngineServer(EngineConfig(model_path=args.target, max_batch_size=64, context_length=context, seed=args.seed,
+                                    dtype=args.dtype))
+    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    samples, stats = srv.generate([GenerateRequest(str(i), p, sp, n=args.samples_per_prompt)
+                                   for i, p in enumerate(prompts)])
+    print(f"[make_draft] {len(samples)} rollouts, {stats.num_tokens} tokens at {stats.tokens_per_s:.0f} tokens/s",
+          file=sys.stderr, flush=True)
+    return [(int(s.request_id), prompts[int(s.request_id)], list(s.output_ids)) for s in samples]
+
+
+def train_other_kind(args, rollouts, held) -> int:
+    """``--draft-kind mtp`` or ``model``: trained on ``rollouts``, measured on ``held`` (a JSON line)."""
+    if args.draft_kind == "mtp":
+        from megatron_spec.draft.refine import train_mtp
+        from megatron_spec.parallel import init_parallel
+
+        init_parallel(tp_size=1, seed=args.seed)
+        res = train_mtp(args.target, rollouts, held, steps=args.steps, out_dir=args.out,
+                        num_layers=args.mtp_num_layers, lr=args.lr, rows_per_step=args.refine_rows_per_step,
+                        seed=args.seed, eval_every=max(args.steps // 4, 1))
+        keys = [k for k in res["after"] if k.startswith("draft/eval_")]
+    else:
+        from megatron_spec.draft.distill import distill_draft_model
+
+        res = distill_draft_model(args.target, args.out, rollouts, held, num_layers=args.draft_layers,
+                                  steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed)
+        keys = ["accept_t1", "top1"]
+    rnd = lambda x: round(x, 4) if isinstance(x, float) else x  # noqa: E731
+    print(json.dumps({"out": args.out, "draft_kind": args.draft_kind, "steps": args.steps,
+                      "held_out_before": {k: rnd(res["before"][k]) for k in keys},
+                      "held_out_after": {k: rnd(res["after"][k]) for k in keys},
+                      "curve": [[a, rnd(b)] for a, b in res["curve"]],
+                      "seconds": {k: round(v, 1) for k, v in res.items() if k.endswith("_seconds")}}), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True, help="policy HF checkpoint")
@@ -51,63 +111,67 @@ def main(argv=None) -> int:
                     help="then this many steps from cached target states (megatron_spec.draft.refine); 0 = none")
     ap.add_argument("--refine-lr", type=float, default=2e-3)
     ap.add_argument("--refine-rows-per-step", type=int, default=2048)
+    ap.add_argument("--rollouts", default=None,
+                    help="JSONL of the rollouts: read if it exists (no generation), else written after generating")
+    ap.add_argument("--draft-kind", default="eagle3", choices=("eagle3", "mtp", "model"),
+                    help="eagle3: ModelOpt (then --refine-steps); mtp: megatron-core MTP depths trained from cached "
+                         "target states (--steps, --mtp-num-layers); model: the target's first --draft-layers "
+                         "layers distilled on its log-probs (--steps)")
+    ap.add_argument("--init", default=None,
+                    help="eagle3: refine this export (--refine-steps) instead of training one with ModelOpt")
+    ap.add_argument("--mtp-num-layers", type=int, default=1)
+    ap.add_argument("--draft-layers", type=int, default=4, help="--draft-kind model: layers kept")
     args = ap.parse_args(argv)
     if args.refine_steps < 0:
         ap.error(f"--refine-steps must be >= 0, got {args.refine_steps}")
+    if args.init and not (args.draft_kind == "eagle3" and args.refine_steps):
+        ap.error("--init refines an EAGLE-3 export: it needs --draft-kind eagle3 and --refine-steps")
 
     import torch
-    from transformers import AutoTokenizer
-
-    from megatron_spec.draft.modelopt_train import train_and_export_eagle3
-    from megatron_spec.rl.data import load_prompts
-    from megatron_spec.rollout.config import EngineConfig
-    from megatron_spec.rollout.native.server import EngineServer
-    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
     torch.manual_seed(args.seed)
-    tok = AutoTokenizer.from_pretrained(args.target)
-    spec = args.prompt_data or f"synthetic:{args.task}"
-    examples = load_prompts(spec, prompt_key=args.prompt_key, num_synthetic=args.num_prompts,
-                            seed=args.seed + 99)[: args.num_prompts]
-    if args.apply_chat_template:  # the chat model's own turns: what it will be asked to continue in GRPO
-        from megatron_spec.rl.prompting import encode_prompt
+    from megatron_spec.draft.refine import load_rollouts, save_rollouts
 
-        prompts = [encode_prompt(tok, e.prompt, chat_template=True, template=args.prompt_template) for e in examples]
+    if args.rollouts and os.path.isfile(args.rollouts):
+        indexed = load_rollouts(args.rollouts)
+        print(f"[make_draft] {len(indexed)} rollouts read from {args.rollouts}", file=sys.stderr, flush=True)
     else:
-        from megatron_spec.rl.prompting import apply_prompt_template
-
-        prompts = [tok(apply_prompt_template(args.prompt_template, e.prompt), add_special_tokens=False)["input_ids"]
-                   for e in examples]
-    context = max(map(len, prompts)) + args.max_new_tokens
-    srv = EngineServer(EngineConfig(model_path=args.target, max_batch_size=64, context_length=context, seed=args.seed,
-                                    dtype=args.dtype))
-    sp = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens)
-    samples, stats = srv.generate([GenerateRequest(str(i), p, sp, n=args.samples_per_prompt)
-                                   for i, p in enumerate(prompts)])
-    rollouts = [(prompts[int(s.request_id)], list(s.output_ids)) for s in samples]
-    # --refine-steps: the rollouts of every 16th prompt are held out (of both trainings) to measure acceptance
-    held_out = [bool(args.refine_steps) and int(s.request_id) % 16 == 15 for s in samples]
+        indexed = generate_rollouts(args)
+        if args.rollouts:
+            save_rollouts(args.rollouts, indexed)
+    context = max(len(p) + len(r) for _, p, r in indexed)
+    rollouts = [(p, r) for _, p, r in indexed]
+    # --refine-steps (and the MTP / draft-model kinds): the rollouts of every 16th prompt are held out
+    # of all training to measure acceptance
+    hold = bool(args.refine_steps) or args.draft_kind != "eagle3"
+    held_out = [hold and i % 16 == 15 for i, _, _ in indexed]
     held = [r for r, h in zip(rollouts, held_out) if h and r[1]]
     rollouts = [r for r, h in zip(rollouts, held_out) if not h]
-    if args.refine_steps and not held:
-        ap.error(f"--refine-steps holds out every 16th prompt's rollouts: {len(prompts)} prompts give none")
+    if hold and not held:
+        ap.error(f"the rollouts of every 16th prompt are held out: {len(set(i for i, _, _ in indexed))} prompts "
+                 f"give none")
+    if args.draft_kind != "eagle3":
+        return train_other_kind(args, [r for r in rollouts if r[1]], held)
     seqs = [p + r for p, r in rollouts]
-    print(f"[make_draft] {len(seqs)} rollouts, {stats.num_tokens} tokens at {stats.tokens_per_s:.0f} tokens/s",
-          file=sys.stderr, flush=True)
-    del srv
-    res = train_and_export_eagle3(args.target, args.out, seqs, steps=args.steps, batch_size=args.batch_size,
-                                  max_len=min(context, max(map(len, seqs))), ttt_steps=args.ttt_steps, lr=args.lr,
-                                  draft_vocab_size=args.draft_vocab_size, seed=args.seed, export_rope_scaling={},
-                                  progress=True)
-    summary = {"out": args.out, "steps": args.steps, "final_loss": res.losses[-1] if res.losses else None,
-               "final_top1": [round(a, 3) for a in res.accuracies[-1]] if res.accuracies else None,
-               "seconds": round(res.seconds, 1)}
+    if args.init:
+        summary = {"out": args.out, "init": args.init}
+    else:
+        from megatron_spec.draft.modelopt_train import train_and_export_eagle3
+
+        res = train_and_export_eagle3(args.target, args.out, seqs, steps=args.steps, batch_size=args.batch_size,
+                                      max_len=min(context, max(map(len, seqs))), ttt_steps=args.ttt_steps,
+                                      lr=args.lr, draft_vocab_size=args.draft_vocab_size, seed=args.seed,
+                                      export_rope_scaling={}, progress=True)
+        summary = {"out": args.out, "steps": args.steps, "final_loss": res.losses[-1] if res.losses else None,
+                   "final_top1": [round(a, 3) for a in res.accuracies[-1]] if res.accuracies else None,
+                   "seconds": round(res.seconds, 1)}
     if args.refine_steps:
         from megatron_spec.draft.refine import refine_eagle3
         from megatron_spec.parallel import init_parallel
 
         init_parallel(tp_size=1, seed=args.seed)
-        ref = refine_eagle3(args.target, args.out, [r for r in rollouts if r[1]], held, steps=args.refine_steps,
+        ref = refine_eagle3(args.target, args.init or args.out, [r for r in rollouts if r[1]], held,
+                            out_dir=args.out, steps=args.refine_steps,
                             lr=args.refine_lr, rows_per_step=args.refine_rows_per_step, ttt_steps=args.ttt_steps,
                             seed=args.seed)
         summary.update({"refine_steps": args.refine_steps,

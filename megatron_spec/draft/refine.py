@@ -95,8 +95,6 @@ def refine_eagle3(
     acceptance per unrolled step and ``draft/eval_tau``), ``curve`` (``(step, eval_tau)`` every
     ``eval_every`` steps), ``rows`` / ``held_out_rows`` and the seconds of capture and training.
     """
-    from tqdm.auto import tqdm
-
     from megatron_spec.capture import Capture, CaptureConfig
     from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
     from megatron_spec.models import HFCheckpoint
@@ -117,6 +115,19 @@ def refine_eagle3(
     )
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))
+    res = _fit(model, trainer, capture, rollouts, held_out, steps=steps, score="draft/eval_tau",
+               capture_batch_size=capture_batch_size, eval_every=eval_every, progress=progress, desc="eagle3 draft")
+    trainer.export(os.fspath(out_dir or draft_dir))
+    return res
+
+
+def _fit(model, trainer, capture, rollouts: Sequence[Rollout], held_out: Sequence[Rollout], *, steps: int,
+         score: str, capture_batch_size: int, eval_every: int, progress: bool, desc: str) -> dict[str, Any]:
+    """Capture the target's states over ``rollouts`` and ``held_out`` once (then drop ``model``), train
+    ``trainer`` ``steps`` steps on the first, evaluate on the second before, every ``eval_every`` steps
+    (metric ``score``) and after."""
+    from tqdm.auto import tqdm
+
     t0 = time.perf_counter()
     bar = tqdm(total=len(rollouts) + len(held_out), desc="target states (one forward)", unit="seq",
                disable=not progress)
@@ -125,20 +136,117 @@ def refine_eagle3(
     eval_cache = capture_rollouts(model, capture, held_out, batch_size=capture_batch_size,
                                   progress=lambda n: bar.update(len(rollouts) + n - bar.n))
     bar.close()
-    del model
     capture_s = time.perf_counter() - t0
     before = trainer.evaluate(eval_cache)
-    curve = [(0, before["draft/eval_tau"])]
+    curve = [(0, before[score])]
     t1 = time.perf_counter()
-    bar = tqdm(range(steps), desc="eagle3 draft (cached target states)", unit="step", disable=not progress)
+    bar = tqdm(range(steps), desc=f"{desc} (cached target states)", unit="step", disable=not progress)
     for s in bar:
         metrics = trainer.train_step(train_cache)
         bar.set_postfix(loss=f"{metrics['draft/loss']:.3f}")
         if eval_every and (s + 1) % eval_every == 0 and s + 1 < steps:
-            curve.append((s + 1, trainer.evaluate(eval_cache)["draft/eval_tau"]))
+            curve.append((s + 1, trainer.evaluate(eval_cache)[score]))
     train_s = time.perf_counter() - t1
     after = trainer.evaluate(eval_cache)
-    curve.append((steps, after["draft/eval_tau"]))
-    trainer.export(os.fspath(out_dir or draft_dir))
+    curve.append((steps, after[score]))
     return {"before": before, "after": after, "curve": curve, "rows": train_cache.num_scored,
             "held_out_rows": eval_cache.num_scored, "capture_seconds": capture_s, "train_seconds": train_s}
+
+
+def init_mtp_from_last_layer(trainer: Any, policy: torch.nn.Module) -> None:
+    """Start every MTP depth's transformer layer and final norm from the policy's last decoder layer
+    and final norm (``eh_proj``, ``enorm``, ``hnorm`` keep megatron-core's initialisation): a depth
+    then begins as one more layer of the target instead of a random one."""
+    from megatron_spec.models.gpt import unwrap
+
+    gpt = unwrap(policy)
+    last = dict(gpt.decoder.layers[-1].named_parameters())
+    final = dict(gpt.decoder.final_layernorm.named_parameters())
+    with torch.no_grad():
+        for layer in trainer.draft.block.layers:
+            for name, p in layer.transformer_layer.named_parameters():
+                p.copy_(last[name])
+            for name, p in layer.final_layernorm.named_parameters():
+                p.copy_(final[name])
+
+
+def train_mtp(
+    target_dir: str | os.PathLike,
+    rollouts: Sequence[Rollout],
+    held_out: Sequence[Rollout],
+    *,
+    steps: int,
+    out_dir: str | os.PathLike,
+    num_layers: int = 1,
+    lr: float = 1e-3,
+    rows_per_step: int = 2048,
+    teacher_topk: int = 32,
+    warmup_steps: int = 20,
+    init_from_last_layer: bool = True,
+    capture_batch_size: int = 8,
+    eval_every: int = 0,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Train ``num_layers`` MTP depths (:class:`~megatron_spec.draft.mtp.MtpTrainer`, the online
+    trainer's code) for the target in ``target_dir`` from its cached states over ``rollouts``, and
+    export them to ``out_dir`` (what the native engine's ``--spec-draft-kind mtp`` loads).
+
+    The same capture and schedule as :func:`refine_eagle3`; the held-out metrics are the trainer's
+    (``draft/eval_ce{k}``, ``draft/eval_top1_{k}``: how often depth k's argmax is the target's).
+    ``init_from_last_layer``: see :func:`init_mtp_from_last_layer`. Needs megatron-core's parallel
+    state (a world of one is enough)."""
+    from megatron_spec.capture import Capture, CaptureConfig
+    from megatron_spec.draft.mtp import MtpTrainer
+    from megatron_spec.draft.trainer import DraftTrainerConfig
+    from megatron_spec.models import HFCheckpoint
+    from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
+
+    if steps < 1:
+        raise ValueError(f"train_mtp: steps must be >= 1, got {steps}")
+    if not held_out:
+        raise ValueError("train_mtp: held_out is empty: the training could not be checked")
+    ckpt = HFCheckpoint(os.fspath(target_dir))
+    model = build_gpt_model(ckpt.decoder_config)
+    load_hf_weights(model, ckpt)
+    trainer = MtpTrainer(model, num_layers, DraftTrainerConfig(
+        lr=lr, max_rows_per_step=rows_per_step, warmup_steps=warmup_steps, lr_schedule="cosine",
+        total_steps=steps, seed=seed))
+    if init_from_last_layer:
+        init_mtp_from_last_layer(trainer, model)
+    capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
+                                                         max_bytes=1 << 40))
+    res = _fit(model, trainer, capture, rollouts, held_out, steps=steps, score="draft/eval_top1_0",
+               capture_batch_size=capture_batch_size, eval_every=eval_every, progress=progress, desc="mtp draft")
+    trainer.export(os.fspath(out_dir))
+    return res
+
+
+def save_rollouts(path: str | os.PathLike, rollouts: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+    """Write ``(prompt index, prompt ids, response ids)`` rollouts as JSONL (atomically)."""
+    import json
+
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w") as f:
+        for i, p, r in rollouts:
+            f.write(json.dumps({"prompt_index": int(i), "prompt_ids": list(p), "output_ids": list(r)}) + "\n")
+    os.replace(tmp, path)
+
+
+def load_rollouts(path: str | os.PathLike) -> list[tuple[int, list[int], list[int]]]:
+    """The rollouts :func:`save_rollouts` wrote."""
+    import json
+
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                out.append((int(row["prompt_index"]), list(row["prompt_ids"]), list(row["output_ids"])))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not a rollout line ({e})") from e
+    if not out:
+        raise ValueError(f"{path}: no rollouts")
+    return out

@@ -79,3 +79,75 @@ def test_refinement_from_cached_states_raises_acceptance(tmp_path):
         assert engine["after"] > engine["before"] + 0.2, (engine, res)
     finally:
         torch.set_num_threads(threads)
+
+
+def _target_rollouts(tmp_path, n_train: int = 320, n_held: int = 32):
+    path, ckpt, target = peaked_target(tmp_path / "target", num_layers=4)
+    new = _prompts(44, 84, n_train, seed=2)
+    rollouts = [(p, s.output_ids) for p, s in zip(new, _generate(target, None, new, seed=3)[0])]
+    held_prompts = _prompts(44, 84, n_held, seed=1)
+    held = [(p, s.output_ids) for p, s in zip(held_prompts, _generate(target, None, held_prompts, seed=4)[0])]
+    return path, ckpt, target, rollouts, held, held_prompts
+
+
+def test_mtp_from_cached_states_learns_and_the_engine_serves_it(tmp_path):
+    """``train_mtp``: an MTP depth trained from cached target states predicts the target's next-but-one
+    token on held-out rollouts, and the native engine, loading the export, accepts its drafts."""
+    from megatron_spec.draft.mtp_io import load_mtp_head
+    from megatron_spec.draft.refine import train_mtp
+    from megatron_spec.parallel import destroy_parallel, init_parallel
+    from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path, ckpt, target, rollouts, held, held_prompts = _target_rollouts(tmp_path)
+        init_parallel(tp_size=1, seed=0)
+        try:
+            res = train_mtp(path, rollouts, held, steps=60, out_dir=tmp_path / "mtp", lr=1e-2, rows_per_step=1024,
+                            warmup_steps=2, eval_every=30, progress=False)
+        finally:
+            destroy_parallel()
+        assert res["rows"] == len(rollouts) * NEW_TOKENS and len(res["curve"]) == 3
+        assert res["after"]["draft/eval_top1_0"] > res["before"]["draft/eval_top1_0"] + 0.2, res
+        assert res["after"]["draft/eval_ce0"] < res["before"]["draft/eval_ce0"], res
+        head = load_mtp_head(tmp_path / "mtp", ckpt.decoder_config).eval()
+        stats = _generate(target, MtpDrafter(head, target, 3), held_prompts, seed=7)[1]
+        print("mtp:", {k: round(v, 3) for k, v in res["after"].items()}, res["before"], stats.mean_accept_length)
+        assert stats.mean_accept_length > 1.5, stats
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_distilled_draft_model_accepts_more_and_stays_exact(tmp_path):
+    """``distill_draft_model``: the target's first layer, distilled on its own rollouts, agrees with it
+    more on held-out rollouts (expected T=1 acceptance and greedy agreement); the engine serves it as
+    a draft model with greedy output equal to plain decoding."""
+    from megatron_spec.draft.distill import distill_draft_model
+    from megatron_spec.models import HFCheckpoint
+    from megatron_spec.rollout.native.drafters import ModelDrafter
+    from megatron_spec.rollout.native.model import CausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path, _, target, rollouts, held, held_prompts = _target_rollouts(tmp_path, n_train=128)
+        res = distill_draft_model(path, tmp_path / "draft_model", rollouts, held, num_layers=1, steps=60, lr=3e-3,
+                                  batch_size=16, warmup_steps=2, progress=False)
+        assert res["rows"] == len(rollouts) * NEW_TOKENS
+        print("distill:", res["before"], res["after"])
+        assert res["after"]["accept_t1"] > res["before"]["accept_t1"] + 0.05, res
+        assert res["after"]["top1"] > res["before"]["top1"], res
+        dck = HFCheckpoint(str(tmp_path / "draft_model"))
+        assert dck.decoder_config.num_layers == 1
+        draft = CausalLM(dck.decoder_config).eval()
+        draft.load_weights((n, dck.get(n)) for n in dck.weight_names())
+        core = EngineCore(target, ModelDrafter(draft), num_draft_tokens=3, max_batch_size=64, context_length=64,
+                          seed=0)
+        sp = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        spec = core.generate([GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(held_prompts[:8])])[0]
+        plain = EngineCore(target, None, num_draft_tokens=3, max_batch_size=64, context_length=64, seed=0).generate(
+            [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(held_prompts[:8])])[0]
+        assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    finally:
+        torch.set_num_threads(threads)
