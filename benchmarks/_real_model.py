@@ -79,9 +79,16 @@ def chat_prompts(tokenizer, work: str, n: int, seed: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, held_out[rng.randrange(len(held_out))], chat_template=True) for _ in range(n)]
 
 
+MTP_STEPS, DISTILL_STEPS = 300, 200  # the other kinds' training on the target's answers (make_draft.py)
+
+
 def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int, eagle_steps: int,
-                     refine_steps: int = 400) -> dict[str, str]:
-    """Target, EAGLE-3 draft and truncated draft model of the real model ``name`` (see the module docstring)."""
+                     refine_steps: int = 400, *, mtp: str | None = None, draft_model: str | None = None,
+                     other_kinds: bool = False) -> dict[str, str]:
+    """Target, EAGLE-3 draft and truncated draft model of the real model ``name`` (see the module
+    docstring); with ``other_kinds`` also an MTP export (``mtp``, or trained here) and a distilled
+    draft model (``draft_model``, or distilled here), both from the target's T=1 answers to the
+    train-easy questions (4 each, saved once as ``rollouts_t1.jsonl``)."""
     from megatron_spec.models.fetch import resolve_model
 
     log = lambda msg: print(f"[setup] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -103,4 +110,25 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
                         "--draft-vocab-size", "1024", "--batch-size", "8", "--steps", str(eagle_steps),
                         "--refine-steps", str(refine_steps)], check=True)
     model = truncated_draft_model(target, os.path.join(model_dir, f"draft_model_l{draft_layers}"), draft_layers)
-    return {"target": target, "eagle3": eagle3, "draft_model": model}
+    paths = {"target": target, "eagle3": eagle3, "draft_model": model}
+    if other_kinds:
+        mtp = mtp or os.path.join(model_dir, "mtp")
+        distilled = draft_model or os.path.join(model_dir, f"draft_model_l{draft_layers}_distilled")
+        prompts = os.path.join(model_dir, "draft_prompts.jsonl")
+        with open(prompts, "w") as f:
+            for q in questions(work, "train-easy"):
+                f.write(json.dumps({"prompt": q}) + "\n")
+        common = [sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target,
+                  "--prompt-data", prompts, "--apply-chat-template", "--num-prompts", "256", "--samples-per-prompt",
+                  "4", "--max-new-tokens", "96", "--rollouts", os.path.join(model_dir, "rollouts_t1.jsonl")]
+        if not os.path.isfile(os.path.join(mtp, "config.json")):
+            log(f"MTP depth trained from cached target states ({MTP_STEPS} steps; make_draft --draft-kind mtp)")
+            subprocess.run([*common, "--out", mtp, "--draft-kind", "mtp", "--steps", str(MTP_STEPS), "--lr", "1e-3"],
+                           check=True)
+        if not os.path.isfile(os.path.join(distilled, "config.json")):
+            log(f"draft model: the first {draft_layers} layers distilled ({DISTILL_STEPS} steps; make_draft "
+                f"--draft-kind model)")
+            subprocess.run([*common, "--out", distilled, "--draft-kind", "model", "--draft-layers", str(draft_layers),
+                            "--steps", str(DISTILL_STEPS), "--lr", "5e-4", "--batch-size", "8"], check=True)
+        paths.update(mtp=mtp, draft_model_distilled=distilled)
+    return paths

@@ -151,7 +151,7 @@ def _server(paths, dtype: str, kind: str, k, batch: int, new_tokens: int, prompt
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
 
-    draft = {"eagle3": paths["eagle3"], "model": paths["draft_model"]}.get(kind)
+    draft = kw.pop("draft_path", None) or {"eagle3": paths["eagle3"], "model": paths["draft_model"]}.get(kind)
     return EngineServer(EngineConfig(model_path=paths["target"], draft_kind=kind, draft_path=draft,
                                      num_draft_tokens=k, dtype=dtype, max_batch_size=batch,
                                      context_length=prompt_len + new_tokens, num_threads=2, **kw))
@@ -308,6 +308,42 @@ def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -
     return runs
 
 
+DRAFT_KINDS = {  # section "drafts": name -> (engine draft_kind, key of the path in paths or None)
+    "eagle3": ("eagle3", "eagle3"), "mtp": ("mtp", "mtp"), "draft_model": ("model", "draft_model"),
+    "draft_model_distilled": ("model", "draft_model_distilled"), "ngram": ("ngram", None)}
+
+
+def draft_kinds(paths, dtype: str, prompts, batch: int, new_tokens: int, rounds: int, k: int = 3) -> dict:
+    """Every draft kind at ``k`` against plain decoding, greedy and at T=1, in the same rounds: per kind
+    its acceptance length and per-position acceptance at each temperature and its paired speed-up
+    over AR at the same temperature. Kinds whose draft is missing in ``paths`` are left out."""
+    plen = _prompt_width(prompts)
+    servers = {"ar": _server(paths, dtype, "none", 1, batch, new_tokens, plen)}
+    for name, (kind, key) in DRAFT_KINDS.items():
+        if key is None or paths.get(key):
+            servers[name] = _server(paths, dtype, kind, k, batch, new_tokens, plen,
+                                    draft_path=paths.get(key) if key else None)
+    configs = {}
+    for name, srv in servers.items():
+        configs[name], configs[f"{name}_t1"] = (srv, 0.0), (srv, 1.0)
+    runs = run_interleaved(configs, prompts, new_tokens, repeats=rounds)
+    out: dict = {"ar": max(x.tokens_per_s for x in runs["ar"]), "ar_t1": max(x.tokens_per_s for x in runs["ar_t1"])}
+    for name in servers:
+        if name == "ar":
+            continue
+        row = {}
+        for sfx in ("", "_t1"):
+            rs = runs[name + sfx]
+            steps = sum(x.spec_steps for x in rs)
+            row["tokens_per_s" + sfx] = max(x.tokens_per_s for x in rs)
+            row["over_ar" + sfx] = paired_ratio(rs, runs["ar" + sfx])
+            row["accept_length" + sfx] = sum(x.spec_accept_length * x.spec_steps for x in rs) / max(steps, 1)
+            row["accept_pos" + sfx] = [round(sum(x.accepted_at_least[j] for x in rs if len(x.accepted_at_least) > j)
+                                             / max(steps, 1), 3) for j in range(k)]
+        out[name] = row
+    return out
+
+
 def paired_ratio(num, den) -> float:
     """Median over rounds of ``num[r] / den[r]`` (tokens/s of two configs in the same round)."""
     return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(num, den))
@@ -441,6 +477,11 @@ def main() -> int:
                          "--draft-layers layers as the draft model (benchmarks/_real_model.py)")
     ap.add_argument("--draft", default=None, help="with --model: its ModelOpt EAGLE-3 export")
     ap.add_argument("--draft-layers", type=int, default=4, help="with --model: layers of the truncated draft model")
+    ap.add_argument("--mtp", default=None, help="with --model: an MTP export of it (make_draft.py --draft-kind mtp); "
+                                                "section drafts makes one when not given")
+    ap.add_argument("--draft-model", default=None,
+                    help="with --model: a distilled draft model (make_draft.py --draft-kind model); section drafts "
+                         "makes one when not given")
     ap.add_argument("--dtypes", default="auto,float32",
                     help="engine dtypes to measure (auto | float32 | bfloat16), resolved for this CPU")
     ap.add_argument("--batch-sizes", default=None, help="default 1,4,16 (--model: 1,16)")
@@ -453,7 +494,9 @@ def main() -> int:
     ap.add_argument("--steady-state-out", default=None,
                     help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)")
     ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
-    ap.add_argument("--sections", default="main,grpo", help="what to measure: main (the batch-size table), grpo")
+    ap.add_argument("--sections", default="main,grpo",
+                    help="what to measure: main (the batch-size table), grpo, drafts (--model: every draft kind at "
+                         "k=3, greedy and T=1, batch 1)")
     ap.add_argument("--grpo-new-tokens", type=int, default=None, help="default 128 (--model: 64)")
     ap.add_argument("--grpo-rounds", type=int, default=None, help="default 3 (--model: 2)")
     ap.add_argument("--grpo-task", default="sum_long",
@@ -481,7 +524,9 @@ def main() -> int:
     if real:
         from _real_model import chat_prompts, real_model_paths
 
-        paths = real_model_paths(args.model, args.work_dir, args.draft, args.draft_layers, args.eagle_steps)
+        paths = real_model_paths(args.model, args.work_dir, args.draft, args.draft_layers, args.eagle_steps,
+                                 mtp=args.mtp, draft_model=args.draft_model,
+                                 other_kinds="drafts" in args.sections.split(","))
         tok = AutoTokenizer.from_pretrained(paths["target"])
         make_prompts = lambda n, seed: chat_prompts(tok, args.work_dir, n, seed)  # noqa: E731
     else:
@@ -517,6 +562,14 @@ def main() -> int:
             gprompts = task_prompts(AutoTokenizer.from_pretrained(gpaths["target"]), 16, 2718, task=args.grpo_task)
         grpo = grpo_workload(gpaths, main_dtype, gprompts, args.grpo_new_tokens, args.grpo_rounds,
                              args.grpo_history_max, tuple(args.grpo_configs.split(",")))
+    drafts = {}
+    if "drafts" in sections:
+        if not real:
+            ap.error("--sections drafts needs --model (the real model's MTP and distilled drafts)")
+        drafts = draft_kinds(paths, main_dtype, make_prompts(2, 4242), 1, args.new_tokens, args.rounds)
+        print("drafts B=1: " + json.dumps({n: {a: v if not isinstance(v, float) else round(v, 3) for a, v in r.items()}
+                                           if isinstance(r, dict) else round(r, 2) for n, r in drafts.items()}),
+              file=sys.stderr, flush=True)
     for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = make_prompts(b * args.prompts_per_row, 4242)
@@ -616,6 +669,10 @@ def main() -> int:
         "tree_over_no_tree_grpo": rnd(grpo.get("tree_over_no_tree_grpo")),
         "tail_speedup_grpo": rnd(grpo.get("tail_speedup_grpo")),
         "grpo_per_config": {n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()},
+        **{f"{name}_accept_length_k3{sfx}": rnd(drafts[name][f"accept_length{sfx}"])
+           for name in ("mtp", "draft_model_distilled") if name in drafts for sfx in ("", "_t1")},
+        "drafts_b1": {n: {a: v if isinstance(v, list) else rnd(v) for a, v in r.items()} if isinstance(r, dict)
+                      else rnd(r) for n, r in drafts.items()},
         "dtype": main_dtype,
         "cpu_capability": probe().capability,
         "per_config": {k: {a: v if isinstance(v, list) else round(v, 3) for a, v in r.items() if v is not None}
