@@ -121,6 +121,7 @@ class SpecConfig:
     spec_num_draft_tokens: int | str = _setting("spec_num_draft_tokens")
     spec_max_draft_tokens: int = _setting("spec_max_draft_tokens")
     spec_history: bool = _setting("spec_history")
+    spec_history_live: bool = _setting("spec_history_live")
     spec_history_max_draft_tokens: int = _setting("spec_history_max_draft_tokens")
     spec_history_tree: str = _setting("spec_history_tree")
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")

@@ -102,9 +102,10 @@ def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculati
         out["spec/k_mean"] = st.k_mean
         total = sum(st.k_counts)
         out.update({f"spec/k_frac{k}": c / total for k, c in enumerate(st.k_counts)})
-    if st.source_accept_length("history") is not None:
-        out["spec/history_accept_length"] = st.source_accept_length("history")
-        out["spec/history_frac"] = st.source_steps["history"] / max(1, sum(st.source_steps.values()))
+    for src in ("history", "live"):  # finished responses of earlier steps and siblings; live group index
+        if st.source_accept_length(src) is not None:
+            out[f"spec/{src}_accept_length"] = st.source_accept_length(src)
+            out[f"spec/{src}_frac"] = st.source_steps[src] / max(1, sum(st.source_steps.values()))
     if st.source_steps.get("tree"):
         out["spec/tree_frac"] = st.source_steps["tree"] / sum(st.source_steps.values())
     return out

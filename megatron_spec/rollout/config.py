@@ -111,6 +111,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("spec_history", "spec", False, "also draft from earlier responses to the same prompt (GRPO siblings, "
             "earlier steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)",
             engine="history", alias="--history"),
+    Setting("spec_history_live", "spec", True, "with the history drafter: also draft from what the running rows of "
+            "the same prompt (GRPO siblings) have written so far (the live group index, spec/live.py)",
+            engine="history_live", alias="--history-live"),
     Setting("spec_history_max_draft_tokens", "spec", 10, "the longest history proposal beside the drafter "
             "(--spec-history): steps where only the history drafts may verify this many tokens",
             engine="history_max_draft_tokens", alias="--history-max-draft-tokens"),
@@ -203,6 +206,9 @@ class EngineConfig:
     history: bool = False
     """Also draft from earlier responses to the same prompt (this call's siblings, earlier calls'),
     per row and step where the adaptive controller expects it to emit more (needs ``auto``)."""
+    history_live: bool = True
+    """With the history drafter (``history``, or ``draft_kind`` ``history``): also the live group index,
+    the text the running rows of each prompt have emitted so far (``megatron_spec.spec.live``)."""
     history_max_draft_tokens: int = 10
     """The longest history proposal beside a drafter (``history``): in steps where only the history
     drafts, the verify step may be this wide (a proposal from the history costs no forward)."""

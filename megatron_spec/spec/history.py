@@ -175,6 +175,8 @@ class HistoryIndex:
         self.min_match = int(min_match)
         self._prompts: OrderedDict[str, list[_Segment]] = OrderedDict()
         self._step = 0
+        self.last_match = 0
+        """Length of the suffix matched by the last ``propose`` that returned tokens (else 0)."""
         self._counts = dict.fromkeys(("proposals", "hits", "match_tokens", "proposed_tokens", "added",
                                       "evicted_age", "evicted_size", "evicted_prompt", "dropped_stale"), 0)
 
@@ -232,6 +234,7 @@ class HistoryIndex:
         """Up to ``k`` tokens continuing the longest suffix of ``context_ids`` found in the prompt's
         stored responses; ``[]`` when no suffix of at least ``min_match`` tokens occurs."""
         self._counts["proposals"] += 1
+        self.last_match = 0
         segments = self._prompts.get(prompt_key)
         if not segments or k <= 0 or len(context_ids) < self.min_match:
             return []
@@ -251,6 +254,7 @@ class HistoryIndex:
         if best < self.min_match:
             return []
         out = best_seg.continuation(best_start, k)
+        self.last_match = best if out else 0
         if out:
             self._counts["hits"] += 1
             self._counts["match_tokens"] += best

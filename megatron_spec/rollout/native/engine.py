@@ -434,6 +434,15 @@ class EngineCore:
                     break
         return emitted, accepted
 
+    def _source_label(self, i: int, src: str) -> str:
+        """``src`` as the statistics name it: a history proposal says whether the live group index
+        (``"live"``) or the finished responses (``"history"``) drafted it."""
+        if src != "history":
+            return src
+        d = self.history if self.history is not None else self.drafter
+        sources = getattr(d, "sources", None)
+        return (sources[i] if sources and i < len(sources) else None) or src
+
     def _account(self, rows: list[Row], prop: Proposal, ver: Verified, emitted: list[list[int]],
                  accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool) -> None:
         """Per row: draft length, source and acceptance (the request's and the step's statistics);
@@ -448,12 +457,13 @@ class EngineCore:
             src = "tree" if two else ("history" if u else main)
             if two:
                 proposed += min(m, len(hist[i]))
+            label = self._source_label(i, src)  # history: the live group index or finished responses
             r.draft_lengths.append(proposed)
-            r.sources.append(src)
+            r.sources.append(label)
             stats.add_step_k(proposed)
             if k > 0 and not (prop.hist_only and not u):  # a row that sat out a history-only step drafted nothing
                 r.accepted.append(a)
-                stats.add_spec_step(a, self.k_all, source=src)
+                stats.add_spec_step(a, self.k_all, source=label)
                 if self.controller is not None:
                     if prop.tree:  # the first branch is verified as a chain: its own acceptance, unbiased
                         self.controller.record_accept(main, r.acc.setdefault(main, AcceptanceStats(self.k_all)),

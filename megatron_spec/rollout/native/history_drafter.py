@@ -13,6 +13,13 @@ p(x) and otherwise samples p without x (``megatron_spec.spec.verify``), so outpu
 target exactly. The drafter has no model and no cache; ``propose`` may return fewer than k tokens
 per row (-1 padding ends the chain).
 
+Beside the finished responses, the *live group index* (``megatron_spec.spec.live``, on by default)
+holds what the running rows of each prompt have emitted so far: every call to ``propose_lists``
+first appends each row's newly emitted tokens to its group's index (``O(new tokens)``), then a row
+gets the proposal of whichever of the two matched the longer suffix of its text (the live one on a
+tie: it is this step's own text). ``sources[b]`` says which (``"live"`` or ``"history"``; ``None``:
+no proposal), for the engine's per-source statistics.
+
 This module does not know about the engine's batch beyond slot numbers, nor about the other
 drafter it may run beside (the engine chooses per row, ``engine.py``).
 """
@@ -30,21 +37,31 @@ class HistoryDrafter(Drafter):
     kind = "history"
 
     def __init__(self, max_responses_per_prompt: int = 64, max_prompts: int = 4096, max_age_steps: int = 4,
-                 min_match: int = 2):
+                 min_match: int = 2, live: bool = True):
         self._params = dict(max_responses_per_prompt=max_responses_per_prompt, max_prompts=max_prompts,
                             max_age_steps=max_age_steps, min_match=min_match)
+        self.use_live = bool(live)
         self.prompts: list[str | None] = []  # per slot: its prompt's key
+        self.rows: list[int | None] = []  # per slot: its row's id in the live index
+        self.indexed: list[int] = []  # per slot: tokens of its sequence already in the live index
+        self.sources: list[str | None] = []  # per slot: what drafted its last proposal
+        self._next_row = 0
         self.reset()
 
     def reset(self) -> None:
         """Forget every response (benchmarks: a workload whose prompts were seen exactly once)."""
         from megatron_spec.spec.history import HistoryIndex
+        from megatron_spec.spec.live import LiveIndex
 
         self.index = HistoryIndex(**self._params)
+        self.live = LiveIndex(min_match=self._params["min_match"]) if self.use_live else None
         self.step = 0
 
     def allocate(self, num_slots, max_len):
         self.prompts = [None] * num_slots
+        self.rows = [None] * num_slots
+        self.indexed = [0] * num_slots
+        self.sources = [None] * num_slots
 
     def begin_call(self):
         self.step += 1
@@ -52,6 +69,7 @@ class HistoryDrafter(Drafter):
 
     def move(self, src, dst):
         self.prompts[dst] = self.prompts[src]
+        self.rows[dst], self.indexed[dst], self.sources[dst] = self.rows[src], self.indexed[src], self.sources[src]
 
     @staticmethod
     def key(prompt: Sequence[int]) -> str:
@@ -59,18 +77,44 @@ class HistoryDrafter(Drafter):
         return ",".join(map(str, prompt))
 
     def start(self, slot, prompt, first_token, last_aux):
-        self.prompts[slot] = self.key(prompt)
+        key = self.prompts[slot] = self.key(prompt)
+        if self.live is not None:
+            self.rows[slot], self._next_row = self._next_row, self._next_row + 1
+            self.live.start(key, self.rows[slot], prompt)
+            self.indexed[slot] = len(prompt)  # the first token and what follows arrive with the proposals
 
     def finish(self, slot, prompt, output):
-        self.index.add(self.key(prompt), list(output), step=self.step)
+        key = self.key(prompt)
+        self.index.add(key, list(output), step=self.step)
+        if self.live is not None and slot < len(self.rows) and self.rows[slot] is not None \
+                and self.prompts[slot] == key:
+            self.live.finish(key, self.rows[slot])
+            self.rows[slot] = None
 
     def propose_lists(self, tokens: Sequence[Sequence[int]], k: int) -> list[list[int]]:
-        """Up to ``k`` drafts per row of slots ``0..B-1`` (possibly none)."""
-        # the context is the whole sequence: its suffix is matched against the stored responses
-        return [self.index.propose(self.prompts[b], seq, k)[:k] if k else [] for b, seq in enumerate(tokens)]
+        """Up to ``k`` drafts per row of slots ``0..B-1`` (possibly none); ``sources`` says whence."""
+        out = []
+        for b, seq in enumerate(tokens):
+            # the context is the whole sequence: its suffix is matched against the stored responses
+            hist = self.index.propose(self.prompts[b], seq, k)[:k] if k else []
+            src = "history" if hist else None
+            if self.live is not None and self.rows[b] is not None:
+                key, row = self.prompts[b], self.rows[b]
+                self.live.append(key, row, seq[self.indexed[b]:])  # what the row emitted since the last call
+                self.indexed[b] = len(seq)
+                if k:
+                    live, n = self.live.propose(key, row, k)
+                    if live and (not hist or n >= self.index.last_match):
+                        hist, src = live, "live"
+            self.sources[b] = src
+            out.append(hist)
+        return out
 
     def propose(self, tokens, k, sampling, generator):
         return pad_rows(self.propose_lists(tokens, k), k, -1, "cpu"), None  # on the host: the engine moves it once
 
     def stats(self) -> dict:
-        return self.index.stats()
+        out = self.index.stats()
+        if self.live is not None:
+            out.update({f"live_{k}": v for k, v in self.live.stats().items()})
+        return out

@@ -77,7 +77,7 @@ class EngineServer(WeightReceiver):
         if config.history:
             from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 
-            history = HistoryDrafter()
+            history = HistoryDrafter(live=config.history_live)
         self.core = EngineCore(self.target, self.drafter, num_draft_tokens=config.k, adaptive=config.adaptive,
                                history=history, history_max_draft_tokens=config.history_max_draft_tokens,
                                history_tree=config.history_tree,
@@ -114,7 +114,7 @@ class EngineServer(WeightReceiver):
         if cfg.draft_kind == "history":
             from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 
-            return HistoryDrafter()
+            return HistoryDrafter(live=cfg.history_live)
         if cfg.draft_kind == "model":
             dck = HFCheckpoint(cfg.draft_path)
             dcfg = dck.decoder_config

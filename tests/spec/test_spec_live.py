@@ -1,0 +1,154 @@
+"""LiveIndex (``megatron_spec.spec.live``): drafts from the in-progress responses of a prompt's rows.
+
+What it must answer (siblings' continuations, the row's own earlier text, the prompt's tail at the
+first token, never the row's own end), its bounds (occurrences per n-gram, tokens per group, a group
+freed with its last row), its cost per appended token independent of the group's size, and the
+history drafter that runs it beside the finished-response index (slots moved, sources reported).
+Exactness of what the engine does with its drafts is tested through ``generate``
+(tests/rollout/test_generate_distribution.py, tests/rollout/test_engine_exactness.py).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import pytest
+
+from megatron_spec.spec.live import LiveIndex
+
+PROMPT = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]
+
+
+def test_a_row_drafts_what_a_sibling_wrote_after_the_same_text():
+    ix = LiveIndex(max_match=4)
+    ix.start("g", 0, PROMPT)
+    ix.start("g", 1, PROMPT)
+    ix.append("g", 0, [1, 2, 3, 4, 5, 6, 7])
+    ix.append("g", 1, [9, 2, 3])
+    assert ix.propose("g", 1, 3) == ([4, 5, 6], 2)  # "2 3" matched: what row 0 wrote next
+    ix.append("g", 1, [4])
+    assert ix.propose("g", 1, 10) == ([5, 6, 7], 3)  # a longer match, the sibling's text up to its end
+    assert ix.propose("g", 0, 3) == ([], 0)  # row 0's own end has no continuation; nothing else matches
+
+
+def test_the_prompt_tail_matches_the_siblings_openings():
+    ix = LiveIndex(max_match=4)
+    ix.start("g", 0, PROMPT)
+    ix.append("g", 0, [7, 8, 9])
+    ix.start("g", 1, PROMPT)  # a row at its first token: its text is the prompt's tail
+    assert ix.length("g", 1) == 4
+    assert ix.propose("g", 1, 2) == ([7, 8], 4)
+
+
+def test_own_earlier_text_and_newest_occurrence_first():
+    ix = LiveIndex(max_match=3)
+    ix.start("g", 0, [])
+    ix.append("g", 0, [5, 6, 1, 5, 6, 2, 5, 6])
+    assert ix.propose("g", 0, 1) == ([2], 2)  # "5 6" last seen before "2"
+    ix.start("g", 1, [])
+    ix.append("g", 1, [5, 6, 3])
+    ix.append("g", 0, [])
+    assert ix.propose("g", 0, 1) == ([3], 2)  # the sibling's occurrence is newer
+
+
+def test_groups_are_isolated_and_freed_with_their_last_row():
+    ix = LiveIndex()
+    ix.start("a", 0, PROMPT)
+    ix.start("b", 1, PROMPT)
+    ix.append("a", 0, [1, 2, 3, 4])
+    ix.append("b", 1, [1, 2])
+    assert ix.propose("b", 1, 2) == ([], 0)  # only its own end matches "1 2" in its group
+    ix.start("a", 2, PROMPT)
+    ix.finish("a", 0)
+    ix.append("a", 2, [1, 2])
+    assert ix.propose("a", 2, 2) == ([3, 4], 8)  # a finished sibling's text stays for the running ones
+    ix.finish("a", 2)
+    assert "a" not in ix.groups and "b" in ix.groups
+    assert ix.propose("a", 2, 2) == ([], 0)
+    with pytest.raises(ValueError, match="already started"):
+        ix.start("b", 1, PROMPT)
+
+
+def test_bounds_and_bad_arguments():
+    ix = LiveIndex(max_match=3, max_occurrences=2, max_tokens_per_group=20)
+    ix.start("g", 0, [])
+    ix.append("g", 0, [1, 2] * 20)
+    g = ix.groups["g"]
+    assert g.tokens == 20 and ix.stats()["capped"] == 20
+    assert all(len(v) <= 2 for v in g.table.values())
+    assert len(g.texts[0]) == 40  # past the bound the text is kept, not indexed
+    for bad in [dict(min_match=0), dict(max_match=1, min_match=2), dict(max_occurrences=0),
+                dict(max_tokens_per_group=0), dict(max_match=2.5)]:
+        with pytest.raises(ValueError):
+            LiveIndex(**bad)
+    st = ix.stats()
+    assert st["groups"] == 1 and st["rows"] == 1 and st["appended"] == 40
+
+
+def test_append_cost_does_not_grow_with_the_group():
+    """A GRPO group: 8 rows writing 4000 tokens each (similar texts), each row 40 tokens behind the
+    one before (rows start and accept at different rates; a sibling helps only where it is ahead).
+    The per-token append cost late in the group (32k tokens indexed) stays within a small factor of
+    the cost early on; propose takes microseconds. The measured costs are printed (docs/benchmarks.md
+    quotes them)."""
+    rng = random.Random(0)
+    base = [rng.randrange(49152) for _ in range(4000)]
+    texts = [[t if rng.random() > 0.15 else rng.randrange(49152) for t in base] for _ in range(8)]
+    ix = LiveIndex()
+    for r in range(8):
+        ix.start("g", r, PROMPT)
+    per_token: list[float] = []
+    propose: list[float] = []
+    hits = 0
+    for step in range(0, 4000 + 8 * 40, 4):  # a verify step emits ~4 tokens per row
+        for r in range(8):
+            pos = step - 40 * r
+            if not 0 <= pos < 4000:
+                continue
+            t0 = time.perf_counter()
+            ix.append("g", r, texts[r][pos : pos + 4])
+            per_token.append((time.perf_counter() - t0) / 4)
+            t0 = time.perf_counter()
+            out, _ = ix.propose("g", r, 4)
+            propose.append(time.perf_counter() - t0)
+            hits += bool(out) and r > 0
+    early = statistics.median(per_token[: len(per_token) // 10])
+    late = statistics.median(per_token[-len(per_token) // 10 :])
+    st = ix.stats()
+    print(f"live index: append {early * 1e6:.1f} us/token early, {late * 1e6:.1f} us/token at {st['tokens']:.0f} "
+          f"tokens; propose median {statistics.median(propose) * 1e6:.1f} us; hit rate {st['hit_rate']:.2f}, "
+          f"mean match {st['mean_match']:.1f}")
+    assert late < 3 * early + 5e-6, (early, late)
+    assert statistics.median(propose) < 1e-3
+    assert hits > 0.5 * 7 * 1000  # the rows behind the first find what their siblings wrote (85% shared)
+
+
+def test_history_drafter_runs_the_live_index_beside_the_finished_responses():
+    from megatron_spec.rollout.native.history_drafter import HistoryDrafter
+
+    d = HistoryDrafter()
+    d.allocate(4, 64)
+    d.begin_call()
+    prompt = [5, 6, 7]
+    d.start(0, prompt, 1, None)
+    d.start(1, prompt, 1, None)
+    seqs = [prompt + [1, 2, 3, 4, 8, 9], prompt + [1, 2, 3]]
+    assert d.propose_lists(seqs, 2) == [[], [4, 8]]  # row 1 follows row 0's text
+    assert d.sources[:2] == [None, "live"]
+    d.finish(0, prompt, [1, 2, 3, 4, 8, 9])  # slot 0 retires, slot 1 moves into it
+    d.move(1, 0)
+    assert d.propose_lists([prompt + [1, 2, 3, 4]], 2) == [[8, 9]] and d.sources[0] == "live"
+    d.finish(0, prompt, [1, 2, 3, 4])
+    assert d.live.groups == {}  # the prompt's last row is done
+    # the finished response is in the history; a later row of the prompt draws from it
+    d.begin_call()
+    d.start(0, prompt, 1, None)
+    assert d.propose_lists([prompt + [1, 2]], 3) == [[3, 4, 8]] and d.sources[0] == "history"
+    off = HistoryDrafter(live=False)
+    off.allocate(2, 64)
+    off.begin_call()
+    off.start(0, prompt, 1, None)
+    off.start(1, prompt, 1, None)
+    assert off.propose_lists(seqs, 2) == [[], []] and off.live is None
