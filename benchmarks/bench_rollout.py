@@ -286,6 +286,56 @@ def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, 
     }
 
 
+FRESH_CONFIGS = ("ar", "eagle3_auto", "combined", "combined_no_live")
+
+
+def fresh_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, rounds: int,
+                   history_max: int = 10) -> dict:
+    """Fresh prompts (issue 31): 16 prompts x 8 samples at T=1 that no call has seen (the history is
+    emptied before every call, no priming call), so the finished-response history holds only the
+    siblings that finished earlier in the same call, and the live group index what the running
+    siblings have written. Configs, interleaved round by round: AR, EAGLE-3 auto, EAGLE-3 + history
+    + live group index (``combined``), the same without the live index (``combined_no_live``)."""
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    reqs = [GenerateRequest(f"f{i}", p, sp, n=8) for i, p in enumerate(prompts)]
+    plen, auto = _prompt_width(prompts), dict(max_draft_tokens=5)
+    hist = dict(history=True, history_max_draft_tokens=history_max, **auto)
+    servers = {"ar": _server(paths, dtype, "none", 1, 16, new_tokens, plen),
+               "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **auto),
+               "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **hist),
+               "combined_no_live": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history_live=False,
+                                           **hist)}
+    for srv in servers.values():  # warm-up: oneDNN primitives, the adaptive controllers' tables
+        _reset_history(srv)
+        srv.core.generate(reqs[:2], seed=99)
+    runs: dict = {name: [] for name in servers}
+    for r in range(rounds):
+        for name, srv in servers.items():
+            _reset_history(srv)
+            t0 = time.perf_counter()
+            finish: list[float] = []
+            _, st = srv.core.generate(reqs, lambda _s: finish.append(time.perf_counter() - t0), seed=5000 + r)
+            runs[name].append((st, tail_seconds(finish)))
+            print(f"[fresh] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail_seconds(finish):.2f}s, "
+                  f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
+    del servers
+    stats = {n: [x[0] for x in v] for n, v in runs.items()}
+    tails = {n: [x[1] for x in v] for n, v in runs.items()}
+    live = [st.source_accepted.get("live", 0) / max(1, st.num_tokens) for st in stats["combined"]]
+    return {
+        "live_history_frac": statistics.median(live),
+        "combined_over_eagle3_fresh": paired_ratio(stats["combined"], stats["eagle3_auto"]),
+        "live_over_no_live_fresh": paired_ratio(stats["combined"], stats["combined_no_live"]),
+        "tail_speedup_fresh": statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"])),
+        "fresh_per_config": {n: {"tokens_per_s": max(st.tokens_per_s for st in v), "tail_s": statistics.median(tails[n]),
+                                 "accept_length": v[-1].spec_accept_length, "source_steps": dict(v[-1].source_steps),
+                                 "source_accept_length": {s: v[-1].source_accept_length(s) for s in v[-1].source_steps}}
+                             for n, v in stats.items()},
+    }
+
+
 def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -> dict:
     """``configs``: name -> (server, temperature). Each round runs every config once, in turn;
     returns each config's runs (``GenerateStats``), round by round.
@@ -495,8 +545,9 @@ def main() -> int:
                     help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)")
     ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
     ap.add_argument("--sections", default="main,grpo",
-                    help="what to measure: main (the batch-size table), grpo, drafts (--model: every draft kind at "
-                         "k=3, greedy and T=1, batch 1)")
+                    help="what to measure: main (the batch-size table), grpo, fresh (the GRPO workload on prompts "
+                         "never seen: the live group index), drafts (--model: every draft kind at k=3, greedy and "
+                         "T=1, batch 1)")
     ap.add_argument("--grpo-new-tokens", type=int, default=None, help="default 128 (--model: 64)")
     ap.add_argument("--grpo-rounds", type=int, default=None, help="default 3 (--model: 2)")
     ap.add_argument("--grpo-task", default="sum_long",
@@ -562,6 +613,17 @@ def main() -> int:
             gprompts = task_prompts(AutoTokenizer.from_pretrained(gpaths["target"]), 16, 2718, task=args.grpo_task)
         grpo = grpo_workload(gpaths, main_dtype, gprompts, args.grpo_new_tokens, args.grpo_rounds,
                              args.grpo_history_max, tuple(args.grpo_configs.split(",")))
+    fresh = {}
+    if "fresh" in sections:
+        if real:
+            fpaths, fprompts = paths, make_prompts(16, 3141)
+        else:
+            fpaths = paths if args.grpo_task == "sum" else build_models(
+                os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
+                task=args.grpo_task)
+            fprompts = task_prompts(AutoTokenizer.from_pretrained(fpaths["target"]), 16, 3141, task=args.grpo_task)
+        fresh = fresh_workload(fpaths, main_dtype, fprompts, args.grpo_new_tokens, args.grpo_rounds,
+                               args.grpo_history_max)
     drafts = {}
     if "drafts" in sections:
         if not real:
@@ -669,6 +731,9 @@ def main() -> int:
         "tree_over_no_tree_grpo": rnd(grpo.get("tree_over_no_tree_grpo")),
         "tail_speedup_grpo": rnd(grpo.get("tail_speedup_grpo")),
         "grpo_per_config": {n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()},
+        **{k: rnd(fresh.get(k)) for k in ("live_history_frac", "combined_over_eagle3_fresh", "live_over_no_live_fresh",
+                                          "tail_speedup_fresh")},
+        "fresh_per_config": fresh.get("fresh_per_config", {}),
         **{f"{name}_accept_length_k3{sfx}": rnd(drafts[name][f"accept_length{sfx}"])
            for name in ("mtp", "draft_model_distilled") if name in drafts for sfx in ("", "_t1")},
         "drafts_b1": {n: {a: v if isinstance(v, list) else rnd(v) for a, v in r.items()} if isinstance(r, dict)

@@ -106,6 +106,9 @@ def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculati
         if st.source_accept_length(src) is not None:
             out[f"spec/{src}_accept_length"] = st.source_accept_length(src)
             out[f"spec/{src}_frac"] = st.source_steps[src] / max(1, sum(st.source_steps.values()))
+    for src, n in st.source_steps.items():  # per source: request-steps it drafted, drafts the target accepted
+        out[f"spec/source_steps/{src}"] = n
+        out[f"spec/source_tokens/{src}"] = st.source_accepted.get(src, 0)
     if st.source_steps.get("tree"):
         out["spec/tree_frac"] = st.source_steps["tree"] / sum(st.source_steps.values())
     return out

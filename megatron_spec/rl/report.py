@@ -108,6 +108,16 @@ def write_report(run_dir: str, baseline_dir: str | None = None, compare_dir: str
     fig.savefig(files["step_time"], dpi=110)
     plt.close(fig)
 
+    source_lines = []
+    sources = draft_sources(rows)
+    if sources:
+        fig = sources_figure(rows, sources)
+        files["draft_sources"] = os.path.join(out_dir, "draft_sources.png")
+        fig.savefig(files["draft_sources"], dpi=110)
+        plt.close(fig)
+        source_lines = ["", "## Draft sources per step (accepted drafted tokens, acceptance length)", "",
+                        *sources_table(rows, sources)]
+
     compare_lines = []
     if other is not None:
         runs = {labels[0]: rows, labels[1]: other}
@@ -142,6 +152,7 @@ def write_report(run_dir: str, baseline_dir: str | None = None, compare_dir: str
         step_s, step_b = _mean(_col(rows, "time/step")), _mean(_col(base, "time/step"))
         lines += ["", f"- against the baseline {os.path.abspath(baseline_dir)}: generation {gen_b / gen_s:.2f}x, "
                       f"step {step_b / step_s:.2f}x"]
+    lines += source_lines
     lines += compare_lines
     lines += ["", "Plots: " + ", ".join(f"[{name}]({os.path.basename(p)})" for name, p in files.items())]
     files["summary"] = os.path.join(out_dir, "summary.md")
@@ -175,6 +186,51 @@ def acceptance_figure(rows: Sequence[dict[str, Any]]):
     ax2.set(ylabel="acceptance rate", ylim=(0, 1.02))
     lines, labels = (a + b for a, b in zip(ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()))
     fig.legend(lines, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 3), frameon=False)
+    return fig
+
+
+SOURCE_NAMES = {"live": "live group", "history": "history", "tree": "tree (draft + history)"}
+
+
+def draft_sources(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The draft sources a run's steps name (``spec/source_steps/<source>``: eagle3, mtp, model, ngram,
+    history, live, tree), in order of first appearance."""
+    out: list[str] = []
+    for r in rows:
+        for key in r:
+            if key.startswith("spec/source_steps/") and key.split("/", 2)[2] not in out:
+                out.append(key.split("/", 2)[2])
+    return out
+
+
+def sources_table(rows: Sequence[dict[str, Any]], sources: Sequence[str]) -> list[str]:
+    """Markdown: per step and source, the drafted tokens the target accepted and the source's
+    acceptance length (1 + accepted per request-step it drafted)."""
+    head = "| step | " + " | ".join(SOURCE_NAMES.get(s, s) for s in sources) + " |"
+    lines = [head, "|---|" + "---|" * len(sources)]
+    for r in rows:
+        cells = []
+        for s in sources:
+            n, a = r.get(f"spec/source_steps/{s}"), r.get(f"spec/source_tokens/{s}")
+            cells.append(f"{int(a)} ({1 + a / n:.2f})" if n else "-")
+        lines.append(f"| {int(r['step'])} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def sources_figure(rows: Sequence[dict[str, Any]], sources: Sequence[str]):
+    """Stacked bars: per step, the drafted tokens each source had accepted."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    steps = [int(r["step"]) for r in rows]
+    bottom = [0.0] * len(rows)
+    for s in sources:
+        vals = [float(r.get(f"spec/source_tokens/{s}", 0) or 0) for r in rows]
+        ax.bar(steps, vals, bottom=bottom, label=SOURCE_NAMES.get(s, s))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(xlabel="step", ylabel="accepted drafted tokens", title="Which draft source drafted the accepted tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
     return fig
 
 

@@ -154,3 +154,23 @@ def test_report_command_compare_flags(tmp_path, capsys):
     assert "acceptance_compare:" in capsys.readouterr().out
     assert cmd.run(p.parse_args([a, "--labels", "online,frozen"])) == 2
     assert "--labels takes two names, THIS,OTHER, and needs --compare" in capsys.readouterr().err
+
+
+def test_report_shows_which_source_drafted_per_step(tmp_path):
+    """Steps with EAGLE-3, the live group index and the history: a table per step (accepted drafted
+    tokens, acceptance length) and a stacked-bar figure; a run without source metrics has neither."""
+    rows = [_row(1, **{"spec/source_steps/eagle3": 100, "spec/source_tokens/eagle3": 150,
+                       "spec/source_steps/live": 20, "spec/source_tokens/live": 60}),
+            _row(2, **{"spec/source_steps/eagle3": 80, "spec/source_tokens/eagle3": 120,
+                       "spec/source_steps/history": 10, "spec/source_tokens/history": 5})]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    files = write_report(str(tmp_path))
+    assert open(files["draft_sources"], "rb").read()[:4] == b"\x89PNG"
+    summary = open(files["summary"]).read()
+    assert "| step | eagle3 | live group | history |" in summary
+    assert "| 1 | 150 (2.50) | 60 (4.00) | - |" in summary
+    assert "| 2 | 120 (2.50) | - | 5 (1.50) |" in summary
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text(json.dumps(_row(1)) + "\n")
+    assert "draft_sources" not in write_report(str(plain))
