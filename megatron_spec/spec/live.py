@@ -31,8 +31,11 @@ than ~8 tokens almost never change which continuation is proposed (what follows 
 what follows its last 8 tokens, in the texts of one prompt). The bounded n-gram table has the same
 append order, a fixed small constant, and plain tuple hashing in C. The suffix array of
 ``HistoryIndex`` is rebuilt per added response: right for finished responses, wrong for text that
-grows every step. Measured costs (this CPU, 2-core EPYC, ``tests/spec/test_spec_live.py`` prints
-them): see ``docs/benchmarks.md`` ("Live group index").
+grows every step. Measured (2-core AMD EPYC, a loaded machine; ``tests/spec/test_spec_live.py``
+prints them: 8 rows of 4000 similar tokens, 4 appended per row and step): append 8.4 us per token
+with the group nearly empty, 12.5 us at 32k indexed tokens (7 table updates a token); propose 8.3 us
+(median). A verify step of a SmolLM2-135M engine at batch 16 takes ~200 ms on this CPU, the index
+~1 ms of it (16 rows x 4 tokens).
 
 Like ``HistoryIndex`` it knows no models or probabilities: a proposal is a point-mass draft that
 the verifier accepts with the target's own probability, so the output distribution is the target's.
