@@ -66,6 +66,8 @@ class HistoryDrafter(Drafter):
     def begin_call(self):
         self.step += 1
         self.index.advance_step(self.step)
+        if self.live is not None:  # no row of an earlier call runs on (one that failed never finished)
+            self.live.groups.clear()
 
     def move(self, src, dst):
         self.prompts[dst] = self.prompts[src]
