@@ -412,17 +412,20 @@ class DraftLengthController:
 
 
 def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str, AcceptanceStats]],
-              hist: list[list[int]] | None) -> tuple[StepPlan, list[bool], list]:
+              hist: list[list[int]] | None, hist_sources: list[str | None] | None = None
+              ) -> tuple[StepPlan, list[bool], list]:
     """The step's plan (:meth:`DraftLengthController.choose_step`: k, and whether every row drafts,
     only the rows with a history proposal, or a tree), per row whether it drafts from the history
     (in an ``all`` step: the source expected to emit more tokens at that k; ties go to the main
     drafter ``main``), and the rows' options the choice was made from. ``accs``: each row's
-    request's acceptance per source."""
+    request's acceptance per source; ``hist_sources``: per row, which index made its proposal
+    (``live`` or ``history``, each judged on its own acceptance; default ``history``)."""
     options = []
     for i, acc in enumerate(accs):
         opts = [(controller.row_alpha(main, acc.get(main)), None)]
         if hist is not None and hist[i]:
-            opts.append((controller.row_alpha("history", acc.get("history")), len(hist[i])))
+            src = (hist_sources[i] if hist_sources else None) or "history"
+            opts.append((controller.row_alpha(src, acc.get(src)), len(hist[i])))
         options.append(opts)
     plan = controller.choose_step(options)
     if plan.mode == "history":
@@ -435,7 +438,7 @@ def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str,
 
 
 def record_unused_history(controller: DraftLengthController, acc: dict[str, AcceptanceStats], k_all: int,
-                          proposal: list[int], emitted: list[int]) -> None:
+                          proposal: list[int], emitted: list[int], source: str = "history") -> None:
     """Acceptance of a history proposal a row did not use, from what the row emitted: a point-mass
     draft x is accepted with probability p(x), the probability that the target's own token is x,
     so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
@@ -446,4 +449,4 @@ def record_unused_history(controller: DraftLengthController, acc: dict[str, Acce
     m = 0
     while m < n and proposal[m] == emitted[m]:
         m += 1
-    controller.record_accept("history", acc.setdefault("history", AcceptanceStats(k_all)), n, m)
+    controller.record_accept(source, acc.setdefault(source, AcceptanceStats(k_all)), n, m)

@@ -357,7 +357,9 @@ class EngineCore:
         if self.controller is None:
             plan, use_hist, options = StepPlan(self.k), [False] * b, None
         else:
-            plan, use_hist, options = plan_step(self.controller, self.drafter.kind, [r.acc for r in rows], hist)
+            srcs = getattr(self.history, "sources", None)  # live group index or finished responses, per row
+            plan, use_hist, options = plan_step(self.controller, self.drafter.kind, [r.acc for r in rows], hist,
+                                                srcs[:b] if srcs else None)
         k = plan.k
         t1 = time.perf_counter()
         main_ran = k > 0 and plan.mode != "history" and (not all(use_hist) or not self.drafter.supports_skip)
@@ -468,8 +470,9 @@ class EngineCore:
                     if prop.tree:  # the first branch is verified as a chain: its own acceptance, unbiased
                         self.controller.record_accept(main, r.acc.setdefault(main, AcceptanceStats(self.k_all)),
                                                       k, ver.own[i])
-                    elif proposed > 0:
-                        self.controller.record_accept(src, r.acc.setdefault(src, AcceptanceStats(self.k_all)),
+                    elif proposed > 0:  # beside a drafter, the two indexes are judged apart
+                        csrc = label if u and self.history is not None else src
+                        self.controller.record_accept(csrc, r.acc.setdefault(csrc, AcceptanceStats(self.k_all)),
                                                       proposed, a)
             if two:
                 stats.tree_second += int(second[i])
@@ -477,7 +480,8 @@ class EngineCore:
                 predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
                 realized += a
             if hist is not None and hist[i] and not u:
-                record_unused_history(self.controller, r.acc, self.k_all, hist[i][:m] if two else hist[i], em)
+                record_unused_history(self.controller, r.acc, self.k_all, hist[i][:m] if two else hist[i], em,
+                                      source=self._source_label(i, "history"))
         if self.controller is not None:
             if prop.tree:
                 self.controller.record_tree(predicted, realized)
