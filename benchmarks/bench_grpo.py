@@ -11,7 +11,8 @@ EAGLE-3 draft at adaptive k plus the history drafter (``--spec-num-draft-tokens 
 * ``gen_speedup`` = mean AR generation time / mean speculative generation time (k=3);
   ``gen_speedup_adaptive_history`` the same for the adaptive + history run, with its
   ``step_speedup_adaptive_history``, ``accept_length_adaptive_history``, ``k_mean_adaptive_history``
-  and ``history_frac`` (share of request-steps drafted from the history);
+  ``history_frac`` (share of request-steps drafted from finished responses) and ``live_frac`` (from
+  the live group index: the running siblings' text);
 * ``step_speedup`` = mean AR step time / mean speculative step time;
 * ``gen_fraction_ar`` = generation's share of the AR step, and the Amdahl bound
   1 / ((1 - f) + f / gen_speedup) that ``step_speedup`` is compared with;
@@ -152,6 +153,7 @@ def main() -> int:
             "k_mean_adaptive_history": round(mean([r["spec/k_mean"] for r in ah
                                                    if r.get("spec/k_mean") is not None]), 3),
             "history_frac": round(mean([r.get("spec/history_frac", 0.0) for r in ah]), 3),
+            "live_frac": round(mean([r.get("spec/live_frac", 0.0) for r in ah]), 3),
         })
     if "spec_engines1" in runs:  # the same ranks, N engines against one (on 2 CPU cores: the mechanism)
         one = runs["spec_engines1"][1:]
