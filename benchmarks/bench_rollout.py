@@ -69,7 +69,19 @@ engine's measured costs: ``length_policy_ceiling``; ``..._by_batch`` at 16, 8, 4
 combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3 auto), ``tree_over_no_tree_grpo``
 (combined over combined without trees), ``tail_speedup_grpo`` (time from the 90th-percentile
 sample's finish to the last one's, AR over combined). ``--sections``
-limits the run to some of: main, grpo; ``--grpo-configs`` the GRPO workload to some configs.
+limits the run to some of: main, grpo, fresh, drafts; ``--grpo-configs`` the GRPO workload to some configs.
+
+Fresh prompts (``--sections fresh``, issue 31): the same 16 x 8 workload at T=1 on prompts no call has
+seen (the history emptied before every call, no priming call): AR, EAGLE-3 auto, EAGLE-3 auto +
+history + the live group index (``combined``) and the same without the live index. Keys:
+``live_history_frac`` (drafted tokens the target accepted from the live index over all emitted
+tokens), ``combined_over_eagle3_fresh``, ``live_over_no_live_fresh``, ``tail_speedup_fresh`` (AR
+over combined), ``fresh_per_config``.
+
+Draft kinds (``--sections drafts``, with ``--model``): EAGLE-3, MTP (``--mtp``), the truncated and
+the distilled draft model (``--draft-model``) and n-gram at k = 3 against AR, greedy and T=1, batch 1,
+interleaved: ``drafts_b1`` (per kind acceptance length, per position, paired speed-up over AR at the
+same temperature), ``mtp_accept_length_k3[_t1]``, ``draft_model_distilled_accept_length_k3[_t1]``.
 
 Prints a table and, last, one JSON line with the ratios.
 """
