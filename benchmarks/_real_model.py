@@ -51,11 +51,9 @@ def truncated_draft_model(target: str, out: str, num_layers: int) -> str:
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    model.model.layers = model.model.layers[:num_layers]
-    model.config.num_hidden_layers = num_layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:num_layers]
+    from megatron_spec.draft.distill import truncate
+
+    model = truncate(transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), num_layers)
     tmp = out + ".tmp"
     model.save_pretrained(tmp)
     transformers.AutoTokenizer.from_pretrained(target).save_pretrained(tmp)

@@ -224,6 +224,29 @@ def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float
     return max(oracle) / ref
 
 
+def timed_rounds(servers: dict, reqs, rounds: int, tag: str, seed: int, prime_seed: int | None = None) -> dict:
+    """Each round runs every server once on ``reqs``, in turn, its history emptied first (and, with
+    ``prime_seed``, primed by one call on the same prompts: their earlier rollouts); per server the
+    rounds' ``(GenerateStats, tail seconds)``. A warm-up call per server first (oneDNN primitives,
+    the adaptive controllers' tables)."""
+    for srv in servers.values():
+        _reset_history(srv)
+        srv.core.generate(reqs[:2], seed=99)
+    runs: dict = {name: [] for name in servers}
+    for r in range(rounds):
+        for name, srv in servers.items():
+            _reset_history(srv)
+            if prime_seed is not None:
+                srv.core.generate(reqs, seed=prime_seed + r)  # the step before: the prompts' earlier rollouts
+            t0 = time.perf_counter()
+            finish: list[float] = []
+            _, st = srv.core.generate(reqs, lambda _s: finish.append(time.perf_counter() - t0), seed=seed + r)
+            runs[name].append((st, tail_seconds(finish)))
+            print(f"[{tag}] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail_seconds(finish):.2f}s, "
+                  f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
+    return runs
+
+
 def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, rounds: int,
                   history_max: int = 10, configs: tuple[str, ...] = GRPO_CONFIGS) -> dict:
     """The GRPO-shaped workload (module docstring) on ``prompts`` (16: the task's, or the real
@@ -244,20 +267,7 @@ def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, 
             "combined_no_tree": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history=True,
                                                 history_max_draft_tokens=history_max, history_tree="off", **auto)}
     servers = {n: make[n]() for n in make if n in configs}
-    for srv in servers.values():  # warm-up: oneDNN primitives, and the adaptive controllers' tables
-        _reset_history(srv)
-        srv.core.generate(reqs[:2], seed=99)
-    runs: dict = {name: [] for name in servers}
-    for r in range(rounds):
-        for name, srv in servers.items():
-            _reset_history(srv)
-            srv.core.generate(reqs, seed=1000 + r)  # the step before: the prompts' earlier rollouts
-            t0 = time.perf_counter()
-            finish: list[float] = []
-            _, st = srv.core.generate(reqs, lambda _s: finish.append(time.perf_counter() - t0), seed=r)
-            runs[name].append((st, tail_seconds(finish)))
-            print(f"[grpo] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {finish and tail_seconds(finish):.2f}s, "
-                  f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
+    runs = timed_rounds(servers, reqs, rounds, "grpo", seed=0, prime_seed=1000)
     stats = {n: [x[0] for x in v] for n, v in runs.items()}
     ceiling = {}
     if "eagle3_k5" in stats and "eagle3_auto" in servers:
@@ -319,19 +329,7 @@ def fresh_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int,
                "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **hist),
                "combined_no_live": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history_live=False,
                                            **hist)}
-    for srv in servers.values():  # warm-up: oneDNN primitives, the adaptive controllers' tables
-        _reset_history(srv)
-        srv.core.generate(reqs[:2], seed=99)
-    runs: dict = {name: [] for name in servers}
-    for r in range(rounds):
-        for name, srv in servers.items():
-            _reset_history(srv)
-            t0 = time.perf_counter()
-            finish: list[float] = []
-            _, st = srv.core.generate(reqs, lambda _s: finish.append(time.perf_counter() - t0), seed=5000 + r)
-            runs[name].append((st, tail_seconds(finish)))
-            print(f"[fresh] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail_seconds(finish):.2f}s, "
-                  f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
+    runs = timed_rounds(servers, reqs, rounds, "fresh", seed=5000)
     del servers
     stats = {n: [x[0] for x in v] for n, v in runs.items()}
     tails = {n: [x[1] for x in v] for n, v in runs.items()}
@@ -614,27 +612,25 @@ def main() -> int:
     results: dict = {}
     best_fixed_name: dict = {}
     sections = set(args.sections.split(","))
+    def workload(seed: int):
+        """Paths and 16 prompts of a GRPO-shaped workload: the real model's chat prompts, or the task's
+        on its own models (``--grpo-task``)."""
+        if real:
+            return paths, make_prompts(16, seed)
+        wpaths = paths if args.grpo_task == "sum" else build_models(
+            os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
+            task=args.grpo_task)
+        return wpaths, task_prompts(AutoTokenizer.from_pretrained(wpaths["target"]), 16, seed, task=args.grpo_task)
+
     grpo = {}
     if "grpo" in sections:
-        if real:
-            gpaths, gprompts = paths, make_prompts(16, 2718)
-        else:
-            gpaths = paths if args.grpo_task == "sum" else build_models(
-                os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
-                task=args.grpo_task)
-            gprompts = task_prompts(AutoTokenizer.from_pretrained(gpaths["target"]), 16, 2718, task=args.grpo_task)
-        grpo = grpo_workload(gpaths, main_dtype, gprompts, args.grpo_new_tokens, args.grpo_rounds,
+        wpaths, wprompts = workload(2718)
+        grpo = grpo_workload(wpaths, main_dtype, wprompts, args.grpo_new_tokens, args.grpo_rounds,
                              args.grpo_history_max, tuple(args.grpo_configs.split(",")))
     fresh = {}
     if "fresh" in sections:
-        if real:
-            fpaths, fprompts = paths, make_prompts(16, 3141)
-        else:
-            fpaths = paths if args.grpo_task == "sum" else build_models(
-                os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
-                task=args.grpo_task)
-            fprompts = task_prompts(AutoTokenizer.from_pretrained(fpaths["target"]), 16, 3141, task=args.grpo_task)
-        fresh = fresh_workload(fpaths, main_dtype, fprompts, args.grpo_new_tokens, args.grpo_rounds,
+        wpaths, wprompts = workload(3141)
+        fresh = fresh_workload(wpaths, main_dtype, wprompts, args.grpo_new_tokens, args.grpo_rounds,
                                args.grpo_history_max)
     drafts = {}
     if "drafts" in sections:
