@@ -77,6 +77,16 @@ def chat_prompts(tokenizer, work: str, n: int, seed: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, held_out[rng.randrange(len(held_out))], chat_template=True) for _ in range(n)]
 
 
+def draft_prompts(work: str, model_dir: str) -> tuple[str, int]:
+    """The train-easy questions as the drafts' prompt file (``model_dir/draft_prompts.jsonl``) and their number."""
+    train = questions(work, "train-easy")
+    path = os.path.join(model_dir, "draft_prompts.jsonl")
+    with open(path, "w") as f:
+        for q in train:
+            f.write(json.dumps({"prompt": q}) + "\n")
+    return path, len(train)
+
+
 MTP_STEPS, DISTILL_STEPS = 300, 200  # the other kinds' training on the target's answers (make_draft.py)
 
 
@@ -97,14 +107,10 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
     if not os.path.isfile(os.path.join(eagle3, "config.json")):
         log(f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} steps), then "
             f"{refine_steps} steps from cached target states (make_draft --refine-steps)")
-        prompts = os.path.join(model_dir, "draft_prompts.jsonl")
-        train = questions(work, "train-easy")
-        with open(prompts, "w") as f:
-            for q in train:
-                f.write(json.dumps({"prompt": q}) + "\n")
+        prompts, n = draft_prompts(work, model_dir)
         subprocess.run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target,
                         "--out", eagle3, "--prompt-data", prompts, "--apply-chat-template", "--num-prompts",
-                        str(len(train)), "--samples-per-prompt", "2", "--max-new-tokens", "96",
+                        str(n), "--samples-per-prompt", "2", "--max-new-tokens", "96",
                         "--draft-vocab-size", "1024", "--batch-size", "8", "--steps", str(eagle_steps),
                         "--refine-steps", str(refine_steps)], check=True)
     model = truncated_draft_model(target, os.path.join(model_dir, f"draft_model_l{draft_layers}"), draft_layers)
@@ -112,12 +118,9 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
     if other_kinds:
         mtp = mtp or os.path.join(model_dir, "mtp")
         distilled = draft_model or os.path.join(model_dir, f"draft_model_l{draft_layers}_distilled")
-        prompts = os.path.join(model_dir, "draft_prompts.jsonl")
-        with open(prompts, "w") as f:
-            for q in questions(work, "train-easy"):
-                f.write(json.dumps({"prompt": q}) + "\n")
+        prompts, n = draft_prompts(work, model_dir)
         common = [sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target,
-                  "--prompt-data", prompts, "--apply-chat-template", "--num-prompts", "256", "--samples-per-prompt",
+                  "--prompt-data", prompts, "--apply-chat-template", "--num-prompts", str(n), "--samples-per-prompt",
                   "4", "--max-new-tokens", "96", "--rollouts", os.path.join(model_dir, "rollouts_t1.jsonl")]
         if not os.path.isfile(os.path.join(mtp, "config.json")):
             log(f"MTP depth trained from cached target states ({MTP_STEPS} steps; make_draft --draft-kind mtp)")

@@ -115,28 +115,36 @@ def refine_eagle3(
     )
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))
-    res = _fit(model, trainer, capture, rollouts, held_out, steps=steps, score="draft/eval_tau",
-               capture_batch_size=capture_batch_size, eval_every=eval_every, progress=progress, desc="eagle3 draft")
+    caches = _capture_both(model, capture, rollouts, held_out, capture_batch_size, progress)
+    del model  # the head reads the cache from here on
+    res = _fit(trainer, *caches, steps=steps, score="draft/eval_tau", eval_every=eval_every, progress=progress,
+               desc="eagle3 draft")
     trainer.export(os.fspath(out_dir or draft_dir))
     return res
 
 
-def _fit(model, trainer, capture, rollouts: Sequence[Rollout], held_out: Sequence[Rollout], *, steps: int,
-         score: str, capture_batch_size: int, eval_every: int, progress: bool, desc: str) -> dict[str, Any]:
-    """Capture the target's states over ``rollouts`` and ``held_out`` once (then drop ``model``), train
-    ``trainer`` ``steps`` steps on the first, evaluate on the second before, every ``eval_every`` steps
-    (metric ``score``) and after."""
+def _capture_both(model, capture, rollouts: Sequence[Rollout], held_out: Sequence[Rollout], batch_size: int,
+                  progress: bool):
+    """The target's cached states over ``rollouts`` and ``held_out`` (one forward each), and the seconds."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
     bar = tqdm(total=len(rollouts) + len(held_out), desc="target states (one forward)", unit="seq",
                disable=not progress)
-    train_cache = capture_rollouts(model, capture, rollouts, batch_size=capture_batch_size,
+    train_cache = capture_rollouts(model, capture, rollouts, batch_size=batch_size,
                                    progress=lambda n: bar.update(n - bar.n))
-    eval_cache = capture_rollouts(model, capture, held_out, batch_size=capture_batch_size,
+    eval_cache = capture_rollouts(model, capture, held_out, batch_size=batch_size,
                                   progress=lambda n: bar.update(len(rollouts) + n - bar.n))
     bar.close()
-    capture_s = time.perf_counter() - t0
+    return train_cache, eval_cache, time.perf_counter() - t0
+
+
+def _fit(trainer, train_cache, eval_cache, capture_s: float, *, steps: int, score: str, eval_every: int,
+         progress: bool, desc: str) -> dict[str, Any]:
+    """Train ``trainer`` ``steps`` steps on ``train_cache``; evaluate on ``eval_cache`` before, every
+    ``eval_every`` steps (metric ``score``) and after."""
+    from tqdm.auto import tqdm
+
     before = trainer.evaluate(eval_cache)
     curve = [(0, before[score])]
     t1 = time.perf_counter()
@@ -216,8 +224,9 @@ def train_mtp(
         init_mtp_from_last_layer(trainer, model)
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))
-    res = _fit(model, trainer, capture, rollouts, held_out, steps=steps, score="draft/eval_top1_0",
-               capture_batch_size=capture_batch_size, eval_every=eval_every, progress=progress, desc="mtp draft")
+    caches = _capture_both(model, capture, rollouts, held_out, capture_batch_size, progress)
+    res = _fit(trainer, *caches, steps=steps, score="draft/eval_top1_0", eval_every=eval_every, progress=progress,
+               desc="mtp draft")  # the depths read the policy's output weight: the model stays
     trainer.export(os.fspath(out_dir))
     return res
 

@@ -175,8 +175,6 @@ class HistoryIndex:
         self.min_match = int(min_match)
         self._prompts: OrderedDict[str, list[_Segment]] = OrderedDict()
         self._step = 0
-        self.last_match = 0
-        """Length of the suffix matched by the last ``propose`` that returned tokens (else 0)."""
         self._counts = dict.fromkeys(("proposals", "hits", "match_tokens", "proposed_tokens", "added",
                                       "evicted_age", "evicted_size", "evicted_prompt", "dropped_stale"), 0)
 
@@ -233,17 +231,20 @@ class HistoryIndex:
     def propose(self, prompt_key: str, context_ids: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens continuing the longest suffix of ``context_ids`` found in the prompt's
         stored responses; ``[]`` when no suffix of at least ``min_match`` tokens occurs."""
+        return self.propose_match(prompt_key, context_ids, k)[0]
+
+    def propose_match(self, prompt_key: str, context_ids: Sequence[int], k: int) -> tuple[list[int], int]:
+        """:meth:`propose`'s tokens and the length of the suffix they continue (0 with no tokens)."""
         self._counts["proposals"] += 1
-        self.last_match = 0
         segments = self._prompts.get(prompt_key)
         if not segments or k <= 0 or len(context_ids) < self.min_match:
-            return []
+            return [], 0
         tail = context_ids[-_MATCH_DEPTH:]
         pattern = array("i", reversed(tail))
         if min(pattern) < 0:  # not a token (padding): match only what follows it, never a separator
             pattern = pattern[: next(i for i, t in enumerate(pattern) if t < 0)]
             if len(pattern) < self.min_match:
-                return []
+                return [], 0
         best, best_seg, best_start = 0, None, -1
         for seg in reversed(segments):  # newest first: ties keep the newer segment
             m, s = seg.longest(pattern)
@@ -252,14 +253,13 @@ class HistoryIndex:
                 if best == len(pattern):  # an older segment could only tie
                     break
         if best < self.min_match:
-            return []
+            return [], 0
         out = best_seg.continuation(best_start, k)
-        self.last_match = best if out else 0
         if out:
             self._counts["hits"] += 1
             self._counts["match_tokens"] += best
             self._counts["proposed_tokens"] += len(out)
-        return out
+        return out, best if out else 0
 
     def stats(self) -> dict[str, float]:
         """Sizes and counters: ``prompts``, ``responses``, ``tokens``, ``segments``, ``proposals``,

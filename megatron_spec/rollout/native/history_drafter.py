@@ -98,7 +98,8 @@ class HistoryDrafter(Drafter):
         out = []
         for b, seq in enumerate(tokens):
             # the context is the whole sequence: its suffix is matched against the stored responses
-            hist = self.index.propose(self.prompts[b], seq, k)[:k] if k else []
+            hist, matched = self.index.propose_match(self.prompts[b], seq, k) if k else ([], 0)
+            hist = hist[:k]
             src = "history" if hist else None
             if self.live is not None and self.rows[b] is not None:
                 key, row = self.prompts[b], self.rows[b]
@@ -106,7 +107,7 @@ class HistoryDrafter(Drafter):
                 self.indexed[b] = len(seq)
                 if k:
                     live, n = self.live.propose(key, row, k)
-                    if live and (not hist or n >= self.index.last_match):
+                    if live and (not hist or n >= matched):
                         hist, src = live, "live"
             self.sources[b] = src
             out.append(hist)
