@@ -173,12 +173,13 @@ def main(argv=None) -> int:
         ref = refine_eagle3(args.target, args.init or args.out, [r for r in rollouts if r[1]], held,
                             out_dir=args.out, steps=args.refine_steps,
                             lr=args.refine_lr, rows_per_step=args.refine_rows_per_step, ttt_steps=args.ttt_steps,
-                            seed=args.seed)
+                            seed=args.seed, eval_every=max(args.refine_steps // 8, 1))
         summary.update({"refine_steps": args.refine_steps,
                         "held_out_tau_before": round(ref["before"]["draft/eval_tau"], 3),
                         "held_out_tau_after": round(ref["after"]["draft/eval_tau"], 3),
                         "held_out_accept_after": [round(ref["after"][f"draft/eval_accept{s}"], 3)
                                                   for s in range(args.ttt_steps)],
+                        "held_out_tau_curve": [(s, round(t, 3)) for s, t in ref["curve"]],
                         "refine_seconds": round(ref["capture_seconds"] + ref["train_seconds"], 1)})
     print(json.dumps(summary), flush=True)
     return 0
