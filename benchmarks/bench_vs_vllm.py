@@ -2,7 +2,7 @@
 
     python benchmarks/bench_vs_vllm.py --vllm-python PATH [--model smollm2]
         [--draft runs/smollm2_eagle3_refined] [--dtypes auto,float32] [--batch-sizes 1,16]
-        [--rounds 3] [--new-tokens 64] [--prompts 16] [--vllm-spec ngram,eagle3]
+        [--rounds 3] [--new-tokens 64] [--prompts 16] [--vllm-spec ngram,eagle3] [--no-compile]
 
 ``PATH`` is the Python of an environment with vLLM's CPU build, made as its users make it::
 
@@ -16,7 +16,9 @@ process, each vLLM one in its own worker process, ``benchmarks/_vllm_worker.py``
 runs all of them once, one after the other, so this machine's drift hits them alike. Tokens/s is a
 configuration's best round; a ratio is the median over rounds of the paired per-round ratio.
 
-Configurations: ours plain (``ar``), EAGLE-3 k=3 and EAGLE-3 adaptive + history; vLLM plain and each
+Configurations: ours plain (``ar``), EAGLE-3 k=3 and EAGLE-3 adaptive + history, with the decoder layer
+compiled by torch.compile unless ``--no-compile`` (``compile_s``: what compiling cost each at start-up,
+inside ``load_s``; vLLM compiles its model too, inside its load time); vLLM plain and each
 of ``--vllm-spec`` (``ngram``: prompt lookup, k=3, n 1..4; ``eagle3``: the same ModelOpt export, k=3;
 a configuration vLLM refuses is reported with its error and left out). Greedy outputs are compared
 token for token between ours and vLLM's plain decoding (``greedy_match``: the share of prompts whose
@@ -122,6 +124,7 @@ class OurEngine:
         self.srv = EngineServer(EngineConfig(model_path=model, draft_kind=kind, draft_path=draft, dtype=dtype,
                                              max_batch_size=batch, context_length=max_len, num_threads=threads, **kw))
         self.load_s = time.perf_counter() - t0
+        self.compile_s = self.srv.info()["compile_seconds"]
 
     def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
         from megatron_spec.rollout.types import GenerateRequest, SamplingParams
@@ -151,6 +154,9 @@ def main() -> None:
     ap.add_argument("--vllm-spec", default="ngram,eagle3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="our engines with --rollout-compile (the decoder layer compiled by torch.compile; its "
+                         "start-up compile time lands in compile_s)")
     args = ap.parse_args()
 
     import torch
@@ -169,15 +175,18 @@ def main() -> None:
     result: dict = {"model": args.model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "new_tokens": args.new_tokens, "prompts": args.prompts, "per_config": {}, "errors": {}}
     os.makedirs(os.path.join(args.work_dir, "vllm_logs"), exist_ok=True)
+    result["compile"] = args.compile
     for dtype in dtypes:
         for b in (int(x) for x in args.batch_sizes.split(",")):
             tag = f"{dtype}_b{b}"
+            ours = dict(compile=args.compile)
             makers = {
-                "ours_ar": lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads),
+                "ours_ar": lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads, **ours),
                 "ours_eagle3_k3": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft, args.threads,
-                                                    num_draft_tokens=args.k),
+                                                    num_draft_tokens=args.k, **ours),
                 "ours_eagle3_auto_history": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft,
-                                                              args.threads, num_draft_tokens="auto", history=True),
+                                                              args.threads, num_draft_tokens="auto", history=True,
+                                                              **ours),
                 "vllm_ar": lambda: VllmEngine(args.vllm_python, model, dtype, b, max_len, None, args.threads,
                                               os.path.join(args.work_dir, "vllm_logs", f"{tag}_ar.log")),
             }
@@ -231,6 +240,8 @@ def main() -> None:
             result["per_config"][tag] = {"tokens_per_s": {n: round(v, 2) for n, v in per.items()},
                                          "first_call_s": {n: round(v, 2) for n, v in first.items()},
                                          "load_s": {n: round(e.load_s, 1) for n, e in engines.items()},
+                                         "compile_s": {n: e.compile_s for n, e in engines.items()
+                                                       if isinstance(e, OurEngine)},
                                          "greedy_match_ours_vs_vllm": match,
                                          "ours_spec_equals_ours_ar": exact, "best_ours_spec": best_ours}
             log(f"[{tag}] " + json.dumps(result["per_config"][tag]))

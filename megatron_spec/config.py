@@ -92,6 +92,7 @@ class RolloutConfig:
     rollout_top_k: int = _setting("rollout_top_k")
     rollout_min_p: float = _setting("rollout_min_p")
     rollout_num_threads: int = _setting("rollout_num_threads")
+    rollout_compile: bool = _setting("rollout_compile")
     rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
     async_policy_lag: int = _f(0, "policy lag L: the engines generate the next batch while the trainer trains this "
                                   "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "

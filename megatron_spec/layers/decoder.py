@@ -40,12 +40,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one op, the same bits (fp32)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm` as a function (the compiled layer, ``layers.compiled``, calls it too)."""
+    dtype = x.dtype
+    if dtype == torch.float32 and weight.dtype == torch.float32:
+        return torch.rms_norm(x, weight.shape, weight, eps)  # one op, the same bits (fp32)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [B, n, T, d]`` with tables ``cos, sin [B, 1, T, d]`` (:meth:`Rotary.tables`)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def rope_inv_freq(head_dim: int, theta: float, llama3_factor: float | None = None) -> torch.Tensor:
@@ -99,9 +110,7 @@ class Rotary(nn.Module):
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [B, n, T, d]`` (queries and keys alike, or both heads stacked on ``n``)."""
-        cos, sin = self.tables(positions, x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+        return rotate(x, *self.tables(positions, x.dtype))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, nq, T, d]``, k ``[B, nkv, T, d]``, positions ``[B, T]``."""

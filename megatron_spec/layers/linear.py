@@ -20,6 +20,29 @@ def _mkldnn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+SMALL_MAX_ROWS = 10
+"""Inputs of at most this many rows run through ``megatron_spec::linear_small_f32`` (fp32, when the
+extension is built): a decode or a small verify batch. More rows go to oneDNN (see :class:`Linear`).
+Measured over SmolLM2-135M's 121 projections and its head on a 2-core AVX2 EPYC: 48 vs 72 ms at 2
+rows, 58 vs 80 at 8, 77 vs 85 at 10, 102 vs 96 at 12 (two 6-row tiles a panel), 133 vs 115 at 16."""
+
+
+def small_linear_available() -> bool:
+    """Whether the few-row fp32 kernel of ``csrc/linear_cpu.cpp`` can run (``megatron_spec._C`` built)."""
+    from megatron_spec._ext import compiled_ops_available
+
+    return compiled_ops_available() and hasattr(torch.ops.megatron_spec, "linear_small_f32")
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, small: torch.Tensor | None, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    """``x [M, in] -> [M, out_features]`` through the prepacked weights of a :class:`Linear`: the few-row
+    kernel's panels ``small`` for ``M <= SMALL_MAX_ROWS`` when there are some, oneDNN's ``packed`` else."""
+    if small is not None and x.shape[0] <= SMALL_MAX_ROWS:
+        return torch.ops.megatron_spec.linear_small_f32(x, small, bias, out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
     """``y = x W^T + b`` with W stored transposed (``weight_t [in, out]``, contiguous), and an
     optional oneDNN-prepacked copy for inference.
@@ -27,7 +50,10 @@ class Linear(nn.Module):
     Why: at decode sizes (1-64 rows) a plain ``F.linear`` on CPU re-lays-out the weight on every
     call (bf16, oneDNN) or takes MKL's slow small-M path (fp32 on this AMD CPU); a weight packed
     once into oneDNN's blocked format runs 2-12x faster and gives the same fp32 result as
-    ``x @ W^T`` (measured: benchmarks/bench_rollout.py). :meth:`pack` builds it after weights
+    ``x @ W^T`` (measured: benchmarks/bench_rollout.py). In fp32 a second copy in 16-output panels
+    serves inputs of up to :data:`SMALL_MAX_ROWS` rows through the extension's few-row kernel, which
+    reads the weights 1.3x (1 row) to 1.5x (2-8 rows) faster than oneDNN on a 2-core AVX2 EPYC
+    (``csrc/linear_cpu.cpp``); it costs the weights' size once more in memory. :meth:`pack` builds them after weights
     change (the engine calls it after every load); it is used only when autograd is off, so
     training the same module (the EAGLE-3 head) takes the plain path. ``weight`` is the usual
     ``[out, in]`` view, for loading and export.
@@ -40,6 +66,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         nn.init.normal_(self.weight_t, std=0.02)
         self._packed: torch.Tensor | None = None
+        self._small: torch.Tensor | None = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -50,20 +77,22 @@ class Linear(nn.Module):
         w = self.weight_t
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.numel() == 0
                 or not _mkldnn_packing_available()):
-            self._packed = None
+            self._packed = self._small = None
             return False
         with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().t().contiguous(), batch_hint)
+            w = w.detach().t().contiguous()
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+            small = w.dtype == torch.float32 and small_linear_available()
+            self._small = torch.ops.megatron_spec.linear_pack_f32(w) if small else None
         return True
 
     def unpack(self) -> None:
-        self._packed = None
+        self._packed = self._small = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self._packed is not None and not torch.is_grad_enabled() and x.dtype == self.weight_t.dtype
                 and x.device.type == "cpu"):
-            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self._packed, self.bias,
-                                                    "none", [], "")
+            y = packed_matmul(x.reshape(-1, x.shape[-1]), self._packed, self._small, self.bias, self.out_features)
             return y.view(*x.shape[:-1], self.out_features)
         y = x @ self.weight_t
         return y + self.bias if self.bias is not None else y
@@ -85,7 +114,7 @@ class TiedLinear(Linear):
         self._name = name
         self.out_features, self.in_features = getattr(owner, name).shape
         self.bias = None
-        self._packed = None
+        self._packed = self._small = None
 
     @property
     def weight_t(self) -> torch.Tensor:  # type: ignore[override]

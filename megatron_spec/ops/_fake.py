@@ -46,3 +46,17 @@ def _verify_chain_fake(target_logprobs, draft_tokens, draft_probs, d2t, greedy, 
 @torch.library.register_fake("megatron_spec::spec_exp")
 def _spec_exp_fake(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("megatron_spec::linear_pack_f32")
+def _linear_pack_f32_fake(w):
+    torch._check(w.dim() == 2, lambda: f"linear_pack_f32 expects a 2-D weight, got {w.dim()}-D")
+    n, k = w.shape
+    return w.new_empty(((n + 15) // 16, k, 16))
+
+
+@torch.library.register_fake("megatron_spec::linear_small_f32")
+def _linear_small_f32_fake(x, packed, bias, out_features: int):
+    torch._check(x.dim() == 2, lambda: f"linear_small_f32 expects a 2-D input, got {x.dim()}-D")
+    torch._check(packed.dim() == 3 and packed.shape[2] == 16, lambda: "linear_small_f32: weight not from linear_pack_f32")
+    return x.new_empty((x.shape[0], out_features))

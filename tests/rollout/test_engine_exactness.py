@@ -65,6 +65,25 @@ def test_greedy_identical_to_transformers_and_engine_ar(setup, greedy_reference,
         assert stats.spec_steps > 0 and len(stats.accept_rate_per_position) == k
 
 
+@pytest.mark.slow  # compiles the layer for 4 step shapes (~40-60 s)
+def test_compiled_layers_greedy_identical_to_transformers(setup, greedy_reference):
+    """--rollout-compile: the decoder layer compiled by torch.compile serves decode (1 token a row) and
+    verify (k + 1) steps of 1 and several rows; the greedy tokens stay transformers', for plain decoding
+    and EAGLE-3 k=3, and its graphs are counted."""
+    prompts, ref = greedy_reference
+    server = _server(setup, "eagle3", num_draft_tokens=3, max_batch_size=4, compile=True)
+    assert server.target.compiled is not None and server.info()["compiled_graphs"] >= 2  # warmed at start
+    assert server.info()["compile_seconds"] > 0
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40), n=1 + i % 2)
+            for i, p in enumerate(prompts)]
+    for spec in (True, False):  # EAGLE-3 verify steps, then plain decoding through the same graphs
+        server.set_speculation(spec)
+        samples, stats = server.generate(reqs)
+        for s in samples:
+            assert s.output_ids == ref[int(s.request_id[1:])], (spec, s.request_id, s.sample_index)
+        assert (stats.spec_steps > 0) == spec
+
+
 @pytest.mark.parametrize("kind, history", [("ngram", False), ("model", False), ("eagle3", False),
                                            ("history", False), ("model", True), ("eagle3", True)])
 @pytest.mark.slow  # ~20-30 s each

@@ -98,6 +98,8 @@ class CausalLM(nn.Module):
         """The tied LM head: the embedding table, packed for oneDNN like every Linear (no parameter of its own)."""
         self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                              cfg.rope_scaling_factor)
+        self.compiled = None
+        """:class:`~megatron_spec.layers.compiled.CompiledLayers` once :meth:`compile_layers` is called."""
 
     @property
     def device(self) -> torch.device:
@@ -176,8 +178,16 @@ class CausalLM(nn.Module):
         aux: list[list[torch.Tensor]] = [[] for _ in segments]
         no_rows = [None] * len(segments)
         seg_rows = [p.n for p in plans]
+        weights = self._compiled_weights(plans)
+        done = 0
+        if weights is not None:  # one plain segment: the compiled layers (layers.compiled)
+            done = last if rows[0] is not None else last + 1
+            cos, sin = self.rotary.tables(plans[0].positions, x.dtype)
+            flat: list[torch.Tensor] = []
+            x = self.compiled.run(x, plans[0], cos, sin, cache, range(done), weights, aux_layers, flat)
+            aux[0].extend(_unpack(a, plans[0]) for a in flat)
         with self.rotary.reuse_tables():
-            for i, layer in enumerate(self.layers):
+            for i, layer in enumerate(self.layers[done:], start=done):
                 x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
                 if i in aux_layers:
                     for j, part in enumerate(x.split(seg_rows)):
@@ -199,6 +209,24 @@ class CausalLM(nn.Module):
             aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
             result.append((_unpack(lg, p), aux_out))
         return result
+
+    def compile_layers(self, enable: bool = True) -> None:
+        """Run plain single-segment forwards through the decoder layer compiled by ``torch.compile``
+        (:mod:`megatron_spec.layers.compiled`; CPU, weights packed for oneDNN), or stop doing so."""
+        if not enable:
+            self.compiled = None
+            return
+        from megatron_spec.layers.compiled import CompiledLayers
+
+        c = self.cfg
+        self.compiled = CompiledLayers(self.layers, (c.num_attention_heads, c.num_kv_heads, c.head_dim,
+                                                     c.intermediate_size, c.rms_norm_eps))
+
+    def _compiled_weights(self, plans: Sequence[LayerPlan]) -> list | None:
+        if (self.compiled is None or len(plans) != 1 or plans[0].pack is not None or plans[0].slot_offset
+                or torch.is_grad_enabled() or self.device.type != "cpu"):
+            return None
+        return self.compiled.weights()
 
     # ---------------------------------------------------------------- weights
     def expected_hf_names(self) -> set[str]:

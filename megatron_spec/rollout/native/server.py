@@ -92,6 +92,13 @@ class EngineServer(WeightReceiver):
             calls = warm_linears([m for m in (self.target, self._draft_module()) if m is not None],
                                  config.max_batch_size * (config.k_verify + 1))
             logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
+        if config.compile and self.device.type == "cpu":
+            self.target.compile_layers()
+            if config.warm_up:
+                t0 = time.perf_counter()
+                self._warm_compiled()
+                logger.info("engine warm-up: %d compiled layer graphs in %.1f s", self.target.compiled.compiles,
+                            time.perf_counter() - t0)
         self._updating: dict[str, set[str]] | None = None
         self._session_groups: set[str] = set()  # the groups of the open (or last) weight-update session
         self._generate_calls = 0  # counts generate calls for the fault points (megatron_spec.faults)
@@ -151,13 +158,30 @@ class EngineServer(WeightReceiver):
             return self.drafter.head
         return None
 
+    def _warm_compiled(self) -> None:
+        """Compile the decoder layer for the step shapes an engine meets (1 and 2 rows of 1 and k+1 tokens:
+        dynamo makes one graph per such class, the sizes within it stay symbolic), on a scratch cache."""
+        cfg = self.config
+        cache = self.target.new_cache(2, 64)
+        widths = sorted({1, min(cfg.k_verify + 1, 32)})
+        with torch.inference_mode():
+            for b in (1, 2):
+                for t in widths:
+                    if b > cfg.max_batch_size:
+                        continue
+                    ids = torch.zeros(b, t, dtype=torch.long, device=self.device)
+                    pos = torch.arange(t, device=self.device).expand(b, t)
+                    self.target(ids, pos, cache, torch.full((b,), t, device=self.device))
+
     # ------------------------------------------------------------------ calls
     def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "architecture": self.target_cfg.architecture, "draft_kind": self.config.draft_kind,
                 "num_draft_tokens": self.config.k, "adaptive": self.config.adaptive,
                 "history": self.config.history, "dtype": self.config.dtype, "device": str(self.device),
                 "max_batch_size": self.config.max_batch_size, "context_length": self.config.context_length,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(),
+                "compiled_graphs": self.target.compiled.compiles if self.target.compiled else 0,
+                "compile_seconds": round(self.target.compiled.compile_seconds, 2) if self.target.compiled else 0.0}
 
     def set_speculation(self, enabled: bool) -> bool:
         """Turn speculative decoding off (autoregressive fallback) or back on; returns the new state."""

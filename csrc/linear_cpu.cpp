@@ -1,0 +1,156 @@
+// CPU kernel of the few-row fp32 linear layer: y [M, N] = x [M, K] W^T (+ bias), M a decode or a small
+// verify batch (1-16 rows), W prepacked in column panels of 16 outputs.
+//
+// Why: at these row counts a decoder step is the weights read once, and the oneDNN-packed fp32 matmul
+// torch uses reads them at ~12 GB/s on a 2-core AVX2 EPYC whose cores read memory at ~19 GB/s
+// (benchmarks/profile_engine_step.py); with 4 rows oneDNN falls to ~7 GB/s. Here each thread streams
+// whole panels of W (16 outputs x K, contiguous) once, keeping a 6-row x 16-output tile of the result
+// in twelve AVX registers and broadcasting x from L1: 16 GB/s at 1 row, 14 at 4. Above 16 rows the
+// tile reloads the panel from L2 too often and oneDNN's blocked kernel wins, so the caller
+// (megatron_spec/layers/linear.py) sends those to oneDNN.
+//
+// Layout: packed [ceil(N / 16), K, 16] float32, packed[p, k, j] = W[16 p + j, k] (zero past N).
+// Arithmetic: every output is sum_k x[m, k] * W[n, k] accumulated in k order with fused multiply-adds
+// (AVX2 + FMA), or in k order with separate multiply and add elsewhere: not the bits of torch's matmul
+// (which blocks K differently), the same up to rounding; tests compare within fp32 tolerance.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MS_LINEAR_X86 1
+#endif
+
+#include "cpu/kernels.h"
+
+namespace megatron_spec {
+namespace {
+
+constexpr int64_t kPanel = 16;
+
+// Rows m0..m0+MR-1 of x times one panel: scalar, k in order (the fallback for CPUs without AVX2).
+template <int MR>
+void tile_scalar(const float* x, int64_t K, const float* panel, float* y, int64_t N, int64_t cols) {
+  float acc[MR][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * K + k];
+      for (int64_t j = 0; j < kPanel; ++j) acc[m][j] += xv * panel[k * kPanel + j];
+    }
+  for (int m = 0; m < MR; ++m) std::copy(acc[m], acc[m] + cols, y + m * N);
+}
+
+#ifdef MS_LINEAR_X86
+template <int MR>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t K, const float* panel, float* y,
+                                                    int64_t N, int64_t cols) {
+  __m256 lo[MR], hi[MR];
+  for (int m = 0; m < MR; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPanel), w1 = _mm256_loadu_ps(panel + k * kPanel + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+      lo[m] = _mm256_fmadd_ps(xb, w0, lo[m]);
+      hi[m] = _mm256_fmadd_ps(xb, w1, hi[m]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if (cols == kPanel) {
+      _mm256_storeu_ps(y + m * N, lo[m]);
+      _mm256_storeu_ps(y + m * N + 8, hi[m]);
+    } else {
+      alignas(32) float t[kPanel];
+      _mm256_store_ps(t, lo[m]);
+      _mm256_store_ps(t + 8, hi[m]);
+      std::copy(t, t + cols, y + m * N);
+    }
+  }
+}
+#endif
+
+using TileFn = void (*)(const float*, int64_t, const float*, float*, int64_t, int64_t);
+
+template <int MR>
+TileFn tile_for(bool avx2) {
+#ifdef MS_LINEAR_X86
+  if (avx2) return tile_avx2<MR>;
+#endif
+  (void)avx2;
+  return tile_scalar<MR>;
+}
+
+bool use_avx2() {
+#ifdef MS_LINEAR_X86
+  // The AVX2 tile needs FMA too; both exist on every AVX2 CPU made, checked anyway. The variant cap
+  // (MEGATRON_SPEC_NO_NATIVE_BF16, ATEN_CPU_CAPABILITY=default) applies as to every kernel here.
+  static const bool fma = __builtin_cpu_supports("fma");
+  return fma && cpu::active_isa() >= cpu::Isa::kAvx2;
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_pack_f32(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "linear_pack_f32: expects a 2-D float32 CPU weight [N, K], got ", w.sizes(), " ", w.scalar_type());
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
+  auto out = at::zeros({panels, K, kPanel}, w.options());
+  if (N == 0 || K == 0) return out;
+  // packed[p, k, j] = w[16 p + j, k]: pad W to whole panels, then one transposing copy
+  auto padded = at::zeros({panels * kPanel, K}, w.options());
+  padded.narrow(0, 0, N).copy_(w);
+  out.copy_(padded.view({panels, kPanel, K}).transpose(1, 2));
+  return out;
+}
+
+at::Tensor linear_small_f32(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                            int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "linear_small_f32: expects a 2-D float32 CPU input [M, K], got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous(),
+              "linear_small_f32: the weight must come from linear_pack_f32 ([panels, K, 16] float32), got ",
+              packed.sizes());
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, panels = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K, "linear_small_f32: input has ", K, " features, the weight ", packed.size(1));
+  TORCH_CHECK(N >= 0 && (N + kPanel - 1) / kPanel == panels,
+              "linear_small_f32: out_features ", N, " does not match ", panels, " panels of 16");
+  if (bias.has_value())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == at::kFloat,
+                "linear_small_f32: bias must be float32 [", N, "]");
+  auto xc = x.contiguous();
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (K == 0) return bias.has_value() ? y.copy_(bias->unsqueeze(0).expand({M, N})) : y.zero_();
+  const bool avx2 = use_avx2();
+  const TileFn tiles[7] = {nullptr,          tile_for<1>(avx2), tile_for<2>(avx2), tile_for<3>(avx2),
+                           tile_for<4>(avx2), tile_for<5>(avx2), tile_for<6>(avx2)};
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // Threads split the panels: each panel (the weights of 16 outputs) is read from memory once, and
+  // every row tile of it after the first finds it in L2.
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = std::min(kPanel, N - p * kPanel);
+      const float* panel = wp + p * K * kPanel;
+      for (int64_t m = 0; m < M; m += 6) {
+        const int64_t mr = std::min<int64_t>(6, M - m);
+        tiles[mr](xp + m * K, K, panel, yp + m * N + p * kPanel, N, cols);
+      }
+    }
+  });
+  if (bias.has_value()) y.add_(bias->unsqueeze(0));
+  return y;
+}
+
+}  // namespace
+}  // namespace megatron_spec
+
+TORCH_LIBRARY_IMPL(megatron_spec, CPU, m) {
+  m.impl("linear_pack_f32", &megatron_spec::linear_pack_f32);
+  m.impl("linear_small_f32", &megatron_spec::linear_small_f32);
+}

@@ -1,0 +1,79 @@
+"""The few-row fp32 linear kernel (csrc/linear_cpu.cpp) and its use by the engine's Linear layer.
+
+Each kernel variant (the scalar loop of the default variant, the AVX2 + FMA tile above it) is compared
+with a float64 matmul on shapes that leave partial 16-output panels and partial 6-row tiles; the layer
+sends at most SMALL_MAX_ROWS rows to it and the rest to oneDNN, with the same results within fp32
+rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import megatron_spec.ops  # noqa: F401  (the fake kernels)
+from megatron_spec import _ext
+
+pytestmark = pytest.mark.skipif(not _ext.compiled_ops_available(),
+                                reason="megatron_spec._C not built or MEGATRON_SPEC_FORCE_REFERENCE=1")
+
+
+def reference(x, w, bias):
+    y = x.double() @ w.double().t()
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.mark.parametrize("n,k", [(50, 37), (16, 1), (576, 576), (3, 64), (96, 17)])
+def test_matches_float64_matmul(kernel_variant, n, k):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    packed = torch.ops.megatron_spec.linear_pack_f32(w)
+    assert packed.shape == ((n + 15) // 16, k, 16)
+    for m in (1, 2, 5, 6, 7, 12, 16, 23):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, torch.randn(n, generator=g)):
+            y = torch.ops.megatron_spec.linear_small_f32(x, packed, bias, n)
+            ref = reference(x, w, bias)
+            # k fp32 products summed in order: error within k * eps of the sum of |terms|
+            bound = 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().t() + 1)
+            assert y.shape == (m, n) and y.dtype == torch.float32
+            assert ((y.double() - ref).abs() <= bound).all(), (m, n, k, bias is not None)
+
+
+def test_refuses_what_it_cannot_run():
+    w = torch.randn(20, 8)
+    packed = torch.ops.megatron_spec.linear_pack_f32(w)
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.megatron_spec.linear_small_f32(torch.randn(2, 9), packed, None, 20)
+    with pytest.raises(RuntimeError, match="panels"):
+        torch.ops.megatron_spec.linear_small_f32(torch.randn(2, 8), packed, None, 40)
+    with pytest.raises(RuntimeError, match="linear_pack_f32"):
+        torch.ops.megatron_spec.linear_small_f32(torch.randn(2, 8), w, None, 20)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.megatron_spec.linear_pack_f32(w.bfloat16())
+
+
+def test_opcheck():
+    w, x = torch.randn(20, 8), torch.randn(3, 8)
+    torch.library.opcheck(torch.ops.megatron_spec.linear_pack_f32, (w,))
+    torch.library.opcheck(torch.ops.megatron_spec.linear_small_f32,
+                          (x, torch.ops.megatron_spec.linear_pack_f32(w), torch.randn(20), 20))
+
+
+def test_linear_layer_uses_it_for_few_rows_and_onednn_above():
+    from megatron_spec.layers.linear import SMALL_MAX_ROWS, Linear
+
+    torch.manual_seed(0)
+    lin = Linear(40, 70).eval()
+    with torch.no_grad():
+        lin.bias.normal_()
+    assert lin.pack() and lin._small is not None
+    for m in (1, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 1, 64):
+        x = torch.randn(m, 40)
+        with torch.inference_mode():
+            y = lin(x)
+            few = torch.ops.megatron_spec.linear_small_f32(x, lin._small, lin.bias, 70)
+            onednn = torch.ops.mkldnn._linear_pointwise(x, lin._packed, lin.bias, "none", [], "")
+        assert torch.equal(y, few if m <= SMALL_MAX_ROWS else onednn)
+        assert torch.allclose(y, (x @ lin.weight.t() + lin.bias).detach(), rtol=1e-5, atol=1e-5)
+    lin.unpack()
+    assert lin._packed is None and lin._small is None
