@@ -122,6 +122,10 @@ class CompiledLayers:
         # the model's sizes (hidden, heads, head dim) stay constants of the graph, so inductor writes loops
         # of known length; the sizes that vary (rows, tokens, cache length) are marked dynamic in run()
         self._fn = torch.compile(step, dynamic=False)
+        # dynamo keeps the graphs of every instance under one code object (``step``'s), up to
+        # ``recompile_limit`` (8) of them, then runs it eagerly: an engine makes 4-6, and several engines
+        # in one process (benchmarks, tests) make more
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._seen: set[tuple] = set()
         self.compiles = 0
         self.compile_seconds = 0.0
