@@ -160,9 +160,11 @@ class EngineServer(WeightReceiver):
 
     def _warm_compiled(self) -> None:
         """Compile the decoder layer for the step shapes an engine meets (1 and 2 rows of 1 and k+1 tokens:
-        dynamo makes one graph per such class, the sizes within it stay symbolic), on a scratch cache."""
+        dynamo makes one graph per such class, the sizes within it stay symbolic). On the engine's own
+        cache: its sizes are constants of the graphs (another cache's would compile them again); the
+        entries written at the first positions of slots 0-1 are overwritten by the next prefill there."""
         cfg = self.config
-        cache = self.target.new_cache(2, 64)
+        cache = self.core.cache
         widths = sorted({1, min(cfg.k_verify + 1, 32)})
         with torch.inference_mode():
             for b in (1, 2):
