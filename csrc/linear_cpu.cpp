@@ -1,13 +1,13 @@
 // CPU kernel of the few-row fp32 linear layer: y [M, N] = x [M, K] W^T (+ bias), M a decode or a small
-// verify batch (1-16 rows), W prepacked in column panels of 16 outputs.
+// verify batch (up to 10 rows), W prepacked in column panels of 16 outputs.
 //
 // Why: at these row counts a decoder step is the weights read once, and the oneDNN-packed fp32 matmul
 // torch uses reads them at ~12 GB/s on a 2-core AVX2 EPYC whose cores read memory at ~19 GB/s
 // (benchmarks/profile_engine_step.py); with 4 rows oneDNN falls to ~7 GB/s. Here each thread streams
 // whole panels of W (16 outputs x K, contiguous) once, keeping a 6-row x 16-output tile of the result
-// in twelve AVX registers and broadcasting x from L1: 16 GB/s at 1 row, 14 at 4. Above 16 rows the
-// tile reloads the panel from L2 too often and oneDNN's blocked kernel wins, so the caller
-// (megatron_spec/layers/linear.py) sends those to oneDNN.
+// in twelve AVX registers and broadcasting x from L1: 16 GB/s at 1 row, 14 at 4. From about 12 rows
+// (two or more 6-row tiles a panel) oneDNN's blocked kernel wins, so the caller
+// (megatron_spec/layers/linear.py, SMALL_MAX_ROWS) sends more than 10 rows to oneDNN.
 //
 // Layout: packed [ceil(N / 16), K, 16] float32, packed[p, k, j] = W[16 p + j, k] (zero past N).
 // Arithmetic: every output is sum_k x[m, k] * W[n, k] accumulated in k order with fused multiply-adds

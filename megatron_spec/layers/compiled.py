@@ -58,11 +58,11 @@ norms may be None (the model has none)."""
 
 
 def layer_step(x: torch.Tensor, weights: LayerWeights, dims: tuple, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor, mask: torch.Tensor,
-               slot_offset: int) -> torch.Tensor:
-    """One decoder layer over ``x [b * t, H]`` (one rectangular segment of ``b`` rows of ``t`` tokens,
-    every row's output kept): :meth:`DecoderLayer.forward_flat` for one :class:`LayerPlan` without
-    ``pack`` or ``rows``, with the layer's K/V written into ``k_cache, v_cache`` (this layer's
+               k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor, mask: torch.Tensor
+               ) -> torch.Tensor:
+    """One decoder layer over ``x [b * t, H]`` (one rectangular segment of ``b`` rows of ``t`` tokens in
+    slots ``0..b-1``, every row's output kept): :meth:`DecoderLayer.forward_flat` for one :class:`LayerPlan`
+    without ``pack``, ``rows`` or a slot offset, with the layer's K/V written into ``k_cache, v_cache`` (this layer's
     ``[slots, nkv, max_len, d]`` tensors) at ``write_index``. ``dims``: ``(nq, nkv, head_dim,
     intermediate, eps)``; ``cos, sin [b, 1, t, d]``; ``mask [b, 1, t, read_len]``."""
     ln1, ln2, qkv_w, qkv_b, o_w, gate_up_w, down_w, q_norm, k_norm = weights
@@ -81,8 +81,7 @@ def layer_step(x: torch.Tensor, weights: LayerWeights, dims: tuple, cos: torch.T
     k_cache.view(-1, d).index_copy_(0, write_index, k.reshape(-1, d).to(k_cache.dtype))
     v_cache.view(-1, d).index_copy_(0, write_index, v.reshape(-1, d).to(v_cache.dtype))
     length = mask.shape[-1]
-    k_all = k_cache[slot_offset:slot_offset + b, :, :length]
-    v_all = v_cache[slot_offset:slot_offset + b, :, :length]
+    k_all, v_all = k_cache[:b, :, :length], v_cache[:b, :, :length]
     if use_fused_attention(q.dtype, b, t):
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
     else:
@@ -114,10 +113,9 @@ class CompiledLayers:
 
     def __init__(self, layers: nn.ModuleList, dims: tuple):
         self.layers = layers
-        self.dims = dims
 
         def step(x, weights, cos, sin, k_cache, v_cache, write_index, mask):
-            return layer_step(x, weights, dims, cos, sin, k_cache, v_cache, write_index, mask, 0)
+            return layer_step(x, weights, dims, cos, sin, k_cache, v_cache, write_index, mask)
 
         # the model's sizes (hidden, heads, head dim) stay constants of the graph, so inductor writes loops
         # of known length; the sizes that vary (rows, tokens, cache length) are marked dynamic in run()

@@ -165,7 +165,7 @@ class EngineServer(WeightReceiver):
         entries written at the first positions of slots 0-1 are overwritten by the next prefill there."""
         cfg = self.config
         cache = self.core.cache
-        widths = sorted({1, min(cfg.k_verify + 1, 32)})
+        widths = sorted({1, cfg.k_verify + 1})
         with torch.inference_mode():
             for b in (1, 2):
                 for t in widths:
