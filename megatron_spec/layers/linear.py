@@ -20,15 +20,16 @@ def _mkldnn_packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-SMALL_MAX_ROWS = 10
+SMALL_MAX_ROWS = 128
 """Inputs of at most this many rows run through ``megatron_spec::linear_small_f32`` (fp32, when the
-extension is built): a decode or a small verify batch. More rows go to oneDNN (see :class:`Linear`).
-Measured over SmolLM2-135M's 121 projections and its head on a 2-core AVX2 EPYC: 48 vs 72 ms at 2
-rows, 58 vs 80 at 8, 77 vs 85 at 10, 102 vs 96 at 12 (two 6-row tiles a panel), 133 vs 115 at 16."""
+extension is built): decode and verify batches. More rows (prefills) go to oneDNN (see :class:`Linear`).
+Measured over SmolLM2-135M's 121 projections and its head on a 2-core AVX2 EPYC, kernel vs oneDNN
+(ms, best of 5): 20 vs 29 at 1 row, 22 vs 36 at 4, 39 vs 64 at 16, 73 vs 86 at 32, 111 vs 136 at 64,
+271 vs 290 at 128, 530 vs 535 at 256."""
 
 
 def small_linear_available() -> bool:
-    """Whether the few-row fp32 kernel of ``csrc/linear_cpu.cpp`` can run (``megatron_spec._C`` built)."""
+    """Whether the fp32 decode/verify kernel of ``csrc/linear_cpu.cpp`` can run (``megatron_spec._C`` built)."""
     from megatron_spec._ext import compiled_ops_available
 
     return compiled_ops_available() and hasattr(torch.ops.megatron_spec, "linear_small_f32")
@@ -36,8 +37,9 @@ def small_linear_available() -> bool:
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, small: torch.Tensor | None, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
-    """``x [M, in] -> [M, out_features]`` through the prepacked weights of a :class:`Linear`: the few-row
-    kernel's panels ``small`` for ``M <= SMALL_MAX_ROWS`` when there are some, oneDNN's ``packed`` else."""
+    """``x [M, in] -> [M, out_features]`` through the prepacked weights of a :class:`Linear`: the
+    extension kernel's panels ``small`` for ``M <= SMALL_MAX_ROWS`` when there are some, oneDNN's ``packed``
+    else."""
     if small is not None and x.shape[0] <= SMALL_MAX_ROWS:
         return torch.ops.megatron_spec.linear_small_f32(x, small, bias, out_features)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -51,9 +53,9 @@ class Linear(nn.Module):
     call (bf16, oneDNN) or takes MKL's slow small-M path (fp32 on this AMD CPU); a weight packed
     once into oneDNN's blocked format runs 2-12x faster and gives the same fp32 result as
     ``x @ W^T`` (measured: benchmarks/bench_rollout.py). In fp32 a second copy in 16-output panels
-    serves inputs of up to :data:`SMALL_MAX_ROWS` rows through the extension's few-row kernel, which
-    reads the weights 1.3x (1 row) to 1.5x (2-8 rows) faster than oneDNN on a 2-core AVX2 EPYC
-    (``csrc/linear_cpu.cpp``); it costs the weights' size once more in memory. :meth:`pack` builds them after weights
+    serves inputs of up to :data:`SMALL_MAX_ROWS` rows through the extension's kernel, 1.4-1.9x faster
+    than oneDNN at 1-16 rows and 1.2x at 64 on a 2-core AVX2 EPYC (``csrc/linear_cpu.cpp``); it costs
+    the weights' size once more in memory. :meth:`pack` builds them after weights
     change (the engine calls it after every load); it is used only when autograd is off, so
     training the same module (the EAGLE-3 head) takes the plain path. ``weight`` is the usual
     ``[out, in]`` view, for loading and export.

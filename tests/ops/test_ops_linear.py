@@ -1,7 +1,8 @@
-"""The few-row fp32 linear kernel (csrc/linear_cpu.cpp) and its use by the engine's Linear layer.
+"""The fp32 decode/verify linear kernel (csrc/linear_cpu.cpp) and its use by the engine's Linear layer.
 
 Each kernel variant (the scalar loop of the default variant, the AVX2 + FMA tile above it) is compared
-with a float64 matmul on shapes that leave partial 16-output panels and partial 6-row tiles; the layer
+with a float64 matmul on shapes that leave partial 16-output panels and every tile split (1-6 rows a
+tile, balanced: 8 rows as 4 + 4, 16 as 6 + 5 + 5); the layer
 sends at most SMALL_MAX_ROWS rows to it and the rest to oneDNN, with the same results within fp32
 rounding."""
 
@@ -28,7 +29,7 @@ def test_matches_float64_matmul(kernel_variant, n, k):
     w = torch.randn(n, k, generator=g)
     packed = torch.ops.megatron_spec.linear_pack_f32(w)
     assert packed.shape == ((n + 15) // 16, k, 16)
-    for m in (1, 2, 5, 6, 7, 12, 16, 23):
+    for m in (1, 2, 5, 6, 7, 8, 12, 16, 23, 64, 129):
         x = torch.randn(m, k, generator=g)
         for bias in (None, torch.randn(n, generator=g)):
             y = torch.ops.megatron_spec.linear_small_f32(x, packed, bias, n)
@@ -59,7 +60,7 @@ def test_opcheck():
                           (x, torch.ops.megatron_spec.linear_pack_f32(w), torch.randn(20), 20))
 
 
-def test_linear_layer_uses_it_for_few_rows_and_onednn_above():
+def test_linear_layer_uses_it_up_to_the_cut_and_onednn_above():
     from megatron_spec.layers.linear import SMALL_MAX_ROWS, Linear
 
     torch.manual_seed(0)
@@ -67,7 +68,7 @@ def test_linear_layer_uses_it_for_few_rows_and_onednn_above():
     with torch.no_grad():
         lin.bias.normal_()
     assert lin.pack() and lin._small is not None
-    for m in (1, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 1, 64):
+    for m in (1, 16, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 1):
         x = torch.randn(m, 40)
         with torch.inference_mode():
             y = lin(x)
