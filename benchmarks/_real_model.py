@@ -26,11 +26,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = "algebra__linear_1d"  # "Solve -376*i - 2525 = 8780 for i.": the chat model answers in ~100 tokens of steps
 
 
-@functools.lru_cache(maxsize=None)
 def questions(work: str, split: str) -> tuple[str, ...]:
     """mathematics_dataset questions of ``split`` (train-easy: the draft's training prompts;
     interpolate: the held-out prompts measured), made once by scripts/make_math_task.sh in
     ``work/math_task``."""
+    return tuple(q for q, _ in problems(work, split))
+
+
+@functools.cache
+def problems(work: str, split: str) -> tuple[tuple[str, str], ...]:
+    """``(question, answer)`` pairs of ``split`` (see :func:`questions`)."""
     task = os.path.join(work, "math_task")
     env = dict(os.environ, MATH_TASK_DIR=task, MATH_MODULES=MODULES, MATH_SPLITS="train-easy,interpolate",
                MATH_NUM_TRAIN="256", MATH_NUM_TEST="128")
@@ -38,7 +43,7 @@ def questions(work: str, split: str) -> tuple[str, ...]:
     out = []
     for module in MODULES.split(","):
         with open(os.path.join(task, module, f"{split}.jsonl")) as f:
-            out += [json.loads(line)["question"] for line in f]
+            out += [(r["question"], r["answer"]) for r in map(json.loads, f)]
     return tuple(out)
 
 
@@ -65,25 +70,27 @@ def truncated_draft_model(target: str, out: str, num_layers: int) -> str:
     return out
 
 
-def chat_prompts(tokenizer, work: str, n: int, seed: int) -> list[list[int]]:
+def chat_prompts(tokenizer, work: str, n: int, seed: int, templates: list[str] | None = None) -> list[list[int]]:
     """``n`` held-out questions (interpolate split) rendered with the chat template, as GRPO sends
-    them (``--apply-chat-template``); the same for the same ``seed``."""
+    them (``--apply-chat-template``); ``templates`` (``--prompt-template`` strings, ``{prompt}`` the
+    question) taken in turn, prompt by prompt. The same for the same ``seed``."""
     import random
 
     from megatron_spec.rl.prompting import encode_prompt
 
     held_out = questions(work, "interpolate")
     rng = random.Random(seed)
-    return [encode_prompt(tokenizer, held_out[rng.randrange(len(held_out))], chat_template=True) for _ in range(n)]
+    templates = templates or [None]
+    return [encode_prompt(tokenizer, held_out[rng.randrange(len(held_out))], chat_template=True,
+                          template=templates[i % len(templates)]) for i in range(n)]
 
 
 def draft_prompts(work: str, model_dir: str) -> tuple[str, int]:
     """The train-easy questions as the drafts' prompt file (``model_dir/draft_prompts.jsonl``) and their number."""
-    train = questions(work, "train-easy")
+    train = problems(work, "train-easy")
     path = os.path.join(model_dir, "draft_prompts.jsonl")
-    with open(path, "w") as f:
-        for q in train:
-            f.write(json.dumps({"prompt": q}) + "\n")
+    with open(path, "w") as f:  # load_prompts reads a prompt and an answer column
+        f.writelines(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in train)
     return path, len(train)
 
 

@@ -227,8 +227,8 @@ def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float
 def timed_rounds(servers: dict, reqs, rounds: int, tag: str, seed: int, prime_seed: int | None = None) -> dict:
     """Each round runs every server once on ``reqs``, in turn, its history emptied first (and, with
     ``prime_seed``, primed by one call on the same prompts: their earlier rollouts); per server the
-    rounds' ``(GenerateStats, tail seconds)``. A warm-up call per server first (oneDNN primitives,
-    the adaptive controllers' tables)."""
+    rounds' ``(GenerateStats, tail seconds, response lengths)``. A warm-up call per server first (oneDNN
+    primitives, the adaptive controllers' tables)."""
     for srv in servers.values():
         _reset_history(srv)
         srv.core.generate(reqs[:2], seed=99)
@@ -240,8 +240,14 @@ def timed_rounds(servers: dict, reqs, rounds: int, tag: str, seed: int, prime_se
                 srv.core.generate(reqs, seed=prime_seed + r)  # the step before: the prompts' earlier rollouts
             t0 = time.perf_counter()
             finish: list[float] = []
-            _, st = srv.core.generate(reqs, lambda _s: finish.append(time.perf_counter() - t0), seed=seed + r)
-            runs[name].append((st, tail_seconds(finish)))
+            lengths: list[int] = []
+
+            def done(sample, finish=finish, lengths=lengths, t0=t0):
+                finish.append(time.perf_counter() - t0)
+                lengths.append(len(sample.output_ids))
+
+            _, st = srv.core.generate(reqs, done, seed=seed + r)
+            runs[name].append((st, tail_seconds(finish), lengths))
             print(f"[{tag}] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail_seconds(finish):.2f}s, "
                   f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
     return runs
@@ -311,34 +317,50 @@ def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, 
 FRESH_CONFIGS = ("ar", "eagle3_auto", "combined", "combined_no_live")
 
 
+def length_summary(lengths: list[int]) -> dict:
+    """Response lengths of one call: min, median, 90th percentile, max, mean."""
+    t = sorted(lengths)
+    return {"min": t[0], "p50": t[len(t) // 2], "p90": t[max(0, -(-9 * len(t) // 10) - 1)], "max": t[-1],
+            "mean": round(sum(t) / len(t), 1)}
+
+
 def fresh_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, rounds: int,
-                   history_max: int = 10) -> dict:
+                   history_max: int = 10, configs: tuple[str, ...] = FRESH_CONFIGS) -> dict:
     """Fresh prompts (issue 31): 16 prompts x 8 samples at T=1 that no call has seen (the history is
     emptied before every call, no priming call), so the finished-response history holds only the
     siblings that finished earlier in the same call, and the live group index what the running
     siblings have written. Configs, interleaved round by round: AR, EAGLE-3 auto, EAGLE-3 + history
-    + live group index (``combined``), the same without the live index (``combined_no_live``)."""
+    + live group index (``combined``), the same without the live index (``combined_no_live``);
+    ``configs`` a subset (keys needing a missing one are None)."""
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
     reqs = [GenerateRequest(f"f{i}", p, sp, n=8) for i, p in enumerate(prompts)]
     plen, auto = _prompt_width(prompts), dict(max_draft_tokens=5)
     hist = dict(history=True, history_max_draft_tokens=history_max, **auto)
-    servers = {"ar": _server(paths, dtype, "none", 1, 16, new_tokens, plen),
-               "eagle3_auto": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **auto),
-               "combined": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **hist),
-               "combined_no_live": _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history_live=False,
-                                           **hist)}
+    make = {"ar": lambda: _server(paths, dtype, "none", 1, 16, new_tokens, plen),
+            "eagle3_auto": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **auto),
+            "combined": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **hist),
+            "combined_no_live": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen,
+                                                history_live=False, **hist)}
+    servers = {n: make[n]() for n in make if n in configs}
     runs = timed_rounds(servers, reqs, rounds, "fresh", seed=5000)
     del servers
     stats = {n: [x[0] for x in v] for n, v in runs.items()}
     tails = {n: [x[1] for x in v] for n, v in runs.items()}
-    live = [st.source_accepted.get("live", 0) / max(1, st.num_tokens) for st in stats["combined"]]
+    live = [st.source_accepted.get("live", 0) / max(1, st.num_tokens) for st in stats.get("combined", [])]
+
+    def ratio(a, b):
+        return paired_ratio(stats[a], stats[b]) if a in stats and b in stats else None
+
     return {
-        "live_history_frac": statistics.median(live),
-        "combined_over_eagle3_fresh": paired_ratio(stats["combined"], stats["eagle3_auto"]),
-        "live_over_no_live_fresh": paired_ratio(stats["combined"], stats["combined_no_live"]),
-        "tail_speedup_fresh": statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"])),
+        "live_history_frac": statistics.median(live) if live else None,
+        "combined_over_eagle3_fresh": ratio("combined", "eagle3_auto"),
+        "live_over_no_live_fresh": ratio("combined", "combined_no_live"),
+        "tail_speedup_fresh": (statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"]))
+                               if "ar" in tails and "combined" in tails else None),
+        "fresh_new_tokens": new_tokens,
+        "fresh_lengths": {n: [length_summary(x[2]) for x in v] for n, v in runs.items()},
         "fresh_per_config": {n: {"tokens_per_s": max(st.tokens_per_s for st in v), "tail_s": statistics.median(tails[n]),
                                  "accept_length": v[-1].spec_accept_length, "source_steps": dict(v[-1].source_steps),
                                  "source_accept_length": {s: v[-1].source_accept_length(s) for s in v[-1].source_steps}}
@@ -569,6 +591,15 @@ def main() -> int:
     ap.add_argument("--grpo-configs", default=None,
                     help="configs of the GRPO workload to run (keys needing a missing one are null); default all "
                          "(--model: ar,eagle3_k3,eagle3_auto,combined)")
+    ap.add_argument("--fresh-new-tokens", type=int, default=None,
+                    help="longest response of the fresh workload (default --grpo-new-tokens); 1024 with a "
+                         "--fresh-template asking for reasoning gives the long tail of issue 31 (64-1024 tokens)")
+    ap.add_argument("--fresh-templates", default=None,
+                    help="with --model: prompt templates of the fresh workload's questions, separated by '||' and "
+                         "taken in turn ({prompt}: the question), e.g. '{prompt}||{prompt} Explain every step of your "
+                         "reasoning.': half short answers, half long reasoning (the long tail)")
+    ap.add_argument("--fresh-configs", default=",".join(FRESH_CONFIGS),
+                    help="configs of the fresh workload to run (keys needing a missing one are null)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
     ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds of the batch-size table (default 5, "
                                                                  "--model: 3)")
@@ -589,11 +620,11 @@ def main() -> int:
                                  mtp=args.mtp, draft_model=args.draft_model,
                                  other_kinds="drafts" in args.sections.split(","))
         tok = AutoTokenizer.from_pretrained(paths["target"])
-        make_prompts = lambda n, seed: chat_prompts(tok, args.work_dir, n, seed)  # noqa: E731
+        make_prompts = lambda n, seed, templates=None: chat_prompts(tok, args.work_dir, n, seed, templates)  # noqa: E731
     else:
         paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
         tok = AutoTokenizer.from_pretrained(paths["target"])
-        make_prompts = lambda n, seed: task_prompts(tok, n, seed)  # noqa: E731
+        make_prompts = lambda n, seed, templates=None: task_prompts(tok, n, seed)  # noqa: E731
 
     ks = [int(x) for x in args.ks.split(",")]
     from megatron_spec.isa import probe, resolve_dtype
@@ -612,11 +643,11 @@ def main() -> int:
     results: dict = {}
     best_fixed_name: dict = {}
     sections = set(args.sections.split(","))
-    def workload(seed: int):
-        """Paths and 16 prompts of a GRPO-shaped workload: the real model's chat prompts, or the task's
-        on its own models (``--grpo-task``)."""
+    def workload(seed: int, templates: list[str] | None = None):
+        """Paths and 16 prompts of a GRPO-shaped workload: the real model's chat prompts (``templates``
+        around the questions in turn), or the task's on its own models (``--grpo-task``)."""
         if real:
-            return paths, make_prompts(16, seed)
+            return paths, make_prompts(16, seed, templates)
         wpaths = paths if args.grpo_task == "sum" else build_models(
             os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
             task=args.grpo_task)
@@ -629,9 +660,9 @@ def main() -> int:
                              args.grpo_history_max, tuple(args.grpo_configs.split(",")))
     fresh = {}
     if "fresh" in sections:
-        wpaths, wprompts = workload(3141)
-        fresh = fresh_workload(wpaths, main_dtype, wprompts, args.grpo_new_tokens, args.grpo_rounds,
-                               args.grpo_history_max)
+        wpaths, wprompts = workload(3141, args.fresh_templates.split("||") if args.fresh_templates else None)
+        fresh = fresh_workload(wpaths, main_dtype, wprompts, args.fresh_new_tokens or args.grpo_new_tokens,
+                               args.grpo_rounds, args.grpo_history_max, tuple(args.fresh_configs.split(",")))
     drafts = {}
     if "drafts" in sections:
         if not real:
@@ -741,6 +772,8 @@ def main() -> int:
         "grpo_per_config": {n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()},
         **{k: rnd(fresh.get(k)) for k in ("live_history_frac", "combined_over_eagle3_fresh", "live_over_no_live_fresh",
                                           "tail_speedup_fresh")},
+        "fresh_new_tokens": fresh.get("fresh_new_tokens"),
+        "fresh_lengths": fresh.get("fresh_lengths", {}),
         "fresh_per_config": fresh.get("fresh_per_config", {}),
         **{f"{name}_accept_length_k3{sfx}": rnd(drafts[name][f"accept_length{sfx}"])
            for name in ("mtp", "draft_model_distilled") if name in drafts for sfx in ("", "_t1")},
