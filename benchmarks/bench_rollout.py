@@ -89,6 +89,7 @@ Prints a table and, last, one JSON line with the ratios.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -229,9 +230,12 @@ def timed_rounds(servers: dict, reqs, rounds: int, tag: str, seed: int, prime_se
     ``prime_seed``, primed by one call on the same prompts: their earlier rollouts); per server the
     rounds' ``(GenerateStats, tail seconds, response lengths)``. A warm-up call per server first (oneDNN
     primitives, the adaptive controllers' tables)."""
+    # the warm-up: 2 requests, at most 64 tokens (the long-tail workload's 1024 would cost minutes)
+    warm = [dataclasses.replace(q, sampling=dataclasses.replace(q.sampling, max_new_tokens=min(
+        64, q.sampling.max_new_tokens))) for q in reqs[:2]]
     for srv in servers.values():
         _reset_history(srv)
-        srv.core.generate(reqs[:2], seed=99)
+        srv.core.generate(warm, seed=99)
     runs: dict = {name: [] for name in servers}
     for r in range(rounds):
         for name, srv in servers.items():

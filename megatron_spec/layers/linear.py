@@ -24,8 +24,8 @@ SMALL_MAX_ROWS = 128
 """Inputs of at most this many rows run through ``megatron_spec::linear_small_f32`` (fp32, when the
 extension is built): decode and verify batches. More rows (prefills) go to oneDNN (see :class:`Linear`).
 Measured over SmolLM2-135M's 121 projections and its head on a 2-core AVX2 EPYC, kernel vs oneDNN
-(ms, best of 5): 20 vs 29 at 1 row, 22 vs 36 at 4, 39 vs 64 at 16, 73 vs 86 at 32, 111 vs 136 at 64,
-271 vs 290 at 128, 530 vs 535 at 256."""
+(ms, best of 5; ``benchmarks/bench_linear_rows.py``): 21 vs 30 at 1 row, 26 vs 43 at 4, 44 vs 67 at 16,
+75 vs 97 at 32, 134 vs 161 at 64, 259 vs 285 at 128, 488 vs 520 at 256."""
 
 
 def small_linear_available() -> bool:

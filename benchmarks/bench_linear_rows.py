@@ -1,0 +1,81 @@
+"""The engine's fp32 projections at each row count: the extension's kernel against oneDNN (issue 30).
+
+    python benchmarks/bench_linear_rows.py [--rows 1,2,4,8,12,16,32,64,128,256] [--repeats 5]
+
+SmolLM2-135M's shapes with random weights: 30 layers of q (576x576), k and v (192x576), o (576x576),
+gate and up (1536x576) and down (576x1536), and the tied 49152x576 head, each a ``layers.linear.Linear``
+packed as the engine packs it (oneDNN's blocked copy and the 16-output panels of ``csrc/linear_cpu.cpp``).
+For each row count M, one pass over all 211 matrices with M input rows through
+``megatron_spec::linear_small_f32`` and one through oneDNN's ``mkldnn._linear_pointwise``; best of
+``--repeats`` passes each, the two alternated. M is what a forward feeds the projections: B rows at
+decode, B (k + 1) at a verify, the prompt's tokens at a prefill. ``layers.linear.SMALL_MAX_ROWS`` is
+set from this table. Prints a markdown table and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # (out, in)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,2,4,8,12,16,32,64,128,256")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from megatron_spec.layers.linear import Linear, small_linear_available
+
+    if not small_linear_available():
+        ap.error("the extension (megatron_spec._C) is not built: nothing to compare")
+    torch.manual_seed(0)
+    layers = []
+    for out, inp in SHAPES * args.layers + [(49152, 576)]:
+        lin = Linear(inp, out, bias=False).eval()
+        lin.pack()
+        layers.append(lin)
+    ops = torch.ops.megatron_spec
+
+    def one_pass(m: int, kernel: bool) -> float:
+        xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        t0 = time.perf_counter()
+        for lin in layers:
+            x = xs[lin.in_features]
+            if kernel:
+                ops.linear_small_f32(x, lin._small, None, lin.out_features)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
+        return time.perf_counter() - t0
+
+    rows = [int(r) for r in args.rows.split(",")]
+    result = {}
+    with torch.inference_mode():
+        for m in rows:  # warm-up: oneDNN's primitives per shape
+            one_pass(m, True), one_pass(m, False)
+        print("| rows | kernel, ms | oneDNN, ms | oneDNN / kernel |\n|---|---|---|---|")
+        for m in rows:
+            k_s, o_s = [], []
+            for _ in range(args.repeats):
+                k_s.append(one_pass(m, True))
+                o_s.append(one_pass(m, False))
+            k, o = min(k_s), min(o_s)
+            result[m] = {"kernel_ms": round(k * 1e3, 2), "onednn_ms": round(o * 1e3, 2), "ratio": round(o / k, 3)}
+            print(f"| {m} | {k * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} |", flush=True)
+    print(json.dumps({"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                      "rows": result}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
