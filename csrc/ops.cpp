@@ -86,10 +86,14 @@ TORCH_LIBRARY(megatron_spec, m) {
       {at::Tag::pt2_compliant_tag});
   // The verifier's float32 exp of log-probabilities (exposed so tests can compare it bit for bit).
   m.def("spec_exp(Tensor x) -> Tensor", {at::Tag::pt2_compliant_tag});
-  // The few-row fp32 linear layer of the native engine (csrc/linear_cpu.cpp):
+  // The fp32 linear layer of the native engine at decode and verify sizes (csrc/linear_cpu.cpp):
   //   w [N, K] f32 -> packed [ceil(N/16), K, 16] f32 (16-output column panels, zero past N)
   m.def("linear_pack_f32(Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
   //   x [M, K] f32, packed from linear_pack_f32, bias [N] f32 or None -> y [M, N] = x W^T + bias
   m.def("linear_small_f32(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  // The fp32 grouped-query attention of the native engine (csrc/attention_cpu.cpp): q [b, nq, t, d],
+  // k and v [b, nkv, L, d] (cache views: any strides, contiguous d), mask [b, 1, t, L] bool -> [b, nq, t, d]
+  m.def("attention_f32(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor",
         {at::Tag::pt2_compliant_tag});
 }

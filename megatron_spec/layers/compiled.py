@@ -31,7 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_spec.layers.decoder import DecoderLayer, LayerPlan, gqa_attention, rms_norm, rotate, use_fused_attention
+from megatron_spec.layers.decoder import (
+    DecoderLayer,
+    LayerPlan,
+    attend,
+    rms_norm,
+    rotate,
+    use_fused_attention,
+)
 from megatron_spec.layers.kv_cache import KVCache
 from megatron_spec.layers.linear import packed_matmul
 
@@ -82,10 +89,7 @@ def layer_step(x: torch.Tensor, weights: LayerWeights, dims: tuple, cos: torch.T
     v_cache.view(-1, d).index_copy_(0, write_index, v.reshape(-1, d).to(v_cache.dtype))
     length = mask.shape[-1]
     k_all, v_all = k_cache[:b, :, :length], v_cache[:b, :, :length]
-    if use_fused_attention(q.dtype, b, t):
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=d ** -0.5, enable_gqa=True)
-    else:
-        out = gqa_attention(q, k_all, v_all, mask, d ** -0.5)
+    out = attend(q, k_all, v_all, mask, d ** -0.5)
     x = x + packed_linear(out.transpose(1, 2).reshape(b * t, nq * d), *o_w, None, hidden)
     gate, up = packed_linear(rms_norm(x, ln2, eps), *gate_up_w, None, 2 * inter).chunk(2, dim=-1)
     return x + packed_linear(F.silu(gate) * up, *down_w, None, hidden)

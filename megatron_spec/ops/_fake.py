@@ -60,3 +60,9 @@ def _linear_small_f32_fake(x, packed, bias, out_features: int):
     torch._check(x.dim() == 2, lambda: f"linear_small_f32 expects a 2-D input, got {x.dim()}-D")
     torch._check(packed.dim() == 3 and packed.shape[2] == 16, lambda: "linear_small_f32: weight not from linear_pack_f32")
     return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake("megatron_spec::attention_f32")
+def _attention_f32_fake(q, k, v, mask, scale: float):
+    torch._check(q.dim() == 4 and k.dim() == 4, lambda: "attention_f32 expects q [b, nq, t, d] and k [b, nkv, L, d]")
+    return q.new_empty(q.shape)
