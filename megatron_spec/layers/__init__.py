@@ -6,7 +6,8 @@
 - :mod:`.kv_cache`: :class:`KVCache` (preallocated, slot-based), :func:`read_length` (cache
   lengths read in buckets), :func:`attention_mask`.
 - :mod:`.decoder`: :class:`RMSNorm`, :class:`Rotary`, :class:`Attention` (GQA over the slot
-  cache; :func:`use_fused_attention` picks torch's fused kernel or :func:`gqa_attention`),
+  cache through :func:`attend`: the extension's fp32 kernel on CPU, else torch's fused kernel or
+  :func:`gqa_attention` as :func:`use_fused_attention` picks),
   :class:`MLP`, :class:`DecoderLayer` (one or several row segments per forward), :func:`gather_rows`.
 
 The target model (``megatron_spec.rollout.native.model``) and the drafters
