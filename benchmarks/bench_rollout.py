@@ -596,8 +596,8 @@ def main() -> int:
                     help="configs of the GRPO workload to run (keys needing a missing one are null); default all "
                          "(--model: ar,eagle3_k3,eagle3_auto,combined)")
     ap.add_argument("--fresh-new-tokens", type=int, default=None,
-                    help="longest response of the fresh workload (default --grpo-new-tokens); 1024 with a "
-                         "--fresh-template asking for reasoning gives the long tail of issue 31 (64-1024 tokens)")
+                    help="longest response of the fresh workload (default --grpo-new-tokens); 1024 with "
+                         "--fresh-templates asking for reasoning gives the long tail of issue 31 (64-1024 tokens)")
     ap.add_argument("--fresh-templates", default=None,
                     help="with --model: prompt templates of the fresh workload's questions, separated by '||' and "
                          "taken in turn ({prompt}: the question), e.g. '{prompt}||{prompt} Explain every step of your "

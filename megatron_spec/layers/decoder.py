@@ -150,10 +150,11 @@ def attention_kernel_available() -> bool:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Grouped-query attention of ``q [B, nq, T, d]`` over ``k, v [B, nkv, L, d]`` with ``mask [B, 1, T, L]``
-    (True = attend): in fp32 on a CPU, where no gradient is asked for, the extension's kernel (one task a row and KV head, reading the cache
-    views in place: 3-5x faster than torch's kernels at decode and verify sizes, ``csrc/attention_cpu.cpp``),
-    else torch's fused kernel or :func:`gqa_attention`, whichever :func:`use_fused_attention` says is
-    faster for the shape. Results agree to fp32 rounding."""
+    (True = attend): in fp32 on a CPU, where no gradient is asked for, the extension's kernel (one task a
+    row and KV head, reading the cache views in place: 1.2-2.6x faster than torch's kernels at decode and
+    verify sizes, ``csrc/attention_cpu.cpp``, ``benchmarks/bench_attention.py``), else torch's fused kernel
+    or :func:`gqa_attention`, whichever :func:`use_fused_attention` says is faster for the shape. Results
+    agree to fp32 rounding."""
     b, _, t, _ = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.dtype == torch.float32 and q.device.type == "cpu" and not grad and attention_kernel_available():
