@@ -18,7 +18,11 @@ when a process dies at the worst moment.
 ``MEGATRON_SPEC_TEST_HOOKS="history_tree_always"`` (:func:`test_hook`): the adaptive controller makes
 every step a tree step where a row has a history proposal, with the whole proposal as the second
 branch (the exactness and distribution tests of tree steps, which the cost model alone would run
-only where they pay). Engine processes inherit the variable.
+only where they pay); ``history_rows_always``: in a step where every row drafts, each row with a
+history proposal (finished responses or the live group index) drafts from it, beside rows drafting
+from the main drafter, whatever the cost model prefers (the distribution test of mixed steps at T=1,
+where the controller, rightly, seldom picks the history on a model trained from scratch). Engine
+processes inherit the variable.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from megatron_spec.rollout.native.adaptive import (
     DraftLengthController,
     StepPlan,
     expected_tokens,
+    plan_step,
 )
 
 
@@ -291,6 +292,22 @@ def test_tree_modes(monkeypatch):
     assert all(p.m == 8 for p in plans[1:])  # the whole history proposal is the second branch, whatever it costs
 
 
+def test_history_rows_hook_makes_rows_with_a_proposal_draft_from_it(monkeypatch):
+    # compute-bound, the history never right: the cost model plans k = 0 and no row uses the history;
+    # under the test hook every row with a proposal drafts from it (k >= 1), the others from the main drafter
+    def plan(ctl):
+        for _ in range(40):
+            ctl.record_accept("d", None, 1, 0)
+            ctl.record_accept("history", None, 1, 0)
+            ctl.record_step(16, 0, 0.16, 0.0, prefill=False)
+            ctl.record_step(16, 1, 0.32, 0.01, prefill=False)
+        return plan_step(ctl, "d", [{}] * 4, [[5, 6], [], [7], []])[:2]
+
+    assert plan(DraftLengthController(3)) == (StepPlan(0), [False] * 4)
+    monkeypatch.setenv("MEGATRON_SPEC_TEST_HOOKS", "history_rows_always")
+    assert plan(DraftLengthController(3)) == (StepPlan(1), [True, False, True, False])
+
+
 def test_length_policy_ceiling_is_the_oracle_over_fixed_k():
     """benchmarks/bench_rollout.py's ceiling of any draft-length choice: an oracle verifying exactly
     each row's accepted drafts, at its best longest chain K, over fixed k=3, under the controller's
@@ -325,7 +342,7 @@ def test_a_wider_batch_first_measures_k_max_then_chooses():
     token at 1 row says little about 16 rows): its first step runs k_max, after that the choice is
     the controller's again."""
     c = DraftLengthController(5, explore_every=0)
-    for k in range(0, 6):
+    for k in range(6):
         c.record_step(1, k, 0.010 + 0.0002 * k, 0.003 * k, prefill=False)
     one = [[([0.3] * 5, None)]]
     sixteen = one * 16

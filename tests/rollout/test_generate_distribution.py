@@ -29,7 +29,7 @@ N = 6144
 
 def exact_joint(model_dir: str, temperature: float, top_k: int, top_p: float) -> dict[tuple[int, int], float]:
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    sampling = lambda b: SamplingTensors.from_values(temperature, top_k, top_p, 0.0, batch_size=b)  # noqa: E731
+    sampling = lambda b: SamplingTensors.from_values(temperature, top_k, top_p, 0.0, batch_size=b)
     with torch.no_grad():
         p1 = process_logits(hf(torch.tensor([PROMPT])).logits[:, -1], sampling(1)).exp()[0]  # [V]
         support = (p1 > 0).nonzero()[:, 0]
@@ -72,7 +72,7 @@ def check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, n_
            "--max-new-tokens", "2", "--ignore-eos", "--seed", "1234", "--batch-size", "64",
            "--num-threads", "2", "--output", str(out), "--no-progress", "--device", device,
            "--dtype", "float32"]  # the oracle below is the fp32 target (auto is bf16 on a CPU with native bf16)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["num_tokens"] == 2 * n_samples and len(summary["accept_rate_per_position"]) == 3
@@ -96,7 +96,7 @@ def exact_third(model_dir: str, temperature: float, top_k: int, top_p: float
                 ) -> tuple[dict[tuple[int, int], float], dict[int, float]]:
     """p(t2, t3) and p(t3), summing the exact p(t1) p(t2 | t1) p(t3 | t1, t2) over t1 (and t2)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    sampling = lambda b: SamplingTensors.from_values(temperature, top_k, top_p, 0.0, batch_size=b)  # noqa: E731
+    sampling = lambda b: SamplingTensors.from_values(temperature, top_k, top_p, 0.0, batch_size=b)
     pair: dict[tuple[int, int], float] = {}
     with torch.no_grad():
         for (t1, t2), p12 in exact_joint(model_dir, temperature, top_k, top_p).items():
@@ -119,8 +119,10 @@ def test_history_beside_eagle3_follows_the_target(setup, tmp_path, tree, tempera
     branches of one verify (``verify_tree``). The third token (the first one a history match of
     min_match 2 can draft) and the pair (t2, t3) must follow the target. The live group index runs
     (on by default): rows draft from what their running and finished siblings of this call wrote.
-    At T=0.7, top-k 5, top-p 0.9 the target is peaked (siblings repeat, the history is drafted from);
-    T=1 with no truncation too."""
+    At T=0.7, top-k 5, top-p 0.9 the target is peaked (siblings repeat, the cost model picks the history);
+    T=1 with no truncation too, where the test hook history_rows_always makes the rows with a proposal use
+    it (the cost model, timed on the machine that runs the test, picks it seldom there: CI's run once
+    chose it in 17 of ~6600 row-steps)."""
     prompts = tmp_path / "prompts.jsonl"
     per_request = 64
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": PROMPT}) + "\n"
@@ -131,8 +133,11 @@ def test_history_beside_eagle3_follows_the_target(setup, tmp_path, tree, tempera
            "--prompts", str(prompts), "--n", str(per_request), "--temperature", str(temperature), "--top-k",
            str(top_k), "--top-p", str(top_p), "--max-new-tokens", "4", "--ignore-eos", "--seed", "4321",
            "--batch-size", "64", "--num-threads", "2", "--output", str(out), "--no-progress", "--dtype", "float32"]
-    env = dict(os.environ, MEGATRON_SPEC_TEST_HOOKS="history_tree_always" if tree == "always" else "")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    # at T=1 the cost model (timed on this machine) seldom picks the history on this model: the test hook
+    # makes every row with a proposal draft from it, so mixed steps run whatever the machine's timings
+    hook = {"always": "history_tree_always", "auto": "history_rows_always" if temperature == 1.0 else ""}[tree]
+    env = dict(os.environ, MEGATRON_SPEC_TEST_HOOKS=hook)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     if tree == "always":  # the trees really ran, and the history branch was kept past the draft's tokens
@@ -140,10 +145,7 @@ def test_history_beside_eagle3_follows_the_target(setup, tmp_path, tree, tempera
     else:
         # the history really drafted (its share is timed): finished responses and the live group index
         steps = summary["source_steps"]
-        if temperature < 1.0:
-            assert steps.get("history", 0) + steps.get("live", 0) > 50 and steps.get("live", 0) > 10, summary
-        else:  # siblings repeat less: the controller chooses the indexes less often, as a branch of a tree more
-            assert steps.get("history", 0) + steps.get("live", 0) + steps.get("tree", 0) > 50, summary
+        assert steps.get("history", 0) + steps.get("live", 0) > 50 and steps.get("live", 0) > 10, summary
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == N
     pair, third = exact_third(setup.target, temperature, top_k, top_p)

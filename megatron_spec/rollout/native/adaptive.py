@@ -221,6 +221,9 @@ class DraftLengthController:
         """The longest second (history) branch of a tree step; 0: no tree steps."""
         self.force_tree = tree == "auto" and test_hook("history_tree_always")
         """Tests only (``megatron_spec.faults.test_hook``): a tree step wherever a row can have one."""
+        self.force_history_rows = test_hook("history_rows_always")
+        """Tests only: in a step where every row drafts, each row with a history proposal drafts from it
+        (at least one token), whatever the cost model prefers."""
         self.tree_calibration = 1.0
         """Tree rows' drafted tokens emitted over predicted (EMA over tree steps): starts at 1, so tree
         steps get tried, and falls to what they really give."""
@@ -432,6 +435,9 @@ def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str,
         return plan, [len(o) > 1 for o in options], options
     if plan.mode == "tree":
         return plan, [False] * len(options), options
+    if controller.force_history_rows and any(len(o) > 1 for o in options):  # the test hook
+        plan = plan._replace(k=max(plan.k, 1))
+        return plan, [len(o) > 1 for o in options], options
     k = plan.k
     use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
     return plan, use, options
