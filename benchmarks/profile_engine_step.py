@@ -78,7 +78,8 @@ def forward_scopes():
 
     return [(linear.TiedLinear, "forward", "lm_head"), (linear.Linear, "forward", "projections"),
             (model.CausalLM, "head", "lm_head"),
-            (decoder, "gqa_attention", "attention"), (F, "scaled_dot_product_attention", "attention"),
+            (decoder, "attend", "attention"), (decoder, "gqa_attention", "attention"),
+            (F, "scaled_dot_product_attention", "attention"),
             (kv_cache.KVCache, "write", "kv_write"), (decoder.Rotary, "apply", "rotary"),
             (decoder.RMSNorm, "forward", "norms"), (F, "silu", "activation")]
 
