@@ -25,8 +25,10 @@ token for token between ours and vLLM's plain decoding (``greedy_match``: the sh
 64 tokens agree; fp32 kernels that sum in other orders may part on near ties).
 
 Last JSON line: ``ar_over_vllm_{dtype}_b{B}`` (ours plain over vLLM plain), ``spec_over_vllm_{dtype}_b{B}``
-(our best speculative configuration over vLLM's best, plain included), per-config tokens/s, the greedy
-match, vLLM's load time and our engine's first-step time.
+(our best speculative configuration over vLLM's best, plain included), ``spec_ceiling_over_ar_{dtype}_b{B}``
+(the most speculation with this draft could give over our plain decoding per step, under this run's
+measured costs: ``spec_ceiling``) and ``spec_ceiling_over_vllm_{dtype}_b{B}`` (that times
+``ar_over_vllm``), per-config tokens/s, the greedy match, vLLM's load time and our engine's first-step time.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class OurEngine:
                                              max_batch_size=batch, context_length=max_len, num_threads=threads, **kw))
         self.load_s = time.perf_counter() - t0
         self.compile_s = self.srv.info()["compile_seconds"]
+        self.stats: list = []  # each generate call's GenerateStats
 
     def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
         from megatron_spec.rollout.types import GenerateRequest, SamplingParams
@@ -134,10 +137,76 @@ class OurEngine:
         sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
         _reset_history(self.srv)  # every round repeats the same prompts: the last round's greedy answers would replay
         samples, st = self.srv.core.generate([GenerateRequest(str(i), p, sp) for i, p in enumerate(prompts)], seed=0)
+        self.stats.append(st)
         return st.wall_s, [list(s.output_ids) for s in samples]
 
     def close(self) -> None:
         self.srv = None
+
+
+def verify_seconds(eng: OurEngine, b: int, widths: list[int], repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target forward of ``b`` rows x ``t`` tokens (logits at every position, as a verify
+    step), per t in ``widths``, on our plain engine's own model and cache (its compiled graphs' shapes)
+    over ~context_length cached positions: the median of ``repeats`` passes, the widths alternated."""
+    import torch
+
+    core = eng.srv.core
+    model, cache = core.model, core.cache
+    vocab, dev = model.cfg.vocab_size, core.device
+    ctx = core.context_length - max(widths) - 2
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    ids = lambda t: torch.randint(0, vocab, (b, t), generator=gen).to(dev)
+    with torch.inference_mode():
+        model(ids(ctx), torch.arange(ctx, device=dev).expand(b, ctx), cache, torch.full((b,), ctx, device=dev),
+              logits_index=torch.full((b, 1), ctx - 1, device=dev))  # the context the verifies attend to
+        runs: dict[int, list[float]] = {t: [] for t in widths}
+        for r in range(repeats + 1):
+            for t in widths:
+                x, pos = ids(t), torch.arange(ctx, ctx + t, device=dev).expand(b, t)
+                t0 = time.perf_counter()
+                model(x, pos, cache, torch.full((b,), ctx + t, device=dev))
+                if r:  # (the first pass of each width warms it up)
+                    runs[t].append(time.perf_counter() - t0)
+    return {b * t: statistics.median(v) for t, v in runs.items()}
+
+
+def spec_ceiling(engines: dict, b: int) -> dict | None:
+    """The most any speculation with this draft could give over our plain decoding at batch ``b``, per
+    decode step, under costs measured in this run: an oracle that knows which of EAGLE-3's drafts will
+    be accepted verifies exactly those (a row emits ``1 + a`` tokens from a verify of ``1 + a``; the
+    draft runs K passes, K chosen best), against plain steps of ``b`` tokens. The verify cost is a
+    least-squares line through forwards of ``b x t`` tokens, t = 1..k+1, timed here on our plain
+    engine (:func:`verify_seconds`); the proposal's cost is what the adaptive engine measured; the
+    acceptance per position is the k=3 engine's over its timed rounds. Prefill is the same for both,
+    so the whole call's ceiling is lower still. None without the three engines or a proposal cost."""
+    import numpy as np
+
+    plain, fixed, auto = (engines.get(n) for n in ("ours_ar", "ours_eagle3_k3", "ours_eagle3_auto_history"))
+    if plain is None or fixed is None or auto is None or len(fixed.stats) < 2:
+        return None
+    timed = fixed.stats[1:]  # (the first call is the warm-up round)
+    steps = sum(st.spec_steps for st in timed)
+    depth = max(len(st.accepted_at_least) for st in timed)
+    if not steps or not depth:
+        return None
+    at_least = [sum(st.accepted_at_least[j] for st in timed if len(st.accepted_at_least) > j) / steps
+                for j in range(depth)]
+    points = verify_seconds(plain, b, list(range(1, depth + 2)))
+    slope, icpt = np.polyfit(list(points), list(points.values()), 1)
+    line = lambda n: icpt + slope * n
+    ctl = auto.srv.core.controller
+    oracle = {}
+    for k in range(1, depth + 1):
+        p = ctl.proposal_seconds(b, k)
+        if p is None:
+            return None
+        tokens = b * (1 + sum(at_least[:k]))
+        oracle[k] = tokens / (line(tokens) + p)
+    best = max(oracle, key=oracle.__getitem__)
+    return {"over_ar": round(oracle[best] / (b / line(b)), 3), "k": best,
+            "accept_at_least": [round(x, 3) for x in at_least],
+            "verify_ms": {n: round(1e3 * v, 1) for n, v in points.items()},
+            "proposal_ms": {k: round(1e3 * ctl.proposal_seconds(b, k), 1) for k in oracle}}
 
 
 def main() -> None:
@@ -216,6 +285,7 @@ def main() -> None:
                     else:
                         times[name].append(tokens / wall)
                     log(f"[{tag}] round {r} {name}: {tokens / wall:.1f} tokens/s")
+            ceiling = spec_ceiling(engines, b)
             for eng in engines.values():
                 eng.close()
             per = {n: max(v) for n, v in times.items()}
@@ -232,6 +302,10 @@ def main() -> None:
             best_ours = max(ours_spec, key=lambda n: per[n]) if ours_spec else None
             result[f"ar_over_vllm_{tag}"] = paired("ours_ar", ["vllm_ar"])
             result[f"spec_over_vllm_{tag}"] = paired(best_ours, vllm_all) if best_ours else None
+            over_ar = ceiling["over_ar"] if ceiling else None
+            ar = result[f"ar_over_vllm_{tag}"]
+            result[f"spec_ceiling_over_ar_{tag}"] = over_ar
+            result[f"spec_ceiling_over_vllm_{tag}"] = round(over_ar * ar, 3) if over_ar and ar else None
             ref = outputs.get("vllm_ar")
             match = None
             if ref is not None and "ours_ar" in outputs:
@@ -243,7 +317,8 @@ def main() -> None:
                                          "compile_s": {n: e.compile_s for n, e in engines.items()
                                                        if isinstance(e, OurEngine)},
                                          "greedy_match_ours_vs_vllm": match,
-                                         "ours_spec_equals_ours_ar": exact, "best_ours_spec": best_ours}
+                                         "ours_spec_equals_ours_ar": exact, "best_ours_spec": best_ours,
+                                         "spec_ceiling": ceiling}
             log(f"[{tag}] " + json.dumps(result["per_config"][tag]))
     print(json.dumps(result))
 
