@@ -225,15 +225,7 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& a, float* s) {
 }
 #endif
 
-bool use_avx2(int64_t d) {
-#ifdef MS_ATTN_X86
-  static const bool fma = __builtin_cpu_supports("fma");
-  return fma && cpu::active_isa() >= cpu::Isa::kAvx2 && d % 8 == 0 && d <= 128;
-#else
-  (void)d;
-  return false;
-#endif
-}
+bool use_avx2(int64_t d) { return cpu::avx2_fma_active() && d % 8 == 0 && d <= 128; }
 
 at::Tensor attention_f32(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                          const at::Tensor& mask_in, double scale) {

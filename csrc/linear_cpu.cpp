@@ -92,14 +92,8 @@ TileFn tile_for(bool avx2) {
 }
 
 bool use_avx2() {
-#ifdef MS_LINEAR_X86
-  // The AVX2 tile needs FMA too; both exist on every AVX2 CPU made, checked anyway. The variant cap
-  // (MEGATRON_SPEC_NO_NATIVE_BF16, ATEN_CPU_CAPABILITY=default) applies as to every kernel here.
-  static const bool fma = __builtin_cpu_supports("fma");
-  return fma && cpu::active_isa() >= cpu::Isa::kAvx2;
-#else
-  return false;
-#endif
+  // The variant cap (MEGATRON_SPEC_NO_NATIVE_BF16, ATEN_CPU_CAPABILITY=default) applies as to every kernel here.
+  return cpu::avx2_fma_active();
 }
 
 at::Tensor linear_pack_f32(const at::Tensor& w) {

@@ -109,6 +109,15 @@ Isa active_isa() { return static_cast<Isa>(active().load(std::memory_order_relax
 
 const KernelTable& kernels() { return *table_for(active_isa()); }
 
+bool avx2_fma_active() {
+#ifdef MS_CPU_DISPATCH_X86
+  static const bool fma = __builtin_cpu_supports("fma");
+  return fma && active_isa() >= Isa::kAvx2;
+#else
+  return false;
+#endif
+}
+
 void set_active_isa(Isa isa) {
   if (isa > best_supported_isa())
     throw std::invalid_argument(std::string("megatron_spec kernels: this CPU cannot run the ") + isa_name(isa) +

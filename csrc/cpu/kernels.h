@@ -81,6 +81,9 @@ Isa best_supported_isa();  // what this CPU runs, before any environment cap
 const char* isa_name(Isa isa);
 bool parse_isa(const char* name, Isa* out);
 void set_active_isa(Isa isa);  // throws std::invalid_argument above best_supported_isa()
+// The hand-written AVX2 kernels outside the table (linear_cpu.cpp, attention_cpu.cpp) also need FMA
+// (every AVX2 CPU made has it; checked anyway) and follow the same cap as the table.
+bool avx2_fma_active();
 
 }  // namespace cpu
 }  // namespace megatron_spec
