@@ -19,6 +19,10 @@ cd "$(dirname "$0")/.."
 scripts/setup_env.sh --with-sglang
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# Two workers of 2 threads each (and their subprocesses) share 2 cores: OpenMP threads that spin while
+# waiting steal the cores the other worker's threads need. Sleeping instead: the real model's sampled
+# test, two copies at once, 232 s each spinning, 74 s each sleeping (49 s alone).
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 # The engine, rollout and kernel tests: whatever behaves differently with and without native bf16.
 NO_NATIVE_BF16_TESTS=(
