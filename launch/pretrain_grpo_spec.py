@@ -49,9 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     world_size = spawn or int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        from megatron_spec.rl.preflight import check_inputs
+        from megatron_spec.rl.preflight import check_inputs, openmp_wait_policy
 
         cfg = from_args(args)
+        policy = openmp_wait_policy(cfg, os.environ)
+        if policy:  # before torch loads OpenMP (check_inputs may import it); workers and engines inherit it
+            os.environ["OMP_WAIT_POLICY"] = policy
         check_inputs(cfg, world_size)
     except ConfigError as exc:
         # Every rank of a machine finds the same error (no process group yet): one line, from its
@@ -66,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         return _spawn_workers(spawn, argv)
     if rank == 0:
         print("resolved configuration:\n" + cfg.to_yaml(), file=sys.stderr, flush=True)
+        if policy:
+            print(f"OMP_WAIT_POLICY={policy}: generation overlaps training on the same cores "
+                  "(docs/benchmarks.md, \"OpenMP's wait policy\")", file=sys.stderr, flush=True)
 
     from megatron_spec.parallel import destroy_parallel
     from megatron_spec.rl.trainer import GRPOTrainer

@@ -9,6 +9,8 @@ traceback per rank from deep inside the trainer or the engine process.
 It reads ``config.json`` files only (the policy's, the draft's) and imports the reward function;
 it loads no weights and knows nothing about training. The trainer and the engine keep their own
 checks (they are also used as libraries); this only moves the first failure earlier.
+
+:func:`openmp_wait_policy` is the other thing the launcher must decide before torch loads OpenMP.
 """
 
 from __future__ import annotations
@@ -115,3 +117,24 @@ def _check_draft(kind: str, path: str, target) -> None:
             read_mtp_config(path, target)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"--spec-draft-path ({kind}): {exc}") from exc
+
+
+def openmp_wait_policy(cfg: RunConfig, env: dict[str, str]) -> str | None:
+    """``PASSIVE`` where the native engine generates while the trainer trains (``--async-policy-lag`` > 0)
+    and the user set no ``OMP_WAIT_POLICY``; else None (OpenMP's default). Reads no file and imports
+    nothing: the launcher calls it before anything loads torch.
+
+    Trainer and engine then compute at the same time on the same cores, and libgomp's threads, which
+    spin for a while before they sleep when they wait, take the cores from the other process's threads:
+    on a 2-core CPU the demo's GRPO loop ran at 6.0-6.5 s a step asynchronous against 3.4 s synchronous,
+    and at 3.4-3.8 s asynchronous with the passive policy (docs/benchmarks.md, "OpenMP's wait policy").
+    A process alone on its cores runs faster spinning (the engine decodes up to 2x faster), so the
+    synchronous loop keeps the default. libgomp reads the variable once, when torch loads it: the
+    launcher sets it before importing torch, and the processes it starts inherit it."""
+    if "OMP_WAIT_POLICY" in env:
+        return None
+    # (the backend left to its default counts as native: telling a GPU would import torch; with SGLang on a
+    # GPU the trainer's few CPU threads sleeping cost little)
+    if cfg.rollout.async_policy_lag > 0 and cfg.rollout.rollout_backend in (None, "native"):
+        return "PASSIVE"
+    return None

@@ -17,7 +17,7 @@ import pytest
 
 from megatron_spec.config import ConfigError, RunConfig
 from megatron_spec.models.tiny import make_hf_checkpoint
-from megatron_spec.rl.preflight import check_inputs
+from megatron_spec.rl.preflight import check_inputs, openmp_wait_policy
 from tests.dist_utils import free_port
 from tests.sync.conftest import random_eagle3
 
@@ -155,3 +155,18 @@ def test_sglang_missing_on_a_gpu_is_one_line_naming_the_native_backend(models, m
     assert "\n" not in message and "--rollout-backend native" in message and "sglang does not import" in message
     assert ("defaults to sglang on a GPU" in message) == (backend is None)
     check_inputs(_cfg(models, rollout__rollout_backend="native"))  # the way out works
+
+
+def test_openmp_waits_passively_only_where_generation_overlaps_training():
+    """docs/benchmarks.md, "OpenMP's wait policy": the demo loop ran 6.0-6.5 s a step asynchronous with
+    spinning OpenMP threads, 3.3-3.8 s with sleeping ones; synchronous runs keep the default."""
+    cfg = RunConfig()
+    assert openmp_wait_policy(cfg, {}) is None  # synchronous
+    cfg.rollout.async_policy_lag = 1
+    assert openmp_wait_policy(cfg, {}) == "PASSIVE"  # the backend's default: native on a CPU
+    cfg.rollout.rollout_backend = "native"
+    assert openmp_wait_policy(cfg, {}) == "PASSIVE"
+    assert openmp_wait_policy(cfg, {"OMP_WAIT_POLICY": "ACTIVE"}) is None  # the user's choice stands
+    cfg.rollout.rollout_backend = "sglang"
+    assert openmp_wait_policy(cfg, {}) is None
+
