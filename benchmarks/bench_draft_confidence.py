@@ -137,6 +137,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from _real_model import chat_prompts
+    from bench_rollout import cost_line
     from bench_vs_vllm import OurEngine, verify_seconds
     from transformers import AutoTokenizer
 
@@ -157,8 +158,7 @@ def main() -> None:
         spec.srv.core.generate(reqs[:2], seed=1)  # warm-up
         steps, p_k = record_steps(spec.srv, reqs, seed=0)
         points = verify_seconds(plain, b, list(range(1, k + 2)))
-        slope, icpt = np.polyfit(list(points), list(points.values()), 1)
-        line = lambda n, s=slope, c=icpt: c + s * n
+        line = cost_line(points)
         per_pass = p_k / k
         proposal = lambda n, d=per_pass: d * n
         r = analyse(steps, line, proposal, k)

@@ -209,20 +209,34 @@ def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float
     # the verify forward's cost, a least-squares line through the table's sizes in b..b(K+1): the
     # table's neighbouring entries come from different (rows, k) at different moments and are noisy,
     # and an oracle choosing between sizes a few tokens apart would read that noise as a gain
-    pts = [(n, controller.verify.seconds[n]) for n in controller.verify.sizes if b <= n <= b * (len(at_least) + 1)]
+    pts = {n: controller.verify.seconds[n] for n in controller.verify.sizes if b <= n <= b * (len(at_least) + 1)}
     if len(pts) < 2:
         return None
-    slope, icpt = np.polyfit([n for n, _ in pts], [t for _, t in pts], 1)
+    best = oracle_over(at_least, cost_line(pts), controller.proposal_seconds, b, k_ref)
+    return None if best is None else best[0]
+
+
+def cost_line(points: dict[int, float]):
+    """Seconds as a function of tokens: the least-squares line through ``points`` (tokens -> seconds)."""
+    slope, icpt = np.polyfit(list(points), list(points.values()), 1)
+    return lambda n: icpt + slope * n
+
+
+def oracle_over(at_least, line, proposal, b: int, k_ref: int) -> tuple[float, int] | None:
+    """The oracle of :func:`length_policy_ceiling` over fixed ``k_ref`` (0: plain steps) at batch ``b``:
+    ``line(tokens)`` the verify forward's seconds, ``proposal(b, k)`` the draft's proposal of k tokens
+    (None: not measured). Returns (the ratio, the oracle's best K), or None where a cost is missing."""
 
     def rate(k, tokens):
-        p = controller.proposal_seconds(b, k)
-        return None if p is None else b * (1 + sum(at_least[:k])) / (icpt + slope * tokens + p)
+        p = proposal(b, k)
+        return None if p is None else b * (1 + sum(at_least[:k])) / (line(tokens) + p)
 
     ref = rate(k_ref, b * (k_ref + 1))
-    oracle = [rate(k, b * (1 + sum(at_least[:k]))) for k in range(1, len(at_least) + 1)]
-    if ref is None or any(r is None for r in oracle):
+    oracle = {k: rate(k, b * (1 + sum(at_least[:k]))) for k in range(1, len(at_least) + 1)}
+    if ref is None or any(r is None for r in oracle.values()):
         return None
-    return max(oracle) / ref
+    best = max(oracle, key=oracle.__getitem__)
+    return oracle[best] / ref, best
 
 
 def timed_rounds(servers: dict, reqs, rounds: int, tag: str, seed: int, prime_seed: int | None = None) -> dict:

@@ -179,7 +179,7 @@ def spec_ceiling(engines: dict, b: int) -> dict | None:
     engine (:func:`verify_seconds`); the proposal's cost is what the adaptive engine measured; the
     acceptance per position is the k=3 engine's over its timed rounds. Prefill is the same for both,
     so the whole call's ceiling is lower still. None without the three engines or a proposal cost."""
-    import numpy as np
+    from bench_rollout import cost_line, oracle_over
 
     plain, fixed, auto = (engines.get(n) for n in ("ours_ar", "ours_eagle3_k3", "ours_eagle3_auto_history"))
     if plain is None or fixed is None or auto is None or len(fixed.stats) < 2:
@@ -192,21 +192,13 @@ def spec_ceiling(engines: dict, b: int) -> dict | None:
     at_least = [sum(st.accepted_at_least[j] for st in timed if len(st.accepted_at_least) > j) / steps
                 for j in range(depth)]
     points = verify_seconds(plain, b, list(range(1, depth + 2)))
-    slope, icpt = np.polyfit(list(points), list(points.values()), 1)
-    line = lambda n: icpt + slope * n
     ctl = auto.srv.core.controller
-    oracle = {}
-    for k in range(1, depth + 1):
-        p = ctl.proposal_seconds(b, k)
-        if p is None:
-            return None
-        tokens = b * (1 + sum(at_least[:k]))
-        oracle[k] = tokens / (line(tokens) + p)
-    best = max(oracle, key=oracle.__getitem__)
-    return {"over_ar": round(oracle[best] / (b / line(b)), 3), "k": best,
-            "accept_at_least": [round(x, 3) for x in at_least],
+    best = oracle_over(at_least, cost_line(points), ctl.proposal_seconds, b, k_ref=0)
+    if best is None:
+        return None
+    return {"over_ar": round(best[0], 3), "k": best[1], "accept_at_least": [round(x, 3) for x in at_least],
             "verify_ms": {n: round(1e3 * v, 1) for n, v in points.items()},
-            "proposal_ms": {k: round(1e3 * ctl.proposal_seconds(b, k), 1) for k in oracle}}
+            "proposal_ms": {k: round(1e3 * ctl.proposal_seconds(b, k), 1) for k in range(1, depth + 1)}}
 
 
 def main() -> None:

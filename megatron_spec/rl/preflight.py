@@ -16,6 +16,7 @@ checks (they are also used as libraries); this only moves the first failure earl
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from megatron_spec.config import ConfigError, RunConfig
 
@@ -119,7 +120,7 @@ def _check_draft(kind: str, path: str, target) -> None:
         raise ConfigError(f"--spec-draft-path ({kind}): {exc}") from exc
 
 
-def openmp_wait_policy(cfg: RunConfig, env: dict[str, str]) -> str | None:
+def openmp_wait_policy(cfg: RunConfig, env: Mapping[str, str]) -> str | None:
     """``PASSIVE`` where the native engine generates while the trainer trains (``--async-policy-lag`` > 0)
     and the user set no ``OMP_WAIT_POLICY``; else None (OpenMP's default). Reads no file and imports
     nothing: the launcher calls it before anything loads torch.

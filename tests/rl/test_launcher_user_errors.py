@@ -169,4 +169,3 @@ def test_openmp_waits_passively_only_where_generation_overlaps_training():
     assert openmp_wait_policy(cfg, {"OMP_WAIT_POLICY": "ACTIVE"}) is None  # the user's choice stands
     cfg.rollout.rollout_backend = "sglang"
     assert openmp_wait_policy(cfg, {}) is None
-
