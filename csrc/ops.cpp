@@ -96,4 +96,9 @@ TORCH_LIBRARY(megatron_spec, m) {
   // k and v [b, nkv, L, d] (cache views: any strides, contiguous d), mask [b, 1, t, L] bool -> [b, nq, t, d]
   m.def("attention_f32(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  // The engine's fp32 RMSNorm and rotate-half RoPE (csrc/norm_rope_cpu.cpp): x [..., H] (last dim
+  // contiguous), w [H] -> y = x / sqrt(mean(x^2) + eps) * w, contiguous;
+  m.def("rms_norm_f32(Tensor x, Tensor w, float eps) -> Tensor", {at::Tag::pt2_compliant_tag});
+  //   x [B, n, T, d] (contiguous d), cos, sin [B, 1, T, d] -> x * cos + cat(-x[d/2:], x[:d/2]) * sin, contiguous
+  m.def("rope_f32(Tensor x, Tensor cos, Tensor sin) -> Tensor", {at::Tag::pt2_compliant_tag});
 }

@@ -66,3 +66,17 @@ def _linear_small_f32_fake(x, packed, bias, out_features: int):
 def _attention_f32_fake(q, k, v, mask, scale: float):
     torch._check(q.dim() == 4 and k.dim() == 4, lambda: "attention_f32 expects q [b, nq, t, d] and k [b, nkv, L, d]")
     return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("megatron_spec::rms_norm_f32")
+def _rms_norm_f32_fake(x, w, eps: float):
+    torch._check(x.dim() >= 1 and w.dim() == 1 and w.shape[0] == x.shape[-1],
+                 lambda: f"rms_norm_f32: input [..., {x.shape[-1] if x.dim() else '?'}] and weight {tuple(w.shape)}")
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("megatron_spec::rope_f32")
+def _rope_f32_fake(x, cos, sin):
+    torch._check(x.dim() == 4 and cos.dim() == 4 and sin.dim() == 4, lambda: "rope_f32 expects x [B, n, T, d] and "
+                 "tables [B, 1, T, d]")
+    return x.new_empty(x.shape)
