@@ -1,4 +1,5 @@
-"""The engine's fp32 projections at each row count: the extension's kernel against oneDNN (issue 30).
+"""The engine's fp32 projections at each row count: the extension's kernel (fp32 and bf16 weight panels)
+against oneDNN (issue 30).
 
     python benchmarks/bench_linear_rows.py [--rows 1,2,4,8,12,16,32,64,128,256] [--repeats 5]
 
@@ -9,7 +10,10 @@ For each row count M, one pass over all 211 matrices with M input rows through
 ``megatron_spec::linear_small_f32`` and one through oneDNN's ``mkldnn._linear_pointwise``; best of
 ``--repeats`` passes each, the two alternated. M is what a forward feeds the projections: B rows at
 decode, B (k + 1) at a verify, the prompt's tokens at a prefill. ``layers.linear.SMALL_MAX_ROWS`` is
-set from this table. Prints a markdown table and one JSON line.
+set from this table. The weights are bf16 numbers (as a bf16 checkpoint loaded in fp32 is), so the kernel
+also runs on their bf16 panels (``linear_pack_bf16w``, ``layers.linear.BF16_WEIGHT_PANELS``: the same
+results, half the bytes), a third pass alternated with the other two. Prints a markdown table and one JSON
+line.
 """
 
 from __future__ import annotations
@@ -43,17 +47,21 @@ def main() -> int:
     layers = []
     for out, inp in SHAPES * args.layers + [(49152, 576)]:
         lin = Linear(inp, out, bias=False).eval()
+        with torch.no_grad():
+            lin.weight_t.copy_(lin.weight_t.bfloat16().float())
         lin.pack()
+        assert lin._small.dtype == torch.bfloat16
+        lin.fp32_panels = torch.ops.megatron_spec.linear_pack_f32(lin.weight.contiguous())
         layers.append(lin)
     ops = torch.ops.megatron_spec
 
-    def one_pass(m: int, kernel: bool) -> float:
+    def one_pass(m: int, kernel: str | None) -> float:
         xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         t0 = time.perf_counter()
         for lin in layers:
             x = xs[lin.in_features]
             if kernel:
-                ops.linear_small_f32(x, lin._small, None, lin.out_features)
+                ops.linear_small_f32(x, lin._small if kernel == "bf16" else lin.fp32_panels, None, lin.out_features)
             else:
                 torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
         return time.perf_counter() - t0
@@ -62,16 +70,19 @@ def main() -> int:
     result = {}
     with torch.inference_mode():
         for m in rows:  # warm-up: oneDNN's primitives per shape
-            one_pass(m, True), one_pass(m, False)
-        print("| rows | kernel, ms | oneDNN, ms | oneDNN / kernel |\n|---|---|---|---|")
+            one_pass(m, "fp32"), one_pass(m, "bf16"), one_pass(m, None)
+        print("| rows | kernel, fp32 panels, ms | kernel, bf16 panels, ms | oneDNN, ms | oneDNN / kernel (fp32) | "
+              "fp32 / bf16 panels |\n|---|---|---|---|---|---|")
         for m in rows:
-            k_s, o_s = [], []
+            k_s, b_s, o_s = [], [], []
             for _ in range(args.repeats):
-                k_s.append(one_pass(m, True))
-                o_s.append(one_pass(m, False))
-            k, o = min(k_s), min(o_s)
-            result[m] = {"kernel_ms": round(k * 1e3, 2), "onednn_ms": round(o * 1e3, 2), "ratio": round(o / k, 3)}
-            print(f"| {m} | {k * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} |", flush=True)
+                k_s.append(one_pass(m, "fp32"))
+                b_s.append(one_pass(m, "bf16"))
+                o_s.append(one_pass(m, None))
+            k, b, o = min(k_s), min(b_s), min(o_s)
+            result[m] = {"kernel_ms": round(k * 1e3, 2), "kernel_bf16_panels_ms": round(b * 1e3, 2),
+                         "onednn_ms": round(o * 1e3, 2), "ratio": round(o / k, 3), "fp32_over_bf16_panels": round(k / b, 3)}
+            print(f"| {m} | {k * 1e3:.1f} | {b * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} | {k / b:.2f} |", flush=True)
     print(json.dumps({"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                       "rows": result}))
     return 0

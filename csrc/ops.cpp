@@ -89,7 +89,9 @@ TORCH_LIBRARY(megatron_spec, m) {
   // The fp32 linear layer of the native engine at decode and verify sizes (csrc/linear_cpu.cpp):
   //   w [N, K] f32 -> packed [ceil(N/16), K, 16] f32 (16-output column panels, zero past N)
   m.def("linear_pack_f32(Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
-  //   x [M, K] f32, packed from linear_pack_f32, bias [N] f32 or None -> y [M, N] = x W^T + bias
+  //   w [N, K] f32 whose values are all bf16 numbers -> the same panels stored in bf16 (exact; half the bytes)
+  m.def("linear_pack_bf16w(Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
+  //   x [M, K] f32, packed from linear_pack_f32 or linear_pack_bf16w, bias [N] f32 or None -> y [M, N] = x W^T + bias
   m.def("linear_small_f32(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   // The fp32 grouped-query attention of the native engine (csrc/attention_cpu.cpp): q [b, nq, t, d],

@@ -80,3 +80,10 @@ def _rope_f32_fake(x, cos, sin):
     torch._check(x.dim() == 4 and cos.dim() == 4 and sin.dim() == 4, lambda: "rope_f32 expects x [B, n, T, d] and "
                  "tables [B, 1, T, d]")
     return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("megatron_spec::linear_pack_bf16w")
+def _linear_pack_bf16w_fake(w):
+    torch._check(w.dim() == 2, lambda: f"linear_pack_bf16w expects a 2-D weight, got {w.dim()}-D")
+    n, k = w.shape
+    return w.new_empty(((n + 15) // 16, k, 16), dtype=torch.bfloat16)

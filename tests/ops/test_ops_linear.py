@@ -78,3 +78,47 @@ def test_linear_layer_uses_it_up_to_the_cut_and_onednn_above():
         assert torch.allclose(y, (x @ lin.weight.t() + lin.bias).detach(), rtol=1e-5, atol=1e-5)
     lin.unpack()
     assert lin._packed is None and lin._small is None
+
+
+@pytest.mark.parametrize("n,k", [(50, 37), (576, 576), (3, 64), (96, 17)])
+def test_bf16_panels_give_the_bits_of_fp32_panels(kernel_variant, n, k):
+    """Weights that are all bf16 numbers (a bf16 checkpoint loaded in fp32): their bf16 panels widen
+    exactly, so every row count gives the same bits as the fp32 panels, reading half the bytes."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    p32, p16 = torch.ops.megatron_spec.linear_pack_f32(w), torch.ops.megatron_spec.linear_pack_bf16w(w)
+    assert p16.dtype == torch.bfloat16 and p16.shape == p32.shape and torch.equal(p16.float(), p32)
+    for m in (1, 4, 6, 7, 16, 33, 128):
+        x = torch.randn(m, k, generator=g)
+        for bias in (None, torch.randn(n, generator=g)):
+            assert torch.equal(torch.ops.megatron_spec.linear_small_f32(x, p16, bias, n),
+                               torch.ops.megatron_spec.linear_small_f32(x, p32, bias, n)), (m, bias is not None)
+
+
+def test_bf16_panels_refuse_weights_they_would_round():
+    w = torch.randn(20, 8).bfloat16().float()
+    w[3, 5] += 1e-3  # no longer a bf16 number
+    with pytest.raises(RuntimeError, match="not bfloat16 numbers"):
+        torch.ops.megatron_spec.linear_pack_bf16w(w)
+    torch.library.opcheck(torch.ops.megatron_spec.linear_pack_bf16w, (torch.randn(20, 8).bfloat16().float(),))
+
+
+def test_linear_layer_keeps_bf16_panels_only_for_bf16_weights(monkeypatch):
+    from megatron_spec.layers import linear
+
+    torch.manual_seed(1)
+    lin = linear.Linear(40, 70).eval()
+    with torch.no_grad():
+        lin.weight_t.copy_(lin.weight_t.bfloat16().float())
+    x = torch.randn(5, 40)
+    assert lin.pack() and lin._small.dtype == torch.bfloat16
+    with torch.inference_mode():
+        y16 = lin(x)
+    monkeypatch.setattr(linear, "BF16_WEIGHT_PANELS", False)
+    assert lin.pack() and lin._small.dtype == torch.float32
+    with torch.inference_mode():
+        assert torch.equal(lin(x), y16)
+    monkeypatch.undo()
+    with torch.no_grad():
+        lin.weight_t[0, 0] += 1e-4  # an fp32 weight (a trainer's update): fp32 panels
+    assert lin.pack() and lin._small.dtype == torch.float32
