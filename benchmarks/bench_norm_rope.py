@@ -12,7 +12,7 @@ Engine: the native engine on the real model (SmolLM2-135M-Instruct, greedy, 64 n
 chat prompts at max batch B = 1 and 16) and on the demo's model when ``runs/bench_grpo/base`` exists
 (T=1, 16 prompts x 8 samples, batch 16), with the kernels on and off (``layers.decoder``'s switch) in
 alternating order round by round in one process: tokens/s is each side's best round, the ratio the
-median of the paired per-round ratios; the greedy outputs are compared. Prints markdown tables and one
+median of the paired per-round ratios (``bench_rollout.paired_ratio``); the greedy outputs are compared. Prints markdown tables and one
 JSON line.
 """
 
@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -36,13 +35,23 @@ NORM_SHAPES = [(1, 576), (16, 576), (64, 576), (1024, 576), (16, 12, 64)]
 ROPE_SHAPES = [(1, 12, 1, 64), (16, 12, 1, 64), (16, 12, 4, 64), (1, 12, 512, 64)]
 
 
-def mean_us(fn, repeats: int) -> float:
+def mean_us(fn, repeats: int, *args) -> float:
     for _ in range(20):
-        fn()
+        fn(*args)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        fn()
+        fn(*args)
     return (time.perf_counter() - t0) / repeats * 1e6
+
+
+def torch_rms_norm(x, w):
+    return torch.rms_norm(x, (x.shape[-1],), w, 1e-5)
+
+
+def torch_rotate(x, cos, sin):
+    """``layers.decoder.rotate``'s torch arithmetic (what it ran before the kernel)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def ops(repeats: int) -> dict:
@@ -54,24 +63,25 @@ def ops(repeats: int) -> dict:
     for shape in NORM_SHAPES:
         x, w = torch.randn(*shape, generator=g), torch.randn(shape[-1], generator=g)
         n = max(20, repeats // 20) if shape[0] >= 512 else repeats
-        k = mean_us(lambda: torch.ops.megatron_spec.rms_norm_f32(x, w, 1e-5), n)
-        t = mean_us(lambda: torch.rms_norm(x, (shape[-1],), w, 1e-5), n)
+        k = mean_us(torch.ops.megatron_spec.rms_norm_f32, n, x, w, 1e-5)
+        t = mean_us(torch_rms_norm, n, x, w)
         out[f"rms_norm_{'x'.join(map(str, shape))}"] = {"kernel_us": round(k, 2), "torch_us": round(t, 2)}
         print(f"| rms_norm {list(shape)} | {k:.1f} | {t:.1f} | {t / k:.1f} |")
     for b, nh, t_, d in ROPE_SHAPES:
         x = torch.randn(b, t_, nh, d, generator=g).transpose(1, 2)
         cos, sin = torch.randn(b, 1, t_, d, generator=g), torch.randn(b, 1, t_, d, generator=g)
         n = max(20, repeats // 20) if t_ >= 256 else repeats
-        k = mean_us(lambda: torch.ops.megatron_spec.rope_f32(x, cos, sin), n)
-        x1, x2 = x.chunk(2, dim=-1)
-        t = mean_us(lambda: x * cos + torch.cat([-x2, x1], dim=-1) * sin, n)
-        assert torch.equal(rotate(x, cos, sin), x * cos + torch.cat([-x2, x1], dim=-1) * sin)
+        k = mean_us(torch.ops.megatron_spec.rope_f32, n, x, cos, sin)
+        t = mean_us(torch_rotate, n, x, cos, sin)
+        assert torch.equal(rotate(x, cos, sin), torch_rotate(x, cos, sin))
         out[f"rope_{b}x{nh}x{t_}x{d}"] = {"kernel_us": round(k, 2), "torch_us": round(t, 2)}
         print(f"| rope [{b}, {nh}, {t_}, {d}] | {k:.1f} | {t:.1f} | {t / k:.1f} |")
     return out
 
 
 def engine_ab(name: str, path: str, requests, batch: int, context: int, rounds: int, threads: int) -> dict:
+    from bench_rollout import paired_ratio
+
     from megatron_spec.layers import decoder
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
@@ -79,25 +89,23 @@ def engine_ab(name: str, path: str, requests, batch: int, context: int, rounds: 
     srv = EngineServer(EngineConfig(model_path=path, max_batch_size=batch, context_length=context,
                                     num_threads=threads))
 
-    def run(on: bool) -> tuple[float, list]:
-        decoder._NORM_ROPE_KERNELS = on
-        t0 = time.perf_counter()
-        samples, _ = srv.core.generate(requests, seed=0)
-        return time.perf_counter() - t0, [s.output_ids for s in samples]
+    def run(on: bool) -> tuple:
+        decoder._KERNELS["rope_f32"] = on
+        samples, st = srv.core.generate(requests, seed=0)
+        return st, [s.output_ids for s in samples]
 
     try:
         run(True), run(False)  # warm-up
-        walls, outs = {True: [], False: []}, {}
+        stats, outs = {True: [], False: []}, {}
         for r in range(rounds):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
-                w, outs[on] = run(on)
-                walls[on].append(w)
+                st, outs[on] = run(on)
+                stats[on].append(st)
     finally:
-        decoder._NORM_ROPE_KERNELS = None
-    tokens = sum(len(o) for o in outs[True])
-    res = {"kernels_tokens_per_s": round(tokens / min(walls[True]), 1),
-           "torch_tokens_per_s": round(tokens / min(walls[False]), 1),
-           "kernels_over_torch": round(statistics.median(b / a for a, b in zip(walls[True], walls[False])), 3),
+        decoder._KERNELS.pop("rope_f32", None)
+    res = {"kernels_tokens_per_s": round(max(st.tokens_per_s for st in stats[True]), 1),
+           "torch_tokens_per_s": round(max(st.tokens_per_s for st in stats[False]), 1),
+           "kernels_over_torch": round(paired_ratio(stats[True], stats[False]), 3),
            "same_tokens": outs[True] == outs[False]}
     print(f"| {name} | {res['kernels_tokens_per_s']} | {res['torch_tokens_per_s']} | "
           f"**{res['kernels_over_torch']}** | {res['same_tokens']} |", flush=True)
@@ -124,8 +132,8 @@ def main() -> int:
         result["ops"] = ops(args.repeats)
     if args.engine:
         import transformers
-
         from _real_model import chat_prompts
+
         from megatron_spec.models.fetch import resolve_model
         from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
@@ -142,7 +150,8 @@ def main() -> int:
         demo = os.path.join(ROOT, "runs", "bench_grpo", "base")
         if os.path.isfile(os.path.join(demo, "config.json")):
             rng = random.Random(0)
-            vocab = json.load(open(os.path.join(demo, "config.json")))["vocab_size"]
+            with open(os.path.join(demo, "config.json")) as f:
+                vocab = json.load(f)["vocab_size"]
             sampled = SamplingParams(temperature=1.0, max_new_tokens=32, ignore_eos=True)
             reqs = [GenerateRequest(str(i), [rng.randrange(4, vocab) for _ in range(20)], sampled, n=8)
                     for i in range(16)]

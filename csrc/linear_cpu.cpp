@@ -119,17 +119,21 @@ bool use_avx2() {
   return cpu::avx2_fma_active();
 }
 
-at::Tensor linear_pack_f32(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
-              "linear_pack_f32: expects a 2-D float32 CPU weight [N, K], got ", w.sizes(), " ", w.scalar_type());
+// packed[p, k, j] = w[16 p + j, k], in w's dtype: pad W to whole panels, then one transposing copy
+at::Tensor pack_panels(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
   auto out = at::zeros({panels, K, kPanel}, w.options());
   if (N == 0 || K == 0) return out;
-  // packed[p, k, j] = w[16 p + j, k]: pad W to whole panels, then one transposing copy
   auto padded = at::zeros({panels * kPanel, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   out.copy_(padded.view({panels, kPanel, K}).transpose(1, 2));
   return out;
+}
+
+at::Tensor linear_pack_f32(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "linear_pack_f32: expects a 2-D float32 CPU weight [N, K], got ", w.sizes(), " ", w.scalar_type());
+  return pack_panels(w);
 }
 
 at::Tensor linear_pack_bf16w(const at::Tensor& w) {
@@ -142,8 +146,8 @@ at::Tensor linear_pack_bf16w(const at::Tensor& w) {
   for (int64_t i = 0; i < n && exact; ++i) exact = (bits[i] & 0xFFFFu) == 0;
   TORCH_CHECK(exact, "linear_pack_bf16w: the weight holds values that are not bfloat16 numbers "
               "(bf16 panels would round them; use linear_pack_f32)");
-  // exact, so the conversion keeps every value: the same panels as linear_pack_f32, stored in bf16
-  return linear_pack_f32(wc).to(at::kBFloat16);
+  // exact, so the conversion keeps every value: linear_pack_f32's panels, stored in bf16
+  return pack_panels(wc.to(at::kBFloat16));
 }
 
 template <typename WT>

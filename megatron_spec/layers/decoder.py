@@ -43,18 +43,22 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-_NORM_ROPE_KERNELS: bool | None = None
+_KERNELS: dict[str, bool] = {}
+
+
+def kernel_available(op: str) -> bool:
+    """Whether the extension's op ``megatron_spec::{op}`` runs here: ``megatron_spec._C`` built with it and not
+    disabled (``MEGATRON_SPEC_FORCE_REFERENCE=1``); decided once per process and op (``_KERNELS``)."""
+    if op not in _KERNELS:
+        from megatron_spec._ext import compiled_ops_available
+
+        _KERNELS[op] = compiled_ops_available() and hasattr(torch.ops.megatron_spec, op)
+    return _KERNELS[op]
 
 
 def norm_rope_kernels_available() -> bool:
-    """Whether the extension's fp32 RMSNorm and RoPE (``csrc/norm_rope_cpu.cpp``) run here: ``megatron_spec._C``
-    built with them and not disabled (``MEGATRON_SPEC_FORCE_REFERENCE=1``); decided once per process."""
-    global _NORM_ROPE_KERNELS
-    if _NORM_ROPE_KERNELS is None:
-        from megatron_spec._ext import compiled_ops_available
-
-        _NORM_ROPE_KERNELS = compiled_ops_available() and hasattr(torch.ops.megatron_spec, "rope_f32")
-    return _NORM_ROPE_KERNELS
+    """Whether the extension's fp32 RMSNorm and RoPE (``csrc/norm_rope_cpu.cpp``, built together) run here."""
+    return kernel_available("rope_f32")
 
 
 def _eager_cpu_f32(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -169,18 +173,9 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return torch.matmul(probs, v).view(b, nq, t, d)
 
 
-_ATTENTION_KERNEL: bool | None = None
-
-
 def attention_kernel_available() -> bool:
-    """Whether the extension's fp32 attention (``csrc/attention_cpu.cpp``) runs here: ``megatron_spec._C``
-    built and not disabled (``MEGATRON_SPEC_FORCE_REFERENCE=1``); decided once per process."""
-    global _ATTENTION_KERNEL
-    if _ATTENTION_KERNEL is None:
-        from megatron_spec._ext import compiled_ops_available
-
-        _ATTENTION_KERNEL = compiled_ops_available() and hasattr(torch.ops.megatron_spec, "attention_f32")
-    return _ATTENTION_KERNEL
+    """Whether the extension's fp32 attention (``csrc/attention_cpu.cpp``) runs here (:func:`kernel_available`)."""
+    return kernel_available("attention_f32")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

@@ -37,8 +37,14 @@ matrices on a 2-core AVX2 EPYC (``benchmarks/bench_linear_rows.py``): 1.8x the f
 
 
 def bf16_exact(w: torch.Tensor) -> bool:
-    """Whether every value of the fp32 tensor ``w`` is a bfloat16 number (its low 16 bits are zero)."""
-    return w.dtype == torch.float32 and not bool((w.contiguous().view(torch.int32) & 0xFFFF).any())
+    """Whether every value of the fp32 tensor ``w`` is a bfloat16 number (its low 16 bits are zero).
+
+    The first values are looked at alone first: an fp32 trainer's weights (streamed after every update) fail
+    there, without a pass over the whole matrix (~0.2 s a sync for SmolLM2's)."""
+    if w.dtype != torch.float32:
+        return False
+    bits = w.contiguous().view(-1).view(torch.int32)
+    return not bool((bits[:4096] & 0xFFFF).any()) and not bool((bits & 0xFFFF).any())
 
 
 def small_linear_available() -> bool:
