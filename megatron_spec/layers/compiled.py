@@ -30,6 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.utils import counters
 
 from megatron_spec.layers.decoder import (
     DecoderLayer,
@@ -110,9 +111,11 @@ def layer_weights(layer: DecoderLayer) -> LayerWeights | None:
 class CompiledLayers:
     """:func:`layer_step` compiled once and run for a stack of :class:`DecoderLayer` s.
 
-    ``compiles`` counts the graphs dynamo has built (one per specialisation: batch 1 or more, one
-    token or more, a fused-attention choice) and ``compile_seconds`` the time of the calls that built
-    one, so the engine can report what compiling cost it.
+    ``compiles`` counts the graphs dynamo built during this instance's calls (one per specialisation:
+    batch 1 or more, one token or more, a fused-attention choice; a guard that fails later, a
+    recompile, counts too: dynamo's own ``unique_graphs`` counter) and ``compile_seconds`` the time of
+    the calls that built one, so the engine can report what compiling cost it and tests can check that
+    nothing is built mid-generation.
     """
 
     def __init__(self, layers: nn.ModuleList, dims: tuple):
@@ -128,7 +131,6 @@ class CompiledLayers:
         # ``recompile_limit`` (8) of them, then runs it eagerly: an engine makes 4-6, and several engines
         # in one process (benchmarks, tests) make more
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._seen: set[tuple] = set()
         self.compiles = 0
         self.compile_seconds = 0.0
 
@@ -152,8 +154,7 @@ class CompiledLayers:
             for t in cache.k + cache.v:
                 torch._dynamo.mark_static(t)
             cache._static_for_compile = True
-        key = (plan.b == 1, plan.t == 1, use_fused_attention(x.dtype, plan.b, plan.t), x.dtype)
-        first = key not in self._seen
+        graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         for t, dims in ((x, (0,)), (cos, (0, 2)), (sin, (0, 2)), (plan.write_index, (0,)), (plan.mask, (0, 2, 3))):
             for dim in dims:
@@ -163,10 +164,10 @@ class CompiledLayers:
             x = self._fn(x, weights[i], cos, sin, cache.k[i], cache.v[i], plan.write_index, plan.mask)
             if i in aux_layers:
                 aux.append(x)
-        if first:
-            self._seen.add(key)
-            self.compiles += 1
+        built = counters["stats"]["unique_graphs"] - graphs
+        if built:
+            self.compiles += built
             self.compile_seconds += time.perf_counter() - t0
-            logger.info("compiled decoder layer for batch %s, tokens %s, %s: %.1f s", "1" if key[0] else ">1",
-                        "1" if key[1] else ">1", x.dtype, time.perf_counter() - t0)
+            logger.info("compiled decoder layer for %d rows x %d tokens (fused attention %s), %s: %.1f s", plan.b,
+                        plan.t, use_fused_attention(x.dtype, plan.b, plan.t), x.dtype, time.perf_counter() - t0)
         return x

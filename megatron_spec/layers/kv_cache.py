@@ -8,6 +8,13 @@ the last row into it), so attention reads a strided view ``k[:B, :, :L]`` and ne
 Rolling back rejected speculative tokens is setting ``lens`` back: entries past ``lens``
 are masked out by attention and overwritten by the next write.
 
+Each slot holds one position more than ``max_len`` that is never written or read: a read of the
+whole context (``k[:B, :, :max_len]``) is then still a strict slice of the tensor. A graph that
+``torch.compile`` made for a symbolic read length guards that the length is not the dimension's
+whole size (a slice covering the whole dimension is specialised), so without the spare position
+every compiled graph was built a second time, mid-generation, when the longest row's read bucket
+reached ``max_len`` (0.5-3.9 s each on SmolLM2 on 2 cores; ``layers.compiled``).
+
 It does not know about models, sampling or requests.
 """
 
@@ -25,7 +32,8 @@ class KVCache:
             raise ValueError("KVCache sizes must be positive")
         self.num_layers, self.num_slots, self.max_len = num_layers, num_slots, max_len
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.capacity = max_len + 1  # the spare position (module docstring): a full read stays a strict slice
+        shape = (num_slots, num_kv_heads, self.capacity, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lens = torch.zeros(num_slots, dtype=torch.long, device=device)
@@ -39,7 +47,7 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def write_index(self, positions: torch.Tensor, slot_offset: int = 0) -> torch.Tensor:
-        """Row indices into the ``[slots * nkv * max_len, d]`` view for new entries at
+        """Row indices into the ``[slots * nkv * capacity, d]`` view for new entries at
         ``positions [B, T]`` of slots ``offset..offset+B-1``, ordered (b, head, t) like
         ``k_new.reshape(-1, d)``. Computed once per forward and shared by every layer."""
         if positions.numel() and int(positions.max()) >= self.max_len:  # one host sync per forward
@@ -48,7 +56,7 @@ class KVCache:
         b = positions.shape[0]
         slots = torch.arange(slot_offset, slot_offset + b, device=positions.device).view(b, 1, 1)
         heads = torch.arange(self.num_kv_heads, device=positions.device).view(1, -1, 1)
-        return ((slots * self.num_kv_heads + heads) * self.max_len + positions.unsqueeze(1)).reshape(-1)
+        return ((slots * self.num_kv_heads + heads) * self.capacity + positions.unsqueeze(1)).reshape(-1)
 
     def write(self, layer: int, index: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Store ``k_new, v_new [B, nkv, T, d]`` at rows ``index`` (from :meth:`write_index`).

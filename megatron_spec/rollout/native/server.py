@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_spec.dtypes import torch_dtype
+from megatron_spec.layers.decoder import use_fused_attention
 from megatron_spec.layers.linear import pack_linears, warm_linears
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.api import WeightReceiver
@@ -159,18 +160,23 @@ class EngineServer(WeightReceiver):
         return None
 
     def _warm_compiled(self) -> None:
-        """Compile the decoder layer for the step shapes an engine meets (1 and 2 rows of 1 and k+1 tokens:
-        dynamo makes one graph per such class, the sizes within it stay symbolic). On the engine's own
-        cache: its sizes are constants of the graphs (another cache's would compile them again); the
-        entries written at the first positions of slots 0-1 are overwritten by the next prefill there."""
+        """Compile the decoder layer for every class of step shape an engine can meet: one row or several,
+        one token or several, and the attention kernel :func:`~megatron_spec.layers.decoder.use_fused_attention`
+        picks (dynamo makes one graph per class; the sizes within it stay symbolic), each from the first
+        of a few representative shapes that falls in it. On the engine's own cache: its sizes are
+        constants of the graphs (another cache's would compile them again); the entries written at the
+        first positions of the first slots are overwritten by the next prefill there."""
         cfg = self.config
         cache = self.core.cache
-        widths = sorted({1, cfg.k_verify + 1})
+        t_max = cfg.k_verify + 1
+        seen = set()
         with torch.inference_mode():
-            for b in (1, 2):
-                for t in widths:
-                    if b > cfg.max_batch_size:
+            for b in sorted({1, 2, 4, 8, cfg.max_batch_size}):
+                for t in sorted({1, 2, 4, 8, t_max}):
+                    key = (b == 1, t == 1, use_fused_attention(self.dtype, b, t))
+                    if b > cfg.max_batch_size or t > t_max or key in seen:
                         continue
+                    seen.add(key)
                     ids = torch.zeros(b, t, dtype=torch.long, device=self.device)
                     pos = torch.arange(t, device=self.device).expand(b, t)
                     self.target(ids, pos, cache, torch.full((b,), t, device=self.device))
