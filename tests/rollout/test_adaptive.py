@@ -114,6 +114,31 @@ def test_exploration_skips_a_neighbour_that_loses_badly():
     assert picks.count(1) == 8 and picks.count(2) == 0
 
 
+def test_a_plan_that_gives_less_than_predicted_is_calibrated_down():
+    # the model predicts k = 1 5% above plain decoding, but k = 1 steps realise 80% of their prediction
+    # (what a model that leaves a cost out, or picks the luckiest of noisy estimates, does); plain steps
+    # realise theirs. After a few k = 1 steps the controller keeps plain decoding, and a calibration is
+    # kept per batch-size class: the same plan at 2 rows is still taken at its prediction
+    ctl = DraftLengthController(3, explore_every=0)
+    ctl.record_step(16, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
+    rates = {0: 1.0, 1: 1.05}
+    picks = []
+    for _ in range(20):
+        plan = ctl._pick(rates, {}, {}, 16)
+        picks.append(plan.k)
+        ctl.record_outcome(int(100 * rates[plan.k] * (0.8 if plan.k else 1.0)), 100.0, prefill=False)
+    assert picks[0] == 1 and set(picks[-10:]) == {0}, picks
+    assert picks.count(1) <= 4, picks
+    assert ctl.calibration(StepPlan(1), 16) < 0.9 and abs(ctl.calibration(StepPlan(0), 16) - 1.0) < 0.05
+    assert ctl.calibration(StepPlan(1), 2) == 1.0 and ctl._pick(rates, {}, {}, 2).k == 1
+    # a step that carried a prefill, or one the controller did not plan from its rates, teaches nothing
+    before = dict(ctl.rate_calibration)
+    ctl._pick(rates, {}, {}, 16)
+    ctl.record_outcome(1, 100.0, prefill=True)
+    ctl.record_outcome(1, 100.0, prefill=False)  # (no plan pending any more)
+    assert ctl.rate_calibration == before
+
+
 def test_row_history_outweighs_the_batch():
     ctl = DraftLengthController(3)
     row = AcceptanceStats(3)

@@ -340,8 +340,8 @@ class EngineCore:
         t0 = time.perf_counter()
         prop = self._propose(rows, sampling)
         ver = self._verify_step(rows, sampling, prop, adm)
-        emitted, accepted = self._commit(rows, prop, ver)
-        self._account(rows, prop, ver, emitted, accepted, stats, t0, prefill=adm is not None)
+        emitted, accepted, kept = self._commit(rows, prop, ver)
+        self._account(rows, prop, ver, emitted, accepted, stats, t0, prefill=adm is not None, kept=kept)
         if adm is not None:
             self._start(adm, rows, *ver.prefill)
 
@@ -416,10 +416,11 @@ class EngineCore:
             tok_lp = self._token_logprobs(logits, lp, res.tokens, sampling.greedy)
         return Verified(res, tok_lp, aux, own, base, seg, pre)
 
-    def _commit(self, rows: list[Row], prop: Proposal, ver: Verified) -> tuple[list[list[int]], list[int]]:
+    def _commit(self, rows: list[Row], prop: Proposal, ver: Verified) -> tuple[list[list[int]], list[int], int]:
         """The kept path into the caches (a tree's winning history branch moves into the first's
         place), the drafter's state, and the emitted tokens to their rows. Returns what each row
-        emitted and how many drafts it accepted."""
+        emitted, how many drafts it accepted, and how many tokens the rows kept (a row that reached a
+        stop token or its length keeps none past it)."""
         b, res = len(rows), ver.result
         if prop.tree:
             base_h, second_len = ver.base.tolist(), res.second_len.tolist()
@@ -429,12 +430,14 @@ class EngineCore:
         accepted = res.num_accepted.tolist()
         self.cache.lens[:b] = ver.base + res.num_accepted + 1  # last token + accepted drafts are cached
         self.drafter.commit(emitted, ver.own, ver.aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
+        kept = 0
         for r, em, l_ in zip(rows, emitted, ver.token_logprobs.tolist()):
             r.verify_steps += 1
             for j, t_ in enumerate(em):
+                kept += 1
                 if r.emit(t_, l_[j]):
                     break
-        return emitted, accepted
+        return emitted, accepted, kept
 
     def _source_label(self, i: int, src: str) -> str:
         """``src`` as the statistics name it: a history proposal says whether the live group index
@@ -446,10 +449,11 @@ class EngineCore:
         return (sources[i] if sources and i < len(sources) else None) or src
 
     def _account(self, rows: list[Row], prop: Proposal, ver: Verified, emitted: list[list[int]],
-                 accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool) -> None:
+                 accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool, kept: int) -> None:
         """Per row: draft length, source and acceptance (the request's and the step's statistics);
         what the adaptive controller learns (acceptance per source, a history proposal a row did not
-        use, the tree's predicted vs realized tokens, the step's and the draft's time)."""
+        use, the tree's predicted vs realized tokens, the step's and the draft's time, the tokens kept per second of
+        the step against the rate predicted for its plan)."""
         k, m, main, hist = prop.k, prop.m, self.drafter.kind, prop.hist
         second = ver.result.second.tolist() if prop.tree else None
         predicted = realized = 0.0
@@ -487,6 +491,8 @@ class EngineCore:
                 self.controller.record_tree(predicted, realized)
             # the draft table is the main drafter's: a step where it did not run teaches it nothing
             pack = ver.segment.pack
-            self.controller.record_step(len(rows), k, time.perf_counter() - t0 - prop.t_draft,
+            seconds = time.perf_counter() - t0
+            self.controller.record_step(len(rows), k, seconds - prop.t_draft,
                                         prop.t_main if prop.main_ran else 0.0, prefill=prefill, m=m,
                                         tokens=None if pack is None else int(pack.sum()))
+            self.controller.record_outcome(kept, seconds, prefill)
