@@ -267,11 +267,17 @@ class DraftLengthController:
             self.batch[name] = AcceptanceStats(self.k_max, decay=self.batch_decay)
         return self.batch[name]
 
-    def row_alpha(self, source: str, row: AcceptanceStats | None) -> list[float]:
+    def row_alpha(self, source: str, row: AcceptanceStats | None, base: list[float] | None = None) -> list[float]:
         """Acceptance per position of one row's drafts from ``source``: the row's own counts
-        shrunk towards the batch's (``row_prior_weight`` pseudo-steps)."""
-        base = self.source(source).rates(first_prior=1.0)  # optimistic: an untried source gets tried
+        shrunk towards the batch's (``row_prior_weight`` pseudo-steps); ``base``: the batch's rates
+        (:meth:`batch_alpha`) when the caller has them for every row."""
+        base = self.batch_alpha(source) if base is None else base
         return base if row is None else row.rates(prior=base, prior_weight=self.row_prior_weight)
+
+    def batch_alpha(self, source: str) -> list[float]:
+        """The batch's acceptance per position for ``source``; optimistic for an untried one (rate 1 with
+        one pseudo-step), so it gets tried."""
+        return self.source(source).rates(first_prior=1.0)
 
     def record_accept(self, source: str, row: AcceptanceStats | None, k: int, num_accepted: int) -> None:
         self.source(source).record(k, num_accepted)
@@ -475,11 +481,18 @@ def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str,
     request's acceptance per source; ``hist_sources``: per row, which index made its proposal
     (``live`` or ``history``, each judged on its own acceptance; default ``history``)."""
     options = []
+    bases: dict[str, list[float]] = {}  # the batch's rates per source, once per step
+
+    def alpha(src: str, row: AcceptanceStats | None) -> list[float]:
+        if src not in bases:
+            bases[src] = controller.batch_alpha(src)
+        return controller.row_alpha(src, row, bases[src])
+
     for i, acc in enumerate(accs):
-        opts = [(controller.row_alpha(main, acc.get(main)), None)]
+        opts = [(alpha(main, acc.get(main)), None)]
         if hist is not None and hist[i]:
             src = (hist_sources[i] if hist_sources else None) or "history"
-            opts.append((controller.row_alpha(src, acc.get(src)), len(hist[i])))
+            opts.append((alpha(src, acc.get(src)), len(hist[i])))
         options.append(opts)
     plan = controller.choose_step(options)
     if plan.mode == "history":
