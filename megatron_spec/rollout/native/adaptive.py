@@ -14,7 +14,8 @@ Speculation pays ``E(k) / T(B, k)`` tokens per second for a batch of B rows draf
   wider than any verify measured so far (``B (k_main+1)`` tokens) first runs one step at
   ``k_main``, so its costs are interpolated rather than extrapolated from smaller batches.
 
-Both are measured online by the engine, nothing is tuned to one machine:
+Both are measured online by the engine, nothing is tuned to one machine (the two tables live in
+:mod:`megatron_spec.rollout.native.measures`):
 
 * :class:`CostTable` keeps the median of the last ``window`` measurements per integer size (tokens
   of a verify step; rows of a draft pass; the fastest of them while a size has fewer than
@@ -73,9 +74,6 @@ accepted counts.
 
 from __future__ import annotations
 
-import bisect
-import statistics
-from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -83,93 +81,7 @@ import numpy as np
 
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.config import HISTORY_TREE_MODES
-
-
-class CostTable:
-    """Seconds per integer size, the median of its last ``window`` measurements (the fastest one
-    while it has fewer than ``trust``), linear interpolation between sizes."""
-
-    def __init__(self, window: int = 9, max_sizes: int = 512, trust: int = 3):
-        if window < 1 or not 1 <= trust <= window:
-            raise ValueError(f"need window >= 1 and 1 <= trust <= window, got window {window}, trust {trust}")
-        self.window, self.trust = window, trust
-        self.max_sizes = max_sizes
-        self.sizes: list[int] = []
-        self.seconds: dict[int, float] = {}
-        """The current estimate per size (the median of its window; its fastest under ``trust``)."""
-        self._samples: dict[int, deque[float]] = {}
-
-    def update(self, size: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        if size not in self._samples:
-            if len(self.sizes) >= self.max_sizes:  # bounded: forget the size farthest from this one
-                far = max(self.sizes, key=lambda s: abs(s - size))
-                self.sizes.remove(far)
-                del self.seconds[far], self._samples[far]
-            bisect.insort(self.sizes, size)
-            self._samples[size] = deque(maxlen=self.window)
-        window = self._samples[size]
-        window.append(seconds)
-        # under ``trust`` measurements the fastest one: the first call of a new shape also pays for
-        # building its kernels, and a median of it and one warm call would still price it as cold
-        self.seconds[size] = min(window) if len(window) < self.trust else statistics.median(window)
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def estimate(self, size: int) -> float | None:
-        """Seconds at ``size``: measured, interpolated, or extrapolated; None with no data.
-
-        With one measured size s0 the cost is taken proportional to the size (``t0 * size / s0``):
-        optimistic below s0, pessimistic above, so the controller's next choices measure a
-        second size and the table becomes a line."""
-        if not self.sizes:
-            return None
-        if size in self.seconds:
-            return self.seconds[size]
-        if len(self.sizes) == 1:
-            s0 = self.sizes[0]
-            return self.seconds[s0] * size / s0
-        i = bisect.bisect_left(self.sizes, size)
-        lo, hi = (i - 1, i) if 0 < i < len(self.sizes) else ((0, 1) if i == 0 else (-2, -1))
-        s_lo, s_hi = self.sizes[lo], self.sizes[hi]
-        t_lo, t_hi = self.seconds[s_lo], self.seconds[s_hi]
-        slope = max(0.0, (t_hi - t_lo) / (s_hi - s_lo))
-        return max(t_lo + slope * (size - s_lo), min(t_lo, t_hi) * 0.05)
-
-
-class AcceptanceStats:
-    """Tried / accepted counts per draft position (1-based positions stored 0-based)."""
-
-    def __init__(self, k_max: int, decay: float = 1.0):
-        self.decay = decay
-        self.tried = [0.0] * k_max
-        self.accepted = [0.0] * k_max
-
-    def record(self, k: int, num_accepted: int) -> None:
-        """One verify step of one row drafted ``k`` tokens and ``num_accepted`` passed: positions
-        ``1..min(k, a+1)`` were tried (position a+1 was the rejected one when a < k)."""
-        for i in range(min(k, num_accepted + 1)):
-            self.tried[i] += 1.0
-            if i < num_accepted:
-                self.accepted[i] += 1.0
-
-    def decay_all(self) -> None:
-        if self.decay < 1.0:
-            self.tried = [t * self.decay for t in self.tried]
-            self.accepted = [a * self.decay for a in self.accepted]
-
-    def rates(self, prior: Sequence[float] | None = None, prior_weight: float = 1.0,
-              first_prior: float = 0.5) -> list[float]:
-        """Conditional acceptance per position, shrunk towards ``prior`` (or, without one, towards
-        the previous position's rate; ``first_prior`` for position 1) by ``prior_weight`` steps."""
-        out: list[float] = []
-        for i, (t, a) in enumerate(zip(self.tried, self.accepted)):
-            p = prior[i] if prior is not None else (out[-1] if out else first_prior)
-            out.append((a + prior_weight * p) / (t + prior_weight))
-        return out
-
+from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable
 
 Option = tuple[Sequence[float], "int | None"]
 """One draft source of one row: acceptance per position, and its proposal length (None: any k)."""

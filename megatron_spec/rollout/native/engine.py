@@ -43,13 +43,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_spec.rollout.native.adaptive import (
-    AcceptanceStats,
     DraftLengthController,
     StepPlan,
     plan_step,
     record_unused_history,
     tree_expected_tokens,
 )
+from megatron_spec.rollout.native.measures import AcceptanceStats
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
 from megatron_spec.rollout.native.rows import Admission, Row, pad_rows

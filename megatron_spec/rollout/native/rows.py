@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_spec.rollout.native.adaptive import AcceptanceStats
+from megatron_spec.rollout.native.measures import AcceptanceStats
 from megatron_spec.rollout.native.model import Segment
 from megatron_spec.rollout.types import FINISH_LENGTH, FINISH_STOP, GenerateRequest
 
