@@ -351,7 +351,7 @@ class DraftLengthController:
         return best
 
     def record_outcome(self, tokens: int, seconds: float, prefill: bool) -> None:
-        """What the last chosen step gave: ``tokens`` emitted by its rows in ``seconds`` (the whole step:
+        """What the last chosen step gave: ``tokens`` its rows kept in ``seconds`` (the whole step:
         proposal, verify, host work). Moves the calibration of its plan and batch-size class towards
         realised over predicted. A step that carried a prefill is not representative and is skipped."""
         chosen, self._chosen = self._chosen, None
