@@ -1,4 +1,4 @@
-// CPU kernel of the engine's fp32 grouped-query attention at decode and verify sizes:
+// CPU kernels of the engine's grouped-query attention at decode and verify sizes, fp32 and bf16:
 //   out [b, nq, t, d] = softmax(q k^T * scale, masked) v, query head h reading KV head h / (nq / nkv).
 //
 // Why: a decode step of SmolLM2-135M at batch 16 spent ~0.42 ms a layer in torch's
@@ -13,13 +13,23 @@
 // products sum in 8 lanes then across them (AVX2 + FMA) or in order (the default variant): not the bits
 // of torch's kernels, the same up to fp32 rounding; tests compare within a tolerance. A query whose
 // mask allows no position gets zeros (torch gives NaN there; the engine never asks for one).
+//
+// attention_bf16 is the same kernel over bf16 q, k, v (the bf16 engine's cache): keys and values are
+// widened to fp32 as they are loaded (exact), scores, softmax and the weighted sum stay fp32, and each
+// output is rounded to bf16 once (round to nearest even). torch's bf16 path rounds the scores, the
+// probabilities and the output to bf16 (two bf16 matmuls), or runs its flash kernel: the results agree to
+// bf16 rounding, closer to the fp32 attention of the same inputs than torch's are. Measured on a 2-core
+// Zen 4 (SmolLM2's 9/3 heads of 64, ~128 cached positions): the eager bf16 engine spent 3.9 ms of a 26 ms
+// batch-1 decode and 12.5 of a 45 ms batch-16 decode in torch's attention (benchmarks/bench_attention.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -34,17 +44,29 @@
 namespace megatron_spec {
 namespace {
 
+// T: the element type of the keys and values (float, or uint16_t holding bf16 bits). The queries are
+// fp32 here (a bf16 task widens its g * t queries into scratch first) and so is out (a bf16 task's
+// outputs are rounded into the result afterwards).
+template <typename T>
 struct Task {
   const float* q;       // this row and KV head's first query head, position 0
   int64_t q_head, q_pos;  // strides of q between query heads and between positions
-  const float* k;       // this row and KV head, position 0
-  const float* v;
+  const T* k;           // this row and KV head, position 0
+  const T* v;
   int64_t k_pos, v_pos;   // strides between positions
   const bool* mask;     // this row's [t, L]
   float* out;           // this row and KV head's first query head in out [b, nq, t, d] (contiguous)
   int64_t g, t, L, d;
   float scale;
 };
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 // exp(s_j - m) in place over a row of scores (masked entries already -inf -> 0), returns the sum.
 inline float exp_and_sum(float* s, int64_t L, float m) {
@@ -54,7 +76,8 @@ inline float exp_and_sum(float* s, int64_t L, float m) {
   return sum;
 }
 
-void attend_scalar(const Task& a, float* s) {
+template <typename T>
+void attend_scalar(const Task<T>& a, float* s) {
   for (int64_t h = 0; h < a.g; ++h)
     for (int64_t p = 0; p < a.t; ++p) {
       const float* q = a.q + h * a.q_head + p * a.q_pos;
@@ -65,9 +88,9 @@ void attend_scalar(const Task& a, float* s) {
           s[j] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        const float* k = a.k + j * a.k_pos;
+        const T* k = a.k + j * a.k_pos;
         float acc = 0.0f;
-        for (int64_t c = 0; c < a.d; ++c) acc += q[c] * k[c];
+        for (int64_t c = 0; c < a.d; ++c) acc += q[c] * widen(k[c]);
         s[j] = acc * a.scale;
         m = std::max(m, s[j]);
       }
@@ -77,8 +100,8 @@ void attend_scalar(const Task& a, float* s) {
       const float inv = 1.0f / exp_and_sum(s, a.L, m);
       for (int64_t j = 0; j < a.L; ++j) {
         if (s[j] == 0.0f) continue;
-        const float* v = a.v + j * a.v_pos;
-        for (int64_t c = 0; c < a.d; ++c) o[c] += s[j] * v[c];
+        const T* v = a.v + j * a.v_pos;
+        for (int64_t c = 0; c < a.d; ++c) o[c] += s[j] * widen(v[c]);
       }
       for (int64_t c = 0; c < a.d; ++c) o[c] *= inv;
     }
@@ -93,9 +116,16 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 x) {
   return _mm_cvtss_f32(s);
 }
 
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {  // 8 bf16 widened (exact)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // s_j = (q . k_j) * scale for every position, 8 keys at a time (eight accumulators reduced together:
 // no horizontal sum per key), then masked positions -> -inf; returns the largest score.
-__attribute__((target("avx2,fma"))) float scores_avx2(const Task& a, const float* q, const bool* mrow, float* s) {
+template <typename T>
+__attribute__((target("avx2,fma"))) float scores_avx2(const Task<T>& a, const float* q, const bool* mrow, float* s) {
   const int64_t nv = a.d / 8;
   const __m256 scale = _mm256_set1_ps(a.scale);
   int64_t j0 = 0;
@@ -103,11 +133,11 @@ __attribute__((target("avx2,fma"))) float scores_avx2(const Task& a, const float
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
-    const float* k = a.k + j0 * a.k_pos;
+    const T* k = a.k + j0 * a.k_pos;
     for (int64_t c = 0; c < nv; ++c) {
       const __m256 qc = _mm256_loadu_ps(q + 8 * c);
 #pragma GCC unroll 8
-      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + r * a.k_pos + 8 * c), acc[r]);
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(qc, load8(k + r * a.k_pos + 8 * c), acc[r]);
     }
     const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
     const __m256 h45 = _mm256_hadd_ps(acc[4], acc[5]), h67 = _mm256_hadd_ps(acc[6], acc[7]);
@@ -117,9 +147,9 @@ __attribute__((target("avx2,fma"))) float scores_avx2(const Task& a, const float
     _mm256_storeu_ps(s + j0, _mm256_mul_ps(sum, scale));
   }
   for (; j0 < a.L; ++j0) {
-    const float* k = a.k + j0 * a.k_pos;
+    const T* k = a.k + j0 * a.k_pos;
     __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < nv; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), acc);
+    for (int64_t c = 0; c < nv; ++c) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), load8(k + 8 * c), acc);
     s[j0] = hsum(acc) * a.scale;
   }
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -184,33 +214,35 @@ __attribute__((target("avx2,fma"))) float exp_sum_avx2(float* s, int64_t L, floa
 }
 
 // o = inv * sum_j p_j v_j, the NV * 8 outputs held in registers
-template <int NV>
-__attribute__((target("avx2,fma"))) void weighted_values(const Task& a, const float* p, float* o, float inv) {
+template <int NV, typename T>
+__attribute__((target("avx2,fma"))) void weighted_values(const Task<T>& a, const float* p, float* o, float inv) {
   __m256 ov[NV];
 #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) ov[c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < a.L; ++j) {
     if (p[j] == 0.0f) continue;
     const __m256 w = _mm256_set1_ps(p[j]);
-    const float* v = a.v + j * a.v_pos;
+    const T* v = a.v + j * a.v_pos;
 #pragma GCC unroll 16
-    for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), ov[c]);
+    for (int c = 0; c < NV; ++c) ov[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), ov[c]);
   }
   const __m256 iv = _mm256_set1_ps(inv);
 #pragma GCC unroll 16
   for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(ov[c], iv));
 }
 
-using ValuesFn = void (*)(const Task&, const float*, float*, float);
-template <int... NV>
-constexpr std::array<ValuesFn, sizeof...(NV)> values_table(std::integer_sequence<int, NV...>) {
-  return {&weighted_values<NV + 1>...};
+template <typename T>
+using ValuesFn = void (*)(const Task<T>&, const float*, float*, float);
+template <typename T, int... NV>
+constexpr std::array<ValuesFn<T>, sizeof...(NV)> values_table(std::integer_sequence<int, NV...>) {
+  return {&weighted_values<NV + 1, T>...};
 }
 
 // d a multiple of 8, at most 128
-__attribute__((target("avx2,fma"))) void attend_avx2(const Task& a, float* s) {
-  static constexpr auto table = values_table(std::make_integer_sequence<int, 16>{});
-  const ValuesFn values = table[a.d / 8 - 1];
+template <typename T>
+__attribute__((target("avx2,fma"))) void attend_avx2(const Task<T>& a, float* s) {
+  static constexpr auto table = values_table<T>(std::make_integer_sequence<int, 16>{});
+  const ValuesFn<T> values = table[a.d / 8 - 1];
   for (int64_t h = 0; h < a.g; ++h)
     for (int64_t p = 0; p < a.t; ++p) {
       const float* q = a.q + h * a.q_head + p * a.q_pos;
@@ -227,23 +259,24 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const Task& a, float* s) {
 
 bool use_avx2(int64_t d) { return cpu::avx2_fma_active() && d % 8 == 0 && d <= 128; }
 
-at::Tensor attention_f32(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                         const at::Tensor& mask_in, double scale) {
+// The checks and the threading shared by attention_f32 and attention_bf16 (name: the op, for errors).
+at::Tensor attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                         const at::Tensor& mask_in, double scale, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(q_in.dim() == 4 && k_in.dim() == 4 && v_in.dim() == 4 && mask_in.dim() == 4,
-              "attention_f32: expects q [b, nq, t, d], k and v [b, nkv, L, d], mask [b, 1, t, L]");
+              name, ": expects q [b, nq, t, d], k and v [b, nkv, L, d], mask [b, 1, t, L]");
   for (const auto* x : {&q_in, &k_in, &v_in})
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->device().is_cpu(), "attention_f32: expects float32 CPU "
-                "tensors, got ", x->scalar_type(), " on ", x->device());
-  TORCH_CHECK(mask_in.scalar_type() == at::kBool, "attention_f32: the mask must be bool (True = attend)");
+    TORCH_CHECK(x->scalar_type() == dtype && x->device().is_cpu(), name, ": expects ",
+                dtype == at::kFloat ? "float32" : "bfloat16", " CPU tensors, got ", x->scalar_type(), " on ",
+                x->device());
+  TORCH_CHECK(mask_in.scalar_type() == at::kBool, name, ": the mask must be bool (True = attend)");
   const int64_t b = q_in.size(0), nq = q_in.size(1), t = q_in.size(2), d = q_in.size(3);
   const int64_t nkv = k_in.size(1), L = k_in.size(2);
   TORCH_CHECK(k_in.size(0) == b && v_in.size(0) == b && v_in.size(1) == nkv && v_in.size(2) == L &&
                   k_in.size(3) == d && v_in.size(3) == d,
-              "attention_f32: k ", k_in.sizes(), " and v ", v_in.sizes(), " do not match q ", q_in.sizes());
-  TORCH_CHECK(nkv > 0 && nq % nkv == 0, "attention_f32: ", nq, " query heads are not a multiple of ", nkv,
-              " KV heads");
+              name, ": k ", k_in.sizes(), " and v ", v_in.sizes(), " do not match q ", q_in.sizes());
+  TORCH_CHECK(nkv > 0 && nq % nkv == 0, name, ": ", nq, " query heads are not a multiple of ", nkv, " KV heads");
   TORCH_CHECK(mask_in.size(0) == b && mask_in.size(1) == 1 && mask_in.size(2) == t && mask_in.size(3) == L,
-              "attention_f32: mask ", mask_in.sizes(), " is not [b, 1, t, L] = [", b, ", 1, ", t, ", ", L, "]");
+              name, ": mask ", mask_in.sizes(), " is not [b, 1, t, L] = [", b, ", 1, ", t, ", ", L, "]");
   // the last dimension must be contiguous; the cache views the engine passes already are
   auto q = q_in.stride(3) == 1 ? q_in : q_in.contiguous();
   auto k = k_in.stride(3) == 1 ? k_in : k_in.contiguous();
@@ -253,32 +286,79 @@ at::Tensor attention_f32(const at::Tensor& q_in, const at::Tensor& k_in, const a
   if (out.numel() == 0) return out;
   const int64_t g = nq / nkv;
   const bool avx2 = use_avx2(d);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   const bool* mp = mask.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, b * nkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(std::max<int64_t>(L, 1));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t r = i / nkv, hk = i % nkv;
-      Task a{qp + r * q.stride(0) + hk * g * q.stride(1), q.stride(1), q.stride(2),
-             kp + r * k.stride(0) + hk * k.stride(1), vp + r * v.stride(0) + hk * v.stride(1),
-             k.stride(2), v.stride(2), mp + r * t * L, op + ((r * nq + hk * g) * t) * d,
-             g, t, L, d, static_cast<float>(scale)};
+  const float scl = static_cast<float>(scale);
+  auto run = [&](auto* kp, auto* vp, auto&& task_io) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    at::parallel_for(0, b * nkv, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores(std::max<int64_t>(L, 1)), scratch;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t r = i / nkv, hk = i % nkv;
+        Task<T> a{nullptr, 0, 0, kp + r * k.stride(0) + hk * k.stride(1), vp + r * v.stride(0) + hk * v.stride(1),
+                  k.stride(2), v.stride(2), mp + r * t * L, nullptr, g, t, L, d, scl};
+        task_io(a, r, hk, scratch, [&] {
 #ifdef MS_ATTN_X86
-      if (avx2) {
-        attend_avx2(a, scores.data());
-        continue;
-      }
+          if (avx2) return attend_avx2(a, scores.data());
 #endif
-      attend_scalar(a, scores.data());
-    }
-  });
+          attend_scalar(a, scores.data());
+        });
+      }
+    });
+  };
+  if (dtype == at::kFloat) {
+    const float* qp = q.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    run(k.data_ptr<float>(), v.data_ptr<float>(), [&](Task<float>& a, int64_t r, int64_t hk, std::vector<float>&,
+                                                      auto&& attend) {
+      a.q = qp + r * q.stride(0) + hk * g * q.stride(1);
+      a.q_head = q.stride(1);
+      a.q_pos = q.stride(2);
+      a.out = op + ((r * nq + hk * g) * t) * d;
+      attend();
+    });
+  } else {
+    // bf16: the task's g * t queries widened into scratch [g, t, d], its outputs computed there in fp32
+    // (after the queries: q and out share the buffer), then rounded once into out
+    const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+    auto* op = out.data_ptr<at::BFloat16>();
+    run(reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+        reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()),
+        [&](Task<uint16_t>& a, int64_t r, int64_t hk, std::vector<float>& scratch, auto&& attend) {
+          const int64_t n = g * t * d;
+          scratch.resize(2 * n);
+          float* qs = scratch.data();
+          for (int64_t h = 0; h < g; ++h)
+            for (int64_t p = 0; p < t; ++p) {
+              const uint16_t* src = qp + r * q.stride(0) + (hk * g + h) * q.stride(1) + p * q.stride(2);
+              float* dst = qs + (h * t + p) * d;
+              for (int64_t c = 0; c < d; ++c) dst[c] = widen(src[c]);
+            }
+          a.q = qs;
+          a.q_head = t * d;
+          a.q_pos = d;
+          a.out = qs + n;
+          attend();
+          at::BFloat16* o = op + ((r * nq + hk * g) * t) * d;
+          for (int64_t e = 0; e < n; ++e) o[e] = at::BFloat16(a.out[e]);  // round to nearest even
+        });
+  }
   return out;
+}
+
+at::Tensor attention_f32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                         double scale) {
+  return attention_cpu(q, k, v, mask, scale, at::kFloat, "attention_f32");
+}
+
+at::Tensor attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                          double scale) {
+  return attention_cpu(q, k, v, mask, scale, at::kBFloat16, "attention_bf16");
 }
 
 }  // namespace
 }  // namespace megatron_spec
 
-TORCH_LIBRARY_IMPL(megatron_spec, CPU, m) { m.impl("attention_f32", &megatron_spec::attention_f32); }
+TORCH_LIBRARY_IMPL(megatron_spec, CPU, m) {
+  m.impl("attention_f32", &megatron_spec::attention_f32);
+  m.impl("attention_bf16", &megatron_spec::attention_bf16);
+}

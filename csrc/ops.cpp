@@ -39,10 +39,14 @@ PyObject* py_set_kernel_isa(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+// Whether the bf16 linear kernel runs its AVX512-BF16 tiles (else its scalar loops: the layers then keep oneDNN).
+PyObject* py_bf16_dot_active(PyObject*, PyObject*) { return PyBool_FromLong(cpu::avx512_bf16_active()); }
+
 PyMethodDef methods[] = {
     {"kernel_isa", py_kernel_isa, METH_NOARGS, "CPU kernel variant in use: 'default', 'avx2' or 'avx512'."},
     {"best_kernel_isa", py_best_kernel_isa, METH_NOARGS, "Highest CPU kernel variant this CPU runs."},
     {"set_kernel_isa", py_set_kernel_isa, METH_O, "Run the CPU kernel variant of this name (tests)."},
+    {"bf16_dot_active", py_bf16_dot_active, METH_NOARGS, "Whether linear_small_bf16 runs AVX512-BF16 dot products."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 
@@ -94,13 +98,25 @@ TORCH_LIBRARY(megatron_spec, m) {
   //   x [M, K] f32, packed from linear_pack_f32 or linear_pack_bf16w, bias [N] f32 or None -> y [M, N] = x W^T + bias
   m.def("linear_small_f32(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
         {at::Tag::pt2_compliant_tag});
+  // The bf16 linear layer at decode and verify sizes on CPUs with bf16 dot products (csrc/linear_bf16_cpu.cpp):
+  //   w [N, K] bf16 -> packed [ceil(N/16), ceil(K/2), 16, 2] bf16 (16-output panels of K pairs, zero-padded)
+  m.def("linear_pack_bf16(Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
+  //   x [M, K] bf16, packed from linear_pack_bf16, bias [N] bf16/f32 or None -> y [M, N] bf16 (fp32 accumulation)
+  m.def("linear_small_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
   // The fp32 grouped-query attention of the native engine (csrc/attention_cpu.cpp): q [b, nq, t, d],
   // k and v [b, nkv, L, d] (cache views: any strides, contiguous d), mask [b, 1, t, L] bool -> [b, nq, t, d]
   m.def("attention_f32(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor",
+        {at::Tag::pt2_compliant_tag});
+  //   the same over bf16 q, k, v (fp32 arithmetic inside, each output rounded to bf16 once)
+  m.def("attention_bf16(Tensor q, Tensor k, Tensor v, Tensor mask, float scale) -> Tensor",
         {at::Tag::pt2_compliant_tag});
   // The engine's fp32 RMSNorm and rotate-half RoPE (csrc/norm_rope_cpu.cpp): x [..., H] (last dim
   // contiguous), w [H] -> y = x / sqrt(mean(x^2) + eps) * w, contiguous;
   m.def("rms_norm_f32(Tensor x, Tensor w, float eps) -> Tensor", {at::Tag::pt2_compliant_tag});
   //   x [B, n, T, d] (contiguous d), cos, sin [B, 1, T, d] -> x * cos + cat(-x[d/2:], x[:d/2]) * sin, contiguous
   m.def("rope_f32(Tensor x, Tensor cos, Tensor sin) -> Tensor", {at::Tag::pt2_compliant_tag});
+  //   the same two over bf16 tensors, rounding to bf16 where torch's bf16 arithmetic rounds
+  m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("rope_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor", {at::Tag::pt2_compliant_tag});
 }

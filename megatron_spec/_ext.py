@@ -58,6 +58,16 @@ def supported_kernel_isas() -> list[str]:
     return order[: order.index(_C.best_kernel_isa()) + 1]
 
 
+def bf16_dot_available() -> bool:
+    """Whether ``megatron_spec::linear_small_bf16`` runs its AVX512-BF16 tiles here (a CPU with bf16 dot products,
+    the AVX-512 kernel variant active); else it runs scalar loops, and the layers keep oneDNN for bf16."""
+    if not compiled_ops_available():
+        return False
+    from megatron_spec import _C
+
+    return bool(_C.bf16_dot_active())
+
+
 def set_kernel_isa(name: str) -> None:
     """Run the CPU kernel variant ``name`` from now on, in this process (tests compare each with the
     references). Raises ValueError for a variant this CPU cannot run, RuntimeError without ``_C``."""

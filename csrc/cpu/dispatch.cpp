@@ -118,6 +118,15 @@ bool avx2_fma_active() {
 #endif
 }
 
+bool avx512_bf16_active() {
+#ifdef MS_CPU_DISPATCH_X86
+  static const bool bf16 = __builtin_cpu_supports("avx512bf16");
+  return bf16 && active_isa() >= Isa::kAvx512;
+#else
+  return false;
+#endif
+}
+
 void set_active_isa(Isa isa) {
   if (isa > best_supported_isa())
     throw std::invalid_argument(std::string("megatron_spec kernels: this CPU cannot run the ") + isa_name(isa) +

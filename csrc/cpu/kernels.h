@@ -84,6 +84,9 @@ void set_active_isa(Isa isa);  // throws std::invalid_argument above best_suppor
 // The hand-written AVX2 kernels outside the table (linear_cpu.cpp, attention_cpu.cpp) also need FMA
 // (every AVX2 CPU made has it; checked anyway) and follow the same cap as the table.
 bool avx2_fma_active();
+// bf16 dot products (AVX512-BF16's vdpbf16ps: linear_bf16_cpu.cpp) where the CPU has them and the AVX-512
+// variant is active (MEGATRON_SPEC_NO_NATIVE_BF16=1 caps the kernels at AVX2, and so turns this off).
+bool avx512_bf16_active();
 
 }  // namespace cpu
 }  // namespace megatron_spec

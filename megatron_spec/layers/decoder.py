@@ -56,31 +56,40 @@ def kernel_available(op: str) -> bool:
     return _KERNELS[op]
 
 
-def norm_rope_kernels_available() -> bool:
-    """Whether the extension's fp32 RMSNorm and RoPE (``csrc/norm_rope_cpu.cpp``, built together) run here."""
-    return kernel_available("rope_f32")
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-def _eager_cpu_f32(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """``x`` and ``w`` fp32 on the CPU, no gradient asked for, not traced by torch.compile (which fuses
-    torch's own arithmetic better than it could call an opaque op), and the extension's kernels built."""
-    if x.dtype != torch.float32 or w.dtype != torch.float32 or x.device.type != "cpu" or w.device.type != "cpu":
-        return False
+def norm_rope_kernels_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the extension's RMSNorm and RoPE for ``dtype`` (fp32 or bf16, ``csrc/norm_rope_cpu.cpp``, built
+    together) run here."""
+    return dtype in _SUFFIX and kernel_available(f"rope_{_SUFFIX[dtype]}")
+
+
+def _eager_cpu_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """The dtype suffix of the extension's norm/RoPE kernels (``"f32"``, ``"bf16"``) when ``x`` and ``w`` are both
+    fp32 or both bf16 on the CPU, no gradient is asked for, torch.compile is not tracing (it fuses torch's own
+    arithmetic better than it could call an opaque op) and the kernels are built; else None."""
+    if x.dtype != w.dtype or x.dtype not in _SUFFIX or x.device.type != "cpu" or w.device.type != "cpu":
+        return None
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        return False
-    return not torch.compiler.is_compiling() and norm_rope_kernels_available()
+        return None
+    if torch.compiler.is_compiling() or not norm_rope_kernels_available(x.dtype):
+        return None
+    return _SUFFIX[x.dtype]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`RMSNorm` as a function (the compiled layer, ``layers.compiled``, calls it too).
 
-    In fp32 on a CPU outside autograd it is the extension's one-pass kernel (``rms_norm_f32``: 5x
-    torch's composite ``rms_norm`` at decode sizes, 30x at a 1024-row prefill; results agree to fp32
-    rounding, the sum of squares accumulated in another order)."""
+    On a CPU outside autograd it is the extension's one-pass kernel: fp32 (``rms_norm_f32``: 5x torch's
+    composite ``rms_norm`` at decode sizes, 30x at a 1024-row prefill; results agree to fp32 rounding, the
+    sum of squares accumulated in another order) or bf16 (``rms_norm_bf16``: the two bf16 roundings of
+    the formula below, in one pass instead of eight ops)."""
     dtype = x.dtype
+    kernel = _eager_cpu_kernel(x, weight)
+    if kernel is not None:
+        return getattr(torch.ops.megatron_spec, f"rms_norm_{kernel}")(x, weight, eps)
     if dtype == torch.float32 and weight.dtype == torch.float32:
-        if _eager_cpu_f32(x, weight):
-            return torch.ops.megatron_spec.rms_norm_f32(x, weight, eps)
         return torch.rms_norm(x, weight.shape, weight, eps)  # one op (fp32)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -90,10 +99,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE of ``x [B, n, T, d]`` with tables ``cos, sin [B, 1, T, d]`` (:meth:`Rotary.tables`).
 
-    In fp32 on a CPU outside autograd it is the extension's one-pass kernel (``rope_f32``, 4-7x the six
-    torch ops below at decode and verify sizes): the same bits, products and sum rounded as these are."""
-    if x.dim() == 4 and cos.dim() == 4 and _eager_cpu_f32(x, cos) and sin.dtype == torch.float32:
-        return torch.ops.megatron_spec.rope_f32(x, cos, sin)
+    On a CPU outside autograd, in fp32 or bf16, it is the extension's one-pass kernel (``rope_f32`` /
+    ``rope_bf16``, 4-7x the six torch ops below at decode and verify sizes): the same bits, products and sum
+    rounded as these are."""
+    if x.dim() == 4 and cos.dim() == 4 and sin.dtype == cos.dtype:
+        kernel = _eager_cpu_kernel(x, cos)
+        if kernel is not None:
+            return getattr(torch.ops.megatron_spec, f"rope_{kernel}")(x, cos, sin)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -173,22 +185,28 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return torch.matmul(probs, v).view(b, nq, t, d)
 
 
-def attention_kernel_available() -> bool:
-    """Whether the extension's fp32 attention (``csrc/attention_cpu.cpp``) runs here (:func:`kernel_available`)."""
-    return kernel_available("attention_f32")
+_ATTENTION_OPS = {torch.float32: "attention_f32", torch.bfloat16: "attention_bf16"}
+
+
+def attention_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the extension's attention for ``dtype`` (fp32 or bf16, ``csrc/attention_cpu.cpp``) runs here
+    (:func:`kernel_available`)."""
+    op = _ATTENTION_OPS.get(dtype)
+    return op is not None and kernel_available(op)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Grouped-query attention of ``q [B, nq, T, d]`` over ``k, v [B, nkv, L, d]`` with ``mask [B, 1, T, L]``
-    (True = attend): in fp32 on a CPU, where no gradient is asked for, the extension's kernel (one task a
-    row and KV head, reading the cache views in place: 1.2-2.6x faster than torch's kernels at decode and
-    verify sizes, ``csrc/attention_cpu.cpp``, ``benchmarks/bench_attention.py``), else torch's fused kernel
-    or :func:`gqa_attention`, whichever :func:`use_fused_attention` says is faster for the shape. Results
-    agree to fp32 rounding."""
+    (True = attend): in fp32 or bf16 on a CPU, where no gradient is asked for, the extension's kernel (one
+    task a row and KV head, reading the cache views in place: fp32 1.2-2.6x faster than torch's kernels at
+    decode and verify sizes on a 2-core AVX2 EPYC; bf16, arithmetic in fp32 inside, 1.6-20x on a 2-core
+    Zen 4; ``csrc/attention_cpu.cpp``, ``benchmarks/bench_attention.py``), else torch's fused kernel or
+    :func:`gqa_attention`, whichever :func:`use_fused_attention` says is faster for the shape. Results agree
+    to the dtype's rounding."""
     b, _, t, _ = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if q.dtype == torch.float32 and q.device.type == "cpu" and not grad and attention_kernel_available():
-        return torch.ops.megatron_spec.attention_f32(q, k, v, mask, scale)
+    if q.device.type == "cpu" and not grad and attention_kernel_available(q.dtype):
+        return getattr(torch.ops.megatron_spec, _ATTENTION_OPS[q.dtype])(q, k, v, mask, scale)
     if use_fused_attention(q.dtype, b, t):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return gqa_attention(q, k, v, mask, scale)

@@ -68,18 +68,27 @@ def _attention_f32_fake(q, k, v, mask, scale: float):
     return q.new_empty(q.shape)
 
 
-@torch.library.register_fake("megatron_spec::rms_norm_f32")
-def _rms_norm_f32_fake(x, w, eps: float):
+@torch.library.register_fake("megatron_spec::attention_bf16")
+def _attention_bf16_fake(q, k, v, mask, scale: float):
+    torch._check(q.dim() == 4 and k.dim() == 4, lambda: "attention_bf16 expects q [b, nq, t, d] and k [b, nkv, L, d]")
+    return q.new_empty(q.shape)
+
+
+def _rms_norm_fake(x, w, eps: float):
     torch._check(x.dim() >= 1 and w.dim() == 1 and w.shape[0] == x.shape[-1],
-                 lambda: f"rms_norm_f32: input [..., {x.shape[-1] if x.dim() else '?'}] and weight {tuple(w.shape)}")
+                 lambda: f"rms_norm: input [..., {x.shape[-1] if x.dim() else '?'}] and weight {tuple(w.shape)}")
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("megatron_spec::rope_f32")
-def _rope_f32_fake(x, cos, sin):
-    torch._check(x.dim() == 4 and cos.dim() == 4 and sin.dim() == 4, lambda: "rope_f32 expects x [B, n, T, d] and "
+def _rope_fake(x, cos, sin):
+    torch._check(x.dim() == 4 and cos.dim() == 4 and sin.dim() == 4, lambda: "rope expects x [B, n, T, d] and "
                  "tables [B, 1, T, d]")
     return x.new_empty(x.shape)
+
+
+for _dt in ("f32", "bf16"):
+    torch.library.register_fake(f"megatron_spec::rms_norm_{_dt}", _rms_norm_fake)
+    torch.library.register_fake(f"megatron_spec::rope_{_dt}", _rope_fake)
 
 
 @torch.library.register_fake("megatron_spec::linear_pack_bf16w")
@@ -87,3 +96,18 @@ def _linear_pack_bf16w_fake(w):
     torch._check(w.dim() == 2, lambda: f"linear_pack_bf16w expects a 2-D weight, got {w.dim()}-D")
     n, k = w.shape
     return w.new_empty(((n + 15) // 16, k, 16), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("megatron_spec::linear_pack_bf16")
+def _linear_pack_bf16_fake(w):
+    torch._check(w.dim() == 2, lambda: f"linear_pack_bf16 expects a 2-D weight, got {w.dim()}-D")
+    n, k = w.shape
+    return w.new_empty(((n + 15) // 16, (k + 1) // 2, 16, 2))
+
+
+@torch.library.register_fake("megatron_spec::linear_small_bf16")
+def _linear_small_bf16_fake(x, packed, bias, out_features: int):
+    torch._check(x.dim() == 2, lambda: f"linear_small_bf16 expects a 2-D input, got {x.dim()}-D")
+    torch._check(packed.dim() == 4 and packed.shape[2] == 16 and packed.shape[3] == 2,
+                 lambda: "linear_small_bf16: weight not from linear_pack_bf16")
+    return x.new_empty((x.shape[0], out_features))

@@ -1,9 +1,10 @@
-"""The fp32 grouped-query attention kernel (csrc/attention_cpu.cpp) and its use by the engine's layers.
+"""The grouped-query attention kernels (csrc/attention_cpu.cpp, fp32 and bf16) and their use by the layers.
 
 Each kernel variant (the scalar loops of the default variant, the AVX2 + FMA path above it) is compared
 with a float64 softmax attention on GQA shapes, decode (one query a row) and verify (several), over strided
 views of a slot cache like the engine's, with masks that hide cache positions; a query that may attend to
-nothing gets zeros."""
+nothing gets zeros. The bf16 kernel widens its inputs exactly and computes in fp32 as the fp32 kernel does,
+so its output is the fp32 kernel's output on the widened inputs, rounded once to bf16: bit for bit."""
 
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ def cache_views(gen, b, nkv, length, d, slots=None, max_len=None):
     return kc[:b, :, :length], vc[:b, :, :length]
 
 
-@pytest.mark.parametrize("b,nq,nkv,t,length,d", [(1, 9, 3, 1, 37, 64), (16, 9, 3, 1, 128, 64),
-                                                 (4, 9, 3, 4, 70, 64), (2, 4, 4, 3, 9, 16),
-                                                 (3, 8, 2, 2, 20, 12), (1, 2, 1, 5, 6, 8), (1, 2, 1, 1, 1, 8)])
+SHAPES = [(1, 9, 3, 1, 37, 64), (16, 9, 3, 1, 128, 64), (4, 9, 3, 4, 70, 64), (2, 4, 4, 3, 9, 16),
+          (3, 8, 2, 2, 20, 12), (1, 2, 1, 5, 6, 8), (1, 2, 1, 1, 1, 8)]
+
+
+@pytest.mark.parametrize("b,nq,nkv,t,length,d", SHAPES)
 def test_matches_float64_attention(kernel_variant, b, nq, nkv, t, length, d):
     gen = torch.Generator().manual_seed(b * 1000 + t * 100 + length)
     q = torch.randn(b, t, nq, d, generator=gen).transpose(1, 2)  # [b, nq, t, d], strided as the layers make it
@@ -50,6 +53,24 @@ def test_matches_float64_attention(kernel_variant, b, nq, nkv, t, length, d):
     ref = reference(q, k, v, mask, scale)
     assert out.shape == (b, nq, t, d) and out.dtype == torch.float32 and out.is_contiguous()
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("b,nq,nkv,t,length,d", SHAPES)
+def test_bf16_is_the_fp32_kernel_rounded_once(kernel_variant, b, nq, nkv, t, length, d):
+    gen = torch.Generator().manual_seed(b * 1000 + t * 100 + length + 1)
+    q = torch.randn(b, t, nq, d, generator=gen).bfloat16().transpose(1, 2)
+    kc, vc = (torch.randn(b + 1, nkv, length + 3, d, generator=gen).bfloat16() for _ in range(2))
+    k, v = kc[:b, :, :length], vc[:b, :, :length]  # strided cache views, as the engine passes them
+    kv_len = torch.randint(max(1, t), length + 1, (b,), generator=gen)
+    pos = kv_len.view(b, 1) - t + torch.arange(t).view(1, t)
+    mask = (torch.arange(length).view(1, 1, length) <= pos.view(b, t, 1)).view(b, 1, t, length)
+    scale = d ** -0.5
+    out = torch.ops.megatron_spec.attention_bf16(q, k, v, mask, scale)
+    assert out.shape == (b, nq, t, d) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    f32 = torch.ops.megatron_spec.attention_f32(q.float(), k.float(), v.float(), mask, scale)
+    assert torch.equal(out, f32.bfloat16())  # widening is exact, the arithmetic the same, one rounding
+    # and so within one bf16 rounding (2^-9 relative) of the exact attention of the bf16 inputs
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask, scale), rtol=2 ** -8, atol=2e-5)
 
 
 def test_fully_masked_query_gets_zeros_and_holes_are_skipped(kernel_variant):
@@ -73,15 +94,20 @@ def test_refuses_what_it_cannot_run():
         torch.ops.megatron_spec.attention_f32(q[:, :2].double(), k, k, mask, 1.0)
     with pytest.raises(RuntimeError, match="mask"):
         torch.ops.megatron_spec.attention_f32(q[:, :2], k, k, mask[..., :3], 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16"):  # mixed dtypes
+        torch.ops.megatron_spec.attention_bf16(q[:, :2].bfloat16(), k, k.bfloat16(), mask, 1.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        torch.ops.megatron_spec.attention_bf16(q.bfloat16(), k.bfloat16(), k.bfloat16(), mask, 1.0)
 
 
 def test_opcheck():
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
     torch.library.opcheck(torch.ops.megatron_spec.attention_f32, (q, k, v, mask, 0.35))
+    torch.library.opcheck(torch.ops.megatron_spec.attention_bf16, (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.35))
 
 
-def test_layers_use_it_in_fp32_and_torch_elsewhere(monkeypatch):
+def test_layers_use_it_in_fp32_and_bf16_and_torch_elsewhere(monkeypatch):
     from megatron_spec.layers import decoder
 
     gen = torch.Generator().manual_seed(3)
@@ -92,5 +118,10 @@ def test_layers_use_it_in_fp32_and_torch_elsewhere(monkeypatch):
     assert torch.equal(decoder.attend(q, k, v, mask, 0.25), kernel)
     monkeypatch.setitem(decoder._KERNELS, "attention_f32", False)  # as without the extension
     torch.testing.assert_close(decoder.attend(q, k, v, mask, 0.25), kernel, rtol=1e-5, atol=1e-5)
-    bf = decoder.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.25)  # bf16: torch's kernels
-    assert bf.dtype == torch.bfloat16
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    bf = decoder.attend(qb, kb, vb, mask, 0.25)
+    assert torch.equal(bf, torch.ops.megatron_spec.attention_bf16(qb, kb, vb, mask, 0.25))
+    monkeypatch.setitem(decoder._KERNELS, "attention_bf16", False)  # torch's kernels
+    torch.testing.assert_close(decoder.attend(qb, kb, vb, mask, 0.25).float(), bf.float(), rtol=2e-2, atol=2e-2)
+    half = decoder.attend(q.half(), k.half(), v.half(), mask, 0.25)  # no kernel for fp16: torch's
+    assert half.dtype == torch.float16

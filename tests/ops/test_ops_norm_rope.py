@@ -3,7 +3,10 @@
 Each kernel variant (the scalar loops of the default variant, the AVX2 + FMA path above it) is compared
 with float64 references on the engine's shapes (decode rows, verify rows, a prefill, Qwen3's per-head
 norms read in place from a split of the qkv projection, the transposed query/key view the engine rotates),
-and with torch's own fp32 arithmetic: the norm within fp32 rounding, the rotation bit for bit."""
+and with torch's own fp32 arithmetic: the norm within fp32 rounding, the rotation bit for bit. The bf16
+kernels are compared with torch's bf16 eager arithmetic (the formulas of ``layers.decoder``): the rotation
+bit for bit, the norm within one bf16 rounding (its inverse norm may differ from torch's in the last fp32
+bit, which can move a value across a bf16 rounding boundary)."""
 
 from __future__ import annotations
 
@@ -82,6 +85,55 @@ def test_rope_is_torchs_arithmetic_bit_for_bit(kernel_variant, b, n, t, d):
     torch.testing.assert_close(out.double(), rope_reference(x, cos, sin), rtol=4 * EPS32, atol=1e-6)
 
 
+def torch_rms_bf16(x, w, eps):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (16, 576), (1024, 576), (3, 7), (2, 5, 33), (4, 1), (1, 40)])
+def test_rms_norm_bf16_is_torchs_bf16_formula(kernel_variant, shape):
+    g = torch.Generator().manual_seed(sum(shape) + 1)
+    x = (torch.randn(*shape, generator=g) * 3).bfloat16()
+    w = torch.randn(shape[-1], generator=g).bfloat16()
+    y = torch.ops.megatron_spec.rms_norm_bf16(x, w, 1e-5)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16 and y.is_contiguous()
+    ref = torch_rms_bf16(x, w, 1e-5)
+    # two bf16 roundings a value (2^-9 relative each); the same bits wherever the inverse norms agree
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=0)
+    assert (y != ref).float().mean().item() <= 0.02
+    flat = x.reshape(-1, shape[-1])
+    strided = torch.cat([flat, flat[:, :3]], -1)[:, : shape[-1]]  # rows with gaps between them, read in place
+    torch.testing.assert_close(torch.ops.megatron_spec.rms_norm_bf16(strided, w, 1e-5).float(),
+                               torch_rms_bf16(strided, w, 1e-5).float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("b,n,t,d", [(1, 12, 1, 64), (16, 12, 1, 64), (4, 12, 4, 64), (1, 3, 5, 8), (2, 2, 2, 6)])
+def test_rope_bf16_is_torchs_bf16_arithmetic_bit_for_bit(kernel_variant, b, n, t, d):
+    g = torch.Generator().manual_seed(b * 100 + t * 10 + d + 1)
+    x = torch.randn(b, t, n, d, generator=g).bfloat16().transpose(1, 2)
+    table = torch.randn(50, d, generator=g).bfloat16()
+    pos = torch.randint(0, 50, (b, t), generator=g)
+    cos, sin = table[pos].unsqueeze(1), table.flip(0)[pos].unsqueeze(1)
+    out = torch.ops.megatron_spec.rope_bf16(x, cos, sin)
+    assert out.shape == (b, n, t, d) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    x1, x2 = x.chunk(2, dim=-1)
+    assert torch.equal(out, x * cos + torch.cat([-x2, x1], dim=-1) * sin)
+
+
+def test_bf16_kernels_round_nan_and_inf_as_torch():
+    x = torch.tensor([[1.0, float("nan"), 2.0, 3.0] * 4]).bfloat16()
+    w = torch.ones(16).bfloat16()
+    assert torch.isnan(torch.ops.megatron_spec.rms_norm_bf16(x, w, 1e-6)).all()
+    big = torch.full((1, 1, 1, 16), 3e38).bfloat16()
+    tab = torch.full((1, 1, 1, 16), 2.0).bfloat16()
+    out = torch.ops.megatron_spec.rope_bf16(big, tab, tab)
+    x1, x2 = big.chunk(2, dim=-1)
+    ref = big * tab + torch.cat([-x2, x1], dim=-1) * tab  # inf - inf: nan in the first half, inf in the second
+    assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
+    assert torch.equal(out[~out.isnan()], ref[~ref.isnan()])
+
+
 def test_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="features"):
         torch.ops.megatron_spec.rms_norm_f32(torch.randn(2, 8), torch.ones(9), 1e-6)
@@ -96,17 +148,25 @@ def test_refuses_what_it_cannot_run():
         torch.ops.megatron_spec.rope_f32(x, tab[:, :, :2], tab)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.megatron_spec.rope_f32(x.double(), tab, tab)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.megatron_spec.rms_norm_bf16(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)  # fp32 weight
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        torch.ops.megatron_spec.rope_bf16(x.bfloat16(), tab, tab.bfloat16())
 
 
 def test_opcheck():
     torch.library.opcheck(torch.ops.megatron_spec.rms_norm_f32, (torch.randn(3, 2, 8), torch.randn(8), 1e-6))
     torch.library.opcheck(torch.ops.megatron_spec.rope_f32,
                           (torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8)))
+    torch.library.opcheck(torch.ops.megatron_spec.rms_norm_bf16,
+                          (torch.randn(3, 2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-6))
+    torch.library.opcheck(torch.ops.megatron_spec.rope_bf16, tuple(torch.randn(*s).bfloat16() for s in
+                                                                   ((2, 3, 4, 8), (2, 1, 4, 8), (2, 1, 4, 8))))
 
 
 def test_layers_use_them_only_where_they_may(monkeypatch):
-    """The layers call the kernels for fp32 CPU inference and torch otherwise: under autograd (the draft
-    head trains through the same RMSNorm), in bf16, and without the extension; the results agree."""
+    """The layers call the kernels for fp32 and bf16 CPU inference and torch otherwise: under autograd (the
+    draft head trains through the same RMSNorm), mixed dtypes, and without the extension; the results agree."""
     g = torch.Generator().manual_seed(0)
     norm = decoder.RMSNorm(16, 1e-6)
     with torch.no_grad():
@@ -127,9 +187,15 @@ def test_layers_use_them_only_where_they_may(monkeypatch):
     y_grad = norm(x.requires_grad_())  # the parameter asks for a gradient: torch's op, with a graph
     assert len(calls) == 1 and y_grad.requires_grad
     torch.testing.assert_close(y_kernel, y_grad.detach(), rtol=1e-6, atol=1e-6)
+    bf_calls = []
+    real_bf = torch.ops.megatron_spec.rms_norm_bf16
+    monkeypatch.setattr(torch.ops.megatron_spec, "rms_norm_bf16", lambda *a: bf_calls.append(a) or real_bf(*a),
+                        raising=False)
     with torch.no_grad():
-        copy.deepcopy(norm).to(torch.bfloat16)(x.detach().bfloat16())
-    assert len(calls) == 1
+        y_bf = copy.deepcopy(norm).to(torch.bfloat16)(x.detach().bfloat16())
+        norm(x.detach().bfloat16())  # bf16 input, fp32 weight: torch's arithmetic
+    assert len(calls) == 1 and len(bf_calls) == 1
+    torch.testing.assert_close(y_bf.float(), y_kernel, rtol=2 ** -6, atol=1e-2)
     monkeypatch.setitem(decoder._KERNELS, "rope_f32", False)
     with torch.no_grad():
         torch.testing.assert_close(norm(x.detach()), y_kernel, rtol=1e-6, atol=1e-6)
