@@ -46,6 +46,24 @@ from megatron_spec.layers.linear import packed_matmul
 logger = logging.getLogger(__name__)
 
 
+def compiling_pays(dtype: torch.dtype) -> bool:
+    """Whether running the decoder layer compiled is worth it for a CPU engine in ``dtype``.
+
+    Not in bf16 where the extension's bf16 kernels run (attention, RMSNorm, RoPE and the AVX512-BF16 linear:
+    ``csrc/``): the eager layer then calls one kernel for each of these, and the compiled graph, which lets
+    inductor fuse the norm and rotation and calls the linear through a Python custom op, was slower.
+    Measured on SmolLM2-135M on a 2-core Zen 4 (greedy, 16 prompts x 64 tokens, 3 rounds, tokens/s): batch 1
+    eager 76.0-77.6, compiled 59.7-61.2; batch 16 eager 376-401, compiled 369-411. In fp32 (and in bf16
+    without the kernels) compiling gains 1.1-1.2x at batch 1 (docs/benchmarks.md)."""
+    if dtype != torch.bfloat16:
+        return True
+    from megatron_spec.layers.decoder import attention_kernel_available, norm_rope_kernels_available
+    from megatron_spec.layers.linear import bf16_small_linear_available
+
+    return not (attention_kernel_available(dtype) and norm_rope_kernels_available(dtype)
+                and bf16_small_linear_available())
+
+
 @torch.library.custom_op("megatron_spec_compiled::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, small: torch.Tensor | None, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:

@@ -118,3 +118,15 @@ def test_layer_uses_it_for_bf16_up_to_the_row_limit(monkeypatch):
     torch.testing.assert_close(big[:5].float(), small.float(), rtol=2 ** -7, atol=1e-2)
     monkeypatch.setattr(_ext, "bf16_dot_available", lambda: False)
     assert lin.pack() and lin._small is None
+
+
+def test_compiling_is_skipped_in_bf16_where_the_kernels_run(monkeypatch):
+    """``--rollout-compile`` compiles the layer in fp32, and in bf16 only where the bf16 kernels do not all run
+    (the eager layer over them was faster than the compiled one: layers.compiled.compiling_pays)."""
+    from megatron_spec.layers.compiled import compiling_pays
+
+    assert compiling_pays(torch.float32)
+    if _ext.bf16_dot_available():
+        assert not compiling_pays(torch.bfloat16)
+    monkeypatch.setattr(_ext, "bf16_dot_available", lambda: False)
+    assert compiling_pays(torch.bfloat16)

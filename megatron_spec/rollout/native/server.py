@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_spec.dtypes import torch_dtype
+from megatron_spec.layers.compiled import compiling_pays
 from megatron_spec.layers.decoder import use_fused_attention
 from megatron_spec.layers.linear import pack_linears, warm_linears
 from megatron_spec.models import HFCheckpoint
@@ -93,7 +94,10 @@ class EngineServer(WeightReceiver):
             calls = warm_linears([m for m in (self.target, self._draft_module()) if m is not None],
                                  config.max_batch_size * (config.k_verify + 1))
             logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
-        if config.compile and self.device.type == "cpu":
+        if config.compile and self.device.type == "cpu" and not compiling_pays(self.dtype):
+            logger.info("--rollout-compile: not in %s here, where the extension's kernels make the eager layer "
+                        "faster (layers.compiled.compiling_pays)", self.dtype)
+        elif config.compile and self.device.type == "cpu":
             self.target.compile_layers()
             if config.warm_up:
                 t0 = time.perf_counter()
