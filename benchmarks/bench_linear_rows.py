@@ -14,6 +14,12 @@ set from this table. The weights are bf16 numbers (as a bf16 checkpoint loaded i
 also runs on their bf16 panels (``linear_pack_bf16w``, ``layers.linear.BF16_WEIGHT_PANELS``: the same
 results, half the bytes), a third pass alternated with the other two. Prints a markdown table and one JSON
 line.
+
+    python benchmarks/bench_linear_rows.py --dtype bfloat16
+
+The bf16 engine's projections instead (bf16 weights and inputs, a CPU with AVX512-BF16 dot products):
+``megatron_spec::linear_small_bf16`` on the panels ``linear_pack_bf16`` makes against oneDNN's packed bf16
+matmul, alternated; ``layers.linear.SMALL_MAX_ROWS_BF16`` is set from this table.
 """
 
 from __future__ import annotations
@@ -37,8 +43,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.dtype == "bfloat16":
+        return bf16_engine(ap, args)
     from megatron_spec.layers.linear import Linear, small_linear_available
 
     if not small_linear_available():
@@ -85,6 +94,50 @@ def main() -> int:
             print(f"| {m} | {k * 1e3:.1f} | {b * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} | {k / b:.2f} |", flush=True)
     print(json.dumps({"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                       "rows": result}))
+    return 0
+
+
+def bf16_engine(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--dtype bfloat16``: the bf16 kernel against oneDNN's bf16 matmul, each matrix packed as the engine packs it."""
+    from megatron_spec.layers.linear import Linear, bf16_small_linear_available
+
+    if not bf16_small_linear_available():
+        ap.error("no AVX512-BF16 kernel here (megatron_spec._C not built, or a CPU without bf16 dot products)")
+    torch.manual_seed(0)
+    layers = []
+    for out, inp in SHAPES * args.layers + [(49152, 576)]:
+        lin = Linear(inp, out, bias=False).eval().to(torch.bfloat16)
+        lin.pack()
+        assert lin._small is not None and lin._small.dim() == 4
+        layers.append(lin)
+
+    def one_pass(m: int, kernel: bool) -> float:
+        xs = {576: torch.randn(m, 576).bfloat16(), 1536: torch.randn(m, 1536).bfloat16()}
+        t0 = time.perf_counter()
+        for lin in layers:
+            x = xs[lin.in_features]
+            if kernel:
+                torch.ops.megatron_spec.linear_small_bf16(x, lin._small, None, lin.out_features)
+            else:
+                torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
+        return time.perf_counter() - t0
+
+    rows = [int(r) for r in args.rows.split(",")]
+    result = {}
+    with torch.inference_mode():
+        for m in rows:
+            one_pass(m, True), one_pass(m, False)
+        print("| rows | kernel (bf16 dot products), ms | oneDNN bf16, ms | oneDNN / kernel |\n|---|---|---|---|")
+        for m in rows:
+            k_s, o_s = [], []
+            for _ in range(args.repeats):
+                k_s.append(one_pass(m, True))
+                o_s.append(one_pass(m, False))
+            k, o = min(k_s), min(o_s)
+            result[m] = {"kernel_ms": round(k * 1e3, 2), "onednn_ms": round(o * 1e3, 2), "ratio": round(o / k, 3)}
+            print(f"| {m} | {k * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} |", flush=True)
+    print(json.dumps({"threads": args.threads, "dtype": "bfloat16",
+                      "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": result}))
     return 0
 
 

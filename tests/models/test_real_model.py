@@ -64,8 +64,13 @@ def parallel():
     destroy_parallel()
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dtype, tol):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dtype):
+    """fp32: within 1e-4 of transformers' logits. bf16: every layer rounds its activations to bf16, and the two
+    implementations round in different places (and oneDNN's bf16 kernels differ between CPUs), so bf16 logits of
+    the two are compared by their distance from transformers' fp32 logits: ours no further than transformers'
+    own bf16 logits (x 1.25). On a 2-core Zen 4 with native bf16: ours 2.6e-2, transformers' 3.4e-2, the two
+    bf16 runs 2.8e-2 apart (a fixed 3e-2 between them failed there at 3.1e-2)."""
     import transformers
 
     from megatron_spec.models import HFCheckpoint
@@ -76,14 +81,25 @@ def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dty
     model = build_gpt_model(cfg, params_dtype=dtype)
     load_hf_weights(model, ckpt)
     model.eval()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=dtype).eval()
     ids = torch.tensor([chat_prompts[0]])
     pos = torch.arange(ids.shape[1]).unsqueeze(0)
+
+    def hf_logits(dt):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=dt).eval()
+        with torch.no_grad():
+            return hf(input_ids=ids).logits.float()
+
     with torch.no_grad():
         ours = model(ids, pos, attention_mask=None)[..., :cfg.vocab_size].float()
-        ref = hf(input_ids=ids).logits.float()
+    ref = hf_logits(torch.float32)
     rel = ((ours - ref).norm() / ref.norm()).item()
-    assert rel < tol, f"{dtype}: logits differ from transformers by {rel:.2e} (relative)"
+    if dtype == torch.float32:
+        assert rel < 1e-4, f"fp32: logits differ from transformers by {rel:.2e} (relative)"
+    else:
+        hf16 = hf_logits(torch.bfloat16)
+        hf_rel = ((hf16 - ref).norm() / ref.norm()).item()
+        assert rel <= 1.25 * hf_rel + 1e-3, (f"bf16: our logits are {rel:.2e} from transformers' fp32 logits, "
+                                             f"transformers' bf16 logits {hf_rel:.2e}")
     if dtype == torch.float32:  # the checkpoint is bf16: exported fp32 weights are its values exactly
         for name, t in export_hf_state_dict(model).items():
             assert torch.equal(t.to(torch.bfloat16), ckpt.get(name)), name
