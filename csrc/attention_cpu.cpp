@@ -20,7 +20,7 @@
 // probabilities and the output to bf16 (two bf16 matmuls), or runs its flash kernel: the results agree to
 // bf16 rounding, closer to the fp32 attention of the same inputs than torch's are. Measured on a 2-core
 // Zen 4 (SmolLM2's 9/3 heads of 64, ~128 cached positions): the eager bf16 engine spent 3.9 ms of a 26 ms
-// batch-1 decode and 12.5 of a 45 ms batch-16 decode in torch's attention (benchmarks/bench_attention.py).
+// batch-1 decode and 12.5 of a 45 ms batch-16 decode in torch's attention (benchmarks/profile_engine_step.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -67,20 +67,34 @@ void rms_row_scalar(const float* x, const float* w, float* y, int64_t H, float e
 }
 
 #ifdef MS_NORM_X86
-__attribute__((target("avx2,fma"))) void rms_row_avx2(const float* x, const float* w, float* y, int64_t H,
-                                                       float eps) {
+// 8 values (ld8) or one (val) as fp32, from float32 or bf16 bits (widening is exact)
+__attribute__((target("avx2,fma"))) inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 ld8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline float val(float x) { return x; }
+inline float val(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// 1 / sqrt(mean(x^2) + eps) over a row of H: 8 lanes x 4 chains of fused multiply-adds, then across them
+template <typename T>
+__attribute__((target("avx2,fma"))) float inv_rms_avx2(const T* x, int64_t H, float eps) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 32 <= H; i += 32) {
-    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
-    const __m256 x2 = _mm256_loadu_ps(x + i + 16), x3 = _mm256_loadu_ps(x + i + 24);
+    const __m256 x0 = ld8(x + i), x1 = ld8(x + i + 8), x2 = ld8(x + i + 16), x3 = ld8(x + i + 24);
     a0 = _mm256_fmadd_ps(x0, x0, a0);
     a1 = _mm256_fmadd_ps(x1, x1, a1);
     a2 = _mm256_fmadd_ps(x2, x2, a2);
     a3 = _mm256_fmadd_ps(x3, x3, a3);
   }
   for (; i + 8 <= H; i += 8) {
-    const __m256 x0 = _mm256_loadu_ps(x + i);
+    const __m256 x0 = ld8(x + i);
     a0 = _mm256_fmadd_ps(x0, x0, a0);
   }
   const __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
@@ -88,8 +102,13 @@ __attribute__((target("avx2,fma"))) void rms_row_avx2(const float* x, const floa
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   float ss = _mm_cvtss_f32(h);
-  for (; i < H; ++i) ss += x[i] * x[i];
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  for (; i < H; ++i) ss += val(x[i]) * val(x[i]);
+  return 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+}
+
+__attribute__((target("avx2,fma"))) void rms_row_avx2(const float* x, const float* w, float* y, int64_t H,
+                                                       float eps) {
+  const float inv = inv_rms_avx2(x, H, eps);
   const __m256 vinv = _mm256_set1_ps(inv);
   int64_t k = 0;
   for (; k + 8 <= H; k += 8)
@@ -131,10 +150,7 @@ void rope_vec_bf16_scalar(const uint16_t* x, const uint16_t* c, const uint16_t* 
 }
 
 #ifdef MS_NORM_X86
-__attribute__((target("avx2,fma"))) inline __m256 bf_load8(const uint16_t* p) {  // widened, exact
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+__attribute__((target("avx2,fma"))) inline __m256 bf_load8(const uint16_t* p) { return ld8(p); }  // widened, exact
 // the bf16 bits of 8 floats (in the low 16 bits of each lane), rounded as c10::BFloat16 rounds
 __attribute__((target("avx2,fma"))) inline __m256i bf_round8(__m256 v) {
   const __m256i b = _mm256_castps_si256(v);
@@ -154,26 +170,7 @@ __attribute__((target("avx2,fma"))) inline void bf_store8(uint16_t* p, __m256 v)
 
 __attribute__((target("avx2,fma"))) void rms_row_bf16_avx2(const uint16_t* x, const uint16_t* w, uint16_t* y,
                                                             int64_t H, float eps) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  int64_t i = 0;
-  for (; i + 32 <= H; i += 32) {
-    const __m256 x0 = bf_load8(x + i), x1 = bf_load8(x + i + 8), x2 = bf_load8(x + i + 16), x3 = bf_load8(x + i + 24);
-    a0 = _mm256_fmadd_ps(x0, x0, a0);
-    a1 = _mm256_fmadd_ps(x1, x1, a1);
-    a2 = _mm256_fmadd_ps(x2, x2, a2);
-    a3 = _mm256_fmadd_ps(x3, x3, a3);
-  }
-  for (; i + 8 <= H; i += 8) {
-    const __m256 x0 = bf_load8(x + i);
-    a0 = _mm256_fmadd_ps(x0, x0, a0);
-  }
-  const __m256 sv = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(sv), _mm256_extractf128_ps(sv, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  float ss = _mm_cvtss_f32(h);
-  for (; i < H; ++i) ss += bf_widen(x[i]) * bf_widen(x[i]);
-  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+  const float inv = inv_rms_avx2(x, H, eps);
   const __m256 vinv = _mm256_set1_ps(inv);
   int64_t k = 0;
   for (; k + 8 <= H; k += 8)
