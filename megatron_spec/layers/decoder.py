@@ -185,14 +185,10 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     return torch.matmul(probs, v).view(b, nq, t, d)
 
 
-_ATTENTION_OPS = {torch.float32: "attention_f32", torch.bfloat16: "attention_bf16"}
-
-
 def attention_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the extension's attention for ``dtype`` (fp32 or bf16, ``csrc/attention_cpu.cpp``) runs here
     (:func:`kernel_available`)."""
-    op = _ATTENTION_OPS.get(dtype)
-    return op is not None and kernel_available(op)
+    return dtype in _SUFFIX and kernel_available(f"attention_{_SUFFIX[dtype]}")
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -206,7 +202,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     b, _, t, _ = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.device.type == "cpu" and not grad and attention_kernel_available(q.dtype):
-        return getattr(torch.ops.megatron_spec, _ATTENTION_OPS[q.dtype])(q, k, v, mask, scale)
+        return getattr(torch.ops.megatron_spec, f"attention_{_SUFFIX[q.dtype]}")(q, k, v, mask, scale)
     if use_fused_attention(q.dtype, b, t):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return gqa_attention(q, k, v, mask, scale)
