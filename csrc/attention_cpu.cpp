@@ -38,6 +38,7 @@
 #define MS_ATTN_X86 1
 #endif
 
+#include "cpu/bf16.h"
 #include "cpu/kernels.h"
 #include "ms_math.h"
 
@@ -61,12 +62,7 @@ struct Task {
 };
 
 inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float widen(uint16_t x) { return cpu::widen_bf16(x); }
 
 // exp(s_j - m) in place over a row of scores (masked entries already -inf -> 0), returns the sum.
 inline float exp_and_sum(float* s, int64_t L, float m) {
@@ -117,10 +113,7 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 x) {
 }
 
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {  // 8 bf16 widened (exact)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) { return cpu::widen8_bf16(p); }
 
 // s_j = (q . k_j) * scale for every position, 8 keys at a time (eight accumulators reduced together:
 // no horizontal sum per key), then masked positions -> -inf; returns the largest score.

@@ -32,6 +32,7 @@
 #define MS_LINBF_X86 1
 #endif
 
+#include "cpu/bf16.h"
 #include "cpu/kernels.h"
 
 namespace megatron_spec {
@@ -40,12 +41,7 @@ namespace {
 constexpr int64_t kPanel = 16;
 constexpr int kMaxTile = 8;
 
-inline float widen(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+using cpu::widen_bf16;
 
 // Rows of x (pairs along K: C = ceil(K / 2) 32-bit words a row, row stride ldx words) times one panel.
 template <int MR>
@@ -55,12 +51,12 @@ void tile_scalar(const uint32_t* x, int64_t ldx, int64_t C, const uint32_t* pane
   for (int64_t c = 0; c < C; ++c)
     for (int m = 0; m < MR; ++m) {
       const uint32_t xp = x[m * ldx + c];
-      const float x0 = widen(static_cast<uint16_t>(xp & 0xFFFF)), x1 = widen(static_cast<uint16_t>(xp >> 16));
+      const float x0 = widen_bf16(static_cast<uint16_t>(xp & 0xFFFF)), x1 = widen_bf16(static_cast<uint16_t>(xp >> 16));
       for (int64_t j = 0; j < kPanel; ++j) {
         const uint32_t wp = panel[c * kPanel + j];
         float& a = acc[m][c & 1][j];
-        a = a + x1 * widen(static_cast<uint16_t>(wp >> 16));
-        a = a + x0 * widen(static_cast<uint16_t>(wp & 0xFFFF));
+        a = a + x1 * widen_bf16(static_cast<uint16_t>(wp >> 16));
+        a = a + x0 * widen_bf16(static_cast<uint16_t>(wp & 0xFFFF));
       }
     }
   for (int m = 0; m < MR; ++m)

@@ -31,6 +31,7 @@
 #define MS_LINEAR_X86 1
 #endif
 
+#include "cpu/bf16.h"
 #include "cpu/kernels.h"
 
 namespace megatron_spec {
@@ -43,12 +44,7 @@ constexpr int64_t kPanel = 16;
 // two layouts give the same bits): half the bytes to stream, which is what a decode step of a few rows
 // waits for. w_at / load8 widen one weight / eight.
 inline float w_at(const float* p) { return *p; }
-inline float w_at(const uint16_t* p) {
-  const uint32_t bits = static_cast<uint32_t>(*p) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float w_at(const uint16_t* p) { return cpu::widen_bf16(*p); }
 
 // Rows m0..m0+MR-1 of x times one panel: scalar, k in order (the fallback for CPUs without AVX2).
 template <int MR, typename WT>
@@ -64,10 +60,7 @@ void tile_scalar(const float* x, int64_t K, const WT* panel, float* y, int64_t N
 
 #ifdef MS_LINEAR_X86
 __attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) { return cpu::widen8_bf16(p); }
 
 template <int MR, typename WT>
 __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t K, const WT* panel, float* y,

@@ -44,6 +44,7 @@
 #define MS_NORM_X86 1
 #endif
 
+#include "cpu/bf16.h"
 #include "cpu/kernels.h"
 
 namespace megatron_spec {
@@ -69,17 +70,9 @@ void rms_row_scalar(const float* x, const float* w, float* y, int64_t H, float e
 #ifdef MS_NORM_X86
 // 8 values (ld8) or one (val) as fp32, from float32 or bf16 bits (widening is exact)
 __attribute__((target("avx2,fma"))) inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 ld8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+__attribute__((target("avx2,fma"))) inline __m256 ld8(const uint16_t* p) { return cpu::widen8_bf16(p); }
 inline float val(float x) { return x; }
-inline float val(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float val(uint16_t h) { return cpu::widen_bf16(h); }
 
 // 1 / sqrt(mean(x^2) + eps) over a row of H: 8 lanes x 4 chains of fused multiply-adds, then across them
 template <typename T>
@@ -121,12 +114,7 @@ __attribute__((target("avx2,fma"))) void rms_row_avx2(const float* x, const floa
 #endif
 
 // ---- bf16 -----------------------------------------------------------------------------------------
-inline float bf_widen(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float bf_widen(uint16_t h) { return cpu::widen_bf16(h); }
 inline uint16_t bf_round(float f) { return c10::BFloat16(f).x; }  // round to nearest even, NaN kept
 inline float bf_rf(float f) { return bf_widen(bf_round(f)); }     // f rounded to bf16, as a float
 
