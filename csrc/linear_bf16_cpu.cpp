@@ -7,7 +7,11 @@
 // (benchmarks/profile_engine_step.py, bench_linear_rows.py). Here each thread streams whole panels of W
 // (16 outputs x K, as bf16 pairs along K) once, holding a tile of up to 8 rows x 16 outputs in 16 AVX-512
 // registers (two accumulators a row: even and odd pairs of K, so the dot products of one row overlap),
-// broadcasting x's pairs from L1; every further row tile of a panel finds it in L2.
+// broadcasting x's pairs from L1; every further row tile of a panel finds it in L2. Tiles of two rows or
+// more prefetch the thread's next panel into L2 as they go, so memory streams while the tiles compute: without
+// it a panel came from memory only while its first tile ran, and the second tile of 16 rows waited on nothing
+// but itself (SmolLM2's 211 matrices at 16 rows, bench_linear_rows.py: 19.1 -> 13.9 ms; the 49152 x 576 head
+// 3.9 -> 2.4 ms). A one-row tile is bound by memory alone and gains nothing from it.
 //
 // Every row is computed by the same instructions in the same order whatever M is and whichever tile it
 // falls in, so a row's result does not depend on the batch: a verify of k + 1 tokens gives the logits
@@ -46,7 +50,7 @@ using cpu::widen_bf16;
 // Rows of x (pairs along K: C = ceil(K / 2) 32-bit words a row, row stride ldx words) times one panel.
 template <int MR>
 void tile_scalar(const uint32_t* x, int64_t ldx, int64_t C, const uint32_t* panel, const float* bias,
-                 at::BFloat16* y, int64_t N, int64_t cols) {
+                 at::BFloat16* y, int64_t N, int64_t cols, const uint32_t*) {
   float acc[MR][2][kPanel] = {};
   for (int64_t c = 0; c < C; ++c)
     for (int m = 0; m < MR; ++m) {
@@ -69,7 +73,7 @@ void tile_scalar(const uint32_t* x, int64_t ldx, int64_t C, const uint32_t* pane
 
 template <int MR>
 MS_BF16_TARGET void tile_avx512bf16(const uint32_t* x, int64_t ldx, int64_t C, const uint32_t* panel,
-                                    const float* bias, at::BFloat16* y, int64_t N, int64_t cols) {
+                                    const float* bias, at::BFloat16* y, int64_t N, int64_t cols, const uint32_t* next) {
   __m512 a0[MR], a1[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
@@ -77,6 +81,10 @@ MS_BF16_TARGET void tile_avx512bf16(const uint32_t* x, int64_t ldx, int64_t C, c
   for (; c + 2 <= C; c += 2) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + c * kPanel);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + (c + 1) * kPanel);
+    if (MR >= 2 && next) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + c * kPanel), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (c + 1) * kPanel), _MM_HINT_T1);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       a0[m] = _mm512_dpbf16_ps(a0[m], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + c])), w0);
@@ -100,7 +108,7 @@ MS_BF16_TARGET void tile_avx512bf16(const uint32_t* x, int64_t ldx, int64_t C, c
 #endif
 
 using TileFn = void (*)(const uint32_t*, int64_t, int64_t, const uint32_t*, const float*, at::BFloat16*, int64_t,
-                        int64_t);
+                        int64_t, const uint32_t*);
 
 template <int MR>
 TileFn tile_for(bool native) {
@@ -162,7 +170,8 @@ at::Tensor linear_small_bf16(const at::Tensor& x, const at::Tensor& packed, cons
       const uint32_t* panel = wp + p * C * kPanel;
       for (int64_t m = 0; m < M;) {
         const int64_t rest = M - m, left = (rest + kMaxTile - 1) / kMaxTile, mr = (rest + left - 1) / left;
-        tiles[mr](xp + m * C, C, C, panel, bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N, cols);
+        tiles[mr](xp + m * C, C, C, panel, bp ? bp + p * kPanel : nullptr, yp + m * N + p * kPanel, N, cols,
+                  p + 1 < p1 ? panel + C * kPanel : nullptr);
         m += mr;
       }
     }
