@@ -70,6 +70,19 @@ def patched(pairs):
                 delattr(o, a)
 
 
+@contextlib.contextmanager
+def python_layers():
+    """Every decoder layer in Python for the block (not ``megatron_spec::decoder_layers``, whose ops the scopes
+    below cannot see)."""
+    from megatron_spec.layers import decoder
+
+    saved, decoder.FUSED_LAYERS = decoder.FUSED_LAYERS, False
+    try:
+        yield
+    finally:
+        decoder.FUSED_LAYERS = saved
+
+
 def forward_scopes():
     import torch.nn.functional as F
 
@@ -150,15 +163,18 @@ def profile_forward(target, b: int, t: int, repeats: int, context: int = 128) ->
 
         for _ in range(3):
             step()
-        wall = median_time(step, repeats)
-        with patched(forward_scopes()):
+        wall_fused = median_time(step, repeats)  # the layers in C++ where they run there (decoder.fused_stack)
+        with python_layers():  # the Python layers: their ops are split by scope below
+            step()
+            wall = median_time(step, repeats)
+        with python_layers(), patched(forward_scopes()):
             step()
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     step()
     parts = {k: v / 3 for k, v in split_by_scope(prof, FORWARD_SCOPES).items()}
     parts["between_ops"] = max(0.0, wall - sum(parts.values()))
-    return {"wall_s": wall, "parts_s": parts}
+    return {"wall_s": wall, "wall_fused_s": wall_fused, "parts_s": parts}
 
 
 def profile_engine(server, prompts, new_tokens: int) -> dict:
@@ -211,6 +227,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     dtypes = list(dict.fromkeys(resolve_dtype(d) for d in args.dtypes.split(",")))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    kinds = ("none", "eagle3") if os.path.isdir(args.draft) else ("none",)
+    if len(kinds) == 1:
+        print(f"[engine] no EAGLE-3 draft at {args.draft}: plain decoding only", file=sys.stderr)
     result: dict = {"model": args.model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "threads": args.threads, "forward": {}, "engine": {}}
     for dtype in dtypes:
@@ -226,7 +245,7 @@ def main() -> None:
         for b in sizes:
             prompts = chat_prompts(tok, args.work_dir, 2 * b, seed=5)
             width = max(map(len, prompts))
-            for kind in ("none", "eagle3"):
+            for kind in kinds:
                 srv = EngineServer(EngineConfig(model_path=path, draft_kind=kind,
                                                 draft_path=args.draft if kind == "eagle3" else None,
                                                 num_draft_tokens=args.k, dtype=dtype, max_batch_size=b,
@@ -237,12 +256,14 @@ def main() -> None:
                 print(f"[engine] {dtype} B={b} {kind}: {r['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
                 del srv
 
-    print("\nForward, ms (unprofiled wall time; parts from one profiled pass):\n")
+    print("\nForward, ms (unprofiled wall time of the Python layers, parts from one profiled pass of them; and the "
+          "wall time with the layers in C++, csrc/decoder_cpu.cpp, where they run):\n")
     cols = (*FORWARD_SCOPES, "other", "between_ops")
-    print("| forward | wall | " + " | ".join(cols) + " |")
-    print("|---" * (len(cols) + 2) + "|")
+    print("| forward | wall | " + " | ".join(cols) + " | wall, C++ layers |")
+    print("|---" * (len(cols) + 3) + "|")
     for key, r in result["forward"].items():
-        print(f"| {key} | {1e3 * r['wall_s']:.1f} | " + " | ".join(f"{1e3 * r['parts_s'][c]:.1f}" for c in cols) + " |")
+        print(f"| {key} | {1e3 * r['wall_s']:.1f} | " + " | ".join(f"{1e3 * r['parts_s'][c]:.1f}" for c in cols)
+              + f" | {1e3 * r['wall_fused_s']:.1f} |")
     print("\nEngine step, ms per step (greedy, 64 new tokens; parts scaled to the unprofiled wall time):\n")
     cols = (*ENGINE_SCOPES, "scheduler_host")
     print("| run | tokens/s | step | " + " | ".join(cols) + " |")

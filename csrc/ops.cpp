@@ -119,4 +119,15 @@ TORCH_LIBRARY(megatron_spec, m) {
   //   the same two over bf16 tensors, rounding to bf16 where torch's bf16 arithmetic rounds
   m.def("rms_norm_bf16(Tensor x, Tensor w, float eps) -> Tensor", {at::Tag::pt2_compliant_tag});
   m.def("rope_bf16(Tensor x, Tensor cos, Tensor sin) -> Tensor", {at::Tag::pt2_compliant_tag});
+  // A stack of the engine's decoder layers over one segment of b x t rows, the ops above called from C++
+  // (csrc/decoder_cpu.cpp): x [b * t, H] f32/bf16; weights, 6 a layer: input norm [H], qkv panels, o panels,
+  // post-attention norm [H], gate/up panels, down panels (linear_pack_f32 / _bf16w / _bf16); qkv_bias one a
+  // layer or None; cache_k / cache_v [slots, nkv, capacity, d] a layer (written at write_index, rows of their
+  // [-1, d] views); cos, sin [b, 1, t, d]; mask [b, 1, t, read_len] -> (x after the last layer, x after each
+  // of aux_layers, indices into the lists)
+  m.def(
+      "decoder_layers(Tensor x, Tensor[] weights, Tensor?[] qkv_bias, Tensor(a!)[] cache_k, Tensor(b!)[] cache_v, "
+      "Tensor write_index, Tensor cos, Tensor sin, Tensor mask, int b, int t, int read_len, int slot_offset, "
+      "int num_heads, int num_kv_heads, int head_dim, int intermediate, float eps, float scale, int[] aux_layers) "
+      "-> (Tensor, Tensor[])");
 }

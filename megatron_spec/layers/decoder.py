@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_spec.layers.kv_cache import KVCache, attention_mask
-from megatron_spec.layers.linear import Linear
+from megatron_spec.layers.linear import SMALL_MAX_ROWS, SMALL_MAX_ROWS_BF16, Linear
 from megatron_spec.models.hf_config import DecoderConfig
 
 
@@ -357,3 +357,54 @@ class DecoderLayer(nn.Module):
             kept.append(xs if r is None else gather_rows(xs.view(p.b, p.t, -1), r).reshape(-1, xs.shape[-1]))
         x = cat_rows(kept) + self.self_attn.o_proj(cat_rows(outs))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+FUSED_LAYERS = True
+"""Let :func:`fused_stack` hand eligible layer stacks to ``megatron_spec::decoder_layers`` (``csrc/decoder_cpu.cpp``:
+the same ops in the same order, called from C++; the same bits). False keeps every layer in Python
+(benchmarks compare both)."""
+
+
+def fused_layers_available(dtype: torch.dtype) -> bool:
+    """Whether ``megatron_spec::decoder_layers`` and the kernels it calls for ``dtype`` (fp32 or bf16) run here."""
+    return (attention_kernel_available(dtype) and norm_rope_kernels_available(dtype)
+            and kernel_available("decoder_layers"))
+
+
+def fused_stack(layers: Sequence[DecoderLayer], x: torch.Tensor) -> tuple[list[torch.Tensor], list] | None:
+    """The arguments of ``megatron_spec::decoder_layers`` for running ``layers`` over ``x [N, H]`` (weights, 6 a
+    layer, and each layer's q/k/v bias), or None where the Python layer must run them.
+
+    They may run there only where :meth:`DecoderLayer.forward_flat` would call exactly the ops the C++ layer
+    calls: no gradient, not under torch.compile, on the CPU in fp32 or bf16 with the extension's norm, RoPE and
+    attention kernels; every projection packed into the extension's panels for ``x.dtype`` (:meth:`Linear.pack`)
+    and at most the rows they take (:data:`SMALL_MAX_ROWS`, :data:`SMALL_MAX_ROWS_BF16`: decode and verify
+    sizes, not prefills); no per-head q/k norms (Qwen3). The caller keeps to one segment with no packed or
+    dropped rows (:class:`LayerPlan`).
+
+    Why: ~45 ops a layer called from Python cost 3-4 ms of a SmolLM2 decode step between the ops (14 ms at
+    batch 1, bf16 on a 2-core Zen 4: ``benchmarks/profile_engine_step.py``)."""
+    dt = x.dtype
+    if (not FUSED_LAYERS or not layers or x.device.type != "cpu" or dt not in _SUFFIX or torch.is_grad_enabled()
+            or torch.compiler.is_compiling() or not fused_layers_available(dt)):
+        return None
+    dims = 4 if dt == torch.bfloat16 else 3  # linear_pack_bf16's panels, or linear_pack_f32 / _bf16w's
+    if x.shape[0] > (SMALL_MAX_ROWS_BF16 if dt == torch.bfloat16 else SMALL_MAX_ROWS):
+        return None
+    weights: list[torch.Tensor] = []
+    biases: list[torch.Tensor | None] = []
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.q_norm is not None:
+            return None
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(m._packed is None or m._small is None or m._small.dim() != dims or m.weight_t.dtype != dt
+               for m in linears):
+            return None
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != dt or w.device.type != "cpu" for w in norms):
+            return None
+        weights += [norms[0], attn.qkv_proj._small, attn.o_proj._small, norms[1], mlp.gate_up_proj._small,
+                    mlp.down_proj._small]
+        biases.append(attn.qkv_proj.bias)
+    return weights, biases

@@ -111,3 +111,12 @@ def _linear_small_bf16_fake(x, packed, bias, out_features: int):
     torch._check(packed.dim() == 4 and packed.shape[2] == 16 and packed.shape[3] == 2,
                  lambda: "linear_small_bf16: weight not from linear_pack_bf16")
     return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake("megatron_spec::decoder_layers")
+def _decoder_layers_fake(x, weights, qkv_bias, cache_k, cache_v, write_index, cos, sin, mask, b: int, t: int,
+                         read_len: int, slot_offset: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         intermediate: int, eps: float, scale: float, aux_layers: list[int]):
+    torch._check(x.dim() == 2 and x.shape[0] == b * t, lambda: "decoder_layers expects x [b * t, H]")
+    torch._check(len(weights) == 6 * len(cache_k), lambda: "decoder_layers: 6 weights a layer")
+    return x.new_empty(x.shape), [x.new_empty(x.shape) for _ in aux_layers]

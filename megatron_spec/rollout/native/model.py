@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from megatron_spec.layers.decoder import DecoderLayer, LayerPlan, RMSNorm, Rotary, cat_rows, gather_rows
+from megatron_spec.layers.decoder import DecoderLayer, LayerPlan, RMSNorm, Rotary, cat_rows, fused_stack, gather_rows
 from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
 from megatron_spec.layers.linear import Linear, TiedLinear
 from megatron_spec.models.hf_config import DecoderConfig
@@ -186,6 +186,8 @@ class CausalLM(nn.Module):
             flat: list[torch.Tensor] = []
             x = self.compiled.run(x, plans[0], cos, sin, cache, range(done), weights, aux_layers, flat)
             aux[0].extend(_unpack(a, plans[0]) for a in flat)
+        elif len(plans) == 1 and plans[0].pack is None:  # the layers in C++ where they can run there
+            done, x = self._run_fused(x, plans[0], cache, last if rows[0] is not None else last + 1, aux_layers, aux[0])
         with self.rotary.reuse_tables():
             for i, layer in enumerate(self.layers[done:], start=done):
                 x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
@@ -209,6 +211,24 @@ class CausalLM(nn.Module):
             aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
             result.append((_unpack(lg, p), aux_out))
         return result
+
+    def _run_fused(self, x: torch.Tensor, plan: LayerPlan, cache: KVCache, stop: int, aux_layers: Sequence[int],
+                   aux: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
+        """Layers ``0..stop-1`` over ``x`` through ``megatron_spec::decoder_layers`` (``layers.decoder.fused_stack``
+        says whether they may run there), the aux layers' outputs appended to ``aux``. Returns how many layers
+        ran and their output (0 and ``x``: none ran)."""
+        stack = fused_stack(self.layers[:stop], x)
+        if stack is None:
+            return 0, x
+        weights, biases = stack
+        c, attn = self.cfg, self.layers[0].self_attn
+        cos, sin = self.rotary.tables(plan.positions, x.dtype)
+        out, flat = torch.ops.megatron_spec.decoder_layers(
+            x, weights, biases, cache.k[:stop], cache.v[:stop], plan.write_index, cos, sin, plan.mask, plan.b, plan.t,
+            plan.read_len, plan.slot_offset, c.num_attention_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+            self.layers[0].input_layernorm.eps, attn.scale, sorted({i for i in aux_layers if i < stop}))
+        aux.extend(_unpack(a, plan) for a in flat)
+        return stop, out
 
     def compile_layers(self, enable: bool = True) -> None:
         """Run plain single-segment forwards through the decoder layer compiled by ``torch.compile``
