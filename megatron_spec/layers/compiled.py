@@ -49,19 +49,19 @@ logger = logging.getLogger(__name__)
 def compiling_pays(dtype: torch.dtype) -> bool:
     """Whether running the decoder layer compiled is worth it for a CPU engine in ``dtype``.
 
-    Not in bf16 where the extension's bf16 kernels run (attention, RMSNorm, RoPE and the AVX512-BF16 linear:
-    ``csrc/``): the eager layer then calls one kernel for each of these, and the compiled graph, which lets
-    inductor fuse the norm and rotation and calls the linear through a Python custom op, was slower.
-    Measured on SmolLM2-135M on a 2-core Zen 4 (greedy, 16 prompts x 64 tokens, 3 rounds, tokens/s): batch 1
-    eager 76.0-77.6, compiled 59.7-61.2; batch 16 eager 376-401, compiled 369-411. In fp32 (and in bf16
-    without the kernels) compiling gains 1.1-1.2x at batch 1 (docs/benchmarks.md)."""
-    if dtype != torch.bfloat16:
-        return True
-    from megatron_spec.layers.decoder import attention_kernel_available, norm_rope_kernels_available
-    from megatron_spec.layers.linear import bf16_small_linear_available
+    Not where the extension's C++ decoder layers run for ``dtype`` (``megatron_spec::decoder_layers`` over its
+    attention, RMSNorm, RoPE and linear kernels: ``layers.decoder.fused_stack``): they call the same kernels
+    without Python between them, while the compiled graph lets inductor fuse the norm and rotation and calls
+    the linear through a Python custom op. Measured on SmolLM2-135M on a 2-core Zen 4 (greedy, 64 new tokens,
+    ``benchmarks/bench_fused_layers.py``, tokens/s, C++ layers / compiled layer): fp32 81.7 / 59.2 at batch 1,
+    306.8 / 270.4 at batch 16 (bf16 before the C++ layers: eager over the kernels 76.0-77.6, compiled
+    59.7-61.2 at batch 1). Elsewhere (no extension, or bf16 without bf16 dot products) compiling gains
+    1.1-1.2x at batch 1 (docs/benchmarks.md)."""
+    from megatron_spec.layers.decoder import fused_layers_available
+    from megatron_spec.layers.linear import bf16_small_linear_available, small_linear_available
 
-    return not (attention_kernel_available(dtype) and norm_rope_kernels_available(dtype)
-                and bf16_small_linear_available())
+    panels = bf16_small_linear_available() if dtype == torch.bfloat16 else small_linear_available()
+    return not (fused_layers_available(dtype) and panels)
 
 
 @torch.library.custom_op("megatron_spec_compiled::packed_linear", mutates_args=())

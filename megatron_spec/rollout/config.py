@@ -101,8 +101,8 @@ SETTINGS: tuple[Setting, ...] = (
             engine="num_threads", alias="--num-threads"),
     Setting("rollout_compile", "rollout", False, "native engine on a CPU: run its decoder layer compiled by "
             "torch.compile (inductor; fused norms, rotation, activation): faster steps, after a compile of seconds "
-            "per step shape on first use (cached on disk for later runs); not in bf16 where the extension's bf16 kernels "
-            "run (the eager layer is faster there)", engine="compile", alias="--compile"),
+            "per step shape on first use (cached on disk for later runs); not where the extension's C++ decoder layers "
+            "run for the engine's dtype (they are faster: layers.compiled.compiling_pays)", engine="compile", alias="--compile"),
     Setting("spec_draft_kind", "spec", "none", "drafter (history: earlier responses to the same prompt, native "
             "engine)", DRAFT_KINDS, engine="draft_kind", alias="--draft-kind"),
     Setting("spec_draft_path", "spec", None, "ModelOpt-exported EAGLE-3 directory, or draft-model HF checkpoint",

@@ -123,13 +123,16 @@ def test_layer_uses_it_for_bf16_up_to_the_row_limit(monkeypatch):
     assert lin.pack() and lin._small is None
 
 
-def test_compiling_is_skipped_in_bf16_where_the_kernels_run(monkeypatch):
-    """``--rollout-compile`` compiles the layer in fp32, and in bf16 only where the bf16 kernels do not all run
-    (the eager layer over them was faster than the compiled one: layers.compiled.compiling_pays)."""
+def test_compiling_is_skipped_where_the_cpp_layers_run(monkeypatch):
+    """``--rollout-compile`` compiles the layer only where the extension's C++ decoder layers do not run for the
+    dtype (they were faster than the compiled layer in fp32 and bf16: layers.compiled.compiling_pays)."""
+    from megatron_spec.layers import decoder
     from megatron_spec.layers.compiled import compiling_pays
 
-    assert compiling_pays(torch.float32)
-    if _ext.bf16_dot_available():
+    assert compiling_pays(torch.float32) != decoder.fused_layers_available(torch.float32)
+    if _ext.bf16_dot_available() and decoder.fused_layers_available(torch.bfloat16):
         assert not compiling_pays(torch.bfloat16)
     monkeypatch.setattr(_ext, "bf16_dot_available", lambda: False)
     assert compiling_pays(torch.bfloat16)
+    monkeypatch.setitem(decoder._KERNELS, "decoder_layers", False)
+    assert compiling_pays(torch.float32)

@@ -95,7 +95,7 @@ class EngineServer(WeightReceiver):
                                  config.max_batch_size * (config.k_verify + 1))
             logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
         if config.compile and self.device.type == "cpu" and not compiling_pays(self.dtype):
-            logger.info("--rollout-compile: not in %s here, where the extension's kernels make the eager layer "
+            logger.info("--rollout-compile: not in %s here, where the extension's C++ decoder layers are "
                         "faster (layers.compiled.compiling_pays)", self.dtype)
         elif config.compile and self.device.type == "cpu":
             self.target.compile_layers()
