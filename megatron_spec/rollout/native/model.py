@@ -23,7 +23,15 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from megatron_spec.layers.decoder import DecoderLayer, LayerPlan, RMSNorm, Rotary, cat_rows, fused_stack, gather_rows
+from megatron_spec.layers.decoder import (
+    DecoderLayer,
+    LayerPlan,
+    RMSNorm,
+    Rotary,
+    cat_rows,
+    fused_stack,
+    gather_rows,
+)
 from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
 from megatron_spec.layers.linear import Linear, TiedLinear
 from megatron_spec.models.hf_config import DecoderConfig
