@@ -56,10 +56,11 @@ def small_linear_available() -> bool:
 
 SMALL_MAX_ROWS_BF16 = 128
 """bf16 inputs of at most this many rows run through ``megatron_spec::linear_small_bf16`` (CPUs with AVX512-BF16
-dot products): decode and verify batches; prefills go to oneDNN. Measured over SmolLM2-135M's 121 projections
-and its head on a 2-core Zen 4, kernel vs oneDNN's packed bf16 matmul (ms, best of 5): 5.6 vs 11.4 at 1 row,
-6.1 vs 9.6 at 4, 9.9 vs 12.2 at 8, 16.6 vs 16.9 at 16, 46 vs 50 at 64, 84 vs 89 at 128. The kernel's rows do
-not depend on the batch (oneDNN's do), so it is used up to here, where it is no slower."""
+dot products): decode and verify batches; prefills go to oneDNN. Measured over SmolLM2-135M's 211 matrices
+on a 2-core Zen 4, kernel vs oneDNN's packed bf16 matmul (ms, best of 5; ``benchmarks/bench_linear_rows.py``,
+with the kernel's panel prefetch): 9.5 vs 16.1 at 1 row, 10.1 vs 14.9 at 4, 14.8 vs 24.4 at 16, 42.5 vs 50.4
+at 64, 82.8 vs 90.8 at 128. The kernel's rows do not depend on the batch (oneDNN's do), so it is used up to
+here, where it is still faster."""
 
 
 def bf16_small_linear_available() -> bool:
