@@ -225,7 +225,7 @@ class CausalLM(nn.Module):
         """Layers ``0..stop-1`` over ``x`` through ``megatron_spec::decoder_layers`` (``layers.decoder.fused_stack``
         says whether they may run there), the aux layers' outputs appended to ``aux``. Returns how many layers
         ran and their output (0 and ``x``: none ran)."""
-        stack = fused_stack(self.layers[:stop], x)
+        stack = fused_stack(self.layers[:stop], x) if cache.dtype == x.dtype else None  # the C++ layer writes as is
         if stack is None:
             return 0, x
         weights, biases = stack
