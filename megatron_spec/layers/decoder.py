@@ -371,6 +371,15 @@ def fused_layers_available(dtype: torch.dtype) -> bool:
             and kernel_available("decoder_layers"))
 
 
+def fused_input(x: torch.Tensor) -> bool:
+    """The part of :func:`fused_stack`'s conditions that depends on the call, not on the layers: the switch, the
+    CPU, fp32 or bf16 with the extension's kernels, no gradient, not compiling, at most the panels' rows."""
+    dt = x.dtype
+    return (FUSED_LAYERS and x.device.type == "cpu" and dt in _SUFFIX and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and fused_layers_available(dt)
+            and x.shape[0] <= (SMALL_MAX_ROWS_BF16 if dt == torch.bfloat16 else SMALL_MAX_ROWS))
+
+
 def fused_stack(layers: Sequence[DecoderLayer], x: torch.Tensor) -> tuple[list[torch.Tensor], list] | None:
     """The arguments of ``megatron_spec::decoder_layers`` for running ``layers`` over ``x [N, H]`` (weights, 6 a
     layer, and each layer's q/k/v bias), or None where the Python layer must run them.
@@ -384,13 +393,10 @@ def fused_stack(layers: Sequence[DecoderLayer], x: torch.Tensor) -> tuple[list[t
 
     Why: ~45 ops a layer called from Python cost 3-4 ms of a SmolLM2 decode step between the ops (14 ms at
     batch 1, bf16 on a 2-core Zen 4: ``benchmarks/profile_engine_step.py``)."""
+    if not layers or not fused_input(x):
+        return None
     dt = x.dtype
-    if (not FUSED_LAYERS or not layers or x.device.type != "cpu" or dt not in _SUFFIX or torch.is_grad_enabled()
-            or torch.compiler.is_compiling() or not fused_layers_available(dt)):
-        return None
     dims = 4 if dt == torch.bfloat16 else 3  # linear_pack_bf16's panels, or linear_pack_f32 / _bf16w's
-    if x.shape[0] > (SMALL_MAX_ROWS_BF16 if dt == torch.bfloat16 else SMALL_MAX_ROWS):
-        return None
     weights: list[torch.Tensor] = []
     biases: list[torch.Tensor | None] = []
     for layer in layers:

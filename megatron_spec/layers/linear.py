@@ -70,6 +70,11 @@ def bf16_small_linear_available() -> bool:
     return bf16_dot_available() and hasattr(torch.ops.megatron_spec, "linear_small_bf16")
 
 
+PACK_EPOCH = 0
+"""Counts :meth:`Linear.pack` and :meth:`Linear.unpack` calls in this process: what was read from the packed
+copies (``layers.decoder.fused_stack``'s lists, cached by ``CausalLM``) is current while it has not moved."""
+
+
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, small: torch.Tensor | None, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
     """``x [M, in] -> [M, out_features]`` through the prepacked weights of a :class:`Linear`: the
@@ -116,6 +121,8 @@ class Linear(nn.Module):
 
     def pack(self, batch_hint: int = 16) -> bool:
         """Prepack the weight for oneDNN (CPU, fp32/bf16); returns whether it is packed."""
+        global PACK_EPOCH
+        PACK_EPOCH += 1
         w = self.weight_t
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.numel() == 0
                 or not _mkldnn_packing_available()):
@@ -134,6 +141,8 @@ class Linear(nn.Module):
         return True
 
     def unpack(self) -> None:
+        global PACK_EPOCH
+        PACK_EPOCH += 1
         self._packed = self._small = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -136,3 +136,26 @@ def test_refuses_inconsistent_arguments():
         op(torch.zeros(2, 64), weights, biases, cache.k, cache.v, aux_layers=[2], **args)
     with pytest.raises(RuntimeError, match=r"\[b \* t, H\]"):
         op(torch.zeros(3, 64), weights, biases, cache.k, cache.v, aux_layers=[], **args)
+
+
+def test_repacked_weights_reach_the_cpp_layers(monkeypatch):
+    """The model keeps the C++ layers' argument lists between forwards; new weights packed after a load (as the
+    engine does after every update) are what the next forward runs."""
+    if not decoder.fused_layers_available(torch.float32):
+        pytest.skip("the extension's fp32 kernels do not all run here")
+    m = make_model(torch.float32)
+    ids = torch.randint(0, m.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(5).expand(2, 5)
+
+    def forward():
+        with torch.inference_mode():
+            return m(ids, pos, m.new_cache(2, 16), torch.tensor([5, 5]))[0]
+
+    before = forward()
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.mlp.down_proj.weight_t.mul_(0.5)  # still bf16 numbers
+    pack_linears(m)
+    after = forward()
+    monkeypatch.setattr(decoder, "FUSED_LAYERS", False)
+    assert torch.equal(after, forward()) and not torch.equal(after, before)
