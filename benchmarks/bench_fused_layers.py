@@ -14,6 +14,7 @@ tokens). Prints a markdown table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,8 +28,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 def compare(dtype: str, batch: int, path: str, requests, rounds: int, threads: int, context: int) -> dict:
     from bench_rollout import paired_ratio
+    from profile_engine_step import python_layers
 
-    from megatron_spec.layers import decoder
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native import server as server_mod
     from megatron_spec.rollout.native.server import EngineServer
@@ -49,11 +50,8 @@ def compare(dtype: str, batch: int, path: str, requests, rounds: int, threads: i
 
     def run(name: str):
         srv, fused = sides[name]
-        decoder.FUSED_LAYERS = fused
-        try:
+        with contextlib.nullcontext() if fused else python_layers():
             samples, st = srv.core.generate(requests, seed=0)
-        finally:
-            decoder.FUSED_LAYERS = True
         return st, [s.output_ids for s in samples]
 
     names = list(sides)

@@ -10,7 +10,7 @@
 // broadcasting x's pairs from L1; every further row tile of a panel finds it in L2. Tiles of two rows or
 // more prefetch the thread's next panel into L2 as they go, so memory streams while the tiles compute: without
 // it a panel came from memory only while its first tile ran, and the second tile of 16 rows waited on nothing
-// but itself (SmolLM2's 211 matrices at 16 rows, bench_linear_rows.py: 19.1 -> 13.9 ms; the 49152 x 576 head
+// but itself (SmolLM2's 211 matrices at 16 rows, bench_linear_rows.py: 19.1 -> 14.8 ms; the 49152 x 576 head
 // 3.9 -> 2.4 ms). A one-row tile is bound by memory alone and gains nothing from it.
 //
 // Every row is computed by the same instructions in the same order whatever M is and whichever tile it

@@ -12,7 +12,7 @@
 // oneDNN. The rows are cut into balanced tiles (8 rows: 4 + 4, not 6 + 2: a 2-row tile has too few
 // independent accumulators to keep both FMA pipes busy). Tiles of two rows or more prefetch the thread's
 // next panel into L2 as they go (as linear_bf16_cpu.cpp does), so the weights stream while the later row
-// tiles of a panel compute: on a 2-core Zen 4, SmolLM2's matrices at 16 rows 35.2 -> 27.4 ms (0.95x -> 1.43x
+// tiles of a panel compute: on a 2-core Zen 4, SmolLM2's matrices at 16 rows 35.2 -> 25.9 ms (0.95x -> 1.31x
 // oneDNN, bench_linear_rows.py).
 //
 // Layout: packed [ceil(N / 16), K, 16] float32, packed[p, k, j] = W[16 p + j, k] (zero past N); or the

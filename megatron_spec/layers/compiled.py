@@ -53,8 +53,8 @@ def compiling_pays(dtype: torch.dtype) -> bool:
     attention, RMSNorm, RoPE and linear kernels: ``layers.decoder.fused_stack``): they call the same kernels
     without Python between them, while the compiled graph lets inductor fuse the norm and rotation and calls
     the linear through a Python custom op. Measured on SmolLM2-135M on a 2-core Zen 4 (greedy, 64 new tokens,
-    ``benchmarks/bench_fused_layers.py``, tokens/s, C++ layers / compiled layer): fp32 81.7 / 59.2 at batch 1,
-    306.8 / 270.4 at batch 16 (bf16 before the C++ layers: eager over the kernels 76.0-77.6, compiled
+    ``benchmarks/bench_fused_layers.py``, tokens/s, C++ layers / compiled layer): fp32 78.6 / 64.6 at batch 1,
+    295.5 / 283.7 at batch 16 (bf16 before the C++ layers: eager over the kernels 76.0-77.6, compiled
     59.7-61.2 at batch 1). Elsewhere (no extension, or bf16 without bf16 dot products) compiling gains
     1.1-1.2x at batch 1 (docs/benchmarks.md)."""
     from megatron_spec.layers.decoder import fused_layers_available
