@@ -138,6 +138,28 @@ def test_switch_runs_this_machine_as_an_avx2_cpu():
         assert out["cap"] in ("AVX2", "DEFAULT") and out["err"] and "bf16 path needs" in out["err"], out
 
 
+def test_switch_gives_inductor_a_cache_of_its_own():
+    """Inductor's cache does not key on the ISA the switch caps: a graph compiled natively and reused
+    under the switch gave NaN logits. The switched mode compiles into its own directory, unless the
+    user named one."""
+    code = ("import megatron_spec, os\n"
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir\n"
+            "print(cache_dir() + '|' + default_cache_dir())\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
+    env[isa.NO_NATIVE_BF16_ENV] = "1"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    switched, default = res.stdout.strip().splitlines()[-1].split("|")
+    assert switched != default and switched.endswith("_no_native_bf16"), (switched, default)
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env[isa.NO_NATIVE_BF16_ENV] = "0"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    native, default = res.stdout.strip().splitlines()[-1].split("|")
+    assert native == default
+
+
 def test_engine_asked_for_bf16_without_native_bf16_runs_fp32(setup):
     """The AVX2 user's crash: an engine asked for bfloat16 (the demo's old config) died in
     ``Linear.pack``. Now it runs in fp32 with one warning line, and its greedy output equals an
