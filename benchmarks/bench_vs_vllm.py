@@ -13,7 +13,9 @@ The same model directory, the same chat prompts (held-out ``algebra__linear_1d``
 ``bench_rollout.py --model smollm2``), greedy, EOS ignored, ``--new-tokens`` each, max batch B, 2
 threads each. Per dtype and batch size, each configuration is one long-lived engine (ours in this
 process, each vLLM one in its own worker process, ``benchmarks/_vllm_worker.py``), and every round
-runs all of them once, one after the other, so this machine's drift hits them alike. Tokens/s is a
+runs all of them once, one after the other, so this machine's drift hits them alike. Before each call the
+benchmark waits for the machine to go quiet (``settle``): vLLM's engine keeps one core busy for ~1 s after a
+call returns, which slowed whichever configuration ran next (``settle_s_max`` / ``settle_s_mean``: the waits). Tokens/s is a
 configuration's best round; a ratio is the median over rounds of the paired per-round ratio.
 
 Configurations: ours plain (``ar``), EAGLE-3 k=3 and EAGLE-3 adaptive + history, with the decoder layer
@@ -151,6 +153,32 @@ class OurEngine:
         self.srv = None
 
 
+def busy_cores(window: float) -> float:
+    """Cores this machine kept busy over the next ``window`` seconds (``/proc/stat``; all processes)."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        idle = v[3] + v[4]  # idle + iowait
+        return sum(v[:8]) - idle, sum(v[:8])
+    b0, t0 = read()
+    time.sleep(window)
+    b1, t1 = read()
+    return (b1 - b0) / max(t1 - t0, 1) * (os.cpu_count() or 1)
+
+
+def settle(limit: float = 10.0, quiet: float = 0.25, window: float = 0.2) -> float:
+    """Wait until the machine is quiet (under ``quiet`` cores busy over ``window`` s), at most ``limit`` s;
+    return the seconds waited. vLLM's engine process polls on one core for ~1 s after every call returns
+    (measured here: 1.0 core for 1.0-1.2 s, then 0): without this wait the configuration that ran next,
+    whichever engine, shared the cores with it (ours right after a vLLM call: 343 vs 505 tokens/s alone)."""
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    t = time.perf_counter()
+    while time.perf_counter() - t < limit and busy_cores(window) > quiet:
+        pass
+    return time.perf_counter() - t
+
+
 def verify_seconds(eng: OurEngine, b: int, widths: list[int], repeats: int = 5) -> dict[int, float]:
     """Seconds of one target forward of ``b`` rows x ``t`` tokens (logits at every position, as a verify
     step), per t in ``widths``, on our plain engine's own model and cache (its compiled graphs' shapes)
@@ -275,9 +303,11 @@ def main() -> None:
             times: dict[str, list[float]] = {n: [] for n in engines}
             outputs: dict[str, list] = {}
             first: dict[str, float] = {}
+            settled: list[float] = []
             try:
                 for r in range(args.rounds + 1):  # round 0 warms every engine up (its time: the first-call cost)
                     for name, eng in engines.items():
+                        settled.append(settle())  # the last call's engine quiet again (vLLM polls for ~1 s)
                         wall, out = eng.generate(prompts, args.new_tokens)
                         tokens = sum(len(o) for o in out)
                         if r == 0:
@@ -320,7 +350,9 @@ def main() -> None:
                                                        if isinstance(e, OurEngine)},
                                          "greedy_match_ours_vs_vllm": match,
                                          "ours_spec_equals_ours_ar": exact, "best_ours_spec": best_ours,
-                                         "spec_ceiling": ceiling}
+                                         "spec_ceiling": ceiling,
+                                         "settle_s_max": round(max(settled, default=0.0), 2),
+                                         "settle_s_mean": round(statistics.fmean(settled), 2) if settled else 0.0}
             log(f"[{tag}] " + json.dumps(result["per_config"][tag]))
     print(json.dumps(result))
 
