@@ -115,7 +115,9 @@ def test_probe_agrees_with_onednn_on_this_machine():
 
 
 def _run_switched(code: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    """``code`` in a fresh interpreter with the switch on and every variable it sets left to it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
     env[isa.NO_NATIVE_BF16_ENV] = "1"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
@@ -145,10 +147,7 @@ def test_switch_gives_inductor_a_cache_of_its_own():
     code = ("import megatron_spec, os\n"
             "from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir\n"
             "print(cache_dir() + '|' + default_cache_dir())\n")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "TORCHINDUCTOR_CACHE_DIR")}
-    env[isa.NO_NATIVE_BF16_ENV] = "1"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    res = _run_switched(code)
     assert res.returncode == 0, res.stderr
     switched, default = res.stdout.strip().splitlines()[-1].split("|")
     assert switched != default and switched.endswith("_no_native_bf16"), (switched, default)
