@@ -138,9 +138,18 @@ def test_packed_segment_equals_padded_segment(setup):
                 n = 6 + int(lens[row])
                 torch.testing.assert_close(c[row, :, :n], a[row, :, :n], atol=1e-4, rtol=0)
             torch.testing.assert_close(c[b, :, :4], a[b, :, :4], atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match="logits_index"):
+    # with logits_index, a packed segment gives the logits of those positions alone (a packed prefill's last
+    # prompt tokens), as the padded one does; a position it does not run is refused
+    with torch.no_grad():
+        last = (lens - 1).unsqueeze(1)
+        got = [model.forward_segments([Segment(ids, 6 + torch.arange(t).expand(b, t), 6 + lens, logits_index=last,
+                                               pack=pk)], c, aux_layers=aux_layers)[0] for c, pk in zip(caches, (None, pack))]
+    assert got[1][0].shape == got[0][0].shape == (b, 1, vocab)
+    torch.testing.assert_close(got[1][0], got[0][0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got[1][1][pack], got[0][1][pack], atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="logits_index asks for a position"):
         model.forward_segments([Segment(ids, 6 + torch.arange(t).expand(b, t), 6 + lens,
-                                        logits_index=torch.zeros(b, 1, dtype=torch.long), pack=pack)], caches[1])
+                                        logits_index=torch.full((b, 1), t - 1), pack=pack)], caches[1])
 
 
 def test_draft_extend_padding_stays_inside_the_cache(setup):
@@ -168,3 +177,43 @@ def test_draft_extend_padding_stays_inside_the_cache(setup):
                                     gen)
         outs.append(drafts[0])
     assert outs[0].tolist() == outs[1].tolist()
+
+
+@pytest.mark.parametrize("draft", ["none", "eagle3"])
+def test_packed_prefill_gives_the_padded_prefills_tokens(setup, monkeypatch, draft):
+    """Prompts of different lengths prefilled together run packed (their tokens, not the padding) where the
+    forward runs its layers in Python anyway: the same greedy tokens, log-probs and drafts as padded."""
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native import engine as engine_mod
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, setup.cfg.vocab_size, (n,), generator=g).tolist() for n in (3, 9, 14, 6, 11)]
+    # the first two finish early: the last two prompts are prefilled together beside the third's decoding
+    sps = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (4, 4, 12, 8, 8)]
+    runs = []
+    for limit in (10**6, 0):  # never packed / always packed
+        monkeypatch.setattr(engine_mod, "SMALL_MAX_ROWS", limit)
+        server = EngineServer(EngineConfig(model_path=setup.target, draft_kind=draft,
+                                           draft_path=setup.eagle3 if draft == "eagle3" else None,
+                                           num_draft_tokens=2, context_length=64, max_batch_size=3))
+        packs = []
+        take = server.core._take
+
+        def spy(waiting, rows):
+            adm = take(waiting, rows)
+            if adm is not None:
+                packs.append(adm.segment.pack is not None)
+            return adm
+
+        server.core._take = spy
+        out, _ = server.core.generate([GenerateRequest(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))],
+                                      seed=0)
+        runs.append(([s.output_ids for s in out], [s.logprobs for s in out], packs))
+    if draft == "none":  # (with drafts, the first two may finish in different steps: then admissions of one)
+        assert runs[0][2] == [False, True] and runs[1][2] == [True, True]  # (42 and 22 rows: C++ layers first)
+    assert runs[1][2][0]
+    assert runs[0][0] == runs[1][0]
+    for got, want in zip(runs[1][1], runs[0][1]):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatron_spec.layers.linear import SMALL_MAX_ROWS
 from megatron_spec.rollout.native.adaptive import (
     DraftLengthController,
     StepPlan,
@@ -239,7 +240,14 @@ class EngineCore:
         t = max(n)
         ids = pad_rows([r.input_ids for r in batch], t, 0, dev)
         lens = torch.tensor(n, device=dev)
-        seg = Segment(ids, torch.arange(t, device=dev).expand(p, t), lens, base, (lens - 1).unsqueeze(1))
+        pos = torch.arange(t, device=dev).expand(p, t)
+        # Prompts of different lengths run packed (their tokens, not the padding) where the forward runs its
+        # layers in Python anyway: beside running rows, or too many rows for the C++ layers
+        # (layers.decoder.fused_input).
+        pack = None
+        if sum(n) < p * t and (rows or p * t > SMALL_MAX_ROWS):
+            pack = pos < lens.unsqueeze(1)
+        seg = Segment(ids, pos, lens, base, (lens - 1).unsqueeze(1), pack=pack)
         return Admission(batch, seg, n)
 
     def _forward(self, seg: Segment, adm: Admission | None, aux_layers: Sequence[int]):

@@ -54,7 +54,8 @@ class Segment:
     ``pack [B, T]`` (bool; None: all) marks the tokens that really run: a verify whose rows draft
     different lengths pays the projections and the MLP for ``B + sum(k_b)`` tokens, not
     ``B (k_max + 1)`` (attention still reads the padded layout). Logits and aux at the other
-    positions are zeros. Needs ``logits_index`` None."""
+    positions are zeros; with ``logits_index``, the logits of those positions alone (each one a
+    position the segment runs): a padded prefill runs its prompts' tokens, not the padding."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -80,6 +81,18 @@ def _unpack(rows: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
         return rows.view(plan.b, -1, rows.shape[-1])
     full = rows.new_zeros(plan.b * plan.t, rows.shape[-1]).index_copy_(0, plan.pack, rows)
     return full.view(plan.b, plan.t, -1)
+
+
+def _packed_rows(seg: Segment, plan: LayerPlan) -> torch.Tensor:
+    """Where the positions ``seg.logits_index [b, t']`` (of the ``[b, t]`` layout) lie among a packed
+    segment's rows; each must be one the segment runs."""
+    where = torch.full((plan.b * plan.t,), -1, dtype=torch.long, device=plan.pack.device)
+    where[plan.pack] = torch.arange(plan.pack.numel(), device=where.device)
+    flat = (torch.arange(plan.b, device=where.device) * plan.t).unsqueeze(1) + seg.logits_index
+    sel = where[flat.reshape(-1)]
+    if bool((sel < 0).any()):
+        raise ValueError("logits_index asks for a position its packed segment does not run")
+    return sel
 
 
 def _copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -175,15 +188,13 @@ class CausalLM(nn.Module):
                 write, mask = s.cache_positions, tree_attention_mask(s.cache_positions, s.visible, read_len)
             pack = None
             if s.pack is not None:
-                if s.logits_index is not None:
-                    raise ValueError("a packed segment returns the logits of every position it runs; "
-                                     "logits_index must be None")
                 pack = s.pack.reshape(-1).nonzero()[:, 0]
             plans.append(LayerPlan(*s.input_ids.shape, s.positions, s.kv_lens, read_len, s.slot_offset,
                                    cache.write_index(write, s.slot_offset), mask, pack))  # shared by all layers
             # Only the rows whose logits are wanted need the last layer's output (unless it is an
             # aux layer): the others need its keys and values, not its attention output or MLP.
-            rows.append(s.logits_index if s.logits_index is not None and last not in aux_layers else None)
+            rows.append(s.logits_index if s.logits_index is not None and last not in aux_layers and pack is None
+                        else None)
         h = self.cfg.hidden_size
         x = cat_rows([self.embed_tokens(s.input_ids.reshape(-1) if p.pack is None else
                                         s.input_ids.reshape(-1).index_select(0, p.pack)) for s, p in zip(segments, plans)])
@@ -210,7 +221,7 @@ class CausalLM(nn.Module):
         for p, s, r, part in zip(plans, segments, rows, x.split([p.n if r is None else p.b * r.shape[1]
                                                                   for p, r in zip(plans, rows)])):
             if p.pack is not None:
-                outs.append(part)
+                outs.append(part if s.logits_index is None else part.index_select(0, _packed_rows(s, p)))
                 continue
             part = part.view(p.b, -1, h)
             outs.append((gather_rows(part, s.logits_index) if s.logits_index is not None and r is None
@@ -219,9 +230,10 @@ class CausalLM(nn.Module):
         logits = self.head(normed)
         order = sorted(aux_layers)
         result = []
-        for p, lg, a in zip(plans, logits.split([o.shape[0] for o in outs]), aux):
+        for s, p, lg, a in zip(segments, plans, logits.split([o.shape[0] for o in outs]), aux):
             aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
-            result.append((_unpack(lg, p), aux_out))
+            result.append((_unpack(lg, p) if p.pack is None or s.logits_index is None
+                           else lg.view(p.b, -1, lg.shape[-1]), aux_out))
         return result
 
     def _run_fused(self, x: torch.Tensor, plan: LayerPlan, cache: KVCache, stop: int, aux_layers: Sequence[int],
