@@ -17,6 +17,7 @@ from megatron_spec.rollout.native.adaptive import (
     StepPlan,
     expected_tokens,
     plan_step,
+    size_class,
 )
 
 
@@ -112,6 +113,47 @@ def test_exploration_skips_a_neighbour_that_loses_badly():
     ctl.record_step(1, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
     picks = [ctl._pick({0: 1.0, 1: 0.9, 2: 0.5}, {}, {}).k for _ in range(64)]
     assert picks.count(1) == 8 and picks.count(2) == 0
+
+
+def test_a_neighbour_that_keeps_losing_is_explored_less_often():
+    # k = 1 is predicted at 0.9 of plain decoding (inside explore_margin) and realises that (its calibration
+    # stays 1), below plain's rate: the wait between its tries doubles up to the rare steps' period (64),
+    # where every 8th step tried it before; a try that beats the best plan brings it back to every 8th step
+    ctl = DraftLengthController(3)
+    ctl.record_step(16, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
+    tries = []
+    for step in range(400):
+        k = ctl._pick({0: 1.0, 1: 0.9}, {}, {}, 16).k
+        if k == 1:
+            tries.append(step)
+        ctl.record_outcome(16, 16 / (0.9 if k == 1 else 1.0), prefill=False)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:2] == [16, 32] and max(gaps) == 64, gaps
+    assert sum(1 for t in tries if t >= 144) == 4, tries  # steps 144..399: the rare steps' 4 (was 32)
+    wait, _ = ctl._explore_wait[(StepPlan(1), size_class(16))]
+    assert wait == 64
+    for _ in range(64):  # now every try does better than plain decoding
+        k = ctl._pick({0: 1.0, 1: 0.9}, {}, {}, 16).k
+        ctl.record_outcome(16, 16 / (2.0 if k == 1 else 1.0), prefill=False)
+    assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == ctl.explore_every
+    # the rare steps still try it whatever its record, and a batch-size class keeps its own
+    assert ctl._explore_wait.get((StepPlan(1), size_class(2))) is None
+
+
+def test_a_packed_verify_is_priced_apart_from_unpacked_ones():
+    # packed verifies (history rows drafting, the others not) run the Python layers: 1.5x an unpacked forward
+    # of as many tokens. They teach packed_ratio, not the verify table, and history steps are priced with it
+    ctl = DraftLengthController(3)
+    for n in (16, 32, 64):
+        ctl.record_step(16, n // 16 - 1, 0.001 * n, 0.0, prefill=False)
+    for _ in range(20):
+        ctl.record_step(16, 2, 0.0015 * 24, 0.0, prefill=False, tokens=24)
+    assert ctl.verify.estimate(24) == pytest.approx(0.024) and ctl.packed_ratio == pytest.approx(1.5, rel=0.02)
+    options = [[([1.0] * 3, None), ([1.0] * 3, 2)]] * 4 + [[([1.0] * 3, None)]] * 12
+    rates = ctl.history_rates(options)  # 4 rows draft 2 tokens at k >= 2: 24 tokens, packed
+    assert rates[2] == pytest.approx((4 * 3 + 12) / (0.024 * ctl.packed_ratio))
+    full = [[([1.0] * 3, None), ([1.0] * 3, 3)]] * 16  # every row drafts k <= 3: unpacked, the table's price
+    assert ctl.history_rates(full)[3] == pytest.approx(16 * 4 / 0.064)
 
 
 def test_a_plan_that_gives_less_than_predicted_is_calibrated_down():

@@ -53,7 +53,13 @@ so the cost table and the deeper positions' acceptance keep being measured, but 
 expected to give at least ``explore_margin`` of the best rate (or on every ``explore_every *
 explore_rare``-th step): where speculation loses badly (a large batch on a compute-bound CPU, where
 a verify of B(k+1) tokens costs nearly k+1 plain steps), trying k = 1 every 8th step cost 10-15% of
-the plain rate. The choice never changes any output distribution: verification is exact for every
+the plain rate; and a neighbour whose last such try gave less than the best plan's rate waits twice as
+long for the next (up to the rare steps' period; a try that does better resets it): on SmolLM2 at
+batch 16 on 2 cores, fp32, k = 1 predicted inside the margin and lost 25% of a step's rate on each of
+up to 6 tries per call. A packed verify (history rows drafting, the others not) runs the Python
+layers, not the C++ stack: it is priced as an unpacked forward of as many tokens times
+``packed_ratio``, learned from the packed steps (1.5-3x there), and stays out of the verify table.
+The choice never changes any output distribution: verification is exact for every
 k, m and mode.
 
 What a plan really gave is checked against what the model predicted for it: each step's tokens
@@ -162,12 +168,20 @@ class DraftLengthController:
         measured it (module docstring)."""
         self.rate_calibration_ema = rate_calibration_ema
         self._chosen: tuple[StepPlan, int, float] | None = None  # the last plan, its rows, its predicted rate
+        self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step: its plan, rows, the best rate
+        self._explore_wait: dict[tuple[StepPlan, int], tuple[int, int]] = {}
+        """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the first
+        step it may be tried again (doubled each time a try gives less than the best plan's rate)."""
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.row_prior_weight = row_prior_weight
         self.batch_decay = batch_decay
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
+        self.packed_ratio = 1.0
+        """A packed verify's seconds (rows drafting different lengths, ``Segment.pack``) over an unpacked one's
+        of as many tokens (EMA; 1 until measured): packed forwards run the Python layers, not the C++ stack."""
+        self.packed_ratio_ema = 0.2
         self.draft = CostTable()  # one draft pass (a proposal over k), keyed by rows B
         self.proposal: dict[int, CostTable] = {}  # a whole proposal of k tokens, per k, keyed by rows B
         self._steps = 0
@@ -245,6 +259,8 @@ class DraftLengthController:
         out = {}
         for k in range(1, self.k_max + 1):  # packed: the rows without a proposal run their last token only
             t = self.verify.estimate(b + sum(min(k, opts[1][1] or k) for opts in options if len(opts) > 1))
+            if t is not None and not all(len(opts) > 1 and (opts[1][1] or k) >= k for opts in options):
+                t *= self.packed_ratio
             if t is not None:
                 out[k] = sum(expected_tokens(*opts[1], k) if len(opts) > 1 else 1.0 for opts in options) / t
         return out
@@ -306,7 +322,7 @@ class DraftLengthController:
         if wide and len(self.draft) and b not in self._measured_wide:
             self._measured_wide.add(b)  # once per batch size (its step may carry a prefill, not recorded)
             self._steps += 1
-            self._chosen = None
+            self._chosen = self._explored = None
             return StepPlan(self.k_main)
         trees = self.tree_rates(options)
         if self.force_tree and trees:  # the test hook: a tree whenever a row can have one, the whole
@@ -322,7 +338,7 @@ class DraftLengthController:
     def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
               tree_rates: dict[tuple[int, int], float], b: int = 1) -> StepPlan:
         self._steps += 1
-        self._chosen = None
+        self._chosen = self._explored = None
         if not len(self.draft) and self.k_main >= 1:
             return StepPlan(self.k_main)  # first: measure a draft pass and every position's acceptance
         model = {StepPlan(k): r for k, r in rates.items()}
@@ -332,12 +348,15 @@ class DraftLengthController:
             return StepPlan(self.k_main)
         cands = [(r * self.calibration(p, b), p) for p, r in model.items()]
         rate, best = max(cands, key=lambda c: c[0])
-        plan = self._explore(best, rate, cands)
+        plan = self._explore(best, rate, cands, b)
         self._chosen = (plan, b, model[plan]) if plan in model else None
+        self._explored = (plan, b, rate) if plan != best else None
         return plan
 
-    def _explore(self, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]]) -> StepPlan:
-        """``best``, or on an exploring step a neighbour of its k (module docstring)."""
+    def _explore(self, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]], b: int = 1) -> StepPlan:
+        """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last try
+        on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next one
+        (up to the rare steps' period); one that did better is tried every ``explore_every``-th step again."""
         lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[best.mode]
         if self.explore_every and self._steps % self.explore_every == 0:
             step = 1 if self._explore_up else -1
@@ -346,7 +365,9 @@ class DraftLengthController:
             same_mode = {p: r for r, p in cands}
             for cand in (best.k + step, best.k - step):
                 plan = best._replace(k=cand)
-                if lo <= cand <= hi and (rare or same_mode.get(plan, 0.0) >= self.explore_margin * rate):
+                if lo <= cand <= hi and (rare or (same_mode.get(plan, 0.0) >= self.explore_margin * rate
+                                                  and self._steps >= self._explore_wait.get((plan, size_class(b)),
+                                                                                            (0, 0))[1])):
                     return plan
         return best
 
@@ -355,6 +376,14 @@ class DraftLengthController:
         proposal, verify, host work). Moves the calibration of its plan and batch-size class towards
         realised over predicted. A step that carried a prefill is not representative and is skipped."""
         chosen, self._chosen = self._chosen, None
+        explored, self._explored = self._explored, None
+        if explored is not None and not prefill and seconds > 0:
+            plan, b, best_rate = explored
+            key = (plan, size_class(b))
+            wait = self._explore_wait.get(key, (self.explore_every, 0))[0]
+            longest = self.explore_every * max(1, self.explore_rare)
+            wait = min(2 * wait, longest) if tokens / seconds < best_rate else self.explore_every
+            self._explore_wait[key] = (wait, self._steps + wait)
         if chosen is None or prefill or seconds <= 0 or tokens <= 0:
             return
         plan, b, predicted = chosen
@@ -377,7 +406,15 @@ class DraftLengthController:
             stats.decay_all()
         if prefill:
             return
-        self.verify.update(b * (k + 1 + m) if tokens is None else tokens, step_s)
+        if tokens is None:
+            self.verify.update(b * (k + 1 + m), step_s)
+        else:  # priced as an unpacked forward of as many tokens times packed_ratio; not in the table
+            v = self.verify.estimate(tokens)
+            if v:
+                ratio = min(4.0, max(0.5, step_s / v))
+                self.packed_ratio += self.packed_ratio_ema * (ratio - self.packed_ratio)
+            else:
+                self.verify.update(tokens, step_s)
         if k > 0 and draft_s > 0:
             self.draft.update(b, draft_s / k)
             self.proposal.setdefault(k, CostTable()).update(b, draft_s)

@@ -189,6 +189,11 @@ class ThreadChooser:
             self.seconds[(batch, t)] = dt if old is None else old + self.ema * (dt - old)
 
 
+def _chunks(pending: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    """A slot's pending aux states as a list of ``[n, A]`` chunks, in order (a single tensor: one chunk)."""
+    return pending if isinstance(pending, list) else [pending]
+
+
 class _CachedDraftModel(Drafter):
     """Shared bookkeeping for drafters with their own KV cache: ``lens[slot]`` valid entries and
     ``pending[slot]``, the (token, aux) pairs not yet run through the draft."""
@@ -196,7 +201,7 @@ class _CachedDraftModel(Drafter):
     def __init__(self) -> None:
         self.cache = None
         self.pending_tokens: list[list[int]] = []
-        self.pending_aux: list[torch.Tensor | None] = []
+        self.pending_aux: list[list[torch.Tensor] | None] = []  # per slot, ``[n, A]`` chunks in order
         self._skipped = False  # the last propose had k = 0: commit appends to the pending pairs
         self.threads = ThreadChooser()
 
@@ -252,10 +257,13 @@ class _CachedDraftModel(Drafter):
         ids, lens = pad_rows(self.pending_tokens[:batch], m, 0, dev), torch.tensor(n, device=dev)
         aux = None
         if self.pending_aux[0] is not None:
-            a = self.pending_aux[0].shape[-1]
-            aux = self.pending_aux[0].new_zeros(batch, m, a)
+            first = _chunks(self.pending_aux[0])[0]
+            aux = first.new_zeros(batch, m, first.shape[-1])
             for b in range(batch):
-                aux[b, :n[b]] = self.pending_aux[b]
+                at = 0
+                for part in _chunks(self.pending_aux[b]):
+                    aux[b, at:at + part.shape[0]] = part
+                    at += part.shape[0]
         # a row with fewer pending pairs than the longest writes padding past its own: those entries
         # are never read, but must stay inside the cache (the longest may be many steps' worth, after
         # steps where this drafter sat out, while a short row is near the end of the context)
@@ -363,7 +371,7 @@ class Eagle3Drafter(_CachedDraftModel):
 
     def start(self, slot, prompt, first_token, last_aux):
         self.pending_tokens[slot] = [first_token]
-        self.pending_aux[slot] = last_aux.reshape(1, -1)
+        self.pending_aux[slot] = [last_aux.reshape(1, -1)]
 
     def propose(self, tokens, k, sampling, generator):
         b = len(tokens)
@@ -392,7 +400,9 @@ class Eagle3Drafter(_CachedDraftModel):
             n = len(em)
             if self._skipped:  # nothing was run: the new (token, aux) pairs join the pending ones
                 self.pending_tokens[b] = self.pending_tokens[b] + list(em)
-                self.pending_aux[b] = torch.cat([self.pending_aux[b], verify_aux[b, :n]])
+                # (kept as chunks, joined when the draft runs: a row sitting out many steps would otherwise copy
+                # all its pending states again at every step)
+                self.pending_aux[b] = _chunks(self.pending_aux[b]) + [verify_aux[b, :n]]
             else:
                 self.pending_tokens[b] = list(em)
-                self.pending_aux[b] = verify_aux[b, :n]
+                self.pending_aux[b] = [verify_aux[b, :n]]
