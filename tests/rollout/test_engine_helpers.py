@@ -184,7 +184,7 @@ def test_packed_prefill_gives_the_padded_prefills_tokens(setup, monkeypatch, dra
     """Prompts of different lengths prefilled together run packed (their tokens, not the padding) where the
     forward runs its layers in Python anyway: the same greedy tokens, log-probs and drafts as padded."""
     from megatron_spec.rollout.config import EngineConfig
-    from megatron_spec.rollout.native import engine as engine_mod
+    from megatron_spec.rollout.native import rows as rows_mod
     from megatron_spec.rollout.native.server import EngineServer
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
@@ -194,7 +194,7 @@ def test_packed_prefill_gives_the_padded_prefills_tokens(setup, monkeypatch, dra
     sps = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (4, 4, 12, 8, 8)]
     runs = []
     for limit in (10**6, 0):  # never packed / always packed
-        monkeypatch.setattr(engine_mod, "SMALL_MAX_ROWS", limit)
+        monkeypatch.setattr(rows_mod, "SMALL_MAX_ROWS", limit)
         server = EngineServer(EngineConfig(model_path=setup.target, draft_kind=draft,
                                            draft_path=setup.eagle3 if draft == "eagle3" else None,
                                            num_draft_tokens=2, context_length=64, max_batch_size=3))

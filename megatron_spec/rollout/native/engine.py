@@ -42,7 +42,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_spec.layers.linear import SMALL_MAX_ROWS
 from megatron_spec.rollout.native.adaptive import (
     DraftLengthController,
     StepPlan,
@@ -233,22 +232,7 @@ class EngineCore:
                 break
             batch.append(waiting.popleft())
             tokens += len(nxt.input_ids)
-        if not batch:
-            return None
-        base, p, dev = len(rows), len(batch), self.device
-        n = [len(r.input_ids) for r in batch]
-        t = max(n)
-        ids = pad_rows([r.input_ids for r in batch], t, 0, dev)
-        lens = torch.tensor(n, device=dev)
-        pos = torch.arange(t, device=dev).expand(p, t)
-        # Prompts of different lengths run packed (their tokens, not the padding) where the forward runs its
-        # layers in Python anyway: beside running rows, or too many rows for the C++ layers
-        # (layers.decoder.fused_input).
-        pack = None
-        if sum(n) < p * t and (rows or p * t > SMALL_MAX_ROWS):
-            pack = pos < lens.unsqueeze(1)
-        seg = Segment(ids, pos, lens, base, (lens - 1).unsqueeze(1), pack=pack)
-        return Admission(batch, seg, n)
+        return Admission.of(batch, len(rows), self.device) if batch else None
 
     def _forward(self, seg: Segment, adm: Admission | None, aux_layers: Sequence[int]):
         """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,

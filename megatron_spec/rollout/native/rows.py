@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_spec.layers.linear import SMALL_MAX_ROWS
 from megatron_spec.rollout.native.measures import AcceptanceStats
 from megatron_spec.rollout.native.model import Segment
 from megatron_spec.rollout.types import FINISH_LENGTH, FINISH_STOP, GenerateRequest
@@ -66,3 +67,16 @@ class Admission:
     segment: Segment
     lens: list[int]
     """Prompt lengths (on the host: read per prompt while spreading the prefill)."""
+
+    @classmethod
+    def of(cls, batch: list[GenerateRequest], base: int, device: torch.device) -> Admission:
+        """``batch``'s prompts as one prefill segment into slots ``base..``, padded to the longest; packed (the
+        prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside running rows
+        (``base > 0``), or too many rows for the C++ layers (``layers.decoder.fused_input``)."""
+        p, n = len(batch), [len(r.input_ids) for r in batch]
+        t = max(n)
+        ids = pad_rows([r.input_ids for r in batch], t, 0, device)
+        lens = torch.tensor(n, device=device)
+        pos = torch.arange(t, device=device).expand(p, t)
+        pack = pos < lens.unsqueeze(1) if sum(n) < p * t and (base or p * t > SMALL_MAX_ROWS) else None
+        return cls(batch, Segment(ids, pos, lens, base, (lens - 1).unsqueeze(1), pack=pack), n)
