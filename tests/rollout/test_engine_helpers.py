@@ -172,7 +172,7 @@ def test_draft_extend_padding_stays_inside_the_cache(setup):
         drafter.pending_tokens[:2] = [[5], list(range(4, 4 + max_len - 2))]
         gen = torch.Generator().manual_seed(0)
         aux = torch.randn(max_len, aux_dim, generator=g.manual_seed(3))
-        drafter.pending_aux[:2] = [aux[:1], aux[:max_len - 2]]
+        drafter.pending_aux[:2] = [[aux[:1]], [aux[:2], aux[2:max_len - 2]]]  # (per slot, chunks in order)
         drafts, _ = drafter.propose([[1]] * rows, 2, SamplingTensors.from_values(0.0, 0, 1.0, 0.0, batch_size=rows),
                                     gen)
         outs.append(drafts[0])
@@ -193,7 +193,7 @@ def test_packed_prefill_gives_the_padded_prefills_tokens(setup, monkeypatch, dra
     # the first two finish early: the last two prompts are prefilled together beside the third's decoding
     sps = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in (4, 4, 12, 8, 8)]
     runs = []
-    for limit in (10**6, 0):  # never packed / always packed
+    for limit in (10**6, 0):  # the first prefill padded / packed (beside running rows, both pack)
         monkeypatch.setattr(rows_mod, "SMALL_MAX_ROWS", limit)
         server = EngineServer(EngineConfig(model_path=setup.target, draft_kind=draft,
                                            draft_path=setup.eagle3 if draft == "eagle3" else None,

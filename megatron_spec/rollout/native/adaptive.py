@@ -408,8 +408,8 @@ class DraftLengthController:
             return
         if tokens is None:
             self.verify.update(b * (k + 1 + m), step_s)
-        else:  # priced as an unpacked forward of as many tokens times packed_ratio; not in the table
-            v = self.verify.estimate(tokens)
+        else:  # priced as an unpacked forward of as many tokens times packed_ratio; not in the table once it
+            v = self.verify.estimate(tokens)  # has an unpacked measurement to compare with (before: its first)
             if v:
                 ratio = min(4.0, max(0.5, step_s / v))
                 self.packed_ratio += self.packed_ratio_ema * (ratio - self.packed_ratio)

@@ -189,11 +189,6 @@ class ThreadChooser:
             self.seconds[(batch, t)] = dt if old is None else old + self.ema * (dt - old)
 
 
-def _chunks(pending: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
-    """A slot's pending aux states as a list of ``[n, A]`` chunks, in order (a single tensor: one chunk)."""
-    return pending if isinstance(pending, list) else [pending]
-
-
 class _CachedDraftModel(Drafter):
     """Shared bookkeeping for drafters with their own KV cache: ``lens[slot]`` valid entries and
     ``pending[slot]``, the (token, aux) pairs not yet run through the draft."""
@@ -257,11 +252,11 @@ class _CachedDraftModel(Drafter):
         ids, lens = pad_rows(self.pending_tokens[:batch], m, 0, dev), torch.tensor(n, device=dev)
         aux = None
         if self.pending_aux[0] is not None:
-            first = _chunks(self.pending_aux[0])[0]
+            first = self.pending_aux[0][0]
             aux = first.new_zeros(batch, m, first.shape[-1])
             for b in range(batch):
                 at = 0
-                for part in _chunks(self.pending_aux[b]):
+                for part in self.pending_aux[b]:
                     aux[b, at:at + part.shape[0]] = part
                     at += part.shape[0]
         # a row with fewer pending pairs than the longest writes padding past its own: those entries
@@ -402,7 +397,7 @@ class Eagle3Drafter(_CachedDraftModel):
                 self.pending_tokens[b] = self.pending_tokens[b] + list(em)
                 # (kept as chunks, joined when the draft runs: a row sitting out many steps would otherwise copy
                 # all its pending states again at every step)
-                self.pending_aux[b] = _chunks(self.pending_aux[b]) + [verify_aux[b, :n]]
+                self.pending_aux[b] = self.pending_aux[b] + [verify_aux[b, :n]]
             else:
                 self.pending_tokens[b] = list(em)
                 self.pending_aux[b] = [verify_aux[b, :n]]

@@ -83,16 +83,15 @@ def _unpack(rows: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
     return full.view(plan.b, plan.t, -1)
 
 
-def _packed_rows(seg: Segment, plan: LayerPlan) -> torch.Tensor:
+def _packed_rows(seg: Segment) -> torch.Tensor:
     """Where the positions ``seg.logits_index [b, t']`` (of the ``[b, t]`` layout) lie among a packed
     segment's rows; each must be one the segment runs."""
-    where = torch.full((plan.b * plan.t,), -1, dtype=torch.long, device=plan.pack.device)
-    where[plan.pack] = torch.arange(plan.pack.numel(), device=where.device)
-    flat = (torch.arange(plan.b, device=where.device) * plan.t).unsqueeze(1) + seg.logits_index
-    sel = where[flat.reshape(-1)]
-    if bool((sel < 0).any()):
+    b, t = seg.input_ids.shape
+    runs = seg.pack.reshape(-1)
+    flat = ((torch.arange(b, device=runs.device) * t).unsqueeze(1) + seg.logits_index).reshape(-1)
+    if not bool(runs[flat].all()):
         raise ValueError("logits_index asks for a position its packed segment does not run")
-    return sel
+    return (runs.cumsum(0) - 1)[flat]
 
 
 def _copy_weight(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -221,7 +220,7 @@ class CausalLM(nn.Module):
         for p, s, r, part in zip(plans, segments, rows, x.split([p.n if r is None else p.b * r.shape[1]
                                                                   for p, r in zip(plans, rows)])):
             if p.pack is not None:
-                outs.append(part if s.logits_index is None else part.index_select(0, _packed_rows(s, p)))
+                outs.append(part if s.logits_index is None else part.index_select(0, _packed_rows(s)))
                 continue
             part = part.view(p.b, -1, h)
             outs.append((gather_rows(part, s.logits_index) if s.logits_index is not None and r is None
@@ -232,8 +231,7 @@ class CausalLM(nn.Module):
         result = []
         for s, p, lg, a in zip(segments, plans, logits.split([o.shape[0] for o in outs]), aux):
             aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
-            result.append((_unpack(lg, p) if p.pack is None or s.logits_index is None
-                           else lg.view(p.b, -1, lg.shape[-1]), aux_out))
+            result.append((_unpack(lg, p) if s.logits_index is None else lg.view(p.b, -1, lg.shape[-1]), aux_out))
         return result
 
     def _run_fused(self, x: torch.Tensor, plan: LayerPlan, cache: KVCache, stop: int, aux_layers: Sequence[int],
