@@ -10,6 +10,7 @@ predicts ``x_{t+1}``, whose target distribution is the teacher::
     embeds[r]     = embedding of x_t                                                          both
     positions[r]  = t - 1
     teacher[r]    = target log-probs at position t (restricted to the draft vocabulary)
+    teacher_log_mass[r] = log of the target's mass on the draft vocabulary at position t
     next_tokens[r]= x_{t+1} (-1 when x_{t+1} is not captured: end of the response)
 
 Rows are packed with no padding; ``cu_seqlens`` delimits *segments*, maximal runs of consecutive
@@ -43,6 +44,7 @@ _ROW_FIELDS = (
     "next_logprobs",
     "teacher_ids",
     "teacher_logprobs",
+    "teacher_log_mass",
     "scored",
 )
 
@@ -66,6 +68,10 @@ class DraftCache:
     """``[S + 1]`` int64 segment boundaries (on the CPU, whatever the row fields' device)."""
     teacher_ids: torch.Tensor | None = None
     """``[N, k]`` int64 draft-vocabulary ids of ``teacher_logprobs`` (descending); None = full vocabulary."""
+    teacher_log_mass: torch.Tensor | None = None
+    """``[N]`` float32 log of the target's T=1 probability mass on the draft vocabulary at position t
+    (what the renormalised teacher leaves out: ``capture.teacher.draft_vocab_log_mass``); None = 0,
+    a full-vocabulary teacher or a cache captured without it."""
     embeds: torch.Tensor | None = None
     """``[N, H]`` embedding of ``x_t``."""
     aux: torch.Tensor | None = None

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from megatron_spec.capture.cache import DraftCache, segment_runs
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
-from megatron_spec.capture.teacher import draft_vocab_teacher
+from megatron_spec.capture.teacher import draft_vocab_log_mass, draft_vocab_teacher
 from megatron_spec.dtypes import torch_dtype
 
 HOST = torch.device("cpu")
@@ -401,7 +401,8 @@ class _Recorder:
         feats = h * (1 + (len(self.aux_ids) if cfg.draft_kind == "eagle3" else 1))
         vd = self.vocab_size if cfg.draft_target_ids is None else cfg.draft_target_ids.numel()
         teacher = cfg.teacher_topk * 12 if cfg.teacher_topk is not None else vd * 4
-        return feats * item + 3 * 8 + 4 + teacher
+        mass = 4 if cfg.draft_target_ids is not None else 0  # teacher_log_mass
+        return feats * item + 3 * 8 + 4 + teacher + mass
 
     def _rows(self, x: torch.Tensor, index: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x.detach()
@@ -437,6 +438,10 @@ class _Recorder:
             topk=cfg.teacher_topk,
             tp_group=self.group if self.tp_size > 1 else None,
         )
+        mass = None  # a reduced draft vocabulary: what the teacher's renormalisation leaves out
+        if cfg.draft_target_ids is not None:
+            mass = draft_vocab_log_mass(rows, vocab_size=self.vocab_size, target_ids=cfg.draft_target_ids,
+                                        tp_group=self.group if self.tp_size > 1 else None)
         nxt = self.next_tokens_all
         nlp = vocab_parallel_token_logprobs(
             rows.unsqueeze(0),
@@ -455,6 +460,7 @@ class _Recorder:
             next_logprobs=nlp[kept].float(),
             teacher_logprobs=lps[kept],
             teacher_ids=ids[kept] if ids is not None else None,
+            teacher_log_mass=mass[kept] if mass is not None else None,
             cu_seqlens=p["cu_seqlens"],
             embeds=p.get("embeds"),
             aux=torch.cat(aux, dim=-1) if aux else None,

@@ -107,6 +107,42 @@ def draft_vocab_teacher(
     return ids, vals - log_z.unsqueeze(1)
 
 
+@torch.no_grad()
+def draft_vocab_log_mass(
+    logits: torch.Tensor,
+    *,
+    vocab_size: int,
+    target_ids: torch.Tensor | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """``log sum_{v < Vd} p(tid(v))`` per row: the log of the target's probability mass (T=1, over its
+    whole vocabulary) on the draft vocabulary, ``[N]`` float32, 0 for the full vocabulary.
+
+    The teacher of :func:`draft_vocab_teacher` is renormalised over the draft vocabulary (what the draft
+    trains on); a draft that can only propose those ids is accepted at most with this probability,
+    so the expected acceptance the engine sees is measured against the teacher scaled by it
+    (``draft.losses.acceptance_rows``'s ``log_mass``). One max and one sum all-reduce over the TP group.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V_local], got {tuple(logits.shape)}")
+    if target_ids is None:
+        return logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    tp_rank, tp_size = _tp_info(tp_group)
+    v_local = logits.shape[1]
+    _, cols = _owned_columns(target_ids, vocab_size, tp_rank * v_local, v_local, logits.device)
+    x = logits.detach().float()
+    valid = torch.arange(tp_rank * v_local, (tp_rank + 1) * v_local, device=x.device) < vocab_size
+    x = x.masked_fill(~valid, float("-inf"))  # padded columns
+    m = x.amax(dim=1)
+    if tp_size > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
+    e = (x - m.unsqueeze(1)).exp()
+    sums = torch.stack([e.index_select(1, cols).sum(dim=1), e.sum(dim=1)])  # [2, N]: the draft ids, every id
+    if tp_size > 1:
+        dist.all_reduce(sums, group=tp_group)
+    return (sums[0].log() - sums[1].log()).clamp(max=0.0)
+
+
 def vocab_parallel_logprobs_at(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -182,6 +218,7 @@ def vocab_parallel_argmax(
 
 
 __all__ = [
+    "draft_vocab_log_mass",
     "draft_vocab_teacher",
     "vocab_parallel_argmax",
     "vocab_parallel_log_softmax",

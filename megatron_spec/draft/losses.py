@@ -59,7 +59,8 @@ def soft_cross_entropy_sum(
     return ce.sum(), mask.sum()
 
 
-def acceptance_rows(logq: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+def acceptance_rows(logq: torch.Tensor, teacher_logp: torch.Tensor,
+                    log_mass: torch.Tensor | None = None) -> torch.Tensor:
     """Per row ``sum_x min(p(x), q(x))`` (``[...]`` float32): the expected acceptance ``1 - TV(p, q)``
     of a token drawn from q and verified against p.
 
@@ -67,9 +68,19 @@ def acceptance_rows(logq: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Ten
     ``min(p_rest, q_rest)``, an upper bound on the mass the two share outside the k entries (exact
     for a full teacher, where ``p_rest = 0``). Both distributions must be the ones the engine
     samples and verifies with (after temperature, top-k, top-p).
+
+    ``log_mass`` (``[...]``, ``DraftCache.teacher_log_mass``): the teacher is renormalised over a reduced
+    draft vocabulary; the target puts only ``exp(log_mass)`` of its mass there, and the engine verifies
+    against the target's own distribution, so ``p`` is the teacher scaled by it (and ``p_rest`` what is
+    left of that mass outside the k entries). None: the teacher is the target's distribution.
     """
     p, q = teacher_logp.float().exp(), logq.float().exp()
-    p_rest = (1.0 - p.sum(dim=-1)).clamp(min=0.0)
+    mass = 1.0
+    if log_mass is not None:
+        mass = log_mass.float().exp().unsqueeze(-1)
+        p = p * mass
+        mass = mass.squeeze(-1)
+    p_rest = (mass - p.sum(dim=-1)).clamp(min=0.0)
     q_rest = (1.0 - q.sum(dim=-1)).clamp(min=0.0)
     return torch.minimum(p, q).sum(dim=-1) + torch.minimum(p_rest, q_rest)
 

@@ -245,8 +245,10 @@ class Eagle3Trainer(DraftUpdate):
         """Per-row expected acceptance of the current head on ``cache`` (no update, no collective).
 
         Returns:
-            ``alpha [steps, N]``: ``sum_x min(p, q_s)`` (:func:`acceptance_rows`, p = the teacher) of
-            row n at unrolled step s, NaN where the row is not scored at that step;
+            ``alpha [steps, N]``: ``sum_x min(p, q_s)`` (:func:`acceptance_rows`, p = the target's
+            distribution: the teacher scaled by its mass on a reduced draft vocabulary when the cache
+            holds it, ``teacher_log_mass``) of row n at unrolled step s, NaN where the row is not scored
+            at that step;
             ``ce [steps, N]``: the soft cross-entropy, NaN likewise;
             ``tau [N]``: expected tokens per verify step of the ``steps``-token chain that starts at
             row n (:func:`chain_acceptance_rows`), NaN where no complete chain starts at a scored row.
@@ -267,6 +269,8 @@ class Eagle3Trainer(DraftUpdate):
             for segs in micro_batches(lens_all, self.config.micro_batch_rows):
                 teacher_lp = cache.padded("teacher_logprobs", segs).to(dev)  # [B, S, k | Vd]
                 teacher_ids = cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
+                log_mass = (cache.padded("teacher_log_mass", segs).to(dev) if cache.teacher_log_mass is not None
+                            else None)  # [B, S]: the target's mass on a reduced draft vocabulary
                 lens = torch.tensor([lens_all[s] for s in segs], device=dev)
                 t = int(lens.max())
                 # row index into the cache of every padded row (-1: padding)
@@ -280,7 +284,7 @@ class Eagle3Trainer(DraftUpdate):
                     logq = out.logits.log_softmax(-1)
                     if teacher_ids is not None:
                         logq = logq.gather(-1, teacher_ids)
-                    a = acceptance_rows(logq, teacher_lp)  # [B, S]
+                    a = acceptance_rows(logq, teacher_lp, log_mass)  # [B, S]: against the target's own p
                     rows = where[valid.cpu()]
                     alpha[s_i, rows] = a[valid].double().cpu()
                     ce[s_i, rows] = soft_cross_entropy_rows(logq, teacher_lp)[valid].double().cpu()

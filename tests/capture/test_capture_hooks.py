@@ -135,15 +135,20 @@ def test_mtp_features_and_reduced_vocab_full_teacher(policy, hf_outputs):
     torch.testing.assert_close(
         cache.teacher_logprobs, torch.log_softmax(hf_outputs.logits[b, t], -1), atol=1e-5, rtol=0
     )
+    assert cache.teacher_log_mass is None  # the full vocabulary: the teacher is the target's distribution
     cap = Capture(CaptureConfig(draft_target_ids=target_ids, teacher_topk=None))
     with torch.no_grad(), cap.record(policy, mask):
         policy(ids, pos, attention_mask=None)
+    reduced = cap.take()
     torch.testing.assert_close(
-        cap.take().teacher_logprobs,
+        reduced.teacher_logprobs,
         torch.log_softmax(hf_outputs.logits[b, t][:, target_ids], -1),
         atol=1e-5,
         rtol=0,
     )
+    # and the target's mass on those ids, which the renormalised teacher leaves out
+    mass = torch.softmax(hf_outputs.logits[b, t].double(), -1)[:, target_ids].sum(-1)
+    torch.testing.assert_close(reduced.teacher_log_mass.double(), mass.log(), atol=1e-5, rtol=0)
 
 
 def test_capture_leaves_the_model_untouched(policy):

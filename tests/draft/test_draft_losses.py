@@ -92,6 +92,25 @@ def test_acceptance_is_one_minus_total_variation():
     assert a.item() == pytest.approx(0.8, abs=1e-6)
 
 
+def test_acceptance_against_the_target_not_the_renormalised_teacher():
+    """With a reduced draft vocabulary the engine verifies a draft from ``Vd`` against the target's whole
+    distribution: ``sum_{v in Vd} min(p(tid(v)), q(v))``. The renormalised teacher with its log mass gives
+    exactly that (full teacher) or an upper bound no larger than the renormalised teacher alone (top-k)."""
+    g = torch.Generator().manual_seed(1)
+    p_full = torch.softmax(torch.randn(6, 20, generator=g) * 2, -1)  # the target over 20 ids
+    tid = torch.tensor([3, 11, 0, 7, 15, 2, 9, 18])  # draft id -> target id
+    logq = torch.log_softmax(torch.randn(6, 8, generator=g) * 2, -1)  # the draft over its 8 ids
+    exact = torch.minimum(p_full[:, tid], logq.exp()).sum(-1)
+    mass = p_full[:, tid].sum(-1)
+    teacher = (p_full[:, tid] / mass.unsqueeze(-1)).log()
+    torch.testing.assert_close(acceptance_rows(logq, teacher, mass.log()), exact)
+    renormalised = acceptance_rows(logq, teacher)
+    assert torch.all(renormalised >= exact - 1e-6) and torch.any(renormalised > exact + 1e-3)  # what it overstated
+    top_lp, top_ids = teacher.topk(3, dim=-1)
+    bound = acceptance_rows(logq.gather(-1, top_ids), top_lp, mass.log())
+    assert torch.all(bound >= exact - 1e-6) and torch.all(bound <= acceptance_rows(logq.gather(-1, top_ids), top_lp) + 1e-6)
+
+
 def test_chain_acceptance_length():
     # k = 2, one row of T = 3: alpha step 0 = (0.5, 0.9, 0.8), step 1 = (x, 0.6, 0.4)
     # chain from row 0: 1 + 0.5 + 0.5 * 0.6 = 1.8; from row 1: 1 + 0.9 + 0.9 * 0.4 = 2.26
