@@ -120,10 +120,12 @@ def main() -> int:
     entropy = float(-(allp * allp.clamp_min(1e-30).log()).sum(-1).mean())
     distinct = len({t for s in train for t in s})
     res: dict = {"model": name, "held_rows": int(allp.shape[0]), "distinct_train_tokens": distinct,
-                 "target_top1_prob": round(float(allp.max(-1).values.mean()), 4), "target_entropy_nats": round(entropy, 3)}
+                 "target_top1_prob": round(float(allp.max(-1).values.mean()), 4),
+                 "target_entropy_nats": round(entropy, 3)}
     print(f"held-out rows {allp.shape[0]}: the target's top-1 probability {res['target_top1_prob']:.3f} on average, "
           f"entropy {entropy:.2f} nats; {distinct} distinct tokens in the calibration data")
-    print(f"\n| draft vocabulary | mean mass on it | 10th percentile | k={args.k} chain ceiling (tokens per verify) |")
+    print(f"\n| draft vocabulary | mean mass on it | 10th percentile "
+          f"| k={args.k} chain ceiling (tokens per verify) |")
     print("|---|---|---|---|")
     sizes = sorted({min(int(s), distinct) for s in args.vocab_sizes.split(",")})
     for vd in sizes:
