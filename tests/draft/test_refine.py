@@ -151,3 +151,78 @@ def test_distilled_draft_model_accepts_more_and_stays_exact(tmp_path):
         assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     finally:
         torch.set_num_threads(threads)
+
+
+def test_engine_accepts_as_often_as_the_evaluation_predicts(tmp_path):
+    """The held-out evaluation and the engine agree on the same sequences: at k=1 and T=1 the engine
+    accepts each draft with probability ``sum_{v in Vd} min(p(tid(v)), q(v))`` at that position
+    (rejection sampling against the target's whole distribution), which ``Eagle3Trainer.acceptance``
+    computes from the target states captured over the engine's own outputs. The engine's acceptance
+    frequency over its verify steps must equal the mean predicted probability over the same positions
+    within 4 standard errors; the teacher renormalised over the draft vocabulary (without its
+    ``teacher_log_mass``) predicts more than the engine accepts."""
+    import math
+
+    from megatron_spec.capture import Capture, CaptureConfig
+    from megatron_spec.draft.modelopt_train import train_and_export_eagle3
+    from megatron_spec.draft.refine import capture_rollouts
+    from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
+    from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
+    from megatron_spec.parallel import destroy_parallel, init_parallel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path, ckpt, target = peaked_target(tmp_path / "target", num_layers=4)
+        cfg = ckpt.decoder_config
+        other = _prompts(4, 44, 32, seed=0)
+        samples, _ = _generate(target, None, other, seed=0)
+        draft = tmp_path / "draft"
+        train_and_export_eagle3(path, draft, [p + s.output_ids for p, s in zip(other, samples)], steps=120,
+                                batch_size=8, max_len=40, ttt_steps=2, lr=3e-3, seed=0, progress=False,
+                                draft_vocab_size=64, export_rope_scaling={})
+        head = load_eagle3(draft, cfg).eval()
+        prompts = _prompts(44, 84, 96, seed=5)
+        core = EngineCore(target, Eagle3Drafter(head, target.embed_tokens), num_draft_tokens=1, max_batch_size=64,
+                          context_length=64, seed=11)
+        sp = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        outs, _ = core.generate([GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)])
+        outs = sorted(outs, key=lambda s: int(s.request_id[1:]))
+
+        init_parallel(tp_size=1, seed=0)
+        try:
+            model = build_gpt_model(cfg)
+            load_hf_weights(model, ckpt)
+            trainer = Eagle3Trainer.from_modelopt(draft, cfg, DraftTrainerConfig(ttt_steps=1))
+            capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=None, storage_dtype="float32"))
+            cache = capture_rollouts(model, capture, [(prompts[int(s.request_id[1:])], s.output_ids) for s in outs])
+            alpha = trainer.acceptance(cache, 1)[0][0]
+            log_mass, cache.teacher_log_mass = cache.teacher_log_mass, None
+            renormalised = trainer.acceptance(cache, 1)[0][0]
+        finally:
+            destroy_parallel()
+        assert log_mass is not None and float(log_mass.exp().mean()) < 0.995  # the draft vocabulary leaves mass out
+
+        scored = cache.scored_mask()
+        accepted, predicted, upper = [], [], []
+        for si, s in enumerate(outs):
+            rows = [r for r in range(int(cache.cu_seqlens[si]), int(cache.cu_seqlens[si + 1])) if bool(scored[r])]
+            assert len(rows) == len(s.output_ids)  # row j: the pair of response token j, predicting token j + 1
+            i = 1  # the first draft proposes response token 1 (token 0 came from the prefill)
+            for a in s.accepted_per_step:
+                if i >= len(rows):
+                    break
+                accepted.append(a)
+                predicted.append(float(alpha[rows[i - 1]]))
+                upper.append(float(renormalised[rows[i - 1]]))
+                i += 1 + a
+        n = len(accepted)
+        got, want = sum(accepted) / n, sum(predicted) / n
+        se = math.sqrt(sum((x - p) ** 2 for x, p in zip(accepted, predicted))) / n
+        print("engine vs evaluation:", {"steps": n, "engine": round(got, 4), "predicted": round(want, 4),
+                                        "se": round(se, 4), "renormalised": round(sum(upper) / n, 4)})
+        assert n > 1000
+        assert abs(got - want) < 4 * se, (got, want, se)
+        assert sum(upper) / n > want
+    finally:
+        torch.set_num_threads(threads)
