@@ -9,7 +9,19 @@ measures ``c`` on held-out answers for several ``Vd``, and the k-token chain cei
 vocabulary along the sampled answers), next to the target's own uncertainty (mean top-1 probability,
 entropy): what separates a learned draft's measured acceptance from what its vocabulary allows.
 
-    python benchmarks/bench_draft_vocab.py --model smollm2     # ~6 min on 2 cores
+    python benchmarks/bench_draft_vocab.py --model smollm2 [--draft DRAFT]    # ~6 min (+4 with a draft) on 2 cores
+
+With ``--draft`` (a ModelOpt EAGLE-3 export of the target) it also measures what that draft reaches
+against the ceiling, and checks that the engine agrees with the evaluation:
+
+* the held-out evaluation (``Eagle3Trainer.evaluate`` on the target states captured over the same
+  held-out answers): acceptance per position and tokens per verify step at k, against the target's
+  own distribution and, as the evaluation computed it before ``teacher_log_mass``, against the teacher
+  renormalised over the draft vocabulary;
+* the engine at k=1, T=1 on other held-out questions, and the evaluation on the engine's own outputs:
+  at each verify step the one draft is accepted with probability ``sum_{v in Vd} min(p, q)``, so the
+  engine's acceptance frequency must equal the mean predicted probability over its steps (the
+  difference in standard errors is printed).
 
 The data are the drafts' own (``bench_rollout.py --model smollm2``): the target's T=1 answers to
 mathematics_dataset's ``algebra__linear_1d`` train-easy questions in the chat template calibrate
@@ -84,6 +96,65 @@ def chain_ceiling(coverage: list[torch.Tensor], k: int) -> float:
     return float(torch.cat(taus).mean())
 
 
+def draft_checks(target: str, draft: str, held: list[tuple[list[int], list[int]]], engine_prompts: list[list[int]],
+                 samples: int, max_new_tokens: int, k: int, dtype: str) -> dict:
+    """``--draft``: the evaluation on ``held`` and the engine-vs-evaluation check (module docstring)."""
+    import math
+
+    from megatron_spec.capture import Capture, CaptureConfig
+    from megatron_spec.draft.refine import capture_rollouts
+    from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
+    from megatron_spec.models import HFCheckpoint
+    from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
+    from megatron_spec.parallel import destroy_parallel, init_parallel
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    srv = EngineServer(EngineConfig(model_path=target, draft_kind="eagle3", draft_path=draft, num_draft_tokens=1,
+                                    max_batch_size=16, seed=1, dtype=dtype,
+                                    context_length=max(map(len, engine_prompts)) + max_new_tokens))
+    sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
+    outs, _ = srv.generate([GenerateRequest(str(i), p, sp, n=samples) for i, p in enumerate(engine_prompts)])
+    del srv
+    outs = [s for s in outs if len(s.output_ids) >= 2]
+
+    init_parallel(tp_size=1, seed=0)
+    try:
+        ckpt = HFCheckpoint(target)
+        model = build_gpt_model(ckpt.decoder_config)
+        load_hf_weights(model, ckpt)
+        trainer = Eagle3Trainer.from_modelopt(draft, ckpt.decoder_config, DraftTrainerConfig(ttt_steps=k))
+        capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=None, storage_dtype="float32",
+                                                             max_bytes=1 << 40))
+        held_cache = capture_rollouts(model, capture, held)
+        ev = trainer.evaluate(held_cache, k)
+        held_cache.teacher_log_mass = None
+        ev_renorm = trainer.evaluate(held_cache, k)
+        cache = capture_rollouts(model, capture, [(engine_prompts[int(s.request_id)], s.output_ids) for s in outs])
+        alpha = trainer.acceptance(cache, 1)[0][0]
+    finally:
+        destroy_parallel()
+    scored = cache.scored_mask()
+    accepted, predicted = [], []
+    for si, s in enumerate(outs):
+        rows = [r for r in range(int(cache.cu_seqlens[si]), int(cache.cu_seqlens[si + 1])) if bool(scored[r])]
+        i = 1  # row j pairs response token j with the state before it and predicts token j + 1
+        for a in s.accepted_per_step:
+            if i >= len(rows):
+                break
+            accepted.append(a)
+            predicted.append(float(alpha[rows[i - 1]]))
+            i += 1 + a
+    n = len(accepted)
+    se = math.sqrt(sum((x - p) ** 2 for x, p in zip(accepted, predicted))) / n
+    return {f"draft_eval_tau_k{k}": round(ev["draft/eval_tau"], 3),
+            f"draft_eval_accept_k{k}": [round(ev[f"draft/eval_accept{s}"], 3) for s in range(k)],
+            f"draft_eval_tau_k{k}_renormalised": round(ev_renorm["draft/eval_tau"], 3),
+            "engine_k1_steps": n, "engine_k1_accepted": round(sum(accepted) / n, 4),
+            "engine_k1_predicted": round(sum(predicted) / n, 4), "engine_k1_se": round(se, 4)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2", help="megatron-spec fetch-model name, HF folder or Hub id")
@@ -95,6 +166,9 @@ def main() -> int:
     ap.add_argument("--vocab-sizes", default="256,512,1024,2048,4096")
     ap.add_argument("--k", type=int, default=3, help="draft length of the chain ceiling")
     ap.add_argument("--dtype", default="auto", help="the engine's dtype for the answers")
+    ap.add_argument("--draft", default=None, help="a ModelOpt EAGLE-3 export: its acceptance and the engine check")
+    ap.add_argument("--engine-prompts", type=int, default=32,
+                    help="with --draft: interpolate questions (after the scored ones) for the engine check")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -136,6 +210,18 @@ def main() -> int:
         res[f"coverage_{vd}"] = round(float(c.mean()), 4)
         res[f"chain_ceiling_k{args.k}_{vd}"] = round(tau, 3)
         print(f"| {vd} | {c.mean():.3f} | {c.quantile(0.1):.3f} | {tau:.2f} |", flush=True)
+    if args.draft:
+        inter = questions(args.work_dir, "interpolate")[args.held_prompts:args.held_prompts + args.engine_prompts]
+        d = draft_checks(target, args.draft, held, [enc(q) for q in inter], args.samples * 2, args.max_new_tokens,
+                         args.k, args.dtype)
+        res.update(d)
+        k = args.k
+        print(f"\nthe draft {args.draft} on the same held-out answers: tokens per verify step at k={k} "
+              f"{d[f'draft_eval_tau_k{k}']:.3f} (per position {d[f'draft_eval_accept_k{k}']}; against the "
+              f"renormalised teacher {d[f'draft_eval_tau_k{k}_renormalised']:.3f})")
+        z = (d["engine_k1_accepted"] - d["engine_k1_predicted"]) / max(d["engine_k1_se"], 1e-12)
+        print(f"engine, k=1, T=1, {d['engine_k1_steps']} verify steps: accepted {d['engine_k1_accepted']:.4f}, the "
+              f"evaluation on its outputs predicts {d['engine_k1_predicted']:.4f} ({z:+.1f} standard errors)")
     print(json.dumps(res))
     return 0
 
