@@ -33,22 +33,30 @@ def _generate(target, drafter, prompts, seed: int):
     return core.generate([GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)])
 
 
-def test_refinement_from_cached_states_raises_acceptance(tmp_path):
+def _target_and_draft(tmp_path, steps: int):
+    """The peaked target and a ModelOpt EAGLE-3 draft (64-token vocabulary) trained ``steps`` steps on its
+    rollouts of *other* prompts than the tests': (path, checkpoint, target, draft export)."""
     from megatron_spec.draft.modelopt_train import train_and_export_eagle3
+
+    path, ckpt, target = peaked_target(tmp_path / "target", num_layers=4)
+    other = _prompts(4, 44, 32, seed=0)
+    samples, _ = _generate(target, None, other, seed=0)
+    draft = tmp_path / f"draft{steps}"
+    train_and_export_eagle3(path, draft, [p + s.output_ids for p, s in zip(other, samples)], steps=steps,
+                            batch_size=8, max_len=40, ttt_steps=2, lr=3e-3, seed=0, progress=False,
+                            draft_vocab_size=64, export_rope_scaling={})
+    return path, ckpt, target, draft
+
+
+def test_refinement_from_cached_states_raises_acceptance(tmp_path):
     from megatron_spec.draft.refine import refine_eagle3
     from megatron_spec.parallel import destroy_parallel, init_parallel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices
     try:
-        path, ckpt, target = peaked_target(tmp_path / "target", num_layers=4)
+        path, ckpt, target, weak = _target_and_draft(tmp_path, steps=30)
         cfg = ckpt.decoder_config
-        other = _prompts(4, 44, 32, seed=0)
-        samples, _ = _generate(target, None, other, seed=0)
-        weak = tmp_path / "weak"
-        train_and_export_eagle3(path, weak, [p + s.output_ids for p, s in zip(other, samples)], steps=30,
-                                batch_size=8, max_len=40, ttt_steps=2, lr=3e-3, seed=0, progress=False,
-                                draft_vocab_size=64, export_rope_scaling={})
         new = _prompts(44, 84, 320, seed=2)
         rollouts = [(p, s.output_ids) for p, s in zip(new, _generate(target, None, new, seed=3)[0])]
         held_prompts = _prompts(44, 84, 32, seed=1)
@@ -164,7 +172,6 @@ def test_engine_accepts_as_often_as_the_evaluation_predicts(tmp_path):
     import math
 
     from megatron_spec.capture import Capture, CaptureConfig
-    from megatron_spec.draft.modelopt_train import train_and_export_eagle3
     from megatron_spec.draft.refine import capture_rollouts
     from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
     from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
@@ -173,14 +180,8 @@ def test_engine_accepts_as_often_as_the_evaluation_predicts(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        path, ckpt, target = peaked_target(tmp_path / "target", num_layers=4)
+        path, ckpt, target, draft = _target_and_draft(tmp_path, steps=120)
         cfg = ckpt.decoder_config
-        other = _prompts(4, 44, 32, seed=0)
-        samples, _ = _generate(target, None, other, seed=0)
-        draft = tmp_path / "draft"
-        train_and_export_eagle3(path, draft, [p + s.output_ids for p, s in zip(other, samples)], steps=120,
-                                batch_size=8, max_len=40, ttt_steps=2, lr=3e-3, seed=0, progress=False,
-                                draft_vocab_size=64, export_rope_scaling={})
         head = load_eagle3(draft, cfg).eval()
         prompts = _prompts(44, 84, 96, seed=5)
         core = EngineCore(target, Eagle3Drafter(head, target.embed_tokens), num_draft_tokens=1, max_batch_size=64,
