@@ -128,15 +128,13 @@ def draft_vocab_log_mass(
     if target_ids is None:
         return logits.new_zeros(logits.shape[0], dtype=torch.float32)
     tp_rank, tp_size = _tp_info(tp_group)
-    v_local = logits.shape[1]
+    n, v_local = logits.shape
     _, cols = _owned_columns(target_ids, vocab_size, tp_rank * v_local, v_local, logits.device)
-    x = logits.detach().float()
-    valid = torch.arange(tp_rank * v_local, (tp_rank + 1) * v_local, device=x.device) < vocab_size
-    x = x.masked_fill(~valid, float("-inf"))  # padded columns
-    m = x.amax(dim=1)
+    x = logits.detach()[:, : max(0, min(v_local, vocab_size - tp_rank * v_local))]  # padded columns come last
+    m = x.amax(dim=1).float() if x.shape[1] else x.new_full((n,), float("-inf"), dtype=torch.float32)
     if tp_size > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    e = (x - m.unsqueeze(1)).exp()
+    e = (x.float() - m.unsqueeze(1)).exp_()  # one float copy of this rank's logits
     sums = torch.stack([e.index_select(1, cols).sum(dim=1), e.sum(dim=1)])  # [2, N]: the draft ids, every id
     if tp_size > 1:
         dist.all_reduce(sums, group=tp_group)
