@@ -139,13 +139,9 @@ def draft_checks(target: str, draft: str, held: list[tuple[list[int], list[int]]
     accepted, predicted = [], []
     for si, s in enumerate(outs):
         rows = [r for r in range(int(cache.cu_seqlens[si]), int(cache.cu_seqlens[si + 1])) if bool(scored[r])]
-        i = 1  # row j pairs response token j with the state before it and predicts token j + 1
-        for a in s.accepted_per_step:
-            if i >= len(rows):
-                break
+        for i, a in s.draft_starts():  # row j pairs response token j with the state before it, predicts j + 1
             accepted.append(a)
             predicted.append(float(alpha[rows[i - 1]]))
-            i += 1 + a
     n = len(accepted)
     se = math.sqrt(sum((x - p) ** 2 for x, p in zip(accepted, predicted))) / n
     return {f"draft_eval_tau_k{k}": round(ev["draft/eval_tau"], 3),

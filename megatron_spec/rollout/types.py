@@ -97,6 +97,25 @@ class SampleOutput:
     def accept_length(self) -> float:
         return len(self.output_ids) / max(1, self.num_verify_steps)
 
+    def draft_starts(self) -> list[tuple[int, int]]:
+        """``(i, a)`` per speculative verify step: the index in ``output_ids`` of the token its first draft
+        proposed (token 0 came from the prefill) and how many of its drafts were accepted; steps past the
+        output are left out. Needs every step after the prefill to have drafted (a fixed k): a plain step
+        moves the position without an ``accepted_per_step`` entry.
+
+        Raises:
+            ValueError: a step drafted nothing (``draft_lengths`` holds a 0).
+        """
+        if 0 in self.draft_lengths:
+            raise ValueError("draft_starts: a step drafted nothing, so the drafts' positions are not known")
+        out, i = [], 1
+        for a in self.accepted_per_step:
+            if i >= len(self.output_ids):
+                break
+            out.append((i, a))
+            i += 1 + a
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {"id": self.request_id, "sample": self.sample_index, "output_ids": self.output_ids,
                 "logprobs": self.logprobs, "finish_reason": self.finish_reason,

@@ -209,14 +209,10 @@ def test_engine_accepts_as_often_as_the_evaluation_predicts(tmp_path):
         for si, s in enumerate(outs):
             rows = [r for r in range(int(cache.cu_seqlens[si]), int(cache.cu_seqlens[si + 1])) if bool(scored[r])]
             assert len(rows) == len(s.output_ids)  # row j: the pair of response token j, predicting token j + 1
-            i = 1  # the first draft proposes response token 1 (token 0 came from the prefill)
-            for a in s.accepted_per_step:
-                if i >= len(rows):
-                    break
+            for i, a in s.draft_starts():  # the draft proposing token i is scored at row i - 1
                 accepted.append(a)
                 predicted.append(float(alpha[rows[i - 1]]))
                 upper.append(float(renormalised[rows[i - 1]]))
-                i += 1 + a
         n = len(accepted)
         got, want = sum(accepted) / n, sum(predicted) / n
         se = math.sqrt(sum((x - p) ** 2 for x, p in zip(accepted, predicted))) / n
@@ -227,3 +223,17 @@ def test_engine_accepts_as_often_as_the_evaluation_predicts(tmp_path):
         assert sum(upper) / n > want
     finally:
         torch.set_num_threads(threads)
+
+
+def test_draft_starts_follow_the_accepted_drafts():
+    """``SampleOutput.draft_starts``: token 0 from the prefill, each step's first draft at the token after the
+    previous step's emitted ones (its accepted drafts + 1), steps past the output left out; a plain step
+    (draft length 0) is refused."""
+    from megatron_spec.rollout.types import SampleOutput
+
+    s = SampleOutput("r", 0, list(range(7)), [0.0] * 7, "length", 5, accepted_per_step=[1, 0, 2, 0],
+                     draft_lengths=[3, 3, 3, 3])
+    assert s.draft_starts() == [(1, 1), (3, 0), (4, 2)]  # a fourth step would propose token 7: past the output
+    s.draft_lengths = [3, 0, 3, 3]
+    with pytest.raises(ValueError, match="drafted nothing"):
+        s.draft_starts()
