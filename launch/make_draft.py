@@ -80,6 +80,7 @@ def train_other_kind(args, rollouts, held) -> int:
     print(json.dumps({"out": args.out, "draft_kind": args.draft_kind, "steps": args.steps,
                       "held_out_before": {k: rnd(res["before"][k]) for k in keys},
                       "held_out_after": {k: rnd(res["after"][k]) for k in keys},
+                      **({"train_after": {k: rnd(res["train_after"][k]) for k in keys}} if "train_after" in res else {}),
                       "curve": [[a, rnd(b)] for a, b in res["curve"]],
                       "seconds": {k: round(v, 1) for k, v in res.items() if k.endswith("_seconds")}}), flush=True)
     return 0
@@ -180,7 +181,13 @@ def main(argv=None) -> int:
                         "held_out_accept_after": [round(ref["after"][f"draft/eval_accept{s}"], 3)
                                                   for s in range(args.ttt_steps)],
                         "held_out_tau_curve": [(s, round(t, 3)) for s, t in ref["curve"]],
+                        "train_tau_after": round(ref["train_after"]["draft/eval_tau"], 3),
                         "refine_seconds": round(ref["capture_seconds"] + ref["train_seconds"], 1)})
+        gap = ref["train_after"]["draft/eval_tau"] - ref["after"]["draft/eval_tau"]
+        if gap > 0.1:
+            print(f"[make_draft] the draft makes {gap:.2f} more tokens per verify step on its training rollouts than on "
+                  f"held-out ones: it has memorised them; more rollouts (--num-prompts, --samples-per-prompt) would "
+                  f"raise its held-out acceptance more than more steps", file=sys.stderr, flush=True)
     print(json.dumps(summary), flush=True)
     return 0
 

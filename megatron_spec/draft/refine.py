@@ -92,7 +92,8 @@ def refine_eagle3(
     (``megatron_spec.parallel.init_parallel``; a world of one is enough).
 
     Returns ``before`` and ``after`` (:meth:`Eagle3Trainer.evaluate` on ``held_out``: expected
-    acceptance per unrolled step and ``draft/eval_tau``), ``curve`` (``(step, eval_tau)`` every
+    acceptance per unrolled step and ``draft/eval_tau``), ``train_after`` (the same on as many rows of
+    the training rollouts: :func:`training_sample`), ``curve`` (``(step, eval_tau)`` every
     ``eval_every`` steps), ``rows`` / ``held_out_rows`` and the seconds of capture and training.
     """
     from megatron_spec.capture import Capture, CaptureConfig
@@ -157,8 +158,18 @@ def _fit(trainer, train_cache, eval_cache, capture_s: float, *, steps: int, scor
     train_s = time.perf_counter() - t1
     after = trainer.evaluate(eval_cache)
     curve.append((steps, after[score]))
-    return {"before": before, "after": after, "curve": curve, "rows": train_cache.num_scored,
+    seen = trainer.evaluate(training_sample(train_cache, eval_cache.num_rows))
+    return {"before": before, "after": after, "train_after": seen, "curve": curve, "rows": train_cache.num_scored,
             "held_out_rows": eval_cache.num_scored, "capture_seconds": capture_s, "train_seconds": train_s}
+
+
+def training_sample(cache, rows: int):
+    """Segments of ``cache`` spread evenly over it, about ``rows`` rows in all (at least one segment): the
+    draft scored on answers it trained on, beside the held-out score. A draft that does much better on these
+    has memorised its training answers (too few rollouts for its steps)."""
+    n = cache.num_segments
+    every = max(1, round(cache.num_rows / max(rows, 1)))
+    return cache.select_segments(list(range(0, n, every)))
 
 
 def init_mtp_from_last_layer(trainer: Any, policy: torch.nn.Module) -> None:

@@ -73,6 +73,8 @@ def test_refinement_from_cached_states_raises_acceptance(tmp_path):
         assert res["rows"] == len(rollouts) * NEW_TOKENS and res["held_out_rows"] == len(held) * NEW_TOKENS
         assert len(res["curve"]) == 4 and res["curve"][0] == (0, res["before"]["draft/eval_tau"])
         assert res["after"]["draft/eval_tau"] > res["before"]["draft/eval_tau"] + 0.3, res
+        # scored on as many of its training rollouts (every 10th of 320) as are held out
+        assert res["train_after"]["draft/eval_rows"] == res["held_out_rows"], res
         before_head, after_head = load_eagle3(weak, cfg), load_eagle3(out, cfg)
         assert after_head.cfg.aux_layer_ids == before_head.cfg.aux_layer_ids
         assert torch.equal(after_head.d2t, before_head.d2t)  # the draft vocabulary is kept
