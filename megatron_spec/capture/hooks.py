@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from megatron_spec.capture.cache import DraftCache, segment_runs
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
-from megatron_spec.capture.teacher import draft_vocab_log_mass, draft_vocab_teacher
+from megatron_spec.capture.teacher import draft_vocab_teacher, log_mass_and_token_logprobs
 from megatron_spec.dtypes import torch_dtype
 
 HOST = torch.device("cpu")
@@ -431,24 +431,17 @@ class _Recorder:
         b_all, t_all = self.all_rows
         rows = logits[t_all, b_all]  # [N_all, V/tp]
         cfg = self.cfg
-        ids, lps = draft_vocab_teacher(
-            rows,
-            vocab_size=self.vocab_size,
-            target_ids=cfg.draft_target_ids,
-            topk=cfg.teacher_topk,
-            tp_group=self.group if self.tp_size > 1 else None,
-        )
-        mass = None  # a reduced draft vocabulary: what the teacher's renormalisation leaves out
-        if cfg.draft_target_ids is not None:
-            mass = draft_vocab_log_mass(rows, vocab_size=self.vocab_size, target_ids=cfg.draft_target_ids,
-                                        tp_group=self.group if self.tp_size > 1 else None)
+        ids, lps = draft_vocab_teacher(rows, vocab_size=self.vocab_size, target_ids=cfg.draft_target_ids,
+                                       topk=cfg.teacher_topk, tp_group=self.group if self.tp_size > 1 else None)
         nxt = self.next_tokens_all
-        nlp = vocab_parallel_token_logprobs(
-            rows.unsqueeze(0),
-            nxt.clamp(min=0).unsqueeze(0),
-            vocab_size=self.vocab_size,
-            tp_group=self.group if self.tp_size > 1 else None,
-        )[0]
+        tp_group = self.group if self.tp_size > 1 else None
+        mass = None  # a reduced draft vocabulary: what the teacher's renormalisation leaves out
+        if cfg.draft_target_ids is not None:  # both from one pass over the logits
+            mass, nlp = log_mass_and_token_logprobs(rows, nxt.clamp(min=0), vocab_size=self.vocab_size,
+                                                    target_ids=cfg.draft_target_ids, tp_group=tp_group)
+        else:
+            nlp = vocab_parallel_token_logprobs(rows.unsqueeze(0), nxt.clamp(min=0).unsqueeze(0),
+                                                vocab_size=self.vocab_size, tp_group=tp_group)[0]
         nlp = torch.where(nxt >= 0, nlp, torch.zeros_like(nlp))
         kept = self.kept
         p = self.part

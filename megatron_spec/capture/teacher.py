@@ -127,18 +127,54 @@ def draft_vocab_log_mass(
         raise ValueError(f"logits must be [N, V_local], got {tuple(logits.shape)}")
     if target_ids is None:
         return logits.new_zeros(logits.shape[0], dtype=torch.float32)
+    _, sums = _exp_sums(logits, vocab_size, target_ids, None, tp_group)
+    return (sums[0].log() - sums[1].log()).clamp(max=0.0)
+
+
+@torch.no_grad()
+def log_mass_and_token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    vocab_size: int,
+    target_ids: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draft_vocab_log_mass` and ``log p(tokens)`` (T=1, the whole vocabulary; what
+    ``capture.logprobs.vocab_parallel_token_logprobs`` gives without gradients) from one exp pass over
+    the logits: the capture's logits hook needs both for every captured row. ``tokens``: ``[N]`` global
+    ids in ``[0, vocab_size)``. Returns two ``[N]`` float32 tensors; one max and one sum all-reduce."""
+    if logits.dim() != 2 or tokens.shape != logits.shape[:1]:
+        raise ValueError(f"logits [N, V_local] and tokens [N] expected, got {tuple(logits.shape)} and "
+                         f"{tuple(tokens.shape)}")
+    m, sums = _exp_sums(logits, vocab_size, target_ids, tokens, tp_group)
+    log_z = sums[1].log()
+    return (sums[0].log() - log_z).clamp(max=0.0), sums[2] - log_z
+
+
+def _exp_sums(logits: torch.Tensor, vocab_size: int, target_ids: torch.Tensor, tokens: torch.Tensor | None,
+              tp_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(m, sums)``: the row max ``m`` of the unpadded logits over the TP group, and summed over it
+    ``sums[0] = sum_{v < Vd} exp(z_tid(v) - m)``, ``sums[1] = sum_all exp(z - m)`` and, with ``tokens``,
+    ``sums[2] = z_token - m`` (from the rank that owns the token). One float copy of this rank's logits."""
     tp_rank, tp_size = _tp_info(tp_group)
     n, v_local = logits.shape
-    _, cols = _owned_columns(target_ids, vocab_size, tp_rank * v_local, v_local, logits.device)
-    x = logits.detach()[:, : max(0, min(v_local, vocab_size - tp_rank * v_local))]  # padded columns come last
+    v_start = tp_rank * v_local
+    _, cols = _owned_columns(target_ids, vocab_size, v_start, v_local, logits.device)
+    x = logits.detach()[:, : max(0, min(v_local, vocab_size - v_start))]  # padded columns come last
     m = x.amax(dim=1).float() if x.shape[1] else x.new_full((n,), float("-inf"), dtype=torch.float32)
     if tp_size > 1:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=tp_group)
-    e = (x.float() - m.unsqueeze(1)).exp_()  # one float copy of this rank's logits
-    sums = torch.stack([e.index_select(1, cols).sum(dim=1), e.sum(dim=1)])  # [2, N]: the draft ids, every id
+    parts = []
+    if tokens is not None:  # read before the logits are overwritten by their exp
+        local = (tokens >= v_start) & (tokens < v_start + x.shape[1])
+        z = x.gather(1, (tokens - v_start).clamp(0, max(x.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1).float()
+        parts.append(torch.where(local, z - m, torch.zeros_like(z)))
+    e = (x.float() - m.unsqueeze(1)).exp_()
+    sums = torch.stack([e.index_select(1, cols).sum(dim=1), e.sum(dim=1), *parts])  # [2 or 3, N]
     if tp_size > 1:
         dist.all_reduce(sums, group=tp_group)
-    return (sums[0].log() - sums[1].log()).clamp(max=0.0)
+    return m, sums
 
 
 def vocab_parallel_logprobs_at(
@@ -218,6 +254,7 @@ def vocab_parallel_argmax(
 __all__ = [
     "draft_vocab_log_mass",
     "draft_vocab_teacher",
+    "log_mass_and_token_logprobs",
     "vocab_parallel_argmax",
     "vocab_parallel_log_softmax",
     "vocab_parallel_logprobs_at",

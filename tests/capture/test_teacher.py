@@ -9,6 +9,7 @@ import torch
 from megatron_spec.capture.teacher import (
     draft_vocab_log_mass,
     draft_vocab_teacher,
+    log_mass_and_token_logprobs,
     vocab_parallel_argmax,
     vocab_parallel_log_softmax,
     vocab_parallel_logprobs_at,
@@ -45,6 +46,21 @@ def test_log_mass_is_the_targets_mass_on_the_draft_ids(logits):
     assert torch.equal(draft_vocab_log_mass(logits, vocab_size=10), torch.zeros(5))  # the full vocabulary
     every = draft_vocab_log_mass(logits, vocab_size=10, target_ids=torch.arange(10))
     torch.testing.assert_close(every, torch.zeros(5), atol=1e-6, rtol=0)
+
+
+def test_log_mass_and_token_logprobs_from_one_pass(logits):
+    from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
+
+    target_ids = torch.tensor([7, 2, 9, 0])
+    tokens = torch.tensor([7, 3, 0, 9, 5])  # in the draft vocabulary and not
+    mass, lp = log_mass_and_token_logprobs(logits, tokens, vocab_size=10, target_ids=target_ids)
+    assert torch.equal(mass, draft_vocab_log_mass(logits, vocab_size=10, target_ids=target_ids))
+    want = torch.log_softmax(logits[:, :10].double(), -1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(lp.double(), want)
+    ref = vocab_parallel_token_logprobs(logits.unsqueeze(0), tokens.unsqueeze(0), vocab_size=10)[0]
+    torch.testing.assert_close(lp, ref)
+    with pytest.raises(ValueError, match="tokens \\[N\\]"):
+        log_mass_and_token_logprobs(logits, tokens[:3], vocab_size=10, target_ids=target_ids)
 
 
 def test_topk_must_fit_draft_vocab(logits):

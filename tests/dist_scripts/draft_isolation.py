@@ -195,7 +195,8 @@ def main() -> None:
         {
             "cache": {
                 k: getattr(cache0, k)
-                for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs", "teacher_log_mass", "cu_seqlens")
+                for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs", "teacher_log_mass", "next_logprobs",
+                          "cu_seqlens")
             },
             "tp_rank": info.tp_rank,
             "dp_rank": info.dp_rank,
