@@ -9,8 +9,8 @@ its drafts and chat prompts.
   (:func:`truncated_draft_model`), made once in the work directory;
 * :func:`chat_prompts`: held-out questions (mathematics_dataset's ``algebra__linear_1d``
   interpolate split, made here by ``scripts/make_math_task.sh``) rendered with the model's chat
-  template, as GRPO sends them (``--apply-chat-template``); the draft trains on the model's
-  answers to the train-easy split's.
+  template, as GRPO sends them (``--apply-chat-template``); the drafts train on the model's
+  answers to the train split's (the same difficulty range, other questions).
 """
 
 from __future__ import annotations
@@ -27,18 +27,29 @@ MODULES = "algebra__linear_1d"  # "Solve -376*i - 2525 = 8780 for i.": the chat 
 
 
 def questions(work: str, split: str) -> tuple[str, ...]:
-    """mathematics_dataset questions of ``split`` (train-easy: the draft's training prompts;
-    interpolate: the held-out prompts measured), made once by scripts/make_math_task.sh in
-    ``work/math_task``."""
+    """mathematics_dataset questions of ``split``, made once by scripts/make_math_task.sh in the work
+    directory: ``interpolate``, the held-out prompts measured (the generator's test set at training
+    difficulty); ``train``, the drafts' training prompts (the whole training difficulty range, as
+    interpolate's; each split is drawn from its own seed); ``train-easy``, the easiest third of it
+    (the demo's GRPO prompts)."""
     return tuple(q for q, _ in problems(work, split))
+
+
+DRAFT_QUESTIONS = 1024  # the drafts' training prompts: questions of the train split, one T=1 answer each
+
+# split: (folder in the work directory, the splits made there together, problems per train split, per test split)
+_TASKS = {"train-easy": ("math_task", "train-easy,interpolate", 256, 128),
+          "interpolate": ("math_task", "train-easy,interpolate", 256, 128),
+          "train": ("math_task_train", "train", DRAFT_QUESTIONS, 1)}
 
 
 @functools.cache
 def problems(work: str, split: str) -> tuple[tuple[str, str], ...]:
     """``(question, answer)`` pairs of ``split`` (see :func:`questions`)."""
-    task = os.path.join(work, "math_task")
-    env = dict(os.environ, MATH_TASK_DIR=task, MATH_MODULES=MODULES, MATH_SPLITS="train-easy,interpolate",
-               MATH_NUM_TRAIN="256", MATH_NUM_TEST="128")
+    folder, splits, num_train, num_test = _TASKS[split]
+    task = os.path.join(work, folder)
+    env = dict(os.environ, MATH_TASK_DIR=task, MATH_MODULES=MODULES, MATH_SPLITS=splits,
+               MATH_NUM_TRAIN=str(num_train), MATH_NUM_TEST=str(num_test))
     subprocess.run([os.path.join(ROOT, "scripts", "make_math_task.sh")], check=True, env=env, stdout=sys.stderr)
     out = []
     for module in MODULES.split(","):
@@ -86,9 +97,13 @@ def chat_prompts(tokenizer, work: str, n: int, seed: int, templates: list[str] |
 
 
 def draft_prompts(work: str, model_dir: str) -> tuple[str, int]:
-    """The train-easy questions as the drafts' prompt file (``model_dir/draft_prompts.jsonl``) and their number."""
-    train = problems(work, "train-easy")
-    path = os.path.join(model_dir, "draft_prompts.jsonl")
+    """The train split's questions as the drafts' prompt file (``model_dir/draft_prompts_train.jsonl``) and
+    their number. The measured prompts are interpolate questions, whose difficulty spans the whole training
+    range: a draft trained on the target's answers to train-easy questions only (the easiest third: smaller
+    numbers, shorter equations) was accepted less on them (docs/draft_training.md, "Matching the measured
+    prompts")."""
+    train = problems(work, "train")
+    path = os.path.join(model_dir, "draft_prompts_train.jsonl")
     with open(path, "w") as f:  # load_prompts reads a prompt and an answer column
         f.writelines(json.dumps({"prompt": q, "answer": a}) + "\n" for q, a in train)
     return path, len(train)
@@ -97,13 +112,22 @@ def draft_prompts(work: str, model_dir: str) -> tuple[str, int]:
 MTP_STEPS, DISTILL_STEPS = 300, 200  # the other kinds' training on the target's answers (make_draft.py)
 
 
+def _make_draft(work: str, model_dir: str, target: str) -> list[str]:
+    """``make_draft.py`` on the drafts' rollouts (:func:`real_model_paths`), before ``--out`` and the kind's flags."""
+    prompts, n = draft_prompts(work, model_dir)
+    return [sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target, "--prompt-data",
+            prompts, "--apply-chat-template", "--num-prompts", str(n), "--samples-per-prompt", "1",
+            "--max-new-tokens", "96", "--rollouts", os.path.join(model_dir, "rollouts_t1_train.jsonl")]
+
+
 def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int, eagle_steps: int,
                      refine_steps: int = 400, *, mtp: str | None = None, draft_model: str | None = None,
                      other_kinds: bool = False) -> dict[str, str]:
     """Target, EAGLE-3 draft and truncated draft model of the real model ``name`` (see the module
     docstring); with ``other_kinds`` also an MTP export (``mtp``, or trained here) and a distilled
-    draft model (``draft_model``, or distilled here), both from the target's T=1 answers to the
-    train-easy questions (4 each, saved once as ``rollouts_t1.jsonl``)."""
+    draft model (``draft_model``, or distilled here). Every draft learns from the same rollouts: the target's
+    T=1 answers to the train split's questions (:func:`draft_prompts`, one each, 96 new tokens at most),
+    made once and saved as ``rollouts_t1_train.jsonl``."""
     from megatron_spec.models.fetch import resolve_model
 
     log = lambda msg: print(f"[setup] {msg}", file=sys.stderr, flush=True)  # noqa: E731
@@ -114,21 +138,15 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
     if not os.path.isfile(os.path.join(eagle3, "config.json")):
         log(f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} steps), then "
             f"{refine_steps} steps from cached target states (make_draft --refine-steps)")
-        prompts, n = draft_prompts(work, model_dir)
-        subprocess.run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target,
-                        "--out", eagle3, "--prompt-data", prompts, "--apply-chat-template", "--num-prompts",
-                        str(n), "--samples-per-prompt", "2", "--max-new-tokens", "96",
-                        "--draft-vocab-size", "1024", "--batch-size", "8", "--steps", str(eagle_steps),
-                        "--refine-steps", str(refine_steps)], check=True)
+        subprocess.run([*_make_draft(work, model_dir, target), "--out", eagle3, "--draft-vocab-size", "1024",
+                        "--batch-size", "8", "--steps", str(eagle_steps), "--refine-steps", str(refine_steps)],
+                       check=True)
     model = truncated_draft_model(target, os.path.join(model_dir, f"draft_model_l{draft_layers}"), draft_layers)
     paths = {"target": target, "eagle3": eagle3, "draft_model": model}
     if other_kinds:
         mtp = mtp or os.path.join(model_dir, "mtp")
         distilled = draft_model or os.path.join(model_dir, f"draft_model_l{draft_layers}_distilled")
-        prompts, n = draft_prompts(work, model_dir)
-        common = [sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target,
-                  "--prompt-data", prompts, "--apply-chat-template", "--num-prompts", str(n), "--samples-per-prompt",
-                  "4", "--max-new-tokens", "96", "--rollouts", os.path.join(model_dir, "rollouts_t1.jsonl")]
+        common = _make_draft(work, model_dir, target)
         if not os.path.isfile(os.path.join(mtp, "config.json")):
             log(f"MTP depth trained from cached target states ({MTP_STEPS} steps; make_draft --draft-kind mtp)")
             subprocess.run([*common, "--out", mtp, "--draft-kind", "mtp", "--steps", str(MTP_STEPS), "--lr", "1e-3"],
