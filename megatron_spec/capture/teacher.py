@@ -127,7 +127,7 @@ def draft_vocab_log_mass(
         raise ValueError(f"logits must be [N, V_local], got {tuple(logits.shape)}")
     if target_ids is None:
         return logits.new_zeros(logits.shape[0], dtype=torch.float32)
-    _, sums = _exp_sums(logits, vocab_size, target_ids, None, tp_group)
+    sums = _exp_sums(logits, vocab_size, target_ids, None, tp_group)
     return (sums[0].log() - sums[1].log()).clamp(max=0.0)
 
 
@@ -147,14 +147,14 @@ def log_mass_and_token_logprobs(
     if logits.dim() != 2 or tokens.shape != logits.shape[:1]:
         raise ValueError(f"logits [N, V_local] and tokens [N] expected, got {tuple(logits.shape)} and "
                          f"{tuple(tokens.shape)}")
-    m, sums = _exp_sums(logits, vocab_size, target_ids, tokens, tp_group)
+    sums = _exp_sums(logits, vocab_size, target_ids, tokens, tp_group)
     log_z = sums[1].log()
     return (sums[0].log() - log_z).clamp(max=0.0), sums[2] - log_z
 
 
 def _exp_sums(logits: torch.Tensor, vocab_size: int, target_ids: torch.Tensor, tokens: torch.Tensor | None,
-              tp_group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(m, sums)``: the row max ``m`` of the unpadded logits over the TP group, and summed over it
+              tp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``sums [2 or 3, N]``, with ``m`` the row max of the unpadded logits over the TP group and summed over it:
     ``sums[0] = sum_{v < Vd} exp(z_tid(v) - m)``, ``sums[1] = sum_all exp(z - m)`` and, with ``tokens``,
     ``sums[2] = z_token - m`` (from the rank that owns the token). One float copy of this rank's logits."""
     tp_rank, tp_size = _tp_info(tp_group)
@@ -168,13 +168,14 @@ def _exp_sums(logits: torch.Tensor, vocab_size: int, target_ids: torch.Tensor, t
     parts = []
     if tokens is not None:  # read before the logits are overwritten by their exp
         local = (tokens >= v_start) & (tokens < v_start + x.shape[1])
-        z = x.gather(1, (tokens - v_start).clamp(0, max(x.shape[1] - 1, 0)).unsqueeze(1)).squeeze(1).float()
+        z = (x.gather(1, (tokens - v_start).clamp(0, x.shape[1] - 1).unsqueeze(1)).squeeze(1).float() if x.shape[1]
+             else m.new_zeros(n))  # a rank holding only padded columns owns no token
         parts.append(torch.where(local, z - m, torch.zeros_like(z)))
     e = (x.float() - m.unsqueeze(1)).exp_()
     sums = torch.stack([e.index_select(1, cols).sum(dim=1), e.sum(dim=1), *parts])  # [2 or 3, N]
     if tp_size > 1:
         dist.all_reduce(sums, group=tp_group)
-    return m, sums
+    return sums
 
 
 def vocab_parallel_logprobs_at(
