@@ -9,7 +9,7 @@ the draft with its training-time test, and exports it (``export_speculative_deco
 export is what ``--spec-draft-path`` takes. RoPE scaling is exported as trained (the short
 contexts of the demo do not need ModelOpt's default YaRN extension).
 
-``--refine-steps N`` then trains the export further from cached target states
+``--refine-steps N`` then trains the export (written to ``OUT.modelopt`` and kept) further from cached target states
 (``megatron_spec.draft.refine``: one target forward over the rollouts, N draft steps without one;
 the online trainer's code), holding out the rollouts of every 16th prompt to report the expected
 acceptance before and after.
@@ -155,15 +155,19 @@ def main(argv=None) -> int:
         return train_other_kind(args, [r for r in rollouts if r[1]], held)
     seqs = [p + r for p, r in rollouts]
     if args.init:
-        summary = {"out": args.out, "init": args.init}
+        summary, export_dir = {"out": args.out, "init": args.init}, args.init
     else:
         from megatron_spec.draft.modelopt_train import train_and_export_eagle3
 
-        res = train_and_export_eagle3(args.target, args.out, seqs, steps=args.steps, batch_size=args.batch_size,
+        # with a refinement to follow, the ModelOpt export goes beside --out (kept: the unrefined draft), so that
+        # --out holds a draft only once it is the finished one (a caller that finds it there does not make it again)
+        export_dir = f"{os.path.normpath(args.out)}.modelopt" if args.refine_steps else args.out
+        res = train_and_export_eagle3(args.target, export_dir, seqs, steps=args.steps, batch_size=args.batch_size,
                                       max_len=min(context, max(map(len, seqs))), ttt_steps=args.ttt_steps,
                                       lr=args.lr, draft_vocab_size=args.draft_vocab_size, seed=args.seed,
                                       export_rope_scaling={}, progress=True)
-        summary = {"out": args.out, "steps": args.steps, "final_loss": res.losses[-1] if res.losses else None,
+        summary = {"out": args.out, "modelopt_export": export_dir, "steps": args.steps,
+                   "final_loss": res.losses[-1] if res.losses else None,
                    "final_top1": [round(a, 3) for a in res.accuracies[-1]] if res.accuracies else None,
                    "seconds": round(res.seconds, 1)}
     if args.refine_steps:
@@ -171,7 +175,7 @@ def main(argv=None) -> int:
         from megatron_spec.parallel import init_parallel
 
         init_parallel(tp_size=1, seed=args.seed)
-        ref = refine_eagle3(args.target, args.init or args.out, [r for r in rollouts if r[1]], held,
+        ref = refine_eagle3(args.target, export_dir, [r for r in rollouts if r[1]], held,
                             out_dir=args.out, steps=args.refine_steps,
                             lr=args.refine_lr, rows_per_step=args.refine_rows_per_step, ttt_steps=args.ttt_steps,
                             seed=args.seed, eval_every=max(args.refine_steps // 8, 1))
