@@ -12,7 +12,8 @@ contexts of the demo do not need ModelOpt's default YaRN extension).
 ``--refine-steps N`` then trains the export (written to ``OUT.modelopt`` and kept) further from cached target states
 (``megatron_spec.draft.refine``: one target forward over the rollouts, N draft steps without one;
 the online trainer's code), holding out the rollouts of every 16th prompt to report the expected
-acceptance before and after.
+acceptance before and after. A run stopped during the refinement and started again with the same
+settings and ``--rollouts`` reuses ``OUT.modelopt`` (its ``make_draft.json`` says what made it).
 """
 
 from __future__ import annotations
@@ -57,6 +58,28 @@ def generate_rollouts(args) -> list[tuple[int, list[int], list[int]]]:
     print(f"[make_draft] {len(samples)} rollouts, {stats.num_tokens} tokens at {stats.tokens_per_s:.0f} tokens/s",
           file=sys.stderr, flush=True)
     return [(int(s.request_id), prompts[int(s.request_id)], list(s.output_ids)) for s in samples]
+
+
+STAMP = "make_draft.json"  # in a ModelOpt export: what made it (modelopt_stamp)
+
+
+def modelopt_stamp(args, seqs: list[list[int]]) -> dict:
+    """What a ModelOpt export of this run depends on: the target, the settings of the ModelOpt stage and a digest of
+    the training sequences."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(seqs).encode()).hexdigest()
+    keys = ("steps", "batch_size", "lr", "ttt_steps", "draft_vocab_size", "seed")
+    return {"target": os.path.abspath(args.target), **{k: getattr(args, k) for k in keys}, "sequences": digest}
+
+
+def reusable_export(export_dir: str, stamp: dict) -> bool:
+    """True where ``export_dir`` holds a finished ModelOpt export (written atomically) made with ``stamp``."""
+    try:
+        with open(os.path.join(export_dir, STAMP)) as f:
+            return json.load(f) == stamp and os.path.isfile(os.path.join(export_dir, "config.json"))
+    except (OSError, ValueError):
+        return False
 
 
 def train_other_kind(args, rollouts, held) -> int:
@@ -154,14 +177,20 @@ def main(argv=None) -> int:
     if args.draft_kind != "eagle3":
         return train_other_kind(args, [r for r in rollouts if r[1]], held)
     seqs = [p + r for p, r in rollouts]
+    # with a refinement to follow, the ModelOpt export goes beside --out (kept: the unrefined draft), so that
+    # --out holds a draft only once it is the finished one (a caller that finds it there does not make it again)
+    export_dir = f"{os.path.normpath(args.out)}.modelopt" if args.refine_steps else args.out
+    stamp = modelopt_stamp(args, seqs)
     if args.init:
         summary, export_dir = {"out": args.out, "init": args.init}, args.init
+    elif args.refine_steps and reusable_export(export_dir, stamp):
+        # a run stopped during the refinement: its ModelOpt stage (minutes) is not repeated
+        print(f"[make_draft] the ModelOpt export in {export_dir} was made with these settings and rollouts: refining it",
+              file=sys.stderr, flush=True)
+        summary = {"out": args.out, "modelopt_export": export_dir, "steps": args.steps, "reused": True}
     else:
         from megatron_spec.draft.modelopt_train import train_and_export_eagle3
 
-        # with a refinement to follow, the ModelOpt export goes beside --out (kept: the unrefined draft), so that
-        # --out holds a draft only once it is the finished one (a caller that finds it there does not make it again)
-        export_dir = f"{os.path.normpath(args.out)}.modelopt" if args.refine_steps else args.out
         res = train_and_export_eagle3(args.target, export_dir, seqs, steps=args.steps, batch_size=args.batch_size,
                                       max_len=min(context, max(map(len, seqs))), ttt_steps=args.ttt_steps,
                                       lr=args.lr, draft_vocab_size=args.draft_vocab_size, seed=args.seed,
@@ -170,6 +199,8 @@ def main(argv=None) -> int:
                    "final_loss": res.losses[-1] if res.losses else None,
                    "final_top1": [round(a, 3) for a in res.accuracies[-1]] if res.accuracies else None,
                    "seconds": round(res.seconds, 1)}
+        with open(os.path.join(export_dir, STAMP), "w") as f:
+            json.dump(stamp, f)
     if args.refine_steps:
         from megatron_spec.draft.refine import refine_eagle3
         from megatron_spec.parallel import init_parallel
