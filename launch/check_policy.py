@@ -86,4 +86,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megatron_spec.exit import exit_now
+
+    exit_now(main())  # without the interpreter's finalisation (megatron_spec/exit.py)

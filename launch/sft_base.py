@@ -193,4 +193,6 @@ def greedy_accuracy(model_dir: str, examples, temperature: float = 0.0, reward: 
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from megatron_spec.exit import exit_now
+
+    exit_now(main())  # without the interpreter's finalisation (megatron_spec/exit.py)

@@ -56,13 +56,13 @@ class NativeEngine(RolloutEngine):
     backend = "native"
 
     def __init__(self, config: EngineConfig):
-        from megatron_spec.rollout.native.server import serve
+        from megatron_spec.rollout.native.server import serve_process
 
         config = config.resolved()  # auto/bfloat16 -> what the engine's device computes well (megatron_spec.isa)
         self.config = config
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         self._conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=serve, args=(config, child), name="megatron-spec-engine", daemon=True)
+        self._proc = ctx.Process(target=serve_process, args=(config, child), name="megatron-spec-engine", daemon=True)
         self._proc.start()
         child.close()
         self._ids = itertools.count()

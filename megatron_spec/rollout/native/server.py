@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_spec.dtypes import torch_dtype
+from megatron_spec.exit import exit_now
 from megatron_spec.layers.compiled import compiling_pays
 from megatron_spec.layers.decoder import use_fused_attention
 from megatron_spec.layers.linear import pack_linears, warm_linears
@@ -368,6 +369,14 @@ class EngineServer(WeightReceiver):
             if module is not None and self.versions[group] is not None:
                 out["checksums"][group] = tensor_group_checksum(module.parameters())
         return out
+
+
+def serve_process(config: EngineConfig, conn) -> None:
+    """The engine process's target: :func:`serve`, then the process ends without the interpreter's
+    finalisation (``megatron_spec.exit``; 2-3 s the trainer would wait for at every shutdown)."""
+    serve(config, conn)
+    conn.close()
+    exit_now(0)
 
 
 def serve(config: EngineConfig, conn) -> None:
