@@ -1,12 +1,14 @@
 """Under torchrun: build the Megatron policy from an HF checkpoint and check it against HF.
 
-Checks (each rank asserts; rank 0 writes the log-probs for cross-TP comparison):
+Checks, for each checkpoint in turn (each rank asserts; rank 0 writes the log-probs for cross-TP comparison):
   * HF -> Megatron -> HF export is bit-exact;
   * Megatron logits equal transformers' logits within 1e-5 (fp32);
   * token log-probs (vocab-parallel, temperature 0.7) equal log_softmax(HF logits / 0.7).
-Usage: gpt_parity.py CKPT_DIR TP OUT_PT
+Usage: gpt_parity.py TP OUT_DIR CKPT_DIR [CKPT_DIR ...]: writes OUT_DIR/<basename of CKPT_DIR>.pt and prints
+``OK <basename> tp=TP`` for each (one launch for all of them: a launch costs more than the checks).
 """
 
+import os
 import sys
 
 import torch
@@ -19,8 +21,16 @@ from megatron_spec.parallel import destroy_parallel, init_parallel
 
 
 def main() -> None:
-    ckpt_dir, tp, out_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    tp, out_dir, ckpt_dirs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     info = init_parallel(tp_size=tp, seed=1)
+    for ckpt_dir in ckpt_dirs:
+        check(ckpt_dir, info, os.path.join(out_dir, os.path.basename(os.path.normpath(ckpt_dir)) + ".pt"))
+    destroy_parallel()
+
+
+def check(ckpt_dir: str, info, out_path: str) -> None:
+    tp = info.tp_size
+    label = os.path.basename(os.path.normpath(ckpt_dir))
     ckpt = HFCheckpoint(ckpt_dir)
     cfg = ckpt.decoder_config
     model = build_gpt_model(cfg, vocab_divisible_by=8)
@@ -61,8 +71,7 @@ def main() -> None:
     assert lp_err < 1e-5, f"log-probs differ from transformers by {lp_err}"
     if info.rank == 0:
         torch.save({"logprobs": lp, "logits_err": err, "lp_err": lp_err}, out_path)
-        print(f"OK tp={tp} logits_err={err:.2e} lp_err={lp_err:.2e}")
-    destroy_parallel()
+        print(f"OK {label} tp={tp} logits_err={err:.2e} lp_err={lp_err:.2e}")
 
 
 if __name__ == "__main__":

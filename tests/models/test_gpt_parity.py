@@ -13,17 +13,27 @@ from tests.dist_utils import run_torchrun
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("name", ["llama_sharded", "llama_tied_rope_scaling", "qwen2", "qwen3"])
-def test_roundtrip_logits_logprobs_tp1_tp2(hf_checkpoints, tmp_path, name):
-    """Bit-exact HF round trip, logits within 1e-5 of transformers, log-probs TP2 == TP1 (1e-6)."""
-    out = {}
+NAMES = ["llama_sharded", "llama_tied_rope_scaling", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module")
+def parity_runs(hf_checkpoints, tmp_path_factory):
+    """One launch per TP size over every checkpoint: {tp: (log, out dir)}."""
+    runs = {}
     for tp in (1, 2):
-        out[tp] = tmp_path / f"lp_tp{tp}.pt"
-        log = run_torchrun("gpt_parity.py", tp, hf_checkpoints[name], str(tp), str(out[tp]))
-        assert f"OK tp={tp}" in log
-    lp1 = torch.load(out[1])["logprobs"]
-    lp2 = torch.load(out[2])["logprobs"]
-    assert (lp1 - lp2).abs().max().item() < 1e-6
+        out = tmp_path_factory.mktemp(f"parity_tp{tp}")
+        runs[tp] = (run_torchrun("gpt_parity.py", tp, str(tp), str(out), *(hf_checkpoints[n] for n in NAMES)), out)
+    return runs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_roundtrip_logits_logprobs_tp1_tp2(parity_runs, name):
+    """Bit-exact HF round trip, logits within 1e-5 of transformers, log-probs TP2 == TP1 (1e-6)."""
+    lp = {}
+    for tp, (log, out) in parity_runs.items():
+        assert f"OK {name} tp={tp}" in log
+        lp[tp] = torch.load(out / f"{name}.pt")["logprobs"]
+    assert (lp[1] - lp[2]).abs().max().item() < 1e-6
 
 
 def test_ddp_dp2_equals_dp1_on_concatenated_batch(hf_checkpoints, tmp_path):
