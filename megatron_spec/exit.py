@@ -8,8 +8,9 @@ the heap instead, ``gc.freeze``, leaves triton's nanobind objects alive, and nan
 of "leaked instance" lines.)
 
 :func:`exit_now` is what a process's ``__main__`` block calls with the code its main function
-returned: as at a normal exit, it waits for the threads that are not daemons, then the ``atexit`` handlers run (logging's flush, multiprocessing's and weakref finalizers'
-clean-up, inductor's worker pool), then standard output and error are flushed, then ``os._exit``.
+returned: as at a normal exit, it waits for the threads that are not daemons, then the ``atexit``
+handlers run (logging's flush, multiprocessing's and weakref finalizers' clean-up, inductor's worker
+pool), then standard output and error are flushed, then ``os._exit``.
 Nothing is lost: this project closes its files, pipes, shared memory, engines and process groups
 explicitly before its main functions return, and a main function that raises still exits the usual way
 (with its traceback). Never call it from library code or in a process that may have more to do.

@@ -26,6 +26,8 @@ It was ~7 minutes of a ~37-minute suite. ``MEGATRON_SPEC_CUDA_BUILD_CHECK=always
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import pathlib
 import re
@@ -34,8 +36,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import hashlib
-import json
 import time
 import urllib.error
 import urllib.request
