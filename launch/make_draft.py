@@ -135,6 +135,9 @@ def main(argv=None) -> int:
                     help="then this many steps from cached target states (megatron_spec.draft.refine); 0 = none")
     ap.add_argument("--refine-lr", type=float, default=2e-3)
     ap.add_argument("--refine-rows-per-step", type=int, default=2048)
+    ap.add_argument("--refine-tv-weight", type=float, default=5.0,
+                    help="weight of the total-variation term 1 - sum min(p, q) beside the refinement's cross-entropy: "
+                         "trains for acceptance (docs/draft_training.md, 'Training for acceptance'); 0 = off")
     ap.add_argument("--rollouts", default=None,
                     help="JSONL of the rollouts: read if it exists (no generation), else written after generating")
     ap.add_argument("--draft-kind", default="eagle3", choices=("eagle3", "mtp", "model"),
@@ -148,6 +151,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.refine_steps < 0:
         ap.error(f"--refine-steps must be >= 0, got {args.refine_steps}")
+    if not args.refine_tv_weight >= 0:
+        ap.error(f"--refine-tv-weight must be >= 0, got {args.refine_tv_weight}")
     if args.init and not (args.draft_kind == "eagle3" and args.refine_steps):
         ap.error("--init refines an EAGLE-3 export: it needs --draft-kind eagle3 and --refine-steps")
 
@@ -209,8 +214,9 @@ def main(argv=None) -> int:
         ref = refine_eagle3(args.target, export_dir, [r for r in rollouts if r[1]], held,
                             out_dir=args.out, steps=args.refine_steps,
                             lr=args.refine_lr, rows_per_step=args.refine_rows_per_step, ttt_steps=args.ttt_steps,
-                            seed=args.seed, eval_every=max(args.refine_steps // 8, 1))
-        summary.update({"refine_steps": args.refine_steps,
+                            tv_weight=args.refine_tv_weight, seed=args.seed,
+                            eval_every=max(args.refine_steps // 8, 1))
+        summary.update({"refine_steps": args.refine_steps, "refine_tv_weight": args.refine_tv_weight,
                         "held_out_tau_before": round(ref["before"]["draft/eval_tau"], 3),
                         "held_out_tau_after": round(ref["after"]["draft/eval_tau"], 3),
                         "held_out_accept_after": [round(ref["after"][f"draft/eval_accept{s}"], 3)

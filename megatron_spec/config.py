@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -128,6 +129,8 @@ class SpecConfig:
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")
+    spec_draft_tv_weight: float = _f(0.0, "add this weight times the total variation 1 - sum min(p, q) to the online "
+                                          "EAGLE-3 draft's loss: trains for acceptance (docs/draft_training.md)")
     spec_mtp_num_layers: int = _setting("spec_mtp_num_layers")
     spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off); a sudden "
                                     "collapse from healthy acceptance acts on its first step")
@@ -216,6 +219,11 @@ class RunConfig:
         if s.spec_draft_kind == "mtp" and not s.spec_online_draft_training and not s.spec_draft_path:
             raise ConfigError("--spec-draft-kind mtp needs --spec-online-draft-training (heads trained beside the "
                               "policy) or --spec-draft-path (an MTP export)")
+        if not (s.spec_draft_tv_weight >= 0 and math.isfinite(s.spec_draft_tv_weight)):
+            raise ConfigError(f"--spec-draft-tv-weight {s.spec_draft_tv_weight} must be >= 0 and finite")
+        if s.spec_draft_tv_weight and (s.spec_draft_kind != "eagle3" or not s.spec_online_draft_training):
+            raise ConfigError("--spec-draft-tv-weight trains the EAGLE-3 draft online: it needs --spec-draft-kind eagle3 "
+                              "and --spec-online-draft-training")
         try:
             s.spec_num_draft_tokens = parse_num_draft_tokens(s.spec_num_draft_tokens)  # YAML may hold "auto" or 3
         except ValueError as exc:

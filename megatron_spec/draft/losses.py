@@ -14,6 +14,12 @@ data-parallel step then equals the loss of one process over the concatenated dat
 * Hard cross-entropy on the sampled next tokens (``-log q(x_{t+1})``), optional.
 * Training-time-test weighting: step ``s`` of the unroll is weighted ``decay ** s``
   (ModelOpt's ``eagle_loss_decay_factor``).
+* Total variation on the teacher's entries (DistillSpec, Zhou et al. 2024), optional beside the
+  soft cross-entropy: ``1 - sum_j min(p_j, q_j)``, the acceptance the verification gives a sampled
+  draft token, as a loss. The cross-entropy is minimised by q = p, but a one-layer draft cannot
+  reach p, and the q it settles for is not the q that accepts most: on the real model's T=1 answers
+  the term raised held-out acceptance beyond what the same steps of cross-entropy alone did
+  (docs/draft_training.md, "Training for acceptance").
 * Top-1 agreement: the draft's argmax equals the teacher's argmax.
 * Expected acceptance of a sampled draft token (Leviathan et al. 2023, Theorem 3.5):
   ``alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q)``, what speculative sampling's verification
@@ -83,6 +89,30 @@ def acceptance_rows(logq: torch.Tensor, teacher_logp: torch.Tensor,
     p_rest = (mass - p.sum(dim=-1)).clamp(min=0.0)
     q_rest = (1.0 - q.sum(dim=-1)).clamp(min=0.0)
     return torch.minimum(p, q).sum(dim=-1) + torch.minimum(p_rest, q_rest)
+
+
+def tv_loss_rows(logq: torch.Tensor, teacher_logp: torch.Tensor,
+                 log_mass: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row ``1 - sum_j min(p_j, q_j)`` over the teacher's entries (``[...]`` float32): the
+    total-variation training loss; arguments as :func:`acceptance_rows` (``p`` the target's own
+    distribution: the teacher scaled by ``log_mass`` when given).
+
+    The rest class of a top-k teacher is left out: ``min(p_rest, q_rest)`` only bounds the mass the two
+    share outside the k entries from above, and a draft would raise it by moving mass off the teacher's
+    entries onto any other token. Without it the sum is the exact shared mass on those entries, a lower
+    bound on the acceptance (equal to it for a full teacher).
+    """
+    p, q = teacher_logp.float().exp(), logq.float().exp()
+    if log_mass is not None:
+        p = p * log_mass.float().exp().unsqueeze(-1)
+    return 1.0 - torch.minimum(p, q).sum(dim=-1)
+
+
+def tv_loss_sum(logq: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor,
+                log_mass: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`tv_loss_rows` summed over rows where ``mask`` (0-d float32)."""
+    tv = tv_loss_rows(logq, teacher_logp, log_mass)
+    return torch.where(mask, tv, torch.zeros_like(tv)).sum()
 
 
 def acceptance_sum(
@@ -157,4 +187,6 @@ __all__ = [
     "top1_agreement_sum",
     "ttt_step_weights",
     "ttt_valid_rows",
+    "tv_loss_rows",
+    "tv_loss_sum",
 ]

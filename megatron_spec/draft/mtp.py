@@ -216,6 +216,8 @@ class MtpTrainer(DraftUpdate):
     ):
         from megatron.core import parallel_state as ps
 
+        if config.tv_weight:  # its heads are vocabulary-parallel: min(p, q) would need the whole vocabulary
+            raise ValueError("tv_weight is for the EAGLE-3 draft; the MTP trainer takes the soft or hard loss")
         self.draft = MtpDraft(policy, num_layers, use_te=use_te).train()
         self.config = config
         if ps.model_parallel_is_initialized():

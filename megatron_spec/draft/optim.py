@@ -36,6 +36,9 @@ class DraftTrainerConfig:
     ``eagle_ttt_steps``)."""
     loss: str = "soft"
     """``soft``: cross-entropy against the teacher distribution; ``hard``: against the sampled next tokens."""
+    tv_weight: float = 0.0
+    """``soft`` loss only: add ``tv_weight`` times the total variation ``1 - sum min(p, q)`` on the teacher's
+    entries (``losses.tv_loss_rows``), the acceptance itself as a loss (``--spec-draft-tv-weight``); EAGLE-3 only."""
     loss_decay: float = 0.9
     """Weight ``loss_decay ** s`` of TTT step s (MTP: of depth s); ModelOpt's ``eagle_loss_decay_factor``."""
     lr: float = 1e-4
@@ -66,6 +69,10 @@ class DraftTrainerConfig:
             raise ValueError(f"draft ttt_steps must be >= 1, got {self.ttt_steps}")
         if self.loss not in ("soft", "hard"):
             raise ValueError(f"draft loss must be 'soft' or 'hard', got {self.loss!r}")
+        if not (self.tv_weight >= 0 and math.isfinite(self.tv_weight)):
+            raise ValueError(f"draft tv_weight must be >= 0 and finite, got {self.tv_weight}")
+        if self.tv_weight and self.loss != "soft":
+            raise ValueError("draft tv_weight needs the soft loss (the teacher's distribution), got loss='hard'")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"draft lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:

@@ -78,6 +78,7 @@ def refine_eagle3(
     ttt_steps: int = 3,
     teacher_topk: int = 32,
     warmup_steps: int = 20,
+    tv_weight: float = 0.0,
     capture_batch_size: int = 8,
     eval_every: int = 0,
     seed: int = 0,
@@ -88,7 +89,8 @@ def refine_eagle3(
     export it to ``out_dir`` (default: ``draft_dir``, replaced atomically).
 
     Cosine schedule from ``lr`` (after ``warmup_steps``) to a tenth of it; ``rows_per_step`` cached
-    rows (whole segments drawn at random) per step. Needs megatron-core's parallel state
+    rows (whole segments drawn at random) per step; ``tv_weight``, the total-variation term beside the
+    cross-entropy (``DraftTrainerConfig.tv_weight``). Needs megatron-core's parallel state
     (``megatron_spec.parallel.init_parallel``; a world of one is enough).
 
     Returns ``before`` and ``after`` (:meth:`Eagle3Trainer.evaluate` on ``held_out``: expected
@@ -112,7 +114,8 @@ def refine_eagle3(
     trainer = Eagle3Trainer.from_modelopt(
         draft_dir, cfg,
         DraftTrainerConfig(lr=lr, ttt_steps=ttt_steps, max_rows_per_step=rows_per_step, warmup_steps=warmup_steps,
-                           lr_schedule="cosine", total_steps=steps, seed=seed),
+                           lr_schedule="cosine", total_steps=steps, seed=seed,
+                           tv_weight=tv_weight),
     )
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))

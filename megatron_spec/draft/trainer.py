@@ -50,6 +50,7 @@ from megatron_spec.draft.losses import (
     top1_agreement_sum,
     ttt_step_weights,
     ttt_valid_rows,
+    tv_loss_sum,
 )
 from megatron_spec.draft.optim import (
     HOST,
@@ -222,6 +223,8 @@ class Eagle3Trainer(DraftUpdate):
         if cfg.loss == "hard":  # draft-vocabulary id of x_{t+1}; rows without one are not scored
             labels = self._t2d[cache.padded("next_tokens", segs).clamp(min=0).to(dev)]
             ok = cache.pad_rows(label_ok, segs, False).to(dev)
+        log_mass = (cache.padded("teacher_log_mass", segs).to(dev)
+                    if cfg.tv_weight and cache.teacher_log_mass is not None else None)  # [B, S]
 
         loss = torch.zeros((), device=dev)
         l_sums = torch.zeros(len(weights), dtype=torch.float64, device=HOST)  # metrics, read on the host
@@ -231,6 +234,8 @@ class Eagle3Trainer(DraftUpdate):
             if cfg.loss == "soft":
                 logq = (out.logits.gather(-1, teacher_ids) if teacher_ids is not None else out.logits) - lse
                 l_sum, _ = soft_cross_entropy_sum(logq, teacher_lp, valid)
+                if cfg.tv_weight:
+                    l_sum = l_sum + cfg.tv_weight * tv_loss_sum(logq, teacher_lp, valid, log_mass)
             else:
                 valid = valid & ok
                 logq = out.logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) - lse.squeeze(-1)
@@ -387,11 +392,12 @@ def build_draft_trainer(
     Args:
         cfg: the run config (its ``spec`` group) or the ``SpecConfig`` itself: ``spec_draft_kind``
             (``eagle3`` | ``mtp``), ``spec_draft_path`` (ModelOpt export / MTP export to start from),
-            ``spec_draft_ttt_steps``, ``spec_draft_lr`` and, for MTP, ``spec_mtp_num_layers`` (default 1).
+            ``spec_draft_ttt_steps``, ``spec_draft_lr``, ``spec_draft_tv_weight`` and, for MTP, ``spec_mtp_num_layers`` (default 1).
         policy: the policy GPTModel (MTP layers are built beside it; an EAGLE-3 head is put on
             its device, where capture leaves the cache).
         info: ``megatron_spec.parallel.ParallelInfo`` (groups); None = megatron-core's current groups.
-        config: full trainer settings; the spec fields above override its ``ttt_steps`` and ``lr``.
+        config: full trainer settings; the spec fields above override its ``ttt_steps``, ``lr`` and
+            ``tv_weight``.
         export_dir: exported to at once (the initial weights) and after every update.
 
     Collective (MTP gathers its TP shards to export): call it on every rank.
@@ -402,7 +408,7 @@ def build_draft_trainer(
     # shakes a converged draft (docs/draft_training.md, "Why online training lowered acceptance")
     tc = dataclasses.replace(
         config or DraftTrainerConfig(warmup_steps=5), ttt_steps=int(spec.spec_draft_ttt_steps),
-        lr=float(spec.spec_draft_lr)
+        lr=float(spec.spec_draft_lr), tv_weight=float(getattr(spec, "spec_draft_tv_weight", 0.0))
     )
     if kind == "eagle3":
         if not spec.spec_draft_path:

@@ -16,6 +16,8 @@ from megatron_spec.draft.losses import (
     top1_agreement_sum,
     ttt_step_weights,
     ttt_valid_rows,
+    tv_loss_rows,
+    tv_loss_sum,
 )
 
 
@@ -110,6 +112,28 @@ def test_acceptance_against_the_target_not_the_renormalised_teacher():
     bound = acceptance_rows(logq.gather(-1, top_ids), top_lp, mass.log())
     assert torch.all(bound >= exact - 1e-6)
     assert torch.all(bound <= acceptance_rows(logq.gather(-1, top_ids), top_lp) + 1e-6)
+
+
+def test_tv_loss_is_the_acceptance_on_the_teachers_entries():
+    """Full teacher: 1 - acceptance. Top-k teacher: the rest class is left out (only a lower bound on the
+    acceptance is trained, which mass moved off the teacher's entries cannot raise). With the log mass the
+    teacher is scaled to the target's own distribution, as the evaluation does."""
+    logp = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]))
+    logq = torch.log(torch.tensor([[0.2, 0.3, 0.5], [0.5, 0.3, 0.2]]))
+    assert tv_loss_rows(logq, logp).tolist() == pytest.approx([0.3, 0.0], abs=1e-6)
+    assert tv_loss_sum(logq, logp, torch.tensor([True, False])).item() == pytest.approx(0.3, abs=1e-6)
+    assert tv_loss_sum(logq, logp, torch.tensor([False, False])).item() == 0.0
+    # top-2 teacher p = (0.5, 0.2), q there (0.4, 0.1): 1 - (0.4 + 0.1), the rest's min(0.3, 0.5) not counted
+    top = tv_loss_rows(torch.log(torch.tensor([0.4, 0.1])), torch.log(torch.tensor([0.5, 0.2])))
+    assert top.item() == pytest.approx(0.5, abs=1e-6)
+    # a reduced vocabulary holding 0.8 of the target's mass: p = 0.8 * (0.5, 0.3, 0.2) = (0.4, 0.24, 0.16)
+    scaled = tv_loss_rows(logq[:1], logp[:1], torch.log(torch.tensor([0.8])))
+    assert scaled.item() == pytest.approx(1 - (0.2 + 0.24 + 0.16), abs=1e-6)
+    g = torch.Generator().manual_seed(2)
+    teacher = torch.log_softmax(torch.randn(5, 12, generator=g), -1)
+    draft = torch.log_softmax(torch.randn(5, 12, generator=g), -1)
+    mass = torch.rand(5, generator=g).clamp(min=0.3).log()
+    torch.testing.assert_close(tv_loss_rows(draft, teacher, mass), 1 - acceptance_rows(draft, teacher, mass))
 
 
 def test_chain_acceptance_length():

@@ -92,6 +92,8 @@ def test_policy_with_builtin_mtp_is_refused(policies):
     inside = build_gpt_model(HFCheckpoint(path).decoder_config, vocab_divisible_by=8, mtp_num_layers=1)
     with pytest.raises(ValueError, match="their loss would reach the policy"):
         MtpDraft(inside, 1)
+    with pytest.raises(ValueError, match="tv_weight is for the EAGLE-3 draft"):  # vocabulary-parallel heads
+        MtpTrainer(model, 1, DraftTrainerConfig(tv_weight=1.0))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -74,6 +74,19 @@ def test_bad_inputs_are_named(models, changes, world, message):
         check_inputs(_cfg(models, **changes), world)
 
 
+def test_tv_weight_is_checked_where_the_flags_are(models):
+    """--spec-draft-tv-weight: refused negative or NaN, and without the online EAGLE-3 training it weights."""
+    online = {"spec__spec_draft_kind": "eagle3", "spec__spec_draft_path": models["eagle3_target"],
+              "spec__spec_online_draft_training": True}
+    assert _cfg(models, spec__spec_draft_tv_weight=5.0, **online).spec.spec_draft_tv_weight == 5.0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ConfigError, match="--spec-draft-tv-weight .* must be >= 0 and finite"):
+            _cfg(models, spec__spec_draft_tv_weight=bad, **online)
+    with pytest.raises(ConfigError, match="needs --spec-draft-kind eagle3 and --spec-online-draft-training"):
+        _cfg(models, spec__spec_draft_tv_weight=5.0, spec__spec_draft_kind="eagle3",
+             spec__spec_draft_path=models["eagle3_target"])
+
+
 # the four errors a newcomer met: the flags, and the one line each must print
 FOUR_ERRORS = {
     "missing checkpoint": (["--hf-checkpoint", "/nonexistent"],
