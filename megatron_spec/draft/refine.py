@@ -12,8 +12,11 @@ is frozen, so after a ModelOpt export this module:
    the same training-time-test unroll and soft cross-entropy as online training, for as many steps
    as asked (each reads ``rows_per_step`` cached rows: no target forward);
 3. evaluates the expected acceptance (``1 - TV`` per unrolled step and the chain's tokens per
-   verify step, at the rollouts' temperature) on held-out rollouts before and after, and exports
-   the head in ModelOpt's layout.
+   verify step, at the rollouts' temperature) on held-out rollouts before and after, and on as many
+   rows of its training rollouts, and exports the head in ModelOpt's layout. Those two are captured
+   with the whole draft-vocabulary teacher, so the figures are exact: against the top-k teacher of
+   the training cache ``acceptance_rows`` is an upper bound (0.02-0.03 tokens per verify step above
+   the exact value on the real model, docs/draft_training.md).
 
 On a 2-core CPU with SmolLM2-135M (30 layers) the capture of 512 rollouts costs 322 s once (about 90
 ModelOpt steps), then a refinement step of 2048 rows 2.3 s where a ModelOpt step of 8 sequences costs
@@ -95,7 +98,7 @@ def refine_eagle3(
 
     Returns ``before`` and ``after`` (:meth:`Eagle3Trainer.evaluate` on ``held_out``: expected
     acceptance per unrolled step and ``draft/eval_tau``), ``train_after`` (the same on as many rows of
-    the training rollouts: :func:`training_sample`), ``curve`` (``(step, eval_tau)`` every
+    the training rollouts: :func:`training_sample_segments`, captured exactly), ``curve`` (``(step, eval_tau)`` every
     ``eval_every`` steps), ``rows`` / ``held_out_rows`` and the seconds of capture and training.
     """
     from megatron_spec.capture import Capture, CaptureConfig
@@ -119,7 +122,8 @@ def refine_eagle3(
     )
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))
-    caches = _capture_both(model, capture, rollouts, held_out, capture_batch_size, progress)
+    exact = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=None, storage_dtype="bfloat16", max_bytes=1 << 40))
+    caches = _capture_both(model, capture, rollouts, held_out, capture_batch_size, progress, exact=exact)
     del model  # the head reads the cache from here on
     res = _fit(trainer, *caches, steps=steps, score="draft/eval_tau", eval_every=eval_every, progress=progress,
                desc="eagle3 draft")
@@ -128,8 +132,12 @@ def refine_eagle3(
 
 
 def _capture_both(model, capture, rollouts: Sequence[Rollout], held_out: Sequence[Rollout], batch_size: int,
-                  progress: bool):
-    """The target's cached states over ``rollouts`` and ``held_out`` (one forward each), and the seconds."""
+                  progress: bool, exact=None):
+    """The target's cached states over ``rollouts`` and ``held_out`` (one forward each), a sample of the
+    training rollouts with as many rows as ``held_out`` (:func:`training_sample_segments`), and the seconds.
+    ``exact``: the capture of the held-out answers and of the sample (a whole-vocabulary teacher: exact
+    acceptance; the sample is then captured again, a forward over ~as many answers as are held out);
+    None: ``capture`` for both, the sample taken from the training cache."""
     from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
@@ -137,16 +145,21 @@ def _capture_both(model, capture, rollouts: Sequence[Rollout], held_out: Sequenc
                disable=not progress)
     train_cache = capture_rollouts(model, capture, rollouts, batch_size=batch_size,
                                    progress=lambda n: bar.update(n - bar.n))
-    eval_cache = capture_rollouts(model, capture, held_out, batch_size=batch_size,
+    eval_cache = capture_rollouts(model, exact or capture, held_out, batch_size=batch_size,
                                   progress=lambda n: bar.update(len(rollouts) + n - bar.n))
     bar.close()
-    return train_cache, eval_cache, time.perf_counter() - t0
+    picked = training_sample_segments(train_cache, eval_cache.num_rows)
+    if exact is None:
+        sample = train_cache.select_segments(picked)
+    else:  # segment i is rollouts[i]: capture_rollouts makes one per rollout, in order
+        sample = capture_rollouts(model, exact, [rollouts[i] for i in picked], batch_size=batch_size)
+    return train_cache, eval_cache, sample, time.perf_counter() - t0
 
 
-def _fit(trainer, train_cache, eval_cache, capture_s: float, *, steps: int, score: str, eval_every: int,
+def _fit(trainer, train_cache, eval_cache, sample, capture_s: float, *, steps: int, score: str, eval_every: int,
          progress: bool, desc: str) -> dict[str, Any]:
     """Train ``trainer`` ``steps`` steps on ``train_cache``; evaluate on ``eval_cache`` before, every
-    ``eval_every`` steps (metric ``score``) and after."""
+    ``eval_every`` steps (metric ``score``) and after, and on ``sample`` (training rows) after."""
     from tqdm.auto import tqdm
 
     before = trainer.evaluate(eval_cache)
@@ -161,18 +174,18 @@ def _fit(trainer, train_cache, eval_cache, capture_s: float, *, steps: int, scor
     train_s = time.perf_counter() - t1
     after = trainer.evaluate(eval_cache)
     curve.append((steps, after[score]))
-    seen = trainer.evaluate(training_sample(train_cache, eval_cache.num_rows))
+    seen = trainer.evaluate(sample)
     return {"before": before, "after": after, "train_after": seen, "curve": curve, "rows": train_cache.num_scored,
             "held_out_rows": eval_cache.num_scored, "capture_seconds": capture_s, "train_seconds": train_s}
 
 
-def training_sample(cache, rows: int):
+def training_sample_segments(cache, rows: int) -> list[int]:
     """Segments of ``cache`` spread evenly over it, about ``rows`` rows in all (at least one segment): the
     draft scored on answers it trained on, beside the held-out score. A draft that does much better on these
     has memorised its training answers (too few rollouts for its steps)."""
-    n = cache.num_segments
     every = max(1, round(cache.num_rows / max(rows, 1)))
-    return cache.select_segments(list(range(0, n, every)))
+    return list(range(0, cache.num_segments, every))
+
 
 
 def init_mtp_from_last_layer(trainer: Any, policy: torch.nn.Module) -> None:

@@ -67,8 +67,12 @@ def test_refinement_from_cached_states_raises_acceptance(tmp_path):
             out = tmp_path / "refined"
             res = refine_eagle3(path, weak, rollouts, held, steps=60, out_dir=out, lr=1e-2, rows_per_step=1024,
                                 warmup_steps=2, eval_every=20, progress=False)
+            exact, bound = _held_out_tau(path, out, held, teacher_topk=None), _held_out_tau(path, out, held, 4)
         finally:
             destroy_parallel()
+        # the held-out figure is exact (a whole-vocabulary teacher), not the top-k teacher's upper bound
+        assert res["after"]["draft/eval_tau"] == pytest.approx(exact, abs=1e-3), (res["after"], exact)
+        assert bound > exact + 1e-3, (bound, exact)
 
         assert res["rows"] == len(rollouts) * NEW_TOKENS and res["held_out_rows"] == len(held) * NEW_TOKENS
         assert len(res["curve"]) == 4 and res["curve"][0] == (0, res["before"]["draft/eval_tau"])
@@ -89,6 +93,22 @@ def test_refinement_from_cached_states_raises_acceptance(tmp_path):
         assert engine["after"] > engine["before"] + 0.2, (engine, res)
     finally:
         torch.set_num_threads(threads)
+
+
+def _held_out_tau(target_dir, draft_dir, held, teacher_topk):
+    """``draft/eval_tau`` of the export in ``draft_dir`` on ``held``, captured with ``teacher_topk``."""
+    from megatron_spec.capture import Capture, CaptureConfig
+    from megatron_spec.draft.refine import capture_rollouts
+    from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
+    from megatron_spec.models import HFCheckpoint
+    from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
+
+    ckpt = HFCheckpoint(str(target_dir))
+    model = build_gpt_model(ckpt.decoder_config)
+    load_hf_weights(model, ckpt)
+    trainer = Eagle3Trainer.from_modelopt(draft_dir, ckpt.decoder_config, DraftTrainerConfig())
+    cap = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16"))
+    return trainer.evaluate(capture_rollouts(model, cap, held))["draft/eval_tau"]
 
 
 def _target_rollouts(tmp_path, n_train: int = 320, n_held: int = 32):
