@@ -6,7 +6,7 @@ with a fixed k, the drafts alternated round by round with the same sampling seed
 each draft's tokens per verify step (``mean_accept_length``) per round and the paired differences from
 the first draft. Whole answers (EOS ends them) unless ``--ignore-eos``.
 
-    python benchmarks/bench_draft_accept.py --drafts OLD,NEW [--prompts 128] [--rounds 2]   # ~4.5 min a draft and round
+    python benchmarks/bench_draft_accept.py --drafts OLD,NEW [--prompts 128] [--rounds 2]  # ~4.5 min a draft, round
 
 Measured with it: docs/draft_training.md, "Training for acceptance".
 """

@@ -222,8 +222,8 @@ class RunConfig:
         if not (s.spec_draft_tv_weight >= 0 and math.isfinite(s.spec_draft_tv_weight)):
             raise ConfigError(f"--spec-draft-tv-weight {s.spec_draft_tv_weight} must be >= 0 and finite")
         if s.spec_draft_tv_weight and (s.spec_draft_kind != "eagle3" or not s.spec_online_draft_training):
-            raise ConfigError("--spec-draft-tv-weight trains the EAGLE-3 draft online: it needs --spec-draft-kind eagle3 "
-                              "and --spec-online-draft-training")
+            raise ConfigError("--spec-draft-tv-weight trains the EAGLE-3 draft online: it needs --spec-draft-kind "
+                              "eagle3 and --spec-online-draft-training")
         try:
             s.spec_num_draft_tokens = parse_num_draft_tokens(s.spec_num_draft_tokens)  # YAML may hold "auto" or 3
         except ValueError as exc:

@@ -392,7 +392,8 @@ def build_draft_trainer(
     Args:
         cfg: the run config (its ``spec`` group) or the ``SpecConfig`` itself: ``spec_draft_kind``
             (``eagle3`` | ``mtp``), ``spec_draft_path`` (ModelOpt export / MTP export to start from),
-            ``spec_draft_ttt_steps``, ``spec_draft_lr``, ``spec_draft_tv_weight`` and, for MTP, ``spec_mtp_num_layers`` (default 1).
+            ``spec_draft_ttt_steps``, ``spec_draft_lr``, ``spec_draft_tv_weight`` and, for MTP,
+            ``spec_mtp_num_layers`` (default 1).
         policy: the policy GPTModel (MTP layers are built beside it; an EAGLE-3 head is put on
             its device, where capture leaves the cache).
         info: ``megatron_spec.parallel.ParallelInfo`` (groups); None = megatron-core's current groups.
