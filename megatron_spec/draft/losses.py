@@ -65,6 +65,16 @@ def soft_cross_entropy_sum(
     return ce.sum(), mask.sum()
 
 
+def _target_and_draft(logq: torch.Tensor, teacher_logp: torch.Tensor,
+                      log_mass: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, q)`` float32 on the teacher's entries: the target's own probabilities (the teacher scaled by
+    ``exp(log_mass)`` when given) and the draft's."""
+    p = teacher_logp.float().exp()
+    if log_mass is not None:
+        p = p * log_mass.float().exp().unsqueeze(-1)
+    return p, logq.float().exp()
+
+
 def acceptance_rows(logq: torch.Tensor, teacher_logp: torch.Tensor,
                     log_mass: torch.Tensor | None = None) -> torch.Tensor:
     """Per row ``sum_x min(p(x), q(x))`` (``[...]`` float32): the expected acceptance ``1 - TV(p, q)``
@@ -80,12 +90,8 @@ def acceptance_rows(logq: torch.Tensor, teacher_logp: torch.Tensor,
     against the target's own distribution, so ``p`` is the teacher scaled by it (and ``p_rest`` what is
     left of that mass outside the k entries). None: the teacher is the target's distribution.
     """
-    p, q = teacher_logp.float().exp(), logq.float().exp()
-    mass = 1.0
-    if log_mass is not None:
-        mass = log_mass.float().exp().unsqueeze(-1)
-        p = p * mass
-        mass = mass.squeeze(-1)
+    p, q = _target_and_draft(logq, teacher_logp, log_mass)
+    mass = 1.0 if log_mass is None else log_mass.float().exp()
     p_rest = (mass - p.sum(dim=-1)).clamp(min=0.0)
     q_rest = (1.0 - q.sum(dim=-1)).clamp(min=0.0)
     return torch.minimum(p, q).sum(dim=-1) + torch.minimum(p_rest, q_rest)
@@ -102,9 +108,7 @@ def tv_loss_rows(logq: torch.Tensor, teacher_logp: torch.Tensor,
     entries onto any other token. Without it the sum is the exact shared mass on those entries, a lower
     bound on the acceptance (equal to it for a full teacher).
     """
-    p, q = teacher_logp.float().exp(), logq.float().exp()
-    if log_mass is not None:
-        p = p * log_mass.float().exp().unsqueeze(-1)
+    p, q = _target_and_draft(logq, teacher_logp, log_mass)
     return 1.0 - torch.minimum(p, q).sum(dim=-1)
 
 
