@@ -62,15 +62,17 @@ class LiveIndex:
     """Per group, the text of its running rows, n-gram indexed (see the module docstring)."""
 
     def __init__(self, *, min_match: int = 2, max_match: int = 8, max_occurrences: int = 64,
-                 max_tokens_per_group: int = 1 << 15) -> None:
+                 max_tokens_per_group: int = 1 << 15, max_candidates: int = 16) -> None:
         for name, value, low in [("min_match", min_match, 1), ("max_match", max_match, 1),
-                                 ("max_occurrences", max_occurrences, 1), ("max_tokens_per_group", max_tokens_per_group, 1)]:
+                                 ("max_occurrences", max_occurrences, 1), ("max_tokens_per_group", max_tokens_per_group, 1),
+                                 ("max_candidates", max_candidates, 1)]:
             if int(value) != value or value < low:
                 raise ValueError(f"LiveIndex: {name} must be an integer >= {low}, got {value!r}")
         if max_match < min_match:
             raise ValueError(f"LiveIndex: max_match ({max_match}) < min_match ({min_match})")
         self.min_match, self.max_match = int(min_match), int(max_match)
         self.max_occurrences, self.max_tokens_per_group = int(max_occurrences), int(max_tokens_per_group)
+        self.max_candidates = int(max_candidates)
         self.groups: dict[Hashable, _Group] = {}
         self._counts = dict.fromkeys(("proposals", "hits", "match_tokens", "proposed_tokens", "appended",
                                       "capped"), 0)
@@ -128,28 +130,68 @@ class LiveIndex:
     # ---- queries ------------------------------------------------------------------------------
     def propose(self, group: Hashable, row: int, k: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that followed, in the group's texts, the longest n-gram ending the row's
-        text (the most recent occurrence that has a continuation); with the match length (0: none)."""
+        text; with the match length (0: none). :meth:`propose_with_support` says how they are chosen."""
+        out, n, _ = self.propose_with_support(group, row, k)
+        return out, n
+
+    def propose_with_support(self, group: Hashable, row: int, k: int
+                             ) -> tuple[list[int], int, list[tuple[int, int]]]:
+        """Up to ``k`` tokens continuing the row's text, the match length (0: none) and, per token, its
+        support ``(agree, total)``.
+
+        The candidates are the newest ``max_candidates`` occurrences of the longest n-gram ending the row's
+        text that have a continuation (not the row's own end). Token j is the continuation most of the
+        candidates still in the running wrote at offset j (ties: the newest occurrence's), ``total`` how
+        many of them reach offset j and ``agree`` how many wrote that token; only those go on to j + 1.
+        At T = 1 the siblings sampled from the policy after the same text, so ``agree / total`` is an
+        estimate of the probability that the target's next token is the proposed one (what the engine's
+        controller shrinks towards its learned acceptance: ``adaptive.support_alpha``)."""
         self._counts["proposals"] += 1
         g = self.groups.get(group)
         if g is None or k <= 0:
-            return [], 0
+            return [], 0, []
         text = g.texts.get(row)
         if text is None:
-            return [], 0
+            return [], 0, []
         end = len(text) - 1
         for n in range(min(self.max_match, len(text)), self.min_match - 1, -1):
             occ = g.table.get(tuple(text[-n:]))
             if not occ:
                 continue
-            for r, p in reversed(occ):  # newest first
+            cands: list[tuple[list[int], int]] = []  # (source text, where its continuation starts), newest first
+            for r, p in reversed(occ):
                 src = g.texts[r]
                 if p + 1 < len(src) and not (r == row and p == end):
-                    out = src[p + 1 : p + 1 + k]
-                    self._counts["hits"] += 1
-                    self._counts["match_tokens"] += n
-                    self._counts["proposed_tokens"] += len(out)
-                    return out, n
-        return [], 0
+                    cands.append((src, p + 1))
+                    if len(cands) >= self.max_candidates:
+                        break
+            if not cands:
+                continue
+            out: list[int] = []
+            support: list[tuple[int, int]] = []
+            while len(out) < k and len(cands) > 1:
+                j = len(out)
+                counts: dict[int, int] = {}  # insertion order is recency: max() keeps the newest on a tie
+                for src, s in cands:
+                    if s + j < len(src):
+                        counts[src[s + j]] = counts.get(src[s + j], 0) + 1
+                if not counts:
+                    break
+                x = max(counts, key=counts.__getitem__)
+                out.append(x)
+                support.append((counts[x], sum(counts.values())))
+                cands = [c for c in cands if c[1] + j < len(c[0]) and c[0][c[1] + j] == x]
+            if len(out) < k and len(cands) == 1:  # one candidate left: the rest of its text, each token 1 of 1
+                src, s = cands[0]
+                rest = src[s + len(out):s + k]
+                out.extend(rest)
+                support.extend([(1, 1)] * len(rest))
+            if out:
+                self._counts["hits"] += 1
+                self._counts["match_tokens"] += n
+                self._counts["proposed_tokens"] += len(out)
+                return out, n, support
+        return [], 0, []
 
     def stats(self) -> dict[str, float]:
         """``groups``, ``rows``, ``tokens`` (indexed), ``keys``, ``proposals``, ``hit_rate``,

@@ -53,6 +53,31 @@ def test_own_earlier_text_and_newest_occurrence_first():
     assert ix.propose("g", 0, 1) == ([3], 2)  # the sibling's occurrence is newer
 
 
+def test_the_continuation_most_siblings_wrote_is_proposed_with_its_support():
+    # four siblings wrote on after "5 6": three of them "7 8 ...", the newest "9": the majority wins (the
+    # newest occurrence alone would say 9), and each token says how many of the texts still agreeing wrote it
+    ix = LiveIndex(max_match=2)
+    for r, tail in enumerate([[7, 8, 1], [7, 8, 2], [7, 3], [9, 9]]):
+        ix.start("g", r, [])
+        ix.append("g", r, [5, 6] + tail)
+    ix.start("g", 4, [])
+    ix.append("g", 4, [5, 6])
+    out, n, support = ix.propose_with_support("g", 4, 3)
+    assert (out, n) == ([7, 8, 2], 2)  # the 2 texts wrote 1 and 2 after "7 8": a tie, the newest (2) wins
+    assert support == [(3, 4), (2, 3), (1, 2)]
+    assert ix.propose("g", 4, 3) == ([7, 8, 2], 2)
+    # one candidate left: the rest of its text, each token supported by that one text
+    ix.start("g", 5, [])
+    ix.append("g", 5, [9])  # "9" is no n-gram of length 2: the row's own "x 9"... matches nothing yet
+    assert ix.propose_with_support("g", 5, 2) == ([], 0, [])
+    ix.append("g", 5, [9])  # "9 9": row 3 wrote it, at its end (no continuation); row 5's own end excluded
+    assert ix.propose_with_support("g", 5, 2) == ([], 0, [])
+    ix.append("g", 3, [4, 4])
+    assert ix.propose_with_support("g", 5, 3) == ([4, 4], 2, [(1, 1), (1, 1)])
+    with pytest.raises(ValueError, match="max_candidates"):
+        LiveIndex(max_candidates=0)
+
+
 def test_groups_are_isolated_and_freed_with_their_last_row():
     ix = LiveIndex()
     ix.start("a", 0, PROMPT)
@@ -152,3 +177,23 @@ def test_history_drafter_runs_the_live_index_beside_the_finished_responses():
     off.start(0, prompt, 1, None)
     off.start(1, prompt, 1, None)
     assert off.propose_lists(seqs, 2) == [[], []] and off.live is None
+
+
+def test_the_support_benchmark_replays_sibling_answers():
+    """benchmarks/bench_live_support.py's lockstep replay, on answers made up so that the step that matters is
+    known: three siblings write "5 6 7 0" twice, the fourth "5 6 8 0" then "5 6 7 0". At the second "5 6" (all
+    rows next write 7) the newest earlier occurrence is the fourth row's (8: rejected by every row), the
+    majority's is 7 (3 of 4 texts: accepted by every row)."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_live_support.py")
+    spec = importlib.util.spec_from_file_location("bench_live_support_for_test", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [[5, 6, 7, 0, 5, 6, 7, 0]] * 3 + [[5, 6, 8, 0, 5, 6, 7, 0]]
+    res = bench.replay([[PROMPT] + rows], k=3, candidates=16)
+    assert res["proposals"]["majority"] == res["proposals"]["newest"] > 0
+    assert res["first_token_accepted"]["majority"] > res["first_token_accepted"]["newest"]
+    first_majority = res["support_classes"]["majority, first"]
+    assert first_majority["tried"] == 4 and first_majority["accepted"] == 1.0  # 7, written by 3 of the 4 texts
