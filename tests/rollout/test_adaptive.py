@@ -19,6 +19,7 @@ from megatron_spec.rollout.native.adaptive import (
     plan_step,
     size_class,
 )
+from megatron_spec.rollout.native.measures import SupportStats, paying_prefix, support_class
 
 
 def test_cost_table_interpolates_and_extrapolates():
@@ -264,6 +265,47 @@ def test_history_only_steps_draft_past_the_main_drafters_k():
     chosen = _train_two(ctl, 2, main_accept=0.3, hist_accept=1.0, hist_len=8, draft_s=0.3)
     late = chosen[-50:]
     assert sum(h for _, h in late) > 40 and max(set(late), key=late.count) == (8, True)
+
+
+def test_sibling_support_classes_learn_their_acceptance():
+    st = SupportStats()
+    assert [support_class(a, t, j) for a, t, j in [(1, 1, 0), (2, 2, 0), (5, 5, 3), (2, 3, 0), (1, 2, 1), (1, 3, 0)]] \
+        == [0, 2, 5, 6, 9, 8]  # unanimous of 1 / 2 / 3+, majority, minority; first position or later
+    sup = [(2, 2), (1, 1), (1, 2)]
+    for _ in range(8):
+        st.record(sup, 3, 3)  # drafted 3, all accepted: each token's class tried and accepted
+    st.record(sup, 3, 0)  # the first rejected: only its class tried
+    st.record(sup, 1, 1)  # one token verified (a proposal cut short, or fewer emitted): the first alone
+    assert st.tried[support_class(2, 2, 0)] == 10 and st.accepted[support_class(2, 2, 0)] == 9
+    assert st.tried[support_class(1, 1, 1)] == 8 and st.tried[support_class(1, 2, 2)] == 8
+    a = st.alpha([0.5] * 4, sup, 2.0)  # each class's rate, shrunk towards the source's 0.5 by 2 observations
+    assert a == pytest.approx([(9 + 1) / 12, (8 + 1) / 10, (8 + 1) / 10, 0.5])
+
+
+def test_a_live_proposal_drafts_only_its_paying_prefix():
+    assert paying_prefix([0.9, 0.9, 0.5], 0.5, 3) == 2  # reached and accepted: 0.9, 0.81, 0.405
+    assert paying_prefix([0.9, 0.9, 0.5], 0.5, 1) == 1 and paying_prefix([0.4], 0.5, 1) == 0
+    ctl = DraftLengthController(4, k_main=2)
+    assert ctl.token_threshold(16) is None  # no verify sizes measured yet
+    for n, t in ((16, 0.040), (32, 0.067), (64, 0.120)):  # compute-bound: 16 more tokens cost 0.68 of a step
+        ctl.record_step(16, n // 16 - 1, t, 0.0, prefill=False)
+    assert ctl.token_threshold(16) == pytest.approx(0.675)
+    assert ctl.token_threshold(1) < 0.2  # a few rows: a wider verify costs little more
+    for a in (0, 1) * 10:
+        ctl.record_accept("live", None, 4, a)  # the live proposals' learned rate at position 1: ~0.52
+    for _ in range(40):  # what the support classes were worth: unanimous pairs 0.9, a lone sibling 0.5, a split 0.1
+        ctl.support.record([(2, 2), (2, 2)], 2, 2 if _ % 10 else 1)
+        ctl.support.record([(1, 1)], 1, _ % 2)
+        ctl.support.record([(1, 2)], 1, int(_ % 10 == 0))
+    accs = [{} for _ in range(16)]
+    hist = [[1, 2, 3, 4]] * 3 + [[]] * 13
+    support = [[(2, 2), (2, 2), (1, 2), (2, 2)], [(1, 1), (1, 1), (1, 1), (1, 1)], [(1, 2), (1, 1), (1, 1), (1, 1)]]
+    plan, use, options = plan_step(ctl, "eagle3", accs, hist, ["live"] * 3 + [None] * 13, support + [None] * 13)
+    assert len(options[0]) == 2 and options[0][1][1] == 2  # two unanimous pairs pay; then a split does not
+    assert len(options[1]) == 1 and len(options[2]) == 1  # a lone sibling or a split: not at this batch
+    # the same proposals with no support (the finished responses' index): whole, at the learned rate
+    _, _, plain = plan_step(ctl, "eagle3", accs, hist, ["live"] * 3 + [None] * 13)
+    assert [o[1][1] for o in plain[:3]] == [4, 4, 4]
 
 
 def test_a_good_main_drafter_keeps_the_mixed_step():

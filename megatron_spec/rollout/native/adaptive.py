@@ -87,7 +87,7 @@ import numpy as np
 
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.config import HISTORY_TREE_MODES
-from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable
+from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats, paying_prefix
 
 Option = tuple[Sequence[float], "int | None"]
 """One draft source of one row: acceptance per position, and its proposal length (None: any k)."""
@@ -138,7 +138,7 @@ class DraftLengthController:
     """Chooses k per verify step (see the module docstring)."""
 
     def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, explore_margin: float = 0.85,
-                 explore_rare: int = 8, row_prior_weight: float = 4.0,
+                 explore_rare: int = 8, row_prior_weight: float = 4.0, support_weight: float = 2.0,
                  batch_decay: float = 0.98, k_main: int | None = None, k_tree: int = 0, tree: str = "auto",
                  tree_calibration_ema: float = 0.05, rate_calibration_ema: float = 0.1):
         if not 0 <= k_min <= k_max or k_max < 1:
@@ -175,6 +175,7 @@ class DraftLengthController:
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.row_prior_weight = row_prior_weight
+        self.support, self.support_weight = SupportStats(decay=batch_decay), support_weight  # SupportStats.alpha
         self.batch_decay = batch_decay
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
@@ -234,6 +235,18 @@ class DraftLengthController:
         near = min(table.sizes, key=lambda s: abs(s - b))
         d_near = self.draft.estimate(near)
         return table.seconds[near] * d / d_near if d is not None and d_near else table.estimate(b)
+
+    def token_threshold(self, b: int) -> float | None:
+        """The probability of being reached and accepted above which one more drafted token of a row pays at
+        ``b`` rows: what a verify of twice the tokens costs more, over a plain step (each extra token costs
+        ``(T(2b) - T(b)) / b``, each row's plain token ``T(b) / b``). Compute-bound (a large batch on a CPU)
+        it is near 1, memory-bound (few rows) near 0. None until the verify table has two sizes."""
+        if len(self.verify) < 2:
+            return None
+        t, t2 = self.verify.estimate(b), self.verify.estimate(2 * b)
+        if not t or t2 is None:
+            return None
+        return min(1.0, max(0.0, (t2 - t) / t))
 
     def expected_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
         """Expected tokens per second for every k in ``k_min..k_main`` with a cost estimate, every row
@@ -402,7 +415,7 @@ class DraftLengthController:
         ``B * (1+k+m)`` tokens wide); ``tokens``: what a packed verify forward really ran (rows
         drafting fewer than k). A step that carried a prefill has no representative time and is not
         recorded."""
-        for stats in self.batch.values():
+        for stats in (*self.batch.values(), self.support):
             stats.decay_all()
         if prefill:
             return
@@ -421,16 +434,21 @@ class DraftLengthController:
 
 
 def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str, AcceptanceStats]],
-              hist: list[list[int]] | None, hist_sources: list[str | None] | None = None
-              ) -> tuple[StepPlan, list[bool], list]:
+              hist: list[list[int]] | None, hist_sources: list[str | None] | None = None,
+              hist_support: list[list[tuple[int, int]] | None] | None = None) -> tuple[StepPlan, list[bool], list]:
     """The step's plan (:meth:`DraftLengthController.choose_step`: k, and whether every row drafts,
     only the rows with a history proposal, or a tree), per row whether it drafts from the history
     (in an ``all`` step: the source expected to emit more tokens at that k; ties go to the main
     drafter ``main``), and the rows' options the choice was made from. ``accs``: each row's
     request's acceptance per source; ``hist_sources``: per row, which index made its proposal
-    (``live`` or ``history``, each judged on its own acceptance; default ``history``)."""
+    (``live`` or ``history``, each judged on its own acceptance; default ``history``);
+    ``hist_support``: per row, a live proposal's support per token (its acceptance is then what its
+    tokens' support classes were worth, ``SupportStats.alpha``, and only its :func:`paying_prefix` at the
+    batch's :meth:`~DraftLengthController.token_threshold` is an option: ``options[b][1][1]``, what the engine drafts)."""
     options = []
     bases: dict[str, list[float]] = {}  # the batch's rates per source, once per step
+    cut = hist_support and any(hist_support) and not controller.force_history_rows  # (the hook: whole ones)
+    threshold = controller.token_threshold(len(accs)) if cut else None
 
     def alpha(src: str, row: AcceptanceStats | None) -> list[float]:
         if src not in bases:
@@ -441,7 +459,14 @@ def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str,
         opts = [(alpha(main, acc.get(main)), None)]
         if hist is not None and hist[i]:
             src = (hist_sources[i] if hist_sources else None) or "history"
-            opts.append((alpha(src, acc.get(src)), len(hist[i])))
+            a, n = alpha(src, acc.get(src)), len(hist[i])
+            support = hist_support[i] if hist_support else None
+            if support:
+                a = controller.support.alpha(a, support, controller.support_weight)
+                if threshold is not None:
+                    n = paying_prefix(a, threshold, n)
+            if n:
+                opts.append((a, n))
         options.append(opts)
     plan = controller.choose_step(options)
     if plan.mode == "history":
@@ -457,15 +482,19 @@ def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str,
 
 
 def record_unused_history(controller: DraftLengthController, acc: dict[str, AcceptanceStats], k_all: int,
-                          proposal: list[int], emitted: list[int], source: str = "history") -> None:
+                          proposal: list[int], emitted: list[int], source: str = "history",
+                          support: list[tuple[int, int]] | None = None) -> None:
     """Acceptance of a history proposal a row did not use, from what the row emitted: a point-mass
     draft x is accepted with probability p(x), the probability that the target's own token is x,
     so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
     of acceptance at position j. Positions past the emitted tokens are not observed. Without this,
     the history would only be judged on the rows where the main drafter looked weak (a biased
-    sample) and, once judged badly there, never chosen again."""
+    sample) and, once judged badly there, never chosen again. ``support``: a live proposal's, per token
+    (what its support classes are worth is learned the same way)."""
     n = min(len(proposal), len(emitted))
     m = 0
     while m < n and proposal[m] == emitted[m]:
         m += 1
     controller.record_accept(source, acc.setdefault(source, AcceptanceStats(k_all)), n, m)
+    if support:
+        controller.support.record(support, n, m)

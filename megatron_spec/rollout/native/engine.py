@@ -344,14 +344,19 @@ class EngineCore:
         t0 = time.perf_counter()
         b, dev = len(rows), self.device
         tokens = [r.tokens for r in rows]
-        hist = self.history.propose_lists(tokens, self.k_history) if self.history is not None else None
+        hist = hist_full = self.history.propose_lists(tokens, self.k_history) if self.history is not None else None
+        support = None
         t_draft = time.perf_counter() - t0
         if self.controller is None:
             plan, use_hist, options = StepPlan(self.k), [False] * b, None
         else:
             srcs = getattr(self.history, "sources", None)  # live group index or finished responses, per row
+            sup = getattr(self.history, "support", None)  # a live proposal's sibling support per token
+            support = sup[:b] if sup else None
             plan, use_hist, options = plan_step(self.controller, self.drafter.kind, [r.acc for r in rows], hist,
-                                                srcs[:b] if srcs else None)
+                                                srcs[:b] if srcs else None, support)
+            if hist is not None:  # what the rows draft: the paying prefix of a supported live proposal
+                hist_full, hist = hist, [h[:o[1][1]] if len(o) > 1 else [] for h, o in zip(hist, options)]
         k = plan.k
         t1 = time.perf_counter()
         main_ran = k > 0 and plan.mode != "history" and (not all(use_hist) or not self.drafter.supports_skip)
@@ -370,7 +375,8 @@ class EngineCore:
         branch = None
         if plan.mode == "tree":  # the second branch: each row's history proposal
             branch = pad_rows([h[:plan.m] for h in hist], plan.m, -1, dev)
-        return Proposal(plan, use_hist, point, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main)
+        return Proposal(plan, use_hist, point, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main,
+                        hist_full, support)
 
     def _verify_step(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
                      adm: Admission | None) -> Verified:
@@ -470,14 +476,18 @@ class EngineCore:
                         csrc = label if u and self.history is not None else src
                         self.controller.record_accept(csrc, r.acc.setdefault(csrc, AcceptanceStats(self.k_all)),
                                                       proposed, a)
+                        if u and prop.support is not None and prop.support[i]:
+                            self.controller.support.record(prop.support[i], proposed, a)
             if two:
                 stats.tree_second += int(second[i])
                 opts = prop.options[i]
                 predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
                 realized += a
-            if hist is not None and hist[i] and not u:
-                record_unused_history(self.controller, r.acc, self.k_all, hist[i][:m] if two else hist[i], em,
-                                      source=self._source_label(i, "history"))
+            full = prop.hist_full[i] if prop.hist_full is not None else None
+            if full and not u:  # (the whole proposal: its acceptance is learned also where only a prefix paid)
+                record_unused_history(self.controller, r.acc, self.k_all, hist[i][:m] if two else full, em,
+                                      source=self._source_label(i, "history"),
+                                      support=prop.support[i] if prop.support is not None else None)
         if self.controller is not None:
             if prop.tree:
                 self.controller.record_tree(predicted, realized)

@@ -45,6 +45,9 @@ class HistoryDrafter(Drafter):
         self.rows: list[int | None] = []  # per slot: its row's id in the live index
         self.indexed: list[int] = []  # per slot: tokens of its sequence already in the live index
         self.sources: list[str | None] = []  # per slot: what drafted its last proposal
+        self.support: list[list[tuple[int, int]] | None] = []
+        """Per slot: the live proposal's support per token (``LiveIndex.propose_with_support``); None for a
+        proposal from the finished responses, or none."""
         self._next_row = 0
         self.reset()
 
@@ -62,6 +65,7 @@ class HistoryDrafter(Drafter):
         self.rows = [None] * num_slots
         self.indexed = [0] * num_slots
         self.sources = [None] * num_slots
+        self.support = [None] * num_slots
 
     def begin_call(self):
         self.step += 1
@@ -72,6 +76,7 @@ class HistoryDrafter(Drafter):
     def move(self, src, dst):
         self.prompts[dst] = self.prompts[src]
         self.rows[dst], self.indexed[dst], self.sources[dst] = self.rows[src], self.indexed[src], self.sources[src]
+        self.support[dst] = self.support[src]
 
     @staticmethod
     def key(prompt: Sequence[int]) -> str:
@@ -101,15 +106,17 @@ class HistoryDrafter(Drafter):
             hist, matched = self.index.propose_match(self.prompts[b], seq, k) if k else ([], 0)
             hist = hist[:k]
             src = "history" if hist else None
+            support = None
             if self.live is not None and self.rows[b] is not None:
                 key, row = self.prompts[b], self.rows[b]
                 self.live.append(key, row, seq[self.indexed[b]:])  # what the row emitted since the last call
                 self.indexed[b] = len(seq)
                 if k:
-                    live, n = self.live.propose(key, row, k)
+                    live, n, sup = self.live.propose_with_support(key, row, k)
                     if live and (not hist or n >= matched):
-                        hist, src = live, "live"
+                        hist, src, support = live, "live", sup
             self.sources[b] = src
+            self.support[b] = support
             out.append(hist)
         return out
 

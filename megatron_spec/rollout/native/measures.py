@@ -3,7 +3,8 @@
 :class:`CostTable` (a verify's or a proposal's seconds per integer size: the median of the size's last
 measurements, interpolated between sizes) and :class:`AcceptanceStats` (tried / accepted counts per
 draft position, decayed, with a shrinking prior), used by :mod:`megatron_spec.rollout.native.adaptive`
-(whose docstring says why each is built so). They know nothing about models, drafts or plans.
+(whose docstring says why each is built so), and what a live proposal's sibling support says of its acceptance
+(:class:`SupportStats`, :func:`paying_prefix`). They know nothing about models, drafts or plans.
 """
 
 from __future__ import annotations
@@ -98,3 +99,64 @@ class AcceptanceStats:
             p = prior[i] if prior is not None else (out[-1] if out else first_prior)
             out.append((a + prior_weight * p) / (t + prior_weight))
         return out
+
+
+SUPPORT_CLASSES = 10
+
+
+def support_class(agree: int, total: int, position: int) -> int:
+    """The class a live proposal's token is judged in (:class:`SupportStats`): unanimous among 1, 2 or
+    >= 3 sibling texts, a majority (>= 2/3) or a minority of several; at the proposal's first position
+    or later (given the earlier ones were accepted)."""
+    kind = min(total, 3) - 1 if agree == total else (3 if 3 * agree >= 2 * total else 4)
+    return 2 * kind + (position > 0)
+
+
+class SupportStats:
+    """Acceptance of live proposals' tokens per :func:`support_class` (tried / accepted, decayed).
+
+    ``LiveIndex.propose_with_support`` says per token how many of the sibling texts still in the running
+    wrote it (``agree``) of how many reached it (``total``). What that is worth is learned, not assumed:
+    on SmolLM2's T=1 answers a token two or more siblings all wrote was the target's 75-91% of the time,
+    a minority's 18-21%, a lone sibling's 45% at the first position and 68% further on
+    (``benchmarks/bench_live_support.py``: a lockstep replay of 256 answers, docs/benchmarks.md)."""
+
+    def __init__(self, decay: float = 1.0):
+        self.decay = decay
+        self.tried = [0.0] * SUPPORT_CLASSES
+        self.accepted = [0.0] * SUPPORT_CLASSES
+
+    def record(self, support: Sequence[tuple[int, int]], num_drafted: int, num_accepted: int) -> None:
+        """A proposal with ``support`` per token: ``num_drafted`` of its tokens were verified (or compared with
+        what the row emitted) and the first ``num_accepted`` passed."""
+        for j in range(min(num_drafted, num_accepted + 1, len(support))):
+            c = support_class(*support[j], j)
+            self.tried[c] += 1.0
+            if j < num_accepted:
+                self.accepted[c] += 1.0
+
+    def decay_all(self) -> None:
+        if self.decay < 1.0:
+            self.tried = [x * self.decay for x in self.tried]
+            self.accepted = [x * self.decay for x in self.accepted]
+
+    def alpha(self, base: Sequence[float], support: Sequence[tuple[int, int]], weight: float) -> list[float]:
+        """Acceptance per position of a proposal with ``support``: each token's class rate, shrunk towards the
+        source's learned rate ``base[j]`` by ``weight`` pseudo-observations (positions past it keep ``base``)."""
+        out = list(base)
+        for j, (agree, total) in enumerate(support[:len(out)]):
+            c = support_class(agree, total, j)
+            out[j] = (self.accepted[c] + weight * out[j]) / (self.tried[c] + weight)
+        return out
+
+
+def paying_prefix(alpha: Sequence[float], threshold: float, limit: int) -> int:
+    """How many of a proposal's first ``limit`` tokens are reached and accepted with probability at least
+    ``threshold`` (``alpha``: conditional acceptance per position)."""
+    p, n = 1.0, 0
+    for a in alpha[:limit]:
+        p *= a
+        if p < threshold:
+            break
+        n += 1
+    return n

@@ -37,7 +37,7 @@ class Proposal:
     options: list | None
     """Per row, the (acceptance, proposal length) options the adaptive plan was chosen from."""
     hist: list[list[int]] | None
-    """Per row, the history drafter's proposal (None without one)."""
+    """Per row, what the row may draft of the history drafter's proposal (None without one)."""
     drafts: torch.Tensor
     """``[B, k]`` target ids, -1 where a row drafts fewer than k."""
     q: torch.Tensor | None
@@ -48,6 +48,11 @@ class Proposal:
     """The main drafter proposed for some row (its time is what the controller learns)."""
     t_draft: float
     t_main: float
+    hist_full: list[list[int]] | None = None
+    """Per row, the history drafter's whole proposal, where ``hist`` holds what the row may draft of it (a
+    supported live proposal's paying prefix: ``adaptive.plan_step``); what unused proposals teach."""
+    support: list[list[tuple[int, int]] | None] | None = None
+    """Per row, a live proposal's sibling support per token (``LiveIndex.propose_with_support``), or None."""
 
     @property
     def k(self) -> int:
