@@ -273,9 +273,9 @@ def test_sibling_support_classes_learn_their_acceptance():
         == [0, 2, 5, 6, 9, 8]  # unanimous of 1 / 2 / 3+, majority, minority; first position or later
     sup = [(2, 2), (1, 1), (1, 2)]
     for _ in range(8):
-        st.record(sup, 3, 3)  # drafted 3, all accepted: each token's class tried and accepted
-    st.record(sup, 3, 0)  # the first rejected: only its class tried
-    st.record(sup, 1, 1)  # one token verified (a proposal cut short, or fewer emitted): the first alone
+        st.record_proposal(sup, 3, 3)  # drafted 3, all accepted: each token's class tried and accepted
+    st.record_proposal(sup, 3, 0)  # the first rejected: only its class tried
+    st.record_proposal(sup, 1, 1)  # one token verified (a proposal cut short, or fewer emitted): the first alone
     assert st.tried[support_class(2, 2, 0)] == 10 and st.accepted[support_class(2, 2, 0)] == 9
     assert st.tried[support_class(1, 1, 1)] == 8 and st.tried[support_class(1, 2, 2)] == 8
     a = st.alpha([0.5] * 4, sup, 2.0)  # each class's rate, shrunk towards the source's 0.5 by 2 observations
@@ -294,9 +294,9 @@ def test_a_live_proposal_drafts_only_its_paying_prefix():
     for a in (0, 1) * 10:
         ctl.record_accept("live", None, 4, a)  # the live proposals' learned rate at position 1: ~0.52
     for _ in range(40):  # what the support classes were worth: unanimous pairs 0.9, a lone sibling 0.5, a split 0.1
-        ctl.support.record([(2, 2), (2, 2)], 2, 2 if _ % 10 else 1)
-        ctl.support.record([(1, 1)], 1, _ % 2)
-        ctl.support.record([(1, 2)], 1, int(_ % 10 == 0))
+        ctl.support.record_proposal([(2, 2), (2, 2)], 2, 2 if _ % 10 else 1)
+        ctl.support.record_proposal([(1, 1)], 1, _ % 2)
+        ctl.support.record_proposal([(1, 2)], 1, int(_ % 10 == 0))
     accs = [{} for _ in range(16)]
     hist = [[1, 2, 3, 4]] * 3 + [[]] * 13
     support = [[(2, 2), (2, 2), (1, 2), (2, 2)], [(1, 1), (1, 1), (1, 1), (1, 1)], [(1, 2), (1, 1), (1, 1), (1, 1)]]

@@ -497,4 +497,4 @@ def record_unused_history(controller: DraftLengthController, acc: dict[str, Acce
         m += 1
     controller.record_accept(source, acc.setdefault(source, AcceptanceStats(k_all)), n, m)
     if support:
-        controller.support.record(support, n, m)
+        controller.support.record_proposal(support, n, m)

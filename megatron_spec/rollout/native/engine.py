@@ -477,7 +477,7 @@ class EngineCore:
                         self.controller.record_accept(csrc, r.acc.setdefault(csrc, AcceptanceStats(self.k_all)),
                                                       proposed, a)
                         if u and prop.support is not None and prop.support[i]:
-                            self.controller.support.record(prop.support[i], proposed, a)
+                            self.controller.support.record_proposal(prop.support[i], proposed, a)
             if two:
                 stats.tree_second += int(second[i])
                 opts = prop.options[i]

@@ -112,7 +112,7 @@ def support_class(agree: int, total: int, position: int) -> int:
     return 2 * kind + (position > 0)
 
 
-class SupportStats:
+class SupportStats(AcceptanceStats):
     """Acceptance of live proposals' tokens per :func:`support_class` (tried / accepted, decayed).
 
     ``LiveIndex.propose_with_support`` says per token how many of the sibling texts still in the running
@@ -122,11 +122,9 @@ class SupportStats:
     (``benchmarks/bench_live_support.py``: a lockstep replay of 256 answers, docs/benchmarks.md)."""
 
     def __init__(self, decay: float = 1.0):
-        self.decay = decay
-        self.tried = [0.0] * SUPPORT_CLASSES
-        self.accepted = [0.0] * SUPPORT_CLASSES
+        super().__init__(SUPPORT_CLASSES, decay)  # tried / accepted per class instead of per position
 
-    def record(self, support: Sequence[tuple[int, int]], num_drafted: int, num_accepted: int) -> None:
+    def record_proposal(self, support: Sequence[tuple[int, int]], num_drafted: int, num_accepted: int) -> None:
         """A proposal with ``support`` per token: ``num_drafted`` of its tokens were verified (or compared with
         what the row emitted) and the first ``num_accepted`` passed."""
         for j in range(min(num_drafted, num_accepted + 1, len(support))):
@@ -134,11 +132,6 @@ class SupportStats:
             self.tried[c] += 1.0
             if j < num_accepted:
                 self.accepted[c] += 1.0
-
-    def decay_all(self) -> None:
-        if self.decay < 1.0:
-            self.tried = [x * self.decay for x in self.tried]
-            self.accepted = [x * self.decay for x in self.accepted]
 
     def alpha(self, base: Sequence[float], support: Sequence[tuple[int, int]], weight: float) -> list[float]:
         """Acceptance per position of a proposal with ``support``: each token's class rate, shrunk towards the
