@@ -17,8 +17,11 @@ row at its first response token already matches its siblings' openings.
 * append: ``O(max_match)`` table updates per new token, whatever the group's size (the engine
   appends each verify step's emitted tokens, found by comparing the row's length with what was
   indexed: no rebuild);
-* propose: at most ``max_match - min_match + 1`` lookups, longest n first; the first occurrence
-  with at least one token after it (not the row's own end) gives up to k tokens;
+* propose: at most ``max_match - min_match + 1`` lookups, longest n first; of the newest
+  ``max_candidates`` occurrences with at least one token after it (not the row's own end), the
+  continuation most of them wrote, token by token, up to k tokens, with each token's support
+  (replayed on SmolLM2's T=1 sibling answers: 1.34 tokens accepted per proposal, against 1.20 for
+  the newest occurrence's continuation alone; ~12 us a proposal against ~5);
 * memory: bounded per group (``max_tokens_per_group``; a group past it stops indexing, still
   proposes) and freed when the group's last row finishes (its responses then go to the history of
   finished responses, ``HistoryIndex``).
@@ -143,9 +146,9 @@ class LiveIndex:
         text that have a continuation (not the row's own end). Token j is the continuation most of the
         candidates still in the running wrote at offset j (ties: the newest occurrence's), ``total`` how
         many of them reach offset j and ``agree`` how many wrote that token; only those go on to j + 1.
-        At T = 1 the siblings sampled from the policy after the same text, so ``agree / total`` is an
-        estimate of the probability that the target's next token is the proposed one (what the engine's
-        controller shrinks towards its learned acceptance: ``adaptive.support_alpha``)."""
+        At T = 1 the siblings sampled from the policy after the same text, so the support is evidence of how
+        likely the target is to write the proposed token (measured: ``benchmarks/bench_live_support.py``); the
+        engine's controller learns what each support class is worth (``rollout.native.measures.SupportStats``)."""
         self._counts["proposals"] += 1
         g = self.groups.get(group)
         if g is None or k <= 0:
