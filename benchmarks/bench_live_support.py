@@ -56,11 +56,11 @@ def generate(model: str, work: str, prompts: int, samples: int, new_tokens: int,
 
 def replay(groups: list[list[list[int]]], k: int, candidates: int) -> dict:
     """Lockstep replay of every group (first entry its prompt, then its answers)."""
-    from megatron_spec.rollout.native.measures import SUPPORT_CLASSES, support_class
+    from megatron_spec.rollout.native.measures import SUPPORT_CLASSES, SupportStats
     from megatron_spec.spec.live import LiveIndex
 
     accepted = {"majority": [], "newest": []}
-    tried, passed = [0] * SUPPORT_CLASSES, [0] * SUPPORT_CLASSES
+    classes = SupportStats()  # what the engine learns online, here from the whole replay
     for g, (prompt, *rows) in enumerate(groups):
         ix = LiveIndex(max_candidates=candidates)
         for r in range(len(rows)):
@@ -82,16 +82,14 @@ def replay(groups: list[list[list[int]]], k: int, candidates: int) -> dict:
                     while m < min(len(prop), len(truth)) and prop[m] == truth[m]:
                         m += 1
                     accepted[name].append(m)
-                    if name == "majority":  # positions 0..m tried (m: the rejected one, if observed)
-                        for j in range(min(len(prop), len(truth), m + 1)):
-                            c = support_class(*support[j], j)
-                            tried[c] += 1
-                            passed[c] += int(j < m)
+                    if name == "majority":  # as the engine's record_unused_history: positions 0..m observed
+                        classes.record_proposal(support, min(len(prop), len(truth)), m)
     return {"proposals": {n: len(v) for n, v in accepted.items()},
             "accepted_per_proposal": {n: round(sum(v) / max(1, len(v)), 3) for n, v in accepted.items()},
             "first_token_accepted": {n: round(sum(1 for x in v if x) / max(1, len(v)), 3) for n, v in accepted.items()},
             "support_classes": {f"{CLASS_NAMES[c // 2]}, {'first' if c % 2 == 0 else 'later'}":
-                                {"accepted": round(passed[c] / tried[c], 3) if tried[c] else None, "tried": tried[c]}
+                                {"accepted": round(classes.accepted[c] / classes.tried[c], 3) if classes.tried[c] else None,
+                                 "tried": int(classes.tried[c])}
                                 for c in range(SUPPORT_CLASSES)}}
 
 
