@@ -187,7 +187,6 @@ def training_sample_segments(cache, rows: int) -> list[int]:
     return list(range(0, cache.num_segments, every))
 
 
-
 def init_mtp_from_last_layer(trainer: Any, policy: torch.nn.Module) -> None:
     """Start every MTP depth's transformer layer and final norm from the policy's last decoder layer
     and final norm (``eh_proj``, ``enorm``, ``hnorm`` keep megatron-core's initialisation): a depth

@@ -293,10 +293,10 @@ def test_a_live_proposal_drafts_only_its_paying_prefix():
     assert ctl.token_threshold(1) < 0.2  # a few rows: a wider verify costs little more
     for a in (0, 1) * 10:
         ctl.record_accept("live", None, 4, a)  # the live proposals' learned rate at position 1: ~0.52
-    for _ in range(40):  # what the support classes were worth: unanimous pairs 0.9, a lone sibling 0.5, a split 0.1
-        ctl.support.record_proposal([(2, 2), (2, 2)], 2, 2 if _ % 10 else 1)
-        ctl.support.record_proposal([(1, 1)], 1, _ % 2)
-        ctl.support.record_proposal([(1, 2)], 1, int(_ % 10 == 0))
+    for i in range(40):  # what the support classes were worth: unanimous pairs 0.9, a lone sibling 0.5, a split 0.1
+        ctl.support.record_proposal([(2, 2), (2, 2)], 2, 2 if i % 10 else 1)
+        ctl.support.record_proposal([(1, 1)], 1, i % 2)
+        ctl.support.record_proposal([(1, 2)], 1, int(i % 10 == 0))
     accs = [{} for _ in range(16)]
     hist = [[1, 2, 3, 4]] * 3 + [[]] * 13
     support = [[(2, 2), (2, 2), (1, 2), (2, 2)], [(1, 1), (1, 1), (1, 1), (1, 1)], [(1, 2), (1, 1), (1, 1), (1, 1)]]
