@@ -14,9 +14,10 @@
 # The whole suite from a fresh clone on a quiet 2-core AVX2 machine (2026-11-28): 1298 s of tests, 28.7 min with the
 # set-up; 2255 s of tests before processes ended without the interpreter's finalisation (megatron_spec/exit.py),
 # the parity checks ran in one launch per TP size and the CUDA build test skipped while its inputs are unchanged.
-# With no arguments, on a CPU with native bf16 the engine and rollout tests then run a second
-# time with MEGATRON_SPEC_NO_NATIVE_BF16=1: the path a CPU without AVX-512 takes (fp32 engine,
-# AVX2 kernels). On a CPU without native bf16 the first run already took that path.
+# With no arguments, on a CPU with native bf16 the engine, rollout and kernel tests (not the statistical
+# ones, below) then run a second time, on the same workers, with MEGATRON_SPEC_NO_NATIVE_BF16=1: the path a
+# CPU without AVX-512 takes (fp32 engine, AVX2 kernels). On a CPU without native bf16 the first run already
+# took that path.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_env.sh --with-sglang
@@ -34,7 +35,8 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 # so the switch changes only which kernel variant runs (AVX2 instead of AVX-512), and tests/ops checks every
 # variant bit for bit against its pure-PyTorch reference in both runs. Measured on a 2-core AVX2 machine
 # (2026-11-29): the set in one process ~560 s of tests, on 2 workers 335 s, on 2 workers without the
-# statistical tests 146 s. CI, on a CPU with native bf16, had reached 30.5 min with the set in one process.
+# statistical tests 146 s. CI had taken 1829 s where this machine's whole suite took 20-27 min; the second run,
+# which only a CPU with native bf16 makes, in one process then, is the likely difference.
 NO_NATIVE_BF16_TESTS=(
     tests/test_isa.py
     tests/ops
@@ -70,7 +72,7 @@ python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 || st
 
 if python -c "import sys; from megatron_spec import isa; sys.exit(0 if isa.probe().native_bf16 else 1)"; then
     echo
-    echo "[test] again with MEGATRON_SPEC_NO_NATIVE_BF16=1: the engine and rollout tests on the path of a CPU without native bf16"
+    echo "[test] again with MEGATRON_SPEC_NO_NATIVE_BF16=1: the engine, rollout and kernel tests (not the statistical ones) on the path of a CPU without native bf16"
     MEGATRON_SPEC_NO_NATIVE_BF16=1 python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=5 \
         -m "not statistical" "${NO_NATIVE_BF16_TESTS[@]}" || status=$?
 else
