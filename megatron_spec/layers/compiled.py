@@ -30,7 +30,6 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._dynamo.utils import counters
 
 from megatron_spec.layers.decoder import (
     DecoderLayer,
@@ -172,6 +171,10 @@ class CompiledLayers:
             for t in cache.k + cache.v:
                 torch._dynamo.mark_static(t)
             cache._static_for_compile = True
+        # imported here, not with the module: dynamo takes ~1.7 s to import, and every engine imports this module
+        # to ask compiling_pays() whether to compile at all
+        from torch._dynamo.utils import counters
+
         graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         for t, dims in ((x, (0,)), (cos, (0, 2)), (sin, (0, 2)), (plan.write_index, (0,)), (plan.mask, (0, 2, 3))):
