@@ -29,6 +29,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # process alone on the cores decodes slower sleeping (the real model's engine, fp32: 11 vs 21 tokens/s at
 # batch 1, 103 vs 131 at batch 16), so the product and the benchmarks leave OpenMP's default.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# every run below on the same pytest-xdist workers, each file on one worker
+WORKERS=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 
 # The engine, rollout and kernel tests: whatever behaves differently with and without native bf16. The
 # second run leaves out the statistical tests: they pin the engine to fp32 (their oracle is the fp32 target),
@@ -60,7 +62,7 @@ if [ "${1:-}" = "--fast" ]; then
         python -m tests.model_factory "$models" > /dev/null
     fi
     export MEGATRON_SPEC_TEST_MODELS=$PWD/$models
-    exec python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=10 \
+    exec python -m pytest -q "${WORKERS[@]}" --durations=10 \
         -m "not dist and not statistical and not slow and not network and not gpu" "$@"
 fi
 if [ "$#" -gt 0 ]; then
@@ -68,12 +70,12 @@ if [ "$#" -gt 0 ]; then
 fi
 
 status=0
-python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=15 || status=$?
+python -m pytest -q "${WORKERS[@]}" --durations=15 || status=$?
 
 if python -c "import sys; from megatron_spec import isa; sys.exit(0 if isa.probe().native_bf16 else 1)"; then
     echo
     echo "[test] again with MEGATRON_SPEC_NO_NATIVE_BF16=1: the engine, rollout and kernel tests (not the statistical ones) on the path of a CPU without native bf16"
-    MEGATRON_SPEC_NO_NATIVE_BF16=1 python -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadfile --durations=5 \
+    MEGATRON_SPEC_NO_NATIVE_BF16=1 python -m pytest -q "${WORKERS[@]}" --durations=5 \
         -m "not statistical" "${NO_NATIVE_BF16_TESTS[@]}" || status=$?
 else
     echo
