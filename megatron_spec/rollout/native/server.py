@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -381,36 +380,7 @@ def serve_process(config: EngineConfig, conn) -> None:
 
 def serve(config: EngineConfig, conn) -> None:
     """Entry point of the engine process."""
+    from megatron_spec.rollout.process import serve as serve_calls
+
     logging.basicConfig(level=os.environ.get("MEGATRON_SPEC_ENGINE_LOG", "WARNING"))
-    try:
-        server = EngineServer(config)
-        conn.send(("ready", server.info()))
-    except Exception as exc:  # report the failure instead of dying silently
-        conn.send(("fatal", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-        return
-    while True:
-        try:
-            call_id, method, args, kwargs = conn.recv()
-        except (EOFError, OSError):  # the trainer went away: nothing left to serve
-            return
-        if method == "shutdown":
-            conn.send((call_id, "ok", None))
-            return
-        try:
-            fn = getattr(server, method, None)
-            if fn is None or method.startswith("_"):
-                raise AttributeError(f"the native engine has no call {method!r}")
-            if method == "generate":
-                last = [0.0]
-
-                def progress(n, call_id=call_id):
-                    now = time.monotonic()
-                    if now - last[0] > 0.2:
-                        last[0] = now
-                        conn.send((call_id, "progress", n))
-
-                kwargs = dict(kwargs, progress=progress)
-            result = fn(*args, **kwargs)
-            conn.send((call_id, "ok", result))
-        except Exception as exc:
-            conn.send((call_id, "error", (type(exc).__name__, str(exc), traceback.format_exc())))
+    serve_calls(lambda: EngineServer(config), conn, "native engine")
