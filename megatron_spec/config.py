@@ -94,6 +94,9 @@ class RolloutConfig:
     rollout_min_p: float = _setting("rollout_min_p")
     rollout_num_threads: int = _setting("rollout_num_threads")
     rollout_compile: bool = _setting("rollout_compile")
+    rollout_vllm_python: str = _setting("rollout_vllm_python")
+    rollout_startup_timeout_s: float = _setting("rollout_startup_timeout_s")
+    rollout_call_timeout_s: float = _setting("rollout_call_timeout_s")
     rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
     async_policy_lag: int = _f(0, "policy lag L: the engines generate the next batch while the trainer trains this "
                                   "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "
@@ -284,9 +287,22 @@ class RunConfig:
             raise ConfigError(f"--rollout-num-engines must be >= 1, got {r.rollout_num_engines}")
         if r.rollout_tensor_parallel_size is not None and r.rollout_tensor_parallel_size < 1:
             raise ConfigError(f"--rollout-tensor-parallel-size must be >= 1, got {r.rollout_tensor_parallel_size}")
-        if r.rollout_backend == "native" and r.rollout_tensor_parallel_size not in (None, 1):
-            raise ConfigError(f"--rollout-tensor-parallel-size {r.rollout_tensor_parallel_size}: the native engine runs "
-                              f"on one device (1); use --rollout-backend sglang for engines over several GPUs")
+        if r.rollout_backend in ("native", "vllm") and r.rollout_tensor_parallel_size not in (None, 1):
+            raise ConfigError(f"--rollout-tensor-parallel-size {r.rollout_tensor_parallel_size}: the {r.rollout_backend} "
+                              f"engine runs on one device (1) here; use --rollout-backend sglang for engines over "
+                              f"several GPUs")
+        if r.rollout_backend == "vllm":
+            from megatron_spec.rollout.vllm_protocol import check_engine_settings
+
+            try:
+                import torch
+
+                check_engine_settings(s.spec_draft_kind, adaptive=s.spec_num_draft_tokens == "auto",
+                                      history=s.spec_history, weight_dtype=r.rollout_weight_dtype,
+                                      device_type="cuda" if torch.cuda.is_available() else "cpu",
+                                      temperatures=[r.rollout_temperature])
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
         if r.rollout_wait_timeout_s <= 0 or r.dist_timeout_s <= 0:
             raise ConfigError("--rollout-wait-timeout-s and --dist-timeout-s must be > 0")
         if self.checkpoint.save_interval < 0:

@@ -172,17 +172,23 @@ def run(args: argparse.Namespace) -> int:
         requests = batched_requests(prompts, sampling, args.n, batch_size)
         context = check_context(args, prompts)
         config = EngineConfig(**{**engine_kwargs(values), "dtype": dtype}, device=args.device, context_length=context)
+        if backend == "vllm":
+            from megatron_spec.rollout.vllm_backend import vllm_python
+            from megatron_spec.rollout.vllm_protocol import check_supported
+
+            check_supported(config, [sampling.temperature])
+            vllm_python(config.vllm_python)
     except (ValueError, FileNotFoundError) as exc:
         print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
         return 2
 
     from tqdm import tqdm
 
-    from megatron_spec.rollout.native.handle import EngineCallError, EngineError
+    from megatron_spec.rollout.process import EngineCallError, EngineError
 
     total = len(requests) * args.n
     try:
-        with make_engine(config, backend=backend) as engine:
+        with make_engine(config, backend=backend, temperatures=(sampling.temperature,)) as engine:
             bar = tqdm(total=total, desc="generate", unit="sample", disable=args.no_progress, file=sys.stderr)
             seen = [0]
 

@@ -77,14 +77,23 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
 
     if s.spec_draft_kind in ("eagle3", "model", "mtp") and s.spec_draft_path:
         _check_draft(s.spec_draft_kind, s.spec_draft_path, target)
-    _check_backend(cfg.rollout.rollout_backend)
+    _check_backend(cfg.rollout.rollout_backend, cfg.rollout.rollout_vllm_python)
 
 
-def _check_backend(backend: str | None) -> None:
-    """SGLang, asked for or the default on a GPU, imports here; else one line naming the way out."""
+def _check_backend(backend: str | None, vllm_python: str | None = None) -> None:
+    """SGLang, asked for or the default on a GPU, imports here; vLLM's environment exists; else one line
+    naming the way out."""
     from megatron_spec.rollout import default_backend
 
     chosen = backend or default_backend()
+    if chosen == "vllm":
+        from megatron_spec.rollout.vllm_backend import vllm_python as find
+
+        try:
+            find(vllm_python)
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc)) from None
+        return
     if chosen != "sglang":
         return
     try:

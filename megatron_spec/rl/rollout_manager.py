@@ -152,7 +152,7 @@ class RolloutManager:
         r = self.cfg.rollout
         config = dataclasses.replace(self._engine_cfg, engine_index=self.my_engine)
         self.engine = make_engine(config, backend=self.backend, mem_fraction_static=r.rollout_mem_fraction_static,
-                                  tp_size=self.layout.engine_tp_size)
+                                  tp_size=self.layout.engine_tp_size, temperatures=(r.rollout_temperature,))
         target = self.engine
         if self.layout.engine_tp_size > 1:  # one payload per engine TP rank, from its colocated rank
             from megatron_spec.sync.forward import PayloadGather
@@ -283,8 +283,9 @@ class RolloutManager:
     def _generate_shard(self, reqs: list[GenerateRequest], seed: int) -> Shard:
         """This owner's engine call (runs in the executor thread in async mode). A dead or stuck
         engine is reported, not restarted here: restarting needs the weights again, which every
-        feeding rank streams together (:meth:`_collect`)."""
-        from megatron_spec.rollout.native.handle import EngineDiedError, EngineTimeoutError
+        feeding rank streams together (:meth:`_collect`). Every backend raises the same two errors for an
+        engine that is gone or stuck (``megatron_spec.rollout.process``)."""
+        from megatron_spec.rollout.process import EngineDiedError, EngineTimeoutError
 
         t0 = time.perf_counter()
         if not reqs:

@@ -19,7 +19,7 @@ def default_backend() -> str:
 
 
 def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fraction_static: float | None = None,
-                tp_size: int = 1):
+                tp_size: int = 1, temperatures: tuple[float, ...] = ()):
     """Start a rollout engine; the caller shuts it down (it is a context manager).
 
     Args:
@@ -42,4 +42,10 @@ def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fractio
 
         overrides = {} if mem_fraction_static is None else {"mem_fraction_static": mem_fraction_static}
         return SGLangEngine(config, tp_size=tp_size, server_overrides=overrides)
-    raise ValueError(f"rollout backend must be 'native' or 'sglang', got {backend!r}")
+    if backend == "vllm":
+        from megatron_spec.rollout.vllm_backend import VllmEngine
+
+        if tp_size != 1:
+            raise ValueError(f"the vLLM engine is driven with one TP rank here: tp_size must be 1, got {tp_size}")
+        return VllmEngine(config, python=config.vllm_python, temperatures=temperatures)
+    raise ValueError(f"rollout backend must be 'native', 'sglang' or 'vllm', got {backend!r}")

@@ -24,7 +24,7 @@ from megatron_spec.isa import DTYPE_CHOICES, resolve_dtype
 
 DRAFT_KINDS = ("none", "eagle3", "model", "mtp", "ngram", "history")
 HISTORY_TREE_MODES = ("auto", "off")
-BACKENDS = ("native", "sglang")
+BACKENDS = ("native", "sglang", "vllm")
 
 
 def parse_num_draft_tokens(value: "int | str") -> "int | str":
@@ -82,9 +82,16 @@ SETTINGS: tuple[Setting, ...] = (
             "tokenizer)", engine="model_path", alias="--model"),
     Setting("seed", "model", 1234, "base seed: model-parallel RNG, data order, sampling", engine="seed",
             generate_default=0),
-    Setting("rollout_backend", "rollout", None, "rollout engine: native (PyTorch, its own process) or sglang; "
-            "the launcher's default: sglang with a GPU, native without", BACKENDS, alias="--backend",
-            generate_default="native"),
+    Setting("rollout_backend", "rollout", None, "rollout engine: native (PyTorch, its own process), sglang (GPU) "
+            "or vllm (vLLM in its own process and Python: --rollout-vllm-python); the launcher's default: sglang "
+            "with a GPU, native without", BACKENDS, alias="--backend", generate_default="native"),
+    Setting("rollout_vllm_python", "rollout", None, "the Python of vLLM's environment for --rollout-backend vllm "
+            "(default: $MEGATRON_SPEC_VLLM_PYTHON, else .venv-vllm/bin/python in this repository, made by "
+            "scripts/setup_env.sh --with-vllm)", parse=str, engine="vllm_python"),
+    Setting("rollout_startup_timeout_s", "rollout", 600.0, "longest an engine may take to start (load, compile) "
+            "before it is stopped", engine="startup_timeout_s"),
+    Setting("rollout_call_timeout_s", "rollout", 3600.0, "longest one engine call (a generate, a weight update) may "
+            "take before the engine is stopped (and, in a run, restarted)", engine="call_timeout_s"),
     Setting("rollout_dtype", "rollout", "auto", "engine compute dtype (auto: bfloat16 where the CPU does bf16 "
             "natively or on a GPU, float32 elsewhere; see megatron-spec info)", DTYPE_CHOICES, engine="dtype",
             alias="--dtype"),
@@ -188,10 +195,11 @@ def check_speculation(values: Mapping[str, Any], backend: str | None = None) -> 
     if values.get("spec_history_tree", "auto") not in HISTORY_TREE_MODES:
         raise ValueError(f"--spec-history-tree must be one of {HISTORY_TREE_MODES}, "
                          f"got {values.get('spec_history_tree')!r}")
-    if backend == "sglang" and (k == "auto" or history or kind == "history"):
-        raise ValueError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need the "
-                         "native engine (--rollout-backend native): SGLang's speculative worker fixes k at "
-                         "start-up (docs/architecture.md)")
+    if backend in ("sglang", "vllm") and (k == "auto" or history or kind == "history"):
+        name = {"sglang": "SGLang's", "vllm": "vLLM's"}[backend]
+        raise ValueError(f"--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need the "
+                         f"native engine (--rollout-backend native): {name} speculative worker fixes k at "
+                         f"start-up (docs/architecture.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +262,8 @@ class EngineConfig:
     (``model.warm_linears``), so the first rollouts do not pay for them."""
     startup_timeout_s: float = 600.0
     call_timeout_s: float = 3600.0
+    vllm_python: str | None = None
+    """The vLLM environment's Python (``--rollout-backend vllm``; ``megatron_spec.rollout.vllm_backend.vllm_python``)."""
     engine_index: int = 0
     """Which of the job's engines this is (``--rollout-num-engines``): names it in logs and in
     the fault-injection points of the tests (``megatron_spec.faults``)."""

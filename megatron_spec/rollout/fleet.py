@@ -52,7 +52,7 @@ class EngineLayout:
             engine_tp_size: ``--rollout-tensor-parallel-size`` (None: 1 for the native engine,
                 every rank of the engine's block for SGLang).
             ranks_per_node: ranks on one machine (torchrun's ``LOCAL_WORLD_SIZE``).
-            backend: ``native`` or ``sglang``.
+            backend: ``native``, ``sglang`` or ``vllm``.
         """
         if ranks_per_node < 1 or world_size % ranks_per_node:
             ranks_per_node = world_size  # a ragged launch: treat the job as one node
@@ -61,9 +61,9 @@ class EngineLayout:
             raise ConfigError(f"--rollout-num-engines {n} does not divide the world size {world_size}: every engine "
                               f"is owned by a block of world/N ranks")
         block = world_size // n
-        t = engine_tp_size if engine_tp_size is not None else (1 if backend == "native" else block)
-        if backend == "native" and t != 1:
-            raise ConfigError(f"--rollout-tensor-parallel-size {t}: the native engine runs on one device (1)")
+        t = engine_tp_size if engine_tp_size is not None else (block if backend == "sglang" else 1)
+        if backend != "sglang" and t != 1:
+            raise ConfigError(f"--rollout-tensor-parallel-size {t}: the {backend} engine runs on one device (1)")
         if t < 1 or t > block:
             raise ConfigError(f"--rollout-tensor-parallel-size {t} must be in 1..{block}: an engine runs on the "
                               f"devices of its own block of {block} ranks (world {world_size} / {n} engines)")

@@ -224,8 +224,13 @@ class SGLangEngine(RolloutEngine):
                 p["sampling_seed"] = (int(seed) * 1_000_003 + j) % (1 << 63)
             params.append(p)
         t0 = time.perf_counter()
-        outs = self._engine.generate(input_ids=[list(r.input_ids) for r, _ in expanded], sampling_params=params,
-                                     return_logprob=True)
+        try:
+            outs = self._engine.generate(input_ids=[list(r.input_ids) for r, _ in expanded], sampling_params=params,
+                                         return_logprob=True)
+        except Exception as exc:  # its scheduler died or hung up: the rollout manager restarts the engine
+            from megatron_spec.rollout.process import EngineDiedError
+
+            raise EngineDiedError(f"SGLang engine failed during generate: {type(exc).__name__}: {exc}") from exc
         wall = time.perf_counter() - t0
         if isinstance(outs, dict):
             outs = [outs]

@@ -42,25 +42,33 @@ class VllmOutputError(RuntimeError):
     """A vLLM completion that contradicts itself (logprobs for other tokens, an aborted request, ...)."""
 
 
-def check_supported(config: EngineConfig, temperatures: Sequence[float] = ()) -> None:
+def check_engine_settings(draft_kind: str, *, adaptive: bool = False, history: bool = False,
+                          weight_dtype: str = "bf16", device_type: str = "cpu",
+                          temperatures: Sequence[float] = ()) -> None:
     """Raise ``ValueError`` (one line: what, why, the alternatives) for what the backend refuses.
 
     Args:
         temperatures: the sampling temperatures the engine will be asked for (the run's, or one call's).
     """
-    kind = config.draft_kind
-    if kind not in DRAFT_KINDS:
+    if draft_kind not in DRAFT_KINDS:
         hint = {"mtp": "vLLM drafts with the MTP layers a checkpoint ships, not heads trained beside the policy",
-                "history": "the history drafter is the native engine's"}.get(kind, "")
-        raise ValueError(f"--spec-draft-kind {kind} is not available with --rollout-backend vllm ({hint}); use "
-                         f"one of {DRAFT_KINDS} or --rollout-backend native")
-    if config.adaptive or config.history:
+                "history": "the history drafter is the native engine's"}.get(draft_kind, "")
+        raise ValueError(f"--spec-draft-kind {draft_kind} is not available with --rollout-backend vllm ({hint}); "
+                         f"use one of {DRAFT_KINDS} or --rollout-backend native")
+    if adaptive or history:
         raise ValueError("--spec-num-draft-tokens auto and --spec-history need the native engine "
                          "(--rollout-backend native): vLLM drafts a fixed k")
-    if config.fp8_weights:
+    if weight_dtype == "fp8":
         raise ValueError("--rollout-weight-dtype fp8 is not wired for --rollout-backend vllm; use bf16 or fp32")
-    if kind != "none" and config.device_type == "cpu" and any(t > 0 for t in temperatures):
+    if draft_kind != "none" and device_type == "cpu" and any(t > 0 for t in temperatures):
         raise ValueError(SAMPLED_SPEC_DEFECT)
+
+
+def check_supported(config: EngineConfig, temperatures: Sequence[float] = ()) -> None:
+    """:func:`check_engine_settings` for an engine's record."""
+    check_engine_settings(config.draft_kind, adaptive=config.adaptive, history=config.history,
+                          weight_dtype="fp8" if config.fp8_weights else "bf16", device_type=config.device_type,
+                          temperatures=temperatures)
 
 
 def speculative_config(config: EngineConfig, draft_dir: str | None) -> dict[str, Any] | None:
