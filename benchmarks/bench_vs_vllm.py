@@ -58,24 +58,10 @@ VLLM_SPEC = {
 
 
 def vllm_draft(draft: str, work: str) -> str:
-    """The EAGLE-3 export as vLLM must read it: a copy whose aux-layer ids are one higher.
+    """The EAGLE-3 export as vLLM must read it (aux-layer ids one higher: ``vllm_protocol.vllm_eagle3_dir``)."""
+    from megatron_spec.rollout.vllm_protocol import vllm_eagle3_dir
 
-    vLLM's id ``i`` is the hidden state *entering* decoder layer ``i`` (the output of layer ``i - 1``;
-    ``LlamaModel.forward`` records ``idx + 1`` after layer ``idx``), while ModelOpt's export and this
-    engine mean the output of layer ``i``. Same weights (linked), same layers read."""
-    out = os.path.join(work, "vllm_eagle3_draft")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(draft, "config.json")) as f:
-        cfg = json.load(f)
-    for holder in (cfg, cfg.get("eagle_config") or {}):
-        if holder.get("eagle_aux_hidden_state_layer_ids"):
-            holder["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in holder["eagle_aux_hidden_state_layer_ids"]]
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    for name in os.listdir(draft):
-        if name != "config.json" and not os.path.exists(os.path.join(out, name)):
-            os.symlink(os.path.abspath(os.path.join(draft, name)), os.path.join(out, name))
-    return out
+    return vllm_eagle3_dir(draft, work)
 
 
 class VllmEngine:

@@ -6,7 +6,8 @@ fail the given time it is reached: ``kill_in_save`` SIGKILLs the trainer after i
 of the checkpoint for step N is written and before the checkpoint is complete;
 ``engine_exit_at_generate`` makes the engine process exit abruptly at its N-th generate call
 (``engine<E>_exit_at_generate``: only engine E of a job of several, ``--rollout-num-engines``;
-``engine<E>_stall_at_generate`` makes it hang there instead);
+``engine<E>_stall_at_generate`` makes it hang there instead); ``engine_kill_in_generate`` (and
+``engine<E>_kill_in_generate``) SIGKILLs the vLLM engine process half a second into its N-th generate call;
 ``nan_loss`` turns the GRPO loss of step N into NaN; ``corrupt_draft`` replaces the online-trained
 draft's weights by large random ones right after its update of step N (:func:`corrupt_weights`:
 the next step's rollouts draft garbage, the acceptance watchdog's test). Each fires once per run when

@@ -105,7 +105,9 @@ def llm_kwargs(config: EngineConfig, *, speculation: bool, draft_dir: str | None
     kw: dict[str, Any] = {
         "model": config.model_path, "dtype": config.dtype, "max_num_seqs": config.max_batch_size,
         "max_model_len": config.context_length, "seed": config.seed,
-        "load_format": "auto" if config.load_weights else "dummy",
+        # dummy weights when the trainer streams them; not with a draft checkpoint: vLLM then shares the target's
+        # LM head with the EAGLE-3 head (a draft vocabulary's head no longer fits) and draws d2t at random
+        "load_format": "auto" if config.load_weights or config.draft_kind in ("eagle3", "model") else "dummy",
         "worker_extension_cls": WORKER_EXTENSION, "weight_transfer_config": {"backend": TRANSFER_BACKEND},
         # the sampled token's log-prob under the distribution it was drawn from (temperature, top-k/p)
         "logprobs_mode": "processed_logprobs",

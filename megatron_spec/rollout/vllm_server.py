@@ -60,6 +60,7 @@ class VllmServer:
         self.speculation = config.draft_kind != "none"
         self._released: set[str] = set()
         self._session: dict[str, Any] | None = None
+        self._generate_calls = 0  # for the fault point (megatron_spec.faults)
         self._start()
 
     # ------------------------------------------------------------------ the LLM
@@ -114,6 +115,7 @@ class VllmServer:
         params = [SamplingParams(**proto.sampling_kwargs(r.sampling, r.n, None if seed is None else
                                                          proto.sample_seed(seed, j)))
                   for j, r in enumerate(requests)]
+        self._kill_point()
         t0 = time.perf_counter()
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.input_ids)) for r in requests], params,
                                  use_tqdm=False)
@@ -132,6 +134,18 @@ class VllmServer:
         if progress is not None:
             progress(len(samples))
         return samples, stats_from_samples(samples, wall, k)
+
+    def _kill_point(self) -> None:
+        """``engine_kill_in_generate=N`` (``megatron_spec.faults``): SIGKILL this process half a second into
+        its N-th generate call, while vLLM decodes."""
+        import threading
+
+        from megatron_spec import faults
+
+        self._generate_calls += 1
+        if faults.should_fire("engine_kill_in_generate", self._generate_calls) or \
+                faults.should_fire(f"engine{self.config.engine_index}_kill_in_generate", self._generate_calls):
+            threading.Timer(0.5, faults.kill_self).start()
 
     def set_speculation(self, enabled: bool) -> bool:
         enabled = bool(enabled) and self.config.draft_kind != "none"
@@ -170,7 +184,10 @@ class VllmServer:
         s["open"] = None
         s["done"].add(group)
         self.versions[group] = None  # until vLLM's session has ended complete
-        self.llm.collective_rpc("finish_weight_update")  # raises, naming what never arrived
+        self.llm.collective_rpc("finish_weight_update")
+        error = self.llm.collective_rpc("megatron_spec_session_error")[0]
+        if error:
+            raise RuntimeError(error)  # what never arrived
         versions = s["versions"].get(group, set())
         if len(versions) != 1:
             raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")

@@ -12,8 +12,8 @@ and loads it the way vLLM's own ``ipc`` backend does: ``initialize_layerwise_rel
 ``model.load_weights`` per chunk (each layer re-processed into its kernel format, e.g. the CPU build's
 pre-packed GEMM weights, as soon as all its tensors arrived), ``finalize_layerwise_reload`` at the end.
 
-What it adds to vLLM's session: the names each session must deliver (a session that leaves a parameter
-unloaded raises at its end, naming it), and the fingerprint of the values it loaded, in the model's
+What it adds to vLLM's session: the layers each session must deliver (a session that leaves one of them
+waiting for its tensors fails at its end, naming it: :func:`unloaded`), and the fingerprint of the values it loaded, in the model's
 dtype (``megatron_spec.sync.fingerprint``), which the trainer compares exactly with what it sent. The
 fingerprint proves the bytes arrived whole; that the kernels compute with them is what the backend's
 greedy health probe and its tests show (the CPU build's packed weights cannot be read back).
@@ -66,6 +66,43 @@ def tied_layers(model) -> list:
     return tied
 
 
+NOT_STREAMED = ("draft_id_to_target_id",)
+"""Parameters the trainer never sends: EAGLE-3's draft-to-target vocabulary map (``d2t``) is read once at
+start-up (``WeightStreamer.sync_draft`` refuses it)."""
+
+
+def owned_layers(model, other) -> dict[str, object]:
+    """The layers of ``model`` (by name) that hold a parameter of their own: not the other model's (an
+    EAGLE-3 draft shares the target's embedding), not an earlier layer's (a tied LM head), not one of
+    :data:`NOT_STREAMED`. Every one of them must receive its tensors in a complete update."""
+    foreign = {id(p) for p in other.parameters()} if other is not model else set()
+    seen: set[int] = set()
+    owned = {}
+    for name, layer in model.named_modules():
+        mine = [(n, p) for n, p in layer.named_parameters(recurse=False) if n not in NOT_STREAMED]
+        if any(id(p) not in foreign and id(p) not in seen for _, p in mine):
+            owned[name] = layer
+        seen.update(id(p) for _, p in mine)
+    return owned
+
+
+def unloaded(owned: dict[str, object]) -> list[str]:
+    """The layers of ``owned`` that vLLM's layerwise reload still waits on: nothing arrived, or (but for the
+    vocabulary layers, whose padding rows never arrive) only part of their elements. A layer that received
+    everything was processed and forgotten by the reload already."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    out = []
+    for name, layer in owned.items():
+        info = get_layerwise_info(layer)
+        if not info.can_load() or not info.load_numel_total:
+            continue
+        padded = "Embedding" in type(layer).__name__ or "LMHead" in type(layer).__name__
+        if info.load_numel == 0 or (info.load_numel < info.load_numel_total and not padded):
+            out.append(name)
+    return out
+
+
 class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpdateInfo]):
     """vLLM weight-transfer backend ``megatron_spec_bucket`` (see the module docstring)."""
 
@@ -76,6 +113,8 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         super().__init__(config, vllm_config, device, model)
         self.checksums: dict[str, dict[str, Any]] = {}
         """The last completed session's fingerprint per group (``target``, ``draft``)."""
+        self.last_error: str | None = None
+        """Why the last session did not complete (None: it did)."""
         self._session: dict[str, Any] | None = None
 
     @property
@@ -92,9 +131,8 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         from megatron_spec.sync.fingerprint import Fingerprint
 
         dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
-        self._session = {"expected": {n for n, _ in self.model.named_parameters()}, "loaded": set(),
-                         "fingerprint": Fingerprint(), "dtype": dtype, "group": self.group, "tensors": 0,
-                         "tied": tied_layers(self.model)}
+        self._session = {"owned": owned_layers(self.model, self._default_model), "fingerprint": Fingerprint(),
+                         "dtype": dtype, "group": self.group, "tied": tied_layers(self.model)}
         initialize_layerwise_reload(self.model)
 
     def receive_weights(self, update_info: BucketUpdateInfo) -> None:
@@ -109,22 +147,22 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         for name, t in named:
             s["fingerprint"].add(t, s["dtype"] if t.is_floating_point() else None)
         with disable_mtp_completeness_check():
-            loaded = self.model.load_weights(iter(named))
-        s["loaded"].update(loaded or ())
-        s["tensors"] += len(named)
+            self.model.load_weights(iter(named))
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         s, self._session = self._session, None
+        missing = unloaded(s["owned"])  # before finalize, which forgets what each layer received
         finalize_layerwise_reload(self.model, self.model_config)
         for layer in s["tied"]:  # see tied_layers
             layer.quant_method.process_weights_after_loading(layer)
-        missing = s["expected"] - s["loaded"]
-        if missing:
+        if missing:  # reported, not raised: raising here would leave vLLM's worker inside its session
             self.checksums.pop(s["group"], None)
-            raise RuntimeError(f"{s['group']} weight update incomplete: {len(missing)} of vLLM's parameters were "
-                               f"never loaded, e.g. {sorted(missing)[:3]}")
+            self.last_error = (f"{s['group']} weight update incomplete: {len(missing)} of vLLM's layers did not "
+                               f"receive all their tensors, e.g. {missing[:3]}")
+            return
+        self.last_error = None
         self.checksums[s["group"]] = s["fingerprint"].to_dict()
 
     def abort(self) -> None:
@@ -155,6 +193,11 @@ register()
 class WorkerExtension:
     """Mixed into vLLM's worker class (``worker_extension_cls``): what the server asks of the worker
     besides vLLM's own session calls."""
+
+    def megatron_spec_session_error(self) -> str | None:
+        """Why the last weight-update session did not complete (None: it did)."""
+        engine = self.weight_transfer_engine
+        return engine.last_error if isinstance(engine, BucketWeightTransferEngine) else None
 
     def megatron_spec_checksums(self) -> dict[str, dict[str, Any]]:
         engine = self.weight_transfer_engine

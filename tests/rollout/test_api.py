@@ -15,6 +15,7 @@ from megatron_spec.draft.trainer import Eagle3Trainer
 from megatron_spec.rollout.api import DraftLearner, RolloutEngine, WeightReceiver
 from megatron_spec.rollout.native.handle import NativeEngine
 from megatron_spec.rollout.sglang_backend import SGLangEngine
+from megatron_spec.rollout.vllm_backend import VllmEngine
 from megatron_spec.sync.forward import PayloadForwarder, PayloadGather
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ def test_protocol_methods_reads_the_declared_members():
             "state_dict", "load_state_dict"} == set(protocol_methods(DraftLearner))
 
 
-@pytest.mark.parametrize("engine", [NativeEngine, SGLangEngine])
+@pytest.mark.parametrize("engine", [NativeEngine, SGLangEngine, VllmEngine])
 def test_engine_implements_the_protocol_member_by_member(engine):
     assert RolloutEngine in engine.__mro__  # declared, not just shaped alike
     for name, sig in protocol_methods(RolloutEngine).items():
@@ -62,13 +63,14 @@ def test_engine_implements_the_protocol_member_by_member(engine):
                  "begin_weight_update", "update_weights_from_tensor", "end_weight_update",
                  "abort_weight_update", "health"):
         assert name in vars(engine), f"{engine.__name__} inherits {name} from the Protocol"
-    assert engine.backend in ("native", "sglang")
+    assert engine.backend in ("native", "sglang", "vllm")
 
 
 def test_the_engines_differ_only_where_they_should():
     assert NativeEngine.checksum_kind == "fingerprint" and SGLangEngine.checksum_kind == "digest"
+    assert VllmEngine.checksum_kind == "fingerprint"  # what vLLM's worker loaded, fingerprinted there
     for name in ("remember_draft", "startup_fingerprint"):  # SGLang loses its draft on a release
-        assert name in vars(SGLangEngine) and name not in vars(NativeEngine)
+        assert name in vars(SGLangEngine) and name not in vars(NativeEngine) and name not in vars(VllmEngine)
 
 
 @pytest.mark.parametrize("learner", [Eagle3Trainer, MtpTrainer])
