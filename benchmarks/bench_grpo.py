@@ -29,6 +29,13 @@ SmolLM2-135M-Instruct as ``megatron-spec fetch-model`` makes it, on mathematics_
 samples a step, ``launch/configs/smollm2_algebra.yaml``), with the EAGLE-3 draft of
 ``bench_rollout.py --model`` (``--draft``, or trained here once: benchmarks/_real_model.py).
 
+``--rollout-backend vllm`` runs the same GRPO with both rollout backends side by side instead: the native
+engine and vLLM's CPU build (``.venv-vllm``, docs/vllm_backend.md), each with the EAGLE-3 draft (k=3) and
+without, all greedy (``--rollout-temperature 0``: vLLM's CPU build refuses sampled speculation, vllm#55005,
+and greedy groups carry no advantage, so this measures the rollout machinery, not learning). Its JSON line:
+per backend and run ``{backend}_{spec|ar}_gen_s`` / ``_prepare_s`` / ``_step_s`` / ``_accept_length``, and
+``vllm_over_native_{gen|prepare|step}_{spec|ar}`` (vLLM's time over ours: above 1, ours is faster).
+
 The first step of each run is excluded from the timings (engine warm-up). The base policy
 and draft are made with launch/sft_base.py and launch/make_draft.py when not given (or
 reused from the demo's run directory). The decode regime: see docs/demo.md.
@@ -62,6 +69,36 @@ def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> 
     return {"v_k3": v, "c": c}
 
 
+def compare_backends(args, data_flags: tuple[str, ...]) -> int:
+    """The native engine and vLLM in the same greedy GRPO run, with and without the EAGLE-3 draft."""
+    from megatron_spec.isa import probe
+
+    greedy = ("--rollout-temperature", "0", "--no-dynamic-sampling")
+    runs = {}
+    for kind, tag in (("eagle3", "spec"), ("none", "ar")):
+        for backend in ("native", "vllm"):  # the two backends one after the other, per configuration
+            run_dir = os.path.join(args.work_dir, f"{backend}_{tag}")
+            cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft, config=args.config,
+                           nproc=args.nproc, port=args.port,
+                           extra=("--rollout-backend", backend) + greedy + data_flags)
+            runs[f"{backend}_{tag}"] = run_grpo(cmd, run_dir, "bench_grpo")
+    summary: dict = {}
+    for name, rows in runs.items():
+        rows = rows[1:]  # the first step: engine warm-up
+        summary.update({f"{name}_gen_s": round(mean([r["time/gen"] for r in rows]), 3),
+                        f"{name}_prepare_s": round(mean([r["time/prepare"] for r in rows]), 3),
+                        f"{name}_step_s": round(mean([r["time/step"] for r in rows]), 3),
+                        f"{name}_accept_length": round(mean([r["spec/accept_length"] for r in rows]), 3)})
+    for tag in ("spec", "ar"):
+        for stage in ("gen", "prepare", "step"):
+            summary[f"vllm_over_native_{stage}_{tag}"] = round(summary[f"vllm_{tag}_{stage}_s"]
+                                                               / summary[f"native_{tag}_{stage}_s"], 3)
+    summary.update({"steps": args.steps, "temperature": 0.0, "real_model": args.base if args.model else None,
+                    "cpu_capability": probe().capability})
+    print(json.dumps(summary))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(ap, steps=12, port=29611)
@@ -73,6 +110,8 @@ def main() -> int:
     ap.add_argument("--model", default=None,
                     help="a real model instead of the demo's small policy: smollm2 or a Hub id (see above)")
     ap.add_argument("--eagle-steps", type=int, default=150, help="ModelOpt steps of the real model's draft when made here")
+    ap.add_argument("--rollout-backend", choices=("native", "vllm"), default="native",
+                    help="vllm: both backends side by side, greedy (see above)")
     args = ap.parse_args()
     data_flags: tuple[str, ...] = ()
     if args.model:
@@ -90,6 +129,8 @@ def main() -> int:
         args.base, args.draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
                                               tag="bench_grpo")
 
+    if args.rollout_backend == "vllm":
+        return compare_backends(args, data_flags)
     from megatron_spec.telemetry import start_end_means
 
     runs = {}

@@ -112,23 +112,28 @@ class VllmServer:
         k = self.config.k if self.speculation else 0
         if not requests:
             return [], GenerateStats(num_draft_tokens=k)
-        params = [SamplingParams(**proto.sampling_kwargs(r.sampling, r.n, None if seed is None else
-                                                         proto.sample_seed(seed, j)))
-                  for j, r in enumerate(requests)]
+        # vLLM takes n > 1 only for sampling (greedy n > 1 is a validation error): a greedy request's samples
+        # go as n prompts of one (the prefix cache shares their prompt)
+        parts = [(r, j, i, 1) for j, r in enumerate(requests) if r.sampling.temperature == 0 for i in range(r.n)]
+        parts += [(r, j, 0, r.n) for j, r in enumerate(requests) if r.sampling.temperature > 0]
+        parts.sort(key=lambda p: (p[1], p[2]))
+        params = [SamplingParams(**proto.sampling_kwargs(r.sampling, n, None if seed is None else
+                                                         proto.sample_seed(seed, j) + first))
+                  for r, j, first, n in parts]
         self._kill_point()
         t0 = time.perf_counter()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.input_ids)) for r in requests], params,
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.input_ids)) for r, *_ in parts], params,
                                  use_tqdm=False)
         wall = time.perf_counter() - t0
         samples = []
-        for r, out in zip(requests, outs):
-            if len(out.outputs) != r.n:
+        for (r, _, first, n), out in zip(parts, outs):
+            if len(out.outputs) != n:
                 raise proto.VllmOutputError(f"request {r.request_id}: vLLM returned {len(out.outputs)} samples "
-                                            f"for n={r.n}")
+                                            f"for n={n}")
             for c in sorted(out.outputs, key=lambda c: c.index):
                 metrics = c.spec_decode_metrics
                 samples.append(proto.sample_output(
-                    r.request_id, c.index, c.token_ids, c.logprobs, c.finish_reason,
+                    r.request_id, first + c.index, c.token_ids, c.logprobs, c.finish_reason,
                     dataclasses.asdict(metrics) if metrics is not None else None,
                     target_version=self.versions["target"], draft_version=self.versions["draft"]))
         if progress is not None:

@@ -132,6 +132,8 @@ def test_seeded_sampling_repeats_and_samples_differ(pushed, chat):
     c, _ = eng.generate([GenerateRequest("p", chat[0], sp, n=4)], seed=12)
     assert [s.output_ids for s in a] == [s.output_ids for s in b] != [s.output_ids for s in c]
     assert len({tuple(s.output_ids) for s in a}) > 1 and [s.sample_index for s in a] == [0, 1, 2, 3]
+    g, _ = eng.generate([GenerateRequest("g", chat[0], SamplingParams(temperature=0.0, max_new_tokens=8), n=3)])
+    assert [s.sample_index for s in g] == [0, 1, 2] and len({tuple(s.output_ids) for s in g}) == 1  # vLLM: n=1 only
 
 
 def test_release_on_the_cpu_frees_nothing_and_refuses_generation(pushed, chat):
