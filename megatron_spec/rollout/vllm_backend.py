@@ -22,15 +22,14 @@ import os
 import socket
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from megatron_spec.rollout import vllm_protocol as proto
-from megatron_spec.rollout.api import MEMORY_TAGS, RolloutEngine
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.process import EngineChannel, PopenProcess
-from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
+from megatron_spec.rollout.process_engine import ProcessEngine
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
@@ -64,7 +63,7 @@ def engine_environment(config: EngineConfig, kv_gib: int) -> dict[str, str]:
     return env
 
 
-class VllmEngine(RolloutEngine):
+class VllmEngine(ProcessEngine):
     """Start with ``VllmEngine(EngineConfig(...))``; a context manager, like the other engines.
 
     Args:
@@ -74,6 +73,9 @@ class VllmEngine(RolloutEngine):
     """
 
     backend = "vllm"
+    # the calls are ProcessEngine's; what differs is in the server: sampled speculation refused on the CPU
+    # (vllm_protocol.SAMPLED_SPEC_DEFECT), set_speculation rebuilds vLLM (every group pushed again), and on
+    # the CPU release_memory frees nothing (vLLM's CPU worker ignores sleep) but marks the engine released
 
     def __init__(self, config: EngineConfig, *, python: str | None = None, temperatures: Sequence[float] = ()):
         from megatron_spec.models.hf_config import DecoderConfig
@@ -116,72 +118,3 @@ class VllmEngine(RolloutEngine):
         except OSError:
             return ""
         return f"; its log {self.log_path} ends:\n" + "".join(tail)
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid
-
-    def is_alive(self) -> bool:
-        return self._proc.is_alive()
-
-    def _call(self, method: str, *args, timeout: float | None = None,
-              on_progress: Callable[[int], None] | None = None, **kwargs):
-        return self._channel.call(method, *args, timeout=timeout or self.config.call_timeout_s,
-                                  on_progress=on_progress, **kwargs)
-
-    # ------------------------------------------------------------------ engine API
-    def generate(self, requests: Sequence[GenerateRequest], *, on_progress: Callable[[int], None] | None = None,
-                 timeout: float | None = None, seed: int | None = None) -> tuple[list[SampleOutput], GenerateStats]:
-        """Every sample of ``requests`` in one vLLM batch; ``seed`` seeds each request (its samples
-        ``seed + i``, vLLM's parallel sampling), so a call's draws do not depend on earlier calls.
-        Sampled speculative requests are refused on the CPU (:data:`~megatron_spec.rollout.vllm_protocol.SAMPLED_SPEC_DEFECT`)."""
-        return self._call("generate", list(requests), on_progress=on_progress, timeout=timeout, seed=seed)
-
-    def set_speculation(self, enabled: bool) -> bool:
-        """Speculative decoding on or off. vLLM fixes its method at start-up: switching rebuilds it, and
-        every group must be pushed again (``generate`` refuses until it is)."""
-        return self._call("set_speculation", enabled)
-
-    def begin_weight_update(self, selector: str = "all") -> None:
-        self._call("begin_weight_update", selector)
-
-    def update_weights_from_tensor(self, payloads: bytes | Sequence[bytes], selector: str,
-                                   weight_version: str | None = None, flush_cache: bool = True) -> dict[str, Any]:
-        """Load one bucket payload into ``target`` or ``draft`` (the caller keeps the buffer alive until
-        this returns)."""
-        if isinstance(payloads, (bytes, bytearray)):
-            payloads = [bytes(payloads)]
-        return self._call("update_weights_from_tensor", list(payloads), selector, weight_version, flush_cache)
-
-    def end_weight_update(self) -> dict[str, Any]:
-        return self._call("end_weight_update")
-
-    def abort_weight_update(self) -> None:
-        self._call("abort_weight_update")
-
-    def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """vLLM's sleep on a GPU (weights then pushed again); on the CPU vLLM frees nothing (its CPU worker
-        ignores sleep) and the engine is only marked released."""
-        self._call("release_memory", tuple(tags))
-
-    def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        self._call("resume_memory", tuple(tags))
-
-    def health(self, timeout: float = 60.0) -> dict[str, Any]:
-        return self._call("health", timeout=timeout)
-
-    def shutdown(self, timeout: float = 30.0) -> None:
-        self._channel.close(timeout)
-
-    def __enter__(self) -> VllmEngine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown(timeout=1.0)
-        except Exception:
-            pass
-

@@ -62,7 +62,8 @@ def test_engine_implements_the_protocol_member_by_member(engine):
     for name in ("generate", "set_speculation", "release_memory", "resume_memory", "shutdown", "is_alive",
                  "begin_weight_update", "update_weights_from_tensor", "end_weight_update",
                  "abort_weight_update", "health"):
-        assert name in vars(engine), f"{engine.__name__} inherits {name} from the Protocol"
+        owner = next(k for k in engine.__mro__ if name in vars(k))  # itself, or ProcessEngine's shared calls
+        assert not getattr(owner, "_is_protocol", False), f"{engine.__name__} inherits {name} from the Protocol"
     assert engine.backend in ("native", "sglang", "vllm")
 
 
