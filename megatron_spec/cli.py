@@ -15,6 +15,7 @@ import sys
 
 # command name -> module; keep sorted.
 COMMANDS: dict[str, str] = {
+    "export-hf": "megatron_spec.commands.export_hf",
     "fetch-model": "megatron_spec.commands.fetch_model",
     "generate": "megatron_spec.commands.generate",
     "info": "megatron_spec.commands.info",

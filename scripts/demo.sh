@@ -41,3 +41,5 @@ python -m megatron_spec report "$RUN/grpo"
 echo
 cat "$RUN/grpo/report/summary.md"
 echo "demo finished in $(( $(date +%s) - t0 )) s, set-up included (plots in $RUN/grpo/report/)"
+echo "the trained policy, an HF folder (transformers, vLLM, SGLang load it): $(pwd)/$RUN/grpo/hf/policy"
+echo "its EAGLE-3 draft, trained online beside it: $(pwd)/$RUN/grpo/hf/eagle3 (docs/serving_exports.md)"

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megatron_spec.models.hf_config import DecoderConfig
 
@@ -160,31 +159,13 @@ def save_hf_checkpoint(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
     try:
-        items = [(n, t.detach().contiguous().cpu()) for n, t in tensors.items()]
-        total = sum(t.numel() * t.element_size() for _, t in items)
-        shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-        if max_shard_bytes is not None and total > max_shard_bytes:
-            size = 0
-            for name, t in items:
-                nbytes = t.numel() * t.element_size()
-                if shards[-1] and size + nbytes > max_shard_bytes:
-                    shards.append([])
-                    size = 0
-                shards[-1].append((name, t))
-                size += nbytes
-        else:
-            shards[0] = items
-        meta = {"format": "pt"}
-        if len(shards) == 1:
-            save_file(dict(shards[0]), os.path.join(tmp, "model.safetensors"), metadata=meta)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(dict(shard), os.path.join(tmp, fname), metadata=meta)
-                weight_map.update({n: fname for n, _ in shard})
-            with open(os.path.join(tmp, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        from huggingface_hub import save_torch_state_dict
+
+        # huggingface_hub's writer: shards past max_shard_bytes with model.safetensors.index.json (the layout
+        # transformers and the engines read), contiguous CPU copies, tensors sharing storage written once
+        save_torch_state_dict({n: t.detach().cpu() for n, t in tensors.items()}, tmp,
+                              max_shard_size=max_shard_bytes if max_shard_bytes is not None else 1 << 60,
+                              metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(dict(config_dict), f, indent=2)
         if copy_files_from is not None:

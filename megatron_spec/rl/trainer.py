@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -157,6 +158,27 @@ class GRPOTrainer:
         self.task.sampler.load_state_dict(trainer_state["sampler"])
         logger.info("resumed from %s at step %d", path, step)
 
+    def export_hf(self, out: str) -> None:
+        """The trained policy as an HF folder beside its draft (``rl/export.py``; collective over TP)."""
+        from megatron_spec.rl.export import DRAFT_FOLDERS, write_hf_export
+        from megatron_spec.models.gpt import unwrap
+
+        s, actor = self.cfg.spec, self.actor
+        draft_dir = None
+        if actor.draft is not None:
+            draft_dir = os.path.join(self.run_dir, "draft_export")  # exported after every update
+        elif s.spec_draft_kind in DRAFT_FOLDERS and s.spec_draft_path:
+            draft_dir = s.spec_draft_path
+        # the policy's data-parallel replicas hold the same weights: DP rank 0's TP group writes
+        if self.info.dp_rank == 0:
+            write_hf_export(out, unwrap(actor.model), self.cfg.model.hf_checkpoint, tp_group=self.info.tp_group,
+                            write=self.rank0, draft_kind=s.spec_draft_kind, draft_dir=draft_dir,
+                            info={"step": self.step, "policy_version": actor.policy_version,
+                                  "draft_kind": s.spec_draft_kind, "draft_version": actor.draft_version})
+        if self.rank0:
+            print(f"megatron-spec: trained policy: {os.path.abspath(os.path.join(out, 'policy'))}", file=sys.stderr,
+                  flush=True)
+
     # ------------------------------------------------------------------ loop
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
@@ -177,6 +199,8 @@ class GRPOTrainer:
                 interval = cfg.checkpoint.save_interval
                 if cfg.checkpoint.save and ((interval and self.step % interval == 0) or self.step == cfg.grpo.train_iters):
                     self.save()
+            if cfg.checkpoint.save_hf and history:
+                self.export_hf(os.path.join(self.run_dir, "hf"))
         finally:
             self.shutdown()
         return history
