@@ -98,6 +98,14 @@ class RolloutConfig:
     rollout_startup_timeout_s: float = _setting("rollout_startup_timeout_s")
     rollout_call_timeout_s: float = _setting("rollout_call_timeout_s")
     rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
+    rollout_reference_check: bool = _f(False, "start the native engine beside the rollout engine (plain decoding, "
+                                              "the same weights streamed to it) and after every weight sync compare "
+                                              "both engines' greedy tokens on the first --rollout-reference-prompts "
+                                              "training prompts; a difference stops the run naming the prompt and "
+                                              "position (health/reference_*, docs/metrics.md). Costs a second copy "
+                                              "of the weights and a second sync per step")
+    rollout_reference_prompts: int = _f(4, "prompts of --rollout-reference-check")
+    rollout_reference_tokens: int = _f(32, "greedy tokens per prompt of --rollout-reference-check")
     async_policy_lag: int = _f(0, "policy lag L: the engines generate the next batch while the trainer trains this "
                                   "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "
                                   "so L=1 gives all the overlap and L>1 only older weights (0 = synchronous)")
@@ -181,6 +189,9 @@ class CheckpointConfig:
     save: str = _f(None, "directory for checkpoints (and the run's files)")
     load: str = _f(None, "resume from this checkpoint directory (latest iteration)")
     save_interval: int = _f(0, "save every N steps (0 = only at the end)")
+    save_hf: bool = _f(True, "at the end of the run write the trained policy as an HF folder, <run>/hf/policy, "
+                             "beside its draft (<run>/hf/eagle3, mtp or draft_model): what transformers, vLLM, "
+                             "SGLang and lm-eval load (docs/serving_exports.md)")
 
 
 @dataclass
@@ -274,6 +285,9 @@ class RunConfig:
                               f"{rollouts} rollouts of a step (prompts-per-step x group-size)")
         if not 0 <= g.clip_eps_low < 1 or g.clip_eps_high < 0:
             raise ConfigError("--clip-eps-low must be in [0, 1) and --clip-eps-high >= 0")
+        if r.rollout_top_k < -1:
+            raise ConfigError(f"--rollout-top-k {r.rollout_top_k}: 0 or -1 is off, else the tokens kept (>= 1)")
+        r.rollout_top_k = max(r.rollout_top_k, 0)  # -1 = off, as SGLang, vLLM, slime and verl write it
         if r.async_policy_lag < 0:
             raise ConfigError("--async-policy-lag must be >= 0")
         if r.colocate_offload != "none" and r.async_policy_lag:
@@ -303,6 +317,9 @@ class RunConfig:
                                       temperatures=[r.rollout_temperature])
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
+        if r.rollout_reference_check and (r.rollout_reference_prompts < 1 or r.rollout_reference_tokens < 1):
+            raise ConfigError(f"--rollout-reference-prompts {r.rollout_reference_prompts} and --rollout-reference-tokens "
+                              f"{r.rollout_reference_tokens} must be >= 1")
         if r.rollout_wait_timeout_s <= 0 or r.dist_timeout_s <= 0:
             raise ConfigError("--rollout-wait-timeout-s and --dist-timeout-s must be > 0")
         if self.checkpoint.save_interval < 0:
@@ -325,9 +342,18 @@ def _field_type(cls: type, f: dataclasses.Field) -> type:
     return hint
 
 
+_METAVARS = {int: "N", float: "X"}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """One argument group per subsystem; defaults are None so the YAML file can fill in."""
-    parser.add_argument("--config", default=None, help="YAML file with values for any of the flags below")
+    """One argument group per subsystem; defaults are None so the YAML file can fill in. Positional
+    ``section.key=value`` overrides (NeMo-RL's and verl's form) come last and win over flags and file."""
+    parser.add_argument("--config", default=None, help="YAML file with values for any of the flags below: sections "
+                        "(model, data, rollout, spec, grpo, checkpoint, logging) of keys with or without their "
+                        "section's prefix (rollout: {max_batch_size: 16} or {rollout_max_batch_size: 16})")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="overrides after the flags, e.g. grpo.lr=1e-5 rollout.max_new_tokens=512 (values read "
+                             "as YAML, then as the key's type)")
     for group_name, cls in GROUPS.items():
         group = parser.add_argument_group(group_name)
         for f in dataclasses.fields(cls):
@@ -340,11 +366,97 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 kw["type"] = f.metadata.get("parse") or {int: int, float: float}.get(kind, str)
                 if "choices" in f.metadata:
                     kw["choices"] = f.metadata["choices"]
+                else:
+                    kw["metavar"] = _METAVARS.get(kind, "K" if f.metadata.get("parse") else "STR")
             group.add_argument(_flag(f), **kw)
 
 
+def _coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) -> Any:
+    """A value from a YAML file or an override as the field's type: what PyYAML reads as text (``1e-5``, a quoted
+    ``"512"``) becomes the number it says, and what is not one is a :class:`ConfigError` naming the key.
+    (OmegaConf's structured configs would do this if every field that defaults to None were declared Optional;
+    this is the part of it these fields need.)"""
+    name = f"{group}.{f.name}"
+    if value is None:
+        return None
+    parse = f.metadata.get("parse")
+    try:
+        if parse is not None and not isinstance(value, bool):
+            value = parse(value)
+        elif kind is bool:
+            if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+                value = value.strip().lower() in ("true", "yes", "on", "1")
+            elif not isinstance(value, bool):
+                raise ValueError
+        elif kind is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            value = int(value) if not isinstance(value, str) else int(value.strip())
+        elif kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            value = float(value)
+        elif not isinstance(value, str):
+            if isinstance(value, (dict, list)):
+                raise ValueError
+            value = str(value)
+    except (TypeError, ValueError, argparse.ArgumentTypeError):
+        what = getattr(kind, "__name__", str(kind))
+        raise ConfigError(f"{where}: {name} must be {'a' if what != 'int' else 'an'} {what}, got {value!r}") from None
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where}: {name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+    return value
+
+
+def _resolve_key(group: str, key: str, where: str) -> dataclasses.Field:
+    """The field ``key`` names in ``group``: its name, or its name without the section's prefix
+    (``max_batch_size`` in ``rollout``); an unknown key is a :class:`ConfigError` with the closest names."""
+    import difflib
+
+    fields = {f.name: f for f in dataclasses.fields(GROUPS[group])}
+    for prefix in ("", f"{group}_"):
+        if prefix + key in fields:
+            return fields[prefix + key]
+    short = {n.removeprefix(f"{group}_"): n for n in fields}
+    near = difflib.get_close_matches(key, list(fields) + list(short), n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(dict.fromkeys(short.get(n, n) for n in near))}?" if near else ""
+    raise ConfigError(f"{where}: unknown key {group}.{key}{hint}")
+
+
+def _resolve_section(name: str, where: str) -> str:
+    import difflib
+
+    if name in GROUPS:
+        return name
+    near = difflib.get_close_matches(name, list(GROUPS), n=1)
+    hint = f"; did you mean {near[0]}?" if near else f"; expected one of {', '.join(GROUPS)}"
+    raise ConfigError(f"{where}: unknown section {name!r}{hint}")
+
+
+def _set(values: dict[str, dict[str, Any]], group: str, key: str, value: Any, where: str) -> None:
+    group = _resolve_section(group, where)
+    f = _resolve_key(group, key, where)
+    values[group][f.name] = _coerce(group, f, _field_type(GROUPS[group], f), value, where)
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``section.key=value`` as ``(section, key, value)``, the value read as YAML (``1e-5`` stays text for
+    :func:`_coerce`)."""
+    path, sep, raw = text.partition("=")
+    group, dot, key = path.strip().partition(".")
+    if not sep or not dot or not group or not key:
+        raise ConfigError(f"override {text!r}: expected section.key=value (e.g. grpo.lr=1e-5)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return group, key, value
+
+
 def from_args(args: argparse.Namespace) -> RunConfig:
-    """RunConfig from parsed flags, with ``--config`` YAML values under the flags."""
+    """RunConfig from parsed flags, with ``--config`` YAML values under the flags and ``section.key=value``
+    overrides over both."""
     values: dict[str, dict[str, Any]] = {g: {} for g in GROUPS}
     if getattr(args, "config", None):
         if not os.path.isfile(args.config):
@@ -357,15 +469,14 @@ def from_args(args: argparse.Namespace) -> RunConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"--config {args.config}: expected sections {sorted(GROUPS)}, got {type(data).__name__}")
         for group_name, body in data.items():
-            if group_name not in GROUPS:
-                raise ConfigError(f"{args.config}: unknown section {group_name!r}; expected {sorted(GROUPS)}")
-            known = {f.name for f in dataclasses.fields(GROUPS[group_name])}
+            if body is not None and not isinstance(body, dict):
+                raise ConfigError(f"{args.config}: section {group_name!r} must hold keys, got {body!r}")
             for key, value in (body or {}).items():
-                if key not in known:
-                    raise ConfigError(f"{args.config}: unknown key {group_name}.{key}")
-                values[group_name][key] = value
+                _set(values, str(group_name), str(key), value, args.config)
     for key, value in vars(args).items():
         if "." in key and value is not None:
             group_name, name = key.split(".", 1)
             values[group_name][name] = value
+    for text in getattr(args, "overrides", None) or ():
+        _set(values, *parse_override(text), f"override {text}")
     return RunConfig(**{g: GROUPS[g](**values[g]) for g in GROUPS}).validate()

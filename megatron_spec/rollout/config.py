@@ -102,7 +102,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("rollout_temperature", "rollout", 1.0, "sampling temperature (0 = greedy)", sampling="temperature",
             alias="--temperature"),
     Setting("rollout_top_p", "rollout", 1.0, "nucleus sampling (1 = off)", sampling="top_p", alias="--top-p"),
-    Setting("rollout_top_k", "rollout", 0, "top-k sampling (0 = off)", sampling="top_k", alias="--top-k"),
+    Setting("rollout_top_k", "rollout", 0, "top-k sampling (0 or -1 = off)", sampling="top_k", alias="--top-k"),
     Setting("rollout_min_p", "rollout", 0.0, "min-p sampling (0 = off)", sampling="min_p", alias="--min-p"),
     Setting("rollout_num_threads", "rollout", None, "torch threads in the native engine process", parse=int,
             engine="num_threads", alias="--num-threads"),

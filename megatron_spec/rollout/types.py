@@ -26,7 +26,7 @@ class SamplingParams:
     """0 = greedy (argmax)."""
     top_p: float = 1.0
     top_k: int = 0
-    """0 = off (SGLang's -1)."""
+    """0 = off; -1 (SGLang's and vLLM's off) is read as 0."""
     min_p: float = 0.0
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
@@ -38,8 +38,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise ValueError(f"top_k must be >= 0 (0 or -1 = off), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens < 1:
@@ -232,3 +234,15 @@ def stats_from_samples(samples: Sequence[SampleOutput], wall_s: float, k: int) -
         for d in s.draft_lengths:
             st.add_step_k(d)
     return st
+
+
+def check_ready_to_generate(*, updating: bool, released: "set[str] | frozenset[str]", missing: "list[str]") -> None:
+    """The engines' one refusal of a ``generate`` they cannot serve (every backend: native, SGLang, vLLM):
+    during a weight update, with the KV cache released, or without the weights of ``missing`` groups."""
+    if updating:
+        raise RuntimeError("generate called during a weight update (call end_weight_update first)")
+    if "kv_cache" in released:
+        raise RuntimeError("generate called while memory is released (call resume_memory first)")
+    if missing:
+        raise RuntimeError(f"generate refused: no weights loaded for {missing} (released, dummy-initialised or "
+                           f"never sent); push them with update_weights_from_tensor")

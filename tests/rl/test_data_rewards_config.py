@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 
-from megatron_spec.config import RunConfig, add_arguments, from_args
+from megatron_spec.config import ConfigError, RunConfig, add_arguments, from_args
 from megatron_spec.rl.data import PromptSampler, load_prompts
 from megatron_spec.rl.rewards import RewardError, get_reward, score
 from megatron_spec.rl.tasks import corrupt_solution, final_answer, generate
@@ -132,3 +133,44 @@ def test_flags_yaml_and_validation(tmp_path):
     bad.write_text("grpo:\n  nope: 1\n")
     with pytest.raises(ValueError, match="unknown key grpo.nope"):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(bad)])
+
+
+def test_a_config_written_the_usual_way(tmp_path):
+    """PyYAML reads ``1e-5`` as text and keys may drop their section's prefix (NeMo-RL's, verl's files):
+    values take the key's type, unknown keys get the closest names, dotted overrides win over flag and file."""
+    y = tmp_path / "nemo.yaml"
+    y.write_text("grpo:\n  lr: 1e-5\n  group_size: '4'\nrollout:\n  max_batch_size: \"24\"\n  top_k: -1\n"
+                 "spec:\n  draft_kind: ngram\n  num_draft_tokens: auto\n  history: 'true'\n")
+    cfg = _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(y), "--rollout-max-new-tokens", "32",
+                  "grpo.lr=3e-6", "rollout.max_new_tokens=48", "spec.spec_max_draft_tokens=7"])
+    assert cfg.grpo.lr == 3e-6 and isinstance(cfg.grpo.lr, float)  # the override over the file
+    assert cfg.grpo.grpo_group_size == 4 and cfg.rollout.rollout_max_batch_size == 24
+    assert cfg.rollout.rollout_top_k == 0  # -1 = off
+    assert cfg.rollout.rollout_max_new_tokens == 48  # the override over the flag
+    assert cfg.spec.spec_num_draft_tokens == "auto" and cfg.spec.spec_history is True
+    assert cfg.spec.spec_max_draft_tokens == 7
+    assert _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(y)]).grpo.lr == 1e-5
+    for text, message in (("grpo:\n  lr: fast\n", "grpo.lr must be a float, got 'fast'"),
+                          ("rollout:\n  max_batch_size: 1.5\n", "rollout.rollout_max_batch_size must be an int"),
+                          ("rollout:\n  max_batchsize: 8\n", "unknown key rollout.max_batchsize; did you mean "
+                                                             "rollout_max_batch_size?"),
+                          ("rolout:\n  max_batch_size: 8\n", "unknown section 'rolout'; did you mean rollout?"),
+                          ("rollout:\n  backend: tensorrt\n", "rollout.rollout_backend must be one of native, "
+                                                              "sglang, vllm")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(bad)])
+    for override, message in (("grpo.lr", "expected section.key=value"), ("lr=1e-5", "expected section.key=value"),
+                              ("grpo.lrr=1", "unknown key grpo.lrr; did you mean lr")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            _parse(["--hf-checkpoint", "m", "--prompt-data", "x", override])
+    with pytest.raises(ConfigError, match="--rollout-top-k -2"):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-top-k", "-2"])
+
+
+def test_help_names_values_not_destinations():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    text = p.format_help()
+    assert "--rollout-max-batch-size N" in text and "--lr X" in text and "ROLLOUT." not in text
