@@ -22,8 +22,10 @@ branch (the exactness and distribution tests of tree steps, which the cost model
 only where they pay); ``history_rows_always``: in a step where every row drafts, each row with a
 history proposal (finished responses or the live group index) drafts from it, beside rows drafting
 from the main drafter, whatever the cost model prefers (the distribution test of mixed steps at T=1,
-where the controller, rightly, seldom picks the history on a model trained from scratch). Engine
-processes inherit the variable.
+where the controller, rightly, seldom picks the history on a model trained from scratch);
+``vllm_stale_tied_head``: the vLLM worker skips re-packing a tied LM head after a weight update (the
+defect ``rollout.vllm_worker.tied_layers`` works around; the fingerprints still match, the tokens do
+not: the test of ``--rollout-reference-check``). Engine processes inherit the variable.
 """
 
 from __future__ import annotations

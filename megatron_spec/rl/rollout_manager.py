@@ -94,6 +94,7 @@ class RolloutManager:
         self.engine: RolloutEngine | None = None
         self.streamer = None
         self.watchdog = None
+        self.reference = None  # --rollout-reference-check: the native engine beside this owner's (rl/reference.py)
         # the policy / draft version each engine holds (the same list on every rank: -1 = none)
         self.engine_target_version = [-1] * self.layout.num_engines
         self.engine_draft_version = [-1] * self.layout.num_engines
@@ -129,6 +130,13 @@ class RolloutManager:
             print(f"megatron-spec: {self.layout.describe()}", file=sys.stderr, flush=True)
         if self.owner:
             self._start_engine()
+            if r.rollout_reference_check:
+                from megatron_spec.rl.reference import ReferenceCheck
+
+                self.reference = ReferenceCheck(
+                    dataclasses.replace(self._engine_cfg, engine_index=self.my_engine),
+                    task.probe_requests(r.rollout_reference_prompts, r.rollout_reference_tokens),
+                    bucket_bytes=r.rollout_bucket_mb << 20, weight_dtype=r.rollout_weight_dtype)
             if s.spec_draft_kind != "none" and s.spec_watchdog_steps > 0:
                 from megatron_spec.rl.watchdog import AcceptanceWatchdog
 
@@ -177,6 +185,8 @@ class RolloutManager:
             self._executor.shutdown(wait=True, cancel_futures=True)
         if self.engine is not None:
             self.engine.shutdown()
+        if self.reference is not None:
+            self.reference.shutdown()
 
     def release_memory(self) -> None:
         """Colocated (synchronous) runs: the engines hand their memory back after generating; their
@@ -233,15 +243,25 @@ class RolloutManager:
                 out["sync/seconds"] += rep.seconds
 
         need = [e for e in range(lay.num_engines) if self.engine_target_version[e] != version]
+        check = self.cfg.rollout.rollout_reference_check and bool(need)
+        t_ref = 0.0
         if need and (self.sender_engine in need or lay.gathers(rank, need)):
             with actor.weights_of(version) as model:  # every rank of a feeding TP group takes part in the gathers
+                from megatron_spec.models.gpt import iter_hf_views
+
                 if self.sender_engine in need:
                     account(self.streamer.sync_target(model, str(version), tp_group=self.info.tp_group))
                 else:
-                    from megatron_spec.models.gpt import iter_hf_views
-
                     for _ in iter_hf_views(model, self.info.tp_group, stream_order=True):
                         pass
+                if check:  # the reference engine's copy: the same gathers again
+                    t0 = time.perf_counter()
+                    if self.reference is not None and self.my_engine in need:
+                        self.reference.sync(model, str(version), tp_group=self.info.tp_group)
+                    else:
+                        for _ in iter_hf_views(model, self.info.tp_group, stream_order=True):
+                            pass
+                    t_ref = time.perf_counter() - t0
         for e in need:
             self.engine_target_version[e] = version
 
@@ -257,7 +277,25 @@ class RolloutManager:
                 pass
         for e in need:
             self.engine_draft_version[e] = actor.draft_version
+        if check:
+            out.update(self._reference_check(t_ref))
         return out
+
+    def _reference_check(self, sync_s: float) -> dict[str, Any]:
+        """Every owner's engine and its reference decode the probe prompts greedily; every rank gets every
+        result (one gather over the long-timeout group) and raises on a difference (rl/reference.py)."""
+        from megatron_spec.rl.reference import reference_metrics
+
+        mine = None
+        if self.reference is not None:
+            t0 = time.perf_counter()
+            cmp = self.reference.compare(self.engine, decode=self.task.tokenizer.decode)
+            mine = (cmp, sync_s + time.perf_counter() - t0)
+        results = [mine]
+        if self.info.world_size > 1:
+            results = [None] * self.info.world_size
+            dist.all_gather_object(results, mine, group=self.info.wait_group)
+        return reference_metrics(results)
 
     @functools.cached_property
     def _static_draft(self) -> list[tuple[str, torch.Tensor]] | None:

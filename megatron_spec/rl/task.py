@@ -89,6 +89,14 @@ class PromptTask:
         return Round(reqs, list(range(len(reqs))), [ex.prompt for ex in self.eval_examples],
                      [ex.answer for ex in self.eval_examples], seed=self.cfg.model.seed * 100_003 + 99_991)
 
+    def probe_requests(self, prompts: int, tokens: int) -> list[GenerateRequest]:
+        """Greedy requests of ``tokens`` new tokens for the first ``prompts`` training prompts (the reference
+        check's probes, ``megatron_spec.rl.reference``: the same every step)."""
+        greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
+                                     max_new_tokens=tokens)
+        return [GenerateRequest(f"probe{i}", self.request(f"probe{i}", ex.prompt, f"prompt {i}", 1).input_ids, greedy)
+                for i, ex in enumerate(self.examples[:prompts])]
+
     def score(self, samples: list[SampleOutput], meta: dict[str, tuple[int, str, Any, tuple[int, ...]]],
               version: int) -> list[Rollout]:
         """An engine's samples as rollouts of policy ``version`` with their rewards (stop strings

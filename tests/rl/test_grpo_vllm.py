@@ -25,7 +25,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.dist, pytest.mark.slow]
 STEPS, PROMPTS, GROUP = 3, 3, 2
 
 
-def grpo(model: str, draft: str, run_dir: Path, backend: str, env: dict | None = None) -> list[dict]:
+def grpo(model: str, draft: str | None, run_dir: Path, backend: str, env: dict | None = None, extra: tuple = (),
+         steps: int = STEPS, ok: bool = True):
+    """The run's metrics rows (``ok``), else its failed process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / "launch" / "pretrain_grpo_spec.py"),
            "--hf-checkpoint", model, "--prompt-data", "synthetic:sum", "--apply-chat-template",
@@ -33,12 +35,16 @@ def grpo(model: str, draft: str, run_dir: Path, backend: str, env: dict | None =
            "--prompts-per-step", str(PROMPTS), "--grpo-group-size", str(GROUP), "--micro-batch-size", "6",
            "--rollout-max-new-tokens", "12", "--rollout-max-batch-size", "8", "--rollout-temperature", "0",
            "--rollout-dtype", "float32", "--rollout-weight-dtype", "fp32", "--advantage-baseline", "batch",
-           "--lr", "1e-5", "--train-iters", str(STEPS), "--rollout-backend", backend,
-           "--spec-draft-kind", "eagle3", "--spec-draft-path", draft, "--spec-num-draft-tokens", "3",
-           "--spec-online-draft-training", "--dump-rollouts", "--save", str(run_dir), "--quiet",
-           "--tensorboard-dir", "none"]
+           "--lr", "1e-5", "--train-iters", str(steps), "--rollout-backend", backend,
+           "--dump-rollouts", "--save", str(run_dir), "--quiet", "--tensorboard-dir", "none", *extra]
+    if draft is not None:
+        cmd += ["--spec-draft-kind", "eagle3", "--spec-draft-path", draft, "--spec-num-draft-tokens", "3",
+                "--spec-online-draft-training"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, cwd=str(ROOT),
                           env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
+    if not ok:
+        assert proc.returncode != 0, proc.stderr[-3000:]
+        return proc
     assert proc.returncode == 0, proc.stderr[-6000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -51,12 +57,16 @@ def rollouts(run_dir: Path, step: int) -> list[tuple]:
 def test_grpo_with_vllm_survives_a_kill_and_matches_the_native_engine(smollm2, smollm2_eagle3, tmp_path):
     faults = tmp_path / "faults"
     faults.mkdir()
-    got = grpo(smollm2, smollm2_eagle3, tmp_path / "vllm", "vllm",
-               env={"MEGATRON_SPEC_FAULTS": "engine_kill_in_generate=2", "MEGATRON_SPEC_FAULTS_DIR": str(faults)})
+    # generate calls: step 1's reference probe, step 1's rollouts, step 2's probe, step 2's rollouts (killed)
+    got = grpo(smollm2, smollm2_eagle3, tmp_path / "vllm", "vllm", extra=("--rollout-reference-check",),
+               env={"MEGATRON_SPEC_FAULTS": "engine_kill_in_generate=4", "MEGATRON_SPEC_FAULTS_DIR": str(faults)})
     assert (faults / "fired-engine_kill_in_generate").exists()
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     assert got[-1]["rollout/engine_restarts"] == 1
     assert [m["rollout/policy_version"] for m in got] == list(range(STEPS))  # each step from the newest policy
+    # in the run: vLLM's greedy tokens equal the native engine's holding the same weights, every step
+    assert [m["health/reference_equal"] for m in got] == [1.0] * STEPS
+    assert all(m["health/reference_tokens"] > 0 for m in got)
     assert all(m["spec/accept_length"] >= 1.0 for m in got)  # vLLM's counters, every step (this quick draft
     # accepts little on these prompts; docs/vllm_backend.md has the demo task's 2.6-4.0 with the demo's draft)
     ref = grpo(smollm2, smollm2_eagle3, tmp_path / "native", "native")
@@ -65,3 +75,15 @@ def test_grpo_with_vllm_survives_a_kill_and_matches_the_native_engine(smollm2, s
         assert len(mine) == PROMPTS * GROUP  # nothing lost to the kill
         assert mine == rollouts(tmp_path / "native", step), f"step {step}"
     assert [m["reward/mean"] for m in got] == [m["reward/mean"] for m in ref]
+
+
+def test_the_reference_check_stops_a_run_whose_engine_ignores_its_weights(smollm2, tmp_path):
+    """vLLM starts from dummy weights and gets ours streamed; with its tied LM head left stale (the defect
+    ``vllm_worker.tied_layers`` works around, put back by a test hook) every fingerprint still matches what
+    was sent, and only the reference check sees that the engine does not compute with it."""
+    proc = grpo(smollm2, None, tmp_path / "stale", "vllm", steps=1, ok=False,
+                extra=("--rollout-reference-check", "--rollout-reference-prompts", "2"),
+                env={"MEGATRON_SPEC_TEST_HOOKS": "vllm_stale_tied_head"})
+    err = proc.stderr
+    assert "--rollout-reference-check: 2 of 2 greedy probe prompts differ" in err, err[-3000:]
+    assert "position " in err and "the reference wrote" not in err and ", the reference " in err
