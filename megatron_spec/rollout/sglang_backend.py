@@ -45,7 +45,8 @@ from megatron_spec.dtypes import torch_dtype
 from megatron_spec.rollout import sglang_protocol as proto
 from megatron_spec.rollout.api import MEMORY_TAGS, RolloutEngine
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput, stats_from_samples
+from megatron_spec.rollout.types import (GenerateRequest, GenerateStats, SampleOutput, check_ready_to_generate,
+                                        stats_from_samples)
 
 if TYPE_CHECKING:
     from megatron_spec.sync.fingerprint import Fingerprint
@@ -203,14 +204,8 @@ class SGLangEngine(RolloutEngine):
         """
         from megatron_spec.spec import check_lossless
 
-        if self._session is not None:
-            raise RuntimeError("generate called during a weight update (call end_weight_update first)")
-        if "kv_cache" in self._released:
-            raise RuntimeError("generate called while memory is released (call resume_memory first)")
-        missing = [g for g in self._groups() if self._versions[g] is None]
-        if missing:
-            raise RuntimeError(f"generate refused: no weights loaded for {missing} (released, dummy-initialised or "
-                               f"never sent); push them with update_weights_from_tensor")
+        check_ready_to_generate(updating=self._session is not None, released=self._released,
+                                missing=[g for g in self._groups() if self._versions[g] is None])
         expanded = [(r, i) for r in requests for i in range(r.n)]
         if not expanded:
             return [], GenerateStats(num_draft_tokens=self._k())

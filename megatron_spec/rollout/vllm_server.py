@@ -40,7 +40,7 @@ from typing import Any
 
 from megatron_spec.rollout import vllm_protocol as proto
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.types import GenerateRequest, GenerateStats, stats_from_samples
+from megatron_spec.rollout.types import GenerateRequest, GenerateStats, check_ready_to_generate, stats_from_samples
 
 logger = logging.getLogger(__name__)
 _GROUPS = ("target", "draft")
@@ -99,14 +99,8 @@ class VllmServer:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        if self._session is not None:
-            raise RuntimeError("generate called during a weight update (call end_weight_update first)")
-        if "kv_cache" in self._released:
-            raise RuntimeError("generate called while memory is released (call resume_memory first)")
-        missing = [g for g in self._groups() if self.versions[g] is None]
-        if missing:
-            raise RuntimeError(f"generate refused: no weights loaded for {missing} (released, dummy-initialised or "
-                               f"never sent); push them with update_weights_from_tensor")
+        check_ready_to_generate(updating=self._session is not None, released=self._released,
+                                missing=[g for g in self._groups() if self.versions[g] is None])
         if self.speculation:
             proto.check_supported(self.config, [r.sampling.temperature for r in requests])
         k = self.config.k if self.speculation else 0

@@ -36,7 +36,7 @@ from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelD
 from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
-from megatron_spec.rollout.types import GenerateRequest
+from megatron_spec.rollout.types import GenerateRequest, check_ready_to_generate
 
 logger = logging.getLogger(__name__)
 
@@ -201,14 +201,8 @@ class EngineServer(WeightReceiver):
         return self.core.spec_enabled
 
     def generate(self, requests: list[GenerateRequest], progress=None, seed: int | None = None):
-        if self._updating is not None:
-            raise RuntimeError("generate called during a weight update (call end_weight_update first)")
-        if "kv_cache" in self._released:
-            raise RuntimeError("generate called while memory is released (call resume_memory first)")
         missing = [g for g in ("target", "draft") if self._has_group(g) and self.versions[g] is None]
-        if missing:
-            raise RuntimeError(f"generate refused: no weights loaded for {missing} (released or never sent); "
-                               f"push them with update_weights_from_tensor")
+        check_ready_to_generate(updating=self._updating is not None, released=self._released, missing=missing)
         from megatron_spec import faults
 
         self._generate_calls += 1
