@@ -186,9 +186,13 @@ class GRPOConfig:
 
 @dataclass
 class CheckpointConfig:
-    save: str = _f(None, "directory for checkpoints (and the run's files)")
+    save: str = _f(None, "the run's folder: checkpoints, metrics, exports (default runs/grpo-<date>-<time>); a run "
+                         "started again with the same --save resumes from its latest complete checkpoint")
     load: str = _f(None, "resume from this checkpoint directory (latest iteration)")
-    save_interval: int = _f(0, "save every N steps (0 = only at the end)")
+    resume: bool = _f(True, "resume from the latest complete checkpoint in --save when it has one; --no-resume "
+                            "starts over there, removing the previous run's checkpoints, metrics and exports")
+    save_interval: int = _f(10, "save a checkpoint every N steps, and after the last (0 = only after the last)")
+    save_keep: int = _f(0, "keep the newest N checkpoints, removing older ones after each save (0 = keep all)")
     save_hf: bool = _f(True, "at the end of the run write the trained policy as an HF folder, <run>/hf/policy, "
                              "beside its draft (<run>/hf/eagle3, mtp or draft_model): what transformers, vLLM, "
                              "SGLang and lm-eval load (docs/serving_exports.md)")
@@ -322,8 +326,8 @@ class RunConfig:
                               f"{r.rollout_reference_tokens} must be >= 1")
         if r.rollout_wait_timeout_s <= 0 or r.dist_timeout_s <= 0:
             raise ConfigError("--rollout-wait-timeout-s and --dist-timeout-s must be > 0")
-        if self.checkpoint.save_interval < 0:
-            raise ConfigError("--save-interval must be >= 0")
+        if self.checkpoint.save_interval < 0 or self.checkpoint.save_keep < 0:
+            raise ConfigError("--save-interval and --save-keep must be >= 0")
         return self
 
     def to_dict(self) -> dict[str, Any]:

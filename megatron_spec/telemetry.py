@@ -57,15 +57,24 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
     """Metrics JSONL (append, fsync per line) and optional TensorBoard scalars."""
 
-    def __init__(self, path: str, tensorboard_dir: str | None = None):
+    def __init__(self, path: str, tensorboard_dir: str | None = None, resume_step: int | None = None):
+        """``resume_step``: a run resumed from the checkpoint of that step continues the files, dropping what the
+        run before it wrote after that step (rows it will write again; TensorBoard's ``purge_step``)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
+        if resume_step is not None and os.path.isfile(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            tmp = path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(kept)
+            os.replace(tmp, path)
         self._f = open(path, "a", buffering=1)
         self._tb = None
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(tensorboard_dir)
+            self._tb = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
 
     def write(self, metrics: Mapping[str, Any]) -> None:
         self._f.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")

@@ -14,6 +14,11 @@ renames it into place and only then moves the ``latest`` pointer. A process kill
 moment (``kill -9`` included) leaves the previous checkpoint and pointer intact; the stale
 ``.tmp`` directory is removed by the next save. Loading checks the world layout it was saved
 with (TP and DP sizes).
+
+A run goes into ``--save`` (default ``runs/grpo-<date>-<time>``) and is saved every ``--save-interval``
+steps and after the last; started again with the same ``--save`` it resumes from the latest complete
+checkpoint there (:func:`plan_resume`; ``--no-resume`` starts over, :func:`clear_run`); ``--save-keep N``
+keeps the newest N (:func:`prune`).
 """
 
 from __future__ import annotations
@@ -134,3 +139,51 @@ def load_checkpoint(root: str, *, rank: int, world_size: int, tp_size: int) -> t
                                   f"world size {world_size} and TP {tp_size}")
     state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
     return step, state, trainer_state, path
+
+
+RUN_FILES = ("metrics.jsonl", "tensorboard", "rollouts", "hf", "draft_export", "report", "config.yaml")
+"""What a run writes into its folder besides its checkpoints (what ``--no-resume`` removes)."""
+
+
+def plan_resume(save: str | None, load: str | None, resume: bool) -> tuple[str | None, bool]:
+    """``(checkpoint folder to resume from, whether to clear the previous run's files first)`` for a run into
+    ``save``: ``--load`` as given; else the latest complete checkpoint of ``save`` (``resume``); a folder
+    holding a run without one is refused (a fresh run would append to its metrics), unless ``--no-resume``
+    starts over there. Raises ``ConfigError`` (the launcher's one ``error:`` line)."""
+    from megatron_spec.config import ConfigError
+
+    if load or not save or not os.path.isdir(save):
+        return load, False
+    step = latest_step(save)
+    complete = step is not None and os.path.isfile(os.path.join(_iter_dir(save, step), "COMPLETE"))
+    used = [n for n in RUN_FILES if os.path.exists(os.path.join(save, n))]
+    used += sorted(n for n in os.listdir(save) if n.startswith("iter_"))[-1:]
+    if not resume:
+        return None, bool(used)
+    if complete:
+        return save, False
+    if used:
+        raise ConfigError(f"--save {save} holds a run with no complete checkpoint to resume ({', '.join(used)}); "
+                          f"--no-resume starts over there (removing them), or choose another --save")
+    return None, False
+
+
+def clear_run(root: str) -> None:
+    """Remove a previous run's checkpoints and files from ``root`` (``--no-resume``; rank 0)."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if name in RUN_FILES or name.startswith("iter_") or name == LATEST:
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def prune(root: str, keep: int) -> list[str]:
+    """Remove all but the newest ``keep`` complete checkpoints of ``root`` (``--save-keep``; rank 0, after a
+    save moved the ``latest`` pointer); returns the removed folders."""
+    if keep <= 0:
+        return []
+    done = sorted(n for n in os.listdir(root) if n.startswith("iter_") and not n.endswith(".tmp")
+                  and os.path.isfile(os.path.join(root, n, "COMPLETE")))
+    gone = done[:-keep]
+    for n in gone:
+        shutil.rmtree(os.path.join(root, n), ignore_errors=True)
+    return gone

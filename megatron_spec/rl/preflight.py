@@ -62,7 +62,7 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
             if spec.split(":", 1)[1] not in TASKS:
                 raise ConfigError(f"{flag} {spec}: unknown synthetic task; expected one of "
                                   f"{[f'synthetic:{t}' for t in sorted(TASKS)]}")
-        elif not os.path.isfile(spec):
+        elif not (os.path.isfile(spec) or os.path.isdir(spec)):  # a folder: load_prompts reads its files
             raise ConfigError(f"{flag} {spec}: no such file (a JSONL or Parquet file, or synthetic:<task>)")
 
     from megatron_spec.rl.rewards import get_reward
@@ -74,6 +74,9 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
 
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
+    from megatron_spec.rl.checkpoint import plan_resume
+
+    plan_resume(cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.resume)  # a used folder: one line
 
     if s.spec_draft_kind in ("eagle3", "model", "mtp") and s.spec_draft_path:
         _check_draft(s.spec_draft_kind, s.spec_draft_path, target)

@@ -48,7 +48,21 @@ class GRPOTrainer:
         ckpt.decoder_config.check_tensor_parallel(m.tensor_model_parallel_size)
         self.task = PromptTask(cfg, self.timer)  # the tokenizer, prompt format and stop ids
         self.actor = PolicyActor(cfg, self.info, ckpt, renormalise_engine_logprobs=self.rollout.backend == "sglang")
-        self.run_dir = cfg.checkpoint.save or os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))
+        if not cfg.checkpoint.save:  # one folder for every rank: rank 0's clock names it
+            box = [os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))]
+            if self.info.world_size > 1:
+                import torch.distributed as dist
+
+                dist.broadcast_object_list(box, src=0, group=self.info.wait_group)
+            cfg.checkpoint.save = box[0]
+        self.run_dir = cfg.checkpoint.save
+        # a run started again into its folder resumes (the launcher's preflight chose, rl/checkpoint.py)
+        load, clear = ckpt_io.plan_resume(self.run_dir, cfg.checkpoint.load, cfg.checkpoint.resume)
+        cfg.checkpoint.load = load
+        if clear and self.rank0:
+            ckpt_io.clear_run(self.run_dir)
+            logger.warning("--no-resume: removed the previous run's checkpoints and files from %s", self.run_dir)
+        self._barrier()
         os.makedirs(self.run_dir, exist_ok=True)
         self.task.load(self.run_dir)
         self.step = 0
@@ -61,7 +75,8 @@ class GRPOTrainer:
             self.writer = MetricsWriter(
                 cfg.logging.metrics_path or os.path.join(self.run_dir, "metrics.jsonl"),
                 None if cfg.logging.tensorboard_dir == "none"
-                else (cfg.logging.tensorboard_dir or os.path.join(self.run_dir, "tensorboard")))
+                else (cfg.logging.tensorboard_dir or os.path.join(self.run_dir, "tensorboard")),
+                resume_step=self.step if cfg.checkpoint.load else None)
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 f.write(cfg.to_yaml())
         self.rollout.start(self.task, self.actor)
@@ -147,6 +162,15 @@ class GRPOTrainer:
         ckpt_io.save_checkpoint(self.cfg.checkpoint.save, self.step, rank=self.info.rank,
                                 rank_state=actor.rank_state(), trainer_state=trainer_state,
                                 draft_saver=actor.export_draft if actor.draft is not None else None)
+        if self.rank0:
+            for gone in ckpt_io.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.save_keep):
+                logger.info("--save-keep %d: removed %s", self.cfg.checkpoint.save_keep, gone)
+
+    def _barrier(self) -> None:
+        if self.info.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.info.wait_group)
 
     def _resume(self, root: str) -> None:
         step, state, trainer_state, path = ckpt_io.load_checkpoint(root, rank=self.info.rank,
@@ -156,7 +180,9 @@ class GRPOTrainer:
                                    draft_version=trainer_state.get("draft_version", 0))
         self.step = trainer_state["step"]
         self.task.sampler.load_state_dict(trainer_state["sampler"])
-        logger.info("resumed from %s at step %d", path, step)
+        if self.rank0:
+            print(f"megatron-spec: resuming from {path} (step {step} of {self.cfg.grpo.train_iters})", file=sys.stderr,
+                  flush=True)
 
     def export_hf(self, out: str) -> None:
         """The trained policy as an HF folder beside its draft (``rl/export.py``; collective over TP)."""
@@ -197,7 +223,7 @@ class GRPOTrainer:
                         print_progress(progress_line(m, cfg.grpo.train_iters))
                 history.append(m)
                 interval = cfg.checkpoint.save_interval
-                if cfg.checkpoint.save and ((interval and self.step % interval == 0) or self.step == cfg.grpo.train_iters):
+                if (interval and self.step % interval == 0) or self.step == cfg.grpo.train_iters:
                     self.save()
             if cfg.checkpoint.save_hf and history:
                 self.export_hf(os.path.join(self.run_dir, "hf"))
