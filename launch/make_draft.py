@@ -40,15 +40,11 @@ def generate_rollouts(args) -> list[tuple[int, list[int], list[int]]]:
     spec = args.prompt_data or f"synthetic:{args.task}"
     examples = load_prompts(spec, prompt_key=args.prompt_key, num_synthetic=args.num_prompts,
                             seed=args.seed + 99)[: args.num_prompts]
-    if args.apply_chat_template:  # the chat model's own turns: what it will be asked to continue in GRPO
-        from megatron_spec.rl.prompting import encode_prompt
+    from megatron_spec.rl.prompting import encode_prompt
 
-        prompts = [encode_prompt(tok, e.prompt, chat_template=True, template=args.prompt_template) for e in examples]
-    else:
-        from megatron_spec.rl.prompting import apply_prompt_template
-
-        prompts = [tok(apply_prompt_template(args.prompt_template, e.prompt), add_special_tokens=False)["input_ids"]
-                   for e in examples]
+    # the trainer's encoding (rl/prompting.py): the token sequences GRPO will send, BOS and chat turns alike
+    prompts = [encode_prompt(tok, e.prompt, chat_template=args.apply_chat_template, template=args.prompt_template)
+               for e in examples]
     context = max(map(len, prompts)) + args.max_new_tokens
     srv = EngineServer(EngineConfig(model_path=args.target, max_batch_size=64, context_length=context, seed=args.seed,
                                     dtype=args.dtype))

@@ -30,6 +30,21 @@ class ConfigError(ValueError):
     checkpoint, a draft for another model). The launcher prints it as one ``error:`` line and exits 2."""
 
 
+def _json_object(value: Any, flag: str) -> str:
+    """A JSON object flag's value as JSON text (a YAML file may give the mapping itself)."""
+    import json
+
+    if isinstance(value, dict):
+        return json.dumps(value)
+    try:
+        parsed = json.loads(value)
+    except (TypeError, json.JSONDecodeError):
+        raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {value!r}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, got {value!r}")
+    return value
+
+
 def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None, parse: Any = None) -> Any:
     meta = {"help": help}
     if parse:
@@ -67,6 +82,9 @@ class DataConfig:
                                           "(add_generation_prompt; the template writes BOS and the other special "
                                           "tokens); off: the prompt is tokenised with the tokenizer's own special "
                                           "tokens (BOS where it adds one)")
+    apply_chat_template_kwargs: str = _f(None, "the chat template's own variables as a JSON object (a mapping in "
+                                                "YAML), e.g. '{\"enable_thinking\": false}' for Qwen3",
+                                         parse=lambda v: _json_object(v, "--apply-chat-template-kwargs"))
     system_prompt: str = _f(None, "system turn put before each prompt (needs --apply-chat-template)")
     prompt_template: str = _f(None, "text each prompt becomes, with {prompt} standing for the prompt column, "
                                     "before the chat template: e.g. '{prompt} Answer True or False.'")
@@ -74,7 +92,10 @@ class DataConfig:
                          "generation_config.json: one string or a JSON list; the response keeps the stop string")
     reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact) or 'module:function'")
     num_synthetic_prompts: int = _f(2048, "prompts generated for a synthetic task")
-    max_prompt_length: int = _f(256, "longest prompt in tokens; longer prompts are an error")
+    max_prompt_length: int = _f(256, "longest prompt in tokens (see --overlong-prompts)")
+    overlong_prompts: str = _f("filter", "prompts longer than --max-prompt-length: filter (dropped when the data "
+                                         "loads, their count printed, as verl and slime do) or error",
+                               ("filter", "error"))
     eval_data: str = _f(None, "held-out prompts for --eval-interval: a file or 'synthetic:<task>' (default: the "
                               "synthetic training task drawn with another seed)")
     eval_prompts: int = _f(128, "prompts per held-out evaluation (the first N of --eval-data)")

@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the native engine runs: cpu, cuda or cuda:N")
     p.add_argument("--output", required=True, help="output JSONL, one line per sample")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="render each text prompt as a user turn with the tokenizer's chat template (prompts that are "
+                        "lists of chat messages always are); the trainer's encoding, rl/prompting.encode_prompt")
+    p.add_argument("--system-prompt", default=None, help="system turn before each chat prompt")
+    p.add_argument("--prompt-template", default=None, help="text each prompt becomes, {prompt} standing for it")
+    p.add_argument("--apply-chat-template-kwargs", default=None, help="the chat template's variables, a JSON object")
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -114,9 +120,13 @@ def load_tokenizer(model_dir: str):
         return None
 
 
-def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
-    """``(id, input_ids)`` per line; text prompts are tokenised with ``tokenizer`` (the model's;
-    None when it has none, and then text prompts are an error)."""
+def read_prompts(path: str, tokenizer, encoding: dict | None = None) -> list[tuple[str, list[int]]]:
+    """``(id, input_ids)`` per line; text (or chat-message) prompts are encoded as the trainer encodes them
+    (``rl.prompting.encode_prompt`` with ``encoding``: chat_template, system_prompt, template,
+    template_kwargs) with ``tokenizer`` (the model's; None when it has none, and then they are an error)."""
+    from megatron_spec.rl.prompting import encode_prompt
+
+    encoding = encoding or {"chat_template": False}
     if not os.path.isfile(path):
         raise FileNotFoundError(f"prompts file {path} does not exist")
     rows = []
@@ -137,7 +147,7 @@ def read_prompts(path: str, tokenizer) -> list[tuple[str, list[int]]]:
                 if tokenizer is None:
                     raise ValueError(f"{path}:{lineno}: a text prompt, but the model has no tokenizer "
                                      f"(give 'input_ids')")
-                ids = tokenizer(obj["prompt"], add_special_tokens=False)["input_ids"]
+                ids = encode_prompt(tokenizer, obj["prompt"], **encoding)
             else:
                 raise ValueError(f"{path}:{lineno}: needs 'prompt' or 'input_ids'")
             if not ids:
@@ -166,7 +176,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         dtype = resolve_dtype(args.rollout_dtype, "cuda" if backend == "sglang" else args.device.partition(":")[0])
         check_speculation(values, backend)
-        prompts = read_prompts(args.prompts, tokenizer)
+        from megatron_spec.rl.prompting import parse_template_kwargs
+
+        prompts = read_prompts(args.prompts, tokenizer, {
+            "chat_template": args.apply_chat_template, "system_prompt": args.system_prompt,
+            "template": args.prompt_template, "template_kwargs": parse_template_kwargs(args.apply_chat_template_kwargs)})
         sampling = SamplingParams(**sampling_kwargs(values), ignore_eos=args.ignore_eos)
         batch_size = args.rollout_max_batch_size
         requests = batched_requests(prompts, sampling, args.n, batch_size)

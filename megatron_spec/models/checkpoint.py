@@ -11,13 +11,14 @@ This module knows file layouts and names, not model architectures (see ``convert
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -135,6 +136,36 @@ class HFCheckpoint:
         self._handles.clear()
 
 
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike) -> Iterator[str]:
+    """Yield a temporary folder beside ``path`` to write into; on success it replaces ``path`` (an existing
+    folder goes only once the new one is complete), with the modes the umask gives a new folder (``tempfile``
+    makes it private; a served model is read by other users); on an error it is removed."""
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
+    try:
+        yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        for d, _, files in os.walk(tmp):
+            os.chmod(d, 0o777 & ~mask)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o666 & ~mask)
+        if os.path.isdir(path):
+            old = path + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_hf_checkpoint(
     path: str | os.PathLike,
     tensors: Mapping[str, torch.Tensor],
@@ -154,13 +185,9 @@ def save_hf_checkpoint(
             when the total exceeds this; one ``model.safetensors`` otherwise.
         copy_files_from: a directory whose tokenizer/generation files are copied alongside.
     """
-    path = os.fspath(path)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-" + os.path.basename(path) + "-", dir=parent)
-    try:
-        from huggingface_hub import save_torch_state_dict
+    from huggingface_hub import save_torch_state_dict
 
+    with atomic_folder(path) as tmp:
         # huggingface_hub's writer: shards past max_shard_bytes with model.safetensors.index.json (the layout
         # transformers and the engines read), contiguous CPU copies, tensors sharing storage written once
         save_torch_state_dict({n: t.detach().cpu() for n, t in tensors.items()}, tmp,
@@ -173,14 +200,3 @@ def save_hf_checkpoint(
                 src = os.path.join(os.fspath(copy_files_from), fname)
                 if os.path.isfile(src):
                     shutil.copy2(src, os.path.join(tmp, fname))
-        if os.path.isdir(path):
-            old = path + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -23,8 +23,29 @@ import torch
 
 @dataclass(frozen=True)
 class PromptExample:
-    prompt: str
+    prompt: "str | tuple[dict[str, str], ...]"
+    """Text, or chat messages (``{"role", "content"}``) rendered with the chat template (``rl.prompting``)."""
     answer: str
+
+
+def column(row: dict, key: str):
+    """``row[key]``, where a dotted key walks nested columns (``reward_model.ground_truth``, verl's layout)."""
+    value = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(part)
+        value = value[part]
+    return value
+
+
+def _messages(value) -> "tuple[dict[str, str], ...] | None":
+    """A list of chat messages as plain dicts, or None when ``value`` is not one."""
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+               for m in value):
+        return None
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
 def load_prompts(spec: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
@@ -89,16 +110,27 @@ def _from_rows(spec: str, ds, prompt_key: str, answer_key: str) -> list[PromptEx
     if len(ds) == 0:
         raise ValueError(f"prompt data {spec} is empty")
     for key in (prompt_key, answer_key):
-        if key not in ds.column_names:
-            raise ValueError(f"prompt data {spec} has no column {key!r} (columns: {ds.column_names})")
+        if key.split(".")[0] not in ds.column_names:
+            raise ValueError(f"prompt data {spec} has no column {key.split('.')[0]!r} (columns: {ds.column_names})")
     rows = []
     for i, r in enumerate(ds):
-        prompt, answer = r[prompt_key], r[answer_key]
+        try:
+            prompt = column(r, prompt_key)
+            answer = column(r, answer_key)
+        except KeyError as exc:
+            raise ValueError(f"prompt data {spec} row {i}: no {exc.args[0]!r} in {prompt_key!r} or {answer_key!r}") from None
         if not isinstance(prompt, str):
-            raise ValueError(f"prompt data {spec} row {i}: column {prompt_key!r} holds {type(prompt).__name__}, "
-                             f"expected text")
+            prompt = _messages(prompt)
+            if prompt is None:
+                raise ValueError(f"prompt data {spec} row {i}: column {prompt_key!r} holds neither text nor a list "
+                                 f"of chat messages ({{'role', 'content'}})")
         if answer is None:
             raise ValueError(f"prompt data {spec} row {i}: column {answer_key!r} is null")
+        if isinstance(answer, (dict, list, tuple)):
+            raise ValueError(f"prompt data {spec} row {i}: column {answer_key!r} holds a {type(answer).__name__} "
+                             f"({str(answer)[:60]}), not one answer"
+                             + (f"; name the field inside it: --answer-key {answer_key}.<one of {sorted(answer)}>"
+                                if isinstance(answer, dict) else ""))
         rows.append(PromptExample(prompt, str(answer)))
     return rows
 

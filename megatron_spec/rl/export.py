@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 import torch
@@ -61,11 +60,9 @@ def write_hf_export(out: str, model: torch.nn.Module, source: str, *, tp_group=N
 
     from megatron_spec.models.checkpoint import HFCheckpoint, save_hf_checkpoint
 
-    out = os.path.abspath(out)
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(out)}-", dir=parent)
-    try:
+    from megatron_spec.models.checkpoint import atomic_folder
+
+    with atomic_folder(out) as tmp:
         config = dict(HFCheckpoint(source).config_dict)
         held = next(iter(tensors.values())).dtype
         name = str(held).removeprefix("torch.")
@@ -84,29 +81,6 @@ def write_hf_export(out: str, model: torch.nn.Module, source: str, *, tp_group=N
             record["draft"] = folder
         with open(os.path.join(tmp, "export.json"), "w") as f:
             json.dump(record, f, indent=2)
-        _readable(tmp)
-        if os.path.isdir(out):
-            old = out + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _readable(root: str) -> None:
-    """The modes of a folder made private by ``tempfile`` as the umask gives a new one (a served model is read by
-    other users: an engine's service account, a shared cluster)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for d, _, files in os.walk(root):
-        os.chmod(d, 0o777 & ~mask)
-        for f in files:
-            os.chmod(os.path.join(d, f), 0o666 & ~mask)
 
 
 def resolve_checkpoint(path: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_spec.rollout.types import FINISH_STOP
@@ -55,20 +55,47 @@ def apply_prompt_template(template: str | None, prompt: str) -> str:
     return prompt if template is None else template.replace("{prompt}", prompt)
 
 
-def encode_prompt(tokenizer: Any, prompt: str, *, chat_template: bool, system_prompt: str | None = None,
-                  template: str | None = None) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: "str | Sequence[Mapping[str, str]]", *, chat_template: bool,
+                  system_prompt: str | None = None, template: str | None = None,
+                  template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of ``prompt`` (see the module docstring for what the two modes add), after
-    :func:`apply_prompt_template`."""
-    prompt = apply_prompt_template(template, prompt)
-    if chat_template:
-        if not has_chat_template(tokenizer):
-            raise ValueError(f"--apply-chat-template: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} "
-                             f"has no chat_template (tokenizer_config.json or chat_template.jinja)")
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
-        messages.append({"role": "user", "content": prompt})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    :func:`apply_prompt_template`; the one encoding of the trainer, ``generate`` and ``make_draft``.
+
+    A prompt that is a list of chat messages (``{"role", "content"}``: verl's, slime's and OpenRLHF's
+    datasets) is always rendered with the chat template; ``template`` then formats its last user turn and
+    ``system_prompt`` goes first unless it has a system turn. ``template_kwargs``: the chat template's own
+    variables (``--apply-chat-template-kwargs``, e.g. Qwen3's ``enable_thinking``)."""
+    if isinstance(prompt, str) and not chat_template:
+        return list(tokenizer(apply_prompt_template(template, prompt), add_special_tokens=True)["input_ids"])
+    if not has_chat_template(tokenizer):
+        why = "--apply-chat-template" if isinstance(prompt, str) else "a prompt of chat messages"
+        raise ValueError(f"{why}: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has no chat_template "
+                         f"(tokenizer_config.json or chat_template.jinja)")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": apply_prompt_template(template, prompt)}]
+    else:
+        messages = [dict(m) for m in prompt]
+        users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+        if template is not None and users:
+            messages[users[-1]]["content"] = apply_prompt_template(template, messages[users[-1]]["content"])
+    if system_prompt and not any(m.get("role") == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def parse_template_kwargs(value: "str | Mapping[str, Any] | None") -> dict[str, Any]:
+    """``--apply-chat-template-kwargs``: a JSON object (a YAML ``--config`` may give a mapping)."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--apply-chat-template-kwargs {value!r} is not JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"--apply-chat-template-kwargs must be a JSON object, got {value!r}")
+    return dict(value)
 
 
 def _eos_of(path: str) -> list[int]:

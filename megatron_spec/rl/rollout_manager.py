@@ -100,6 +100,7 @@ class RolloutManager:
         self.engine_draft_version = [-1] * self.layout.num_engines
         self.engine_restarts_total = 0
         self.speculation_off = False  # the watchdog's fallback, applied while the engine is idle
+        self._speculation_applied = False  # the engines run it (a restarted engine starts speculative again)
         self._round = 0  # generate rounds so far (the same count on every rank)
         self.pending: list[Pending] = []
         self.pipeline_started = False
@@ -203,11 +204,21 @@ class RolloutManager:
             return self.pending[0].sampler_state
         return self.task.sampler.state_dict()
 
-    def apply_speculation(self) -> None:
-        """Switch this owner's engine to autoregressive decoding once the watchdog asked for it; called
-        only where no generate is in flight (the handle's pipe serves one call at a time)."""
-        if self.speculation_off and self.owner and self.engine is not None:
+    def apply_speculation(self, version: int) -> None:
+        """Switch the engines to autoregressive decoding once the watchdog asked for it (collective: every rank
+        calls it before a generate round, with the ``version`` the round generates from); called only where no
+        generate is in flight (the handle's pipe serves one call at a time). The native engine switches in
+        place; vLLM and SGLang fix their speculative method at start-up and rebuild, losing their weights,
+        so the policy ``version`` is pushed to them again here."""
+        if not self.speculation_off or self._speculation_applied:
+            return
+        self._speculation_applied = True
+        if self.owner and self.engine is not None:
             self.engine.set_speculation(False)
+        if self.backend != "native":
+            n = self.layout.num_engines
+            self.engine_target_version, self.engine_draft_version = [-1] * n, [-1] * n
+            self.push_weights(version)
 
     def observe_acceptance(self, metrics: dict[str, Any]) -> None:
         """The watchdog reads the step's acceptance (owners: the same job-wide value) and may ask for
@@ -266,6 +277,8 @@ class RolloutManager:
             self.engine_target_version[e] = version
 
         need = [e for e in range(lay.num_engines) if self.engine_draft_version[e] != actor.draft_version]
+        if self._speculation_applied and self.backend != "native":
+            need = []  # rebuilt without speculation (apply_speculation): vLLM and SGLang hold no draft now
         # MTP heads are tensor-parallel: their export gathers over the TP group like the target's
         collective = actor.draft is not None and self.cfg.spec.spec_draft_kind == "mtp"
         if need and self.sender_engine in need:
@@ -286,11 +299,17 @@ class RolloutManager:
         result (one gather over the long-timeout group) and raises on a difference (rl/reference.py)."""
         from megatron_spec.rl.reference import reference_metrics
 
+        from megatron_spec.rollout.process import EngineDiedError, EngineTimeoutError
+
         mine = None
         if self.reference is not None:
             t0 = time.perf_counter()
-            cmp = self.reference.compare(self.engine, decode=self.task.tokenizer.decode)
-            mine = (cmp, sync_s + time.perf_counter() - t0)
+            try:
+                cmp = self.reference.compare(self.engine, decode=self.task.tokenizer.decode)
+                mine = (cmp, sync_s + time.perf_counter() - t0)
+            except (EngineDiedError, EngineTimeoutError) as exc:  # the next round restarts it; checked again then
+                logger.warning("--rollout-reference-check skipped: engine %d failed during the probe (%s)",
+                               self.my_engine, exc)
         results = [mine]
         if self.info.world_size > 1:
             results = [None] * self.info.world_size
@@ -412,6 +431,8 @@ class RolloutManager:
             self.engine_restarts_total += len(failed)
             for e in failed:  # the same bookkeeping on every rank
                 self.engine_target_version[e] = self.engine_draft_version[e] = -1
+            # a restarted engine starts speculative: the fallback is applied again before the next round
+            self._speculation_applied = False
             if self.owner and self.my_engine in failed:
                 self._restart_engine(got[self.my_engine].error)
             self.push_weights(version)
@@ -462,7 +483,7 @@ class RolloutManager:
     def generate(self, step: int, version: int) -> tuple[Batch, float]:
         """Synchronous mode: the rollouts of batch ``step`` from the engines holding ``version``,
         on every rank (and the seconds rank 0 waited for them)."""
-        self.apply_speculation()
+        self.apply_speculation(version)
         with self.timer("data"):
             rnd = self.task.next_round(step)
         with self.timer("gen"):

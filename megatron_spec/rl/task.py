@@ -8,12 +8,14 @@ What the rollout manager asks the engines for (:meth:`PromptTask.next_round`,
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 from typing import Any
 
 from megatron_spec.config import ConfigError, RunConfig
 from megatron_spec.rl.data import PromptSampler, load_prompts
-from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_stop_strings, stop_token_ids,
-                                        truncate_at_stop_strings)
+from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_stop_strings, parse_template_kwargs,
+                                        stop_token_ids, truncate_at_stop_strings)
 from megatron_spec.rl.records import Round
 from megatron_spec.rl.rewards import get_reward, score
 from megatron_spec.rl.rollouts import Rollout
@@ -39,6 +41,7 @@ class PromptTask:
         if cfg.data.apply_chat_template and not has_chat_template(self.tokenizer):
             raise ConfigError(f"--apply-chat-template: the tokenizer of {m.hf_checkpoint} has no chat_template")
         self.stop_ids = stop_token_ids(m.hf_checkpoint, self.tokenizer)
+        self.template_kwargs = parse_template_kwargs(cfg.data.apply_chat_template_kwargs)
         self.stop_strings = parse_stop_strings(cfg.data.stop)
         self.sampling = SamplingParams(**sampling_kwargs(dataclasses.asdict(cfg.rollout)), stop_token_ids=self.stop_ids)
         """Every request's sampling: the rollout settings and the stop ids (frozen, shared)."""
@@ -49,22 +52,52 @@ class PromptTask:
         self.examples = load_prompts(cfg.data.prompt_data, prompt_key=cfg.data.prompt_key,
                                      answer_key=cfg.data.answer_key, num_synthetic=cfg.data.num_synthetic_prompts,
                                      seed=seed, cache_dir=run_dir)
+        self.examples = self._drop_overlong(self.examples, f"--prompt-data {cfg.data.prompt_data}")
         self.sampler = PromptSampler(len(self.examples), seed)
         self.eval_examples = []
         if cfg.logging.eval_interval:
             self.eval_examples = load_prompts(
                 cfg.data.eval_data or cfg.data.prompt_data, prompt_key=cfg.data.prompt_key,
                 answer_key=cfg.data.answer_key, num_synthetic=cfg.data.eval_prompts,
-                seed=seed + 7_919_000, cache_dir=run_dir)[:cfg.data.eval_prompts]
+                seed=seed + 7_919_000, cache_dir=run_dir)
+            self.eval_examples = self._drop_overlong(
+                self.eval_examples, f"--eval-data {cfg.data.eval_data or cfg.data.prompt_data}")[:cfg.data.eval_prompts]
         self.reward_name = cfg.data.reward
         self.reward_fn = get_reward(cfg.data.reward)
+
+    def encode(self, prompt) -> list[int]:
+        """The prompt's token ids (``rl.prompting.encode_prompt``: text or chat messages)."""
+        d = self.cfg.data
+        return encode_prompt(self.tokenizer, prompt, chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
+                             template=d.prompt_template, template_kwargs=self.template_kwargs)
+
+    def _drop_overlong(self, examples: list, what: str) -> list:
+        """``--overlong-prompts``: prompts longer than ``--max-prompt-length`` dropped at load (their count
+        printed by rank 0) or an error naming the first, before the first step."""
+        d = self.cfg.data
+        lengths = [len(self.encode(ex.prompt)) for ex in examples]
+        long = [i for i, n in enumerate(lengths) if n > d.max_prompt_length]
+        if not long:
+            return examples
+        if d.overlong_prompts == "error":
+            raise ConfigError(f"{what}: {len(long)} of {len(examples)} prompts are longer than --max-prompt-length "
+                              f"{d.max_prompt_length} tokens (the first, row {long[0]}, has {lengths[long[0]]}); raise "
+                              f"it, or --overlong-prompts filter drops them")
+        if len(long) == len(examples):
+            raise ConfigError(f"{what}: every prompt is longer than --max-prompt-length {d.max_prompt_length} tokens "
+                              f"(the shortest has {min(lengths)})")
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"megatron-spec: {what}: dropped {len(long)} of {len(examples)} prompts longer than "
+                  f"--max-prompt-length {d.max_prompt_length} tokens (--overlong-prompts filter)", file=sys.stderr,
+                  flush=True)
+        drop = set(long)
+        return [ex for i, ex in enumerate(examples) if i not in drop]
 
     def request(self, request_id: str, prompt: str, what: str, n: int) -> GenerateRequest:
         """A generate request of ``n`` samples with the rollout sampling settings; ``what`` names
         the prompt in errors (empty after tokenising, longer than --max-prompt-length)."""
         d = self.cfg.data
-        ids = encode_prompt(self.tokenizer, prompt, chat_template=d.apply_chat_template,
-                            system_prompt=d.system_prompt, template=d.prompt_template)
+        ids = self.encode(prompt)
         if not ids:
             raise ValueError(f"{what} tokenises to nothing: {prompt!r}")
         if len(ids) > d.max_prompt_length:

@@ -116,7 +116,7 @@ class GRPOTrainer:
             with timer("prepare"):
                 metrics.update(rollout.push_weights(version))
             if self.step + 1 < self.cfg.grpo.train_iters:
-                rollout.apply_speculation()
+                rollout.apply_speculation(version)
                 rollout.submit(self.step + 1, version)
         self.last_batch = batch
         with timer("logprob"):

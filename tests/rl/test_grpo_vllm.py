@@ -87,3 +87,23 @@ def test_the_reference_check_stops_a_run_whose_engine_ignores_its_weights(smollm
     err = proc.stderr
     assert "--rollout-reference-check: 2 of 2 greedy probe prompts differ" in err, err[-3000:]
     assert "position " in err and "the reference wrote" not in err and ", the reference " in err
+
+
+def test_the_watchdog_fallback_rebuilds_vllm_and_pushes_the_weights_again(smollm2, smollm2_eagle3, tmp_path):
+    """vLLM fixes its speculative method at start-up: the acceptance watchdog's fallback rebuilds it, which
+    drops its weights, so the rollout manager streams the policy again before the next round (without it,
+    vLLM refuses the generate). The online draft's first update is corrupted (``corrupt_draft=1``): step 2
+    drafts garbage, the watchdog (window 1) falls back, step 3 decodes without drafts, on vLLM, from the
+    pushed weights (the reference check says so)."""
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    got = grpo(smollm2, smollm2_eagle3, tmp_path / "fallback", "vllm",
+               extra=("--spec-watchdog-steps", "1", "--spec-watchdog-fallback", "--rollout-reference-check",
+                      "--rollout-reference-prompts", "2"),
+               env={"MEGATRON_SPEC_FAULTS": "corrupt_draft=1", "MEGATRON_SPEC_FAULTS_DIR": str(faults)})
+    assert (faults / "fired-corrupt_draft").exists()
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert "fallback" in [m["spec/watchdog"] for m in got[:2]]
+    last = got[-1]
+    assert last["spec/num_draft_tokens"] == 0 and last["spec/accept_length"] == 1.0, last
+    assert [m["health/reference_equal"] for m in got] == [1.0] * STEPS

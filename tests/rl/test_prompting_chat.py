@@ -141,7 +141,10 @@ def test_datasets_folders_and_gsm8k_columns(tmp_path):
         load_prompts(str(tmp_path / "empty_dir"))
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}) + "\n")
-    with pytest.raises(ValueError, match="row 0: column 'prompt' holds list, expected text"):
+    # chat messages (verl's, slime's layout) load as messages (rendered with the chat template later)
+    assert load_prompts(str(chat), cache_dir=str(tmp_path))[0].prompt == ({"role": "user", "content": "hi"},)
+    chat.write_text(json.dumps({"prompt": [1, 2], "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match="row 0: column 'prompt' holds neither text nor a list of chat messages"):
         load_prompts(str(chat), cache_dir=str(tmp_path))
 
 

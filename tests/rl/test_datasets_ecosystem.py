@@ -1,0 +1,104 @@
+"""The datasets RL users already have (``rl/data.py``, ``rl/prompting.py``): verl's parquet layout (a prompt
+that is a list of chat messages, the answer nested in ``reward_model.ground_truth``), chat-template
+variables, overlong prompts dropped at load; end to end through a GRPO step on a verl-format file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_spec.rl.data import load_prompts
+from megatron_spec.rl.prompting import encode_prompt, parse_template_kwargs
+from megatron_spec.rl.tasks import generate
+from tests.dist_utils import free_port
+from tests.rl.bpe_chat import bpe_tokenizer, make_chat_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def verl_parquet(path: Path, n: int = 24, seed: int = 0) -> list:
+    """A GSM8K-style file as verl's preprocessing writes it (examples/data_preprocess/gsm8k.py's columns)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = generate("sum", n, seed)
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": ex.prompt}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": ex.answer}, "extra_info": {"split": "train", "index": i}}
+        for i, ex in enumerate(rows)]), str(path))
+    return rows
+
+
+def test_verl_layout_loads(tmp_path):
+    rows = verl_parquet(tmp_path / "train.parquet")
+    got = load_prompts(str(tmp_path / "train.parquet"), prompt_key="prompt", answer_key="reward_model.ground_truth")
+    assert [e.answer for e in got] == [r.answer for r in rows]
+    assert got[0].prompt == ({"role": "user", "content": rows[0].prompt},)
+    with pytest.raises(ValueError, match=r"column 'reward_model' holds a dict .* --answer-key "
+                                         r"reward_model.<one of \['ground_truth', 'style'\]>"):
+        load_prompts(str(tmp_path / "train.parquet"), prompt_key="prompt", answer_key="reward_model")
+    with pytest.raises(ValueError, match="no 'truth'"):
+        load_prompts(str(tmp_path / "train.parquet"), prompt_key="prompt", answer_key="reward_model.truth")
+    with pytest.raises(ValueError, match="neither text nor a list of chat messages"):
+        load_prompts(str(tmp_path / "train.parquet"), prompt_key="extra_info", answer_key="ability")
+
+
+def test_message_prompts_render_like_text_prompts():
+    tok = bpe_tokenizer()
+    text = "What is 3 + 5?"
+    as_text = encode_prompt(tok, text, chat_template=True, system_prompt="Be brief.", template="{prompt} Think.")
+    as_messages = encode_prompt(tok, ({"role": "user", "content": text},), chat_template=False,
+                                system_prompt="Be brief.", template="{prompt} Think.")
+    assert as_text == as_messages
+    # a system turn of the data's own stays, and the flag's is not added twice
+    own = encode_prompt(tok, ({"role": "system", "content": "Mine."}, {"role": "user", "content": text}),
+                        chat_template=True, system_prompt="Be brief.")
+    assert "Mine." in tok.decode(own) and "Be brief." not in tok.decode(own)
+    assert parse_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+    assert parse_template_kwargs(None) == {}
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_template_kwargs("[1]")
+
+
+def test_grpo_step_on_a_verl_parquet(tmp_path):
+    """One GRPO step from a verl-format file: message prompts, the nested answer, a YAML written the
+    NeMo-RL way (unprefixed keys, ``lr: 1e-5``), a dotted override; two overlong prompts dropped at load."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    model = make_chat_checkpoint(str(tmp_path / "model"))
+    data = tmp_path / "train.parquet"
+    verl_parquet(data)
+    table = pq.read_table(str(data)).to_pylist()
+    for row in table[:2]:
+        row["prompt"][0]["content"] = "Add these: " + " + ".join(str(i) for i in range(80))
+    pq.write_table(pa.Table.from_pylist(table), str(data))
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("data:\n  prompt_key: prompt\n  answer_key: reward_model.ground_truth\n  max_prompt_length: 96\n"
+                   "grpo:\n  lr: 1e-5\n  group_size: 2\n  prompts_per_step: 2\n  micro_batch_size: 4\n"
+                   "rollout:\n  max_new_tokens: 8\n  max_batch_size: 8\n")
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "launch" / "pretrain_grpo_spec.py"), "--config", str(cfg),
+           "--hf-checkpoint", model, "--prompt-data", str(data), "--reward", "tests.rl.rewards_for_tests:digit_share",
+           "--make-vocab-size-divisible-by", "8", "--save", str(run), "--quiet", "--tensorboard-dir", "none",
+           "--dump-rollouts", "--rollout-num-threads", "1", "grpo.train_iters=1", "data.apply_chat_template_kwargs="
+           '{"unused_variable": true}']
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT),
+                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "dropped 2 of 24 prompts longer than --max-prompt-length 96" in proc.stderr
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    saved = (run / "config.yaml").read_text()
+    assert "lr: 1.0e-05" in saved and "answer_key: reward_model.ground_truth" in saved
+    dumped = [json.loads(x) for x in (run / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    assert all(tok.decode(r["prompt_ids"]).startswith("<|begin_of_text|><|start_header_id|>user") for r in dumped)
