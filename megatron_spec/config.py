@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from megatron_spec.config_values import coerce
 from megatron_spec.rollout.config import SETTING, check_speculation, parse_num_draft_tokens
 
 
@@ -396,44 +397,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(_flag(f), **kw)
 
 
-def _coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) -> Any:
-    """A value from a YAML file or an override as the field's type: what PyYAML reads as text (``1e-5``, a quoted
-    ``"512"``) becomes the number it says, and what is not one is a :class:`ConfigError` naming the key.
-    (OmegaConf's structured configs would do this if every field that defaults to None were declared Optional;
-    this is the part of it these fields need.)"""
-    name = f"{group}.{f.name}"
-    if value is None:
-        return None
-    parse = f.metadata.get("parse")
-    try:
-        if parse is not None and not isinstance(value, bool):
-            value = parse(value)
-        elif kind is bool:
-            if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
-                value = value.strip().lower() in ("true", "yes", "on", "1")
-            elif not isinstance(value, bool):
-                raise ValueError
-        elif kind is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            value = int(value) if not isinstance(value, str) else int(value.strip())
-        elif kind is float:
-            if isinstance(value, bool):
-                raise ValueError
-            value = float(value)
-        elif not isinstance(value, str):
-            if isinstance(value, (dict, list)):
-                raise ValueError
-            value = str(value)
-    except (TypeError, ValueError, argparse.ArgumentTypeError):
-        what = getattr(kind, "__name__", str(kind))
-        raise ConfigError(f"{where}: {name} must be {'a' if what != 'int' else 'an'} {what}, got {value!r}") from None
-    choices = f.metadata.get("choices")
-    if choices and value not in choices:
-        raise ConfigError(f"{where}: {name} must be one of {', '.join(map(str, choices))}; got {value!r}")
-    return value
-
-
 def _resolve_key(group: str, key: str, where: str) -> dataclasses.Field:
     """The field ``key`` names in ``group``: its name, or its name without the section's prefix
     (``max_batch_size`` in ``rollout``); an unknown key is a :class:`ConfigError` with the closest names."""
@@ -462,12 +425,12 @@ def _resolve_section(name: str, where: str) -> str:
 def _set(values: dict[str, dict[str, Any]], group: str, key: str, value: Any, where: str) -> None:
     group = _resolve_section(group, where)
     f = _resolve_key(group, key, where)
-    values[group][f.name] = _coerce(group, f, _field_type(GROUPS[group], f), value, where)
+    values[group][f.name] = coerce(group, f, _field_type(GROUPS[group], f), value, where)
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``section.key=value`` as ``(section, key, value)``, the value read as YAML (``1e-5`` stays text for
-    :func:`_coerce`)."""
+    :func:`megatron_spec.config_values.coerce`)."""
     path, sep, raw = text.partition("=")
     group, dot, key = path.strip().partition(".")
     if not sep or not dot or not group or not key:

@@ -190,7 +190,12 @@ def save_hf_checkpoint(
     with atomic_folder(path) as tmp:
         # huggingface_hub's writer: shards past max_shard_bytes with model.safetensors.index.json (the layout
         # transformers and the engines read), contiguous CPU copies, tensors sharing storage written once
-        save_torch_state_dict({n: t.detach().cpu() for n, t in tensors.items()}, tmp,
+        # a tensor that views part of a larger storage (an embedding cut from its padded vocabulary) is copied:
+        # huggingface_hub refuses to write one that does not cover its storage
+        own = {n: t.detach().cpu() for n, t in tensors.items()}
+        own = {n: t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
+               for n, t in own.items()}
+        save_torch_state_dict(own, tmp,
                               max_shard_size=max_shard_bytes if max_shard_bytes is not None else 1 << 60,
                               metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:

@@ -187,3 +187,27 @@ def prune(root: str, keep: int) -> list[str]:
     for n in gone:
         shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     return gone
+
+
+def prepare_run_dir(cfg, info) -> str:
+    """The run's folder, ready (collective): ``--save``, or ``runs/grpo-<date>-<time>`` by rank 0's clock; where
+    it resumes from (:func:`plan_resume`: ``cfg.checkpoint.load`` is set), the previous run's files removed
+    first under ``--no-resume``."""
+    import logging
+    import time
+
+    c = cfg.checkpoint
+    if not c.save:
+        box = [os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))]
+        if info.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=info.wait_group)
+        c.save = box[0]
+    c.load, clear = plan_resume(c.save, c.load, c.resume)
+    if clear and info.rank == 0:
+        clear_run(c.save)
+        logging.getLogger(__name__).warning("--no-resume: removed the previous run's checkpoints and files from %s",
+                                            c.save)
+    if info.world_size > 1:
+        dist.barrier(group=info.wait_group)
+    os.makedirs(c.save, exist_ok=True)
+    return c.save

@@ -83,6 +83,30 @@ def write_hf_export(out: str, model: torch.nn.Module, source: str, *, tp_group=N
             json.dump(record, f, indent=2)
 
 
+def export_trained(cfg, info, actor, run_dir: str, step: int) -> None:
+    """The end of a run (``--save-hf``): ``<run>/hf`` from the policy in memory (collective over TP; the
+    data-parallel replicas hold the same weights, so DP rank 0's TP group writes)."""
+    import sys
+
+    from megatron_spec.models.gpt import unwrap
+
+    s = cfg.spec
+    draft_dir = None
+    if actor.draft is not None:
+        draft_dir = os.path.join(run_dir, "draft_export")  # exported after every update
+    elif s.spec_draft_kind in DRAFT_FOLDERS and s.spec_draft_path:
+        draft_dir = s.spec_draft_path
+    out = os.path.join(run_dir, "hf")
+    if info.dp_rank == 0:
+        write_hf_export(out, unwrap(actor.model), cfg.model.hf_checkpoint, tp_group=info.tp_group,
+                        write=info.rank == 0, draft_kind=s.spec_draft_kind, draft_dir=draft_dir,
+                        info={"step": step, "policy_version": actor.policy_version, "draft_kind": s.spec_draft_kind,
+                              "draft_version": actor.draft_version})
+    if info.rank == 0:
+        print(f"megatron-spec: trained policy: {os.path.abspath(os.path.join(out, 'policy'))}", file=sys.stderr,
+              flush=True)
+
+
 def resolve_checkpoint(path: str) -> str:
     """The iteration folder ``path`` names: itself (it holds ``trainer_state.json``), or the latest
     complete checkpoint of a ``--save`` folder."""

@@ -118,3 +118,29 @@ def reference_metrics(results: Sequence[tuple[Comparison, float] | None]) -> dic
             f"are a tie; otherwise the engine does not compute with the weights it was sent (drop the flag to run on)")
     return out
 
+
+
+def check_owners(reference: ReferenceCheck | None, engine, decode, info, sync_s: float) -> dict[str, Any]:
+    """Every owner's engine and its reference decode the probe prompts (``reference`` None: a rank without an
+    engine); every rank gets every result (one gather over the long-timeout group) and raises on a difference.
+    An engine that dies during the probe is left to the next round's restart (the check runs again then)."""
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_spec.rollout.process import EngineDiedError, EngineTimeoutError
+
+    mine = None
+    if reference is not None:
+        t0 = time.perf_counter()
+        try:
+            mine = (reference.compare(engine, decode=decode), sync_s + time.perf_counter() - t0)
+        except (EngineDiedError, EngineTimeoutError) as exc:
+            logging.getLogger(__name__).warning("--rollout-reference-check skipped: the engine failed during the "
+                                                "probe (%s)", exc)
+    results = [mine]
+    if info.world_size > 1:
+        results = [None] * info.world_size
+        dist.all_gather_object(results, mine, group=info.wait_group)
+    return reference_metrics(results)

@@ -291,30 +291,10 @@ class RolloutManager:
         for e in need:
             self.engine_draft_version[e] = actor.draft_version
         if check:
-            out.update(self._reference_check(t_ref))
+            from megatron_spec.rl.reference import check_owners
+
+            out.update(check_owners(self.reference, self.engine, self.task.tokenizer.decode, self.info, t_ref))
         return out
-
-    def _reference_check(self, sync_s: float) -> dict[str, Any]:
-        """Every owner's engine and its reference decode the probe prompts greedily; every rank gets every
-        result (one gather over the long-timeout group) and raises on a difference (rl/reference.py)."""
-        from megatron_spec.rl.reference import reference_metrics
-
-        from megatron_spec.rollout.process import EngineDiedError, EngineTimeoutError
-
-        mine = None
-        if self.reference is not None:
-            t0 = time.perf_counter()
-            try:
-                cmp = self.reference.compare(self.engine, decode=self.task.tokenizer.decode)
-                mine = (cmp, sync_s + time.perf_counter() - t0)
-            except (EngineDiedError, EngineTimeoutError) as exc:  # the next round restarts it; checked again then
-                logger.warning("--rollout-reference-check skipped: engine %d failed during the probe (%s)",
-                               self.my_engine, exc)
-        results = [mine]
-        if self.info.world_size > 1:
-            results = [None] * self.info.world_size
-            dist.all_gather_object(results, mine, group=self.info.wait_group)
-        return reference_metrics(results)
 
     @functools.cached_property
     def _static_draft(self) -> list[tuple[str, torch.Tensor]] | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from typing import Any
 
 from megatron_spec.config import RunConfig
@@ -48,22 +47,7 @@ class GRPOTrainer:
         ckpt.decoder_config.check_tensor_parallel(m.tensor_model_parallel_size)
         self.task = PromptTask(cfg, self.timer)  # the tokenizer, prompt format and stop ids
         self.actor = PolicyActor(cfg, self.info, ckpt, renormalise_engine_logprobs=self.rollout.backend == "sglang")
-        if not cfg.checkpoint.save:  # one folder for every rank: rank 0's clock names it
-            box = [os.path.join("runs", time.strftime("grpo-%Y%m%d-%H%M%S"))]
-            if self.info.world_size > 1:
-                import torch.distributed as dist
-
-                dist.broadcast_object_list(box, src=0, group=self.info.wait_group)
-            cfg.checkpoint.save = box[0]
-        self.run_dir = cfg.checkpoint.save
-        # a run started again into its folder resumes (the launcher's preflight chose, rl/checkpoint.py)
-        load, clear = ckpt_io.plan_resume(self.run_dir, cfg.checkpoint.load, cfg.checkpoint.resume)
-        cfg.checkpoint.load = load
-        if clear and self.rank0:
-            ckpt_io.clear_run(self.run_dir)
-            logger.warning("--no-resume: removed the previous run's checkpoints and files from %s", self.run_dir)
-        self._barrier()
-        os.makedirs(self.run_dir, exist_ok=True)
+        self.run_dir = ckpt_io.prepare_run_dir(cfg, self.info)  # resumes a run started again (rl/checkpoint.py)
         self.task.load(self.run_dir)
         self.step = 0
         if cfg.spec.spec_online_draft_training:  # EAGLE-3 / MTP trained from the verifier's hidden states
@@ -166,12 +150,6 @@ class GRPOTrainer:
             for gone in ckpt_io.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.save_keep):
                 logger.info("--save-keep %d: removed %s", self.cfg.checkpoint.save_keep, gone)
 
-    def _barrier(self) -> None:
-        if self.info.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.info.wait_group)
-
     def _resume(self, root: str) -> None:
         step, state, trainer_state, path = ckpt_io.load_checkpoint(root, rank=self.info.rank,
                                                                    world_size=self.info.world_size,
@@ -182,27 +160,6 @@ class GRPOTrainer:
         self.task.sampler.load_state_dict(trainer_state["sampler"])
         if self.rank0:
             print(f"megatron-spec: resuming from {path} (step {step} of {self.cfg.grpo.train_iters})", file=sys.stderr,
-                  flush=True)
-
-    def export_hf(self, out: str) -> None:
-        """The trained policy as an HF folder beside its draft (``rl/export.py``; collective over TP)."""
-        from megatron_spec.rl.export import DRAFT_FOLDERS, write_hf_export
-        from megatron_spec.models.gpt import unwrap
-
-        s, actor = self.cfg.spec, self.actor
-        draft_dir = None
-        if actor.draft is not None:
-            draft_dir = os.path.join(self.run_dir, "draft_export")  # exported after every update
-        elif s.spec_draft_kind in DRAFT_FOLDERS and s.spec_draft_path:
-            draft_dir = s.spec_draft_path
-        # the policy's data-parallel replicas hold the same weights: DP rank 0's TP group writes
-        if self.info.dp_rank == 0:
-            write_hf_export(out, unwrap(actor.model), self.cfg.model.hf_checkpoint, tp_group=self.info.tp_group,
-                            write=self.rank0, draft_kind=s.spec_draft_kind, draft_dir=draft_dir,
-                            info={"step": self.step, "policy_version": actor.policy_version,
-                                  "draft_kind": s.spec_draft_kind, "draft_version": actor.draft_version})
-        if self.rank0:
-            print(f"megatron-spec: trained policy: {os.path.abspath(os.path.join(out, 'policy'))}", file=sys.stderr,
                   flush=True)
 
     # ------------------------------------------------------------------ loop
@@ -225,8 +182,10 @@ class GRPOTrainer:
                 interval = cfg.checkpoint.save_interval
                 if (interval and self.step % interval == 0) or self.step == cfg.grpo.train_iters:
                     self.save()
-            if cfg.checkpoint.save_hf and history:
-                self.export_hf(os.path.join(self.run_dir, "hf"))
+            if cfg.checkpoint.save_hf and history:  # the trained policy as an HF folder beside its draft
+                from megatron_spec.rl.export import export_trained
+
+                export_trained(cfg, self.info, self.actor, self.run_dir, self.step)
         finally:
             self.shutdown()
         return history

@@ -114,7 +114,7 @@ def test_nan_loss_stops_before_a_checkpoint(setup, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--max-prompt-length", "3"], "more than --max-prompt-length 3"),
+    (["--max-prompt-length", "3"], "every prompt is longer than --max-prompt-length 3"),
     (["--reward", "tests.rl.rewards_for_tests:raises"], "reward function 'tests.rl.rewards_for_tests:raises' raised"),
     (["--tensor-model-parallel-size", "2"], "does not divide num_attention_heads|does not divide num_key_value_heads"),
 ])
