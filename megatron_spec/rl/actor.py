@@ -394,25 +394,46 @@ class PolicyActor:
                 "train/samples_trained": int(samples), "train/optimizer_steps": int(round(steps))}
 
     # ------------------------------------------------------------------ checkpoint state
-    def rank_state(self) -> dict[str, Any]:
-        """This rank's share of a checkpoint: model, optimizer, generators, draft learner."""
-        state = {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "rng": ckpt_io.rng_state()}
-        if self.draft is not None:  # per rank: MTP heads are tensor-parallel
-            state["draft"] = self.draft.state_dict()
+    def sharded_state(self, saved: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The policy, its AdamW state, this rank's generators and draft learner, for megatron-core's
+        ``dist_checkpointing`` (``rl/checkpoint.py``). To save: ``saved`` is None. To load: ``saved`` is the
+        checkpoint's trainer state; on another layout than it was saved with, the generators are left out
+        (they start from the seed) and the draft learner's state is DP rank 0's of the saved run (an
+        EAGLE-3 head is the same on every rank; an MTP learner's is tensor-parallel: refused at another TP)."""
+        info = self.info
+        model = unwrap(self.model).sharded_state_dict()
+        state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(model)}
+        same = saved is None or (saved["world_size"], saved["tp_size"]) == (info.world_size, info.tp_size)
+        world, rank = (info.world_size, info.rank) if same else (saved["world_size"],
+                                                                 info.tp_rank % saved["world_size"])
+        if same:
+            state["rng"] = ckpt_io.per_rank("rng_state", ckpt_io.rng_state(), rank, world)
+        if self.draft is not None:
+            kind = self.cfg.spec.spec_draft_kind
+            if saved is not None and not saved.get("draft_state", True):
+                raise ckpt_io.CheckpointLoadError("the checkpoint has no draft trainer state; it was saved without "
+                                                  "--spec-online-draft-training")
+            if not same and kind == "mtp" and saved["tp_size"] != info.tp_size:
+                raise ckpt_io.CheckpointLoadError(
+                    f"the MTP draft learner's state is tensor-parallel: it resumes at the TP size it was saved with "
+                    f"({saved['tp_size']}), this run has TP {info.tp_size}")
+            state["draft"] = ckpt_io.per_rank("draft_state", self.draft.state_dict() if saved is None else None,
+                                              rank, world)
         return state
 
-    def load_rank_state(self, state: dict[str, Any], path: str, *, policy_version: int, draft_version: int) -> None:
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        ckpt_io.set_rng_state(state["rng"])
+    def load_state(self, loaded: dict[str, Any], path: str, *, policy_version: int, draft_version: int) -> None:
+        """What :meth:`sharded_state` described, as ``dist_checkpointing`` loaded it from ``path``."""
+        unwrap(self.model).load_state_dict(loaded["model"])
+        self.optimizer.load_sharded_state_dict(loaded["optimizer"])
+        if "rng" in loaded:
+            ckpt_io.set_rng_state(loaded["rng"])
+        elif self.rank0:
+            logger.warning("resuming %s on another layout than it was saved with: the generators start from the "
+                           "seed", path)
         self.policy_version = self.oldest_version = policy_version
         self.draft_version = draft_version
         if self.draft is not None:
-            if "draft" not in state:
-                raise ckpt_io.CheckpointLoadError(f"{path} has no draft trainer state; it was saved without "
-                                                  f"--spec-online-draft-training")
-            self.draft.load_state_dict(state["draft"])
+            self.draft.load_state_dict(loaded["draft"])
 
     def export_draft(self, path: str | os.PathLike) -> None:
         """The draft in its serving format (collective: every rank calls it)."""

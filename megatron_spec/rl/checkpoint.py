@@ -4,16 +4,20 @@ Layout under ``--save``::
 
     latest_checkpointed_iteration.txt     # the last *complete* iteration (replaced atomically)
     iter_0000010/
-        rank_00000.pt ...                 # per rank: policy shard, optimizer, RNG states
-        trainer_state.json                # step, policy version, data position, world layout
+        metadata.json, common.pt,         # megatron-core dist_checkpointing (torch_dist): the policy
+        __*_*.distcp, .metadata           # ("embedding.word_embeddings.weight", ...), its AdamW state
+                                          # ("optimizer.state.exp_avg.<key>"), each rank's generators
+        trainer_state.json                # step, policy version, data position, world layout, settings
         draft/                            # draft trainer state + its ModelOpt-format export
         COMPLETE
 
 Every rank writes into ``iter_XXXXXXX.tmp``; after a barrier rank 0 marks it COMPLETE,
 renames it into place and only then moves the ``latest`` pointer. A process killed at any
 moment (``kill -9`` included) leaves the previous checkpoint and pointer intact; the stale
-``.tmp`` directory is removed by the next save. Loading checks the world layout it was saved
-with (TP and DP sizes).
+``.tmp`` directory is removed by the next save. The tensors are saved by their global shapes and
+offsets, so a checkpoint saved at one TP x DP layout resumes at another (megatron-core reshards on
+load); the generators resume only on the layout they were saved with (another layout starts from the
+seed), an MTP draft's trainer state only at its TP size.
 
 A run goes into ``--save`` (default ``runs/grpo-<date>-<time>``) and is saved every ``--save-interval``
 steps and after the last; started again with the same ``--save`` it resumes from the latest complete
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import shutil
 from typing import Any
@@ -81,10 +86,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def save_checkpoint(root: str, step: int, *, rank: int, rank_state: dict[str, Any], trainer_state: dict[str, Any],
-                    draft_saver=None) -> str:
+def dist_checkpointing():
+    """megatron-core's ``dist_checkpointing``, its save strategy's modules loaded and the CPU shim applied to
+    them (the torch_dist writer synchronises CUDA after staging tensors; ``megatron_spec.compat``)."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies import async_utils, filesystem_async, state_dict_saver  # noqa: F401
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy  # noqa: F401
+
+    from megatron_spec.compat import ensure_megatron_compat
+
+    ensure_megatron_compat()
+    if filesystem_async._results_queue is None:
+        # megatron-core makes this queue a multiprocessing Manager's, for saves that finish in a background
+        # process: a server process spawned per rank, which a killed run leaves behind. These saves are
+        # synchronous (the writer puts its results and the caller takes them in this process): a plain queue.
+        filesystem_async._results_queue = queue.Queue()
+    return dc
+
+
+def per_rank(key: str, data: Any, rank: int, world_size: int):
+    """A value every rank holds its own of (generator states, a draft trainer's state) as a
+    ``ShardedObject``: one per rank of a world of ``world_size``; :func:`load_checkpoint` reads rank
+    ``rank``'s."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(key, data, (world_size,), (rank,), replica_id=0)
+
+
+def save_checkpoint(root: str, step: int, *, rank: int, sharded_state: dict[str, Any],
+                    trainer_state: dict[str, Any], draft_saver=None) -> str:
     """Collective: every rank calls it, ``draft_saver(dir)`` too (a draft trainer's ``export``: it
-    gathers over TP and writes on its first rank). Returns the final directory."""
+    gathers over TP and writes on its first rank). ``sharded_state``: this rank's part of the checkpoint
+    for ``megatron.core.dist_checkpointing`` (model and optimizer as ``ShardedTensor``s, the rest as
+    :func:`per_rank` objects). Returns the final directory."""
+    dc = dist_checkpointing()
     final = _iter_dir(root, step)
     tmp = final + ".tmp"
     if rank == 0:
@@ -94,7 +129,7 @@ def save_checkpoint(root: str, step: int, *, rank: int, rank_state: dict[str, An
                 shutil.rmtree(os.path.join(root, stale), ignore_errors=True)
         os.makedirs(tmp)
     _barrier()
-    _atomic_write(os.path.join(tmp, f"rank_{rank:05d}.pt"), lambda p: torch.save(rank_state, p))
+    dc.save(sharded_state, tmp)
     from megatron_spec import faults
 
     if faults.should_fire("kill_in_save", step):
@@ -123,22 +158,39 @@ def latest_step(root: str) -> int | None:
         return int(f.read().strip())
 
 
-def load_checkpoint(root: str, *, rank: int, world_size: int, tp_size: int) -> tuple[int, dict, dict, str]:
-    """(step, this rank's state, trainer state, iteration dir) of the latest complete checkpoint."""
+def latest_checkpoint(root: str) -> tuple[str, dict[str, Any]]:
+    """(iteration dir, trainer state) of the latest complete checkpoint of ``root``."""
     step = latest_step(root)
     if step is None:
         raise CheckpointLoadError(f"no {LATEST} in {root}: nothing to resume")
     path = _iter_dir(root, step)
     if not os.path.isfile(os.path.join(path, "COMPLETE")):
         raise CheckpointLoadError(f"{path} is not a complete checkpoint")
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        raise CheckpointLoadError(f"{path} was written by megatron-spec before its checkpoints were megatron-core "
+                                  f"dist_checkpointing ones (per-rank pickles): resume it with that version")
     with open(os.path.join(path, "trainer_state.json")) as f:
-        trainer_state = json.load(f)
-    saved = (trainer_state.get("world_size"), trainer_state.get("tp_size"))
-    if saved != (world_size, tp_size):
-        raise CheckpointLoadError(f"{path} was saved with world size {saved[0]} and TP {saved[1]}; this run has "
-                                  f"world size {world_size} and TP {tp_size}")
-    state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), weights_only=False)
-    return step, state, trainer_state, path
+        return path, json.load(f)
+
+
+def load_checkpoint(path: str, sharded_state: dict[str, Any]) -> dict[str, Any]:
+    """Collective: this rank's state of the checkpoint folder ``path``, in the structure of ``sharded_state``
+    (what :func:`save_checkpoint` got, built for *this* run's layout: megatron-core reshards the tensors)."""
+    return dist_checkpointing().load(sharded_state, path)
+
+
+def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint folder ``path`` whole (the policy's and its AdamW state's, by their
+    megatron-core keys; layers stacked as megatron-core saves them), read in this process without a process
+    group: for inspection and tests (torch's ``dcp_to_torch_save``)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, os.path.join(tmp, "all.pt"))
+        state = torch.load(os.path.join(tmp, "all.pt"), weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
 RUN_FILES = ("metrics.jsonl", "tensorboard", "rollouts", "hf", "draft_export", "report", "config.yaml")

@@ -14,7 +14,8 @@ complete checkpoint)::
 The folder is written under a temporary name and renamed into place: a crash never leaves half an export
 under the final name. :func:`write_hf_export` is collective over the TP group (the policy's tensors are
 gathered one at a time, ``models.gpt.iter_hf_tensors``); :func:`export_checkpoint` rebuilds the policy of
-a checkpoint at the TP size it was saved with (one process per TP rank) and writes the same folder.
+a checkpoint in one process (megatron-core's dist_checkpointing reshards it to TP=1) and writes the same
+folder.
 """
 
 from __future__ import annotations
@@ -124,6 +125,9 @@ def resolve_checkpoint(path: str) -> str:
         raise ExportError(f"no such folder: {path}")
     if not os.path.isfile(os.path.join(it, "COMPLETE")):
         raise ExportError(f"{it} is not a complete checkpoint (no COMPLETE marker: its save was interrupted)")
+    if not os.path.isfile(os.path.join(it, "metadata.json")):
+        raise ExportError(f"{it} was written by megatron-spec before its checkpoints were megatron-core "
+                          f"dist_checkpointing ones: export it with that version")
     return it
 
 
@@ -148,53 +152,30 @@ def checkpoint_plan(iter_dir: str) -> dict[str, Any]:
             "draft_kind": kind, "draft_dir": draft}
 
 
-def _export_rank(iter_dir: str, out: str, dtype: str | None) -> None:
-    """One TP rank of :func:`export_checkpoint` (this process: torch.distributed set up by the caller's env)."""
+def export_checkpoint(path: str, out: str, *, dtype: str | None = None) -> str:
+    """Export the checkpoint ``path`` names (:func:`resolve_checkpoint`) to ``out``; returns the iteration
+    folder read. The policy is rebuilt in this process at TP=1 whatever TP it was saved at (megatron-core's
+    ``dist_checkpointing`` gathers the shards on load; only the model's tensors are read)."""
     from megatron_spec.models import HFCheckpoint
     from megatron_spec.models.gpt import build_gpt_model
     from megatron_spec.parallel import destroy_parallel, init_parallel
+    from megatron_spec.rl.checkpoint import load_checkpoint
 
+    iter_dir = resolve_checkpoint(path)
     plan = checkpoint_plan(iter_dir)
     m = plan["config"]["model"]
-    info = init_parallel(tp_size=plan["tp_size"], seed=m["seed"])
+    info = init_parallel(tp_size=1, seed=m["seed"])
     try:
         ckpt = HFCheckpoint(plan["source"])
         model = build_gpt_model(ckpt.decoder_config, params_dtype=torch.bfloat16 if m["bf16"] else torch.float32,
                                 vocab_divisible_by=m["make_vocab_size_divisible_by"], device=info.device)
-        state = torch.load(os.path.join(iter_dir, f"rank_{info.rank:05d}.pt"), map_location=info.device,
-                           weights_only=False)
-        model.load_state_dict(state["model"])
+        model.load_state_dict(load_checkpoint(iter_dir, {"model": model.sharded_state_dict()})["model"])
         s = plan["state"]
-        write_hf_export(out, model, plan["source"], tp_group=info.tp_group, write=info.rank == 0,
-                        draft_kind=plan["draft_kind"], draft_dir=plan["draft_dir"],
-                        dtype=getattr(torch, dtype) if dtype else None,
+        write_hf_export(out, model, plan["source"], write=True, draft_kind=plan["draft_kind"],
+                        draft_dir=plan["draft_dir"], dtype=getattr(torch, dtype) if dtype else None,
                         info={"step": s["step"], "policy_version": s["policy_version"],
                               "draft_kind": plan["draft_kind"], "draft_version": s.get("draft_version"),
                               "checkpoint": iter_dir})
     finally:
         destroy_parallel()
-
-
-def _spawned(rank: int, world: int, port: int, iter_dir: str, out: str, dtype: str | None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    _export_rank(iter_dir, out, dtype)
-
-
-def export_checkpoint(path: str, out: str, *, dtype: str | None = None) -> str:
-    """Export the checkpoint ``path`` names (:func:`resolve_checkpoint`) to ``out``; returns the iteration
-    folder read. A TP=T checkpoint is rebuilt by T processes (gloo), each loading its own shard."""
-    iter_dir = resolve_checkpoint(path)
-    tp = checkpoint_plan(iter_dir)["tp_size"]
-    if tp == 1:
-        _export_rank(iter_dir, out, dtype)
-        return iter_dir
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:  # a port for the spawned group's rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(tp, port, iter_dir, out, dtype), nprocs=tp, join=True)
     return iter_dir

@@ -140,27 +140,31 @@ class GRPOTrainer:
     def save(self) -> None:
         actor = self.actor
         trainer_state = {"step": self.step, "policy_version": actor.policy_version,
-                         "draft_version": actor.draft_version, "sampler": self.rollout.sampler_state(),
+                         "draft_version": actor.draft_version, "draft_state": actor.draft is not None,
+                         "sampler": self.rollout.sampler_state(),
                          "world_size": self.info.world_size, "tp_size": self.info.tp_size,
                          "config": self.cfg.to_dict()}
         ckpt_io.save_checkpoint(self.cfg.checkpoint.save, self.step, rank=self.info.rank,
-                                rank_state=actor.rank_state(), trainer_state=trainer_state,
+                                sharded_state=actor.sharded_state(), trainer_state=trainer_state,
                                 draft_saver=actor.export_draft if actor.draft is not None else None)
         if self.rank0:
             for gone in ckpt_io.prune(self.cfg.checkpoint.save, self.cfg.checkpoint.save_keep):
                 logger.info("--save-keep %d: removed %s", self.cfg.checkpoint.save_keep, gone)
 
     def _resume(self, root: str) -> None:
-        step, state, trainer_state, path = ckpt_io.load_checkpoint(root, rank=self.info.rank,
-                                                                   world_size=self.info.world_size,
-                                                                   tp_size=self.info.tp_size)
-        self.actor.load_rank_state(state, path, policy_version=trainer_state["policy_version"],
-                                   draft_version=trainer_state.get("draft_version", 0))
+        path, trainer_state = ckpt_io.latest_checkpoint(root)
+        loaded = ckpt_io.load_checkpoint(path, self.actor.sharded_state(saved=trainer_state))
+        self.actor.load_state(loaded, path, policy_version=trainer_state["policy_version"],
+                              draft_version=trainer_state.get("draft_version", 0))
         self.step = trainer_state["step"]
         self.task.sampler.load_state_dict(trainer_state["sampler"])
         if self.rank0:
-            print(f"megatron-spec: resuming from {path} (step {step} of {self.cfg.grpo.train_iters})", file=sys.stderr,
-                  flush=True)
+            layout = (trainer_state["world_size"], trainer_state["tp_size"])
+            moved = "" if layout == (self.info.world_size, self.info.tp_size) else \
+                f", saved at TP {layout[1]} x DP {layout[0] // layout[1]}, resharded to TP {self.info.tp_size} x " \
+                f"DP {self.info.dp_size}"
+            print(f"megatron-spec: resuming from {path} (step {self.step} of {self.cfg.grpo.train_iters}{moved})",
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> list[dict[str, Any]]:

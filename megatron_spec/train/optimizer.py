@@ -121,6 +121,58 @@ class MixedPrecisionAdamW:
                 main.copy_(saved if saved is not None else p)
         self.optimizer.load_state_dict(self._two_groups(state["adamw"]))
 
+    # ------------------------------------------------------------------ megatron-core dist_checkpointing
+    def _state_ids(self) -> list[int]:
+        """For each of AdamW's state ids (its groups' parameters in order): the index of the model parameter."""
+        index = {id(m): i for i, m in enumerate(self.main_params)}
+        return [index[id(m)] for group in self.optimizer.param_groups for m in group["params"]]
+
+    def _fill_state(self) -> None:
+        """AdamW's per-weight state, made where a weight has none yet (before the first step, or a weight that
+        never got a gradient): zeros and step 0, what AdamW itself starts from, so that a sharded state dict has
+        every tensor to save or load into."""
+        for group in self.optimizer.param_groups:
+            for m in group["params"]:
+                if not self.optimizer.state[m]:
+                    self.optimizer.state[m] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(m),
+                                               "exp_avg_sq": torch.zeros_like(m)}
+
+    def sharded_state_dict(self, model_sharded_state_dict: dict[str, Any]) -> dict[str, Any]:
+        """This optimizer's state for ``megatron.core.dist_checkpointing``: every AdamW moment and fp32 main
+        weight a ``ShardedTensor`` sharded as its parameter is in ``model_sharded_state_dict`` (the model's
+        ``sharded_state_dict()``), so a checkpoint saved at one TP/DP layout loads at another
+        (``optimizer.state.exp_avg.<param key>``, megatron-core's own names); the hyper-parameters and the
+        step counts are common state (every weight steps together)."""
+        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                                 make_sharded_optimizer_tensor,
+                                                                 optim_state_to_sharding_state)
+
+        self._fill_state()
+        ids = self._state_ids()
+        sharded = get_param_id_to_sharded_param_map(model_sharded_state_dict, [self.params[i] for i in ids])
+        adamw = self.optimizer.state_dict()
+        steps = {k: float(v["step"]) for k, v in adamw["state"].items()}
+        optim_state_to_sharding_state(adamw, sharded, exclude_keys=("step",))
+        for k, i in enumerate(ids):
+            if self.main_params[i] is not self.params[i]:
+                adamw["state"][k]["fp32_param"] = make_sharded_optimizer_tensor(
+                    sharded[k], self.main_params[i], prefix="optimizer.state.fp32_param")
+        return {"adamw": adamw, "steps": steps}
+
+    def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
+        """The state :meth:`sharded_state_dict` described, as ``dist_checkpointing.load`` returned it."""
+        adamw, steps = loaded["adamw"], loaded["steps"]
+        ids = self._state_ids()
+        with torch.no_grad():
+            for k, state in adamw["state"].items():
+                state["step"] = torch.tensor(steps[k])
+                main = state.pop("fp32_param", None)
+                i = ids[k]
+                if main is not None and self.main_params[i] is not self.params[i]:
+                    self.main_params[i].copy_(main)
+                    self.params[i].copy_(main)  # the model computes with the rounded main weights
+        self.optimizer.load_state_dict(adamw)
+
     def _two_groups(self, adamw: dict[str, Any]) -> dict[str, Any]:
         """AdamW state saved with one parameter group (before norms and biases got their own):
         its parameter indices follow the model's order; renumber them into the two groups."""

@@ -47,27 +47,29 @@ def same_folder(a: Path, b: Path) -> None:
             assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
-def megatron_logits(setup, rank_file: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's policy in a Megatron GPTModel of its own (TP=1, a subprocess: megatron-core's state
-    stays out of this one)."""
+def megatron_logits(setup, iter_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The checkpoint's policy in a Megatron GPTModel of its own (TP=1 whatever TP it was saved at: megatron-core
+    reshards it; a subprocess: megatron-core's state stays out of this one)."""
+    logits = iter_dir.parent / "logits.pt"
     script = f"""
 import torch
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.gpt import build_gpt_model
 from megatron_spec.parallel import init_parallel
+from megatron_spec.rl.checkpoint import load_checkpoint
 init_parallel(tp_size=1, seed=0)
 cfg = HFCheckpoint({setup.target!r}).decoder_config
 model = build_gpt_model(cfg, params_dtype=torch.float32, vocab_divisible_by=8)
-model.load_state_dict(torch.load({str(rank_file)!r}, weights_only=False)["model"])
+model.load_state_dict(load_checkpoint({str(iter_dir)!r}, {{"model": model.sharded_state_dict()}})["model"])
 model.eval()
 ids = torch.tensor({ids.tolist()!r})
 with torch.no_grad():
     out = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), attention_mask=None)[..., :cfg.vocab_size]
-torch.save(out, {str(rank_file.parent / "logits.pt")!r})
+torch.save(out, {str(logits)!r})
 """
     subprocess.run([sys.executable, "-c", script], check=True, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)),
                    timeout=300, capture_output=True)
-    return torch.load(rank_file.parent / "logits.pt")
+    return torch.load(logits)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -97,14 +99,13 @@ def test_save_hf_equals_export_hf_and_loads_in_transformers(setup, tmp_path, tp)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits.float()
     assert tok.chat_template == transformers.AutoTokenizer.from_pretrained(setup.target).chat_template
-    if tp == 1:
-        ours = megatron_logits(setup, run / "iter_0000002" / "rank_00000.pt", ids).float()
-        rel = ((ours - theirs).norm() / theirs.norm()).item()
-        assert rel < 1e-4, f"exported logits differ from the Megatron policy's by {rel:.2e} (relative)"
-        # and training changed them: the export is the trained policy, not the start
-        start = transformers.AutoModelForCausalLM.from_pretrained(setup.target, dtype=torch.float32).eval()
-        with torch.no_grad():
-            assert not torch.allclose(start(input_ids=ids).logits, theirs)
+    ours = megatron_logits(setup, run / "iter_0000002", ids).float()
+    rel = ((ours - theirs).norm() / theirs.norm()).item()
+    assert rel < 1e-4, f"exported logits differ from the Megatron policy's by {rel:.2e} (relative)"
+    # and training changed them: the export is the trained policy, not the start
+    start = transformers.AutoModelForCausalLM.from_pretrained(setup.target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert not torch.allclose(start(input_ids=ids).logits, theirs)
 
 
 def test_our_engine_serves_the_export_with_its_draft(setup, tmp_path):
