@@ -91,7 +91,8 @@ class DataConfig:
                                     "before the chat template: e.g. '{prompt} Answer True or False.'")
     stop: str = _f(None, "stop string(s) ending a response after the EOS ids of config.json and "
                          "generation_config.json: one string or a JSON list; the response keeps the stop string")
-    reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact) or 'module:function'")
+    reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact), 'module:function' (the "
+                             "working directory importable) or 'path/to/file.py:function'")
     num_synthetic_prompts: int = _f(2048, "prompts generated for a synthetic task")
     max_prompt_length: int = _f(256, "longest prompt in tokens (see --overlong-prompts)")
     overlong_prompts: str = _f("filter", "prompts longer than --max-prompt-length: filter (dropped when the data "

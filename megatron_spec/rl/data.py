@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,9 @@ class PromptExample:
     prompt: "str | tuple[dict[str, str], ...]"
     """Text, or chat messages (``{"role", "content"}``) rendered with the chat template (``rl.prompting``)."""
     answer: str
+    metadata: dict = dataclasses.field(default_factory=dict, compare=False)
+    """The row's other columns (all but the prompt's, and the answer's when its key is a top-level column):
+    what a reward taking ``metadata`` gets (verl's ``data_source``, ``extra_info``; ``rl.rewards``)."""
 
 
 def column(row: dict, key: str):
@@ -131,7 +135,8 @@ def _from_rows(spec: str, ds, prompt_key: str, answer_key: str) -> list[PromptEx
                              f"({str(answer)[:60]}), not one answer"
                              + (f"; name the field inside it: --answer-key {answer_key}.<one of {sorted(answer)}>"
                                 if isinstance(answer, dict) else ""))
-        rows.append(PromptExample(prompt, str(answer)))
+        drop = {prompt_key.split(".")[0]} | ({answer_key} if "." not in answer_key else set())
+        rows.append(PromptExample(prompt, str(answer), {k: v for k, v in r.items() if k not in drop}))
     return rows
 
 

@@ -57,11 +57,14 @@ class Round:
     prompts: list[str]
     answers: list
     seed: int
+    metadata: list = dataclasses.field(default_factory=list)
+    """Each prompt's dataset metadata (``rl.data.PromptExample.metadata``; empty: none)."""
 
-    def meta(self) -> dict[str, tuple[int, str, Any, tuple[int, ...]]]:
-        """request id -> (prompt index, prompt text, answer, prompt ids)."""
-        return {q.request_id: (i, p, a, q.input_ids)
-                for q, i, p, a in zip(self.requests, self.indices, self.prompts, self.answers)}
+    def meta(self) -> dict[str, tuple[int, str, Any, tuple[int, ...], dict]]:
+        """request id -> (prompt index, prompt text, answer, prompt ids, metadata)."""
+        metadata = self.metadata or [{}] * len(self.requests)
+        return {q.request_id: (i, p, a, q.input_ids, m)
+                for q, i, p, a, m in zip(self.requests, self.indices, self.prompts, self.answers, metadata)}
 
 
 @dataclasses.dataclass

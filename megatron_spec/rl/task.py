@@ -62,8 +62,7 @@ class PromptTask:
                 seed=seed + 7_919_000, cache_dir=run_dir)
             self.eval_examples = self._drop_overlong(
                 self.eval_examples, f"--eval-data {cfg.data.eval_data or cfg.data.prompt_data}")[:cfg.data.eval_prompts]
-        self.reward_name = cfg.data.reward
-        self.reward_fn = get_reward(cfg.data.reward)
+        self.reward = get_reward(cfg.data.reward)
 
     def encode(self, prompt) -> list[int]:
         """The prompt's token ids (``rl.prompting.encode_prompt``: text or chat messages)."""
@@ -112,7 +111,7 @@ class PromptTask:
         n = self.cfg.grpo.grpo_group_size
         reqs = [self.request(f"{i}", p, f"prompt {i}", n) for i, p in zip(indices, prompts)]
         return Round(reqs, indices, prompts, [self.examples[i].answer for i in indices],
-                     self.cfg.model.seed * 100_003 + step)
+                     self.cfg.model.seed * 100_003 + step, [self.examples[i].metadata for i in indices])
 
     def eval_round(self) -> Round:
         """The held-out prompts, one sample each, the same seed every time (two evaluations differ by
@@ -120,7 +119,8 @@ class PromptTask:
         reqs = [self.request(f"eval{i}", ex.prompt, f"held-out prompt {i}", 1)
                 for i, ex in enumerate(self.eval_examples)]
         return Round(reqs, list(range(len(reqs))), [ex.prompt for ex in self.eval_examples],
-                     [ex.answer for ex in self.eval_examples], seed=self.cfg.model.seed * 100_003 + 99_991)
+                     [ex.answer for ex in self.eval_examples], seed=self.cfg.model.seed * 100_003 + 99_991,
+                     metadata=[ex.metadata for ex in self.eval_examples])
 
     def probe_requests(self, prompts: int, tokens: int) -> list[GenerateRequest]:
         """Greedy requests of ``tokens`` new tokens for the first ``prompts`` training prompts (the reference
@@ -138,12 +138,12 @@ class PromptTask:
         texts = self.tokenizer.batch_decode([s.output_ids for s in samples], skip_special_tokens=True)
         rollouts = []
         for s in samples:
-            index, _, _, ids = meta[s.request_id]
+            index, _, _, ids, _ = meta[s.request_id]
             rollouts.append(Rollout(index, s.sample_index, list(ids), s.output_ids, s.logprobs, s.finish_reason,
                                     version, s.accepted_per_step, s.num_verify_steps))
         with self.timer("reward"):
-            rewards = score(self.reward_fn, self.reward_name, [meta[s.request_id][1] for s in samples], texts,
-                            [meta[s.request_id][2] for s in samples])
+            rewards = score(self.reward, [meta[s.request_id][1] for s in samples], texts,
+                            [meta[s.request_id][2] for s in samples], [meta[s.request_id][4] for s in samples])
         for ro, rew in zip(rollouts, rewards):
             ro.reward = rew
         return rollouts

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 
 import pytest
 
 from megatron_spec.config import ConfigError, RunConfig, add_arguments, from_args
 from megatron_spec.rl.data import PromptSampler, load_prompts
-from megatron_spec.rl.rewards import RewardError, get_reward, score
+from megatron_spec.rl.rewards import Reward, RewardError, get_reward, score
 from megatron_spec.rl.tasks import corrupt_solution, final_answer, generate
 
 
@@ -68,9 +69,40 @@ def test_reward_by_import_path_and_errors():
         raise KeyError("x")
 
     with pytest.raises(RewardError, match="reward function 'boom' raised on sample 1"):
-        score(lambda p, r, a: 1.0 if r == "ok" else boom(p, r, a), "boom", ["p", "q"], ["ok", "bad"], ["a", "a"])
+        score(Reward.of(lambda p, r, a: 1.0 if r == "ok" else boom(p, r, a), "boom"), ["p", "q"], ["ok", "bad"],
+              ["a", "a"])
     with pytest.raises(RewardError, match="returned nan"):
-        score(lambda p, r, a: float("nan"), "nanny", ["p"], ["r"], ["a"])
+        score(Reward.of(lambda p, r, a: float("nan"), "nanny"), ["p"], ["r"], ["a"])
+
+
+def test_reward_from_a_file_the_working_directory_metadata_and_batches(tmp_path, monkeypatch):
+    """``path/file.py:fn``; ``module:fn`` from the working directory (torchrun does not put it on sys.path); the
+    dataset's other columns as ``metadata``; a batched function gets the round's lists."""
+    (tmp_path / "my_rewards.py").write_text(
+        "def by_source(prompt, response, answer, metadata):\n"
+        "    return float(response == answer) + (0.5 if metadata['data_source'] == 'gsm8k' else 0.0)\n"
+        "def lengths(prompts, responses, answers):\n"
+        "    return [len(r) for r in responses]\n"
+        "lengths.batched = True\n"
+        "def short(prompts, responses, answers):\n"
+        "    return [1.0]\n"
+        "short.batched = True\n"
+        "def word(prompt, response, answer):\n"
+        "    return 'yes'\n")
+    r = get_reward(f"{tmp_path / 'my_rewards.py'}:by_source")
+    assert r.wants_metadata and not r.batched
+    meta = [{"data_source": "gsm8k"}, {"data_source": "math"}]
+    assert score(r, ["p", "q"], ["7", "7"], ["7", "8"], meta) == [1.5, 0.0]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    b = get_reward("my_rewards:lengths")
+    assert b.batched and score(b, ["p", "q"], ["ab", "abc"], ["", ""]) == [2.0, 3.0]
+    with pytest.raises(RewardError, match="returned 1 values for 2 samples"):
+        score(get_reward("my_rewards:short"), ["p", "q"], ["a", "b"], ["", ""])
+    with pytest.raises(RewardError, match="returned 'yes' on sample 0, not a number"):
+        get_reward("my_rewards:word")("p", "r", "a")
+    with pytest.raises(ValueError, match="no such file"):
+        get_reward("missing/rewards.py:fn")
 
 
 def test_jsonl_and_parquet_prompt_sets(tmp_path):

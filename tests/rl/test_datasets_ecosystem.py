@@ -65,11 +65,33 @@ def test_message_prompts_render_like_text_prompts():
         parse_template_kwargs("[1]")
 
 
-def test_grpo_step_on_a_verl_parquet(tmp_path):
-    """One GRPO step from a verl-format file: message prompts, the nested answer, a YAML written the
-    NeMo-RL way (unprefixed keys, ``lr: 1e-5``), a dotted override; two overlong prompts dropped at load."""
+BAR_REWARD = """
+def gsm8k_digits(prompt, response, answer, metadata):
+    # reads the dataset's own columns: a row without them is a broken pipeline, not a zero reward
+    if metadata["data_source"] != "openai/gsm8k" or "index" not in metadata["extra_info"]:
+        raise ValueError(f"metadata missing: {sorted(metadata)}")
+    return sum(c.isdigit() for c in response) / max(1, len(response))
+"""
+
+
+@pytest.mark.dist
+def test_verl_parquet_run_killed_resumed_and_exported(tmp_path):
+    """The user's data in, the trained model out (issue 54's bar): GRPO on a verl-format parquet (message
+    prompts, ``reward_model.ground_truth``, a metadata column read by a ``file.py:function`` reward), a YAML
+    written the NeMo-RL way (``lr: 1e-5``, unprefixed keys) and a dotted override, two overlong prompts dropped
+    at load; ``kill -9`` after step 2's checkpoint, the same command again resumes and finishes; ``export-hf``
+    of the run loads in transformers with logits equal to the Megatron policy's (fp32, < 1e-4) and equals the
+    run's own ``--save-hf`` folder."""
+    import signal
+    import time
+
+    import psutil
     import pyarrow as pa
     import pyarrow.parquet as pq
+    import torch
+    import transformers
+
+    from tests.rl.test_export import cli, megatron_logits, same_folder
 
     model = make_chat_checkpoint(str(tmp_path / "model"))
     data = tmp_path / "train.parquet"
@@ -78,27 +100,61 @@ def test_grpo_step_on_a_verl_parquet(tmp_path):
     for row in table[:2]:
         row["prompt"][0]["content"] = "Add these: " + " + ".join(str(i) for i in range(80))
     pq.write_table(pa.Table.from_pylist(table), str(data))
+    (tmp_path / "my_reward.py").write_text(BAR_REWARD)
     cfg = tmp_path / "run.yaml"
     cfg.write_text("data:\n  prompt_key: prompt\n  answer_key: reward_model.ground_truth\n  max_prompt_length: 96\n"
+                   f"  reward: {tmp_path / 'my_reward.py'}:gsm8k_digits\n"
                    "grpo:\n  lr: 1e-5\n  group_size: 2\n  prompts_per_step: 2\n  micro_batch_size: 4\n"
-                   "rollout:\n  max_new_tokens: 8\n  max_batch_size: 8\n")
+                   "rollout:\n  max_new_tokens: 8\n  max_batch_size: 8\n  dtype: float32\n"
+                   "checkpoint:\n  save_interval: 1\n")
     run = tmp_path / "run"
+    steps = 6
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / "launch" / "pretrain_grpo_spec.py"), "--config", str(cfg),
-           "--hf-checkpoint", model, "--prompt-data", str(data), "--reward", "tests.rl.rewards_for_tests:digit_share",
-           "--make-vocab-size-divisible-by", "8", "--save", str(run), "--quiet", "--tensorboard-dir", "none",
-           "--dump-rollouts", "--rollout-num-threads", "1", "grpo.train_iters=1", "data.apply_chat_template_kwargs="
-           '{"unused_variable": true}']
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT),
-                          env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"))
+           "--hf-checkpoint", model, "--prompt-data", str(data), "--make-vocab-size-divisible-by", "8",
+           "--save", str(run), "--quiet", "--tensorboard-dir", "none", "--dump-rollouts", "--rollout-num-threads",
+           "1", f"grpo.train_iters={steps}", "data.apply_chat_template_kwargs=" '{"unused_variable": true}']
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    first = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    latest = run / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 600
+    while not (latest.exists() and int(latest.read_text() or 0) >= 2):
+        assert first.poll() is None, first.stderr.read()[-4000:]
+        assert time.monotonic() < deadline, "no checkpoint of step 2 in 600 s"
+        time.sleep(0.05)
+    # kill -9 of the launcher, its workers and their engines at once (torchrun's workers have their own
+    # process groups: a signal to the launcher's alone leaves them running)
+    job = psutil.Process(first.pid)
+    for p in [job, *job.children(recursive=True)]:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    first.wait()
+    killed_at = int(latest.read_text())
+    assert killed_at < steps and not (run / "hf").exists(), "the run finished before it was killed"
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(ROOT), env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resuming from {run / f'iter_{killed_at:07d}'}" in proc.stderr
     assert "dropped 2 of 24 prompts longer than --max-prompt-length 96" in proc.stderr
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in rows)
     saved = (run / "config.yaml").read_text()
     assert "lr: 1.0e-05" in saved and "answer_key: reward_model.ground_truth" in saved
-    dumped = [json.loads(x) for x in (run / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
+    dumped = [json.loads(x) for x in (run / "rollouts" / f"step_{steps:06d}.jsonl").read_text().splitlines()]
+    tok = transformers.AutoTokenizer.from_pretrained(model)
     assert all(tok.decode(r["prompt_ids"]).startswith("<|begin_of_text|><|start_header_id|>user") for r in dumped)
+
+    out = tmp_path / "export"
+    cli("export-hf", str(run), "--out", str(out))
+    same_folder(run / "hf", out)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out / "policy"), dtype=torch.float32).eval()
+    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False)])
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits.float()
+    ours = megatron_logits(model, run / f"iter_{steps:07d}", ids).float()
+    rel = ((ours - theirs).norm() / theirs.norm()).item()
+    assert rel < 1e-4, f"exported logits differ from the Megatron policy's by {rel:.2e} (relative)"

@@ -47,7 +47,7 @@ def same_folder(a: Path, b: Path) -> None:
             assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
-def megatron_logits(setup, iter_dir: Path, ids: torch.Tensor) -> torch.Tensor:
+def megatron_logits(target: str, iter_dir: Path, ids: torch.Tensor) -> torch.Tensor:
     """The checkpoint's policy in a Megatron GPTModel of its own (TP=1 whatever TP it was saved at: megatron-core
     reshards it; a subprocess: megatron-core's state stays out of this one)."""
     logits = iter_dir.parent / "logits.pt"
@@ -58,7 +58,7 @@ from megatron_spec.models.gpt import build_gpt_model
 from megatron_spec.parallel import init_parallel
 from megatron_spec.rl.checkpoint import load_checkpoint
 init_parallel(tp_size=1, seed=0)
-cfg = HFCheckpoint({setup.target!r}).decoder_config
+cfg = HFCheckpoint({target!r}).decoder_config
 model = build_gpt_model(cfg, params_dtype=torch.float32, vocab_divisible_by=8)
 model.load_state_dict(load_checkpoint({str(iter_dir)!r}, {{"model": model.sharded_state_dict()}})["model"])
 model.eval()
@@ -99,7 +99,7 @@ def test_save_hf_equals_export_hf_and_loads_in_transformers(setup, tmp_path, tp)
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits.float()
     assert tok.chat_template == transformers.AutoTokenizer.from_pretrained(setup.target).chat_template
-    ours = megatron_logits(setup, run / "iter_0000002", ids).float()
+    ours = megatron_logits(setup.target, run / "iter_0000002", ids).float()
     rel = ((ours - theirs).norm() / theirs.norm()).item()
     assert rel < 1e-4, f"exported logits differ from the Megatron policy's by {rel:.2e} (relative)"
     # and training changed them: the export is the trained policy, not the start
