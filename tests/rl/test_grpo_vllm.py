@@ -54,21 +54,30 @@ def rollouts(run_dir: Path, step: int) -> list[tuple]:
     return [(tuple(r["prompt_ids"]), tuple(r["response_ids"])) for r in rows]
 
 
-def test_grpo_with_vllm_survives_a_kill_and_matches_the_native_engine(smollm2, smollm2_eagle3, tmp_path):
+def test_grpo_with_vllm_survives_a_kill_falls_back_and_matches_the_native_engine(smollm2, smollm2_eagle3, tmp_path):
+    """One vLLM run through two faults. vLLM is killed in step 2's rollouts and restarted (nothing lost). The
+    online draft's first update is corrupted (``corrupt_draft=1``): step 2 drafts garbage, the acceptance
+    watchdog (window 1) falls back, and since vLLM fixes its speculative method at start-up the fallback
+    rebuilds it, which drops its weights: the rollout manager streams the policy again, and step 3 decodes
+    without drafts from them. Every step vLLM's greedy tokens equal the native engine's holding the same
+    weights (the reference check), and the rollouts equal a native run's token for token."""
     faults = tmp_path / "faults"
     faults.mkdir()
     # generate calls: step 1's reference probe, step 1's rollouts, step 2's probe, step 2's rollouts (killed)
-    got = grpo(smollm2, smollm2_eagle3, tmp_path / "vllm", "vllm", extra=("--rollout-reference-check",),
-               env={"MEGATRON_SPEC_FAULTS": "engine_kill_in_generate=4", "MEGATRON_SPEC_FAULTS_DIR": str(faults)})
-    assert (faults / "fired-engine_kill_in_generate").exists()
+    got = grpo(smollm2, smollm2_eagle3, tmp_path / "vllm", "vllm",
+               extra=("--rollout-reference-check", "--spec-watchdog-steps", "1", "--spec-watchdog-fallback"),
+               env={"MEGATRON_SPEC_FAULTS": "engine_kill_in_generate=4,corrupt_draft=1",
+                    "MEGATRON_SPEC_FAULTS_DIR": str(faults)})
+    assert (faults / "fired-engine_kill_in_generate").exists() and (faults / "fired-corrupt_draft").exists()
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     assert got[-1]["rollout/engine_restarts"] == 1
     assert [m["rollout/policy_version"] for m in got] == list(range(STEPS))  # each step from the newest policy
+    assert "fallback" in [m["spec/watchdog"] for m in got[:2]]
+    assert got[-1]["spec/num_draft_tokens"] == 0 and got[-1]["spec/accept_length"] == 1.0, got[-1]
     # in the run: vLLM's greedy tokens equal the native engine's holding the same weights, every step
     assert [m["health/reference_equal"] for m in got] == [1.0] * STEPS
     assert all(m["health/reference_tokens"] > 0 for m in got)
-    assert all(m["spec/accept_length"] >= 1.0 for m in got)  # vLLM's counters, every step (this quick draft
-    # accepts little on these prompts; docs/vllm_backend.md has the demo task's 2.6-4.0 with the demo's draft)
+    assert all(m["spec/accept_length"] >= 1.0 for m in got)  # vLLM's counters, every step
     ref = grpo(smollm2, smollm2_eagle3, tmp_path / "native", "native")
     for step in range(1, STEPS + 1):
         mine = rollouts(tmp_path / "vllm", step)
@@ -87,23 +96,3 @@ def test_the_reference_check_stops_a_run_whose_engine_ignores_its_weights(smollm
     err = proc.stderr
     assert "--rollout-reference-check: 2 of 2 greedy probe prompts differ" in err, err[-3000:]
     assert "position " in err and "the reference wrote" not in err and ", the reference " in err
-
-
-def test_the_watchdog_fallback_rebuilds_vllm_and_pushes_the_weights_again(smollm2, smollm2_eagle3, tmp_path):
-    """vLLM fixes its speculative method at start-up: the acceptance watchdog's fallback rebuilds it, which
-    drops its weights, so the rollout manager streams the policy again before the next round (without it,
-    vLLM refuses the generate). The online draft's first update is corrupted (``corrupt_draft=1``): step 2
-    drafts garbage, the watchdog (window 1) falls back, step 3 decodes without drafts, on vLLM, from the
-    pushed weights (the reference check says so)."""
-    faults = tmp_path / "faults"
-    faults.mkdir()
-    got = grpo(smollm2, smollm2_eagle3, tmp_path / "fallback", "vllm",
-               extra=("--spec-watchdog-steps", "1", "--spec-watchdog-fallback", "--rollout-reference-check",
-                      "--rollout-reference-prompts", "2"),
-               env={"MEGATRON_SPEC_FAULTS": "corrupt_draft=1", "MEGATRON_SPEC_FAULTS_DIR": str(faults)})
-    assert (faults / "fired-corrupt_draft").exists()
-    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
-    assert "fallback" in [m["spec/watchdog"] for m in got[:2]]
-    last = got[-1]
-    assert last["spec/num_draft_tokens"] == 0 and last["spec/accept_length"] == 1.0, last
-    assert [m["health/reference_equal"] for m in got] == [1.0] * STEPS
