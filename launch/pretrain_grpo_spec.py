@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if spawn:
         return _spawn_workers(spawn, argv)
+    from megatron_spec.telemetry import configure_logging
+
+    configure_logging(rank)
     if rank == 0:
         print("resolved configuration:\n" + cfg.to_yaml(), file=sys.stderr, flush=True)
         if policy:

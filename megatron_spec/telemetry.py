@@ -118,7 +118,19 @@ def start_end_means(rows: list[Mapping[str, Any]], key: str) -> tuple[float, flo
     return avg(rows[:w]), avg(rows[-w:]), w
 
 
-def progress_line(m: Mapping[str, Any], total_steps: int) -> str:
+def format_duration(seconds: float) -> str:
+    """``42s``, ``4m05s``, ``2h03m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def progress_line(m: Mapping[str, Any], total_steps: int, eta_s: float | None = None) -> str:
+    """The step's line; ``eta_s``: the time the run's remaining steps will take at this run's pace so far
+    (saves and evaluations included), shown until the last step."""
     acc = m.get("spec/accept_length")
     parts = [
         f"step {m['step']:>4}/{total_steps}",
@@ -132,7 +144,27 @@ def progress_line(m: Mapping[str, Any], total_steps: int) -> str:
     for key, label in (("eval/reward", "held-out"), ("eval_final/reward", "held-out final")):
         if m.get(key) is not None:
             parts.append(f"{label} {m[key]:.3f}")
+    if eta_s is not None and m["step"] < total_steps:
+        parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def configure_logging(rank: int) -> None:
+    """This package's ``logging`` lines on stderr, ``megatron-spec: <message>``: INFO and above from rank 0
+    (resumed from, checkpoints pruned, ...), warnings and errors from every rank. Other libraries' loggers
+    are left as they are (megatron-core's INFO lines would drown the step lines)."""
+    import logging
+
+    log = logging.getLogger("megatron_spec")
+    if any(getattr(h, "megatron_spec", False) for h in log.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.megatron_spec = True
+    handler.setFormatter(logging.Formatter("megatron-spec: %(message)s" if rank == 0 else
+                                           f"megatron-spec (rank {rank}): %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
 
 
 def print_progress(line: str) -> None:

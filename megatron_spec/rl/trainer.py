@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from megatron_spec.config import RunConfig
@@ -170,6 +171,7 @@ class GRPOTrainer:
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         history = []
+        start, first = time.monotonic(), self.step  # the pace of this process's steps (a resumed run: since it)
         try:
             while self.step < cfg.grpo.train_iters:
                 m = self.train_step()
@@ -181,7 +183,8 @@ class GRPOTrainer:
                                                                     f"step_{self.step:06d}.jsonl"))
                     interval = cfg.logging.log_interval  # 0: no progress line
                     if not cfg.logging.quiet and interval and self.step % interval == 0:
-                        print_progress(progress_line(m, cfg.grpo.train_iters))
+                        pace = (time.monotonic() - start) / (self.step - first)
+                        print_progress(progress_line(m, cfg.grpo.train_iters, pace * (cfg.grpo.train_iters - self.step)))
                 history.append(m)
                 interval = cfg.checkpoint.save_interval
                 if (interval and self.step % interval == 0) or self.step == cfg.grpo.train_iters:

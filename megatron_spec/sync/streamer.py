@@ -301,7 +301,7 @@ class WeightStreamer:
                          "engine": reported_checksum(health, group)}
         rep.verify_seconds = time.perf_counter() - t1
         rep.seconds = time.perf_counter() - t0
-        logger.info("synced %s %s: %.1f MB in %d buckets, %.3f s (%.2f GB/s streaming)", group, version,
+        logger.debug("synced %s %s: %.1f MB in %d buckets, %.3f s (%.2f GB/s streaming)", group, version,
                     rep.bytes / 1e6, rep.num_buckets, rep.seconds, rep.gb_per_s)
         return rep
 

@@ -92,3 +92,25 @@ def test_the_launcher_refuses_a_used_folder_in_one_line(tmp_path):
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"error: --save {run} holds a run with no complete checkpoint" in proc.stderr
+
+
+def test_step_line_eta_and_logging(capsys):
+    """The step line ends with the remaining steps' time at the run's pace, until the last step; the package's
+    log lines reach stderr with the product's prefix (the launcher configures them)."""
+    import logging
+
+    from megatron_spec.telemetry import configure_logging, format_duration, progress_line
+
+    m = {"step": 3, "reward/mean": 0.5, "spec/accept_length": 2.0, "time/step": 1.0}
+    assert progress_line(m, 10, 7 * 65.0).endswith("| eta 7m35s")
+    assert "eta" not in progress_line(dict(m, step=10), 10, 0.0) and "eta" not in progress_line(m, 10)
+    assert [format_duration(x) for x in (4.4, 61, 7322)] == ["4s", "1m01s", "2h02m"]
+    log = logging.getLogger("megatron_spec")
+    saved = (list(log.handlers), log.level, log.propagate)
+    try:
+        configure_logging(0)
+        configure_logging(0)  # once
+        logging.getLogger("megatron_spec.rl.trainer").info("resumed from here")
+        assert capsys.readouterr().err == "megatron-spec: resumed from here\n"
+    finally:
+        log.handlers[:], log.level, log.propagate = saved
