@@ -133,6 +133,9 @@ class RolloutConfig:
                                   "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "
                                   "so L=1 gives all the overlap and L>1 only older weights (0 = synchronous)")
     rollout_release_memory: bool = _f(True, "release engine memory (KV cache, weights) while the trainer trains")
+    rollout_engine_kwargs: str = _f(None, "JSON object of the rollout engine's own arguments, passed through: SGLang "
+                                          "ServerArgs fields (checked by the lossless guard), vLLM LLM(...) keywords, "
+                                          "e.g. '{\"chunked_prefill_size\": 8192}'; not those our flags set")
     rollout_mem_fraction_static: float = _f(None, "SGLang's mem_fraction_static: the share of GPU memory its weights "
                                                    "and KV cache take while it generates (default: SGLang's choice, "
                                                    "sized for a GPU of its own; colocated, see docs/memory_plan.md)")
@@ -320,6 +323,12 @@ class RunConfig:
         if r.colocate_offload != "none" and r.async_policy_lag:
             raise ConfigError(f"--colocate-offload {r.colocate_offload} needs a synchronous run (--async-policy-lag 0): "
                               f"with a policy lag the engine generates while the trainer trains")
+        try:
+            from megatron_spec.rollout.config import parse_engine_kwargs
+
+            parse_engine_kwargs(r.rollout_engine_kwargs, r.rollout_backend or "auto")  # auto: by the GPU, at start
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if r.rollout_mem_fraction_static is not None and not 0 < r.rollout_mem_fraction_static < 1:
             raise ConfigError(f"--rollout-mem-fraction-static must be in (0, 1), got {r.rollout_mem_fraction_static}")
         if r.rollout_weight_dtype == "fp8" and r.rollout_dtype == "float32" and r.rollout_backend == "sglang":

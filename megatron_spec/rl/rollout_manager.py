@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from megatron_spec.rl.actor import PolicyActor
     from megatron_spec.rl.task import PromptTask
 from megatron_spec.rollout.api import RolloutEngine
-from megatron_spec.rollout.config import EngineConfig, engine_kwargs
+from megatron_spec.rollout.config import EngineConfig, engine_kwargs, parse_engine_kwargs
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats
 from megatron_spec.telemetry import StageTimer
 
@@ -118,7 +118,8 @@ class RolloutManager:
             **engine_kwargs(values),
             device=str(self.info.device),  # the native engine shares this rank's device (SGLang places itself)
             context_length=c.data.max_prompt_length + r.rollout_max_new_tokens,
-            load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8")
+            load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8",
+            engine_kwargs=parse_engine_kwargs(r.rollout_engine_kwargs, self.backend))
 
     def start(self, task: PromptTask, actor: PolicyActor) -> None:
         """Start this owner's engine (and its streamer, and the acceptance watchdog); a sender of a

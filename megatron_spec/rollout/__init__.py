@@ -41,6 +41,7 @@ def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fractio
         from megatron_spec.rollout.sglang_backend import SGLangEngine
 
         overrides = {} if mem_fraction_static is None else {"mem_fraction_static": mem_fraction_static}
+        overrides.update(config.engine_kwargs)  # --rollout-engine-kwargs: through ServerArgs and the lossless guard
         return SGLangEngine(config, tp_size=tp_size, server_overrides=overrides)
     if backend == "vllm":
         from megatron_spec.rollout.vllm_backend import VllmEngine

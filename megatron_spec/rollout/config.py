@@ -202,6 +202,48 @@ def check_speculation(values: Mapping[str, Any], backend: str | None = None) -> 
                          f"start-up (docs/architecture.md)")
 
 
+ENGINE_KWARGS_SET_HERE = {
+    "sglang": {"model_path": "--hf-checkpoint", "dtype": "--rollout-dtype", "tp_size": "--rollout-tensor-parallel-size",
+               "random_seed": "--seed", "context_length": "--max-prompt-length + --rollout-max-new-tokens",
+               "max_running_requests": "--rollout-max-batch-size", "mem_fraction_static": "--rollout-mem-fraction-static",
+               "skip_tokenizer_init": None, "enable_memory_saver": None, "load_format": None, "weight_version": None,
+               "decrypted_config_file": None, "speculative_algorithm": "--spec-draft-kind",
+               "speculative_draft_model_path": "--spec-draft-path", "speculative_num_steps": "--spec-num-draft-tokens",
+               "speculative_num_draft_tokens": "--spec-num-draft-tokens", "speculative_eagle_topk": None},
+    "vllm": {"model": "--hf-checkpoint", "dtype": "--rollout-dtype", "max_num_seqs": "--rollout-max-batch-size",
+             "max_model_len": "--max-prompt-length + --rollout-max-new-tokens", "seed": "--seed",
+             "enforce_eager": "--rollout-compile", "speculative_config": "--spec-*", "load_format": None,
+             "worker_extension_cls": None, "weight_transfer_config": None, "logprobs_mode": None,
+             "disable_log_stats": None, "per_request_spec_decode_metrics": None},
+}
+"""The engine arguments megatron-spec sets itself (what ``--rollout-engine-kwargs`` may not: the flag that sets
+each, or None where the weight sync, the log-probs or the exactness proofs depend on our value)."""
+
+
+def parse_engine_kwargs(text: str | None, backend: str) -> dict:
+    """``--rollout-engine-kwargs``: a JSON object of the engine's own arguments (SGLang's ``ServerArgs`` fields,
+    vLLM's ``LLM(...)`` keywords), passed through; raises ``ValueError`` naming what is wrong."""
+    import json
+
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--rollout-engine-kwargs is not JSON ({exc.msg} at character {exc.pos}): {text[:80]}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--rollout-engine-kwargs must be a JSON object of the engine's arguments, got {text[:80]}")
+    if value and backend == "native":
+        raise ValueError("--rollout-engine-kwargs: the native engine takes no engine arguments (its settings are the "
+                         "--rollout-* flags); they are for --rollout-backend sglang or vllm")
+    for key in value:
+        if key in ENGINE_KWARGS_SET_HERE.get(backend, {}):
+            flag = ENGINE_KWARGS_SET_HERE[backend][key]
+            raise ValueError(f"--rollout-engine-kwargs: {key!r} is set by megatron-spec "
+                             + (f"from {flag}" if flag else "(the weight sync, log-probs or exactness depend on it)"))
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -264,6 +306,8 @@ class EngineConfig:
     call_timeout_s: float = 3600.0
     vllm_python: str | None = None
     """The vLLM environment's Python (``--rollout-backend vllm``; ``megatron_spec.rollout.vllm_backend.vllm_python``)."""
+    engine_kwargs: dict = dataclasses.field(default_factory=dict)
+    """The engine's own arguments, passed through (``--rollout-engine-kwargs``; :func:`parse_engine_kwargs`)."""
     engine_index: int = 0
     """Which of the job's engines this is (``--rollout-num-engines``): names it in logs and in
     the fault-injection points of the tests (``megatron_spec.faults``)."""

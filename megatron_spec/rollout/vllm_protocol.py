@@ -117,6 +117,7 @@ def llm_kwargs(config: EngineConfig, *, speculation: bool, draft_dir: str | None
     spec = speculative_config(config, draft_dir) if speculation else None
     if spec is not None:  # vLLM refuses per-request counters without a speculative method
         kw.update(speculative_config=spec, per_request_spec_decode_metrics="detailed")
+    kw.update(config.engine_kwargs)  # --rollout-engine-kwargs (none of the above: rollout.config.parse_engine_kwargs)
     return kw
 
 

@@ -199,6 +199,12 @@ def test_a_config_written_the_usual_way(tmp_path):
             _parse(["--hf-checkpoint", "m", "--prompt-data", "x", override])
     with pytest.raises(ConfigError, match="--rollout-top-k -2"):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-top-k", "-2"])
+    with pytest.raises(ConfigError, match="the native engine takes no engine arguments"):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-backend", "native",
+                "--rollout-engine-kwargs", '{"chunked_prefill_size": 8}'])
+    kw = '{"chunked_prefill_size": 8}'
+    assert _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-backend", "sglang",
+                   "--rollout-engine-kwargs", kw]).rollout.rollout_engine_kwargs == kw
 
 
 def test_help_names_values_not_destinations():

@@ -64,6 +64,29 @@ def test_llm_arguments(model_dir, tmp_path):
     assert proto.speculative_config(eagle, "/d") == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}
 
 
+def test_engine_kwargs_pass_through_and_ours_are_refused(model_dir):
+    """``--rollout-engine-kwargs``: vLLM's own keywords reach ``LLM(...)``; those our flags or the weight sync set
+    are refused naming the flag; the native engine takes none; not JSON or not an object is one line."""
+    from megatron_spec.rollout.config import parse_engine_kwargs
+
+    extra = parse_engine_kwargs('{"gpu_memory_utilization": 0.5, "enable_chunked_prefill": false}', "vllm")
+    kw = proto.llm_kwargs(EngineConfig(model_path=model_dir, engine_kwargs=extra), speculation=False, draft_dir=None)
+    assert kw["gpu_memory_utilization"] == 0.5 and kw["enable_chunked_prefill"] is False
+    with pytest.raises(ValueError, match="'max_num_seqs' is set by megatron-spec from --rollout-max-batch-size"):
+        parse_engine_kwargs('{"max_num_seqs": 4}', "vllm")
+    with pytest.raises(ValueError, match="'weight_transfer_config' is set by megatron-spec \\(the weight sync"):
+        parse_engine_kwargs('{"weight_transfer_config": {}}', "vllm")
+    with pytest.raises(ValueError, match="'speculative_num_steps' is set by megatron-spec from --spec-num-draft"):
+        parse_engine_kwargs('{"speculative_num_steps": 4}', "sglang")
+    with pytest.raises(ValueError, match="the native engine takes no engine arguments"):
+        parse_engine_kwargs('{"x": 1}', "native")
+    with pytest.raises(ValueError, match="is not JSON"):
+        parse_engine_kwargs("{x: 1}", "vllm")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        parse_engine_kwargs("[1]", "vllm")
+    assert parse_engine_kwargs(None, "native") == {} and parse_engine_kwargs("{}", "native") == {}
+
+
 def test_eagle3_dir_shifts_the_aux_layer_ids(tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()

@@ -230,6 +230,15 @@ def test_server_args_pass_sglangs_own_validation_and_are_lossless(ckpts):
         check_lossless(proto.server_kwargs(cfg, overrides={"speculative_accept_threshold_acc": 0.5}))
     with pytest.raises(ValueError, match="draft_kind 'ngram' is not launched by the SGLang backend"):
         proto.server_kwargs(EngineConfig(model_path=ckpts.qwen3, draft_kind="ngram"))
+    # --rollout-engine-kwargs reach ServerArgs (make_engine's overrides), through SGLang's checks and ours
+    from megatron_spec.rollout.config import parse_engine_kwargs
+
+    extra = parse_engine_kwargs('{"chunked_prefill_size": 4096, "schedule_policy": "fcfs"}', "sglang")
+    args, view = _resolved(proto.server_kwargs(cfg, overrides=extra))
+    check_lossless(args)
+    assert view.chunked_prefill_size == 4096 and view.schedule_policy == "fcfs"
+    with pytest.raises(TypeError, match="no_such_field"):  # SGLang's own refusal of an unknown field
+        _resolved(proto.server_kwargs(cfg, overrides=parse_engine_kwargs('{"no_such_field": 1}', "sglang")))
 
 
 def test_draft_model_runs_sglangs_exact_point_mass_verify(ckpts):
