@@ -226,6 +226,10 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    logger: str = _f("jsonl,tensorboard", "where the metrics go, comma-separated: jsonl (always written: resume and the "
+                                          "report read it), tensorboard, wandb (W&B; WANDB_MODE=offline needs no network)")
+    wandb_project: str = _f("megatron-spec", "W&B project (--logger wandb)")
+    wandb_name: str = _f(None, "W&B run name (default: the run folder's name; a resumed run continues its W&B run)")
     metrics_path: str = _f(None, "metrics JSONL (default <save>/metrics.jsonl)")
     tensorboard_dir: str = _f(None, "TensorBoard directory (default <save>/tensorboard; 'none' = off)")
     log_interval: int = _f(1, "progress line every N steps (0: none)")
@@ -329,6 +333,10 @@ class RunConfig:
             parse_engine_kwargs(r.rollout_engine_kwargs, r.rollout_backend or "auto")  # auto: by the GPU, at start
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        unknown = set(self.logging.logger.split(",")) - {"jsonl", "tensorboard", "wandb"}
+        if unknown:
+            raise ConfigError(f"--logger {self.logging.logger}: unknown {sorted(unknown)}; choose from jsonl, tensorboard, "
+                              f"wandb (comma-separated)")
         if r.rollout_mem_fraction_static is not None and not 0 < r.rollout_mem_fraction_static < 1:
             raise ConfigError(f"--rollout-mem-fraction-static must be in (0, 1), got {r.rollout_mem_fraction_static}")
         if r.rollout_weight_dtype == "fp8" and r.rollout_dtype == "float32" and r.rollout_backend == "sglang":

@@ -55,11 +55,13 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    """Metrics JSONL (append, fsync per line) and optional TensorBoard scalars."""
+    """Metrics JSONL (append, fsync per line), and optional TensorBoard scalars and W&B run."""
 
-    def __init__(self, path: str, tensorboard_dir: str | None = None, resume_step: int | None = None):
+    def __init__(self, path: str, tensorboard_dir: str | None = None, resume_step: int | None = None,
+                 wandb_init: Mapping[str, Any] | None = None):
         """``resume_step``: a run resumed from the checkpoint of that step continues the files, dropping what the
-        run before it wrote after that step (rows it will write again; TensorBoard's ``purge_step``)."""
+        run before it wrote after that step (rows it will write again; TensorBoard's ``purge_step``).
+        ``wandb_init``: ``wandb.init``'s arguments (W&B is imported only then)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         if resume_step is not None and os.path.isfile(path):
@@ -75,22 +77,51 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
+        self._wandb = None
+        if wandb_init is not None:
+            import wandb
+
+            self._wandb = wandb.init(**wandb_init)
 
     def write(self, metrics: Mapping[str, Any]) -> None:
         self._f.write(json.dumps({k: _clean(v) for k, v in metrics.items()}) + "\n")
         self._f.flush()
         os.fsync(self._f.fileno())
+        step = int(metrics["step"])
+        scalars = {k: v for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
         if self._tb is not None:
-            step = int(metrics["step"])
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value):
-                    self._tb.add_scalar(key, value, step)
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def open_metrics(cfg, run_dir: str, resume_step: int | None) -> MetricsWriter:
+    """The run's :class:`MetricsWriter` from ``--logger`` and the logging settings (rank 0). The W&B run's id is
+    the run folder's, so the same command started again continues the same W&B run."""
+    import hashlib
+
+    lg = cfg.logging
+    sinks = set(lg.logger.split(","))
+    tb = None
+    if "tensorboard" in sinks and lg.tensorboard_dir != "none":
+        tb = lg.tensorboard_dir or os.path.join(run_dir, "tensorboard")
+    wandb_init = None
+    if "wandb" in sinks:
+        run_id = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+        wandb_init = {"project": lg.wandb_project, "name": lg.wandb_name or os.path.basename(os.path.abspath(run_dir)),
+                      "id": run_id, "resume": "allow", "dir": run_dir, "config": cfg.to_dict()}
+    return MetricsWriter(lg.metrics_path or os.path.join(run_dir, "metrics.jsonl"), tb, resume_step=resume_step,
+                         wandb_init=wandb_init)
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

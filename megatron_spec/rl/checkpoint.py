@@ -179,6 +179,14 @@ def load_checkpoint(path: str, sharded_state: dict[str, Any]) -> dict[str, Any]:
     return dist_checkpointing().load(sharded_state, path)
 
 
+def resume_line(path: str, saved: dict[str, Any], info, total_steps: int) -> str:
+    """What a resumed run says: where from, the step, and the layouts when it was resharded."""
+    world, tp = saved["world_size"], saved["tp_size"]
+    moved = "" if (world, tp) == (info.world_size, info.tp_size) else \
+        f", saved at TP {tp} x DP {world // tp}, resharded to TP {info.tp_size} x DP {info.dp_size}"
+    return f"resuming from {path} (step {saved['step']} of {total_steps}{moved})"
+
+
 def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint folder ``path`` whole (the policy's and its AdamW state's, by their
     megatron-core keys; layers stacked as megatron-core saves them), read in this process without a process
@@ -193,7 +201,7 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-RUN_FILES = ("metrics.jsonl", "tensorboard", "rollouts", "hf", "draft_export", "report", "config.yaml")
+RUN_FILES = ("metrics.jsonl", "tensorboard", "wandb", "rollouts", "hf", "draft_export", "report", "config.yaml")
 """What a run writes into its folder besides its checkpoints (what ``--no-resume`` removes)."""
 
 

@@ -30,7 +30,7 @@ from megatron_spec.rl.records import dump_rollouts, step_metrics
 from megatron_spec.rl.rollout_manager import RolloutManager, RolloutWaitTimeout  # noqa: F401 (as above)
 from megatron_spec.rl.rollouts import split
 from megatron_spec.rl.task import PromptTask
-from megatron_spec.telemetry import MetricsWriter, StageTimer, current_rss_mb, print_progress, progress_line
+from megatron_spec.telemetry import StageTimer, current_rss_mb, open_metrics, print_progress, progress_line
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +57,7 @@ class GRPOTrainer:
             self._resume(cfg.checkpoint.load)
         self.writer = None
         if self.rank0:
-            self.writer = MetricsWriter(
-                cfg.logging.metrics_path or os.path.join(self.run_dir, "metrics.jsonl"),
-                None if cfg.logging.tensorboard_dir == "none"
-                else (cfg.logging.tensorboard_dir or os.path.join(self.run_dir, "tensorboard")),
-                resume_step=self.step if cfg.checkpoint.load else None)
+            self.writer = open_metrics(cfg, self.run_dir, self.step if cfg.checkpoint.load else None)
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 f.write(cfg.to_yaml())
         self.rollout.start(self.task, self.actor)
@@ -153,18 +149,13 @@ class GRPOTrainer:
                 logger.info("--save-keep %d: removed %s", self.cfg.checkpoint.save_keep, gone)
 
     def _resume(self, root: str) -> None:
-        path, trainer_state = ckpt_io.latest_checkpoint(root)
-        loaded = ckpt_io.load_checkpoint(path, self.actor.sharded_state(saved=trainer_state))
-        self.actor.load_state(loaded, path, policy_version=trainer_state["policy_version"],
-                              draft_version=trainer_state.get("draft_version", 0))
-        self.step = trainer_state["step"]
-        self.task.sampler.load_state_dict(trainer_state["sampler"])
+        path, saved = ckpt_io.latest_checkpoint(root)
+        self.actor.load_state(ckpt_io.load_checkpoint(path, self.actor.sharded_state(saved=saved)), path,
+                              policy_version=saved["policy_version"], draft_version=saved.get("draft_version", 0))
+        self.step = saved["step"]
+        self.task.sampler.load_state_dict(saved["sampler"])
         if self.rank0:
-            layout = (trainer_state["world_size"], trainer_state["tp_size"])
-            moved = "" if layout == (self.info.world_size, self.info.tp_size) else \
-                f", saved at TP {layout[1]} x DP {layout[0] // layout[1]}, resharded to TP {self.info.tp_size} x " \
-                f"DP {self.info.dp_size}"
-            print(f"megatron-spec: resuming from {path} (step {self.step} of {self.cfg.grpo.train_iters}{moved})",
+            print(f"megatron-spec: {ckpt_io.resume_line(path, saved, self.info, self.cfg.grpo.train_iters)}",
                   file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ loop

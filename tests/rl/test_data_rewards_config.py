@@ -199,6 +199,8 @@ def test_a_config_written_the_usual_way(tmp_path):
             _parse(["--hf-checkpoint", "m", "--prompt-data", "x", override])
     with pytest.raises(ConfigError, match="--rollout-top-k -2"):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-top-k", "-2"])
+    with pytest.raises(ConfigError, match=re.escape("--logger jsonl,mlflow: unknown ['mlflow']")):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--logger", "jsonl,mlflow"])
     with pytest.raises(ConfigError, match="the native engine takes no engine arguments"):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-backend", "native",
                 "--rollout-engine-kwargs", '{"chunked_prefill_size": 8}'])

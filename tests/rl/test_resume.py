@@ -114,3 +114,28 @@ def test_step_line_eta_and_logging(capsys):
         assert capsys.readouterr().err == "megatron-spec: resumed from here\n"
     finally:
         log.handlers[:], log.level, log.propagate = saved
+
+
+def test_wandb_logger_offline(tmp_path, monkeypatch):
+    """``--logger jsonl,wandb``: W&B (offline, no network) gets every numeric metric by step, in the run folder,
+    under an id fixed by the run folder (the same command started again continues the same W&B run)."""
+    from megatron_spec.config import RunConfig
+    from megatron_spec.telemetry import open_metrics
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = RunConfig()
+    cfg.logging.logger = "jsonl,wandb"
+    cfg.logging.wandb_project = "bar"
+    run = tmp_path / "run"
+    run.mkdir()
+    ids = []
+    for start in (None, 1):
+        w = open_metrics(cfg, str(run), start)
+        ids.append(w._wandb.id)
+        w.write({"step": 1 if start is None else 2, "reward/mean": 0.25, "spec/accept_length": 2.5, "note": "x"})
+        w.close()
+    assert ids[0] == ids[1] and not (run / "tensorboard").exists()
+    logs = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert logs and all(b"reward/mean" in p.read_bytes() and b"spec/accept_length" in p.read_bytes() for p in logs)
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
