@@ -47,3 +47,21 @@ def coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) 
     if choices and value not in choices:
         raise ConfigError(f"{where}: {name} must be one of {', '.join(map(str, choices))}; got {value!r}")
     return value
+
+
+def json_object(flag: str, value) -> dict:
+    """A flag whose value is a JSON object (a YAML ``--config`` may give the mapping itself): ``{}`` when unset;
+    ``ValueError`` naming the flag for text that is not JSON or not an object."""
+    import json
+    from collections.abc import Mapping
+
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag} {value[:80]!r} is not JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{flag} must be a JSON object, got {str(value)[:80]!r}")
+    return dict(value)

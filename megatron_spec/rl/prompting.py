@@ -86,16 +86,9 @@ def encode_prompt(tokenizer: Any, prompt: "str | Sequence[Mapping[str, str]]", *
 
 def parse_template_kwargs(value: "str | Mapping[str, Any] | None") -> dict[str, Any]:
     """``--apply-chat-template-kwargs``: a JSON object (a YAML ``--config`` may give a mapping)."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--apply-chat-template-kwargs {value!r} is not JSON: {exc}") from None
-    if not isinstance(value, Mapping):
-        raise ValueError(f"--apply-chat-template-kwargs must be a JSON object, got {value!r}")
-    return dict(value)
+    from megatron_spec.config_values import json_object
+
+    return json_object("--apply-chat-template-kwargs", value)
 
 
 def _eos_of(path: str) -> list[int]:

@@ -223,16 +223,9 @@ each, or None where the weight sync, the log-probs or the exactness proofs depen
 def parse_engine_kwargs(text: str | None, backend: str) -> dict:
     """``--rollout-engine-kwargs``: a JSON object of the engine's own arguments (SGLang's ``ServerArgs`` fields,
     vLLM's ``LLM(...)`` keywords), passed through; raises ``ValueError`` naming what is wrong."""
-    import json
+    from megatron_spec.config_values import json_object
 
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--rollout-engine-kwargs is not JSON ({exc.msg} at character {exc.pos}): {text[:80]}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--rollout-engine-kwargs must be a JSON object of the engine's arguments, got {text[:80]}")
+    value = json_object("--rollout-engine-kwargs", text)
     if value and backend == "native":
         raise ValueError("--rollout-engine-kwargs: the native engine takes no engine arguments (its settings are the "
                          "--rollout-* flags); they are for --rollout-backend sglang or vllm")
