@@ -1,9 +1,8 @@
-"""The policy's optimizer (train/optimizer.py) on megatron-core DDP: a --bf16 checkpoint resumes
-from its fp32 main weights, not from the rounded bf16 weights."""
+"""The policy's optimizer (train/optimizer.py) on megatron-core DDP: a --bf16 checkpoint (megatron-core
+dist_checkpointing, as the trainer saves it) resumes from its fp32 main weights, not from the rounded bf16
+weights."""
 
 from __future__ import annotations
-
-import io
 
 import pytest
 import torch
@@ -40,23 +39,28 @@ def step(ddp, opt, vocab: int, seed: int) -> None:
     opt.step()
 
 
-def test_bf16_resume_is_exact(parallel, hf_checkpoints):
+def sharded(model, opt) -> dict:
+    msd = model.sharded_state_dict()
+    return {"model": msd, "optimizer": opt.sharded_state_dict(msd)}
+
+
+def test_bf16_resume_is_exact(parallel, hf_checkpoints, tmp_path):
+    from megatron_spec.rl.checkpoint import dist_checkpointing
+
+    dc = dist_checkpointing()
     path = hf_checkpoints["qwen3"]
     model, ddp, opt, vocab = build(path)
     assert opt.has_main_copies
     for i in range(3):
         step(ddp, opt, vocab, i)
-    saved_model = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    buf = io.BytesIO()  # through bytes, as a checkpoint goes (AdamW's state_dict shares its step counters)
-    torch.save(opt.state_dict(), buf)
-    buf.seek(0)
-    saved_opt = torch.load(buf, weights_only=False)
+    dc.save(sharded(model, opt), str(tmp_path))  # through files, as a checkpoint goes
     # the main weights hold what the bf16 weights lost: resuming from the weights alone would drop it
     assert any(not torch.equal(m, p.float()) for p, m in zip(opt.params, opt.main_params) if m is not p)
 
     model2, ddp2, opt2, _ = build(path)
-    model2.load_state_dict(saved_model, strict=False)
-    opt2.load_state_dict(saved_opt)
+    loaded = dc.load(sharded(model2, opt2), str(tmp_path))
+    model2.load_state_dict(loaded["model"])
+    opt2.load_sharded_state_dict(loaded["optimizer"])
     for a, b in zip(opt.main_params, opt2.main_params):
         assert torch.equal(a, b)
     step(ddp, opt, vocab, 9)
