@@ -158,17 +158,26 @@ def latest_step(root: str) -> int | None:
         return int(f.read().strip())
 
 
+def unreadable(path: str) -> str | None:
+    """Why the iteration folder ``path`` cannot be read back (an interrupted save, the format before
+    dist_checkpointing), or None."""
+    if not os.path.isfile(os.path.join(path, "COMPLETE")):
+        return f"{path} is not a complete checkpoint (no COMPLETE marker: its save was interrupted)"
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        return (f"{path} was written by megatron-spec before its checkpoints were megatron-core dist_checkpointing "
+                f"ones (per-rank pickles)")
+    return None
+
+
 def latest_checkpoint(root: str) -> tuple[str, dict[str, Any]]:
     """(iteration dir, trainer state) of the latest complete checkpoint of ``root``."""
     step = latest_step(root)
     if step is None:
         raise CheckpointLoadError(f"no {LATEST} in {root}: nothing to resume")
     path = _iter_dir(root, step)
-    if not os.path.isfile(os.path.join(path, "COMPLETE")):
-        raise CheckpointLoadError(f"{path} is not a complete checkpoint")
-    if not os.path.isfile(os.path.join(path, "metadata.json")):
-        raise CheckpointLoadError(f"{path} was written by megatron-spec before its checkpoints were megatron-core "
-                                  f"dist_checkpointing ones (per-rank pickles): resume it with that version")
+    problem = unreadable(path)
+    if problem:
+        raise CheckpointLoadError(f"{problem}: resume another, or with the version that wrote it")
     with open(os.path.join(path, "trainer_state.json")) as f:
         return path, json.load(f)
 

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +26,7 @@ class PromptExample:
     prompt: "str | tuple[dict[str, str], ...]"
     """Text, or chat messages (``{"role", "content"}``) rendered with the chat template (``rl.prompting``)."""
     answer: str
-    metadata: dict = dataclasses.field(default_factory=dict, compare=False)
+    metadata: dict = field(default_factory=dict, compare=False)
     """The row's other columns (all but the prompt's, and the answer's when its key is a top-level column):
     what a reward taking ``metadata`` gets (verl's ``data_source``, ``extra_info``; ``rl.rewards``)."""
 

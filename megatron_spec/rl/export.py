@@ -111,7 +111,7 @@ def export_trained(cfg, info, actor, run_dir: str, step: int) -> None:
 def resolve_checkpoint(path: str) -> str:
     """The iteration folder ``path`` names: itself (it holds ``trainer_state.json``), or the latest
     complete checkpoint of a ``--save`` folder."""
-    from megatron_spec.rl.checkpoint import LATEST, latest_step
+    from megatron_spec.rl.checkpoint import LATEST, latest_step, unreadable
 
     path = os.path.abspath(path)
     if os.path.isfile(os.path.join(path, "trainer_state.json")):
@@ -123,11 +123,9 @@ def resolve_checkpoint(path: str) -> str:
                           f"folder or one of its iter_* folders")
     else:
         raise ExportError(f"no such folder: {path}")
-    if not os.path.isfile(os.path.join(it, "COMPLETE")):
-        raise ExportError(f"{it} is not a complete checkpoint (no COMPLETE marker: its save was interrupted)")
-    if not os.path.isfile(os.path.join(it, "metadata.json")):
-        raise ExportError(f"{it} was written by megatron-spec before its checkpoints were megatron-core "
-                          f"dist_checkpointing ones: export it with that version")
+    problem = unreadable(it)
+    if problem:
+        raise ExportError(problem)
     return it
 
 

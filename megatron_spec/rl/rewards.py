@@ -126,9 +126,13 @@ def _import(spec: str) -> Callable:
             path = os.path.abspath(module_name)
             if not os.path.isfile(path):
                 raise ImportError(f"no such file: {path}")
-            loader = importlib.util.spec_from_file_location(f"megatron_spec_reward_{abs(hash(path))}", path)
-            module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
+            name = f"megatron_spec_reward_{abs(hash(path))}"
+            module = sys.modules.get(name)  # once per process: the preflight and the task both ask for it
+            if module is None:
+                loader = importlib.util.spec_from_file_location(name, path)
+                module = importlib.util.module_from_spec(loader)
+                loader.loader.exec_module(module)
+                sys.modules[name] = module
         else:
             if os.getcwd() not in sys.path and "" not in sys.path:
                 sys.path.append(os.getcwd())
