@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from megatron_spec.config_values import coerce
-from megatron_spec.rollout.config import SETTING, check_speculation, parse_num_draft_tokens
+from megatron_spec.rollout.config import SETTING, check_speculation, default_text, device_default, parse_num_draft_tokens
 
 
 class ConfigError(ValueError):
@@ -151,6 +151,12 @@ class RolloutConfig:
     rollout_wait_timeout_s: float = _f(10800.0, "longest a rank waits for the engines' rollouts (the long-timeout "
                                                 "group around generation); exceeded: the run stops naming the engine")
     dist_timeout_s: float = _f(600.0, "timeout of the training collectives (gradient reduction, weight gathers)")
+
+    def __post_init__(self):
+        if self.rollout_max_batch_size is None:  # not given: sized by the device
+            self.rollout_max_batch_size = device_default("rollout_max_batch_size")
+        if self.rollout_max_new_tokens is None:
+            self.rollout_max_new_tokens = device_default("rollout_max_new_tokens")
 
 
 @dataclass
@@ -403,7 +409,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
             kind = _field_type(cls, f)
             kw: dict[str, Any] = {"dest": f"{group_name}.{f.name}", "default": None,
-                                  "help": f"{f.metadata['help']} (default: {f.default})"}
+                                  "help": f"{f.metadata['help']} (default: {default_text(f.name, f.default)})"}
             if kind is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:

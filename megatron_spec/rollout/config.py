@@ -39,6 +39,30 @@ def parse_num_draft_tokens(value: "int | str") -> "int | str":
 
 _SAME = object()
 
+DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cpu": {"rollout_max_batch_size": 16, "rollout_max_new_tokens": 64},
+    "cuda": {"rollout_max_batch_size": 256, "rollout_max_new_tokens": 1024},
+}
+"""The launcher's engine sizes where the user gives none, by the device the engines run on: the CPU demo's
+(2 cores decode 16 rows at a time at their best) and a GPU engine's (vLLM's ``max_num_seqs`` default of
+256 rows; a reasoning-length response, slime's ``rollout_max_response_len`` 1024)."""
+
+
+def device_default(name: str, device_type: str | None = None) -> int:
+    """:data:`DEVICE_DEFAULTS`' ``name`` for ``device_type`` (default: ``cuda`` where torch sees a GPU)."""
+    if device_type is None:
+        import torch
+
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return DEVICE_DEFAULTS[device_type][name]
+
+
+def default_text(name: str, default: Any) -> str:
+    """A flag's default as its help says it: the value, or the sizes by device (:data:`DEVICE_DEFAULTS`)."""
+    if default is None and name in DEVICE_DEFAULTS["cpu"]:
+        return f"{DEVICE_DEFAULTS['cpu'][name]} on a CPU, {DEVICE_DEFAULTS['cuda'][name]} on a GPU"
+    return str(default)
+
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -95,9 +119,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("rollout_dtype", "rollout", "auto", "engine compute dtype (auto: bfloat16 where the CPU does bf16 "
             "natively or on a GPU, float32 elsewhere; see megatron-spec info)", DTYPE_CHOICES, engine="dtype",
             alias="--dtype"),
-    Setting("rollout_max_batch_size", "rollout", 16, "sequences the engine decodes at once", engine="max_batch_size",
+    Setting("rollout_max_batch_size", "rollout", None, "sequences the engine decodes at once",
+            engine="max_batch_size",
             alias="--batch-size", generate_default=32),
-    Setting("rollout_max_new_tokens", "rollout", 64, "longest response", sampling="max_new_tokens",
+    Setting("rollout_max_new_tokens", "rollout", None, "longest response", sampling="max_new_tokens",
             alias="--max-new-tokens", generate_default=128),
     Setting("rollout_temperature", "rollout", 1.0, "sampling temperature (0 = greedy)", sampling="temperature",
             alias="--temperature"),
@@ -161,7 +186,7 @@ def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
         if isinstance(s.default, bool):
             kw["action"] = argparse.BooleanOptionalAction
         else:
-            kw["type"] = s.parse or (type(s.default) if s.default is not None else str)
+            kw["type"] = s.parse or (type(default) if default is not None else str)
             if s.choices:
                 kw["choices"] = s.choices
             else:

@@ -209,6 +209,20 @@ def test_a_config_written_the_usual_way(tmp_path):
                    "--rollout-engine-kwargs", kw]).rollout.rollout_engine_kwargs == kw
 
 
+def test_engine_sizes_default_by_device(monkeypatch):
+    """A GPU engine is not held to the CPU demo's 16 rows and 64 tokens; a value given wins on either."""
+    import torch
+
+    cpu = _parse(["--hf-checkpoint", "m", "--prompt-data", "x"]).rollout
+    assert (cpu.rollout_max_batch_size, cpu.rollout_max_new_tokens) == (16, 64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-backend", "native"]).rollout
+    assert (gpu.rollout_max_batch_size, gpu.rollout_max_new_tokens) == (256, 1024)
+    given = _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-backend", "native",
+                    "--rollout-max-batch-size", "8", "rollout.max_new_tokens=100"]).rollout
+    assert (given.rollout_max_batch_size, given.rollout_max_new_tokens) == (8, 100)
+
+
 def test_help_names_values_not_destinations():
     p = argparse.ArgumentParser()
     add_arguments(p)
