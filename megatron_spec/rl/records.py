@@ -114,6 +114,31 @@ def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculati
         out[f"spec/source_tokens/{src}"] = st.source_accepted.get(src, 0)
     if st.source_steps.get("tree"):
         out["spec/tree_frac"] = st.source_steps["tree"] / sum(st.source_steps.values())
+    out.update(dashboard_spec_metrics(st))
+    return out
+
+
+def dashboard_spec_metrics(st) -> dict[str, float]:
+    """The step's speculation counters, ours and under the names NeMo-RL's and SkyRL's dashboards read (both
+    derive them from vLLM's counters: drafts = request-steps that drafted, positions 1-based; NeMo-RL's
+    ``vllm/spec_*``, SkyRL's training window ``vllm/train/draft_*``): {} for a step without drafts."""
+    if not st.spec_steps:
+        return {}
+    drafts, drafted, accepted = st.spec_steps, st.drafted_tokens, st.accepted_tokens
+    rate = accepted / drafted if drafted else 0.0
+    length = 1.0 + accepted / drafts
+    out: dict[str, float] = {
+        "spec/num_drafts": drafts, "spec/drafted_tokens": drafted, "spec/accepted_tokens": accepted,
+        "spec/acceptance_rate": rate,
+        "vllm/spec_num_drafts": drafts, "vllm/spec_num_draft_tokens": drafted,
+        "vllm/spec_num_accepted_tokens": accepted, "vllm/spec_acceptance_length": length,
+        "vllm/spec_acceptance_rate": rate,
+        "vllm/train/draft_num_draft_tokens": drafted, "vllm/train/draft_num_accepted_tokens": accepted,
+        "vllm/train/draft_acceptance_rate": rate, "vllm/train/draft_mean_acceptance_length": length,
+    }
+    for pos, r in enumerate(st.accept_rate_per_position, 1):
+        out[f"vllm/spec_acceptance_rate-pos-{pos}"] = r
+        out[f"vllm/train/draft_acceptance_rate_pos_{pos}"] = r
     return out
 
 

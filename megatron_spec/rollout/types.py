@@ -186,6 +186,19 @@ class GenerateStats:
         return [c / self.spec_steps for c in self.accepted_at_least] if self.spec_steps else []
 
     @property
+    def drafted_tokens(self) -> int:
+        """Draft tokens proposed over the spec steps (vLLM's ``num_draft_tokens`` counter): from the per-row-step
+        draft lengths where the engine reports them, else k per spec step."""
+        if self.k_counts:
+            return sum(k * c for k, c in enumerate(self.k_counts))
+        return self.spec_steps * self.num_draft_tokens
+
+    @property
+    def accepted_tokens(self) -> int:
+        """Draft tokens the target accepted (vLLM's ``num_accepted_tokens`` counter)."""
+        return sum(self.accepted_at_least)
+
+    @property
     def spec_accept_length(self) -> float:
         """Emitted tokens per speculative verify step: 1 + mean accepted drafts."""
         if not self.spec_steps:

@@ -67,7 +67,11 @@ def test_greedy_speculation_on_off_identical_rollouts_and_checkpoints(setup, tmp
         assert rollouts(spec, step) == rollouts(ar, step), f"step {step} rollouts differ"
     m = metrics(spec)
     assert all(r["spec/num_draft_tokens"] == 3 for r in m) and any(r["spec/accept_length"] > 1.0 for r in m)
-    assert metrics(ar)[0]["spec/accept_length"] == 1.0
+    assert metrics(ar)[0]["spec/accept_length"] == 1.0 and "vllm/spec_acceptance_rate" not in metrics(ar)[0]
+    for r in m:  # the NeMo-RL / SkyRL names beside ours: the same counts, positions 1-based
+        assert r["vllm/spec_acceptance_length"] == pytest.approx(r["spec/accept_length"])
+        assert r["vllm/spec_num_accepted_tokens"] <= r["vllm/spec_num_draft_tokens"] <= 3 * r["vllm/spec_num_drafts"]
+        assert r["vllm/train/draft_acceptance_rate_pos_1"] == r["spec/accept_rate_pos0"]
     a, b = model_state(spec, 5), model_state(ar, 5)
     assert a.keys() == b.keys() and any(k.startswith("optimizer.state.exp_avg.") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), "the checkpoints differ"
