@@ -4,7 +4,8 @@
   ``time/<stage>`` plus ``time/step``.
 * :class:`MetricsWriter` appends one JSON object per step to the metrics file (flushed and
   fsynced, so a crash loses at most the step in flight) and mirrors scalars to TensorBoard.
-* :func:`progress_line` formats reward, acceptance length and stage times for the console.
+* :func:`progress_line` formats reward, acceptance length and stage times for the console;
+  :func:`generation_bar` is the bar a long generation shows meanwhile.
 
 Metric names are a contract (docs/metrics.md); this module does not invent any.
 """
@@ -196,6 +197,27 @@ def configure_logging(rank: int) -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.propagate = False
+
+
+@contextlib.contextmanager
+def generation_bar(total: int, *, enabled: bool = True, delay_s: float = 5.0, file=None):
+    """A tqdm bar over the samples of one generation, as ``on_progress(samples done)`` of the engines'
+    ``generate``: shown on a terminal only (a log file gets the step line, not carriage returns), only once
+    the generation has run ``delay_s`` (a short one prints nothing), and removed when it ends."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="generating", unit="sample", delay=delay_s, leave=False, dynamic_ncols=True,
+               file=file if file is not None else sys.stderr, disable=None if enabled else True)
+    done = [0]
+
+    def update(n: int) -> None:
+        bar.update(n - done[0])
+        done[0] = n
+
+    try:
+        yield update
+    finally:
+        bar.close()
 
 
 def print_progress(line: str) -> None:

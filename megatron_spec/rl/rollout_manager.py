@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 from megatron_spec.rollout.api import RolloutEngine
 from megatron_spec.rollout.config import EngineConfig, engine_kwargs, parse_engine_kwargs
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats
-from megatron_spec.telemetry import StageTimer
+from megatron_spec.telemetry import StageTimer, generation_bar
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +329,9 @@ class RolloutManager:
         if not reqs:
             return Shard(self.my_engine, [], GenerateStats(), 0.0, t0)
         try:
-            samples, stats = self.engine.generate(reqs, seed=seed)
+            with generation_bar(sum(q.n for q in reqs),
+                                enabled=self.info.rank == 0 and not self.cfg.logging.quiet) as on_progress:
+                samples, stats = self.engine.generate(reqs, seed=seed, on_progress=on_progress)
         except (EngineDiedError, EngineTimeoutError) as exc:
             end = time.perf_counter()
             return Shard(self.my_engine, None, None, end - t0, end, error=f"{type(exc).__name__}: {exc}")
