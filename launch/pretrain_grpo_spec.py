@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if spawn is not None and spawn < 1:
         print(f"{PROG}: error: --nproc-per-node {spawn} must be >= 1", file=sys.stderr)
         return 2
+    from megatron_spec.compat.fallbacks import fallback_line, quiet_fallback_warnings
+
+    quiet_fallback_warnings()  # every rank: megatron-core's per-module fallback warnings; rank 0 says them once
     rank = int(os.environ.get("RANK", "0"))
     world_size = spawn or int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(rank)
     if rank == 0:
         print("resolved configuration:\n" + cfg.to_yaml(), file=sys.stderr, flush=True)
+        print(fallback_line(), file=sys.stderr, flush=True)
         if policy:
             print(f"OMP_WAIT_POLICY={policy}: generation overlaps training on the same cores "
                   "(docs/benchmarks.md, \"OpenMP's wait policy\")", file=sys.stderr, flush=True)

@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_spec import __version__
     from megatron_spec import _ext
     from megatron_spec.compat import compat_active
+    from megatron_spec.compat.fallbacks import fallback_line
     from megatron_spec.isa import probe, resolve_dtype
 
     cpu = probe()
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
         "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
         "compiled_ops": _ext.compiled_ops_available(),
         "megatron_cpu_shim": compat_active(),
+        "megatron_core_runs": fallback_line(torch.cuda.is_available()),
         "cpu_model": cpu.model,
         "cpu_capability": cpu.capability,
         "native_bf16": cpu.native_bf16,

@@ -88,6 +88,7 @@ def transformer_config(cfg: DecoderConfig, *, tp_size: int, params_dtype: torch.
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
+        cuda_graph_scope=[],  # the whole layer, megatron-core's default said its current way (not the deprecated "full")
     )
     if mtp_num_layers:
         kwargs["mtp_num_layers"] = mtp_num_layers
