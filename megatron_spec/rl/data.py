@@ -2,9 +2,11 @@
 
 ``load_prompts(spec)`` reads local data with the ``datasets`` library (``prompt`` / ``answer``
 columns by default, ``--prompt-key/--answer-key`` otherwise): a JSONL or Parquet file, a
-directory ``datasets`` wrote (``save_to_disk``: its train split when it holds several), or a
-directory of JSONL/Parquet files; or it generates a synthetic task (``synthetic:sum``). Nothing
-is downloaded: a hub name is an error. Answers may be in any form the reward reads (GSM8K's
+directory ``datasets`` wrote (``save_to_disk``: its train split when it holds several), a
+directory of JSONL/Parquet files, or a Hub dataset name (``openai/gsm8k``, ``openai/gsm8k:main``,
+``openai/gsm8k:main@test``: repository, config, split) read from the local Hugging Face cache; or it
+generates a synthetic task (``synthetic:sum``). Nothing is downloaded: a Hub dataset that is not in the
+cache is an error saying how to fetch it. Answers may be in any form the reward reads (GSM8K's
 ``... #### 72``, a ``\\boxed{}`` answer): no column is rewritten here.
 
 :class:`PromptSampler` walks seeded per-epoch permutations; its state
@@ -15,6 +17,7 @@ have seen.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 
@@ -60,9 +63,11 @@ def load_prompts(spec: str, *, prompt_key: str = "prompt", answer_key: str = "an
         return [PromptExample(e.prompt, e.answer) for e in generate(spec.split(":", 1)[1], num_synthetic, seed)]
     if os.path.isdir(spec):
         return _from_rows(spec, _load_dir(spec, cache_dir), prompt_key, answer_key)
+    if is_hub_dataset(spec):
+        return _from_rows(spec, _load_hub(spec, cache_dir), prompt_key, answer_key)
     if not os.path.isfile(spec):
         raise FileNotFoundError(f"prompt data {spec} does not exist (use a JSONL/Parquet file, a datasets "
-                                f"directory or synthetic:<task>)")
+                                f"directory, a Hub dataset name org/name[:config][@split] or synthetic:<task>)")
     ext = os.path.splitext(spec)[1].lower()
     builder = _BUILDERS.get(ext)
     if builder is None:
@@ -73,6 +78,46 @@ def load_prompts(spec: str, *, prompt_key: str = "prompt", answer_key: str = "an
 
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_HUB_NAME = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<config>[\w.-]+))?(?:@(?P<split>[\w.-]+))?$")
+
+
+def is_hub_dataset(spec: str) -> bool:
+    """``spec`` is no file or folder but reads as a Hub dataset name: ``org/name[:config][@split]``."""
+    return not os.path.exists(spec) and not spec.startswith((".", "/")) and _HUB_NAME.match(spec) is not None
+
+
+def hub_snapshot(spec: str) -> str:
+    """The local Hugging Face cache's snapshot of the Hub dataset ``spec`` names (huggingface_hub's
+    ``snapshot_download``, cache only: ``HF_HUB_CACHE``/``HF_HOME`` say where); FileNotFoundError saying
+    how to fetch it when it is not there."""
+    from huggingface_hub import constants, snapshot_download
+
+    repo = _HUB_NAME.match(spec)["repo"]
+    try:
+        return snapshot_download(repo, repo_type="dataset", local_files_only=True)
+    except Exception as exc:  # not cached (LocalEntryNotFoundError), a bad repository id: one message
+        raise FileNotFoundError(
+            f"prompt data {spec}: the Hub dataset {repo} is not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}) and nothing is downloaded here; fetch it once with "
+            f"`hf download {repo} --repo-type dataset` (HF_HOME or HF_HUB_CACHE name another cache) "
+            f"[{type(exc).__name__}]") from None
+
+
+def _load_hub(spec: str, cache_dir: str | None):
+    """The split (default ``train``) of the config (the dataset's only or default one, unless named) of a
+    cached Hub dataset, through ``datasets.load_dataset`` on its snapshot folder (the README's ``configs``
+    or the files' split names say which files are which)."""
+    import datasets
+
+    m = _HUB_NAME.match(spec)
+    path, split = hub_snapshot(spec), m["split"] or "train"
+    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+        try:
+            return datasets.load_dataset(path, m["config"], split=split, cache_dir=tmp, keep_in_memory=True)
+        except Exception as exc:  # no such config or split (ValueError), files datasets cannot read
+            text = " ".join(str(exc).split())[:300] or type(exc).__name__
+            raise ValueError(f"prompt data {spec}: the cached Hub dataset {m['repo']} cannot be read as config "
+                             f"{m['config'] or '(default)'}, split {split}: {text}") from None
 
 
 def _load_files(spec: str, builder: str, files: list[str], cache_dir: str | None):

@@ -53,6 +53,8 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
     except ValueError as exc:
         raise ConfigError(f"--tensor-model-parallel-size: {exc}") from exc
 
+    from megatron_spec.rl.data import hub_snapshot, is_hub_dataset
+
     for flag, spec in (("--prompt-data", d.prompt_data), ("--eval-data", d.eval_data)):
         if not spec:
             continue
@@ -62,8 +64,14 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
             if spec.split(":", 1)[1] not in TASKS:
                 raise ConfigError(f"{flag} {spec}: unknown synthetic task; expected one of "
                                   f"{[f'synthetic:{t}' for t in sorted(TASKS)]}")
+        elif is_hub_dataset(spec):
+            try:
+                hub_snapshot(spec)
+            except FileNotFoundError as exc:
+                raise ConfigError(f"{flag} {str(exc).removeprefix('prompt data ')}") from None
         elif not (os.path.isfile(spec) or os.path.isdir(spec)):  # a folder: load_prompts reads its files
-            raise ConfigError(f"{flag} {spec}: no such file (a JSONL or Parquet file, or synthetic:<task>)")
+            raise ConfigError(f"{flag} {spec}: no such file (a JSONL or Parquet file, a folder of them, a Hub dataset "
+                              f"name org/name[:config][@split] in the local cache, or synthetic:<task>)")
 
     from megatron_spec.rl.rewards import get_reward
 

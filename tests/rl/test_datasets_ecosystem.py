@@ -4,6 +4,7 @@ variables, overlong prompts dropped at load; end to end through a GRPO step on a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -46,6 +47,68 @@ def test_verl_layout_loads(tmp_path):
         load_prompts(str(tmp_path / "train.parquet"), prompt_key="prompt", answer_key="reward_model.truth")
     with pytest.raises(ValueError, match="neither text nor a list of chat messages"):
         load_prompts(str(tmp_path / "train.parquet"), prompt_key="extra_info", answer_key="ability")
+
+
+def hub_cache(root: Path, repo: str, configs: dict[str, dict[str, list]], readme: bool = True) -> Path:
+    """A Hugging Face Hub cache filled by hand, as ``hf download REPO --repo-type dataset`` leaves it:
+    ``datasets--org--name/refs/main`` naming a snapshot that holds one parquet file per config and split,
+    and the README's ``configs`` saying which is which."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    folder = root / f"datasets--{repo.replace('/', '--')}"
+    snap = folder / "snapshots" / commit
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    card = ["---", "configs:"]
+    for config, splits in configs.items():
+        card += [f"- config_name: {config}", "  data_files:"]
+        for split, rows in splits.items():
+            (snap / config).mkdir(parents=True, exist_ok=True)
+            pq.write_table(pa.Table.from_pylist(rows), str(snap / config / f"{split}-00000-of-00001.parquet"))
+            card += [f"  - split: {split}", f"    path: {config}/{split}-*"]
+    if readme:
+        (snap / "README.md").write_text("\n".join(card + ["---", ""]))
+    return root
+
+
+def test_hub_dataset_names_read_the_local_cache_offline(tmp_path, monkeypatch):
+    """``org/name[:config][@split]`` from a cache filled by hand, with the Hub out of reach (offline)."""
+    import huggingface_hub.constants
+
+    from megatron_spec.config import ConfigError, from_args
+    from megatron_spec.rl.preflight import check_inputs
+
+    rows = {c: {s: [{"question": f"{c} {s} {i}", "answer": f"#### {i}"} for i in range(n)]
+                for s, n in (("train", 5), ("test", 2))} for c in ("main", "socratic")}
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "acme/gsm8k",
+                                                                                   rows)))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    got = load_prompts("acme/gsm8k:main", prompt_key="question")
+    assert [(e.prompt, e.answer) for e in got] == [(f"main train {i}", f"#### {i}") for i in range(5)]
+    got = load_prompts("acme/gsm8k:socratic@test", prompt_key="question")
+    assert [e.prompt for e in got] == ["socratic test 0", "socratic test 1"]
+    hub_cache(tmp_path / "hub", "acme/one", {"default": rows["main"]}, readme=False)  # split names from the files
+    assert len(load_prompts("acme/one", prompt_key="question")) == 5
+    for spec, message in (("acme/gsm8k", "Config name is missing"), ("acme/gsm8k:nope", "'nope' not found"),
+                          ("acme/gsm8k:main@dev", "split dev"),
+                          ("acme/absent", "not in the local Hugging Face cache")):
+        with pytest.raises((ValueError, FileNotFoundError), match=message):
+            load_prompts(spec, prompt_key="question")
+    with pytest.raises(ConfigError, match="--prompt-data acme/absent: the Hub dataset acme/absent is not "
+                                          "in the local Hugging Face cache.*hf download acme/absent"):
+        check_inputs(from_args(argparse.Namespace(**_flags("acme/absent"))), 1)
+
+
+def _flags(prompt_data: str) -> dict:
+    import argparse as _argparse
+
+    from megatron_spec.config import add_arguments
+
+    p = _argparse.ArgumentParser()
+    add_arguments(p)
+    return vars(p.parse_args(["--hf-checkpoint", "smollm2", "--prompt-data", prompt_data]))
 
 
 def test_message_prompts_render_like_text_prompts():
