@@ -70,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if spawn:
         return _spawn_workers(spawn, argv)
+    if rank == 0 and cfg.checkpoint.save:
+        from megatron_spec.rl.checkpoint import hold_run_folder
+
+        try:
+            _run_lock = hold_run_folder(cfg.checkpoint.save)  # noqa: F841 (held open until this process ends)
+        except ConfigError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+            return 2
     from megatron_spec.telemetry import configure_logging
 
     configure_logging(rank)

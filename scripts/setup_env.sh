@@ -47,8 +47,17 @@ if [ "$WITH_SGLANG" = 1 ]; then
   swant=$(cat requirements/sglang-cpu.txt requirements/sglang-cpu-deps.txt | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$sstamp" 2>/dev/null)" != "$swant" ]; then
     echo "[setup] installing sglang's classes for contract tests (--no-deps)"
-    python -m pip install -q --no-deps -r requirements/sglang-cpu.txt
-    python -m pip install -q -r requirements/sglang-cpu-deps.txt
+    # pip then lists every GPU requirement of sglang's that --no-deps left out (~60 "ERROR: ... which is not
+    # installed" lines, expected): kept in a log, said in one line; a real failure prints the log
+    slog=.venv/sglang-install.log
+    if ! { python -m pip install -q --no-deps -r requirements/sglang-cpu.txt \
+           && python -m pip install -q -r requirements/sglang-cpu-deps.txt; } > "$slog" 2>&1; then
+      cat "$slog" >&2; exit 1
+    fi
+    left=$(grep -c 'which is not installed' "$slog" || true)
+    if [ "${left:-0}" -gt 0 ]; then
+      echo "[setup] sglang's classes installed; $left of its GPU requirements left out on purpose (pip's list: $slog)"
+    fi
     echo "$swant" > "$sstamp"
   fi
 fi

@@ -237,6 +237,65 @@ def plan_resume(save: str | None, load: str | None, resume: bool) -> tuple[str |
     return None, False
 
 
+LOCK = ".run.lock"
+"""The run folder's lock file: held (``flock``, exclusive) by the run's rank 0 while it lives."""
+
+
+def _lock_holder(fd: int) -> str:
+    text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+    return f" ({text})" if text else ""
+
+
+def check_run_folder_free(save: str | None) -> None:
+    """``ConfigError`` when a live run holds ``save``'s lock: a second run there would write into the same
+    checkpoints and metrics (a run whose launcher was killed alone leaves its workers running, each in a
+    process group of its own). Every rank tests it (a shared lock, let go at once) before anything is read."""
+    from megatron_spec.config import ConfigError
+
+    if not save or not os.path.isfile(os.path.join(save, LOCK)):
+        return
+    import fcntl
+
+    fd = os.open(os.path.join(save, LOCK), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BlockingIOError:
+        raise ConfigError(f"--save {save} is in use by a live run{_lock_holder(fd)}: stop it first (its workers "
+                          f"too), or choose another --save") from None
+    finally:
+        os.close(fd)
+
+
+def hold_run_folder(save: str, wait_s: float = 10.0) -> int:
+    """Take ``save``'s lock for the life of this process (rank 0; the fd is returned, kept open, and not
+    inherited by the engines' processes). The other ranks' tests (:func:`check_run_folder_free`) may hold it
+    shared for a moment: waited for up to ``wait_s``, then ``ConfigError``."""
+    import fcntl
+    import socket
+    import time
+
+    from megatron_spec.config import ConfigError
+
+    os.makedirs(save, exist_ok=True)
+    fd = os.open(os.path.join(save, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                holder = _lock_holder(fd)
+                os.close(fd)
+                raise ConfigError(f"--save {save} is in use by a live run{holder}: stop it first (its workers "
+                                  f"too), or choose another --save") from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    return fd
+
+
 def clear_run(root: str) -> None:
     """Remove a previous run's checkpoints and files from ``root`` (``--no-resume``; rank 0)."""
     for name in os.listdir(root):

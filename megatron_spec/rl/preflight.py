@@ -82,7 +82,9 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
 
     if cfg.checkpoint.load and not os.path.isdir(cfg.checkpoint.load):
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
-    from megatron_spec.rl.checkpoint import plan_resume
+    from megatron_spec.rl.checkpoint import check_run_folder_free, plan_resume
+
+    check_run_folder_free(cfg.checkpoint.save)  # a live run there: one line, before its files are judged
 
     plan_resume(cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.resume)  # a used folder: one line
 

@@ -182,3 +182,25 @@ def test_openmp_waits_passively_only_where_generation_overlaps_training():
     assert openmp_wait_policy(cfg, {"OMP_WAIT_POLICY": "ACTIVE"}) is None  # the user's choice stands
     cfg.rollout.rollout_backend = "sglang"
     assert openmp_wait_policy(cfg, {}) is None
+
+
+def test_a_folder_a_live_run_holds_is_refused_in_one_line(models, tmp_path):
+    """A run whose launcher was killed alone leaves its workers training into --save; a second run started
+    there would write into the same checkpoints: refused while the first holds the folder's lock, in one line."""
+    from megatron_spec.rl.checkpoint import check_run_folder_free, hold_run_folder
+
+    run = tmp_path / "run"
+    check_run_folder_free(str(run))  # no folder, no lock file: free
+    fd = hold_run_folder(str(run))  # the live run's rank 0
+    try:
+        with pytest.raises(ConfigError, match=rf"--save {run} is in use by a live run \(pid {os.getpid()} on "):
+            check_run_folder_free(str(run))
+        with pytest.raises(ConfigError, match="in use by a live run"):
+            hold_run_folder(str(run), wait_s=0.2)
+        proc = _launch(models, tmp_path, [], lambda args: args)
+        assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+        assert proc.stderr.startswith(f"pretrain_grpo_spec.py: error: --save {run} is in use by a live run (pid ")
+    finally:
+        os.close(fd)
+    check_run_folder_free(str(run))  # that run ended: the folder is free again
+    os.close(hold_run_folder(str(run), wait_s=0.2))
