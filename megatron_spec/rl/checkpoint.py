@@ -249,7 +249,8 @@ def _lock_holder(fd: int) -> str:
 def check_run_folder_free(save: str | None) -> None:
     """``ConfigError`` when a live run holds ``save``'s lock: a second run there would write into the same
     checkpoints and metrics (a run whose launcher was killed alone leaves its workers running, each in a
-    process group of its own). Every rank tests it (a shared lock, let go at once) before anything is read."""
+    process group of its own). Rank 0 tests it (a shared lock, let go at once) before the folder is judged, then
+    holds it (:func:`hold_run_folder`); the other ranks do not test it: they would find their own rank 0 there."""
     from megatron_spec.config import ConfigError
 
     if not save or not os.path.isfile(os.path.join(save, LOCK)):
@@ -269,7 +270,7 @@ def check_run_folder_free(save: str | None) -> None:
 
 def hold_run_folder(save: str, wait_s: float = 10.0) -> int:
     """Take ``save``'s lock for the life of this process (rank 0; the fd is returned, kept open, and not
-    inherited by the engines' processes). The other ranks' tests (:func:`check_run_folder_free`) may hold it
+    inherited by the engines' processes). A test by another launcher (:func:`check_run_folder_free`) may hold it
     shared for a moment: waited for up to ``wait_s``, then ``ConfigError``."""
     import fcntl
     import socket

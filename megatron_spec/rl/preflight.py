@@ -84,7 +84,8 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
     from megatron_spec.rl.checkpoint import check_run_folder_free, plan_resume
 
-    check_run_folder_free(cfg.checkpoint.save)  # a live run there: one line, before its files are judged
+    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 (the others may find their own run's rank 0 holding it)
+        check_run_folder_free(cfg.checkpoint.save)  # a live run there: one line, before its files are judged
 
     plan_resume(cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.resume)  # a used folder: one line
 
