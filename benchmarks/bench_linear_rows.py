@@ -19,7 +19,8 @@ line.
 
 The bf16 engine's projections instead (bf16 weights and inputs, a CPU with AVX512-BF16 dot products):
 ``megatron_spec::linear_small_bf16`` on the panels ``linear_pack_bf16`` makes against oneDNN's packed bf16
-matmul, alternated; ``layers.linear.SMALL_MAX_ROWS_BF16`` is set from this table.
+matmul, alternated; ``layers.linear.SMALL_MAX_ROWS_BF16`` is set from this table. On a CPU with AMX the kernel
+runs twice, on AMX tiles and on AVX512-BF16 dot products (``megatron_spec._ext.set_amx``), all three alternated.
 """
 
 from __future__ import annotations
@@ -111,32 +112,49 @@ def bf16_engine(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         assert lin._small is not None and lin._small.dim() == 4
         layers.append(lin)
 
-    def one_pass(m: int, kernel: bool) -> float:
+    from megatron_spec import _ext
+    from megatron_spec.isa import probe
+
+    amx = _ext.amx_supported() and _ext.amx_active()  # AMX tiles too (MEGATRON_SPEC_NO_AMX=1: not)
+
+    def one_pass(m: int, kernel: str) -> float:
         xs = {576: torch.randn(m, 576).bfloat16(), 1536: torch.randn(m, 1536).bfloat16()}
+        if kernel != "onednn" and amx:
+            _ext.set_amx(kernel == "amx")
         t0 = time.perf_counter()
         for lin in layers:
             x = xs[lin.in_features]
-            if kernel:
+            if kernel != "onednn":
                 torch.ops.megatron_spec.linear_small_bf16(x, lin._small, None, lin.out_features)
             else:
                 torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
         return time.perf_counter() - t0
 
+    kernels = (["amx"] if amx else []) + ["avx512bf16", "onednn"]
     rows = [int(r) for r in args.rows.split(",")]
     result = {}
     with torch.inference_mode():
         for m in rows:
-            one_pass(m, True), one_pass(m, False)
-        print("| rows | kernel (bf16 dot products), ms | oneDNN bf16, ms | oneDNN / kernel |\n|---|---|---|---|")
+            for k in kernels:
+                one_pass(m, k)
+        print("| rows | " + " | ".join(f"{k}, ms" for k in kernels) + " | oneDNN / best kernel |"
+              + (" AVX512-BF16 / AMX |" if amx else "") + "\n|" + "---|" * (len(kernels) + 2 + amx))
         for m in rows:
-            k_s, o_s = [], []
+            times = {k: [] for k in kernels}
             for _ in range(args.repeats):
-                k_s.append(one_pass(m, True))
-                o_s.append(one_pass(m, False))
-            k, o = min(k_s), min(o_s)
-            result[m] = {"kernel_ms": round(k * 1e3, 2), "onednn_ms": round(o * 1e3, 2), "ratio": round(o / k, 3)}
-            print(f"| {m} | {k * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} |", flush=True)
-    print(json.dumps({"threads": args.threads, "dtype": "bfloat16",
+                for k in kernels:  # alternated
+                    times[k].append(one_pass(m, k))
+            best = {k: min(v) for k, v in times.items()}
+            ours = best["amx"] if amx else best["avx512bf16"]
+            result[m] = {f"{k}_ms": round(v * 1e3, 2) for k, v in best.items()}
+            result[m]["ratio"] = round(best["onednn"] / ours, 3)
+            if amx:
+                result[m]["avx512bf16_over_amx"] = round(best["avx512bf16"] / best["amx"], 3)
+            print(f"| {m} | " + " | ".join(f"{best[k] * 1e3:.1f}" for k in kernels) + f" | {best['onednn'] / ours:.2f} |"
+                  + (f" {best['avx512bf16'] / best['amx']:.2f} |" if amx else ""), flush=True)
+        if amx:
+            _ext.set_amx(True)
+    print(json.dumps({"threads": args.threads, "dtype": "bfloat16", "cpu_kind": probe().kind, "kernels": kernels,
                       "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": result}))
     return 0
 

@@ -21,7 +21,8 @@
 // (zero past N and K). Arithmetic per output: acc_even and acc_odd, fp32, start at 0; pair c (x[2c], x[2c+1])
 // goes to acc_{c % 2} as vdpbf16ps does it (acc + x[2c+1] w[2c+1], rounded, + x[2c] w[2c], rounded;
 // products exact; denormal inputs and results flushed to zero); then acc_even + acc_odd, + bias (fp32),
-// rounded to bf16. The scalar variant (CPUs without AVX512-BF16, and the tests' reference) does the same
+// rounded to bf16. On a CPU with AMX (csrc/cpu/amx.h) the same op runs on AMX tiles instead, from the same
+// panels (csrc/linear_amx_cpu.cpp): other bits, the same batch invariance. The scalar variant (CPUs without AVX512-BF16, and the tests' reference) does the same
 // operations with fp32 adds, without the flush: the same bits where nothing is denormal.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -36,6 +37,7 @@
 #define MS_LINBF_X86 1
 #endif
 
+#include "cpu/amx.h"
 #include "cpu/bf16.h"
 #include "cpu/kernels.h"
 
@@ -151,12 +153,20 @@ at::Tensor linear_small_bf16(const at::Tensor& x, const at::Tensor& packed, cons
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return bias.has_value() ? y.copy_(bias->unsqueeze(0).expand({M, N})) : y.zero_();
+  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
+  if (cpu::amx_bf16_active()) {  // AMX tiles (csrc/linear_amx_cpu.cpp): x padded to 16-row tiles, K to 2 C
+    auto xpad = at::zeros({(M + 15) / 16 * 16, 2 * C}, x.options());
+    xpad.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
+    cpu::linear_bf16_amx(reinterpret_cast<const uint16_t*>(xpad.data_ptr<at::BFloat16>()), 2 * C, M, C,
+                         reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()), panels, bp,
+                         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), N);
+    return y;
+  }
   // x as pairs of bf16 (32-bit words): contiguous rows of even length (an odd K gets a zero column)
   at::Tensor xc = x.contiguous();
   if (K % 2) xc = at::constant_pad_nd(xc, {0, 1}, 0);
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(packed.data_ptr<at::BFloat16>());
-  const float* bp = bias.has_value() ? b32.data_ptr<float>() : nullptr;
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const bool native = cpu::avx512_bf16_active();
   const TileFn tiles[kMaxTile + 1] = {nullptr,        tile_for<1>(native), tile_for<2>(native), tile_for<3>(native),

@@ -8,6 +8,7 @@
 
 #include <stdexcept>
 
+#include "cpu/amx.h"
 #include "cpu/kernels.h"
 
 namespace {
@@ -42,11 +43,29 @@ PyObject* py_set_kernel_isa(PyObject*, PyObject* arg) {
 // Whether the bf16 linear kernel runs its AVX512-BF16 tiles (else its scalar loops: the layers then keep oneDNN).
 PyObject* py_bf16_dot_active(PyObject*, PyObject*) { return PyBool_FromLong(cpu::avx512_bf16_active()); }
 
+// Whether linear_small_bf16 runs on AMX tiles, whether it could here, and the tests' switch.
+PyObject* py_amx_active(PyObject*, PyObject*) { return PyBool_FromLong(cpu::amx_bf16_active()); }
+PyObject* py_amx_supported(PyObject*, PyObject*) { return PyBool_FromLong(cpu::amx_bf16_supported()); }
+PyObject* py_set_amx(PyObject*, PyObject* arg) {
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return nullptr;
+  try {
+    cpu::set_amx_enabled(on != 0);
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"kernel_isa", py_kernel_isa, METH_NOARGS, "CPU kernel variant in use: 'default', 'avx2' or 'avx512'."},
     {"best_kernel_isa", py_best_kernel_isa, METH_NOARGS, "Highest CPU kernel variant this CPU runs."},
     {"set_kernel_isa", py_set_kernel_isa, METH_O, "Run the CPU kernel variant of this name (tests)."},
     {"bf16_dot_active", py_bf16_dot_active, METH_NOARGS, "Whether linear_small_bf16 runs AVX512-BF16 dot products."},
+    {"amx_active", py_amx_active, METH_NOARGS, "Whether linear_small_bf16 runs on AMX tiles."},
+    {"amx_supported", py_amx_supported, METH_NOARGS, "Whether this CPU and OS run AMX-BF16 tiles."},
+    {"set_amx", py_set_amx, METH_O, "Run linear_small_bf16 on AMX tiles (True) or AVX512-BF16 (False): tests."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 

@@ -68,6 +68,43 @@ def bf16_dot_available() -> bool:
     return bool(_C.bf16_dot_active())
 
 
+def amx_supported() -> bool:
+    """Whether this CPU and its OS run AMX-BF16 tiles (before ``MEGATRON_SPEC_NO_AMX`` and the other switches)."""
+    if not compiled_ops_available():
+        return False
+    from megatron_spec import _C
+
+    return bool(_C.amx_supported())
+
+
+def amx_active() -> bool:
+    """Whether ``megatron_spec::linear_small_bf16`` runs on AMX tiles (csrc/linear_amx_cpu.cpp): AMX here, the
+    AVX-512 variant active, neither ``MEGATRON_SPEC_NO_AMX=1`` nor ``MEGATRON_SPEC_NO_NATIVE_BF16=1`` set."""
+    if not compiled_ops_available():
+        return False
+    from megatron_spec import _C
+
+    return bool(_C.amx_active())
+
+
+def set_amx(on: bool) -> None:
+    """Run the bf16 linear kernel on AMX tiles (True) or AVX512-BF16 dot products (False) from now on, in this
+    process (tests compare both). ValueError for True where AMX does not run; RuntimeError without ``_C``."""
+    if not compiled_ops_available():
+        raise RuntimeError("megatron_spec._C is not built (or MEGATRON_SPEC_FORCE_REFERENCE=1): no AMX kernel")
+    from megatron_spec import _C
+
+    _C.set_amx(bool(on))
+
+
+def bf16_linear_kernel() -> str:
+    """The kernel the bf16 engine's decode/verify linear layers run here, for logs and benchmark JSON:
+    ``amx`` (AMX tiles), ``avx512bf16`` (vdpbf16ps), or ``onednn`` (no bf16 dot products: oneDNN's matmul)."""
+    if amx_active():
+        return "amx"
+    return "avx512bf16" if bf16_dot_available() else "onednn"
+
+
 def set_kernel_isa(name: str) -> None:
     """Run the CPU kernel variant ``name`` from now on, in this process (tests compare each with the
     references). Raises ValueError for a variant this CPU cannot run, RuntimeError without ``_C``."""

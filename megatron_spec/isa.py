@@ -17,6 +17,10 @@ own bf16 check. ``MEGATRON_SPEC_NO_NATIVE_BF16=1`` makes it report "no native bf
 compiled kernels at AVX2, see ``megatron_spec._ext``), so a machine with AVX-512 runs the path an
 AVX2 machine runs. ``megatron-spec info`` prints what the probe found.
 
+:attr:`CpuInfo.kind` names the three CPU kinds the benchmarks report (``AVX2``, ``AVX-512-BF16``, ``AMX``):
+on an AMX CPU the bf16 engine's linear layers run on AMX tiles (``csrc/linear_amx_cpu.cpp``;
+``MEGATRON_SPEC_NO_AMX=1`` keeps the AVX512-BF16 kernel, as the tests do to compare both).
+
 This module does not know about models or engines; it only answers "which dtype".
 """
 
@@ -69,6 +73,23 @@ class CpuInfo:
         return self.bf16_arith and self.onednn_bf16 and not self.forced_off
 
     @property
+    def amx_bf16(self) -> bool:
+        """The CPU has AMX bf16 tiles (``amx_tile`` and ``amx_bf16``: Intel Sapphire Rapids and later), and bf16 is
+        native here: the bf16 engine's linear layers then run on AMX tiles (``megatron_spec._ext.amx_active``
+        says whether they do: the OS must grant the tile state, ``MEGATRON_SPEC_NO_AMX=1`` keeps AVX512-BF16)."""
+        return self.native_bf16 and "amx_tile" in self.flags and "amx_bf16" in self.flags
+
+    @property
+    def kind(self) -> str:
+        """The CPU kind benchmarks name (docs/benchmarks.md): ``AMX``, ``AVX-512-BF16``, ``AVX-512`` or ``AVX2``
+        (what the engines run here, so ``AVX2`` with ``MEGATRON_SPEC_NO_NATIVE_BF16=1``)."""
+        if self.amx_bf16:
+            return "AMX"
+        if self.native_bf16:
+            return "AVX-512-BF16"
+        return "AVX-512" if self.capability.startswith("AVX512") else self.capability
+
+    @property
     def capability(self) -> str:
         """One word for logs and benchmark JSON, e.g. ``AVX512``, or ``AVX2`` when the switch is set."""
         if self.forced_off and self.torch_capability.startswith("AVX512"):
@@ -91,7 +112,7 @@ class CpuInfo:
         return {"cpu_model": self.model, "arch": self.arch, "cpu_capability": self.capability,
                 "torch_cpu_capability": self.torch_capability, "native_bf16": self.native_bf16,
                 "bf16_flags": sorted(f for f in self.flags if "bf16" in f or f == "avx_ne_convert"),
-                "no_native_bf16_forced": self.forced_off}
+                "no_native_bf16_forced": self.forced_off, "amx_bf16": self.amx_bf16, "cpu_kind": self.kind}
 
 
 def _cpuinfo() -> tuple[str, frozenset[str]]:

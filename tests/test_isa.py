@@ -204,3 +204,33 @@ def test_info_prints_the_cpu_and_the_dtype_auto_picks(switched):
         here = isa.probe()
         if not here.forced_off:  # this process may itself run under the switch (scripts/test.sh's second pass)
             assert facts["native_bf16"] is here.native_bf16
+
+
+def test_the_cpu_kind_names_amx_avx512_bf16_and_avx2():
+    amx = ZEN4_FLAGS | {"amx_tile", "amx_bf16"}
+    assert _info(flags=amx).kind == "AMX" and _info(flags=amx).amx_bf16
+    assert _info().kind == "AVX-512-BF16" and not _info().amx_bf16
+    assert _info(flags=amx, forced_off=True).kind == "AVX2" and not _info(flags=amx, forced_off=True).amx_bf16
+    assert _info(bf16_arith=False).kind == "AVX-512"
+
+
+def test_amx_runs_where_the_cpu_has_it_unless_switched_off():
+    """The bf16 linear kernel's AMX tiles: on where the CPU and OS allow them, off with ``MEGATRON_SPEC_NO_AMX=1``
+    (the AVX512-BF16 dot products then) or ``MEGATRON_SPEC_NO_NATIVE_BF16=1`` (no bf16 engine at all)."""
+    from megatron_spec import _ext
+
+    if not _ext.compiled_ops_available():
+        pytest.skip("megatron_spec._C not built")
+    code = ("import json; from megatron_spec import _ext; from megatron_spec.isa import probe\n"
+            "print(json.dumps({'active': _ext.amx_active(), 'kernel': _ext.bf16_linear_kernel(), 'kind': probe().kind}))")
+    env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_SPEC_NO_AMX", isa.NO_NATIVE_BF16_ENV)}
+    runs = {}
+    for name, extra in (("default", {}), ("no_amx", {"MEGATRON_SPEC_NO_AMX": "1"}),
+                        ("no_bf16", {isa.NO_NATIVE_BF16_ENV: "1"})):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra})
+        assert res.returncode == 0, res.stderr
+        runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert runs["default"]["active"] == _ext.amx_supported() == (runs["default"]["kernel"] == "amx")
+    assert runs["default"]["kind"] == ("AMX" if _ext.amx_supported() else runs["default"]["kind"])
+    assert not runs["no_amx"]["active"] and runs["no_amx"]["kernel"] in ("avx512bf16", "onednn")
+    assert not runs["no_bf16"]["active"] and runs["no_bf16"]["kind"] == "AVX2"

@@ -7,7 +7,8 @@
 //
 // The package sets ATEN_CPU_CAPABILITY=avx2 itself when the first switch is set (megatron_spec/__init__.py);
 // both are read here too so the kernels follow the switch however the process was started.
-// set_active_isa() is the tests' hook for running every variant in one process.
+// set_active_isa() is the tests' hook for running every variant in one process. AMX (amx.h) is a switch of its
+// own above the AVX-512 variant: MEGATRON_SPEC_NO_AMX=1, or set_amx_enabled(false), keeps the vdpbf16ps kernel.
 #include <stdlib.h>
 #include <string.h>
 
@@ -15,7 +16,13 @@
 #include <stdexcept>
 #include <string>
 
+#include "cpu/amx.h"
 #include "cpu/kernels.h"
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace megatron_spec {
 namespace cpu {
@@ -125,6 +132,37 @@ bool avx512_bf16_active() {
 #else
   return false;
 #endif
+}
+
+bool amx_bf16_supported() {
+#if defined(MS_CPU_DISPATCH_X86) && defined(__linux__)
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16")) return false;
+    // Linux hands a process the AMX tile state only when asked (kernel 5.16+); asking twice is harmless
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<bool>& amx_enabled() {
+  static std::atomic<bool> on{!env_truthy("MEGATRON_SPEC_NO_AMX")};
+  return on;
+}
+}  // namespace
+
+bool amx_bf16_active() {
+  return amx_enabled().load(std::memory_order_relaxed) && avx512_bf16_active() && amx_bf16_supported();
+}
+
+void set_amx_enabled(bool on) {
+  if (on && !amx_bf16_supported())
+    throw std::invalid_argument("megatron_spec kernels: this CPU (or its OS) does not run AMX-BF16 tiles");
+  amx_enabled().store(on, std::memory_order_relaxed);
 }
 
 void set_active_isa(Isa isa) {

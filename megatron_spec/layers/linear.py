@@ -60,7 +60,11 @@ dot products): decode and verify batches; prefills go to oneDNN. Measured over S
 on a 2-core Zen 4, kernel vs oneDNN's packed bf16 matmul (ms, best of 5; ``benchmarks/bench_linear_rows.py``,
 with the kernel's panel prefetch): 9.5 vs 16.1 at 1 row, 10.1 vs 14.9 at 4, 14.8 vs 24.4 at 16, 42.5 vs 50.4
 at 64, 82.8 vs 90.8 at 128. The kernel's rows do not depend on the batch (oneDNN's do), so it is used up to
-here, where it is still faster."""
+here, where it is still faster. On a CPU with AMX the same op runs on AMX tiles (``csrc/linear_amx_cpu.cpp``,
+``megatron_spec._ext.amx_active``), over a 2-core Xeon with AMX (ms, kernel on tiles / on AVX512-BF16 dot
+products / oneDNN's packed bf16 matmul, itself on AMX tiles): 15.3 / 16.5 / 20.7 at 1 row, 15.0 / 30.1 / 21.2 at
+16, 24.8 / 91.9 / 28.2 at 64, 42.1 / 174.8 / 39.4 at 128: the limit stays (a verify of up to 128 rows keeps the
+batch invariance, at oneDNN's speed where it stops paying)."""
 
 
 def bf16_small_linear_available() -> bool:

@@ -22,3 +22,32 @@ def kernel_variant(request):
         yield name
     finally:
         _ext.set_kernel_isa(before)
+
+
+@pytest.fixture(params=KERNEL_VARIANTS + ["amx"])
+def bf16_linear_variant(request):
+    """``kernel_variant`` for the bf16 linear kernel, which has one more: ``avx512`` runs its AVX512-BF16 dot
+    products (AMX switched off), ``amx`` its AMX tiles (csrc/linear_amx_cpu.cpp; skipped without AMX)."""
+    name = request.param
+    isa = "avx512" if name == "amx" else name
+    if isa not in _ext.supported_kernel_isas():
+        pytest.skip(f"the {isa} kernels do not run on this CPU (or _C is not built)")
+    if name == "amx" and not _ext.amx_supported():
+        pytest.skip("no AMX-BF16 on this CPU (or its OS does not grant the tile state)")
+    before = _ext.kernel_isa()
+    _ext.set_kernel_isa(isa)
+    if _ext.amx_supported():
+        _ext.set_amx(name == "amx")
+    try:
+        yield name
+    finally:
+        _ext.set_kernel_isa(before)
+        if _ext.amx_supported():
+            _ext.set_amx(amx_default())
+
+
+def amx_default() -> bool:
+    """The AMX switch as the process started (``MEGATRON_SPEC_NO_AMX`` unset: on)."""
+    import os
+
+    return os.environ.get("MEGATRON_SPEC_NO_AMX", "0").strip().lower() not in ("1", "true", "yes", "on")

@@ -3,7 +3,9 @@
 The kernel runs AVX512-BF16 dot products where the CPU has them and the AVX-512 variant is active, scalar
 loops that do the same operations elsewhere (the default and AVX2 variants): both are compared with a float64
 matmul of the bf16 values (fp32 accumulation, one bf16 rounding an output), with each other bit for bit,
-and each row's result with the same row computed alone (a row does not depend on the batch it is in).
+and each row's result with the same row computed alone (a row does not depend on the batch it is in). On a CPU
+with AMX the op runs on AMX tiles instead (csrc/linear_amx_cpu.cpp): the ``amx`` variant, held to the same bound
+and the same batch invariance (not to the dot products' bits).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 import megatron_spec.ops  # noqa: F401  (the fake kernels)
 from megatron_spec import _ext
+from tests.ops.conftest import amx_default
 
 pytestmark = pytest.mark.skipif(not _ext.compiled_ops_available(),
                                 reason="megatron_spec._C not built or MEGATRON_SPEC_FORCE_REFERENCE=1")
@@ -28,7 +31,7 @@ def inputs(n, k, m, seed):
 
 
 @pytest.mark.parametrize("n,k", [(50, 37), (16, 1), (576, 576), (3, 64), (96, 17), (33, 2)])
-def test_matches_float64_matmul(kernel_variant, n, k):
+def test_matches_float64_matmul(bf16_linear_variant, n, k):
     w, _, b = inputs(n, k, 1, n * 1000 + k)
     packed = ops.linear_pack_bf16(w)
     assert packed.shape == ((n + 15) // 16, (k + 1) // 2, 16, 2) and packed.dtype == torch.bfloat16
@@ -45,7 +48,7 @@ def test_matches_float64_matmul(kernel_variant, n, k):
             assert ((y.double() - ref).abs() <= bound).all(), (m, n, k, bias is None)
 
 
-def test_rows_do_not_depend_on_the_batch(kernel_variant):
+def test_rows_do_not_depend_on_the_batch(bf16_linear_variant):
     w, x, b = inputs(70, 96, 40, 5)
     packed = ops.linear_pack_bf16(w)
     full = ops.linear_small_bf16(x, packed, b, 70)
@@ -61,6 +64,8 @@ def test_native_dot_products_are_the_scalar_loops_bit_for_bit():
     before = _ext.kernel_isa()
     try:
         _ext.set_kernel_isa("avx512")
+        if _ext.amx_supported():
+            _ext.set_amx(False)  # the dot products, not the tiles (those: the bf16_linear_variant tests)
         if not _ext.bf16_dot_available():
             pytest.skip("this CPU has no AVX512-BF16 dot products")
         w, x, b = inputs(100, 577, 20, 9)
@@ -71,6 +76,8 @@ def test_native_dot_products_are_the_scalar_loops_bit_for_bit():
         assert torch.equal(ops.linear_small_bf16(x, packed, b, 100), native)
     finally:
         _ext.set_kernel_isa(before)
+        if _ext.amx_supported():
+            _ext.set_amx(amx_default())
 
 
 def test_edges_and_refusals():
