@@ -81,6 +81,19 @@ MS_AMX_TARGET void store_tile(const float* acc, const float* bias, at::BFloat16*
   }
 }
 
+// Chunk ch of K (16 pairs; fewer in the tail tiles) into the C tiles 0 and 1: A from the row block `a`, B from
+// the two panels. A macro: the intrinsics take the tile numbers as literals (GCC spells them into the asm).
+#define MS_AMX_CHUNK(TA, TB0, TB1, ch)                      \
+  do {                                                     \
+    _tile_loadd(TA, a + (ch) * 2 * kPairs, ldx * 2);       \
+    _tile_loadd(TB0, b0 + (ch) * kPairs * kPanel, 64);     \
+    _tile_dpbf16ps(0, TA, TB0);                            \
+    if (two) {                                             \
+      _tile_loadd(TB1, b1 + (ch) * kPairs * kPanel, 64);   \
+      _tile_dpbf16ps(1, TA, TB1);                          \
+    }                                                      \
+  } while (0)
+
 // Panels [q0, q1) of W (in pairs: panel 2q and 2q + 1, the second possibly absent) times every row block.
 MS_AMX_TARGET void amx_panels(const uint16_t* xpad, int64_t ldx, int64_t M, int64_t C, const uint16_t* wp,
                               int64_t panels, const float* bias, at::BFloat16* y, int64_t N, int64_t q0, int64_t q1) {
@@ -98,24 +111,8 @@ MS_AMX_TARGET void amx_panels(const uint16_t* xpad, int64_t ldx, int64_t M, int6
       const uint16_t* a = xpad + blk * kRows * ldx;
       _tile_zero(0);
       _tile_zero(1);
-      for (int64_t ch = 0; ch < full; ++ch) {
-        _tile_loadd(2, a + ch * 2 * kPairs, ldx * 2);
-        _tile_loadd(3, b0 + ch * kPairs * kPanel, 64);
-        _tile_dpbf16ps(0, 2, 3);
-        if (two) {
-          _tile_loadd(4, b1 + ch * kPairs * kPanel, 64);
-          _tile_dpbf16ps(1, 2, 4);
-        }
-      }
-      if (rem) {
-        _tile_loadd(5, a + full * 2 * kPairs, ldx * 2);
-        _tile_loadd(6, b0 + full * kPairs * kPanel, 64);
-        _tile_dpbf16ps(0, 5, 6);
-        if (two) {
-          _tile_loadd(7, b1 + full * kPairs * kPanel, 64);
-          _tile_dpbf16ps(1, 5, 7);
-        }
-      }
+      for (int64_t ch = 0; ch < full; ++ch) MS_AMX_CHUNK(2, 3, 4, ch);
+      if (rem) MS_AMX_CHUNK(5, 6, 7, full);  // the tail tiles: rem pairs of K
       _tile_stored(0, acc[0], 64);
       if (two) _tile_stored(1, acc[1], 64);
       const int64_t rows = std::min(kRows, M - blk * kRows);
