@@ -16,7 +16,7 @@
 // accumulates two C tiles (the pair's 32 outputs) over K in chunks of 32, sharing the A tile; a last
 // chunk of fewer than 16 pairs has tail tiles of its own. Tile state is per thread: configured at the
 // start of a thread's share, released at its end. Linux gives a process the AMX tile state only once
-// asked (arch_prctl ARCH_REQ_XCOMP_PERM): cpu::amx_bf16_active() asks once.
+// asked (arch_prctl ARCH_REQ_XCOMP_PERM): cpu::amx_bf16_supported() asks once.
 //
 // Arithmetic: TDPBF16PS's own (products of bf16 pairs summed in fp32, denormals flushed); the order over K
 // is fixed by the chunks, not by M, so the results are deterministic and batch-invariant, but not the bits of
@@ -24,10 +24,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
-#include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "cpu/amx.h"
 

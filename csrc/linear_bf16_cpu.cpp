@@ -21,9 +21,10 @@
 // (zero past N and K). Arithmetic per output: acc_even and acc_odd, fp32, start at 0; pair c (x[2c], x[2c+1])
 // goes to acc_{c % 2} as vdpbf16ps does it (acc + x[2c+1] w[2c+1], rounded, + x[2c] w[2c], rounded;
 // products exact; denormal inputs and results flushed to zero); then acc_even + acc_odd, + bias (fp32),
-// rounded to bf16. On a CPU with AMX (csrc/cpu/amx.h) the same op runs on AMX tiles instead, from the same
-// panels (csrc/linear_amx_cpu.cpp): other bits, the same batch invariance. The scalar variant (CPUs without AVX512-BF16, and the tests' reference) does the same
-// operations with fp32 adds, without the flush: the same bits where nothing is denormal.
+// rounded to bf16. The scalar variant (CPUs without AVX512-BF16, and the tests' reference) does the same
+// operations with fp32 adds, without the flush: the same bits where nothing is denormal. On a CPU with AMX
+// (csrc/cpu/amx.h) the op runs on AMX tiles instead, from the same panels (csrc/linear_amx_cpu.cpp): other
+// bits, the same batch invariance.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>

@@ -5,7 +5,6 @@ CPU can do (its model, the ISA torch and the compiled kernels run, and the engin
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import json
 
 HELP = "print versions, the CPU and the dtype auto picks on it, the active op implementation and the CPU shim"
@@ -15,13 +14,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -29,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_spec import _ext
     from megatron_spec.compat import compat_active
     from megatron_spec.compat.fallbacks import fallback_line
+    from megatron_spec.compat.fallbacks import installed_version as _version
     from megatron_spec.isa import probe, resolve_dtype
 
     cpu = probe()
@@ -42,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         "nvidia_modelopt": _version("nvidia-modelopt"),
         "transformers": _version("transformers"),
         "sglang": _version("sglang"),
-        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
+        "transformer_engine": _version("transformer-engine", "transformer_engine"),
         "compiled_ops": _ext.compiled_ops_available(),
         "megatron_cpu_shim": compat_active(),
         "megatron_core_runs": fallback_line(torch.cuda.is_available()),

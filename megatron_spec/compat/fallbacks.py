@@ -23,7 +23,8 @@ def quiet_fallback_warnings() -> None:
         warnings.filterwarnings("ignore", message=text, module=r"megatron\.core")
 
 
-def _version(*names: str) -> str | None:
+def installed_version(*names: str) -> str | None:
+    """The installed version of the first of ``names`` (distribution names) that is installed, else None."""
     for name in names:
         try:
             return metadata.version(name)
@@ -39,7 +40,7 @@ def fallback_line(gpu: bool | None = None) -> str:
         import torch
 
         gpu = torch.cuda.is_available()
-    te, apex = _version("transformer-engine", "transformer_engine"), _version("apex")
+    te, apex = installed_version("transformer-engine", "transformer_engine"), installed_version("apex")
     if gpu and te:
         layers = f"TransformerEngine {te} layers"
     else:

@@ -241,9 +241,13 @@ LOCK = ".run.lock"
 """The run folder's lock file: held (``flock``, exclusive) by the run's rank 0 while it lives."""
 
 
-def _lock_holder(fd: int) -> str:
-    text = os.pread(fd, 200, 0).decode(errors="replace").strip()
-    return f" ({text})" if text else ""
+def _in_use(save: str, fd: int):
+    """The ``ConfigError`` for a ``save`` whose lock (open as ``fd``) a live run holds, naming the holder."""
+    from megatron_spec.config import ConfigError
+
+    holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
+    return ConfigError(f"--save {save} is in use by a live run{f' ({holder})' if holder else ''}: stop it first "
+                       f"(its workers too), or choose another --save")
 
 
 def check_run_folder_free(save: str | None) -> None:
@@ -251,8 +255,6 @@ def check_run_folder_free(save: str | None) -> None:
     checkpoints and metrics (a run whose launcher was killed alone leaves its workers running, each in a
     process group of its own). Rank 0 tests it (a shared lock, let go at once) before the folder is judged, then
     holds it (:func:`hold_run_folder`); the other ranks do not test it: they would find their own rank 0 there."""
-    from megatron_spec.config import ConfigError
-
     if not save or not os.path.isfile(os.path.join(save, LOCK)):
         return
     import fcntl
@@ -262,8 +264,7 @@ def check_run_folder_free(save: str | None) -> None:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
     except BlockingIOError:
-        raise ConfigError(f"--save {save} is in use by a live run{_lock_holder(fd)}: stop it first (its workers "
-                          f"too), or choose another --save") from None
+        raise _in_use(save, fd) from None
     finally:
         os.close(fd)
 
@@ -276,8 +277,6 @@ def hold_run_folder(save: str, wait_s: float = 10.0) -> int:
     import socket
     import time
 
-    from megatron_spec.config import ConfigError
-
     os.makedirs(save, exist_ok=True)
     fd = os.open(os.path.join(save, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
     deadline = time.monotonic() + wait_s
@@ -287,10 +286,9 @@ def hold_run_folder(save: str, wait_s: float = 10.0) -> int:
             break
         except BlockingIOError:
             if time.monotonic() > deadline:
-                holder = _lock_holder(fd)
+                error = _in_use(save, fd)
                 os.close(fd)
-                raise ConfigError(f"--save {save} is in use by a live run{holder}: stop it first (its workers "
-                                  f"too), or choose another --save") from None
+                raise error from None
             time.sleep(0.1)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)

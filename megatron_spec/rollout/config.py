@@ -119,8 +119,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("rollout_dtype", "rollout", "auto", "engine compute dtype (auto: bfloat16 where the CPU does bf16 "
             "natively or on a GPU, float32 elsewhere; see megatron-spec info)", DTYPE_CHOICES, engine="dtype",
             alias="--dtype"),
-    Setting("rollout_max_batch_size", "rollout", None, "sequences the engine decodes at once",
-            engine="max_batch_size",
+    Setting("rollout_max_batch_size", "rollout", None, "sequences the engine decodes at once", engine="max_batch_size",
             alias="--batch-size", generate_default=32),
     Setting("rollout_max_new_tokens", "rollout", None, "longest response", sampling="max_new_tokens",
             alias="--max-new-tokens", generate_default=128),

@@ -32,7 +32,7 @@ def test_one_line_names_what_runs(monkeypatch):
     def version(*names):
         return next((versions[n] for n in names if n in versions), None)
 
-    monkeypatch.setattr(fallbacks, "_version", version)
+    monkeypatch.setattr(fallbacks, "installed_version", version)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     assert fallback_line(gpu=True) == "megatron-core: TransformerEngine 2.9.0 layers"
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
