@@ -43,6 +43,11 @@ def _verify_chain_fake(target_logprobs, draft_tokens, draft_probs, d2t, greedy, 
     return tokens, num_accepted
 
 
+@torch.library.register_fake("megatron_spec::bits_sums")
+def _bits_sums_fake(bits):
+    return bits.new_empty(2, dtype=torch.int64)
+
+
 @torch.library.register_fake("megatron_spec::spec_exp")
 def _spec_exp_fake(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -105,12 +105,22 @@ def _bits_sums(x: torch.Tensor) -> tuple[int, int, int]:
         raise TypeError(f"cannot fingerprint a tensor of dtype {x.dtype}")
     bits = x.contiguous().reshape(-1).view(_INT_VIEW[width])
     if bits.device.type == "cpu":
+        if _compiled_sums():
+            s1, s2 = torch.ops.megatron_spec.bits_sums(bits).tolist()  # one pass, threads (csrc/fingerprint_cpu.cpp)
+            return n, s1 % _MOD, s2 % _MOD
         return n, *_numpy_sums(bits.numpy())
     return n, *_torch_sums(bits)
 
 
+def _compiled_sums() -> bool:
+    from megatron_spec.ops import compiled_kernel_for
+
+    return compiled_kernel_for("bits_sums", torch.device("cpu"))
+
+
 def _numpy_sums(a: np.ndarray) -> tuple[int, int]:
-    # numpy's integer reductions are vectorised (torch's CPU integer sums are ~10x slower here).
+    """The reference of the compiled ``bits_sums`` (and the path without it): numpy's integer reductions
+    are vectorised (torch's CPU integer sums are ~10x slower here), a chunk at a time."""
     s1 = 0
     s2 = 0
     wide = np.empty(min(a.size, _CHUNK), dtype=np.uint64)
