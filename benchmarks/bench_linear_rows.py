@@ -58,7 +58,7 @@ def main() -> int:
     for out, inp in SHAPES * args.layers + [(49152, 576)]:
         lin = Linear(inp, out, bias=False).eval()
         with torch.no_grad():
-            lin.weight_t.copy_(lin.weight_t.bfloat16().float())
+            lin.weight.copy_(lin.weight.bfloat16().float())
         lin.pack()
         assert lin._small.dtype == torch.bfloat16
         lin.fp32_panels = torch.ops.megatron_spec.linear_pack_f32(lin.weight.contiguous())

@@ -84,7 +84,7 @@ def _packed_linears(count: int, fan_in: int, fan_out: int, dtype: torch.dtype) -
     for _ in range(count):
         lin = Linear(fan_in, fan_out, bias=False).to(dtype)
         with torch.no_grad():
-            lin.weight_t.normal_(0.0, fan_in ** -0.5)
+            lin.weight.normal_(0.0, fan_in ** -0.5)
         lin.pack()
         mods.append(lin)
     return mods

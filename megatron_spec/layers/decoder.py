@@ -404,7 +404,7 @@ def fused_stack(layers: Sequence[DecoderLayer], x: torch.Tensor) -> tuple[list[t
         if attn.q_norm is not None:
             return None
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(m._packed is None or m._small is None or m._small.dim() != dims or m.weight_t.dtype != dt
+        if any(m._packed is None or m._small is None or m._small.dim() != dims or m.weight.dtype != dt
                for m in linears):
             return None
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)

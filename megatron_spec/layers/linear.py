@@ -1,6 +1,7 @@
 """The linear layer of the native engine's decoder and its draft heads, with oneDNN prepacking.
 
-:class:`Linear` stores its weight transposed and can keep a oneDNN-packed copy for inference;
+:class:`Linear` stores its weight ``[out, in]`` as a weight sync writes it and can keep oneDNN-packed and
+kernel-panel copies for inference;
 :func:`pack_linears` (re)packs every one in a module after its weights change and
 :func:`warm_linears` builds oneDNN's primitives for every row count a speculative engine meets.
 
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 def _mkldnn_packing_available() -> bool:
@@ -94,8 +96,9 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, small: torch.Tensor | N
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with W stored transposed (``weight_t [in, out]``, contiguous), and an
-    optional oneDNN-prepacked copy for inference.
+    """``y = x W^T + b`` with W stored ``[out, in]``, contiguous (the layout HF checkpoints and weight
+    syncs carry: a loaded tensor is one straight copy, and packing reads it as it is), and optional
+    prepacked copies for inference.
 
     Why: at decode sizes (1-64 rows) a plain ``F.linear`` on CPU re-lays-out the weight on every
     call (bf16, oneDNN) or takes MKL's slow small-M path (fp32 on this AMD CPU); a weight packed
@@ -106,34 +109,38 @@ class Linear(nn.Module):
     the weights' size once more in memory, half of it where the weights are all bf16 numbers
     (:data:`BF16_WEIGHT_PANELS`: bf16 panels, the same results, up to 1.9x faster again). :meth:`pack` builds them after weights
     change (the engine calls it after every load); it is used only when autograd is off, so
-    training the same module (the EAGLE-3 head) takes the plain path. ``weight`` is the usual
-    ``[out, in]`` view, for loading and export.
+    training the same module (the EAGLE-3 head) takes the plain path. (The weight was stored transposed,
+    ``weight_t [in, out]``, until a weight sync measured the transposing copies as its slowest piece; state
+    dicts with ``weight_t`` still load.)
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
+        init = torch.empty(in_features, out_features)
+        nn.init.normal_(init, std=0.02)  # drawn [in, out]: the values of the earlier transposed storage
+        self.weight = nn.Parameter(init.t().contiguous())
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        nn.init.normal_(self.weight_t, std=0.02)
         self._packed: torch.Tensor | None = None
         self._small: torch.Tensor | None = None
 
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight_t.t()
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        old = state_dict.pop(prefix + "weight_t", None)
+        if old is not None and prefix + "weight" not in state_dict:
+            state_dict[prefix + "weight"] = old.t()  # a state dict of the transposed storage
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def pack(self, batch_hint: int = 16) -> bool:
         """Prepack the weight for oneDNN (CPU, fp32/bf16); returns whether it is packed."""
         global PACK_EPOCH
         PACK_EPOCH += 1
-        w = self.weight_t
+        w = self.weight
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.numel() == 0
                 or not _mkldnn_packing_available()):
             self._packed = self._small = None
             return False
         with torch.no_grad():
-            w = w.detach().t().contiguous()
+            w = w.detach().contiguous()  # a view already (a tied table too): no copy
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
             small = w.dtype == torch.float32 and small_linear_available()
             if w.dtype == torch.bfloat16:
@@ -150,11 +157,11 @@ class Linear(nn.Module):
         self._packed = self._small = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._packed is not None and not torch.is_grad_enabled() and x.dtype == self.weight_t.dtype
+        if (self._packed is not None and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
                 and x.device.type == "cpu"):
             y = packed_matmul(x.reshape(-1, x.shape[-1]), self._packed, self._small, self.bias, self.out_features)
             return y.view(*x.shape[:-1], self.out_features)
-        y = x @ self.weight_t
+        y = F.linear(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
 
@@ -177,8 +184,8 @@ class TiedLinear(Linear):
         self._packed = self._small = None
 
     @property
-    def weight_t(self) -> torch.Tensor:  # type: ignore[override]
-        return getattr(self._owner[0], self._name).t()
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        return getattr(self._owner[0], self._name)
 
 
 def pack_linears(module: nn.Module, enable: bool = True) -> int:
@@ -206,7 +213,7 @@ def warm_linears(modules: Iterable[nn.Module], max_rows: int, max_primitives: in
     for module in modules:
         for m in module.modules():
             if isinstance(m, Linear) and m._packed is not None:
-                shapes.setdefault((m.in_features, m.out_features, m.weight_t.dtype, m.bias is None), m)
+                shapes.setdefault((m.in_features, m.out_features, m.weight.dtype, m.bias is None), m)
     if not shapes:
         return 0
     if max_primitives is None:
@@ -215,5 +222,5 @@ def warm_linears(modules: Iterable[nn.Module], max_rows: int, max_primitives: in
     with torch.inference_mode():
         for m in shapes.values():
             for r in range(1, rows + 1):
-                m(torch.zeros(r, m.in_features, dtype=m.weight_t.dtype, device=m.weight_t.device))
+                m(torch.zeros(r, m.in_features, dtype=m.weight.dtype, device=m.weight.device))
     return rows * len(shapes)

@@ -94,3 +94,17 @@ def test_fused_attention_choice_gives_the_same_attention():
     mask = torch.arange(40).view(1, 1, 1, 40) <= torch.tensor([[30, 31, 32], [20, 21, 22]]).view(2, 1, 3, 1)
     fused = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(fused, gqa_attention(q, k, v, mask, 0.25), rtol=1e-5, atol=1e-6)
+
+
+def test_linear_stores_the_weight_as_loaded_and_reads_state_dicts_of_the_transposed_storage():
+    torch.manual_seed(0)
+    lin = Linear(6, 4)
+    assert lin.weight.shape == (4, 6) and lin.weight.is_contiguous()  # [out, in]: a load is one straight copy
+    torch.manual_seed(0)
+    drawn = torch.empty(6, 4).normal_(std=0.02)  # the values the earlier [in, out] storage drew
+    assert torch.equal(lin.weight, drawn.t())
+    old = {"weight_t": torch.randn(6, 4), "bias": torch.randn(4)}  # a checkpoint of that storage
+    lin.load_state_dict(dict(old))
+    assert torch.equal(lin.weight, old["weight_t"].t()) and torch.equal(lin.bias, old["bias"])
+    x = torch.randn(3, 6)
+    assert torch.allclose(lin(x), x @ old["weight_t"] + old["bias"], atol=1e-6)

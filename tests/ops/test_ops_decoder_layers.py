@@ -154,7 +154,7 @@ def test_repacked_weights_reach_the_cpp_layers(monkeypatch):
     before = forward()
     with torch.no_grad():
         for layer in m.layers:
-            layer.mlp.down_proj.weight_t.mul_(0.5)  # still bf16 numbers
+            layer.mlp.down_proj.weight.mul_(0.5)  # still bf16 numbers
     pack_linears(m)
     after = forward()
     monkeypatch.setattr(decoder, "FUSED_LAYERS", False)

@@ -109,7 +109,7 @@ def test_linear_layer_keeps_bf16_panels_only_for_bf16_weights(monkeypatch):
     torch.manual_seed(1)
     lin = linear.Linear(40, 70).eval()
     with torch.no_grad():
-        lin.weight_t.copy_(lin.weight_t.bfloat16().float())
+        lin.weight.copy_(lin.weight.bfloat16().float())
     x = torch.randn(5, 40)
     assert lin.pack() and lin._small.dtype == torch.bfloat16
     with torch.inference_mode():
@@ -120,5 +120,5 @@ def test_linear_layer_keeps_bf16_panels_only_for_bf16_weights(monkeypatch):
         assert torch.equal(lin(x), y16)
     monkeypatch.undo()
     with torch.no_grad():
-        lin.weight_t[0, 0] += 1e-4  # an fp32 weight (a trainer's update): fp32 panels
+        lin.weight[0, 0] += 1e-4  # an fp32 weight (a trainer's update): fp32 panels
     assert lin.pack() and lin._small.dtype == torch.float32

@@ -24,7 +24,7 @@ def test_fused_transposed_sharded_layouts_agree():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, 32, generator=g) for n in (64, 16, 16))
     hf = fingerprint_tensors([q, k, v])
-    fused_t = torch.cat([q, k, v]).t().contiguous()  # the native engine's qkv weight_t [in, out]
+    fused_t = torch.cat([q, k, v]).t().contiguous()  # a transposed layout (SGLang on some paths)
     shards = list(torch.cat([q, k, v]).chunk(4, dim=0))  # TP-sharded rows
     assert fingerprint_tensors([fused_t]) == hf
     assert fingerprint_tensors(shards) == hf
