@@ -253,6 +253,8 @@ class RolloutManager:
             if rank == 0:
                 out["sync/bytes"] += rep.bytes
                 out["sync/seconds"] += rep.seconds
+                for piece, sec in rep.timings.items():  # where the seconds went (docs/metrics.md)
+                    out[f"sync/{piece}"] = out.get(f"sync/{piece}", 0.0) + sec
 
         need = [e for e in range(lay.num_engines) if self.engine_target_version[e] != version]
         check = self.cfg.rollout.rollout_reference_check and bool(need)

@@ -60,7 +60,12 @@ logger = logging.getLogger(__name__)
 WEIGHT_DTYPES = ("fp32", "bf16", "fp8")
 _ALIGN_SLACK = 16  # worst-case alignment padding in front of one tensor
 
-__all__ = ["WEIGHT_DTYPES", "SyncReport", "WeightStreamer", "WeightSyncError"]
+SYNC_PIECES = ("gather_s", "pack_s", "wait_buffer_s", "fingerprint_s", "engine_call_s", "end_s")
+"""The trainer's side of a sync: gathering and converting to HF views, packing (cast or quantise) into the bucket,
+waiting for the engine to free a bucket, fingerprinting the sent buckets, waiting for the engine's update calls
+(sender thread), ``end_weight_update`` (the engine's re-pack and checksums)."""
+
+__all__ = ["SYNC_PIECES", "WEIGHT_DTYPES", "SyncReport", "WeightStreamer", "WeightSyncError"]
 
 
 @dataclasses.dataclass
@@ -87,6 +92,10 @@ class SyncReport:
     sync plus bucket buffers kept from an earlier one."""
     skipped: bool = False
     """This rank took no part (another data-parallel replica)."""
+    timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds per piece (:data:`SYNC_PIECES`; the engine's, where it reports them, from its ``sync_timings``).
+    The trainer's pieces overlap: the sender thread fingerprints and calls the engine while the next bucket is
+    packed."""
 
     @property
     def gb_per_s(self) -> float:
@@ -289,6 +298,9 @@ class WeightStreamer:
                 health = self.engine.end_weight_update()
             except Exception as exc:
                 raise WeightSyncError(group, f"engine refused to finish the update: {exc}") from exc
+            rep.timings["end_s"] = time.perf_counter() - t1
+            if isinstance(health, dict):
+                rep.timings.update(health.get("sync_timings") or {})
         finally:
             torch.set_num_threads(threads)
             if device.type == "cuda":  # buckets the engine has let go of (docs/memory_plan.md) go back to the pool
@@ -333,6 +345,7 @@ class WeightStreamer:
         errors: list[BaseException] = []
         sent = Fingerprint() if self.verify else None
         stats = {"bytes": 0, "buckets": 0}
+        clock = dict.fromkeys(SYNC_PIECES[:-1], 0.0)
 
         def call_engine(payloads, last: bool) -> None:
             self.engine.update_weights_from_tensor(payloads, selector=group, weight_version=version, flush_cache=last)
@@ -350,6 +363,7 @@ class WeightStreamer:
                                 b.ready.synchronize()
                             payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size,
                                                             for_sglang=self.for_sglang)
+                            t0 = time.perf_counter()
                             if sent is None:
                                 call_engine(payloads, b.last)
                             else:
@@ -357,7 +371,11 @@ class WeightStreamer:
                                 try:
                                     self._fingerprint_bucket(b, sent)
                                 finally:
+                                    t1 = time.perf_counter()
+                                    clock["fingerprint_s"] += t1 - t0
+                                    t0 = t1
                                     call.result()  # the engine has copied the bucket (or raised)
+                            clock["engine_call_s"] += time.perf_counter() - t0
                             stats["bytes"] += b.flat.numel()
                             stats["buckets"] += 1
                     except BaseException as exc:  # reported by the producer
@@ -379,13 +397,19 @@ class WeightStreamer:
                 ready.record()
             todo.put(_Bucket(index, flat, meta, last, ready))
             index ^= 1
+            t0 = time.perf_counter()
             free[index].acquire()  # wait until the engine acknowledged the bucket that used it
+            clock["wait_buffer_s"] += time.perf_counter() - t0
             writer.reset(buffers[index])
 
         thread.start()
+        t_item = time.perf_counter()
         try:
             for name, src, shape in items:
+                t_got = time.perf_counter()
+                clock["gather_s"] += t_got - t_item
                 if produce_error is not None or errors:
+                    t_item = time.perf_counter()
                     continue  # keep iterating: the TP peers are inside the same gathers
                 try:
                     entries = self._entries(name, tuple(shape), src.dtype, quantize)
@@ -395,10 +419,13 @@ class WeightStreamer:
                         writer = BucketWriter(buffers[0], limit=self.bucket_bytes)
                     if len(writer) and not writer.fits([(s, d) for _, s, d in entries]):
                         flush(last=False)
+                    t_pack = time.perf_counter()
                     self._pack(writer, entries, src)
+                    clock["pack_s"] += time.perf_counter() - t_pack
                     rep.num_tensors += 1
                 except Exception as exc:  # noqa: BLE001
                     produce_error = exc
+                t_item = time.perf_counter()
             if produce_error is None and not errors:
                 if writer is None or not len(writer):
                     raise WeightSyncError(group, "nothing to send")
@@ -411,6 +438,7 @@ class WeightStreamer:
         if errors:
             raise WeightSyncError(group, f"engine update failed: {errors[0]}") from errors[0]
         rep.bytes, rep.num_buckets = stats["bytes"], stats["buckets"]
+        rep.timings.update(clock)
         return sent
 
     @staticmethod

@@ -314,3 +314,33 @@ def test_engine_reports_and_lets_go_of_the_mapped_buckets(ckpts, keep):
     assert (mapped >= 2 * (16 << 10)) if keep else mapped == 0
     server.release_memory()
     assert server.health()["mapped_bucket_bytes"] == 0
+
+
+def test_sync_reports_its_pieces_and_checksums_only_what_changed(ckpts, monkeypatch):
+    """Issue 55: every sync says where its seconds went, the engine's side included; a group's checksum
+    is computed once after it changed, so a draft sync does not read the target again (and the other
+    group's check still compares what the engine reports)."""
+    from megatron_spec.rollout.native import server as server_mod
+    from megatron_spec.sync.streamer import SYNC_PIECES
+
+    server = server_mod.EngineServer(EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3",
+                                                  draft_path=ckpts.eagle3, max_batch_size=2, context_length=32,
+                                                  num_threads=1, warm_up=False))
+    counted: list[int] = []
+    real = server_mod.tensor_group_checksum
+    monkeypatch.setattr(server_mod, "tensor_group_checksum", lambda ts: counted.append(1) or real(ts))
+    st = WeightStreamer(server, bucket_bytes=16 << 10, weight_dtype="fp32")
+    rep = st.sync_target_tensors(ckpt_tensors(ckpts.qwen3_other), "t1")
+    assert set(rep.timings) == set(SYNC_PIECES) | set(server_mod.SYNC_TIMINGS)
+    assert all(v >= 0 for v in rep.timings.values()) and rep.timings["engine_load_s"] > 0
+    assert rep.timings["end_s"] >= rep.timings["engine_repack_s"] + rep.timings["engine_checksum_s"]
+    calls = len(counted)
+    st.sync_draft(draft_tensors(ckpts.eagle3_other, ckpts.cfg), "d1")
+    assert len(counted) - calls == 1  # the draft's; the target's was kept
+    held = Fingerprint.from_dict(server.health()["checksums"]["target"])
+    assert held == fingerprint_tensors(t for _, t in ckpt_tensors(ckpts.qwen3_other))
+    calls = len(counted)
+    st.sync_target_tensors(ckpt_tensors(ckpts.qwen3), "t2")  # written again: computed afresh
+    assert len(counted) - calls == 1
+    assert Fingerprint.from_dict(server.health()["checksums"]["target"]) == fingerprint_tensors(
+        t for _, t in ckpt_tensors(ckpts.qwen3))

@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 
 
 
+SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_repack_s", "engine_checksum_s")
+"""Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters,
+re-packing the changed linear layers, computing the changed groups' checksums (``end_weight_update`` reports them)."""
+
+
 def tensor_group_checksum(tensors) -> dict:
     """Exact, layout-independent fingerprint of a group of tensors (``megatron_spec.sync.fingerprint``:
     per dtype, element count and sums of the bit patterns and their squares). Equal to the
@@ -114,6 +119,9 @@ class EngineServer(WeightReceiver):
         sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine drops its
         mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free them."""
         self._released: set[str] = set()
+        self._checksums: dict[str, dict] = {}
+        """Each group's checksum, computed once after the group's weights changed (dropped on every write)."""
+        self._timings: dict[str, float] = dict.fromkeys(SYNC_TIMINGS, 0.0)
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
                               for m in (self.target, self._draft_module()) if m is not None}
 
@@ -238,6 +246,7 @@ class EngineServer(WeightReceiver):
             if module is not None:
                 pack_linears(module, enable=False)  # packed copies are stale until the update ends
         self._updating = {}
+        self._timings = dict.fromkeys(SYNC_TIMINGS, 0.0)
 
     def update_weights_from_tensor(self, payloads: list[bytes], selector: str, weight_version: str | None = None,
                                    flush_cache: bool = True) -> dict[str, Any]:
@@ -257,24 +266,33 @@ class EngineServer(WeightReceiver):
         if module is None:
             raise ValueError(f"selector 'draft' but the engine has no draft weights (draft_kind "
                              f"{self.config.draft_kind!r})")
+        t0 = time.perf_counter()
         named = read_bucket_payload(payloads[0])
+        t1 = time.perf_counter()
         if named:  # keep the sender's two bucket buffers mapped: its next payloads name the same
             self._mapped = (self._mapped + [named[0][1]])[-2:]  # buffers, found in torch's cache
         if self.config.fp8_weights and selector == "target":
             from megatron_spec.sync.fp8 import dequantize_named
 
             named = dequantize_named(named, self.dtype)
+        self._checksums.pop(selector, None)
         loaded = module.load_weights(named, strict_complete=False)
+        self._timings["engine_map_s"] += t1 - t0
+        self._timings["engine_load_s"] += time.perf_counter() - t1
         self._updating.setdefault(selector, set()).update(loaded)
         self._updating.setdefault(f"{selector}:version", set()).add(str(weight_version))
         return {"loaded": len(loaded)}
 
     def end_weight_update(self) -> dict[str, Any]:
+        """Close the session: check it is complete, re-pack what changed, then report ``health()`` with the
+        checksums of the updated groups computed afresh and ``sync_timings`` (seconds spent in this process)."""
         if self._updating is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
         updating, self._updating = self._updating, None
+        timings = self._timings
         if not self._keep_mapped:
             self._mapped = []
+        t0 = time.perf_counter()
         for group in ("target", "draft"):
             names = updating.get(group)
             if names is None:
@@ -297,7 +315,12 @@ class EngineServer(WeightReceiver):
         if "weights" in self._released and all(self.versions[g] is not None for g in ("target", "draft")
                                                if self._has_group(g)):
             self._released.discard("weights")
-        return self.health()
+        t1 = time.perf_counter()
+        out = self.health()  # the updated groups' checksums are computed here, the others' were kept
+        timings["engine_repack_s"] = t1 - t0
+        timings["engine_checksum_s"] = time.perf_counter() - t1
+        out["sync_timings"] = timings
+        return out
 
     def abort_weight_update(self) -> None:
         """Close a session whose update failed part-way: every group it touched is left without a
@@ -324,6 +347,7 @@ class EngineServer(WeightReceiver):
             self.core.release()
         if "weights" in tags:
             self._mapped = []
+            self._checksums = {}
             for module in (self.target, self._draft_module()):
                 if module is None:
                     continue
@@ -353,6 +377,8 @@ class EngineServer(WeightReceiver):
         return sum(t.untyped_storage().nbytes() for t in self._mapped)
 
     def health(self) -> dict[str, Any]:
+        """Liveness, each group's version and checksum (of the values held; kept until the group is written
+        again), the KV cache and mapped bucket sizes."""
         out = {"alive": True, "pid": os.getpid(), "weight_version": self.versions["target"],
                "draft_weight_version": self.versions["draft"], "released": sorted(self._released),
                "kv_cache_bytes": self.core.cache_bytes, "mapped_bucket_bytes": self.mapped_bucket_bytes,
@@ -360,13 +386,24 @@ class EngineServer(WeightReceiver):
         for group in ("target", "draft"):
             module = self.target if group == "target" else self._draft_module()
             if module is not None and self.versions[group] is not None:
-                out["checksums"][group] = tensor_group_checksum(module.parameters())
+                if group not in self._checksums:
+                    self._checksums[group] = tensor_group_checksum(module.parameters())
+                out["checksums"][group] = self._checksums[group]
         return out
+
+
+THP_ENV = "THP_MEM_ALLOC_ENABLE"
+"""torch's switch for transparent huge pages on its CPU allocations of 2 MiB and more (``c10/core/alloc_cpu.cpp``),
+read at the process's first such allocation. The engine process turns it on (unless the environment says
+otherwise): every weight update re-packs the linear layers into freshly allocated copies, and with 4 KiB pages
+that cost ~290,000 page faults a sync for SmolLM2 in fp32 (0.5-1.6 s on a 2-core VM, the largest piece of the
+sync; ~2,000 faults with huge pages; ``benchmarks/bench_sync.py --model smollm2``)."""
 
 
 def serve_process(config: EngineConfig, conn) -> None:
     """The engine process's target: :func:`serve`, then the process ends without the interpreter's
     finalisation (``megatron_spec.exit``; 2-3 s the trainer would wait for at every shutdown)."""
+    os.environ.setdefault(THP_ENV, "1")  # before the first large allocation (see THP_ENV)
     serve(config, conn)
     conn.close()
     exit_now(0)
