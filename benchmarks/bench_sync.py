@@ -252,12 +252,15 @@ def real_model(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     cpu = probe()
     print(f"{args.model}: {n_params / 1e6:.0f}M parameters ({n_params * 4 / 1e6:.0f} MB in fp32); CPU {cpu.kind}, "
-          f"kernel_isa {_ext.kernel_isa()}, bf16 linear kernel {_ext.bf16_linear_kernel()}; buckets {args.bucket_mb} MiB, engine threads {args.engine_threads}")
+          f"kernel_isa {_ext.kernel_isa()}, bf16 linear kernel {_ext.bf16_linear_kernel()}; "
+          f"buckets {args.bucket_mb} MiB, engine threads {args.engine_threads}")
     res: dict = {"model": args.model, "cpu_kind": cpu.kind, "cpu_capability": cpu.capability,
-                 "kernel_isa": _ext.kernel_isa(), "bf16_linear_kernel": _ext.bf16_linear_kernel(), "params_m": round(n_params / 1e6, 1), "bucket_mb": args.bucket_mb,
+                 "kernel_isa": _ext.kernel_isa(), "bf16_linear_kernel": _ext.bf16_linear_kernel(),
+                 "params_m": round(n_params / 1e6, 1), "bucket_mb": args.bucket_mb,
                  "engine_threads": args.engine_threads}
     memcpy_before, _ = memcpy_gbps(n_params * 4)
-    configs = (("fp32", "float32", "fp32", False), ("bf16", "bfloat16", "bf16", False), ("fp8", "bfloat16", "fp8", True))
+    configs = (("fp32", "float32", "fp32", False), ("bf16", "bfloat16", "bf16", False),
+               ("fp8", "bfloat16", "fp8", True))
     header = f"{'':>6} {'MB':>6} {'total s':>8} {'GB/s':>6} " + " ".join(f"{p[:-2]:>9}" for p in PIECES)
     print(header)
     for label, engine_dtype, weight_dtype, fp8 in configs:
@@ -280,8 +283,8 @@ def real_model(args) -> dict:
         res[f"{label}_pieces"] = pieces
     memcpy_after, _ = memcpy_gbps(n_params * 4)
     memcpy = max(memcpy_before, memcpy_after)  # the faster of the two: the conservative reference
-    print(f"(median of {args.repeats} syncs each, seconds; pieces overlap: the sender thread fingerprints and calls the "
-          f"engine while the next bucket is packed)\nmemcpy of {n_params * 4 / 1e6:.0f} MB: {memcpy_before:.2f} GB/s "
+    print(f"(median of {args.repeats} syncs each, seconds; pieces overlap: the sender thread fingerprints and calls "
+          f"the engine while the next bucket is packed)\nmemcpy of {n_params * 4 / 1e6:.0f} MB: {memcpy_before:.2f} GB/s "
           f"before, {memcpy_after:.2f} after")
     res["memcpy_gbps"] = round(memcpy, 3)
     for label, *_ in configs:
