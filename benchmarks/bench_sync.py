@@ -221,8 +221,12 @@ def logprob_mismatch(engine, model, vocab: int, seed: int) -> dict[str, float]:
     return {"max": float(diff.max()), "mean": float(diff.mean())}
 
 
-PIECES = ("gather_s", "pack_s", "wait_buffer_s", "fingerprint_s", "engine_call_s", "engine_map_s", "engine_load_s",
-          "engine_repack_s", "engine_checksum_s")
+def sync_pieces() -> tuple[str, ...]:
+    """The pieces a sync is timed by: the trainer's (``end_s`` left out: the engine's pieces split it) and the engine's."""
+    from megatron_spec.rollout.native.server import SYNC_TIMINGS
+    from megatron_spec.sync.streamer import SYNC_PIECES
+
+    return tuple(p for p in SYNC_PIECES if p != "end_s") + SYNC_TIMINGS
 
 
 def real_model(args) -> dict:
@@ -240,6 +244,7 @@ def real_model(args) -> dict:
     from megatron_spec.sync.streamer import WeightStreamer
 
     ckpt = resolve_model(args.model, log=lambda m: print(f"[setup] {m}", file=sys.stderr))
+    names = sync_pieces()
     init_parallel(1)
     cfg = HFCheckpoint(ckpt).decoder_config
     model = build_gpt_model(cfg, vocab_divisible_by=8)
@@ -261,7 +266,7 @@ def real_model(args) -> dict:
     memcpy_before, _ = memcpy_gbps(n_params * 4)
     configs = (("fp32", "float32", "fp32", False), ("bf16", "bfloat16", "bf16", False),
                ("fp8", "bfloat16", "fp8", True))
-    header = f"{'':>6} {'MB':>6} {'total s':>8} {'GB/s':>6} " + " ".join(f"{p[:-2]:>9}" for p in PIECES)
+    header = f"{'':>6} {'MB':>6} {'total s':>8} {'GB/s':>6} " + " ".join(f"{p[:-2]:>9}" for p in names)
     print(header)
     for label, engine_dtype, weight_dtype, fp8 in configs:
         ecfg = EngineConfig(model_path=ckpt, dtype=engine_dtype, load_weights=False, num_threads=args.engine_threads,
@@ -272,10 +277,10 @@ def real_model(args) -> dict:
             reps = [st.sync_target(model, f"{label}-{i}") for i in range(args.repeats)]
         secs = [r.seconds for r in reps]
         mid = sorted(reps, key=lambda r: r.seconds)[len(reps) // 2]
-        pieces = {p: round(median(r.timings.get(p, 0.0) for r in reps), 4) for p in PIECES}
+        pieces = {p: round(median(r.timings.get(p, 0.0) for r in reps), 4) for p in names}
         gbps = mid.bytes / median(secs) / 1e9
         print(f"{label:>6} {mid.bytes / 1e6:6.0f} {median(secs):8.3f} {gbps:6.2f} "
-              + " ".join(f"{pieces[p]:9.3f}" for p in PIECES))
+              + " ".join(f"{pieces[p]:9.3f}" for p in names))
         res[f"{label}_mb"] = round(mid.bytes / 1e6, 1)
         res[f"{label}_seconds_median"] = round(median(secs), 4)
         res[f"{label}_seconds_best"] = round(min(secs), 4)

@@ -396,8 +396,8 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"
 """torch's switch for transparent huge pages on its CPU allocations of 2 MiB and more (``c10/core/alloc_cpu.cpp``),
 read at the process's first such allocation. The engine process turns it on (unless the environment says
 otherwise): every weight update re-packs the linear layers into freshly allocated copies, and with 4 KiB pages
-that cost ~290,000 page faults a sync for SmolLM2 in fp32 (0.5-1.6 s on a 2-core VM, the largest piece of the
-sync; ~2,000 faults with huge pages; ``benchmarks/bench_sync.py --model smollm2``)."""
+that cost ~290,000 page faults a sync for SmolLM2 in fp32 (~2,000 with huge pages; the re-pack's seconds are
+noisy on a shared 2-core VM either way: ``benchmarks/bench_sync.py --model smollm2``)."""
 
 
 def serve_process(config: EngineConfig, conn) -> None:
