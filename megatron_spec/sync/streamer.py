@@ -158,6 +158,7 @@ class WeightStreamer:
         self.engine_dtype = torch_dtype(engine_dtype, "engine_dtype")
         self.engine_tp_size = int(engine_tp_size or (engine.tp_size if engine is not None else 1))
         self._buffers: list[torch.Tensor] = []
+        self._told_capacity = 0  # the largest grown capacity logged so far
         self._verified: dict[str, tuple[str, dict]] = {}
         self._ledger = DigestLedger()
 
@@ -249,7 +250,8 @@ class WeightStreamer:
             need = sum(torch.Size(s).numel() * d.itemsize + _ALIGN_SLACK
                        for _, s, d in self._entries(name, tuple(shape), torch.float32, quantize))
             largest = max(largest, need)
-        if largest > self.bucket_bytes:  # buckets still close at bucket_bytes; that tensor travels alone
+        if largest > self.bucket_bytes and largest > self._told_capacity:  # said once (the buffers are kept);
+            self._told_capacity = largest  # buckets still close at bucket_bytes, that tensor travels alone
             logger.info("bucket buffers grown from %d to %d bytes to hold the largest tensor",
                         self.bucket_bytes, largest)
         return max(self.bucket_bytes, largest)
