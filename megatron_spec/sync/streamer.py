@@ -250,8 +250,10 @@ class WeightStreamer:
             need = sum(torch.Size(s).numel() * d.itemsize + _ALIGN_SLACK
                        for _, s, d in self._entries(name, tuple(shape), torch.float32, quantize))
             largest = max(largest, need)
-        if largest > self.bucket_bytes and largest > self._told_capacity:  # said once (the buffers are kept);
-            self._told_capacity = largest  # buckets still close at bucket_bytes, that tensor travels alone
+        # buckets still close at bucket_bytes, that tensor travels alone; said once per size (every sync of a
+        # run has the same largest tensor, so a message per sync says nothing new)
+        if largest > self.bucket_bytes and largest > self._told_capacity:
+            self._told_capacity = largest
             logger.info("bucket buffers grown from %d to %d bytes to hold the largest tensor",
                         self.bucket_bytes, largest)
         return max(self.bucket_bytes, largest)
