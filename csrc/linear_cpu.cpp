@@ -36,6 +36,7 @@
 
 #include "cpu/bf16.h"
 #include "cpu/kernels.h"
+#include "cpu/panels.h"
 
 namespace megatron_spec {
 namespace {
@@ -116,14 +117,18 @@ bool use_avx2() {
   return cpu::avx2_fma_active();
 }
 
-// packed[p, k, j] = w[16 p + j, k], in w's dtype: pad W to whole panels, then one transposing copy
+// packed[p, k, j] = w[16 p + j, k], in w's dtype (4-byte fp32 words or 2-byte bf16 values), zero past N
 at::Tensor pack_panels(const at::Tensor& w) {
-  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto out = at::zeros({panels, K, kPanel}, w.options());
-  if (N == 0 || K == 0) return out;
-  auto padded = at::zeros({panels * kPanel, K}, w.options());
-  padded.narrow(0, 0, N).copy_(w);
-  out.copy_(padded.view({panels, kPanel, K}).transpose(1, 2));
+  const auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), panels = (N + kPanel - 1) / kPanel;
+  auto out = at::empty({panels, K, kPanel}, wc.options());
+  if (N == 0 || K == 0) return out.zero_();
+  if (wc.scalar_type() == at::kBFloat16)
+    cpu::pack_panels_words<kPanel>(reinterpret_cast<const uint16_t*>(wc.data_ptr()), N, K,
+                                   reinterpret_cast<uint16_t*>(out.data_ptr()));
+  else
+    cpu::pack_panels_words<kPanel>(reinterpret_cast<const uint32_t*>(wc.data_ptr()), N, K,
+                                   reinterpret_cast<uint32_t*>(out.data_ptr()));
   return out;
 }
 

@@ -40,6 +40,21 @@ def test_matches_float64_matmul(kernel_variant, n, k):
             assert ((y.double() - ref).abs() <= bound).all(), (m, n, k, bias is not None)
 
 
+@pytest.mark.parametrize("n,k", [(50, 37), (16, 1), (33, 64), (0, 8)])
+def test_panel_layout(n, k):
+    """packed[p, k, j] = w[16 p + j, k], zero past n (csrc/cpu/panels.h), from contiguous and strided weights,
+    fp32 and the bf16 copy of linear_pack_bf16w."""
+    def panels(w):
+        padded = torch.zeros((n + 15) // 16 * 16, k, dtype=w.dtype)
+        padded[:n] = w
+        return padded.view(-1, 16, k).transpose(1, 2)
+
+    w = torch.randn(k, n).t()  # a strided view
+    assert torch.equal(torch.ops.megatron_spec.linear_pack_f32(w), panels(w))
+    wb = w.bfloat16().float()  # every value a bf16 number
+    assert torch.equal(torch.ops.megatron_spec.linear_pack_bf16w(wb), panels(wb).bfloat16())
+
+
 def test_refuses_what_it_cannot_run():
     w = torch.randn(20, 8)
     packed = torch.ops.megatron_spec.linear_pack_f32(w)

@@ -48,6 +48,18 @@ def test_matches_float64_matmul(bf16_linear_variant, n, k):
             assert ((y.double() - ref).abs() <= bound).all(), (m, n, k, bias is None)
 
 
+@pytest.mark.parametrize("n,k", [(50, 37), (16, 1), (33, 64), (20, 576), (0, 8)])
+def test_panel_layout(n, k):
+    """packed[p, c, j, e] = w[16 p + j, 2 c + e], zero past n and k (the one-pass copy of csrc/cpu/panels.h
+    where k is even, the padded copy where it is odd), from contiguous and strided weights."""
+    w = torch.randn(k, n).bfloat16().t()
+    ref = torch.zeros((n + 15) // 16 * 16, (k + 1) // 2 * 2, dtype=torch.bfloat16)
+    ref[:n, :k] = w
+    ref = ref.view(-1, 16, (k + 1) // 2, 2).transpose(1, 2)
+    assert torch.equal(ops.linear_pack_bf16(w), ref)
+    assert torch.equal(ops.linear_pack_bf16(w.contiguous()), ref)
+
+
 def test_rows_do_not_depend_on_the_batch(bf16_linear_variant):
     w, x, b = inputs(70, 96, 40, 5)
     packed = ops.linear_pack_bf16(w)
