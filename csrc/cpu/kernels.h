@@ -50,6 +50,9 @@ struct QSource {
 using SampleResidualFn = int64_t (*)(const float* lp, const QSource& s, int64_t V, double u, double* prefix,
                                      double* rbuf, float* pbuf, double* mass);
 
+template <typename T>
+using BitsSumsFn = void (*)(const T* b, int64_t n, uint64_t* out);
+
 struct KernelTable {
   const char* name;  // "default", "avx2", "avx512" (ATEN_CPU_CAPABILITY's words)
   QuantizeUnitFn<float> quantize_unit_f32;
@@ -64,6 +67,11 @@ struct KernelTable {
   SampleResidualFn sample_point;   // q a point mass at x
   int64_t (*argmax_first)(const float* x, int64_t V);  // lowest index of the max; -1 if x has a NaN
   void (*spec_exp)(const float* x, float* out, int64_t n);
+  // ---- Weight-sync fingerprint (fingerprint_cpu.cpp): out[0] += sum(b), out[1] += sum(b * b), mod 2**64
+  BitsSumsFn<int8_t> bits_sums_i8;
+  BitsSumsFn<int16_t> bits_sums_i16;
+  BitsSumsFn<int32_t> bits_sums_i32;
+  BitsSumsFn<int64_t> bits_sums_i64;
 };
 
 extern const KernelTable kDefaultKernels;

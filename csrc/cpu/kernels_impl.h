@@ -428,6 +428,35 @@ void spec_exp_n(const float* __restrict x, float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = spec_expf(x[i]);
 }
 
+// The fingerprint's sums over n bit patterns read as signed integers: out[0] += sum(b), out[1] += sum(b * b),
+// mod 2**64. A square of 8 or 16 bits fits 32 (it is at most 2**30), one of 32 bits 64 (at most 2**62): the
+// products are exact in those widths and only the sums wrap, so every variant gives the reference's bits.
+template <typename T>
+void bits_sums(const T* __restrict b, int64_t n, uint64_t* out) {
+  uint64_t s1 = 0, s2 = 0;
+  if constexpr (sizeof(T) <= 2) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t v = b[i];
+      s1 += static_cast<uint64_t>(static_cast<int64_t>(v));
+      s2 += static_cast<uint32_t>(v * v);
+    }
+  } else if constexpr (sizeof(T) == 4) {
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t v = b[i];
+      s1 += static_cast<uint64_t>(v);
+      s2 += static_cast<uint64_t>(v * v);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const uint64_t v = static_cast<uint64_t>(b[i]);
+      s1 += v;
+      s2 += v * v;
+    }
+  }
+  out[0] += s1;
+  out[1] += s2;
+}
+
 }  // namespace MS_CPU_NS
 
 extern const KernelTable MS_CPU_TABLE;
@@ -445,6 +474,10 @@ const KernelTable MS_CPU_TABLE = {
     &MS_CPU_NS::sample_residual<MS_CPU_NS::QMode::kPoint>,
     &MS_CPU_NS::argmax_first,
     &MS_CPU_NS::spec_exp_n,
+    &MS_CPU_NS::bits_sums<int8_t>,
+    &MS_CPU_NS::bits_sums<int16_t>,
+    &MS_CPU_NS::bits_sums<int32_t>,
+    &MS_CPU_NS::bits_sums<int64_t>,
 };
 
 }  // namespace cpu

@@ -1,4 +1,4 @@
-"""Compiled fingerprint sums == the numpy reference, bit for bit, for every width and the edge values."""
+"""Compiled fingerprint sums == the numpy reference, bit for bit: every width, kernel variant, edge value."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def compiled(bits: torch.Tensor) -> tuple[int, int]:
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
 @pytest.mark.parametrize("n", [0, 1, 7, (1 << 18) + 3, 3 * (1 << 18)])  # below, at and across the kernel's chunks
-def test_sums_equal_the_reference(dtype, n):
+def test_sums_equal_the_reference(kernel_variant, dtype, n):
     info = torch.iinfo(dtype)
     g = torch.Generator().manual_seed(n)
     bits = torch.randint(info.min, info.max, (n,), dtype=dtype, generator=g)
