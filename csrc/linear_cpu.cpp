@@ -117,39 +117,77 @@ bool use_avx2() {
   return cpu::avx2_fma_active();
 }
 
-// packed[p, k, j] = w[16 p + j, k], in w's dtype (4-byte fp32 words or 2-byte bf16 values), zero past N
-at::Tensor pack_panels(const at::Tensor& w) {
+// packed[p, k, j] = w[16 p + j, k] into `out` [ceil(N / 16), K, 16] (contiguous), zero past N, from an fp32 w: into
+// fp32 panels, or into bf16 panels (the values' upper halves; refused unless every value is a bf16 number, when
+// `out` is left unspecified).
+void pack_panels_into(const at::Tensor& w, at::Tensor& out) {
   const auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), panels = (N + kPanel - 1) / kPanel;
-  auto out = at::empty({panels, K, kPanel}, wc.options());
-  if (N == 0 || K == 0) return out.zero_();
-  if (wc.scalar_type() == at::kBFloat16)
-    cpu::pack_panels_words<kPanel>(reinterpret_cast<const uint16_t*>(wc.data_ptr()), N, K,
-                                   reinterpret_cast<uint16_t*>(out.data_ptr()));
-  else
+  const int64_t N = wc.size(0), K = wc.size(1);
+  if (N == 0 || K == 0) {
+    out.zero_();
+    return;
+  }
+  if (out.scalar_type() == at::kFloat) {
     cpu::pack_panels_words<kPanel>(reinterpret_cast<const uint32_t*>(wc.data_ptr()), N, K,
                                    reinterpret_cast<uint32_t*>(out.data_ptr()));
+  } else {
+    const uint32_t dropped = cpu::pack_panels_words<kPanel>(
+        reinterpret_cast<const uint32_t*>(wc.data_ptr()), N, K, reinterpret_cast<uint16_t*>(out.data_ptr()),
+        [](uint32_t v) { return static_cast<uint16_t>(v >> 16); }, 0xFFFFu);
+    TORCH_CHECK(dropped == 0, "linear_pack_bf16w: the weight holds values that are not bfloat16 numbers "
+                "(bf16 panels would round them; use linear_pack_f32)");
+  }
+}
+
+at::Tensor pack_panels(const at::Tensor& w, at::ScalarType dtype) {
+  auto out = at::empty({(w.size(0) + kPanel - 1) / kPanel, w.size(1), kPanel}, w.options().dtype(dtype));
+  pack_panels_into(w, out);
   return out;
 }
 
 at::Tensor linear_pack_f32(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
               "linear_pack_f32: expects a 2-D float32 CPU weight [N, K], got ", w.sizes(), " ", w.scalar_type());
-  return pack_panels(w);
+  return pack_panels(w, at::kFloat);
 }
 
 at::Tensor linear_pack_bf16w(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
               "linear_pack_bf16w: expects a 2-D float32 CPU weight [N, K], got ", w.sizes(), " ", w.scalar_type());
-  auto wc = w.contiguous();
-  const int64_t n = wc.numel();
-  const uint32_t* bits = reinterpret_cast<const uint32_t*>(wc.data_ptr<float>());
-  bool exact = true;
-  for (int64_t i = 0; i < n && exact; ++i) exact = (bits[i] & 0xFFFFu) == 0;
-  TORCH_CHECK(exact, "linear_pack_bf16w: the weight holds values that are not bfloat16 numbers "
-              "(bf16 panels would round them; use linear_pack_f32)");
-  // exact, so the conversion keeps every value: linear_pack_f32's panels, stored in bf16
-  return pack_panels(wc.to(at::kBFloat16));
+  // every value a bf16 number (checked in the same pass), so its upper half is the value: f32 panels in bf16
+  return pack_panels(w, at::kBFloat16);
+}
+
+// linear_pack_f32 / _bf16w / linear_pack_bf16 into the panels a layer already holds (`packed`'s dtype and
+// rank say which), so a weight sync re-packs without allocating: a fresh copy of SmolLM2's panels cost ~55,000
+// page faults a sync in fp32 (the 49152 x 576 head is above glibc's mmap threshold and comes back as new pages).
+void linear_pack_into(const at::Tensor& w, at::Tensor packed) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && packed.device().is_cpu() && packed.is_contiguous(),
+              "linear_pack_into: expects a 2-D CPU weight and contiguous CPU panels, got ", w.sizes(), " and ",
+              packed.sizes());
+  const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
+  if (packed.dim() == 4) {  // linear_pack_bf16's [panels, ceil(K / 2), 16, 2]
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16 &&
+                    packed.sizes() == at::IntArrayRef({panels, (K + 1) / 2, kPanel, 2}),
+                "linear_pack_into: a bfloat16 weight [", N, ", ", K, "] packs into [", panels, ", ", (K + 1) / 2,
+                ", 16, 2] bfloat16 panels, got ", packed.sizes(), " ", packed.scalar_type());
+    const auto wc = w.contiguous();
+    if (K % 2 == 0 && N > 0 && K > 0) {
+      cpu::pack_panels_words<kPanel>(reinterpret_cast<const uint32_t*>(wc.data_ptr()), N, K / 2,
+                                     reinterpret_cast<uint32_t*>(packed.data_ptr()));
+    } else {  // an odd K: pad it to pairs first
+      auto padded = at::zeros({panels * kPanel, K + 1}, wc.options());
+      padded.narrow(0, 0, N).narrow(1, 0, K).copy_(wc);
+      packed.copy_(padded.view({panels, kPanel, (K + 1) / 2, 2}).transpose(1, 2));
+    }
+    return;
+  }
+  TORCH_CHECK(packed.dim() == 3 && packed.sizes() == at::IntArrayRef({panels, K, kPanel}) &&
+                  w.scalar_type() == at::kFloat &&
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16),
+              "linear_pack_into: a float32 weight [", N, ", ", K, "] packs into [", panels, ", ", K, ", 16] float32 or "
+              "bfloat16 panels, got ", packed.sizes(), " ", packed.scalar_type(), " from ", w.scalar_type());
+  pack_panels_into(w, packed);
 }
 
 template <typename WT>
@@ -213,4 +251,5 @@ TORCH_LIBRARY_IMPL(megatron_spec, CPU, m) {
   m.impl("linear_pack_f32", &megatron_spec::linear_pack_f32);
   m.impl("linear_small_f32", &megatron_spec::linear_small_f32);
   m.impl("linear_pack_bf16w", &megatron_spec::linear_pack_bf16w);
+  m.impl("linear_pack_into", &megatron_spec::linear_pack_into);
 }

@@ -117,6 +117,8 @@ TORCH_LIBRARY(megatron_spec, m) {
   m.def("linear_pack_f32(Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
   //   w [N, K] f32 whose values are all bf16 numbers -> the same panels stored in bf16 (exact; half the bytes)
   m.def("linear_pack_bf16w(Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
+  //   w, packed from one of the three packs above or linear_pack_bf16 -> packed rewritten with w's panels
+  m.def("linear_pack_into(Tensor w, Tensor(a!) packed) -> ()", {at::Tag::pt2_compliant_tag});
   //   x [M, K] f32, packed from linear_pack_f32 or linear_pack_bf16w, bias [N] f32 or None -> y [M, N] = x W^T + bias
   m.def("linear_small_f32(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
         {at::Tag::pt2_compliant_tag});

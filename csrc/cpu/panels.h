@@ -1,6 +1,7 @@
 // The panel layout of the linear kernels (csrc/linear_cpu.cpp, csrc/linear_bf16_cpu.cpp, csrc/linear_amx_cpu.cpp),
-// written straight from a row-major weight: out[p, c, j] = w[16 p + j, c] for 32-bit words (an fp32 weight's
-// values, or a bf16 weight's pairs along K), zero past the last row.
+// written straight from a row-major weight: out[p, c, j] = w[16 p + j, c] for words (an fp32 weight's values, a bf16
+// weight's values or its pairs along K, an fp32 weight's bf16 halves), zero past the last row; into a fresh tensor or,
+// at a weight sync, into the one the layer already holds.
 //
 // Why: the engine re-packs every matrix after each weight sync. Built from ATen's generic strided copy (pad, then
 // a transposing copy of a 4-D view of 2-byte elements) the bf16 panels of SmolLM2-135M took 0.30 s a sync on a
@@ -16,20 +17,34 @@
 namespace megatron_spec {
 namespace cpu {
 
-// w: [N, C] words (row stride C); out: [ceil(N / P), C, P] words.
+// w: [N, C] words (row stride C); out: [ceil(N / P), C, P] words, each conv(word of w). Returns the OR of
+// (word & check) over w, so a caller can learn in the same pass whether a conversion dropped bits.
+template <int64_t P, typename Src, typename Dst, typename Conv>
+Src pack_panels_words(const Src* w, int64_t N, int64_t C, Dst* out, Conv conv, Src check = 0) {
+  const int64_t panels = (N + P - 1) / P;
+  Src seen = 0;
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    Src mine = 0;
+    for (int64_t p = p0; p < p1; ++p) {
+      Dst* dst = out + p * C * P;
+      const int64_t rows = N - p * P < P ? N - p * P : P;
+      const Src* src = w + p * P * C;
+      if (rows < P) std::memset(dst, 0, sizeof(Dst) * C * P);
+      for (int64_t c = 0; c < C; ++c)
+        for (int64_t j = 0; j < rows; ++j) {
+          const Src v = src[j * C + c];
+          mine |= v & check;
+          dst[c * P + j] = conv(v);
+        }
+    }
+    if (mine) __atomic_fetch_or(&seen, mine, __ATOMIC_RELAXED);
+  });
+  return seen;
+}
+
 template <int64_t P, typename Word>
 void pack_panels_words(const Word* w, int64_t N, int64_t C, Word* out) {
-  const int64_t panels = (N + P - 1) / P;
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      Word* dst = out + p * C * P;
-      const int64_t rows = N - p * P < P ? N - p * P : P;
-      const Word* src = w + p * P * C;
-      if (rows < P) std::memset(dst, 0, sizeof(Word) * C * P);
-      for (int64_t c = 0; c < C; ++c)
-        for (int64_t j = 0; j < rows; ++j) dst[c * P + j] = src[j * C + c];
-    }
-  });
+  pack_panels_words<P>(w, N, C, out, [](Word v) { return v; });
 }
 
 }  // namespace cpu

@@ -123,6 +123,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self._packed: torch.Tensor | None = None
         self._small: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # the panels' memory kept between an unpack and the next pack
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         old = state_dict.pop(prefix + "weight_t", None)
@@ -137,23 +138,47 @@ class Linear(nn.Module):
         w = self.weight
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.numel() == 0
                 or not _mkldnn_packing_available()):
-            self._packed = self._small = None
+            self._packed = self._small = self._spare = None
             return False
         with torch.no_grad():
             w = w.detach().contiguous()  # a view already (a tied table too): no copy
+            self._packed = None  # freed first: the new copy can take its place in the heap
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
-            small = w.dtype == torch.float32 and small_linear_available()
-            if w.dtype == torch.bfloat16:
-                self._small = torch.ops.megatron_spec.linear_pack_bf16(w) if bf16_small_linear_available() else None
-            elif small and BF16_WEIGHT_PANELS and hasattr(torch.ops.megatron_spec, "linear_pack_bf16w") and bf16_exact(w):
-                self._small = torch.ops.megatron_spec.linear_pack_bf16w(w)
-            else:
-                self._small = torch.ops.megatron_spec.linear_pack_f32(w) if small else None
+            old = self._small if self._small is not None else self._spare
+            self._small, self._spare = self._pack_panels(w, old), None
         return True
 
-    def unpack(self) -> None:
+    @staticmethod
+    def _pack_panels(w: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None:
+        """The kernel's panels of ``w`` for its dtype (None where the kernel cannot run), written into ``old``
+        where it has their layout (a weight sync: no allocation, no page faults)."""
+        ops = torch.ops.megatron_spec
+        if w.dtype == torch.bfloat16:
+            pack, dtype = (ops.linear_pack_bf16, torch.bfloat16) if bf16_small_linear_available() else (None, None)
+        elif not small_linear_available():
+            pack, dtype = None, None
+        elif BF16_WEIGHT_PANELS and bf16_exact(w):
+            pack, dtype = ops.linear_pack_bf16w, torch.bfloat16
+        else:
+            pack, dtype = ops.linear_pack_f32, torch.float32
+        if pack is None:
+            return None
+        n, k = w.shape
+        layout = (-(-n // 16), -(-k // 2), 16, 2) if w.dtype == torch.bfloat16 else (-(-n // 16), k, 16)
+        if old is not None and old.dtype == dtype and tuple(old.shape) == layout:
+            ops.linear_pack_into(w, old)
+            return old
+        return pack(w)
+
+    def unpack(self, keep: bool = False) -> None:
+        """Drop the packed copies (the weights are about to change, or are released); ``keep``: keep the panels'
+        memory, unused, for the next :meth:`pack` to write into."""
         global PACK_EPOCH
         PACK_EPOCH += 1
+        if not keep:
+            self._spare = None
+        elif self._small is not None:
+            self._spare = self._small
         self._packed = self._small = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,19 +206,20 @@ class TiedLinear(Linear):
         self._name = name
         self.out_features, self.in_features = getattr(owner, name).shape
         self.bias = None
-        self._packed = self._small = None
+        self._packed = self._small = self._spare = None
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         return getattr(self._owner[0], self._name)
 
 
-def pack_linears(module: nn.Module, enable: bool = True) -> int:
-    """(Re)pack every :class:`Linear` in ``module`` (or drop the packed copies); returns how many."""
+def pack_linears(module: nn.Module, enable: bool = True, keep: bool = False) -> int:
+    """(Re)pack every :class:`Linear` in ``module`` (or drop the packed copies, with ``keep``: keeping the panels'
+    memory for the next pack, as a weight update does); returns how many."""
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):
-            n += m.pack() if enable else (m.unpack() or 0)
+            n += m.pack() if enable else (m.unpack(keep) or 0)
     return n
 
 

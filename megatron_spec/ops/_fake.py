@@ -103,6 +103,11 @@ def _linear_pack_bf16w_fake(w):
     return w.new_empty(((n + 15) // 16, k, 16), dtype=torch.bfloat16)
 
 
+@torch.library.register_fake("megatron_spec::linear_pack_into")
+def _linear_pack_into_fake(w, packed):
+    torch._check(w.dim() == 2, lambda: f"linear_pack_into expects a 2-D weight, got {w.dim()}-D")
+
+
 @torch.library.register_fake("megatron_spec::linear_pack_bf16")
 def _linear_pack_bf16_fake(w):
     torch._check(w.dim() == 2, lambda: f"linear_pack_bf16 expects a 2-D weight, got {w.dim()}-D")

@@ -137,3 +137,54 @@ def test_linear_layer_keeps_bf16_panels_only_for_bf16_weights(monkeypatch):
     with torch.no_grad():
         lin.weight[0, 0] += 1e-4  # an fp32 weight (a trainer's update): fp32 panels
     assert lin.pack() and lin._small.dtype == torch.float32
+
+
+@pytest.mark.parametrize("n,k", [(50, 37), (33, 64), (20, 576)])
+def test_pack_into_writes_what_a_fresh_pack_makes(n, k):
+    """linear_pack_into rewrites panels in place (a weight sync's re-pack) with the bits of each fresh pack."""
+    ops = torch.ops.megatron_spec
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    cases = [(ops.linear_pack_f32, w), (ops.linear_pack_bf16w, w.bfloat16().float()),
+             (ops.linear_pack_bf16, w.bfloat16())]
+    for pack, src in cases:
+        packed = pack(torch.randn(src.shape, generator=g).bfloat16().to(src.dtype))  # panels of earlier weights
+        ptr = packed.data_ptr()
+        ops.linear_pack_into(src.t().contiguous().t(), packed)  # from a strided view too
+        assert packed.data_ptr() == ptr and torch.equal(packed, pack(src)), pack
+
+
+def test_pack_into_refuses_other_layouts():
+    ops = torch.ops.megatron_spec
+    w = torch.randn(20, 8)
+    with pytest.raises(RuntimeError, match="packs into"):
+        ops.linear_pack_into(w, ops.linear_pack_f32(torch.randn(40, 8)))
+    with pytest.raises(RuntimeError, match="packs into"):
+        ops.linear_pack_into(w, ops.linear_pack_bf16(w.bfloat16()))
+    with pytest.raises(RuntimeError, match="not bfloat16 numbers"):
+        ops.linear_pack_into(w, ops.linear_pack_bf16w(w.bfloat16().float()))
+    torch.library.opcheck(ops.linear_pack_into, (w, ops.linear_pack_f32(w)))
+
+
+def test_layer_repacks_into_the_panels_it_kept():
+    """An update's unpack(keep=True) then pack() writes the new weights into the same panels: the layer's output
+    is that of a freshly packed layer; unpack() without keep frees them."""
+    from megatron_spec.layers.linear import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(576, 100).eval()
+    lin.pack()
+    ptr = lin._small.data_ptr()
+    lin.unpack(keep=True)
+    with torch.no_grad():
+        lin.weight.add_(torch.randn_like(lin.weight))
+    lin.pack()
+    assert lin._small.data_ptr() == ptr
+    fresh = Linear(576, 100).eval()
+    fresh.load_state_dict(lin.state_dict())
+    fresh.pack()
+    x = torch.randn(5, 576)
+    with torch.no_grad():
+        assert torch.equal(lin(x), fresh(x))
+    lin.unpack()
+    assert lin._small is None and lin._spare is None

@@ -244,7 +244,7 @@ class EngineServer(WeightReceiver):
         for group in self._session_groups:
             module = self.target if group == "target" else self._draft_module()
             if module is not None:
-                pack_linears(module, enable=False)  # packed copies are stale until the update ends
+                pack_linears(module, enable=False, keep=True)  # stale until the update ends, re-packed in place
         self._updating = {}
         self._timings = dict.fromkeys(SYNC_TIMINGS, 0.0)
 
@@ -392,18 +392,9 @@ class EngineServer(WeightReceiver):
         return out
 
 
-THP_ENV = "THP_MEM_ALLOC_ENABLE"
-"""torch's switch for transparent huge pages on its CPU allocations of 2 MiB and more (``c10/core/alloc_cpu.cpp``),
-read at the process's first such allocation. The engine process turns it on (unless the environment says
-otherwise): every weight update re-packs the linear layers into freshly allocated copies, and with 4 KiB pages
-that cost ~290,000 page faults a sync for SmolLM2 in fp32 (~2,000 with huge pages; the re-pack's seconds are
-noisy on a shared 2-core VM either way: ``benchmarks/bench_sync.py --model smollm2``)."""
-
-
 def serve_process(config: EngineConfig, conn) -> None:
     """The engine process's target: :func:`serve`, then the process ends without the interpreter's
     finalisation (``megatron_spec.exit``; 2-3 s the trainer would wait for at every shutdown)."""
-    os.environ.setdefault(THP_ENV, "1")  # before the first large allocation (see THP_ENV)
     serve(config, conn)
     conn.close()
     exit_now(0)
