@@ -129,9 +129,6 @@ class HFCheckpoint:
             raise CheckpointError(f"tensor {name} missing in HF checkpoint {self.path}")
         return tuple(self._handle(fname).get_slice(name).get_shape())
 
-    def has_tokenizer(self) -> bool:
-        return any(os.path.isfile(os.path.join(self.path, f)) for f in ("tokenizer.json", "tokenizer.model"))
-
     def close(self) -> None:
         self._handles.clear()
 

@@ -121,10 +121,3 @@ PRESETS: dict[str, Workload] = {
     "rl-think": Workload(name="rl-think", prompts_per_step=256, samples_per_prompt=16, prompt_len=200,
                          response_median=3000.0, response_sigma=0.8, max_response_len=16384),
 }
-
-
-def get_workload(name: str) -> Workload:
-    try:
-        return PRESETS[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown workload preset {name!r}; expected one of {', '.join(PRESETS)}") from None

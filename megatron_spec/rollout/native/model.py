@@ -121,10 +121,6 @@ class CausalLM(nn.Module):
         """Logits (float32) of final-normed hidden states, through the LM head or the tied embedding table."""
         return (self.lm_head(normed) if self.lm_head is not None else self.tied_head(normed)).float()
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype | None = None) -> KVCache:
         return KVCache(self.cfg.num_layers, num_slots, self.cfg.num_kv_heads, max_len, self.cfg.head_dim,
                        dtype or self.embed_tokens.weight.dtype, self.device)
