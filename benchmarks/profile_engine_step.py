@@ -20,7 +20,7 @@ Two levels, per dtype and batch size B:
   the scheduler's own host work (the rest), scaled to the unprofiled run's wall time.
 
 The scopes are added here by wrapping the functions from outside (the engine's code carries no
-profiling). Prints both tables (markdown, for docs/benchmarks.md) and ends with one JSON line.
+profiling). Prints both tables (markdown, for docs/benchmark_log.md) and ends with one JSON line.
 """
 
 from __future__ import annotations

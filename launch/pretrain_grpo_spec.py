@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(fallback_line(), file=sys.stderr, flush=True)
         if policy:
             print(f"OMP_WAIT_POLICY={policy}: generation overlaps training on the same cores "
-                  "(docs/benchmarks.md, \"OpenMP's wait policy\")", file=sys.stderr, flush=True)
+                  "(docs/benchmark_log.md, \"OpenMP's wait policy\")", file=sys.stderr, flush=True)
 
     from megatron_spec.parallel import destroy_parallel
     from megatron_spec.rl.trainer import GRPOTrainer

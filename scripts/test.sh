@@ -9,11 +9,8 @@
 #
 # With no arguments the suite runs on TEST_WORKERS pytest-xdist workers (default 2; 0 runs it in this
 # process), each file on one worker: much of a test's time is a subprocess starting, importing torch
-# and megatron-core, or waiting on a rendezvous, which the other worker fills. Measured alone on a
-# 2-core machine: 926 s on 2 workers, 1192 s in one process, 1022 s on 3 workers (an older, smaller suite).
-# The whole suite from a fresh clone on a quiet 2-core AVX2 machine (2026-11-28): 1298 s of tests, 28.7 min with the
-# set-up; 2255 s of tests before processes ended without the interpreter's finalisation (megatron_spec/exit.py),
-# the parity checks ran in one launch per TP size and the CUDA build test skipped while its inputs are unchanged.
+# and megatron-core, or waiting on a rendezvous, which the other worker fills (on 2 cores, 2 workers
+# beat both one process and 3 workers).
 # With no arguments, on a CPU with native bf16 the engine, rollout and kernel tests (not the statistical
 # ones, below) then run a second time, on the same workers, with MEGATRON_SPEC_NO_NATIVE_BF16=1: the path a
 # CPU without AVX-512 takes (fp32 engine, AVX2 kernels). On a CPU without native bf16 the first run already
@@ -37,10 +34,8 @@ WORKERS=(-n "${TEST_WORKERS:-2}" --dist loadfile)
 # The engine, rollout and kernel tests: whatever behaves differently with and without native bf16. The
 # second run leaves out the statistical tests: they pin the engine to fp32 (their oracle is the fp32 target),
 # so the switch changes only which kernel variant runs (AVX2 instead of AVX-512), and tests/ops checks every
-# variant bit for bit against its pure-PyTorch reference in both runs. Measured on a 2-core AVX2 machine
-# (2026-11-29): the set in one process ~560 s of tests, on 2 workers 335 s, on 2 workers without the
-# statistical tests 146 s. CI had taken 1829 s where this machine's whole suite took 20-27 min; the second run,
-# which only a CPU with native bf16 makes, in one process then, is the likely difference.
+# variant bit for bit against its pure-PyTorch reference in both runs. On 2 workers and without the
+# statistical tests the second run takes about a quarter of the set's time in one process.
 NO_NATIVE_BF16_TESTS=(
     tests/test_isa.py
     tests/ops

@@ -55,7 +55,7 @@ def compiling_pays(dtype: torch.dtype) -> bool:
     ``benchmarks/bench_fused_layers.py``, tokens/s, C++ layers / compiled layer): fp32 78.6 / 64.6 at batch 1,
     295.5 / 283.7 at batch 16 (bf16 before the C++ layers: eager over the kernels 76.0-77.6, compiled
     59.7-61.2 at batch 1). Elsewhere (no extension, or bf16 without bf16 dot products) compiling gains
-    1.1-1.2x at batch 1 (docs/benchmarks.md)."""
+    1.1-1.2x at batch 1 (docs/benchmark_log.md)."""
     from megatron_spec.layers.decoder import fused_layers_available
     from megatron_spec.layers.linear import bf16_small_linear_available, small_linear_available
 

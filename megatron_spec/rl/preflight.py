@@ -151,7 +151,7 @@ def openmp_wait_policy(cfg: RunConfig, env: Mapping[str, str]) -> str | None:
     Trainer and engine then compute at the same time on the same cores, and libgomp's threads, which
     spin for a while before they sleep when they wait, take the cores from the other process's threads:
     on a 2-core CPU the demo's GRPO loop ran at 6.0-6.5 s a step asynchronous against 3.4 s synchronous,
-    and at 3.4-3.8 s asynchronous with the passive policy (docs/benchmarks.md, "OpenMP's wait policy").
+    and at 3.4-3.8 s asynchronous with the passive policy (docs/benchmark_log.md, "OpenMP's wait policy").
     A process alone on its cores runs faster spinning (the engine decodes up to 2x faster), so the
     synchronous loop keeps the default. libgomp reads the variable once, when torch loads it: the
     launcher sets it before importing torch, and the processes it starts inherit it."""

@@ -19,9 +19,8 @@ row at its first response token already matches its siblings' openings.
   indexed: no rebuild);
 * propose: at most ``max_match - min_match + 1`` lookups, longest n first; of the newest
   ``max_candidates`` occurrences with at least one token after it (not the row's own end), the
-  continuation most of them wrote, token by token, up to k tokens, with each token's support
-  (replayed on SmolLM2's T=1 sibling answers: 1.34 tokens accepted per proposal, against 1.20 for
-  the newest occurrence's continuation alone; ~12 us a proposal against ~5);
+  continuation most of them wrote, token by token, up to k tokens, with each token's support (more
+  tokens accepted a proposal than the newest occurrence's continuation alone, for twice its cost);
 * memory: bounded per group (``max_tokens_per_group``; a group past it stops indexing, still
   proposes) and freed when the group's last row finishes (its responses then go to the history of
   finished responses, ``HistoryIndex``).
@@ -34,11 +33,8 @@ than ~8 tokens almost never change which continuation is proposed (what follows 
 what follows its last 8 tokens, in the texts of one prompt). The bounded n-gram table has the same
 append order, a fixed small constant, and plain tuple hashing in C. The suffix array of
 ``HistoryIndex`` is rebuilt per added response: right for finished responses, wrong for text that
-grows every step. Measured (2-core AMD EPYC, a loaded machine; ``tests/spec/test_spec_live.py``
-prints them: 8 rows of 4000 similar tokens, 4 appended per row and step): append 8.4 us per token
-with the group nearly empty, 12.5 us at 32k indexed tokens (7 table updates a token); propose 8.3 us
-(median). A verify step of a SmolLM2-135M engine at batch 16 takes ~200 ms on this CPU, the index
-~1 ms of it (16 rows x 4 tokens).
+grows every step. Appending and proposing cost microseconds a token, ~1 ms of a ~200 ms verify step of
+SmolLM2-135M at batch 16 on 2 cores (docs/benchmark_log.md, "The live group index's costs").
 
 Like ``HistoryIndex`` it knows no models or probabilities: a proposal is a point-mass draft that
 the verifier accepts with the target's own probability, so the output distribution is the target's.

@@ -3,7 +3,7 @@
 With ``--bf16`` the model's weights are bf16 (the forward and backward run in bf16), but an
 update of lr * m/sqrt(v) ~ 1e-6 is far below half a bf16 ulp of a weight of 0.02 (2^-14 ~ 6e-5),
 so AdamW stepping bf16 weights directly rounds every update away: with lr 1e-6, 0 of 1000
-weights changed in 10 steps (issue 15). Mixed-precision training keeps an fp32 *main* copy of
+weights changed in 10 steps. Mixed-precision training keeps an fp32 *main* copy of
 every bf16 weight, runs AdamW (fp32 ``exp_avg`` / ``exp_avg_sq``) on the main copies with the
 fp32 gradients megatron-core's DDP accumulates in ``param.main_grad``
 (``grad_reduce_in_fp32=True``), and rounds the main copies back into the bf16 weights after

@@ -171,7 +171,7 @@ def test_sglang_missing_on_a_gpu_is_one_line_naming_the_native_backend(models, m
 
 
 def test_openmp_waits_passively_only_where_generation_overlaps_training():
-    """docs/benchmarks.md, "OpenMP's wait policy": the demo loop ran 6.0-6.5 s a step asynchronous with
+    """docs/benchmark_log.md, "OpenMP's wait policy": the demo loop ran 6.0-6.5 s a step asynchronous with
     spinning OpenMP threads, 3.3-3.8 s with sleeping ones; synchronous runs keep the default."""
     cfg = RunConfig()
     assert openmp_wait_policy(cfg, {}) is None  # synchronous

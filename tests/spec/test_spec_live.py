@@ -116,7 +116,7 @@ def test_append_cost_does_not_grow_with_the_group():
     """A GRPO group: 8 rows writing 4000 tokens each (similar texts), each row 40 tokens behind the
     one before (rows start and accept at different rates; a sibling helps only where it is ahead).
     The per-token append cost late in the group (32k tokens indexed) stays within a small factor of
-    the cost early on; propose takes microseconds. The measured costs are printed (docs/benchmarks.md
+    the cost early on; propose takes microseconds. The measured costs are printed (docs/benchmark_log.md
     quotes them)."""
     rng = random.Random(0)
     base = [rng.randrange(49152) for _ in range(4000)]

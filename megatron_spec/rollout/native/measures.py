@@ -119,7 +119,7 @@ class SupportStats(AcceptanceStats):
     wrote it (``agree``) of how many reached it (``total``). What that is worth is learned, not assumed:
     on SmolLM2's T=1 answers a token two or more siblings all wrote was the target's 75-91% of the time,
     a minority's 18-21%, a lone sibling's 45% at the first position and 68% further on
-    (``benchmarks/bench_live_support.py``: a lockstep replay of 256 answers, docs/benchmarks.md)."""
+    (``benchmarks/bench_live_support.py``: a lockstep replay of 256 answers, docs/benchmark_log.md)."""
 
     def __init__(self, decay: float = 1.0):
         super().__init__(SUPPORT_CLASSES, decay)  # tried / accepted per class instead of per position
