@@ -169,6 +169,7 @@ class SpecConfig:
     spec_history_live: bool = _setting("spec_history_live")
     spec_history_max_draft_tokens: int = _setting("spec_history_max_draft_tokens")
     spec_history_tree: str = _setting("spec_history_tree")
+    spec_trace: str | None = _setting("spec_trace")
     spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
     spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")

@@ -155,6 +155,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("spec_history_tree", "spec", "auto", "tree steps beside --spec-history (the drafter's and the "
             "history's proposals as two branches of one verify): auto (where the cost model expects them to "
             "pay) or off", HISTORY_TREE_MODES, engine="history_tree", alias="--history-tree"),
+    Setting("spec_trace", "spec", None, "native engine with --spec-num-draft-tokens auto: append the adaptive "
+            "controller's decision of every verify step (plan, predicted and realised tokens/s, seconds) to this "
+            "file as JSON lines (rollout/native/decision_trace.py)", parse=str, engine="spec_trace"),
     Setting("spec_mtp_num_layers", "spec", 1, "MTP heads trained beside the policy (spec-draft-kind mtp)",
             engine="mtp_num_layers", generate=False),
 )
@@ -219,6 +222,9 @@ def check_speculation(values: Mapping[str, Any], backend: str | None = None) -> 
     if values.get("spec_history_tree", "auto") not in HISTORY_TREE_MODES:
         raise ValueError(f"--spec-history-tree must be one of {HISTORY_TREE_MODES}, "
                          f"got {values.get('spec_history_tree')!r}")
+    if values.get("spec_trace") and (k != "auto" or kind == "none"):
+        raise ValueError("--spec-trace records the adaptive controller's decisions: it needs "
+                         "--spec-num-draft-tokens auto and a --spec-draft-kind")
     if backend in ("sglang", "vllm") and (k == "auto" or history or kind == "history"):
         name = {"sglang": "SGLang's", "vllm": "vLLM's"}[backend]
         raise ValueError(f"--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need the "
@@ -288,6 +294,9 @@ class EngineConfig:
     history's as two branches of one verify, ``megatron_spec.spec.verify_tree``): ``auto`` where the
     controller expects them to pay, or ``off`` (the tests force them with the test hook
     ``history_tree_always``, ``megatron_spec.faults``)."""
+    spec_trace: str | None = None
+    """A JSON-lines file the adaptive controller appends its decision of every verify step to
+    (:mod:`megatron_spec.rollout.native.decision_trace`), or None."""
     device: str = "cpu"
     """Where the native engine runs: ``cpu``, ``cuda`` or ``cuda:N`` (the trainer passes its own device, so a
     GPU rank's engine shares its GPU). SGLang places itself (``tp_size`` GPUs from this process's)."""

@@ -15,10 +15,9 @@ from megatron_spec.rollout.native.adaptive import (
     CostTable,
     DraftLengthController,
     StepPlan,
-    expected_tokens,
     plan_step,
-    size_class,
 )
+from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
 from megatron_spec.rollout.native.measures import SupportStats, paying_prefix, support_class
 
 
@@ -340,7 +339,7 @@ def _train_tree(ctl: DraftLengthController, b: int, per_token_s: float, realized
     tree rows emit ``realized_frac`` of the drafted tokens the controller predicted."""
     import random
 
-    from megatron_spec.rollout.native.adaptive import tree_expected_tokens
+    from megatron_spec.rollout.native.cost_model import tree_expected_tokens
 
     rng = random.Random(0)
 

@@ -244,3 +244,31 @@ def test_tree_steps_greedy_identical_to_transformers(setup, greedy_reference, ki
     for s in samples:
         assert s.output_ids == ref[int(s.request_id[1:])], (kind, s.request_id, s.sample_index)
     assert stats.source_accept_length("tree") > stats.source_accept_length(kind)
+
+
+def test_spec_trace_records_every_adaptive_decision(setup, tmp_path):
+    """--spec-trace: one JSON line per verify step the controller planned (its rows add up to the engine's
+    row-steps), with its plan, predicted and realised rates; the output unchanged by tracing."""
+    import json
+
+    path = tmp_path / "sub" / "trace.jsonl"
+    prompts = _prompts(setup.cfg, 4)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=24)
+    reqs = [GenerateRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    plain = _server(setup, "ngram", num_draft_tokens="auto", max_draft_tokens=3, max_batch_size=4)
+    traced = _server(setup, "ngram", num_draft_tokens="auto", max_draft_tokens=3, max_batch_size=4,
+                     spec_trace=str(path))
+    want, _ = plain.generate(reqs)
+    got, stats = traced.generate(reqs)
+    assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records and [r["step"] for r in records] == sorted(r["step"] for r in records)
+    for r in records:
+        assert r["plan"] in ("all", "history", "tree") and 0 <= r["k"] <= 3
+        assert r["rows"] >= 1 and r["seconds"] > 0
+        assert r["realized_tps"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-3)
+    assert sum(r["rows"] for r in records) == sum(stats.k_counts)  # every row-step the controller planned
+    assert sum(r["tokens"] for r in records) <= stats.num_tokens
+    assert any(r["predicted_tps"] is not None for r in records)
+    with pytest.raises(ValueError, match="--spec-trace records the adaptive controller"):
+        EngineConfig(model_path=setup.target, draft_kind="ngram", num_draft_tokens=3, spec_trace=str(path))

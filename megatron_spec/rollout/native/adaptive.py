@@ -23,10 +23,8 @@ Both are measured online by the engine, nothing is tuned to one machine (the two
   linearly between sizes it has seen (extrapolating with the slope of the two nearest, never
   below zero slope). A median shrugs off a slow outlier (interference from other processes, a
   cold first call) and a lucky fast one alike, and it weighs a size measured in few steps the
-  same way as one measured in many. (An average
-  that fell fast and rose slowly, tried first, kept the lucky lows of the sizes chosen rarely: on
-  the GRPO workload it put k=2 at B=16 10% under its real 55 ms a step and chose it over the
-  faster k=3 in 36 of 66 steps.) Steps that carried a prompt's prefill are not recorded (their
+  same way as one measured in many (an average keeps the lucky lows of the sizes chosen rarely,
+  and then chooses them). Steps that carried a prompt's prefill are not recorded (their
   time is not the step's).
 * :class:`AcceptanceStats` counts, per draft position, how often it was tried and accepted:
   per batch with a slow decay (so it follows the draft and the policy as they train) and per
@@ -51,14 +49,13 @@ correlated, both right on easy text, and the independence estimate is optimistic
 ``explore_every``-th step it tries a neighbour of the best k instead (alternately above and below),
 so the cost table and the deeper positions' acceptance keep being measured, but only a neighbour
 expected to give at least ``explore_margin`` of the best rate (or on every ``explore_every *
-explore_rare``-th step): where speculation loses badly (a large batch on a compute-bound CPU, where
-a verify of B(k+1) tokens costs nearly k+1 plain steps), trying k = 1 every 8th step cost 10-15% of
-the plain rate; and a neighbour whose last such try gave less than the best plan's rate waits twice as
-long for the next (up to the rare steps' period; a try that does better resets it): on SmolLM2 at
-batch 16 on 2 cores, fp32, k = 1 predicted inside the margin and lost 25% of a step's rate on each of
-up to 6 tries per call. A packed verify (history rows drafting, the others not) runs the Python
-layers, not the C++ stack: it is priced as an unpacked forward of as many tokens times
-``packed_ratio``, learned from the packed steps (1.11 at batch 16 there), and stays out of the verify table.
+explore_rare``-th step), since where speculation loses badly (a large batch on a compute-bound CPU,
+where a verify of B(k+1) tokens costs nearly k+1 plain steps) each try costs a step's worth of rate;
+and a neighbour whose last such try gave less than the best plan's rate waits twice as long for the
+next (up to the rare steps' period; a try that does better resets it). A packed verify (history rows
+drafting, the others not) runs the Python layers, not the C++ stack: it is priced as an unpacked
+forward of as many tokens times ``packed_ratio``, learned from the packed steps, and stays out of the
+verify table.
 The choice never changes any output distribution: verification is exact for every
 k, m and mode.
 
@@ -69,10 +66,10 @@ measured, then a running mean that becomes an EMA), multiplies that plan's predi
 on. The model leaves things out that this catches: choosing the best of several noisy estimates
 picks the ones that happen to be high (a plan chosen because its acceptance or cost looked good
 this step gives less than predicted, on average); EAGLE-3's first pass after plain steps extends
-over every token they emitted; a speculative step's host work grows with the rows' drafts. On
-SmolLM2-135M at batch 16 on 2 cores, where k = 1 predicts within a few percent of plain decoding,
-the controller had chosen it in up to two thirds of a call's steps (0.91 of plain decoding over the
-calls, against 0.97 with k forced to 0); calibrated, it keeps to plain decoding there (0.96).
+over every token they emitted; a speculative step's host work grows with the rows' drafts. Where a
+plan predicts within a few percent of plain decoding, this is what keeps the controller on plain
+decoding. The measurements behind these choices: docs/benchmark_log.md, "The adaptive controller's
+design, measured".
 
 This module knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and
 accepted counts.
@@ -87,40 +84,11 @@ import numpy as np
 
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.config import HISTORY_TREE_MODES
+from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
 from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats, paying_prefix
 
 Option = tuple[Sequence[float], "int | None"]
 """One draft source of one row: acceptance per position, and its proposal length (None: any k)."""
-
-
-def expected_tokens(alpha: Sequence[float], k: int, limit: int | None = None) -> float:
-    """``1 + sum_{i<=k'} prod_{j<=i} alpha[j]`` with ``k' = min(k, limit)`` (a proposal shorter
-    than k drafts only ``limit`` tokens)."""
-    k = k if limit is None else min(k, limit)
-    total, run = 1.0, 1.0
-    for i in range(k):
-        run *= alpha[i]
-        total += run
-    return total
-
-
-def tree_expected_tokens(main: Sequence[float], k: int, hist: Sequence[float] | None, limit: int, m: int) -> float:
-    """``1 + sum_j (1 - (1 - PA_j)(1 - PB_j))`` for a tree row: PA_j the main branch's chance to accept
-    j drafts (j <= k), PB_j the history branch's chance to match j tokens (j <= min(m, limit))."""
-    if hist is None or not limit or not m:
-        return expected_tokens(main, k)
-    m = min(m, limit)
-    total, pa, pb = 1.0, 1.0, 1.0
-    for j in range(max(k, m)):
-        pa = pa * main[j] if j < k else 0.0
-        pb = pb * hist[j] if j < m else 0.0
-        total += pa + pb - pa * pb
-    return total
-
-
-def size_class(b: int) -> int:
-    """The batch-size class a calibration is kept per: 1, 2-3, 4-7, 8-15, 16-31, ..."""
-    return b.bit_length()
 
 
 class StepPlan(NamedTuple):
@@ -186,8 +154,14 @@ class DraftLengthController:
         self.draft = CostTable()  # one draft pass (a proposal over k), keyed by rows B
         self.proposal: dict[int, CostTable] = {}  # a whole proposal of k tokens, per k, keyed by rows B
         self._steps = 0
+        self.last_plan: tuple[StepPlan, int] | None = None  # the last plan chosen and its rows
+        self.trace = None  # a callable given each step's outcome (decision_trace.DecisionTrace), or None
         self._explore_up = True
         self._measured_wide: set[int] = set()
+
+    @property
+    def steps(self) -> int:
+        return self._steps
 
     def source(self, name: str) -> AcceptanceStats:
         if name not in self.batch:
@@ -323,7 +297,13 @@ class DraftLengthController:
             self.tree_calibration += self.tree_calibration_ema * (ratio - self.tree_calibration)
 
     def choose_step(self, options: Sequence[Sequence[Option]]) -> StepPlan:
-        """The next step's :class:`StepPlan`; ``options[b]``: row b's draft sources as (acceptance per
+        """The next step's :class:`StepPlan` (:meth:`_choose`), kept with its rows for the trace."""
+        plan = self._choose(options)
+        self.last_plan = (plan, len(options))
+        return plan
+
+    def _choose(self, options: Sequence[Sequence[Option]]) -> StepPlan:
+        """``options[b]``: row b's draft sources as (acceptance per
         position (``row_alpha``), proposal length or None for any k), the main drafter's first.
 
         A batch whose widest step (``k_main`` drafts per row) is larger than any verify the table has
@@ -390,6 +370,8 @@ class DraftLengthController:
         realised over predicted. A step that carried a prefill is not representative and is skipped."""
         chosen, self._chosen = self._chosen, None
         explored, self._explored = self._explored, None
+        if self.trace is not None and self.last_plan is not None:
+            self.trace(self, tokens, seconds, prefill, chosen, explored)
         if explored is not None and not prefill and seconds > 0:
             plan, b, best_rate = explored
             key = (plan, size_class(b))

@@ -42,13 +42,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_spec.rollout.native.adaptive import (
-    DraftLengthController,
-    StepPlan,
-    plan_step,
-    record_unused_history,
-    tree_expected_tokens,
-)
+from megatron_spec.rollout.native.adaptive import DraftLengthController, StepPlan, plan_step, record_unused_history
+from megatron_spec.rollout.native.cost_model import tree_expected_tokens
 from megatron_spec.rollout.native.measures import AcceptanceStats
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.model import CausalLM, Segment

@@ -90,6 +90,10 @@ class EngineServer(WeightReceiver):
                                history_tree=config.history_tree,
                                max_batch_size=config.max_batch_size, context_length=config.context_length,
                                seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
+        if config.spec_trace and self.core.controller is not None:
+            from megatron_spec.rollout.native.decision_trace import DecisionTrace
+
+            self.core.controller.trace = DecisionTrace(config.spec_trace)
         self.core.allocate()
         for module in (self.target, self._draft_module()):
             if module is not None:
