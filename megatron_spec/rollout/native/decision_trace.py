@@ -12,7 +12,7 @@ seen step by step rather than only in a benchmark's ratio::
 the first, the widest-batch measurement, a forced tree), ``calibration`` the realised-over-predicted
 factor it was multiplied by when chosen, ``best_tps`` the calibrated rate of the best plan (an exploring
 step ran another), ``tokens`` / ``seconds`` what the step kept and took (proposal, verify, host work).
-``scripts``-free reading: ``pandas.read_json(path, lines=True)``.
+Read it with ``pandas.read_json(path, lines=True)`` or line by line with ``json.loads``.
 """
 
 from __future__ import annotations
