@@ -265,7 +265,8 @@ def test_spec_trace_records_every_adaptive_decision(setup, tmp_path):
     assert records and [r["step"] for r in records] == sorted(r["step"] for r in records)
     for r in records:
         assert r["plan"] in ("all", "history", "tree") and 0 <= r["k"] <= 3
-        assert r["rows"] >= 1 and r["seconds"] > 0
+        assert r["rows"] >= 1 and r["seconds"] > 0 and 0 <= r["draft_s"] <= r["seconds"]
+        assert (r["draft_s"] > 0) == (r["k"] > 0)  # the n-gram drafter proposes in every speculative step
         assert r["realized_tps"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-3)
     assert sum(r["rows"] for r in records) == sum(stats.k_counts)  # every row-step the controller planned
     assert sum(r["tokens"] for r in records) <= stats.num_tokens

@@ -155,6 +155,7 @@ class DraftLengthController:
         self.proposal: dict[int, CostTable] = {}  # a whole proposal of k tokens, per k, keyed by rows B
         self._steps = 0
         self.last_plan: tuple[StepPlan, int] | None = None  # the last plan chosen and its rows
+        self.last_draft_s = 0.0  # the main drafter's proposal time in the last step (0: it did not run)
         self.trace = None  # a callable given each step's outcome (decision_trace.DecisionTrace), or None
         self._explore_up = True
         self._measured_wide: set[int] = set()
@@ -399,6 +400,7 @@ class DraftLengthController:
         recorded."""
         for stats in (*self.batch.values(), self.support):
             stats.decay_all()
+        self.last_draft_s = draft_s  # for the trace (record_outcome follows)
         if prefill:
             return
         if tokens is None:
