@@ -126,18 +126,9 @@ TileFn tile_for(bool native) {
 at::Tensor linear_pack_bf16(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.device().is_cpu(),
               "linear_pack_bf16: expects a 2-D bfloat16 CPU weight [N, K], got ", w.sizes(), " ", w.scalar_type());
-  const auto wc = w.contiguous();
-  const int64_t N = wc.size(0), K = wc.size(1), panels = (N + kPanel - 1) / kPanel, C = (K + 1) / 2;
-  if (K % 2 == 0 && N > 0 && K > 0) {  // pairs along K are the 32-bit words of a row: one pass (cpu/panels.h)
-    auto out = at::empty({panels, C, kPanel, 2}, wc.options());
-    cpu::pack_panels_words<kPanel>(reinterpret_cast<const uint32_t*>(wc.data_ptr()), N, C,
-                                   reinterpret_cast<uint32_t*>(out.data_ptr()));
-    return out;
-  }
-  auto padded = at::zeros({panels * kPanel, 2 * C}, wc.options());
-  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(wc);
-  // [panels, 16, C, 2] -> [panels, C, 16, 2]
-  return padded.view({panels, kPanel, C, 2}).transpose(1, 2).contiguous();
+  auto out = at::empty({(w.size(0) + kPanel - 1) / kPanel, (w.size(1) + 1) / 2, kPanel, 2}, w.options());
+  cpu::pack_bf16_pairs_into(w, out);
+  return out;
 }
 
 at::Tensor linear_small_bf16(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,

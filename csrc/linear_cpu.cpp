@@ -171,15 +171,7 @@ void linear_pack_into(const at::Tensor& w, at::Tensor packed) {
                     packed.sizes() == at::IntArrayRef({panels, (K + 1) / 2, kPanel, 2}),
                 "linear_pack_into: a bfloat16 weight [", N, ", ", K, "] packs into [", panels, ", ", (K + 1) / 2,
                 ", 16, 2] bfloat16 panels, got ", packed.sizes(), " ", packed.scalar_type());
-    const auto wc = w.contiguous();
-    if (K % 2 == 0 && N > 0 && K > 0) {
-      cpu::pack_panels_words<kPanel>(reinterpret_cast<const uint32_t*>(wc.data_ptr()), N, K / 2,
-                                     reinterpret_cast<uint32_t*>(packed.data_ptr()));
-    } else {  // an odd K: pad it to pairs first
-      auto padded = at::zeros({panels * kPanel, K + 1}, wc.options());
-      padded.narrow(0, 0, N).narrow(1, 0, K).copy_(wc);
-      packed.copy_(padded.view({panels, kPanel, (K + 1) / 2, 2}).transpose(1, 2));
-    }
+    cpu::pack_bf16_pairs_into(w, packed);
     return;
   }
   TORCH_CHECK(packed.dim() == 3 && packed.sizes() == at::IntArrayRef({panels, K, kPanel}) &&

@@ -9,6 +9,7 @@
 // memory like the copy.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <cstdint>
@@ -45,6 +46,21 @@ Src pack_panels_words(const Src* w, int64_t N, int64_t C, Dst* out, Conv conv, S
 template <int64_t P, typename Word>
 void pack_panels_words(const Word* w, int64_t N, int64_t C, Word* out) {
   pack_panels_words<P>(w, N, C, out, [](Word v) { return v; });
+}
+
+// linear_pack_bf16's layout [ceil(N / 16), ceil(K / 2), 16, 2] of a bf16 weight w [N, K], written into `out`
+// (contiguous, that shape), zero past N and K: one pass over the pairs where K is even, else padded to pairs first.
+inline void pack_bf16_pairs_into(const at::Tensor& w, at::Tensor& out) {
+  const auto wc = w.contiguous();
+  const int64_t N = wc.size(0), K = wc.size(1), panels = (N + 15) / 16, C = (K + 1) / 2;
+  if (K % 2 == 0 && N > 0 && K > 0) {  // pairs along K are the 32-bit words of a row
+    pack_panels_words<16>(reinterpret_cast<const uint32_t*>(wc.data_ptr()), N, C,
+                          reinterpret_cast<uint32_t*>(out.data_ptr()));
+    return;
+  }
+  auto padded = at::zeros({panels * 16, 2 * C}, wc.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(wc);
+  out.copy_(padded.view({panels, 16, C, 2}).transpose(1, 2));  // [panels, 16, C, 2] -> [panels, C, 16, 2]
 }
 
 }  // namespace cpu

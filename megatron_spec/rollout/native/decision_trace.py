@@ -34,7 +34,7 @@ class DecisionTrace:
     def __call__(self, controller: Any, tokens: int, seconds: float, prefill: bool, chosen: tuple | None,
                  explored: tuple | None) -> None:
         plan, rows = controller.last_plan
-        predicted = chosen[2] if chosen is not None and chosen[0] == plan else None
+        predicted = chosen[2] if chosen is not None else None  # chosen: (plan, rows, its predicted rate)
         record = {
             "step": controller.steps, "rows": rows, "plan": plan.mode, "k": plan.k, "m": plan.m,
             "predicted_tps": None if predicted is None else round(predicted, 3),
@@ -46,6 +46,3 @@ class DecisionTrace:
             "prefill": bool(prefill), "pid": self._pid,
         }
         self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
