@@ -57,7 +57,7 @@ def generate(model: str, work: str, prompts: int, samples: int, new_tokens: int,
 def replay(groups: list[list[list[int]]], k: int, candidates: int) -> dict:
     """Lockstep replay of every group (first entry its prompt, then its answers)."""
     from megatron_spec.rollout.native.measures import SUPPORT_CLASSES, SupportStats
-    from megatron_spec.spec.live import LiveIndex
+    from megatron_spec.speculative.live import LiveIndex
 
     accepted = {"majority": [], "newest": []}
     classes = SupportStats()  # what the engine learns online, here from the whole replay

@@ -495,7 +495,7 @@ def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, fl
     repetitions times all of them in turn (fastest of 3 calls each); the costs are the medians
     of the repetitions' ratios, paired like the engine runs (a slow moment slows both sides)."""
     from measure_cpu_profile import best_time
-    from megatron_spec.spec import SamplingTensors
+    from megatron_spec.speculative import SamplingTensors
 
     model, drafter = server.target, server.drafter
     cache = model.new_cache(batch, 128)

@@ -59,7 +59,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_spec.rollout.api import WeightReceiver  # noqa: E402
+from megatron_spec.interfaces import WeightReceiver  # noqa: E402
 
 
 def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, int]:

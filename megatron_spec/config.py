@@ -22,13 +22,8 @@ from typing import Any
 
 import yaml
 
-from megatron_spec.config_values import coerce
+from megatron_spec.config_values import ConfigError, coerce, parse_stop_strings
 from megatron_spec.rollout.config import SETTING, check_speculation, default_text, device_default, parse_num_draft_tokens
-
-
-class ConfigError(ValueError):
-    """A user error in the run's flags, its ``--config`` file or the files the flags name (a missing
-    checkpoint, a draft for another model). The launcher prints it as one ``error:`` line and exits 2."""
 
 
 def _json_object(value: Any, flag: str) -> str:
@@ -300,8 +295,6 @@ class RunConfig:
         if d.system_prompt and not d.apply_chat_template:
             raise ConfigError("--system-prompt needs --apply-chat-template (a system turn exists only in a chat template)")
         try:
-            from megatron_spec.rl.prompting import parse_stop_strings
-
             parse_stop_strings(d.stop)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc

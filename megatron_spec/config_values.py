@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+from collections.abc import Sequence
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user error in the run's flags, its ``--config`` file or the files the flags name (a missing
+    checkpoint, a draft for another model). The launcher prints it as one ``error:`` line and exits 2."""
 
 
 def coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) -> Any:
@@ -14,7 +21,6 @@ def coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) 
     ``"512"``) becomes the number it says, and what is not one is a :class:`ConfigError` naming the key.
     (OmegaConf's structured configs would do this if every field that defaults to None were declared Optional;
     this is the part of it these fields need.)"""
-    from megatron_spec.config import ConfigError
 
     name = f"{group}.{f.name}"
     if value is None:
@@ -52,7 +58,6 @@ def coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) 
 def json_object(flag: str, value) -> dict:
     """A flag whose value is a JSON object (a YAML ``--config`` may give the mapping itself): ``{}`` when unset;
     ``ValueError`` naming the flag for text that is not JSON or not an object."""
-    import json
     from collections.abc import Mapping
 
     if value is None or value == "":
@@ -65,3 +70,20 @@ def json_object(flag: str, value) -> dict:
     if not isinstance(value, Mapping):
         raise ValueError(f"{flag} must be a JSON object, got {str(value)[:80]!r}")
     return dict(value)
+
+
+def parse_stop_strings(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``--stop``: one string, or a JSON list of strings (a YAML ``--config`` may give a list)."""
+    if value is None or value == "":
+        return ()
+    if isinstance(value, str):
+        if value.lstrip().startswith("["):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--stop {value!r} starts with '[' but is not a JSON list of strings: {exc}") from exc
+        else:
+            return (value,)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
+        raise ValueError(f"--stop must be a string or a list of non-empty strings, got {value!r}")
+    return tuple(value)

@@ -40,7 +40,7 @@ NO_NATIVE_BF16_TESTS=(
     tests/test_isa.py
     tests/ops
     tests/rollout
-    tests/spec
+    tests/speculative
     tests/sync/test_streamer.py
     tests/sync/test_fingerprint.py
     tests/draft/test_eagle3_head.py

@@ -66,10 +66,9 @@ FORWARDS = ("logprob", "train")
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """ModelOpt's default EAGLE-3 feature layers ``sorted({1, L//2 - 1, L - 4})``."""
-    from megatron_spec.draft.eagle3_config import default_aux_layer_ids as modelopt_default
-
-    return modelopt_default(num_layers)
+    """ModelOpt's default EAGLE-3 feature layers: ``sorted({1, L//2 - 1, L - 4})`` clamped at 0 (the layers
+    captured when a draft names none; ``megatron_spec.draft.eagle3_config`` writes the same into its exports)."""
+    return tuple(sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)}))
 
 
 @dataclasses.dataclass(frozen=True)

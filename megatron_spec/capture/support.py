@@ -1,7 +1,7 @@
 """The support of the processed distribution, from vocab-parallel logits.
 
 Top-k / top-p / min-p remove tokens; the verifier's log-probs must be taken under exactly
-the distribution the engine sampled from, which ``megatron_spec.spec.process_logits`` defines
+the distribution the engine sampled from, which ``megatron_spec.speculative.process_logits`` defines
 (mask -> temperature -> top-k -> top-p -> min-p, thresholds with ties kept). Under tensor
 parallelism each rank holds a vocabulary slice, so:
 
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_spec.capture.logprobs import _tp_info, scale_by_temperature
-from megatron_spec.spec import SamplingTensors, process_logits
+from megatron_spec.speculative import SamplingTensors, process_logits
 
 
 def _all_gather(x: torch.Tensor, group, tp_size: int, dim: int) -> torch.Tensor:

@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
 
-    from megatron_spec.rollout.process import EngineCallError, EngineError
+    from megatron_spec.interfaces import EngineCallError, EngineError
 
     total = len(requests) * args.n
     try:

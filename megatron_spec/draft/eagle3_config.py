@@ -16,15 +16,11 @@ from typing import Any
 
 import torch
 
+from megatron_spec.capture.hooks import default_aux_layer_ids
 from megatron_spec.draft.rope import rope_frequencies
 from megatron_spec.models.hf_config import DecoderConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-
-
-def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
-    """ModelOpt's default EAGLE-3 feature layers: ``sorted({1, L//2 - 1, L - 4})`` clamped at 0."""
-    return tuple(sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)}))
 
 
 # config.json flags whose non-default value changes the math in a way no exporter we read produces.

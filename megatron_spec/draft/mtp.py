@@ -48,6 +48,7 @@ from megatron_spec.capture.teacher import (
 from megatron_spec.draft.losses import hard_cross_entropy_sum, soft_cross_entropy_sum, top1_agreement_sum
 from megatron_spec.draft.mtp_head import mtp_layer_prefix
 from megatron_spec.draft.mtp_io import load_mtp_head, load_mtp_tensors, read_mtp_config, save_mtp
+from megatron_spec.interfaces import DraftLearner
 from megatron_spec.draft.optim import (
     HOST,
     DraftOptimizer,
@@ -200,7 +201,7 @@ def _canonical_mtp(name: str, num_target_layers: int) -> str:
 
 
 # ---------------------------------------------------------------------- trainer
-class MtpTrainer(DraftUpdate):
+class MtpTrainer(DraftUpdate, DraftLearner):
     """MTP depths trained online with their own optimizer; the policy never sees their loss."""
 
     def __init__(

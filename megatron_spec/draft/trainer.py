@@ -52,6 +52,7 @@ from megatron_spec.draft.losses import (
     ttt_valid_rows,
     tv_loss_sum,
 )
+from megatron_spec.interfaces import DraftLearner
 from megatron_spec.draft.optim import (
     HOST,
     STATE_FILE,
@@ -65,7 +66,7 @@ from megatron_spec.draft.optim import (
 )
 
 
-class Eagle3Trainer(DraftUpdate):
+class Eagle3Trainer(DraftUpdate, DraftLearner):
     """The EAGLE-3 head, trained online on captured verifier states."""
 
     def __init__(

@@ -8,7 +8,7 @@ trace under ``torch.compile`` and pass ``torch.library.opcheck``. At the op leve
 e4m3 bytes (uint8); the functions here take and return ``float8_e4m3fn`` views of them.
 
 This package holds kernels and their references only; the sampling API the engine and the GRPO side
-call is ``megatron_spec.spec``.
+call is ``megatron_spec.speculative``.
 """
 
 from __future__ import annotations
@@ -179,7 +179,7 @@ def verify_chain_op(
     """Chain verification with explicit uniforms: ``(tokens [B, k+1], num_accepted [B])``.
 
     Low-level op with the exact argument types of the kernel (see ``verify_reference``); the API
-    the engine calls is ``megatron_spec.spec.verify_chain``.
+    the engine calls is ``megatron_spec.speculative.verify_chain``.
     """
     device = check_devices("verify_chain", "target_logprobs", {
         "target_logprobs": target_logprobs, "draft_tokens": draft_tokens, "draft_probs": draft_probs, "d2t": d2t,

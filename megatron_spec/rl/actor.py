@@ -124,7 +124,7 @@ class PolicyActor:
         self.policy_version = 0
         self.oldest_version = 0  # the oldest policy this process can stream (after a resume: the loaded one)
         self.snapshots: dict[int, list[torch.Tensor]] = {}
-        self.draft = None  # the online draft learner (megatron_spec.rollout.api.DraftLearner), if any
+        self.draft = None  # the online draft learner (megatron_spec.interfaces.DraftLearner), if any
         self.capture = None
         self.draft_version = 0
 

@@ -28,23 +28,6 @@ from typing import Any
 from megatron_spec.rollout.types import FINISH_STOP
 
 
-def parse_stop_strings(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    """``--stop``: one string, or a JSON list of strings (a YAML ``--config`` may give a list)."""
-    if value is None or value == "":
-        return ()
-    if isinstance(value, str):
-        if value.lstrip().startswith("["):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"--stop {value!r} starts with '[' but is not a JSON list of strings: {exc}") from exc
-        else:
-            return (value,)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) and s for s in value):
-        raise ValueError(f"--stop must be a string or a list of non-empty strings, got {value!r}")
-    return tuple(value)
-
-
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 

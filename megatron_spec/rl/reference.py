@@ -129,7 +129,7 @@ def check_owners(reference: ReferenceCheck | None, engine, decode, info, sync_s:
 
     import torch.distributed as dist
 
-    from megatron_spec.rollout.process import EngineDiedError, EngineTimeoutError
+    from megatron_spec.interfaces import EngineDiedError, EngineTimeoutError
 
     mine = None
     if reference is not None:

@@ -41,7 +41,7 @@ from megatron_spec.rl.rollouts import Rollout
 if TYPE_CHECKING:
     from megatron_spec.rl.actor import PolicyActor
     from megatron_spec.rl.task import PromptTask
-from megatron_spec.rollout.api import RolloutEngine
+from megatron_spec.interfaces import RolloutEngine
 from megatron_spec.rollout.config import EngineConfig, engine_kwargs, parse_engine_kwargs
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats
 from megatron_spec.telemetry import StageTimer, generation_bar
@@ -325,7 +325,7 @@ class RolloutManager:
         engine is reported, not restarted here: restarting needs the weights again, which every
         feeding rank streams together (:meth:`_collect`). Every backend raises the same two errors for an
         engine that is gone or stuck (``megatron_spec.rollout.process``)."""
-        from megatron_spec.rollout.process import EngineDiedError, EngineTimeoutError
+        from megatron_spec.interfaces import EngineDiedError, EngineTimeoutError
 
         t0 = time.perf_counter()
         if not reqs:

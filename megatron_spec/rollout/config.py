@@ -285,13 +285,13 @@ class EngineConfig:
     per row and step where the adaptive controller expects it to emit more (needs ``auto``)."""
     history_live: bool = True
     """With the history drafter (``history``, or ``draft_kind`` ``history``): also the live group index,
-    the text the running rows of each prompt have emitted so far (``megatron_spec.spec.live``)."""
+    the text the running rows of each prompt have emitted so far (``megatron_spec.speculative.live``)."""
     history_max_draft_tokens: int = 10
     """The longest history proposal beside a drafter (``history``): in steps where only the history
     drafts, the verify step may be this wide (a proposal from the history costs no forward)."""
     history_tree: str = "auto"
     """Tree steps beside ``history`` (the drafter's k tokens and up to ``history_max_draft_tokens`` of the
-    history's as two branches of one verify, ``megatron_spec.spec.verify_tree``): ``auto`` where the
+    history's as two branches of one verify, ``megatron_spec.speculative.verify_tree``): ``auto`` where the
     controller expects them to pay, or ``off`` (the tests force them with the test hook
     ``history_tree_always``, ``megatron_spec.faults``)."""
     spec_trace: str | None = None

@@ -30,7 +30,7 @@ import dataclasses
 import heapq
 from collections.abc import Iterable, Sequence
 
-from megatron_spec.config import ConfigError
+from megatron_spec.config_values import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ native code) raises :class:`EngineDiedError` within a poll interval, and a call 
 timeout raises :class:`EngineTimeoutError` naming the engine and the flag that sets the limit (the
 process is killed so it cannot answer late). :func:`serve` is the engine's end.
 
-The error classes are the ones every :class:`~megatron_spec.rollout.api.RolloutEngine` raises for an
-engine that is gone or stuck, whatever its backend: the rollout manager restarts the engine on them.
+The error classes are :mod:`megatron_spec.interfaces`' (every
+:class:`~megatron_spec.interfaces.RolloutEngine` raises them, whatever its backend).
 
 Stdlib only: the vLLM server imports it in vLLM's environment.
 """
@@ -27,27 +27,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from megatron_spec.interfaces import EngineCallError, EngineDiedError, EngineError, EngineTimeoutError
+
 _POLL_S = 0.1
-
-
-class EngineError(RuntimeError):
-    """Base class of rollout-engine failures seen by the caller."""
-
-
-class EngineDiedError(EngineError):
-    """The engine (its process) exited while, or before, serving a call."""
-
-
-class EngineTimeoutError(EngineError):
-    """A call took longer than its timeout; the engine was stopped."""
-
-
-class EngineCallError(EngineError):
-    """The engine raised an exception while serving a call."""
-
-    def __init__(self, method: str, exc_type: str, message: str, tb: str, engine: str = "native engine"):
-        super().__init__(f"{engine} {method} failed: {exc_type}: {message}")
-        self.exc_type, self.engine_traceback = exc_type, tb
 
 
 class EngineProcess(Protocol):

@@ -1,5 +1,5 @@
 """The trainer's handle of an engine that runs in a process of its own (the native engine, vLLM): every
-:class:`~megatron_spec.rollout.api.RolloutEngine` call a message over an
+:class:`~megatron_spec.interfaces.RolloutEngine` call a message over an
 :class:`~megatron_spec.rollout.process.EngineChannel`. A subclass starts the process and sets ``config``,
 ``info``, ``_proc`` and ``_channel``; the calls are the same for both.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_spec.rollout.api import MEMORY_TAGS, RolloutEngine
+from megatron_spec.interfaces import MEMORY_TAGS, RolloutEngine
 from megatron_spec.rollout.process import EngineChannel, EngineProcess
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
 

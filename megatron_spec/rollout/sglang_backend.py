@@ -9,7 +9,7 @@ selector, sent as request objects through the engine's tokenizer manager because
 
 What it adds on top of SGLang:
 
-* the launch arguments go through the lossless guard (``megatron_spec.spec.check_lossless``)
+* the launch arguments go through the lossless guard (``megatron_spec.speculative.check_lossless``)
   once at start and per ``generate`` with the requests' sampling parameters;
 * versions per group: SGLang keeps one global ``weight_version``; this handle records, for
   each group, the version the engine reports right after that group's update;
@@ -43,7 +43,7 @@ import torch
 
 from megatron_spec.dtypes import torch_dtype
 from megatron_spec.rollout import sglang_protocol as proto
-from megatron_spec.rollout.api import MEMORY_TAGS, RolloutEngine
+from megatron_spec.interfaces import MEMORY_TAGS, RolloutEngine
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.types import (GenerateRequest, GenerateStats, SampleOutput, check_ready_to_generate,
                                         stats_from_samples)
@@ -168,7 +168,7 @@ class SGLangEngine(RolloutEngine):
         """Construct SGLang's ``ServerArgs`` (unknown fields raise) and run the lossless guard on it."""
         from sglang.srt.server_args import ServerArgs
 
-        from megatron_spec.spec import check_lossless
+        from megatron_spec.speculative import check_lossless
 
         args = ServerArgs(**kwargs)
         check_lossless(args)
@@ -202,7 +202,7 @@ class SGLangEngine(RolloutEngine):
         otherwise sampling follows the launch-time ``random_seed``. ``timeout`` is not
         enforced here (SGLang has no per-call deadline).
         """
-        from megatron_spec.spec import check_lossless
+        from megatron_spec.speculative import check_lossless
 
         check_ready_to_generate(updating=self._session is not None, released=self._released,
                                 missing=[g for g in self._groups() if self._versions[g] is None])
@@ -223,7 +223,7 @@ class SGLangEngine(RolloutEngine):
             outs = self._engine.generate(input_ids=[list(r.input_ids) for r, _ in expanded], sampling_params=params,
                                          return_logprob=True)
         except Exception as exc:  # its scheduler died or hung up: the rollout manager restarts the engine
-            from megatron_spec.rollout.process import EngineDiedError
+            from megatron_spec.interfaces import EngineDiedError
 
             raise EngineDiedError(f"SGLang engine failed during generate: {type(exc).__name__}: {exc}") from exc
         wall = time.perf_counter() - t0

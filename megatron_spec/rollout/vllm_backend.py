@@ -1,5 +1,5 @@
 """The vLLM rollout backend (``--rollout-backend vllm``): vLLM in its own process and Python, behind the
-:class:`~megatron_spec.rollout.api.RolloutEngine` interface.
+:class:`~megatron_spec.interfaces.RolloutEngine` interface.
 
 :class:`VllmEngine` starts ``megatron_spec.rollout.vllm_server`` with the vLLM environment's Python
 (``--rollout-vllm-python``, default ``.venv-vllm/bin/python`` beside this repository, which

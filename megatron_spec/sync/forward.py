@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_spec.rollout.api import RolloutEngine, WeightReceiver
+from megatron_spec.interfaces import RolloutEngine, WeightReceiver
 
 
 class ForwardedCallError(RuntimeError):

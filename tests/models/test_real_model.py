@@ -207,7 +207,7 @@ def test_sampled_output_follows_the_real_model(smollm2, tmp_path):
 
     import transformers
 
-    from megatron_spec.spec import SamplingTensors, process_logits
+    from megatron_spec.speculative import SamplingTensors, process_logits
     from tests.stats_utils import chi_square_pvalue, total_variation, tv_bound
 
     tok = transformers.AutoTokenizer.from_pretrained(smollm2)

@@ -324,7 +324,7 @@ def test_point_masses_and_neg_inf_stay_legal(kernel_variant):
 def test_process_logits_output_is_well_inside_the_tolerance():
     """The tolerance's margin: process_logits' float32 output at V = 152k, low and high temperature."""
     from megatron_spec.ops.verify_reference import MASS_TOL, logprob_mass
-    from megatron_spec.spec.logits import SamplingTensors, process_logits
+    from megatron_spec.speculative.logits import SamplingTensors, process_logits
 
     g = torch.Generator().manual_seed(16)
     logits = torch.randn(4, 152064, generator=g) * 4

@@ -15,7 +15,8 @@ import pytest
 
 from megatron_spec.config import ConfigError
 from megatron_spec.rl.data import load_prompts
-from megatron_spec.rl.prompting import (encode_prompt, parse_stop_strings, stop_string_end, stop_token_ids,
+from megatron_spec.config_values import parse_stop_strings
+from megatron_spec.rl.prompting import (encode_prompt, stop_string_end, stop_token_ids,
                                         truncate_at_stop_strings)
 from megatron_spec.rl.rewards import get_reward
 from megatron_spec.rollout.types import SampleOutput

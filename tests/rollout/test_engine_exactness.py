@@ -13,7 +13,7 @@ import transformers
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.server import EngineServer
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
-from megatron_spec.spec import SamplingTensors, process_logits
+from megatron_spec.speculative import SamplingTensors, process_logits
 
 KINDS = ["none", "ngram", "model", "eagle3"]
 

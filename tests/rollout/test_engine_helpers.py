@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_spec.rollout.native.drafters import draw
-from megatron_spec.spec import SamplingTensors, process_logits
+from megatron_spec.speculative import SamplingTensors, process_logits
 
 
 def test_all_greedy_batch_is_argmax_without_distribution():
@@ -158,7 +158,7 @@ def test_draft_extend_padding_stays_inside_the_cache(setup):
     change (row 0 alone gives the same drafts)."""
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
-    from megatron_spec.spec import SamplingTensors
+    from megatron_spec.speculative import SamplingTensors
 
     server = EngineServer(EngineConfig(model_path=setup.target, draft_kind="eagle3", draft_path=setup.eagle3,
                                        context_length=16, max_batch_size=2))

@@ -18,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from megatron_spec.spec import SamplingTensors, process_logits
+from megatron_spec.speculative import SamplingTensors, process_logits
 from tests.stats_utils import chi_square_pvalue, total_variation, tv_bound
 
 pytestmark = pytest.mark.statistical

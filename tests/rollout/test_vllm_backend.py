@@ -110,7 +110,7 @@ def test_changed_weights_reach_the_kernels_and_come_back_exactly(pushed, smollm2
 
 
 def test_an_incomplete_update_is_refused_and_blocks_generation(pushed, smollm2, chat):
-    from megatron_spec.rollout.process import EngineCallError
+    from megatron_spec.interfaces import EngineCallError
     from megatron_spec.sync.streamer import WeightSyncError
 
     eng, streamer = pushed
@@ -137,7 +137,7 @@ def test_seeded_sampling_repeats_and_samples_differ(pushed, chat):
 
 
 def test_release_on_the_cpu_frees_nothing_and_refuses_generation(pushed, chat):
-    from megatron_spec.rollout.process import EngineCallError
+    from megatron_spec.interfaces import EngineCallError
 
     eng, _ = pushed
     rss = eng.health()["rss_bytes"]
@@ -210,7 +210,7 @@ def test_eagle3_draft_weights_are_streamed_and_speculation_stays_exact(smollm2, 
 
 
 def test_a_killed_engine_is_reported_at_once(smollm2, chat):
-    from megatron_spec.rollout.process import EngineDiedError
+    from megatron_spec.interfaces import EngineDiedError
     from megatron_spec.rollout.vllm_backend import VllmEngine
 
     eng = VllmEngine(EngineConfig(model_path=smollm2, max_batch_size=4, context_length=512, dtype="float32"))

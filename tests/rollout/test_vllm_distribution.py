@@ -55,7 +55,7 @@ def generate(smollm2, prompt, tmp_path, *extra: str, n: int = 64, requests: int 
 def test_plain_sampling_follows_the_real_model(smollm2, prompt, tmp_path, temperature, top_p):
     import transformers
 
-    from megatron_spec.spec import SamplingTensors, process_logits
+    from megatron_spec.speculative import SamplingTensors, process_logits
     from tests.stats_utils import chi_square_pvalue, total_variation, tv_bound
 
     n = 64 * 16  # N = 1024 draws (the bounds below are derived from N)

@@ -214,7 +214,7 @@ def _resolved(kw):
 
 
 def test_server_args_pass_sglangs_own_validation_and_are_lossless(ckpts):
-    from megatron_spec.spec import LossyConfigError, check_lossless
+    from megatron_spec.speculative import LossyConfigError, check_lossless
 
     cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3, num_draft_tokens=3,
                        dtype="bfloat16", context_length=256, max_batch_size=8)
@@ -244,7 +244,7 @@ def test_server_args_pass_sglangs_own_validation_and_are_lossless(ckpts):
 def test_draft_model_runs_sglangs_exact_point_mass_verify(ckpts):
     """Issue 15, defect 3: SGLang 0.5.23 refuses rejection sampling for STANDALONE (NotImplementedError
     in ``_handle_eagle_family``); the backend launches it with SGLang's default verify (point-mass q)."""
-    from megatron_spec.spec import check_lossless
+    from megatron_spec.speculative import check_lossless
 
     cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="model", draft_path=ckpts.qwen3_other, num_draft_tokens=3,
                        dtype="bfloat16", context_length=256, max_batch_size=8)
@@ -383,7 +383,7 @@ def test_dropped_draft_update_is_caught_on_sglang(sgl, ckpts):
 
 
 def test_release_resume_repushes_the_draft_and_refuses_a_stale_target(sgl, ckpts):
-    from megatron_spec.spec import LossyConfigError
+    from megatron_spec.speculative import LossyConfigError
 
     st = WeightStreamer(sgl, bucket_bytes=16 << 10, weight_dtype="fp32", for_sglang=True)
     _, named = _hf(ckpts.qwen3_other)

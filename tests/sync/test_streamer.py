@@ -16,7 +16,7 @@ import torch
 
 from megatron_spec.draft.modelopt_io import startup_draft_tensors
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.rollout.api import WeightReceiver
+from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.handle import NativeEngine
 from megatron_spec.sync.bucket import BucketWriter, alloc_bucket_buffer

@@ -39,7 +39,7 @@ proposal draft, up to ``k_max`` tokens, and the main drafter does not run: ``T =
 min(k, n_b))`` (the verify forward runs packed: each row its last token and its own proposal of
 n_b tokens, ``Segment.pack``), the other rows emit one token; and, with ``k_tree``, a *tree*
 step: every row drafts k tokens from the main drafter and the rows with a history proposal also
-carry up to m of it as a second branch of the same verify (``megatron_spec.spec.verify_tree``),
+carry up to m of it as a second branch of the same verify (``megatron_spec.speculative.verify_tree``),
 ``T = V(B * (1+k+m)) + P_k(B)``. A tree row emits ``1 + max(a, n)`` tokens, a the main branch's
 accepted drafts and n the history's matching ones; the controller estimates
 ``E = 1 + sum_j P(a >= j or n >= j)`` as if the two were independent

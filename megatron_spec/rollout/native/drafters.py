@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 
 from megatron_spec.rollout.native.rows import pad_rows
-from megatron_spec.spec import SamplingTensors, process_logits
-from megatron_spec.spec.verify import sample_from_logprobs
+from megatron_spec.speculative import SamplingTensors, process_logits
+from megatron_spec.speculative.verify import sample_from_logprobs
 
 
 def draw(logits: torch.Tensor, sampling: SamplingTensors, generator: torch.Generator

@@ -9,7 +9,7 @@ One :meth:`EngineCore.generate` call runs a list of requests to completion:
   both (``CausalLM.forward_segments``) reads the weights once for the step and the prompts.
 * **Steps.** Every step advances all running rows at once: a plain step decodes one token;
   a speculative step asks the drafter for k tokens per row, runs the target once over the
-  k+1 positions, and verifies with ``megatron_spec.spec.verify_chain`` (accept with
+  k+1 positions, and verifies with ``megatron_spec.speculative.verify_chain`` (accept with
   min(1, p/q), residual on rejection, bonus token when all pass). Rejected positions are
   rolled back by resetting cache lengths.
 * **Draft length.** With ``adaptive`` the k of each speculative step is chosen in
@@ -50,8 +50,8 @@ from megatron_spec.rollout.native.model import CausalLM, Segment
 from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
 from megatron_spec.rollout.native.spec_step import Proposal, Verified, chain_segment, tree_segment, verify_split
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
-from megatron_spec.spec import SamplingTensors, process_logits
-from megatron_spec.spec.verify import sample_from_logprobs, verify_tree
+from megatron_spec.speculative import SamplingTensors, process_logits
+from megatron_spec.speculative.verify import sample_from_logprobs, verify_tree
 
 logger = logging.getLogger(__name__)
 

@@ -13,20 +13,14 @@ import multiprocessing as mp
 from typing import Any
 
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.process import (  # noqa: F401  (the error classes, importable from here as before)
-    EngineCallError,
-    EngineChannel,
-    EngineDiedError,
-    EngineError,
-    EngineTimeoutError,
-)
+from megatron_spec.rollout.process import EngineChannel
 from megatron_spec.rollout.process_engine import ProcessEngine
 
 
 class NativeEngine(ProcessEngine):
     """Start with ``NativeEngine(EngineConfig(...))``; use as a context manager or call ``shutdown``.
 
-    A :class:`~megatron_spec.rollout.api.RolloutEngine` with fingerprint checksums (its ``health``
+    A :class:`~megatron_spec.interfaces.RolloutEngine` with fingerprint checksums (its ``health``
     reports the bits of the loaded weights), one TP rank, no digest ledger, and nothing to
     remember of the draft: it loses the draft with its weights on a release like the target, and
     the trainer pushes both again."""

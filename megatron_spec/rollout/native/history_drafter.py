@@ -2,18 +2,18 @@
 
 GRPO samples G responses per prompt and sees each prompt again in later steps; responses to one
 prompt share long stretches (the same derivation, the same answer format). ``HistoryIndex``
-(``megatron_spec.spec.history``: a suffix index per prompt, bounded, evicted by age) holds the
+(``megatron_spec.speculative.history``: a suffix index per prompt, bounded, evicted by age) holds the
 finished responses of each prompt, keyed by the prompt's token ids: the siblings finished earlier
 in this ``generate`` call and the responses of earlier calls (one call = one index step). For a
 running row the drafter proposes the continuation of the longest match of the row's response so
 far (``HistoryIndex.propose``).
 
 A proposal is deterministic: q is a point mass, verification accepts draft x with probability
-p(x) and otherwise samples p without x (``megatron_spec.spec.verify``), so outputs follow the
+p(x) and otherwise samples p without x (``megatron_spec.speculative.verify``), so outputs follow the
 target exactly. The drafter has no model and no cache; ``propose`` may return fewer than k tokens
 per row (-1 padding ends the chain).
 
-Beside the finished responses, the *live group index* (``megatron_spec.spec.live``, on by default)
+Beside the finished responses, the *live group index* (``megatron_spec.speculative.live``, on by default)
 holds what the running rows of each prompt have emitted so far: every call to ``propose_lists``
 first appends each row's newly emitted tokens to its group's index (``O(new tokens)``), then a row
 gets the proposal of whichever of the two matched the longer suffix of its text (the live one on a
@@ -53,8 +53,8 @@ class HistoryDrafter(Drafter):
 
     def reset(self) -> None:
         """Forget every response (benchmarks: a workload whose prompts were seen exactly once)."""
-        from megatron_spec.spec.history import HistoryIndex
-        from megatron_spec.spec.live import LiveIndex
+        from megatron_spec.speculative.history import HistoryIndex
+        from megatron_spec.speculative.live import LiveIndex
 
         self.index = HistoryIndex(**self._params)
         self.live = LiveIndex(min_match=self._params["min_match"]) if self.use_live else None

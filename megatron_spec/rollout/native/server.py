@@ -30,7 +30,7 @@ from megatron_spec.layers.compiled import compiling_pays
 from megatron_spec.layers.decoder import use_fused_attention
 from megatron_spec.layers.linear import pack_linears, warm_linears
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.rollout.api import WeightReceiver
+from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, NgramDrafter
 from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
@@ -58,7 +58,7 @@ def tensor_group_checksum(tensors) -> dict:
 
 class EngineServer(WeightReceiver):
     """Engine state and the calls the handle makes; in-process, a
-    :class:`~megatron_spec.rollout.api.WeightReceiver` itself (tests stream into it directly)."""
+    :class:`~megatron_spec.interfaces.WeightReceiver` itself (tests stream into it directly)."""
 
     def __init__(self, config: EngineConfig):
         config = config.resolved()  # already resolved by the handle; direct users get the same choice

@@ -22,7 +22,7 @@ import torch
 
 from megatron_spec.rollout.native.adaptive import StepPlan
 from megatron_spec.rollout.native.model import Segment
-from megatron_spec.spec.verify import VerifyResult, verify_chain
+from megatron_spec.speculative.verify import VerifyResult, verify_chain
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """HistoryIndex: the suffix index's answers, its bounds, its speed, and exactness of its drafts.
 
-The exactness tests follow tests/spec/test_spec_verify_stats.py: a Markov-1 target over a small
+The exactness tests follow tests/speculative/test_spec_verify_stats.py: a Markov-1 target over a small
 vocabulary (processed by ``process_logits``), drafts from the history index verified as point masses
 by the real verify op (the compiled kernel through ``verify_chain``, and the reference), N draws
 with fixed seeds, and the first emitted token and the first two tested against ``P0`` and
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from megatron_spec.ops import verify_chain_reference
-from megatron_spec.spec import SamplingTensors, process_logits, verify_chain
-from megatron_spec.spec.history import _MATCH_DEPTH, HistoryIndex, _suffix_array
+from megatron_spec.speculative import SamplingTensors, process_logits, verify_chain
+from megatron_spec.speculative.history import _MATCH_DEPTH, HistoryIndex, _suffix_array
 from tests.stats_utils import chi_square_pvalue, total_variation, tv_bound
 
 

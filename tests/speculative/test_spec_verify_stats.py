@@ -31,7 +31,7 @@ import torch
 from scipy import stats
 
 from megatron_spec.ops import inverse_cdf_chunked, verify_chain_reference
-from megatron_spec.spec import SamplingTensors, expected_num_accepted, process_logits, verify_chain
+from megatron_spec.speculative import SamplingTensors, expected_num_accepted, process_logits, verify_chain
 
 pytestmark = pytest.mark.statistical
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_spec.spec import LossyConfigError, SamplingTensors, check_lossless
+from megatron_spec.speculative import LossyConfigError, SamplingTensors, check_lossless
 
 
 def sglang_args(**overrides) -> SimpleNamespace:

@@ -6,7 +6,7 @@ steps' responses to the prompt (Seer; SPEC-RL; DAS). ``HistoryIndex`` keeps thos
 prompt and proposes the continuation of the longest suffix of the current context (prompt + response
 so far) that occurs in one of them. The proposal is a deterministic draft: the verifier checks it
 with a point-mass draft distribution (accept ``x`` with probability ``p(x)``, else sample ``p`` with
-``x`` removed and renormalised: ``megatron_spec.spec.verify_chain`` with ``draft_probs=None``), so
+``x`` removed and renormalised: ``megatron_spec.speculative.verify_chain`` with ``draft_probs=None``), so
 the emitted tokens follow the target exactly whatever this index proposes.
 
 Structure: per prompt, one *segment* per step (split when it would pass ``_SEGMENT_TOKENS``
@@ -25,7 +25,7 @@ Why a suffix array (and not a suffix automaton or a trie):
 * eviction: responses leave by age, a whole step at a time, which drops whole segments; the size
   bound rebuilds one segment. A suffix automaton cannot delete (eviction would rebuild it anyway);
 * query: ``O(log n)`` slice comparisons in C plus two common-prefix scans, a few microseconds per
-  segment (benchmarks in ``tests/spec/test_spec_history.py``); an automaton walk is ``O(match)``
+  segment (benchmarks in ``tests/speculative/test_spec_history.py``); an automaton walk is ``O(match)``
   Python steps, no faster in practice.
 Matches are compared over at most ``_MATCH_DEPTH`` tokens: a longer common suffix is reported as
 ``_MATCH_DEPTH`` long (the continuation is that of one occurrence either way).

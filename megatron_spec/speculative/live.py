@@ -1,7 +1,7 @@
 """Live group index: drafts from the responses a prompt's sibling rows are writing *right now*.
 
 GRPO generates the G samples of a prompt together, so in a step of fresh prompts the finished-response
-history (``megatron_spec.spec.history``) has little to offer while they run: the siblings finish
+history (``megatron_spec.speculative.history``) has little to offer while they run: the siblings finish
 together. The siblings' text so far is already there, though: samples of one prompt share their
 opening, their derivation steps and their answer format, and a response repeats itself (Seer,
 arXiv 2511.14617, drafts from the in-progress responses of a group). ``LiveIndex`` holds, per group

@@ -1,4 +1,4 @@
-"""LiveIndex (``megatron_spec.spec.live``): drafts from the in-progress responses of a prompt's rows.
+"""LiveIndex (``megatron_spec.speculative.live``): drafts from the in-progress responses of a prompt's rows.
 
 What it must answer (siblings' continuations, the row's own earlier text, the prompt's tail at the
 first token, never the row's own end), its bounds (occurrences per n-gram, tokens per group, a group
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megatron_spec.spec.live import LiveIndex
+from megatron_spec.speculative.live import LiveIndex
 
 PROMPT = [101, 102, 103, 104, 105, 106, 107, 108, 109, 110]
 

@@ -13,10 +13,10 @@ tensors; they hold no state and know nothing about models, engines or process gr
 kernels behind ``verify_chain`` live in ``megatron_spec.ops``.
 """
 
-from megatron_spec.spec.guard import SGLANG_EXACT_ALGORITHMS, LossyConfigError, check_lossless
-from megatron_spec.spec.history import HistoryIndex
-from megatron_spec.spec.logits import SamplingTensors, process_logits
-from megatron_spec.spec.verify import (
+from megatron_spec.speculative.guard import SGLANG_EXACT_ALGORITHMS, LossyConfigError, check_lossless
+from megatron_spec.speculative.history import HistoryIndex
+from megatron_spec.speculative.logits import SamplingTensors, process_logits
+from megatron_spec.speculative.verify import (
     VerifyResult,
     acceptance_probability,
     expected_num_accepted,

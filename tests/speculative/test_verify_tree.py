@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from megatron_spec.spec.verify import verify_tree
+from megatron_spec.speculative.verify import verify_tree
 from tests.stats_utils import chi_square_pvalue, total_variation, tv_bound
 
 V = 5

@@ -1,4 +1,5 @@
-"""What the rest of the package calls on a rollout engine and on an online draft learner.
+"""The interfaces every layer of the package may import: what the rest of the package calls on a rollout
+engine and on an online draft learner, and the errors every engine raises.
 
 Three declared interfaces, so no caller probes an object with ``getattr``/``hasattr``:
 
@@ -7,15 +8,22 @@ Three declared interfaces, so no caller probes an object with ``getattr``/``hasa
   do the payload gather/forwarder that stand in for an engine on its TP senders
   (``megatron_spec.sync.forward``).
 - :class:`RolloutEngine`: a whole engine (generation, speculation switch, weight updates and their
-  versions, memory release/resume, checksums, shutdown). :class:`~megatron_spec.rollout.native.handle.NativeEngine`
-  and :class:`~megatron_spec.rollout.sglang_backend.SGLangEngine` implement every member with the
-  same signature (``tests/rollout/test_api.py`` checks it member by member).
-- :class:`DraftLearner`: the EAGLE-3 and MTP online trainers
+  versions, memory release/resume, checksums, shutdown). :class:`~megatron_spec.rollout.native.handle.NativeEngine`,
+  :class:`~megatron_spec.rollout.vllm_backend.VllmEngine` and :class:`~megatron_spec.rollout.sglang_backend.SGLangEngine`
+  implement every member with the same signature (``tests/rollout/test_api.py`` checks it member by member).
+- :class:`DraftLearner`: the EAGLE-3 and MTP online trainers, which declare it
   (``megatron_spec.draft.trainer.Eagle3Trainer``, ``megatron_spec.draft.mtp.MtpTrainer``).
+
+:class:`EngineError` and its subclasses are what every :class:`RolloutEngine` raises for an engine that is gone
+(:class:`EngineDiedError`), stuck (:class:`EngineTimeoutError`) or failing a call (:class:`EngineCallError`),
+whatever its backend: the rollout manager restarts an engine on the first two.
 
 A class that subclasses :class:`WeightReceiver` explicitly inherits the defaults written here for
 the members whose meaning is "nothing to do" for most receivers (no digest ledger, no start-up
 fingerprint, no draft kept for a re-push); the engines override them where they do more.
+
+Stdlib only at run time (the vLLM server imports the errors in vLLM's environment); the types named in
+annotations are imported for type checkers alone.
 """
 
 from __future__ import annotations
@@ -33,6 +41,26 @@ if TYPE_CHECKING:
     from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
     from megatron_spec.sync.fingerprint import Fingerprint
     from megatron_spec.sync.verify import DigestLedger
+
+class EngineError(RuntimeError):
+    """Base class of rollout-engine failures seen by the caller."""
+
+
+class EngineDiedError(EngineError):
+    """The engine (its process) exited while, or before, serving a call."""
+
+
+class EngineTimeoutError(EngineError):
+    """A call took longer than its timeout; the engine was stopped."""
+
+
+class EngineCallError(EngineError):
+    """The engine raised an exception while serving a call."""
+
+    def __init__(self, method: str, exc_type: str, message: str, tb: str, engine: str = "native engine"):
+        super().__init__(f"{engine} {method} failed: {exc_type}: {message}")
+        self.exc_type, self.engine_traceback = exc_type, tb
+
 
 MEMORY_TAGS = ("kv_cache", "weights")
 """What ``release_memory``/``resume_memory`` hand back and take again by default."""
@@ -97,10 +125,10 @@ class WeightReceiver(Protocol):
 
 @runtime_checkable
 class RolloutEngine(WeightReceiver, Protocol):
-    """A rollout engine: the native engine's process handle or the SGLang engine (GPU)."""
+    """A rollout engine: the native engine's process handle, the vLLM engine or the SGLang engine (GPU)."""
 
     backend: ClassVar[str]
-    """``native`` or ``sglang``."""
+    """``native``, ``vllm`` or ``sglang``."""
     config: EngineConfig
     """The resolved settings it runs with (``EngineConfig.resolved``)."""
     info: dict[str, Any]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_spec.spec import SamplingTensors, process_logits
+from megatron_spec.speculative import SamplingTensors, process_logits
 
 NEG_INF = float("-inf")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_spec.ops import verify_chain_reference
-from megatron_spec.spec import (
+from megatron_spec.speculative import (
     SamplingTensors,
     acceptance_probability,
     expected_num_accepted,
