@@ -324,7 +324,7 @@ class RolloutManager:
         """This owner's engine call (runs in the executor thread in async mode). A dead or stuck
         engine is reported, not restarted here: restarting needs the weights again, which every
         feeding rank streams together (:meth:`_collect`). Every backend raises the same two errors for an
-        engine that is gone or stuck (``megatron_spec.rollout.process``)."""
+        engine that is gone or stuck (``megatron_spec.interfaces``)."""
         from megatron_spec.interfaces import EngineDiedError, EngineTimeoutError
 
         t0 = time.perf_counter()

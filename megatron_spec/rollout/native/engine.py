@@ -46,6 +46,7 @@ from megatron_spec.rollout.native.adaptive import DraftLengthController, StepPla
 from megatron_spec.rollout.native.cost_model import tree_expected_tokens
 from megatron_spec.rollout.native.measures import AcceptanceStats
 from megatron_spec.rollout.native.drafters import Drafter
+from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
 from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
 from megatron_spec.rollout.native.spec_step import Proposal, Verified, chain_segment, tree_segment, verify_split
@@ -66,7 +67,7 @@ class EngineCore:
     def __init__(self, model: CausalLM, drafter: Drafter | None, *, num_draft_tokens: int = 3,
                  max_batch_size: int = 32, context_length: int = 2048, seed: int = 0,
                  prefill_token_budget: int = 8192, eos_token_ids: Sequence[int] = (), adaptive: bool = False,
-                 history: Drafter | None = None, history_max_draft_tokens: int | None = None,
+                 history: HistoryDrafter | None = None, history_max_draft_tokens: int | None = None,
                  history_tree: str = "auto"):
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
@@ -102,6 +103,13 @@ class EngineCore:
         self.cache = None
         self.spec_enabled = drafter is not None
         """The acceptance-collapse watchdog may turn speculation off (see ``sync``/``rl``)."""
+        self.weight_version: str | None = None
+        self.draft_weight_version: str | None = None
+        """The versions of the weights loaded (:meth:`set_weight_versions`), stamped on every sample."""
+
+    def set_weight_versions(self, target: str | None, draft: str | None) -> None:
+        """What the server loaded last: every sample finished from now on carries these versions."""
+        self.weight_version, self.draft_weight_version = target, draft
 
     # ------------------------------------------------------------------ memory
     def allocate(self) -> None:
@@ -285,8 +293,8 @@ class EngineCore:
         for i in reversed(finished):
             r = rows[i]
             out = SampleOutput(r.req.request_id, r.sample_index, r.out, r.logprobs, r.finish, r.verify_steps,
-                               r.accepted, weight_version=getattr(self, "weight_version", None),
-                               draft_weight_version=getattr(self, "draft_weight_version", None),
+                               r.accepted, weight_version=self.weight_version,
+                               draft_weight_version=self.draft_weight_version,
                                draft_lengths=r.draft_lengths, draft_sources=r.sources)
             for d in (self.drafter, self.history):
                 if d is not None:
@@ -345,8 +353,8 @@ class EngineCore:
         if self.controller is None:
             plan, use_hist, options = StepPlan(self.k), [False] * b, None
         else:
-            srcs = getattr(self.history, "sources", None)  # live group index or finished responses, per row
-            sup = getattr(self.history, "support", None)  # a live proposal's sibling support per token
+            srcs = self.history.sources if self.history is not None else None  # live index or finished responses
+            sup = self.history.support if self.history is not None else None  # a live proposal's support per token
             support = sup[:b] if sup else None
             plan, use_hist, options = plan_step(self.controller, self.drafter.kind, [r.acc for r in rows], hist,
                                                 srcs[:b] if srcs else None, support)
@@ -438,7 +446,7 @@ class EngineCore:
         if src != "history":
             return src
         d = self.history if self.history is not None else self.drafter
-        sources = getattr(d, "sources", None)
+        sources = d.sources
         return (sources[i] if sources and i < len(sources) else None) or src
 
     def _account(self, rows: list[Row], prop: Proposal, ver: Verified, emitted: list[list[int]],

@@ -223,8 +223,7 @@ class EngineServer(WeightReceiver):
             os._exit(3)
         if faults.should_fire(f"engine{self.config.engine_index}_stall_at_generate", self._generate_calls):
             time.sleep(600)  # a generation that never ends (for the trainer's wait timeout)
-        self.core.weight_version = self.versions["target"]
-        self.core.draft_weight_version = self.versions["draft"]
+        self.core.set_weight_versions(self.versions["target"], self.versions["draft"])
         done = [0]
 
         def on_done(_sample):
