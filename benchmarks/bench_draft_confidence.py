@@ -4,7 +4,7 @@
         [--prompts 48] [--new-tokens 64] [--temperatures 0,1]
 
 The engine runs EAGLE-3 at k=3 on ``--prompts`` chat prompts (batch B); from outside (wrapping the
-drafter's ``draw`` and the engine's ``_account``) it records, for every row of every verify step, the
+drafter's ``draw`` and the speculative worker's ``_account``) it records, for every row of every verify step, the
 draft's probability of each token it drafted (its softmax, before any sampling processing: what a
 policy could read before verifying) and how many drafts the target accepted. Then, under costs timed
 on the same model (forwards of B x t tokens, t = 1..4, ``bench_vs_vllm.verify_seconds``; the
@@ -46,32 +46,32 @@ THRESHOLDS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 def record_steps(srv, reqs, seed: int) -> tuple[list[list[tuple[list[float], int]]], float]:
     """Per verify step that drafted, per row: (the draft's confidence in each drafted token, drafts
     accepted); and the mean seconds of the drafter's proposal of k tokens."""
-    from megatron_spec.rollout.native import drafters, engine
+    from megatron_spec.rollout.native import drafters, spec_worker
 
     confs: list[list[float]] = []
     steps: list[list[tuple[list[float], int]]] = []
     propose_s: list[float] = []
-    orig_draw, orig_account = drafters.draw, engine.EngineCore._account
+    orig_draw, orig_account = drafters.draw, spec_worker.SpeculativeWorker._account
 
     def draw(logits, sampling, generator):
         d, q = orig_draw(logits, sampling, generator)
         confs.append(torch.softmax(logits.float(), -1).gather(1, d.view(-1, 1))[:, 0].tolist())
         return d, q
 
-    def account(self, rows, prop, ver, emitted, accepted, stats, t0, *, prefill):
+    def account(self, rows, prop, ver, emitted, accepted, stats, t0, **kw):
         k = prop.k
         if k > 0 and prop.main_ran and len(confs) >= k:
             c = confs[-k:]
             steps.append([([c[j][i] for j in range(k)], a) for i, a in enumerate(accepted)])
             propose_s.append(prop.t_main)
         confs.clear()
-        return orig_account(self, rows, prop, ver, emitted, accepted, stats, t0, prefill=prefill)
+        return orig_account(self, rows, prop, ver, emitted, accepted, stats, t0, **kw)
 
-    drafters.draw, engine.EngineCore._account = draw, account
+    drafters.draw, spec_worker.SpeculativeWorker._account = draw, account
     try:
         srv.core.generate(reqs, seed=seed)
     finally:
-        drafters.draw, engine.EngineCore._account = orig_draw, orig_account
+        drafters.draw, spec_worker.SpeculativeWorker._account = orig_draw, orig_account
     return steps, float(np.median(propose_s)) if propose_s else 0.0
 
 

@@ -15,10 +15,10 @@ from megatron_spec.rollout.native.adaptive import (
     CostTable,
     DraftLengthController,
     StepPlan,
-    plan_step,
 )
 from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
 from megatron_spec.rollout.native.measures import SupportStats, paying_prefix, support_class
+from megatron_spec.rollout.native.spec_worker import plan_step
 
 
 def test_cost_table_interpolates_and_extrapolates():

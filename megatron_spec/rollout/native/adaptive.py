@@ -85,7 +85,7 @@ import numpy as np
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.config import HISTORY_TREE_MODES
 from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
-from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats, paying_prefix
+from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats
 
 Option = tuple[Sequence[float], "int | None"]
 """One draft source of one row: acceptance per position, and its proposal length (None: any k)."""
@@ -415,70 +415,3 @@ class DraftLengthController:
         if k > 0 and draft_s > 0:
             self.draft.update(b, draft_s / k)
             self.proposal.setdefault(k, CostTable()).update(b, draft_s)
-
-
-def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str, AcceptanceStats]],
-              hist: list[list[int]] | None, hist_sources: list[str | None] | None = None,
-              hist_support: list[list[tuple[int, int]] | None] | None = None) -> tuple[StepPlan, list[bool], list]:
-    """The step's plan (:meth:`DraftLengthController.choose_step`: k, and whether every row drafts,
-    only the rows with a history proposal, or a tree), per row whether it drafts from the history
-    (in an ``all`` step: the source expected to emit more tokens at that k; ties go to the main
-    drafter ``main``), and the rows' options the choice was made from. ``accs``: each row's
-    request's acceptance per source; ``hist_sources``: per row, which index made its proposal
-    (``live`` or ``history``, each judged on its own acceptance; default ``history``);
-    ``hist_support``: per row, a live proposal's support per token (its acceptance is then what its
-    tokens' support classes were worth, ``SupportStats.alpha``, and only its :func:`paying_prefix` at the
-    batch's :meth:`~DraftLengthController.token_threshold` is an option: ``options[b][1][1]``, what the engine drafts)."""
-    options = []
-    bases: dict[str, list[float]] = {}  # the batch's rates per source, once per step
-    cut = hist_support and any(hist_support) and not controller.force_history_rows  # (the hook: whole ones)
-    threshold = controller.token_threshold(len(accs)) if cut else None
-
-    def alpha(src: str, row: AcceptanceStats | None) -> list[float]:
-        if src not in bases:
-            bases[src] = controller.batch_alpha(src)
-        return controller.row_alpha(src, row, bases[src])
-
-    for i, acc in enumerate(accs):
-        opts = [(alpha(main, acc.get(main)), None)]
-        if hist is not None and hist[i]:
-            src = (hist_sources[i] if hist_sources else None) or "history"
-            a, n = alpha(src, acc.get(src)), len(hist[i])
-            support = hist_support[i] if hist_support else None
-            if support:
-                a = controller.support.alpha(a, support, controller.support_weight)
-                if threshold is not None:
-                    n = paying_prefix(a, threshold, n)
-            if n:
-                opts.append((a, n))
-        options.append(opts)
-    plan = controller.choose_step(options)
-    if plan.mode == "history":
-        return plan, [len(o) > 1 for o in options], options
-    if plan.mode == "tree":
-        return plan, [False] * len(options), options
-    if controller.force_history_rows and any(len(o) > 1 for o in options):  # the test hook
-        plan = plan._replace(k=max(plan.k, 1))
-        return plan, [len(o) > 1 for o in options], options
-    k = plan.k
-    use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
-    return plan, use, options
-
-
-def record_unused_history(controller: DraftLengthController, acc: dict[str, AcceptanceStats], k_all: int,
-                          proposal: list[int], emitted: list[int], source: str = "history",
-                          support: list[tuple[int, int]] | None = None) -> None:
-    """Acceptance of a history proposal a row did not use, from what the row emitted: a point-mass
-    draft x is accepted with probability p(x), the probability that the target's own token is x,
-    so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
-    of acceptance at position j. Positions past the emitted tokens are not observed. Without this,
-    the history would only be judged on the rows where the main drafter looked weak (a biased
-    sample) and, once judged badly there, never chosen again. ``support``: a live proposal's, per token
-    (what its support classes are worth is learned the same way)."""
-    n = min(len(proposal), len(emitted))
-    m = 0
-    while m < n and proposal[m] == emitted[m]:
-        m += 1
-    controller.record_accept(source, acc.setdefault(source, AcceptanceStats(k_all)), n, m)
-    if support:
-        controller.support.record_proposal(support, n, m)

@@ -21,7 +21,8 @@ One :meth:`EngineCore.generate` call runs a list of requests to completion:
   drafter's q, in two ``verify_chain`` calls over the same target forward; or the step is a
   *tree*: every row drafts from the main drafter and the rows with a history proposal also
   carry it as a second branch of the same verify (``spec_step.tree_segment``, ``verify_tree``; the
-  winning branch's cache entries are moved into place).
+  winning branch's cache entries are moved into place). The speculative step is its own module
+  (``spec_worker.SpeculativeWorker``); this one keeps the batch, the slots and the caches.
 * **Retirement.** A row finishes at a stop token or ``max_new_tokens``; its slot is refilled by
   moving the last running row into it, so the batch stays in slots ``0..B-1``.
 
@@ -42,17 +43,15 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_spec.rollout.native.adaptive import DraftLengthController, StepPlan, plan_step, record_unused_history
-from megatron_spec.rollout.native.cost_model import tree_expected_tokens
-from megatron_spec.rollout.native.measures import AcceptanceStats
+from megatron_spec.rollout.native.adaptive import DraftLengthController
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
-from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
-from megatron_spec.rollout.native.spec_step import Proposal, Verified, chain_segment, tree_segment, verify_split
+from megatron_spec.rollout.native.rows import Admission, Row
+from megatron_spec.rollout.native.spec_worker import SpeculativeWorker
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
 from megatron_spec.speculative import SamplingTensors, process_logits
-from megatron_spec.speculative.verify import sample_from_logprobs, verify_tree
+from megatron_spec.speculative.verify import sample_from_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +102,8 @@ class EngineCore:
         self.cache = None
         self.spec_enabled = drafter is not None
         """The acceptance-collapse watchdog may turn speculation off (see ``sync``/``rl``)."""
+        self.spec = SpeculativeWorker(self) if drafter is not None else None
+        """The speculative step (``spec_worker.py``): propose, verify, commit, account."""
         self.weight_version: str | None = None
         self.draft_weight_version: str | None = None
         """The versions of the weights loaded (:meth:`set_weight_versions`), stamped on every sample."""
@@ -171,7 +172,7 @@ class EngineCore:
             if not rows:  # nothing running: the prompts are prefilled on their own
                 adm = self._take(waiting, rows)
                 if adm is not None:
-                    self._start(adm, rows, *self.model.forward_segments([adm.segment], self.cache,
+                    self.start(adm, rows, *self.model.forward_segments([adm.segment], self.cache,
                                                                          aux_layers=self._aux_layers())[0])
                 self._retire(rows, on_sample_done, done)
                 sampling = None
@@ -179,8 +180,8 @@ class EngineCore:
             if sampling is None:
                 sampling = self._sampling(rows)
             adm = self._take(waiting, rows)  # prefilled in this step's forward, joins after it
-            if self.spec_enabled and self.drafter is not None:
-                self._spec_step(rows, sampling, stats, adm)
+            if self.spec_enabled and self.spec is not None:
+                self.spec.step(rows, sampling, stats, adm)
             else:
                 self._plain_step(rows, sampling, stats, adm)
             if self._retire(rows, on_sample_done, done) or adm is not None:
@@ -200,7 +201,7 @@ class EngineCore:
         return SamplingTensors.from_values([s.temperature for s in sp], [s.top_k for s in sp],
                                            [s.top_p for s in sp], [s.min_p for s in sp], device=self.device)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         """Wait for the device's queued kernels (a GPU runs them after the host returns); before a
         timing the adaptive controller learns from. Nothing to wait for on the CPU."""
         if self.device.type == "cuda":
@@ -212,7 +213,7 @@ class EngineCore:
             ids |= self.eos_token_ids
         return frozenset(ids)
 
-    def _token_logprobs(self, logits: torch.Tensor, lp: torch.Tensor, tokens: torch.Tensor,
+    def token_logprobs(self, logits: torch.Tensor, lp: torch.Tensor, tokens: torch.Tensor,
                         greedy: torch.Tensor) -> torch.Tensor:
         """Reported log-probs ``[B, T]``: processed for sampled rows, unscaled for greedy rows."""
         out = lp.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -237,7 +238,7 @@ class EngineCore:
             tokens += len(nxt.input_ids)
         return Admission.of(batch, len(rows), self.device) if batch else None
 
-    def _forward(self, seg: Segment, adm: Admission | None, aux_layers: Sequence[int]):
+    def forward(self, seg: Segment, adm: Admission | None, aux_layers: Sequence[int]):
         """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,
         aux) and the prefill's (None without ``adm``)."""
         if adm is None:
@@ -246,7 +247,7 @@ class EngineCore:
                                                 aux_layers=self._aux_layers())  # the drafter's prefill reads them
         return step, pre
 
-    def _start(self, adm: Admission, rows: list[Row], logits: torch.Tensor, aux: torch.Tensor | None) -> None:
+    def start(self, adm: Admission, rows: list[Row], logits: torch.Tensor, aux: torch.Tensor | None) -> None:
         """After ``adm``'s prefill forward (``logits [P, 1, V]`` at each prompt's last position,
         ``aux [P, T, A]``): fill the draft's cache, spread each prompt to the slots of its
         samples, sample their first tokens and append them to ``rows``."""
@@ -273,7 +274,7 @@ class EngineCore:
         sampling = self._sampling(new_rows)
         lp = process_logits(first_logits, sampling)
         tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
-        tok_lp = self._token_logprobs(first_logits, lp, tok, sampling.greedy)
+        tok_lp = self.token_logprobs(first_logits, lp, tok, sampling.greedy)
         prompt_of_row = [i for i, r in enumerate(batch) for _ in range(r.n)]
         for j, (row, t_, l_) in enumerate(zip(new_rows, tok.tolist(), tok_lp.tolist())):
             slot = base + j
@@ -318,186 +319,13 @@ class EngineCore:
         b = len(rows)
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
         pos = self.cache.lens[:b].unsqueeze(1).clone()  # [B, 1]
-        (logits, _), pre = self._forward(Segment(ids, pos, pos.squeeze(1) + 1), adm, ())
+        (logits, _), pre = self.forward(Segment(ids, pos, pos.squeeze(1) + 1), adm, ())
         lp = process_logits(logits[:, 0], sampling)
         tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
-        tok_lp = self._token_logprobs(logits[:, 0], lp, tok, sampling.greedy)
+        tok_lp = self.token_logprobs(logits[:, 0], lp, tok, sampling.greedy)
         self.cache.lens[:b] += 1
         for r, t_, l_ in zip(rows, tok.tolist(), tok_lp.tolist()):
             r.verify_steps += 1
             r.emit(t_, l_)
         if adm is not None:
-            self._start(adm, rows, *pre)
-
-    def _spec_step(self, rows: list[Row], sampling: SamplingTensors, stats: GenerateStats,
-                   adm: Admission | None = None) -> None:
-        """Propose -> verify -> commit -> account (``spec_step.py``); ``adm``'s prefill rides along."""
-        t0 = time.perf_counter()
-        prop = self._propose(rows, sampling)
-        ver = self._verify_step(rows, sampling, prop, adm)
-        emitted, accepted, kept = self._commit(rows, prop, ver)
-        self._account(rows, prop, ver, emitted, accepted, stats, t0, prefill=adm is not None, kept=kept)
-        if adm is not None:
-            self._start(adm, rows, *ver.prefill)
-
-    def _propose(self, rows: list[Row], sampling: SamplingTensors) -> Proposal:
-        """The step's plan and drafts: the history's proposals, the plan (fixed k, or the adaptive
-        controller's), the main drafter's proposal (k = 0 where no row drafts from it: that only
-        keeps its state in sync), history drafts put in the rows that use them."""
-        t0 = time.perf_counter()
-        b, dev = len(rows), self.device
-        tokens = [r.tokens for r in rows]
-        hist = hist_full = self.history.propose_lists(tokens, self.k_history) if self.history is not None else None
-        support = None
-        t_draft = time.perf_counter() - t0
-        if self.controller is None:
-            plan, use_hist, options = StepPlan(self.k), [False] * b, None
-        else:
-            srcs = self.history.sources if self.history is not None else None  # live index or finished responses
-            sup = self.history.support if self.history is not None else None  # a live proposal's support per token
-            support = sup[:b] if sup else None
-            plan, use_hist, options = plan_step(self.controller, self.drafter.kind, [r.acc for r in rows], hist,
-                                                srcs[:b] if srcs else None, support)
-            if hist is not None:  # what the rows draft: the paying prefix of a supported live proposal
-                hist_full, hist = hist, [h[:o[1][1]] if len(o) > 1 else [] for h, o in zip(hist, options)]
-        k = plan.k
-        t1 = time.perf_counter()
-        main_ran = k > 0 and plan.mode != "history" and (not all(use_hist) or not self.drafter.supports_skip)
-        if main_ran:
-            drafts, q = self.drafter.propose(tokens, k, sampling, self.generator)  # [B, k], [B, k, Vd]
-            drafts = drafts.to(dev)  # point-mass drafters (n-gram, history) propose on the host
-        else:
-            self.drafter.propose(tokens, 0, sampling, self.generator)
-            drafts, q = torch.full((b, k), -1, dtype=torch.long, device=dev), None
-        self._sync()  # the proposal's kernels are done: its time is what the controller learns
-        t_main = time.perf_counter() - t1
-        point = torch.tensor(use_hist, device=dev)  # [B] rows verified against a point mass (history drafts)
-        if any(use_hist):
-            hd = pad_rows([hist[i][:k] if u else [] for i, u in enumerate(use_hist)], k, -1, dev)
-            drafts = torch.where(point.view(-1, 1), hd, drafts)
-        branch = None
-        if plan.mode == "tree":  # the second branch: each row's history proposal
-            branch = pad_rows([h[:plan.m] for h in hist], plan.m, -1, dev)
-        return Proposal(plan, use_hist, point, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main,
-                        hist_full, support)
-
-    def _verify_step(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
-                     adm: Admission | None) -> Verified:
-        """One target forward over each row's last token and drafts (a chain, or the two-branch tree),
-        then rejection sampling: chain rows against the drafter's q or a point mass (history), tree
-        rows by ``verify_tree``; the reported log-probs of the emitted tokens."""
-        b, dev, k, m = len(rows), self.device, prop.k, prop.m
-        last = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
-        base = self.cache.lens[:b].clone()
-        drafts = prop.drafts
-        if prop.tree:
-            seg = tree_segment(torch.cat([last, drafts.clamp(min=0), prop.branch.clamp(min=0)], dim=1), base, k, m)
-        else:
-            seg = chain_segment(last, drafts, base)
-        (logits, aux), pre = self._forward(seg, adm, self.drafter.aux_layers)
-        lp = process_logits(logits, sampling)  # [B, k+1(+m), V]
-        d2t = self.drafter.d2t if prop.q is not None else None  # d2t maps q's vocabulary; drafts are target ids
-        if prop.tree:
-            res = verify_tree(lp[:, :k + 1], drafts, prop.q, lp[:, k + 1:], prop.branch, d2t=d2t,
-                              greedy=sampling.greedy, generator=self.generator)
-            path = res.positions  # [B, k+m+1] the tree position that verified each emitted token
-            own = res.first_accepted.tolist()
-            if aux is not None:
-                aux = aux.gather(1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
-        else:
-            res = verify_split(lp, drafts, prop.q, d2t, sampling.greedy, prop.point, self.generator)
-            path = None
-            # the main drafter's own drafts were accepted only on its rows
-            own = [0 if u else a for a, u in zip(res.num_accepted.tolist(), prop.use_hist)]
-        tok_lp = res.logprobs
-        if bool(sampling.greedy.any()):
-            if path is not None:
-                idx = path.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-                logits, lp = logits.gather(1, idx), lp.gather(1, idx)
-            tok_lp = self._token_logprobs(logits, lp, res.tokens, sampling.greedy)
-        return Verified(res, tok_lp, aux, own, base, seg, pre)
-
-    def _commit(self, rows: list[Row], prop: Proposal, ver: Verified) -> tuple[list[list[int]], list[int], int]:
-        """The kept path into the caches (a tree's winning history branch moves into the first's
-        place), the drafter's state, and the emitted tokens to their rows. Returns what each row
-        emitted, how many drafts it accepted, and how many tokens the rows kept (a row that reached a
-        stop token or its length keeps none past it)."""
-        b, res = len(rows), ver.result
-        if prop.tree:
-            base_h, second_len = ver.base.tolist(), res.second_len.tolist()
-            for i in res.second.nonzero()[:, 0].tolist():  # the history branch won: its K/V take the first's place
-                self.cache.shift(i, base_h[i] + prop.k + 1, base_h[i] + 1, second_len[i])
-        emitted = res.emitted()
-        accepted = res.num_accepted.tolist()
-        self.cache.lens[:b] = ver.base + res.num_accepted + 1  # last token + accepted drafts are cached
-        self.drafter.commit(emitted, ver.own, ver.aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
-        kept = 0
-        for r, em, l_ in zip(rows, emitted, ver.token_logprobs.tolist()):
-            r.verify_steps += 1
-            for j, t_ in enumerate(em):
-                kept += 1
-                if r.emit(t_, l_[j]):
-                    break
-        return emitted, accepted, kept
-
-    def _source_label(self, i: int, src: str) -> str:
-        """``src`` as the statistics name it: a history proposal says whether the live group index
-        (``"live"``) or the finished responses (``"history"``) drafted it."""
-        if src != "history":
-            return src
-        d = self.history if self.history is not None else self.drafter
-        sources = d.sources
-        return (sources[i] if sources and i < len(sources) else None) or src
-
-    def _account(self, rows: list[Row], prop: Proposal, ver: Verified, emitted: list[list[int]],
-                 accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool, kept: int) -> None:
-        """Per row: draft length, source and acceptance (the request's and the step's statistics);
-        what the adaptive controller learns (acceptance per source, a history proposal a row did not
-        use, the tree's predicted vs realized tokens, the step's and the draft's time, the tokens kept per second of
-        the step against the rate predicted for its plan)."""
-        k, m, main, hist = prop.k, prop.m, self.drafter.kind, prop.hist
-        second = ver.result.second.tolist() if prop.tree else None
-        predicted = realized = 0.0
-        for i, (r, em, a, u, dr) in enumerate(zip(rows, emitted, accepted, prop.use_hist, prop.drafts.tolist())):
-            proposed = sum(1 for t_ in dr if t_ >= 0)
-            two = prop.second_branch(i)
-            src = "tree" if two else ("history" if u else main)
-            if two:
-                proposed += min(m, len(hist[i]))
-            label = self._source_label(i, src)  # history: the live group index or finished responses
-            r.draft_lengths.append(proposed)
-            r.sources.append(label)
-            stats.add_step_k(proposed)
-            if k > 0 and not (prop.hist_only and not u):  # a row that sat out a history-only step drafted nothing
-                r.accepted.append(a)
-                stats.add_spec_step(a, self.k_all, source=label)
-                if self.controller is not None:
-                    if prop.tree:  # the first branch is verified as a chain: its own acceptance, unbiased
-                        self.controller.record_accept(main, r.acc.setdefault(main, AcceptanceStats(self.k_all)),
-                                                      k, ver.own[i])
-                    elif proposed > 0:  # beside a drafter, the two indexes are judged apart
-                        csrc = label if u and self.history is not None else src
-                        self.controller.record_accept(csrc, r.acc.setdefault(csrc, AcceptanceStats(self.k_all)),
-                                                      proposed, a)
-                        if u and prop.support is not None and prop.support[i]:
-                            self.controller.support.record_proposal(prop.support[i], proposed, a)
-            if two:
-                stats.tree_second += int(second[i])
-                opts = prop.options[i]
-                predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
-                realized += a
-            full = prop.hist_full[i] if prop.hist_full is not None else None
-            if full and not u:  # (the whole proposal: its acceptance is learned also where only a prefix paid)
-                record_unused_history(self.controller, r.acc, self.k_all, hist[i][:m] if two else full, em,
-                                      source=self._source_label(i, "history"),
-                                      support=prop.support[i] if prop.support is not None else None)
-        if self.controller is not None:
-            if prop.tree:
-                self.controller.record_tree(predicted, realized)
-            # the draft table is the main drafter's: a step where it did not run teaches it nothing
-            pack = ver.segment.pack
-            seconds = time.perf_counter() - t0
-            self.controller.record_step(len(rows), k, seconds - prop.t_draft,
-                                        prop.t_main if prop.main_ran else 0.0, prefill=prefill, m=m,
-                                        tokens=None if pack is None else int(pack.sum()))
-            self.controller.record_outcome(kept, seconds, prefill)
+            self.start(adm, rows, *pre)

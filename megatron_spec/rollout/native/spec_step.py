@@ -1,7 +1,7 @@
 """What one speculative step of the native engine passes between its four parts, and the parts that
 hold no engine state (the verify forward's layout, splitting and merging verification).
 
-``EngineCore._spec_step`` (``engine.py``) is **propose -> verify -> commit -> account**:
+``SpeculativeWorker.step`` (``spec_worker.py``) is **propose -> verify -> commit -> account**:
 
 * propose: the step's plan (k, and whether every row drafts from its better source, only the rows
   with a history proposal, or a two-branch tree) and the drafts: a :class:`Proposal`;
@@ -50,7 +50,7 @@ class Proposal:
     t_main: float
     hist_full: list[list[int]] | None = None
     """Per row, the history drafter's whole proposal, where ``hist`` holds what the row may draft of it (a
-    supported live proposal's paying prefix: ``adaptive.plan_step``); what unused proposals teach."""
+    supported live proposal's paying prefix: ``spec_worker.plan_step``); what unused proposals teach."""
     support: list[list[tuple[int, int]] | None] | None = None
     """Per row, a live proposal's sibling support per token (``LiveIndex.propose_with_support``), or None."""
 

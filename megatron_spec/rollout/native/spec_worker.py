@@ -1,0 +1,289 @@
+"""The native engine's speculative step: **propose -> verify -> commit -> account**, over the rows the
+scheduler (``engine.EngineCore``) keeps, as SGLang's speculative worker runs beside its scheduler.
+
+* propose: the step's plan (fixed k, or the adaptive controller's: k, and whether every row drafts from
+  its better source, only the rows with a history proposal, or a two-branch tree) and the drafts;
+* verify: one target forward over each row's last token and drafts (the admitted prompts' prefill riding
+  along), then rejection sampling: chain rows against the drafter's q or a point mass (history), tree
+  rows by ``verify_tree``;
+* commit: the kept path's K/V into place, the cache lengths, the drafter's state, the emitted tokens;
+* account: per-row draft lengths, sources and acceptance, the step's statistics, and what the adaptive
+  controller learns from them.
+
+What passes between the parts (:class:`~megatron_spec.rollout.native.spec_step.Proposal`,
+:class:`~megatron_spec.rollout.native.spec_step.Verified`) and the parts that hold no state live in
+``spec_step.py``. The worker holds no state of its own: the caches, the drafters, the controller and the
+generator are the scheduler's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from megatron_spec.rollout.native.adaptive import DraftLengthController, StepPlan
+from megatron_spec.rollout.native.cost_model import expected_tokens, tree_expected_tokens
+from megatron_spec.rollout.native.measures import AcceptanceStats, paying_prefix
+from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
+from megatron_spec.rollout.native.spec_step import Proposal, Verified, chain_segment, tree_segment, verify_split
+from megatron_spec.rollout.types import GenerateStats
+from megatron_spec.speculative import SamplingTensors, process_logits
+from megatron_spec.speculative.verify import verify_tree
+
+if TYPE_CHECKING:
+    from megatron_spec.rollout.native.engine import EngineCore
+
+
+class SpeculativeWorker:
+    """The speculative step of an :class:`~megatron_spec.rollout.native.engine.EngineCore` with a drafter."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+
+    def step(self, rows: list[Row], sampling: SamplingTensors, stats: GenerateStats,
+                   adm: Admission | None = None) -> None:
+        """Propose -> verify -> commit -> account (``spec_step.py``); ``adm``'s prefill rides along."""
+        core = self.core
+        t0 = time.perf_counter()
+        prop = self._propose(rows, sampling)
+        ver = self._verify(rows, sampling, prop, adm)
+        emitted, accepted, kept = self._commit(rows, prop, ver)
+        self._account(rows, prop, ver, emitted, accepted, stats, t0, prefill=adm is not None, kept=kept)
+        if adm is not None:
+            core.start(adm, rows, *ver.prefill)
+
+    def _propose(self, rows: list[Row], sampling: SamplingTensors) -> Proposal:
+        """The step's plan and drafts: the history's proposals, the plan (fixed k, or the adaptive
+        controller's), the main drafter's proposal (k = 0 where no row drafts from it: that only
+        keeps its state in sync), history drafts put in the rows that use them."""
+        core = self.core
+        t0 = time.perf_counter()
+        b, dev = len(rows), core.device
+        tokens = [r.tokens for r in rows]
+        hist = hist_full = core.history.propose_lists(tokens, core.k_history) if core.history is not None else None
+        support = None
+        t_draft = time.perf_counter() - t0
+        if core.controller is None:
+            plan, use_hist, options = StepPlan(core.k), [False] * b, None
+        else:
+            srcs = core.history.sources if core.history is not None else None  # live index or finished responses
+            sup = core.history.support if core.history is not None else None  # a live proposal's support per token
+            support = sup[:b] if sup else None
+            plan, use_hist, options = plan_step(core.controller, core.drafter.kind, [r.acc for r in rows], hist,
+                                                srcs[:b] if srcs else None, support)
+            if hist is not None:  # what the rows draft: the paying prefix of a supported live proposal
+                hist_full, hist = hist, [h[:o[1][1]] if len(o) > 1 else [] for h, o in zip(hist, options)]
+        k = plan.k
+        t1 = time.perf_counter()
+        main_ran = k > 0 and plan.mode != "history" and (not all(use_hist) or not core.drafter.supports_skip)
+        if main_ran:
+            drafts, q = core.drafter.propose(tokens, k, sampling, core.generator)  # [B, k], [B, k, Vd]
+            drafts = drafts.to(dev)  # point-mass drafters (n-gram, history) propose on the host
+        else:
+            core.drafter.propose(tokens, 0, sampling, core.generator)
+            drafts, q = torch.full((b, k), -1, dtype=torch.long, device=dev), None
+        core.sync()  # the proposal's kernels are done: its time is what the controller learns
+        t_main = time.perf_counter() - t1
+        point = torch.tensor(use_hist, device=dev)  # [B] rows verified against a point mass (history drafts)
+        if any(use_hist):
+            hd = pad_rows([hist[i][:k] if u else [] for i, u in enumerate(use_hist)], k, -1, dev)
+            drafts = torch.where(point.view(-1, 1), hd, drafts)
+        branch = None
+        if plan.mode == "tree":  # the second branch: each row's history proposal
+            branch = pad_rows([h[:plan.m] for h in hist], plan.m, -1, dev)
+        return Proposal(plan, use_hist, point, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main,
+                        hist_full, support)
+
+    def _verify(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
+                     adm: Admission | None) -> Verified:
+        """One target forward over each row's last token and drafts (a chain, or the two-branch tree),
+        then rejection sampling: chain rows against the drafter's q or a point mass (history), tree
+        rows by ``verify_tree``; the reported log-probs of the emitted tokens."""
+        core = self.core
+        b, dev, k, m = len(rows), core.device, prop.k, prop.m
+        last = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
+        base = core.cache.lens[:b].clone()
+        drafts = prop.drafts
+        if prop.tree:
+            seg = tree_segment(torch.cat([last, drafts.clamp(min=0), prop.branch.clamp(min=0)], dim=1), base, k, m)
+        else:
+            seg = chain_segment(last, drafts, base)
+        (logits, aux), pre = core.forward(seg, adm, core.drafter.aux_layers)
+        lp = process_logits(logits, sampling)  # [B, k+1(+m), V]
+        d2t = core.drafter.d2t if prop.q is not None else None  # d2t maps q's vocabulary; drafts are target ids
+        if prop.tree:
+            res = verify_tree(lp[:, :k + 1], drafts, prop.q, lp[:, k + 1:], prop.branch, d2t=d2t,
+                              greedy=sampling.greedy, generator=core.generator)
+            path = res.positions  # [B, k+m+1] the tree position that verified each emitted token
+            own = res.first_accepted.tolist()
+            if aux is not None:
+                aux = aux.gather(1, path.unsqueeze(-1).expand(-1, -1, aux.shape[-1]))
+        else:
+            res = verify_split(lp, drafts, prop.q, d2t, sampling.greedy, prop.point, core.generator)
+            path = None
+            # the main drafter's own drafts were accepted only on its rows
+            own = [0 if u else a for a, u in zip(res.num_accepted.tolist(), prop.use_hist)]
+        tok_lp = res.logprobs
+        if bool(sampling.greedy.any()):
+            if path is not None:
+                idx = path.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+                logits, lp = logits.gather(1, idx), lp.gather(1, idx)
+            tok_lp = core.token_logprobs(logits, lp, res.tokens, sampling.greedy)
+        return Verified(res, tok_lp, aux, own, base, seg, pre)
+
+    def _commit(self, rows: list[Row], prop: Proposal, ver: Verified) -> tuple[list[list[int]], list[int], int]:
+        """The kept path into the caches (a tree's winning history branch moves into the first's
+        place), the drafter's state, and the emitted tokens to their rows. Returns what each row
+        emitted, how many drafts it accepted, and how many tokens the rows kept (a row that reached a
+        stop token or its length keeps none past it)."""
+        core = self.core
+        b, res = len(rows), ver.result
+        if prop.tree:
+            base_h, second_len = ver.base.tolist(), res.second_len.tolist()
+            for i in res.second.nonzero()[:, 0].tolist():  # the history branch won: its K/V take the first's place
+                core.cache.shift(i, base_h[i] + prop.k + 1, base_h[i] + 1, second_len[i])
+        emitted = res.emitted()
+        accepted = res.num_accepted.tolist()
+        core.cache.lens[:b] = ver.base + res.num_accepted + 1  # last token + accepted drafts are cached
+        core.drafter.commit(emitted, ver.own, ver.aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
+        kept = 0
+        for r, em, l_ in zip(rows, emitted, ver.token_logprobs.tolist()):
+            r.verify_steps += 1
+            for j, t_ in enumerate(em):
+                kept += 1
+                if r.emit(t_, l_[j]):
+                    break
+        return emitted, accepted, kept
+
+    def _source_label(self, i: int, src: str) -> str:
+        """``src`` as the statistics name it: a history proposal says whether the live group index
+        (``"live"``) or the finished responses (``"history"``) drafted it."""
+        core = self.core
+        if src != "history":
+            return src
+        d = core.history if core.history is not None else core.drafter
+        sources = d.sources
+        return (sources[i] if sources and i < len(sources) else None) or src
+
+    def _account(self, rows: list[Row], prop: Proposal, ver: Verified, emitted: list[list[int]],
+                 accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool, kept: int) -> None:
+        """Per row: draft length, source and acceptance (the request's and the step's statistics);
+        what the adaptive controller learns (acceptance per source, a history proposal a row did not
+        use, the tree's predicted vs realized tokens, the step's and the draft's time, the tokens kept per second of
+        the step against the rate predicted for its plan)."""
+        core = self.core
+        k, m, main, hist = prop.k, prop.m, core.drafter.kind, prop.hist
+        second = ver.result.second.tolist() if prop.tree else None
+        predicted = realized = 0.0
+        for i, (r, em, a, u, dr) in enumerate(zip(rows, emitted, accepted, prop.use_hist, prop.drafts.tolist())):
+            proposed = sum(1 for t_ in dr if t_ >= 0)
+            two = prop.second_branch(i)
+            src = "tree" if two else ("history" if u else main)
+            if two:
+                proposed += min(m, len(hist[i]))
+            label = self._source_label(i, src)  # history: the live group index or finished responses
+            r.draft_lengths.append(proposed)
+            r.sources.append(label)
+            stats.add_step_k(proposed)
+            if k > 0 and not (prop.hist_only and not u):  # a row that sat out a history-only step drafted nothing
+                r.accepted.append(a)
+                stats.add_spec_step(a, core.k_all, source=label)
+                if core.controller is not None:
+                    if prop.tree:  # the first branch is verified as a chain: its own acceptance, unbiased
+                        core.controller.record_accept(main, r.acc.setdefault(main, AcceptanceStats(core.k_all)),
+                                                      k, ver.own[i])
+                    elif proposed > 0:  # beside a drafter, the two indexes are judged apart
+                        csrc = label if u and core.history is not None else src
+                        core.controller.record_accept(csrc, r.acc.setdefault(csrc, AcceptanceStats(core.k_all)),
+                                                      proposed, a)
+                        if u and prop.support is not None and prop.support[i]:
+                            core.controller.support.record_proposal(prop.support[i], proposed, a)
+            if two:
+                stats.tree_second += int(second[i])
+                opts = prop.options[i]
+                predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
+                realized += a
+            full = prop.hist_full[i] if prop.hist_full is not None else None
+            if full and not u:  # (the whole proposal: its acceptance is learned also where only a prefix paid)
+                record_unused_history(core.controller, r.acc, core.k_all, hist[i][:m] if two else full, em,
+                                      source=self._source_label(i, "history"),
+                                      support=prop.support[i] if prop.support is not None else None)
+        if core.controller is not None:
+            if prop.tree:
+                core.controller.record_tree(predicted, realized)
+            # the draft table is the main drafter's: a step where it did not run teaches it nothing
+            pack = ver.segment.pack
+            seconds = time.perf_counter() - t0
+            core.controller.record_step(len(rows), k, seconds - prop.t_draft,
+                                        prop.t_main if prop.main_ran else 0.0, prefill=prefill, m=m,
+                                        tokens=None if pack is None else int(pack.sum()))
+            core.controller.record_outcome(kept, seconds, prefill)
+
+
+def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str, AcceptanceStats]],
+              hist: list[list[int]] | None, hist_sources: list[str | None] | None = None,
+              hist_support: list[list[tuple[int, int]] | None] | None = None) -> tuple[StepPlan, list[bool], list]:
+    """The step's plan (:meth:`DraftLengthController.choose_step`: k, and whether every row drafts,
+    only the rows with a history proposal, or a tree), per row whether it drafts from the history
+    (in an ``all`` step: the source expected to emit more tokens at that k; ties go to the main
+    drafter ``main``), and the rows' options the choice was made from. ``accs``: each row's
+    request's acceptance per source; ``hist_sources``: per row, which index made its proposal
+    (``live`` or ``history``, each judged on its own acceptance; default ``history``);
+    ``hist_support``: per row, a live proposal's support per token (its acceptance is then what its
+    tokens' support classes were worth, ``SupportStats.alpha``, and only its :func:`paying_prefix` at the
+    batch's :meth:`~DraftLengthController.token_threshold` is an option: ``options[b][1][1]``, what the engine drafts)."""
+    options = []
+    bases: dict[str, list[float]] = {}  # the batch's rates per source, once per step
+    cut = hist_support and any(hist_support) and not controller.force_history_rows  # (the hook: whole ones)
+    threshold = controller.token_threshold(len(accs)) if cut else None
+
+    def alpha(src: str, row: AcceptanceStats | None) -> list[float]:
+        if src not in bases:
+            bases[src] = controller.batch_alpha(src)
+        return controller.row_alpha(src, row, bases[src])
+
+    for i, acc in enumerate(accs):
+        opts = [(alpha(main, acc.get(main)), None)]
+        if hist is not None and hist[i]:
+            src = (hist_sources[i] if hist_sources else None) or "history"
+            a, n = alpha(src, acc.get(src)), len(hist[i])
+            support = hist_support[i] if hist_support else None
+            if support:
+                a = controller.support.alpha(a, support, controller.support_weight)
+                if threshold is not None:
+                    n = paying_prefix(a, threshold, n)
+            if n:
+                opts.append((a, n))
+        options.append(opts)
+    plan = controller.choose_step(options)
+    if plan.mode == "history":
+        return plan, [len(o) > 1 for o in options], options
+    if plan.mode == "tree":
+        return plan, [False] * len(options), options
+    if controller.force_history_rows and any(len(o) > 1 for o in options):  # the test hook
+        plan = plan._replace(k=max(plan.k, 1))
+        return plan, [len(o) > 1 for o in options], options
+    k = plan.k
+    use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
+    return plan, use, options
+
+
+def record_unused_history(controller: DraftLengthController, acc: dict[str, AcceptanceStats], k_all: int,
+                          proposal: list[int], emitted: list[int], source: str = "history",
+                          support: list[tuple[int, int]] | None = None) -> None:
+    """Acceptance of a history proposal a row did not use, from what the row emitted: a point-mass
+    draft x is accepted with probability p(x), the probability that the target's own token is x,
+    so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
+    of acceptance at position j. Positions past the emitted tokens are not observed. Without this,
+    the history would only be judged on the rows where the main drafter looked weak (a biased
+    sample) and, once judged badly there, never chosen again. ``support``: a live proposal's, per token
+    (what its support classes are worth is learned the same way)."""
+    n = min(len(proposal), len(emitted))
+    m = 0
+    while m < n and proposal[m] == emitted[m]:
+        m += 1
+    controller.record_accept(source, acc.setdefault(source, AcceptanceStats(k_all)), n, m)
+    if support:
+        controller.support.record_proposal(support, n, m)
