@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_spec.capture import Capture, CaptureConfig
     from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
-    from megatron_spec.isa import probe
+    from megatron_spec._ext import cpu_facts
     from megatron_spec.parallel import destroy_parallel, init_parallel
 
     init_parallel(tp_size=1, seed=0)
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "repeats": args.repeats,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "cpu_capability": probe().capability,
+        **cpu_facts(),
     }
     destroy_parallel()
     print(json.dumps(result))

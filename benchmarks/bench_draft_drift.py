@@ -167,7 +167,8 @@ def main() -> int:
 
     with open(args.config) as fh:
         rollout_cfg = (yaml.safe_load(fh) or {}).get("rollout", {})
-    from megatron_spec.isa import probe, resolve_dtype
+    from megatron_spec.isa import resolve_dtype
+    from megatron_spec._ext import cpu_facts
 
     dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))
     title = (f"frozen vs online EAGLE-3 draft, {args.steps} GRPO steps, {dtype} engine\n"
@@ -192,7 +193,7 @@ def main() -> int:
         "reward_last_frozen": round(first_last(frozen, "reward/mean")[1], 3),
         "reward_first_online": round(first_last(online, "reward/mean")[0], 3),
         "reward_last_online": round(first_last(online, "reward/mean")[1], 3),
-        "steps": args.steps, "wall_s": round(wall, 1), "reused": reused, "dtype": dtype, "cpu_capability": probe().capability,
+        "steps": args.steps, "wall_s": round(wall, 1), "reused": reused, "dtype": dtype, **cpu_facts(),
         "plot": os.path.relpath(args.plot, ROOT), "report": os.path.relpath(report["summary"], ROOT),
     }
     if "corrupted" in runs:

@@ -71,7 +71,7 @@ def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> 
 
 def compare_backends(args, data_flags: tuple[str, ...]) -> int:
     """The native engine and vLLM in the same greedy GRPO run, with and without the EAGLE-3 draft."""
-    from megatron_spec.isa import probe
+    from megatron_spec._ext import cpu_facts
 
     greedy = ("--rollout-temperature", "0", "--no-dynamic-sampling")
     runs = {}
@@ -94,7 +94,7 @@ def compare_backends(args, data_flags: tuple[str, ...]) -> int:
             summary[f"vllm_over_native_{stage}_{tag}"] = round(summary[f"vllm_{tag}_{stage}_s"]
                                                                / summary[f"native_{tag}_{stage}_s"], 3)
     summary.update({"steps": args.steps, "temperature": 0.0, "real_model": args.base if args.model else None,
-                    "cpu_capability": probe().capability})
+                    **cpu_facts()})
     print(json.dumps(summary))
     return 0
 
@@ -153,7 +153,8 @@ def main() -> int:
         config = yaml.safe_load(fh) or {}
     rollout_cfg, grpo_cfg = config.get("rollout", {}), config.get("grpo", {})
     batch = int(rollout_cfg.get("rollout_max_batch_size", 16))
-    from megatron_spec.isa import probe, resolve_dtype
+    from megatron_spec._ext import cpu_facts
+    from megatron_spec.isa import resolve_dtype
 
     dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))  # what the launcher's engine ran in
     regime = decode_regime(args.base, args.draft, batch, dtype)
@@ -183,7 +184,7 @@ def main() -> int:
         "prompts_per_step": grpo_cfg.get("prompts_per_step"), "group_size": grpo_cfg.get("grpo_group_size"),
         "rollout_batch": batch, "v_k3": round(regime["v_k3"], 3), "c": round(regime["c"], 3),
         "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),
-        "steps": args.steps, "dtype": dtype, "real_model": args.base if args.model else None, "cpu_capability": probe().capability, "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
+        "steps": args.steps, "dtype": dtype, "real_model": args.base if args.model else None, **cpu_facts(), "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
     if "spec_adaptive_history" in runs:
         ah = runs["spec_adaptive_history"][1:]

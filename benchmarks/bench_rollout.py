@@ -646,6 +646,7 @@ def main() -> int:
 
     ks = [int(x) for x in args.ks.split(",")]
     from megatron_spec.isa import probe, resolve_dtype
+    from megatron_spec._ext import cpu_facts
 
     main_dtype = resolve_dtype("auto")
     dtypes = list(dict.fromkeys(resolve_dtype(d.strip()) for d in args.dtypes.split(",")))
@@ -798,7 +799,7 @@ def main() -> int:
         "drafts_b1": {n: {a: v if isinstance(v, list) else rnd(v) for a, v in r.items()} if isinstance(r, dict)
                       else rnd(r) for n, r in drafts.items()},
         "dtype": main_dtype,
-        "cpu_capability": probe().capability,
+        **cpu_facts(),
         "per_config": {k: {a: v if isinstance(v, list) else round(v, 3) for a, v in r.items() if v is not None}
                        for k, r in results.items()},
     }

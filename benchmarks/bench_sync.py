@@ -345,7 +345,7 @@ def main() -> None:
     print(f"cpu_capability {probe().capability}, kernel_isa {_ext.kernel_isa()}, native engine dtype {engine_dtype}")
     base = dict(model_path=ckpt, dtype=engine_dtype, load_weights=False, num_threads=1, max_batch_size=4,
                 context_length=64)
-    res: dict = {"cpu_capability": probe().capability, "kernel_isa": _ext.kernel_isa(), "dtype": engine_dtype,
+    res: dict = {**_ext.cpu_facts(), "kernel_isa": _ext.kernel_isa(), "dtype": engine_dtype,
                  "memcpy_gbps": round(memcpy, 3), "params_m": round(n_params / 1e6, 1), "bucket_mb": args.bucket_mb}
 
     def best(streamer, what: str, version: str, policy=model):

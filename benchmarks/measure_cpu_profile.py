@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from megatron_spec.isa import probe, resolve_dtype
+    from megatron_spec.isa import resolve_dtype
+    from megatron_spec._ext import cpu_facts
 
     # bf16 only where the engine would run it (megatron_spec.isa): without native bf16 its matmuls are
     # 30-130x slower and oneDNN cannot pack them, so the profile then holds fp32 alone.
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__,
                     "threads": args.threads, "memory_bytes": _memory_bytes(),
-                    "cpu_capability": probe().capability},
+                    **cpu_facts()},
         "rounds": args.rounds,
         "mem_bw": mem_bw,
         "attn_bw": attn_bw,
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "layer_overhead_us": round(layer_overhead * 1e6, 1),
         "bf16_verify4_over_decode1": (round(stacks["bfloat16"]["forward_s"]["4"]
                                             / stacks["bfloat16"]["forward_s"]["1"], 3) if "bfloat16" in stacks else None),
-        "cpu_capability": probe().capability, "dtype": resolve_dtype("auto"),
+        **cpu_facts(), "dtype": resolve_dtype("auto"),
         "output": str(args.output),
     }))
     return 0

@@ -58,7 +58,8 @@ def main() -> int:
 
     import numpy as np
 
-    from megatron_spec.isa import probe, resolve_dtype
+    from megatron_spec.isa import resolve_dtype
+    from megatron_spec._ext import cpu_facts
     from megatron_spec.telemetry import read_metrics, start_end_means
 
     rows = read_metrics(os.path.join(args.work_dir, "metrics.jsonl"))
@@ -75,7 +76,7 @@ def main() -> int:
                "slope_mb_per_100_steps": round(100 * slope, 2),
                "reward_first_fifth": round(reward_start, 3), "reward_last_fifth": round(reward_end, 3),
                "accept_length": round(sum(r["spec/accept_length"] for r in rows) / len(rows), 3),
-               "dtype": resolve_dtype(_rollout_dtype(args.work_dir)), "cpu_capability": probe().capability}
+               "dtype": resolve_dtype(_rollout_dtype(args.work_dir)), **cpu_facts()}
     print(json.dumps(summary))
     return 0
 

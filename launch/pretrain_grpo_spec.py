@@ -1,5 +1,8 @@
 """GRPO with verifier-exact speculative rollouts on megatron-core.
 
+RL post-training of a pretrained policy, not pre-training: the name follows Megatron-LM's entry scripts
+(``pretrain_gpt.py``), as the design names this one, so the scripts that launch it keep working.
+
     torchrun --nproc_per_node N launch/pretrain_grpo_spec.py \\
         --hf-checkpoint DIR --prompt-data synthetic:sum --reward synthetic \\
         --tensor-model-parallel-size T --rollout-backend native \\

@@ -113,3 +113,13 @@ def set_kernel_isa(name: str) -> None:
     from megatron_spec import _C
 
     _C.set_kernel_isa(name)
+
+
+def cpu_facts() -> dict[str, object]:
+    """What a benchmark's JSON line says of the machine and the kernels that ran: the CPU kind (``AVX2``,
+    ``AVX-512-BF16``, ``AMX``), its model and torch's capability, and the linear kernel of each engine dtype."""
+    from megatron_spec.isa import probe
+
+    info = probe()
+    return {"cpu_kind": info.kind, "cpu_model": info.model, "cpu_capability": info.capability,
+            "linear_kernel": {"bfloat16": bf16_linear_kernel(), "float32": f"fp32 panels ({kernel_isa()})"}}
