@@ -43,8 +43,8 @@ class SpeculativeWorker:
         self.core = core
 
     def step(self, rows: list[Row], sampling: SamplingTensors, stats: GenerateStats,
-                   adm: Admission | None = None) -> None:
-        """Propose -> verify -> commit -> account (``spec_step.py``); ``adm``'s prefill rides along."""
+             adm: Admission | None = None) -> None:
+        """Propose -> verify -> commit -> account; ``adm``'s prefill rides along."""
         core = self.core
         t0 = time.perf_counter()
         prop = self._propose(rows, sampling)
@@ -97,7 +97,7 @@ class SpeculativeWorker:
                         hist_full, support)
 
     def _verify(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
-                     adm: Admission | None) -> Verified:
+                adm: Admission | None) -> Verified:
         """One target forward over each row's last token and drafts (a chain, or the two-branch tree),
         then rejection sampling: chain rows against the drafter's q or a point mass (history), tree
         rows by ``verify_tree``; the reported log-probs of the emitted tokens."""
