@@ -108,7 +108,7 @@ WIDE = dict(hidden=1024, heads=32, kv_heads=8, intermediate=3584)
 
 
 def task_prompts(tokenizer, n: int, seed: int, task: str = "sum") -> list[list[int]]:
-    from megatron_spec.rl.tasks import generate
+    from megatron_spec.rl.synthetic_tasks import generate
 
     return [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in generate(task, n, seed)]
 

@@ -240,7 +240,7 @@ def real_model(args) -> dict:
     from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
     from megatron_spec.parallel import destroy_parallel, init_parallel
     from megatron_spec.rollout.config import EngineConfig
-    from megatron_spec.rollout.native.handle import NativeEngine
+    from megatron_spec.rollout.native.client import NativeEngine
     from megatron_spec.sync.streamer import WeightStreamer
 
     ckpt = resolve_model(args.model, log=lambda m: print(f"[setup] {m}", file=sys.stderr))
@@ -326,7 +326,7 @@ def main() -> None:
     from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
     from megatron_spec.parallel import destroy_parallel, init_parallel
     from megatron_spec.rollout.config import EngineConfig
-    from megatron_spec.rollout.native.handle import NativeEngine
+    from megatron_spec.rollout.native.client import NativeEngine
     from megatron_spec.sync.streamer import WeightStreamer
 
     memcpy, memcpy_threads = memcpy_gbps()

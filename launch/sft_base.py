@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     from megatron_spec.models.tiny import make_hf_checkpoint
     from megatron_spec.parallel import destroy_parallel, init_parallel
     from megatron_spec.rl.rollouts import Rollout, pack
-    from megatron_spec.rl.tasks import corrupt_solution, generate, iterate
+    from megatron_spec.rl.synthetic_tasks import corrupt_solution, generate, iterate
 
     info = init_parallel(tp_size=args.tensor_model_parallel_size, seed=args.seed)
     rank0 = info.rank == 0
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
 def load_examples(spec: str, args):
     """A prompt set as SFT examples: the target is the answer column, as it is."""
     from megatron_spec.rl.data import load_prompts
-    from megatron_spec.rl.tasks import Example
+    from megatron_spec.rl.synthetic_tasks import Example
 
     return [Example(e.prompt, e.answer, e.answer)
             for e in load_prompts(spec, prompt_key=args.prompt_key, answer_key=args.answer_key)]

@@ -71,7 +71,7 @@ class ModelConfig:
 class DataConfig:
     prompt_data: str = _f(None, "prompt set: a JSONL or Parquet file, a directory a datasets library wrote "
                                 "(save_to_disk) or holding JSONL/Parquet files, or 'synthetic:<task>' (see "
-                                "megatron_spec.rl.tasks)")
+                                "megatron_spec.rl.synthetic_tasks)")
     prompt_key: str = _f("prompt", "column holding the prompt text")
     answer_key: str = _f("answer", "column holding the reference answer passed to the reward")
     apply_chat_template: bool = _f(False, "render each prompt as a user turn with the tokenizer's chat template "

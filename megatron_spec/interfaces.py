@@ -8,7 +8,7 @@ Three declared interfaces, so no caller probes an object with ``getattr``/``hasa
   do the payload gather/forwarder that stand in for an engine on its TP senders
   (``megatron_spec.sync.forward``).
 - :class:`RolloutEngine`: a whole engine (generation, speculation switch, weight updates and their
-  versions, memory release/resume, checksums, shutdown). :class:`~megatron_spec.rollout.native.handle.NativeEngine`,
+  versions, memory release/resume, checksums, shutdown). :class:`~megatron_spec.rollout.native.client.NativeEngine`,
   :class:`~megatron_spec.rollout.vllm_backend.VllmEngine` and :class:`~megatron_spec.rollout.sglang_backend.SGLangEngine`
   implement every member with the same signature (``tests/rollout/test_api.py`` checks it member by member).
 - :class:`DraftLearner`: the EAGLE-3 and MTP online trainers, which declare it

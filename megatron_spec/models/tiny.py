@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-# The synthetic tasks (megatron_spec.rl.tasks) need digits, operators and a few letters.
+# The synthetic tasks (megatron_spec.rl.synthetic_tasks) need digits, operators and a few letters.
 DEFAULT_CHARS = "0123456789+-*/=()<>.,:;?! \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ#"
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
 

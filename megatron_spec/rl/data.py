@@ -58,7 +58,7 @@ def load_prompts(spec: str, *, prompt_key: str = "prompt", answer_key: str = "an
                  num_synthetic: int = 2048, seed: int = 0, cache_dir: str | None = None) -> list[PromptExample]:
     """All examples of a prompt set; errors name the file, column or task that is wrong."""
     if spec.startswith("synthetic:"):
-        from megatron_spec.rl.tasks import generate
+        from megatron_spec.rl.synthetic_tasks import generate
 
         return [PromptExample(e.prompt, e.answer) for e in generate(spec.split(":", 1)[1], num_synthetic, seed)]
     if os.path.isdir(spec):

@@ -59,7 +59,7 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
         if not spec:
             continue
         if spec.startswith("synthetic:"):
-            from megatron_spec.rl.tasks import TASKS
+            from megatron_spec.rl.synthetic_tasks import TASKS
 
             if spec.split(":", 1)[1] not in TASKS:
                 raise ConfigError(f"{flag} {spec}: unknown synthetic task; expected one of "

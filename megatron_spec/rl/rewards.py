@@ -9,7 +9,7 @@ run with an error naming the function and the sample (a silently zeroed reward w
 anyone noticing). ``module:function`` imports from the working directory too (torchrun puts the launcher's
 folder on ``sys.path``, not it).
 
-* ``synthetic``: the synthetic tasks' checker (``megatron_spec.rl.tasks.final_answer``).
+* ``synthetic``: the synthetic tasks' checker (``megatron_spec.rl.synthetic_tasks.final_answer``).
 * ``math``: a math answer verifier built on the ``math-verify`` package (LaTeX / expressions
   compared symbolically); takes GSM8K answers (``... #### 72``) and ``\\boxed{}`` answers as
   they are in the data.
@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from megatron_spec.rl.tasks import final_answer
+from megatron_spec.rl.synthetic_tasks import final_answer
 
 RewardFn = Callable[[str, str, str], float]
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_spec.config import ConfigError, RunConfig
 from megatron_spec.parallel import ParallelInfo
 from megatron_spec.rl.advantages import grpo_advantages
-from megatron_spec.rl.records import Batch, Pending, Round, Shard, engine_metrics
+from megatron_spec.rl.step_records import Batch, Pending, Round, Shard, engine_metrics
 from megatron_spec.rl.rollouts import Rollout
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from megatron_spec.config_values import parse_stop_strings
 from megatron_spec.rl.data import PromptSampler, load_prompts
 from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_template_kwargs,
                                         stop_token_ids, truncate_at_stop_strings)
-from megatron_spec.rl.records import Round
+from megatron_spec.rl.step_records import Round
 from megatron_spec.rl.rewards import get_reward, score
 from megatron_spec.rl.rollouts import Rollout
 from megatron_spec.rollout.config import sampling_kwargs

@@ -26,7 +26,7 @@ from megatron_spec.models import HFCheckpoint
 from megatron_spec.parallel import init_parallel
 from megatron_spec.rl import checkpoint as ckpt_io
 from megatron_spec.rl.actor import PolicyActor, TrainingDivergedError  # noqa: F401 (raised through run())
-from megatron_spec.rl.records import dump_rollouts, step_metrics
+from megatron_spec.rl.step_records import dump_rollouts, step_metrics
 from megatron_spec.rl.rollout_manager import RolloutManager, RolloutWaitTimeout  # noqa: F401 (as above)
 from megatron_spec.rl.rollouts import split
 from megatron_spec.rl.task import PromptTask

@@ -32,7 +32,7 @@ def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fractio
     """
     backend = backend or default_backend()
     if backend == "native":
-        from megatron_spec.rollout.native.handle import NativeEngine
+        from megatron_spec.rollout.native.client import NativeEngine
 
         if tp_size != 1:
             raise ValueError(f"the native engine runs on one device: tp_size must be 1, got {tp_size}")

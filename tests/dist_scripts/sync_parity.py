@@ -20,7 +20,7 @@ from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
 from megatron_spec.parallel import destroy_parallel, init_parallel
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.native.handle import NativeEngine
+from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 from megatron_spec.sync.streamer import WeightStreamer
 

@@ -12,7 +12,7 @@ import pytest
 from megatron_spec.config import ConfigError, RunConfig, add_arguments, from_args
 from megatron_spec.rl.data import PromptSampler, load_prompts
 from megatron_spec.rl.rewards import Reward, RewardError, get_reward, score
-from megatron_spec.rl.tasks import corrupt_solution, final_answer, generate
+from megatron_spec.rl.synthetic_tasks import corrupt_solution, final_answer, generate
 
 
 def test_sum_task_solutions_are_correct_and_rewarded():

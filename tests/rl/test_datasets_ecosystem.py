@@ -15,7 +15,7 @@ import pytest
 
 from megatron_spec.rl.data import load_prompts
 from megatron_spec.rl.prompting import encode_prompt, parse_template_kwargs
-from megatron_spec.rl.tasks import generate
+from megatron_spec.rl.synthetic_tasks import generate
 from tests.dist_utils import free_port
 from tests.rl.bpe_chat import bpe_tokenizer, make_chat_checkpoint
 

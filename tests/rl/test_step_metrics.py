@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_spec.rl.records import dashboard_spec_metrics
+from megatron_spec.rl.step_records import dashboard_spec_metrics
 from megatron_spec.rollout.types import GenerateStats
 
 

@@ -13,7 +13,7 @@ import pytest
 from megatron_spec.draft.mtp import MtpTrainer
 from megatron_spec.draft.trainer import Eagle3Trainer
 from megatron_spec.interfaces import DraftLearner, RolloutEngine, WeightReceiver
-from megatron_spec.rollout.native.handle import NativeEngine
+from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.rollout.sglang_backend import SGLangEngine
 from megatron_spec.rollout.vllm_backend import VllmEngine
 from megatron_spec.sync.forward import PayloadForwarder, PayloadGather

@@ -13,7 +13,7 @@ import torch
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.interfaces import EngineCallError, EngineDiedError
-from megatron_spec.rollout.native.handle import NativeEngine
+from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 from megatron_spec.sync.bucket import pack_bucket
 from megatron_spec.sync.transport import make_bucket_payload, serialize

@@ -78,7 +78,7 @@ def pushed(smollm2):
 
 
 def test_pushed_weights_give_the_native_engines_greedy_output(pushed, smollm2, chat):
-    from megatron_spec.rollout.native.handle import NativeEngine
+    from megatron_spec.rollout.native.client import NativeEngine
 
     eng, _ = pushed
     assert eng.info["backend"] == "vllm" and eng.info["vllm_version"] == "0.32.0"
@@ -172,7 +172,7 @@ def smollm2_eagle3(smollm2, chat, tmp_path_factory) -> str:
     """A ModelOpt EAGLE-3 export for SmolLM2 trained a few steps on its own greedy answers (a draft that
     proposes something; exactness does not need a good one), reduced draft vocabulary (64: a ``d2t`` map)."""
     from megatron_spec.draft.modelopt_train import train_and_export_eagle3
-    from megatron_spec.rollout.native.handle import NativeEngine
+    from megatron_spec.rollout.native.client import NativeEngine
 
     with NativeEngine(EngineConfig(model_path=smollm2, max_batch_size=4, context_length=256,
                                    dtype="float32")) as native:

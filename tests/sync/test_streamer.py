@@ -18,7 +18,7 @@ from megatron_spec.draft.modelopt_io import startup_draft_tensors
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.native.handle import NativeEngine
+from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.sync.bucket import BucketWriter, alloc_bucket_buffer
 from megatron_spec.sync.fingerprint import Fingerprint, fingerprint_tensors
 from megatron_spec.sync.fp8 import dequantize_named, quantize_named

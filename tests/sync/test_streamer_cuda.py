@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.native.handle import NativeEngine
+from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 from megatron_spec.sync.streamer import WeightStreamer
 from tests.sync.test_streamer import ckpt_tensors, draft_tensors
