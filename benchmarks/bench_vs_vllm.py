@@ -255,13 +255,12 @@ def main() -> None:
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model), args.work_dir, args.prompts, seed=11)
     max_len = max(map(len, prompts)) + args.new_tokens + 2 * args.k + 2
     dtypes = list(dict.fromkeys(resolve_dtype(d) for d in args.dtypes.split(",")))
-    from megatron_spec import _ext
-    from megatron_spec.isa import probe
+    from megatron_spec._ext import cpu_facts
 
+    facts = cpu_facts()
     result: dict = {"model": args.model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "cpu_kind": probe().kind, "cpu_model": probe().model,
-                    "our_linear_kernel": {d: (_ext.bf16_linear_kernel() if d == "bfloat16" else
-                                              f"fp32 panels ({_ext.kernel_isa()})") for d in dtypes},
+                    "cpu_kind": facts["cpu_kind"], "cpu_model": facts["cpu_model"],
+                    "our_linear_kernel": {d: facts["linear_kernel"][d] for d in dtypes},
                     "new_tokens": args.new_tokens, "prompts": args.prompts, "per_config": {}, "errors": {}}
     os.makedirs(os.path.join(args.work_dir, "vllm_logs"), exist_ok=True)
     result["compile"] = args.compile

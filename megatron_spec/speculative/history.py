@@ -268,20 +268,25 @@ class HistoryIndex:
         ``dropped_stale`` (responses added already past the age bound), ``bytes`` (text + suffix arrays)."""
         segs = [s for segments in self._prompts.values() for s in segments]
         c = self._counts
-        hits = c["hits"]
         return {
             "prompts": float(len(self._prompts)),
             "responses": float(sum(len(s.lengths) for s in segs)),
             "tokens": float(sum(s.num_tokens for s in segs)),
             "segments": float(len(segs)),
             "bytes": float(sum(len(s.text) * s.text.itemsize + len(s.sa) * s.sa.itemsize for s in segs)),
-            "proposals": float(c["proposals"]),
-            "hit_rate": hits / c["proposals"] if c["proposals"] else 0.0,
-            "mean_match": c["match_tokens"] / hits if hits else 0.0,
-            "mean_proposal": c["proposed_tokens"] / hits if hits else 0.0,
+            **proposal_stats(c),
             "added": float(c["added"]),
             "evicted_age": float(c["evicted_age"]),
             "evicted_size": float(c["evicted_size"]),
             "evicted_prompt": float(c["evicted_prompt"]),
             "dropped_stale": float(c["dropped_stale"]),
         }
+
+
+def proposal_stats(counts: dict[str, int]) -> dict[str, float]:
+    """``proposals``, ``hit_rate``, ``mean_match``, ``mean_proposal`` from an index's counters ``proposals``,
+    ``hits``, ``match_tokens``, ``proposed_tokens`` (the history and the live index count alike)."""
+    hits, n = counts["hits"], counts["proposals"]
+    return {"proposals": float(n), "hit_rate": hits / n if n else 0.0,
+            "mean_match": counts["match_tokens"] / hits if hits else 0.0,
+            "mean_proposal": counts["proposed_tokens"] / hits if hits else 0.0}

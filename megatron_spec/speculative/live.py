@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
+from megatron_spec.speculative.history import proposal_stats
+
 __all__ = ["LiveIndex"]
 
 
@@ -195,16 +197,13 @@ class LiveIndex:
     def stats(self) -> dict[str, float]:
         """``groups``, ``rows``, ``tokens`` (indexed), ``keys``, ``proposals``, ``hit_rate``,
         ``mean_match``, ``mean_proposal``, ``appended``, ``capped`` (tokens past a group's bound)."""
-        c, hits = self._counts, self._counts["hits"]
+        c = self._counts
         return {
             "groups": float(len(self.groups)),
             "rows": float(sum(len(g.texts) for g in self.groups.values())),
             "tokens": float(sum(g.tokens for g in self.groups.values())),
             "keys": float(sum(len(g.table) for g in self.groups.values())),
-            "proposals": float(c["proposals"]),
-            "hit_rate": hits / c["proposals"] if c["proposals"] else 0.0,
-            "mean_match": c["match_tokens"] / hits if hits else 0.0,
-            "mean_proposal": c["proposed_tokens"] / hits if hits else 0.0,
+            **proposal_stats(c),
             "appended": float(c["appended"]),
             "capped": float(c["capped"]),
         }

@@ -68,11 +68,11 @@ class SpeculativeWorker:
         if core.controller is None:
             plan, use_hist, options = StepPlan(core.k), [False] * b, None
         else:
-            srcs = core.history.sources if core.history is not None else None  # live index or finished responses
-            sup = core.history.support if core.history is not None else None  # a live proposal's support per token
-            support = sup[:b] if sup else None
+            srcs = None
+            if core.history is not None:  # per row: live index or finished responses (and support)
+                srcs, support = core.history.sources[:b] or None, core.history.support[:b] or None
             plan, use_hist, options = plan_step(core.controller, core.drafter.kind, [r.acc for r in rows], hist,
-                                                srcs[:b] if srcs else None, support)
+                                                srcs, support)
             if hist is not None:  # what the rows draft: the paying prefix of a supported live proposal
                 hist_full, hist = hist, [h[:o[1][1]] if len(o) > 1 else [] for h, o in zip(hist, options)]
         k = plan.k
