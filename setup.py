@@ -46,7 +46,9 @@ def _extensions():
               "(install torch first and use --no-build-isolation)", file=sys.stderr)
         return [], {}
 
-    cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    cpu_sources = sorted(
+        glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp"))
+    )
     if not cpu_sources:
         return [], {}
     # -ffp-contract=off: GCC otherwise fuses a*b+c into FMAs (even in an ISO -std mode), and the kernels

@@ -43,11 +43,17 @@ def _block(w: torch.Tensor, rows: int, cols: int, row_map, col_map) -> torch.Ten
     return out
 
 
-def expand_decoder(small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int) -> str:
+def expand_decoder(
+    small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int
+) -> str:
     ck = HFCheckpoint(small_dir)
     c = ck.decoder_config
     d = c.head_dim
-    if heads * d != hidden or heads % kv_heads or heads // kv_heads != c.num_attention_heads // c.num_kv_heads:
+    if (
+        heads * d != hidden
+        or heads % kv_heads
+        or heads // kv_heads != c.num_attention_heads // c.num_kv_heads
+    ):
         raise ValueError("widened model must keep head_dim and the query-group size")
     r = hidden / c.hidden_size
     h = c.hidden_size
@@ -56,7 +62,9 @@ def expand_decoder(small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_
     t["model.embed_tokens.weight"] = _block(ck.get("model.embed_tokens.weight"), c.vocab_size, hidden,
                                             [(0, c.vocab_size, 0)], cols_h)
     if not c.tie_word_embeddings:
-        t["lm_head.weight"] = _block(ck.get("lm_head.weight"), c.vocab_size, hidden, [(0, c.vocab_size, 0)], cols_h)
+        t["lm_head.weight"] = _block(
+            ck.get("lm_head.weight"), c.vocab_size, hidden, [(0, c.vocab_size, 0)], cols_h
+        )
     t["model.norm.weight"] = _norm(ck.get("model.norm.weight"), hidden, r)
     for i in range(c.num_layers):
         p = f"model.layers.{i}"
@@ -65,8 +73,9 @@ def expand_decoder(small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_
         t[f"{p}.self_attn.q_proj.weight"] = _block(ck.get(f"{p}.self_attn.q_proj.weight"), heads * d, hidden,
                                                    [(0, c.q_size, 0)], cols_h)
         for n in ("k", "v"):
-            t[f"{p}.self_attn.{n}_proj.weight"] = _block(ck.get(f"{p}.self_attn.{n}_proj.weight"), kv_heads * d,
-                                                         hidden, [(0, c.kv_size, 0)], cols_h)
+            t[f"{p}.self_attn.{n}_proj.weight"] = _block(
+                ck.get(f"{p}.self_attn.{n}_proj.weight"), kv_heads * d, hidden, [(0, c.kv_size, 0)], cols_h
+            )
         t[f"{p}.self_attn.o_proj.weight"] = _block(ck.get(f"{p}.self_attn.o_proj.weight"), hidden, heads * d,
                                                    [(0, h, 0)], [(0, c.q_size, 0)])
         if c.qk_norm:
@@ -85,7 +94,9 @@ def expand_decoder(small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_
     return out_dir
 
 
-def expand_eagle3(small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int) -> str:
+def expand_eagle3(
+    small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_heads: int, intermediate: int
+) -> str:
     from safetensors.torch import load_file, save_file
 
     with open(os.path.join(small_dir, "config.json")) as f:
@@ -104,17 +115,20 @@ def expand_eagle3(small_dir: str, out_dir: str, *, hidden: int, heads: int, kv_h
         t[f"layers.0.{n}.weight"] = _norm(src[f"layers.0.{n}.weight"], hidden, r)
     t["norm.weight"] = _norm(src["norm.weight"], hidden, r)
     two_h = [(0, h, 0), (h, 2 * h, hidden)]  # [embedding half, hidden half] of the 2H input
-    t["layers.0.self_attn.q_proj.weight"] = _block(src["layers.0.self_attn.q_proj.weight"], heads * d, 2 * hidden,
-                                                   [(0, q_small, 0)], two_h)
+    t["layers.0.self_attn.q_proj.weight"] = _block(
+        src["layers.0.self_attn.q_proj.weight"], heads * d, 2 * hidden, [(0, q_small, 0)], two_h
+    )
     for n in ("k", "v"):
-        t[f"layers.0.self_attn.{n}_proj.weight"] = _block(src[f"layers.0.self_attn.{n}_proj.weight"], kv_heads * d,
-                                                          2 * hidden, [(0, kv_small, 0)], two_h)
+        t[f"layers.0.self_attn.{n}_proj.weight"] = _block(
+            src[f"layers.0.self_attn.{n}_proj.weight"], kv_heads * d, 2 * hidden, [(0, kv_small, 0)], two_h
+        )
     t["layers.0.self_attn.o_proj.weight"] = _block(src["layers.0.self_attn.o_proj.weight"], hidden, heads * d,
                                                    [(0, h, 0)], [(0, q_small, 0)])
     inter_small = src["layers.0.mlp.gate_proj.weight"].shape[0]
     for n in ("gate", "up"):
-        t[f"layers.0.mlp.{n}_proj.weight"] = _block(src[f"layers.0.mlp.{n}_proj.weight"], intermediate, hidden,
-                                                    [(0, inter_small, 0)], [(0, h, 0)])
+        t[f"layers.0.mlp.{n}_proj.weight"] = _block(
+            src[f"layers.0.mlp.{n}_proj.weight"], intermediate, hidden, [(0, inter_small, 0)], [(0, h, 0)]
+        )
     t["layers.0.mlp.down_proj.weight"] = _block(src["layers.0.mlp.down_proj.weight"], hidden, intermediate,
                                                 [(0, h, 0)], [(0, inter_small, 0)])
     t["lm_head.weight"] = _block(src["lm_head.weight"], src["lm_head.weight"].shape[0], hidden,

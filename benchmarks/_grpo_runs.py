@@ -29,7 +29,8 @@ def run(cmd: Sequence[str], tag: str) -> None:
 
 
 def add_run_args(ap, *, steps: int, port: int) -> None:
-    """The flags both GRPO benchmarks take: where the models live, the config, steps and the rendezvous port."""
+    """The flags both GRPO benchmarks take: where the models live, the config, steps and the rendezvous
+    port."""
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_grpo"))
     ap.add_argument("--base", default=None, help="policy HF checkpoint (default: trained here and cached)")
     ap.add_argument("--draft", default=None, help="ModelOpt EAGLE-3 draft (default: trained here and cached)")
@@ -52,17 +53,54 @@ def ensure_models(work_dir: str, base: str | None = None, draft: str | None = No
     if draft is None:
         draft = os.path.join(work_dir, "eagle3")
         if not os.path.isdir(draft):
-            run([sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", base, "--out", draft], tag)
+            run(
+                [
+                    sys.executable,
+                    os.path.join(ROOT, "launch", "make_draft.py"),
+                    "--target",
+                    base,
+                    "--out",
+                    draft,
+                ],
+                tag,
+            )
     return base, draft
 
 
-def grpo_cmd(run_dir: str, base: str, steps: int, *, draft_kind: str = "eagle3", draft: str | None = None,
-             config: str = DEMO_CONFIG, nproc: int = 1, port: int = 29611, extra: Sequence[str] = ()) -> list[str]:
+def grpo_cmd(
+    run_dir: str,
+    base: str,
+    steps: int,
+    *,
+    draft_kind: str = "eagle3",
+    draft: str | None = None,
+    config: str = DEMO_CONFIG,
+    nproc: int = 1,
+    port: int = 29611,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The launcher command of one GRPO run from ``base`` (no held-out evaluation, quiet)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--master_port={port}",
-           os.path.join(ROOT, "launch", "pretrain_grpo_spec.py"), "--config", config, "--hf-checkpoint", base,
-           "--train-iters", str(steps), "--save", run_dir, "--spec-draft-kind", draft_kind,
-           "--eval-interval", "0", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--master_port={port}",
+        os.path.join(ROOT, "launch", "pretrain_grpo_spec.py"),
+        "--config",
+        config,
+        "--hf-checkpoint",
+        base,
+        "--train-iters",
+        str(steps),
+        "--save",
+        run_dir,
+        "--spec-draft-kind",
+        draft_kind,
+        "--eval-interval",
+        "0",
+        "--quiet",
+    ]
     if draft_kind in ("eagle3", "model"):
         cmd += ["--spec-draft-path", draft]
     return cmd + list(extra)

@@ -23,7 +23,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODULES = "algebra__linear_1d"  # "Solve -376*i - 2525 = 8780 for i.": the chat model answers in ~100 tokens of steps
+# "Solve -376*i - 2525 = 8780 for i.": the chat model answers in ~100 tokens of steps
+MODULES = "algebra__linear_1d"
 
 
 def questions(work: str, split: str) -> tuple[str, ...]:
@@ -37,7 +38,8 @@ def questions(work: str, split: str) -> tuple[str, ...]:
 
 DRAFT_QUESTIONS = 1024  # the drafts' training prompts: questions of the train split, one T=1 answer each
 
-# split: (folder in the work directory, the splits made there together, problems per train split, per test split)
+# split: (folder in the work directory, the splits made there together, problems per train split, per test
+# split)
 _TASKS = {"train-easy": ("math_task", "train-easy,interpolate", 256, 128),
           "interpolate": ("math_task", "train-easy,interpolate", 256, 128),
           "train": ("math_task_train", "train", DRAFT_QUESTIONS, 1)}
@@ -50,7 +52,9 @@ def problems(work: str, split: str) -> tuple[tuple[str, str], ...]:
     task = os.path.join(work, folder)
     env = dict(os.environ, MATH_TASK_DIR=task, MATH_MODULES=MODULES, MATH_SPLITS=splits,
                MATH_NUM_TRAIN=str(num_train), MATH_NUM_TEST=str(num_test))
-    subprocess.run([os.path.join(ROOT, "scripts", "make_math_task.sh")], check=True, env=env, stdout=sys.stderr)
+    subprocess.run(
+        [os.path.join(ROOT, "scripts", "make_math_task.sh")], check=True, env=env, stdout=sys.stderr
+    )
     out = []
     for module in MODULES.split(","):
         with open(os.path.join(task, module, f"{split}.jsonl")) as f:
@@ -69,7 +73,9 @@ def truncated_draft_model(target: str, out: str, num_layers: int) -> str:
 
     from megatron_spec.draft.distill import truncate
 
-    model = truncate(transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), num_layers)
+    model = truncate(
+        transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32), num_layers
+    )
     tmp = out + ".tmp"
     model.save_pretrained(tmp)
     transformers.AutoTokenizer.from_pretrained(target).save_pretrained(tmp)
@@ -81,7 +87,9 @@ def truncated_draft_model(target: str, out: str, num_layers: int) -> str:
     return out
 
 
-def chat_prompts(tokenizer, work: str, n: int, seed: int, templates: list[str] | None = None) -> list[list[int]]:
+def chat_prompts(
+    tokenizer, work: str, n: int, seed: int, templates: list[str] | None = None
+) -> list[list[int]]:
     """``n`` held-out questions (interpolate split) rendered with the chat template, as GRPO sends
     them (``--apply-chat-template``); ``templates`` (``--prompt-template`` strings, ``{prompt}`` the
     question) taken in turn, prompt by prompt. The same for the same ``seed``."""
@@ -113,11 +121,26 @@ MTP_STEPS, DISTILL_STEPS = 300, 200  # the other kinds' training on the target's
 
 
 def _make_draft(work: str, model_dir: str, target: str) -> list[str]:
-    """``make_draft.py`` on the drafts' rollouts (:func:`real_model_paths`), before ``--out`` and the kind's flags."""
+    """``make_draft.py`` on the drafts' rollouts (:func:`real_model_paths`), before ``--out`` and the kind's
+    flags."""
     prompts, n = draft_prompts(work, model_dir)
-    return [sys.executable, os.path.join(ROOT, "launch", "make_draft.py"), "--target", target, "--prompt-data",
-            prompts, "--apply-chat-template", "--num-prompts", str(n), "--samples-per-prompt", "1",
-            "--max-new-tokens", "96", "--rollouts", os.path.join(model_dir, "rollouts_t1_train.jsonl")]
+    return [
+        sys.executable,
+        os.path.join(ROOT, "launch", "make_draft.py"),
+        "--target",
+        target,
+        "--prompt-data",
+        prompts,
+        "--apply-chat-template",
+        "--num-prompts",
+        str(n),
+        "--samples-per-prompt",
+        "1",
+        "--max-new-tokens",
+        "96",
+        "--rollouts",
+        os.path.join(model_dir, "rollouts_t1_train.jsonl"),
+    ]
 
 
 def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int, eagle_steps: int,
@@ -130,31 +153,70 @@ def real_model_paths(name: str, work: str, draft: str | None, draft_layers: int,
     made once and saved as ``rollouts_t1_train.jsonl``."""
     from megatron_spec.models.fetch import resolve_model
 
-    log = lambda msg: print(f"[setup] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(f"[setup] {msg}", file=sys.stderr, flush=True)
     target = resolve_model(name, log=log)
     model_dir = os.path.join(work, os.path.basename(os.path.normpath(target)))
     os.makedirs(model_dir, exist_ok=True)
     eagle3 = draft or os.path.join(model_dir, "eagle3")
     if not os.path.isfile(os.path.join(eagle3, "config.json")):
-        log(f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} steps), then "
-            f"{refine_steps} steps from cached target states (make_draft --refine-steps)")
-        subprocess.run([*_make_draft(work, model_dir, target), "--out", eagle3, "--draft-vocab-size", "1024",
-                        "--batch-size", "8", "--steps", str(eagle_steps), "--refine-steps", str(refine_steps)],
-                       check=True)
-    model = truncated_draft_model(target, os.path.join(model_dir, f"draft_model_l{draft_layers}"), draft_layers)
+        log(
+            f"EAGLE-3 draft trained by ModelOpt on the target's answers to chat prompts ({eagle_steps} "
+            "steps), then "
+            f"{refine_steps} steps from cached target states (make_draft --refine-steps)"
+        )
+        subprocess.run(
+            [
+                *_make_draft(work, model_dir, target),
+                "--out",
+                eagle3,
+                "--draft-vocab-size",
+                "1024",
+                "--batch-size",
+                "8",
+                "--steps",
+                str(eagle_steps),
+                "--refine-steps",
+                str(refine_steps),
+            ],
+            check=True,
+        )
+    model = truncated_draft_model(
+        target, os.path.join(model_dir, f"draft_model_l{draft_layers}"), draft_layers
+    )
     paths = {"target": target, "eagle3": eagle3, "draft_model": model}
     if other_kinds:
         mtp = mtp or os.path.join(model_dir, "mtp")
         distilled = draft_model or os.path.join(model_dir, f"draft_model_l{draft_layers}_distilled")
         common = _make_draft(work, model_dir, target)
         if not os.path.isfile(os.path.join(mtp, "config.json")):
-            log(f"MTP depth trained from cached target states ({MTP_STEPS} steps; make_draft --draft-kind mtp)")
-            subprocess.run([*common, "--out", mtp, "--draft-kind", "mtp", "--steps", str(MTP_STEPS), "--lr", "1e-3"],
-                           check=True)
+            log(
+                f"MTP depth trained from cached target states ({MTP_STEPS} steps; make_draft --draft-kind "
+                "mtp)"
+            )
+            subprocess.run(
+                [*common, "--out", mtp, "--draft-kind", "mtp", "--steps", str(MTP_STEPS), "--lr", "1e-3"],
+                check=True,
+            )
         if not os.path.isfile(os.path.join(distilled, "config.json")):
             log(f"draft model: the first {draft_layers} layers distilled ({DISTILL_STEPS} steps; make_draft "
                 f"--draft-kind model)")
-            subprocess.run([*common, "--out", distilled, "--draft-kind", "model", "--draft-layers", str(draft_layers),
-                            "--steps", str(DISTILL_STEPS), "--lr", "5e-4", "--batch-size", "8"], check=True)
+            subprocess.run(
+                [
+                    *common,
+                    "--out",
+                    distilled,
+                    "--draft-kind",
+                    "model",
+                    "--draft-layers",
+                    str(draft_layers),
+                    "--steps",
+                    str(DISTILL_STEPS),
+                    "--lr",
+                    "5e-4",
+                    "--batch-size",
+                    "8",
+                ],
+                check=True,
+            )
         paths.update(mtp=mtp, draft_model_distilled=distilled)
     return paths

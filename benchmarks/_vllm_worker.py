@@ -33,8 +33,14 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-              seed=args.seed, speculative_config=json.loads(args.spec) if args.spec else None)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        speculative_config=json.loads(args.spec) if args.spec else None,
+    )
     out = sys.stdout
     out.write(json.dumps({"ready": True, "load_s": time.perf_counter() - t0}) + "\n")
     out.flush()

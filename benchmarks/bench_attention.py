@@ -60,7 +60,9 @@ def main() -> int:
 
             def before(q=q, k=k, v=v, mask=mask, fused=fused):
                 if fused:
-                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True)
+                    return F.scaled_dot_product_attention(
+                        q, k, v, attn_mask=mask, scale=0.125, enable_gqa=True
+                    )
                 return gqa_attention(q, k, v, mask, 0.125)
 
             def kernel_call(q=q, k=k, v=v, mask=mask):
@@ -69,7 +71,10 @@ def main() -> int:
             kernel = mean_us(kernel_call)
             torch_us = mean_us(before)
             result[f"b{b}_t{t}_L{length}"] = {"kernel_us": round(kernel, 1), "torch_us": round(torch_us, 1)}
-            print(f"| {b} x {t}, {length} | {kernel:.0f} | {torch_us:.0f} | {torch_us / kernel:.1f} |", flush=True)
+            print(
+                f"| {b} x {t}, {length} | {kernel:.0f} | {torch_us:.0f} | {torch_us / kernel:.1f} |",
+                flush=True,
+            )
     print(json.dumps({"threads": args.threads, "shapes": result}))
     return 0
 

@@ -107,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    from megatron_spec._ext import cpu_facts
     from megatron_spec.capture import Capture, CaptureConfig
     from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
-    from megatron_spec._ext import cpu_facts
     from megatron_spec.parallel import destroy_parallel, init_parallel
 
     init_parallel(tp_size=1, seed=0)

@@ -4,7 +4,8 @@
         [--prompts 48] [--new-tokens 64] [--temperatures 0,1]
 
 The engine runs EAGLE-3 at k=3 on ``--prompts`` chat prompts (batch B); from outside (wrapping the
-drafter's ``draw`` and the speculative worker's ``_account``) it records, for every row of every verify step, the
+drafter's ``draw`` and the speculative worker's ``_account``) it records, for every row of every verify step,
+the
 draft's probability of each token it drafted (its softmax, before any sampling processing: what a
 policy could read before verifying) and how many drafts the target accepted. Then, under costs timed
 on the same model (forwards of B x t tokens, t = 1..4, ``bench_vs_vllm.verify_seconds``; the
@@ -106,7 +107,9 @@ def analyse(steps, line, proposal, k: int) -> dict:
             return n
         return keep
 
-    out["cut_over_ar"] = {th: round(replay(steps, cut(th), line, proposal, k) / plain, 3) for th in THRESHOLDS}
+    out["cut_over_ar"] = {
+        th: round(replay(steps, cut(th), line, proposal, k) / plain, 3) for th in THRESHOLDS
+    }
     conf = np.array([c for rows in steps for c, _ in rows])
     acc = np.array([a for rows in steps for _, a in rows])
     cum = np.cumprod(conf, axis=1)
@@ -115,7 +118,10 @@ def analyse(steps, line, proposal, k: int) -> dict:
         row = {}
         for lo, hi in itertools.pairwise(BINS):
             m = (cum[:, j] >= lo) & (cum[:, j] < hi)
-            row[f"{lo:.1f}-{min(hi, 1.0):.1f}"] = (int(m.sum()), round(float((acc[m] > j).mean()), 3) if m.any() else None)
+            row[f"{lo:.1f}-{min(hi, 1.0):.1f}"] = (
+                int(m.sum()),
+                round(float((acc[m] > j).mean()), 3) if m.any() else None,
+            )
         calib[j + 1] = row
     out["calibration"] = calib
     out["accept_at_least"] = [round(float((acc > j).mean()), 3) for j in range(k)]
@@ -125,7 +131,9 @@ def analyse(steps, line, proposal, k: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--draft", default=os.path.join(ROOT, "runs", "bench_rollout", "smollm2-135m-instruct", "eagle3"))
+    ap.add_argument(
+        "--draft", default=os.path.join(ROOT, "runs", "bench_rollout", "smollm2-135m-instruct", "eagle3")
+    )
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -136,11 +144,11 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    from transformers import AutoTokenizer
+
     from _real_model import chat_prompts
     from bench_rollout import cost_line
     from bench_vs_vllm import OurEngine, verify_seconds
-    from transformers import AutoTokenizer
-
     from megatron_spec.models.fetch import resolve_model
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
@@ -160,7 +168,10 @@ def main() -> None:
         points = verify_seconds(plain, b, list(range(1, k + 2)))
         line = cost_line(points)
         per_pass = p_k / k
-        proposal = lambda n, d=per_pass: d * n
+
+        def proposal(n, d=per_pass):
+            return d * n
+
         r = analyse(steps, line, proposal, k)
         r["verify_ms"] = {n: round(1e3 * v, 1) for n, v in points.items()}
         r["proposal_ms_k"] = round(1e3 * p_k, 2)
@@ -175,7 +186,11 @@ def main() -> None:
         print(f"| oracle (verifies exactly the accepted drafts) | {r['oracle_over_ar']} |")
         print("\n| position | " + " | ".join(r["calibration"][1]) + " |\n" + "|---" * len(BINS) + "|")
         for j, row in r["calibration"].items():
-            print(f"| {j} | " + " | ".join(f"{a} (n={n})" if a is not None else "-" for n, a in row.values()) + " |")
+            print(
+                f"| {j} | "
+                + " | ".join(f"{a} (n={n})" if a is not None else "-" for n, a in row.values())
+                + " |"
+            )
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(result))
 

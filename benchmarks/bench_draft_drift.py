@@ -47,7 +47,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _grpo_runs import add_run_args, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
+from _grpo_runs import add_run_args, ensure_models, grpo_cmd, mean, run_grpo
 
 RUNS = (("frozen", ()), ("online", ("--spec-online-draft-training",)))
 
@@ -68,8 +68,9 @@ def plot(path: str, runs: dict[str, list[dict]], title: str) -> None:
 
     from megatron_spec.rl.report import compare_acceptance_figure
 
-    fig = compare_acceptance_figure({name if " " in name else f"{name} draft": rows for name, rows in runs.items()},
-                                    title=title)
+    fig = compare_acceptance_figure(
+        {name if " " in name else f"{name} draft": rows for name, rows in runs.items()}, title=title
+    )
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -98,17 +99,31 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(ap, steps=60, port=29612)
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "draft_drift.png"))
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads of both runs (1 on a machine shared with other jobs); default: the config's")
-    ap.add_argument("--extra", default="", help="more launcher flags for the online run (e.g. --spec-draft-lr 1e-4)")
-    ap.add_argument("--corrupt-at", type=int, default=0, metavar="N",
-                    help="also run the online draft with its update of step N corrupted (fault corrupt_draft=N) "
-                         "and --spec-watchdog-fallback, for N + 10 steps: the acceptance watchdog's fallback on "
-                         "the demo (plot --watchdog-plot, corrupted_* keys); 0 = off")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of both runs (1 on a machine shared with other jobs); default: the config's",
+    )
+    ap.add_argument(
+        "--extra", default="", help="more launcher flags for the online run (e.g. --spec-draft-lr 1e-4)"
+    )
+    ap.add_argument(
+        "--corrupt-at",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run the online draft with its update of step N corrupted (fault corrupt_draft=N) "
+        "and --spec-watchdog-fallback, for N + 10 steps: the acceptance watchdog's fallback on "
+        "the demo (plot --watchdog-plot, corrupted_* keys); 0 = off",
+    )
     ap.add_argument("--watchdog-plot", default=os.path.join(ROOT, "docs", "draft_watchdog.png"))
-    ap.add_argument("--reuse", action="store_true",
-                    help="reuse a run whose directory already holds metrics of --steps steps (e.g. add --corrupt-at "
-                         "to a finished benchmark without rerunning it)")
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse a run whose directory already holds metrics of --steps steps (e.g. add --corrupt-at "
+        "to a finished benchmark without rerunning it)",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     base, draft = ensure_models(args.work_dir, args.base, args.draft, sft_steps=args.sft_steps,
@@ -159,16 +174,19 @@ def main() -> int:
     print(f"{'step':>5}{'frozen':>9}{'online':>9}{'draft loss':>12}{'held-out tau':>14}")
     for f, o in zip(frozen, online):
         loss, tau = o.get("draft/loss"), o.get("draft/heldout_tau")
-        print(f"{f['step']:>5}{f['spec/accept_length']:>9.3f}{o['spec/accept_length']:>9.3f}"
-              f"{loss if loss is not None else float('nan'):>12.3f}{tau if tau is not None else float('nan'):>14.3f}")
+        print(
+            f"{f['step']:>5}{f['spec/accept_length']:>9.3f}{o['spec/accept_length']:>9.3f}"
+            f"{loss if loss is not None else float('nan'):>12.3f}"
+            f"{tau if tau is not None else float('nan'):>14.3f}"
+        )
     f_first, f_last = first_last(frozen, "spec/accept_length")
     o_first, o_last = first_last(online, "spec/accept_length")
     import yaml
 
     with open(args.config) as fh:
         rollout_cfg = (yaml.safe_load(fh) or {}).get("rollout", {})
-    from megatron_spec.isa import resolve_dtype
     from megatron_spec._ext import cpu_facts
+    from megatron_spec.isa import resolve_dtype
 
     dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))
     title = (f"frozen vs online EAGLE-3 draft, {args.steps} GRPO steps, {dtype} engine\n"

@@ -9,7 +9,8 @@ measures ``c`` on held-out answers for several ``Vd``, and the k-token chain cei
 vocabulary along the sampled answers), next to the target's own uncertainty (mean top-1 probability,
 entropy): what separates a learned draft's measured acceptance from what its vocabulary allows.
 
-    python benchmarks/bench_draft_vocab.py --model smollm2 [--draft DRAFT]    # ~6 min (+4 with a draft) on 2 cores
+    python benchmarks/bench_draft_vocab.py --model smollm2 [--draft DRAFT]    # ~6 min (+4 with a draft) on 2
+    cores
 
 With ``--draft`` (a ModelOpt EAGLE-3 export of the target) it also measures what that draft reaches
 against the ceiling, and checks that the engine agrees with the evaluation:
@@ -40,7 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _real_model import ROOT, questions  # noqa: E402
+from _real_model import ROOT, questions
 
 sys.path.insert(0, ROOT)
 
@@ -83,7 +84,9 @@ def target_probs(target: str, pairs: list[tuple[list[int], list[int]]]) -> list[
     model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     out = []
     for prompt, answer in pairs:
-        logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:len(prompt) + len(answer) - 1]
+        logits = model(torch.tensor([prompt + answer])).logits[
+            0, len(prompt) - 1 : len(prompt) + len(answer) - 1
+        ]
         out.append(logits.float().softmax(-1))
     return out
 
@@ -96,8 +99,16 @@ def chain_ceiling(coverage: list[torch.Tensor], k: int) -> float:
     return float(torch.cat(taus).mean())
 
 
-def draft_checks(target: str, draft: str, held: list[tuple[list[int], list[int]]], engine_prompts: list[list[int]],
-                 samples: int, max_new_tokens: int, k: int, dtype: str) -> dict:
+def draft_checks(
+    target: str,
+    draft: str,
+    held: list[tuple[list[int], list[int]]],
+    engine_prompts: list[list[int]],
+    samples: int,
+    max_new_tokens: int,
+    k: int,
+    dtype: str,
+) -> dict:
     """``--draft``: the evaluation on ``held`` and the engine-vs-evaluation check (module docstring)."""
     import math
 
@@ -111,9 +122,18 @@ def draft_checks(target: str, draft: str, held: list[tuple[list[int], list[int]]
     from megatron_spec.rollout.native.server import EngineServer
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
-    srv = EngineServer(EngineConfig(model_path=target, draft_kind="eagle3", draft_path=draft, num_draft_tokens=1,
-                                    max_batch_size=16, seed=1, dtype=dtype,
-                                    context_length=max(map(len, engine_prompts)) + max_new_tokens))
+    srv = EngineServer(
+        EngineConfig(
+            model_path=target,
+            draft_kind="eagle3",
+            draft_path=draft,
+            num_draft_tokens=1,
+            max_batch_size=16,
+            seed=1,
+            dtype=dtype,
+            context_length=max(map(len, engine_prompts)) + max_new_tokens,
+        )
+    )
     sp = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens)
     outs, _ = srv.generate([GenerateRequest(str(i), p, sp, n=samples) for i, p in enumerate(engine_prompts)])
     del srv
@@ -131,7 +151,9 @@ def draft_checks(target: str, draft: str, held: list[tuple[list[int], list[int]]
         ev = trainer.evaluate(held_cache, k)
         held_cache.teacher_log_mass = None
         ev_renorm = trainer.evaluate(held_cache, k)
-        cache = capture_rollouts(model, capture, [(engine_prompts[int(s.request_id)], s.output_ids) for s in outs])
+        cache = capture_rollouts(
+            model, capture, [(engine_prompts[int(s.request_id)], s.output_ids) for s in outs]
+        )
         alpha = trainer.acceptance(cache, 1)[0][0]
     finally:
         destroy_parallel()
@@ -162,7 +184,9 @@ def main() -> int:
     ap.add_argument("--vocab-sizes", default="256,512,1024,2048,4096")
     ap.add_argument("--k", type=int, default=3, help="draft length of the chain ceiling")
     ap.add_argument("--dtype", default="auto", help="the engine's dtype for the answers")
-    ap.add_argument("--draft", default=None, help="a ModelOpt EAGLE-3 export: its acceptance and the engine check")
+    ap.add_argument(
+        "--draft", default=None, help="a ModelOpt EAGLE-3 export: its acceptance and the engine check"
+    )
     ap.add_argument("--engine-prompts", type=int, default=32,
                     help="with --draft: interpolate questions (after the scored ones) for the engine check")
     args = ap.parse_args()
@@ -175,9 +199,14 @@ def main() -> int:
 
     target = resolve_model(args.model, log=lambda m: print(f"[setup] {m}", file=sys.stderr))
     tok = AutoTokenizer.from_pretrained(target)
-    enc = lambda q: encode_prompt(tok, q, chat_template=True, template=None)  # noqa: E731
-    prompts = {f"train{i}": enc(q) for i, q in enumerate(questions(args.work_dir, "train-easy")[:args.train_prompts])}
-    prompts |= {f"held{i}": enc(q) for i, q in enumerate(questions(args.work_dir, "interpolate")[:args.held_prompts])}
+    enc = lambda q: encode_prompt(tok, q, chat_template=True, template=None)
+    prompts = {
+        f"train{i}": enc(q)
+        for i, q in enumerate(questions(args.work_dir, "train-easy")[: args.train_prompts])
+    }
+    prompts |= {
+        f"held{i}": enc(q) for i, q in enumerate(questions(args.work_dir, "interpolate")[: args.held_prompts])
+    }
     name = os.path.basename(os.path.normpath(target))
     os.makedirs(os.path.join(args.work_dir, name), exist_ok=True)
     path = os.path.join(args.work_dir, name,
@@ -192,8 +221,11 @@ def main() -> int:
     res: dict = {"model": name, "held_rows": int(allp.shape[0]), "distinct_train_tokens": distinct,
                  "target_top1_prob": round(float(allp.max(-1).values.mean()), 4),
                  "target_entropy_nats": round(entropy, 3)}
-    print(f"held-out rows {allp.shape[0]}: the target's top-1 probability {res['target_top1_prob']:.3f} on average, "
-          f"entropy {entropy:.2f} nats; {distinct} distinct tokens in the calibration data")
+    print(
+        f"held-out rows {allp.shape[0]}: the target's top-1 probability {res['target_top1_prob']:.3f} on "
+        "average, "
+        f"entropy {entropy:.2f} nats; {distinct} distinct tokens in the calibration data"
+    )
     print(f"\n| draft vocabulary | mean mass on it | 10th percentile "
           f"| k={args.k} chain ceiling (tokens per verify) |")
     print("|---|---|---|---|")
@@ -207,17 +239,30 @@ def main() -> int:
         res[f"chain_ceiling_k{args.k}_{vd}"] = round(tau, 3)
         print(f"| {vd} | {c.mean():.3f} | {c.quantile(0.1):.3f} | {tau:.2f} |", flush=True)
     if args.draft:
-        inter = questions(args.work_dir, "interpolate")[args.held_prompts:args.held_prompts + args.engine_prompts]
-        d = draft_checks(target, args.draft, held, [enc(q) for q in inter], args.samples * 2, args.max_new_tokens,
-                         args.k, args.dtype)
+        inter = questions(args.work_dir, "interpolate")[
+            args.held_prompts : args.held_prompts + args.engine_prompts
+        ]
+        d = draft_checks(
+            target,
+            args.draft,
+            held,
+            [enc(q) for q in inter],
+            args.samples * 2,
+            args.max_new_tokens,
+            args.k,
+            args.dtype,
+        )
         res.update(d)
         k = args.k
         print(f"\nthe draft {args.draft} on the same held-out answers: tokens per verify step at k={k} "
               f"{d[f'draft_eval_tau_k{k}']:.3f} (per position {d[f'draft_eval_accept_k{k}']}; against the "
               f"renormalised teacher {d[f'draft_eval_tau_k{k}_renormalised']:.3f})")
         z = (d["engine_k1_accepted"] - d["engine_k1_predicted"]) / max(d["engine_k1_se"], 1e-12)
-        print(f"engine, k=1, T=1, {d['engine_k1_steps']} verify steps: accepted {d['engine_k1_accepted']:.4f}, the "
-              f"evaluation on its outputs predicts {d['engine_k1_predicted']:.4f} ({z:+.1f} standard errors)")
+        print(
+            f"engine, k=1, T=1, {d['engine_k1_steps']} verify steps: accepted {d['engine_k1_accepted']:.4f}, "
+            "the "
+            f"evaluation on its outputs predicts {d['engine_k1_predicted']:.4f} ({z:+.1f} standard errors)"
+        )
     print(json.dumps(res))
     return 0
 

@@ -28,15 +28,15 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 def compare(dtype: str, batch: int, path: str, requests, rounds: int, threads: int, context: int) -> dict:
     from bench_rollout import paired_ratio
-    from profile_engine_step import python_layers
-
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native import server as server_mod
     from megatron_spec.rollout.native.server import EngineServer
+    from profile_engine_step import python_layers
 
     def server(compile_: bool) -> EngineServer:
         saved = server_mod.compiling_pays
-        server_mod.compiling_pays = lambda _dtype: True  # compiled even where the C++ layers run (to compare them)
+        # compiled even where the C++ layers run (to compare them)
+        server_mod.compiling_pays = lambda _dtype: True
         try:
             return EngineServer(EngineConfig(model_path=path, dtype=dtype, max_batch_size=batch,
                                              context_length=context, num_threads=threads, compile=compile_))
@@ -68,9 +68,13 @@ def compare(dtype: str, batch: int, path: str, requests, rounds: int, threads: i
     if "compiled" in stats:
         res["cpp_over_compiled"] = round(paired_ratio(stats["cpp"], stats["compiled"]), 3)
     res["same_tokens"] = all(outs[n] == outs["python"] for n in names)
-    print(f"| {dtype}, B={batch} | {res['cpp_tokens_per_s']} | {res['python_tokens_per_s']} | "
-          f"{res.get('compiled_tokens_per_s', '')} | **{res['cpp_over_python']}** | {res.get('cpp_over_compiled', '')} | "
-          f"{res['same_tokens']} |", flush=True)
+    print(
+        f"| {dtype}, B={batch} | {res['cpp_tokens_per_s']} | {res['python_tokens_per_s']} | "
+        f"{res.get('compiled_tokens_per_s', '')} | **{res['cpp_over_python']}** | "
+        f"{res.get('cpp_over_compiled', '')} | "
+        f"{res['same_tokens']} |",
+        flush=True,
+    )
     return res
 
 
@@ -85,8 +89,8 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import transformers
-    from _real_model import chat_prompts
 
+    from _real_model import chat_prompts
     from megatron_spec.isa import resolve_dtype
     from megatron_spec.layers.decoder import fused_layers_available
     from megatron_spec.models.fetch import resolve_model
@@ -97,8 +101,11 @@ def main() -> int:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=64, ignore_eos=True)
     result: dict = {"model": args.model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "threads": args.threads}
-    print("| engine | C++ layers, tokens/s | Python layers | compiled layer | C++ / Python | C++ / compiled | same tokens |\n"
-          "|---|---|---|---|---|---|---|")
+    print(
+        "| engine | C++ layers, tokens/s | Python layers | compiled layer | C++ / Python | C++ / compiled | "
+        "same tokens |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for dtype in dict.fromkeys(resolve_dtype(d) for d in args.dtypes.split(",")):
         if not fused_layers_available(getattr(torch, dtype)):
             print(f"[skip] {dtype}: the extension's kernels for it do not all run here", file=sys.stderr)

@@ -52,19 +52,28 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from _grpo_runs import DEMO_CONFIG, add_run_args, ensure_models, grpo_cmd, mean, run_grpo  # noqa: E402
+from _grpo_runs import DEMO_CONFIG, add_run_args, ensure_models, grpo_cmd, mean, run_grpo
 
 
 def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> dict[str, float]:
     """v and c of the policy + draft in the native engine, at ``batch`` sequences, in the engine dtype
     the GRPO runs used (``dtype`` already resolved for this CPU)."""
     from bench_rollout import forward_costs
-
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
 
-    srv = EngineServer(EngineConfig(model_path=base, draft_kind="eagle3", draft_path=draft, num_draft_tokens=k,
-                                    dtype=dtype, max_batch_size=batch, context_length=160, num_threads=2))
+    srv = EngineServer(
+        EngineConfig(
+            model_path=base,
+            draft_kind="eagle3",
+            draft_path=draft,
+            num_draft_tokens=k,
+            dtype=dtype,
+            max_batch_size=batch,
+            context_length=160,
+            num_threads=2,
+        )
+    )
     v, c, _ = forward_costs(srv, batch, k)
     return {"v_k3": v, "c": c}
 
@@ -78,9 +87,17 @@ def compare_backends(args, data_flags: tuple[str, ...]) -> int:
     for kind, tag in (("eagle3", "spec"), ("none", "ar")):
         for backend in ("native", "vllm"):  # the two backends one after the other, per configuration
             run_dir = os.path.join(args.work_dir, f"{backend}_{tag}")
-            cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft, config=args.config,
-                           nproc=args.nproc, port=args.port,
-                           extra=("--rollout-backend", backend) + greedy + data_flags)
+            cmd = grpo_cmd(
+                run_dir,
+                args.base,
+                args.steps,
+                draft_kind=kind,
+                draft=args.draft,
+                config=args.config,
+                nproc=args.nproc,
+                port=args.port,
+                extra=("--rollout-backend", backend) + greedy + data_flags,
+            )
             runs[f"{backend}_{tag}"] = run_grpo(cmd, run_dir, "bench_grpo")
     summary: dict = {}
     for name, rows in runs.items():
@@ -104,12 +121,18 @@ def main() -> int:
     add_run_args(ap, steps=12, port=29611)
     ap.add_argument("--nproc", type=int, default=1)
     ap.add_argument("--no-adaptive", action="store_true", help="skip the adaptive k + history run")
-    ap.add_argument("--rollout-num-engines", type=int, default=None,
-                    help="engines for both runs; above 1, the speculative run is repeated with one engine on the "
-                         "same ranks and the generation times per step are reported side by side")
+    ap.add_argument(
+        "--rollout-num-engines",
+        type=int,
+        default=None,
+        help="engines for both runs; above 1, the speculative run is repeated with one engine on the "
+        "same ranks and the generation times per step are reported side by side",
+    )
     ap.add_argument("--model", default=None,
                     help="a real model instead of the demo's small policy: smollm2 or a Hub id (see above)")
-    ap.add_argument("--eagle-steps", type=int, default=150, help="ModelOpt steps of the real model's draft when made here")
+    ap.add_argument(
+        "--eagle-steps", type=int, default=150, help="ModelOpt steps of the real model's draft when made here"
+    )
     ap.add_argument("--rollout-backend", choices=("native", "vllm"), default="native",
                     help="vllm: both backends side by side, greedy (see above)")
     args = ap.parse_args()
@@ -121,7 +144,9 @@ def main() -> int:
             args.steps = 4  # a 30-layer model on 2 cores: ~1.5 min a step
         if args.config == DEMO_CONFIG:
             args.config = os.path.join(ROOT, "launch", "configs", "smollm2_algebra.yaml")
-        paths = real_model_paths(args.model, args.work_dir, args.draft, draft_layers=4, eagle_steps=args.eagle_steps)
+        paths = real_model_paths(
+            args.model, args.work_dir, args.draft, draft_layers=4, eagle_steps=args.eagle_steps
+        )
         args.base, args.draft = paths["target"], paths["eagle3"]
         questions(args.work_dir, "train-easy")  # makes the task
         data_flags = ("--prompt-data", os.path.join(args.work_dir, "math_task", MODULES, "train-easy.jsonl"))
@@ -171,20 +196,36 @@ def main() -> int:
     print(f"{'':<14}{'gen s':>8}{'step s':>8}{'accept':>8}{'reward start->end':>20}")
     reward = {name: start_end_means(rows, "reward/mean")[:2] for name, rows in runs.items()}
     for name, rows in runs.items():
-        print(f"{name:<14}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
-              f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
-              "{:>10.3f} -> {:.3f}".format(*reward[name]))
+        print(
+            f"{name:<14}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}"
+            f"{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
+            f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
+            "{:>10.3f} -> {:.3f}".format(*reward[name])
+        )
     summary = {
-        "gen_speedup": round(gen_speedup, 3), "step_speedup": round(step_speedup, 3),
-        "gen_fraction_ar": round(f, 3), "amdahl_step_speedup": round(amdahl, 3),
+        "gen_speedup": round(gen_speedup, 3),
+        "step_speedup": round(step_speedup, 3),
+        "gen_fraction_ar": round(f, 3),
+        "amdahl_step_speedup": round(amdahl, 3),
         "step_speedup_over_amdahl": round(step_speedup / amdahl, 3),
         "accept_length": round(mean([r["spec/accept_length"] for r in runs["spec"]]), 3),
-        "reward_start": round(reward["spec"][0], 3), "reward_end": round(reward["spec"][1], 3),
-        "reward_start_ar": round(reward["ar"][0], 3), "reward_end_ar": round(reward["ar"][1], 3),
-        "prompts_per_step": grpo_cfg.get("prompts_per_step"), "group_size": grpo_cfg.get("grpo_group_size"),
-        "rollout_batch": batch, "v_k3": round(regime["v_k3"], 3), "c": round(regime["c"], 3),
-        "ceiling_k3": round(mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3),
-        "steps": args.steps, "dtype": dtype, "real_model": args.base if args.model else None, **cpu_facts(), "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
+        "reward_start": round(reward["spec"][0], 3),
+        "reward_end": round(reward["spec"][1], 3),
+        "reward_start_ar": round(reward["ar"][0], 3),
+        "reward_end_ar": round(reward["ar"][1], 3),
+        "prompts_per_step": grpo_cfg.get("prompts_per_step"),
+        "group_size": grpo_cfg.get("grpo_group_size"),
+        "rollout_batch": batch,
+        "v_k3": round(regime["v_k3"], 3),
+        "c": round(regime["c"], 3),
+        "ceiling_k3": round(
+            mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3
+        ),
+        "steps": args.steps,
+        "dtype": dtype,
+        "real_model": args.base if args.model else None,
+        **cpu_facts(),
+        "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
     if "spec_adaptive_history" in runs:
         ah = runs["spec_adaptive_history"][1:]

@@ -20,7 +20,8 @@ line.
 The bf16 engine's projections instead (bf16 weights and inputs, a CPU with AVX512-BF16 dot products):
 ``megatron_spec::linear_small_bf16`` on the panels ``linear_pack_bf16`` makes against oneDNN's packed bf16
 matmul, alternated; ``layers.linear.SMALL_MAX_ROWS_BF16`` is set from this table. On a CPU with AMX the kernel
-runs twice, on AMX tiles and on AVX512-BF16 dot products (``megatron_spec._ext.set_amx``), all three alternated.
+runs twice, on AMX tiles and on AVX512-BF16 dot products (``megatron_spec._ext.set_amx``), all three
+alternated.
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ def main() -> int:
         for lin in layers:
             x = xs[lin.in_features]
             if kernel:
-                ops.linear_small_f32(x, lin._small if kernel == "bf16" else lin.fp32_panels, None, lin.out_features)
+                ops.linear_small_f32(
+                    x, lin._small if kernel == "bf16" else lin.fp32_panels, None, lin.out_features
+                )
             else:
                 torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
         return time.perf_counter() - t0
@@ -81,8 +84,11 @@ def main() -> int:
     with torch.inference_mode():
         for m in rows:  # warm-up: oneDNN's primitives per shape
             one_pass(m, "fp32"), one_pass(m, "bf16"), one_pass(m, None)
-        print("| rows | kernel, fp32 panels, ms | kernel, bf16 panels, ms | oneDNN, ms | oneDNN / kernel (fp32) | "
-              "fp32 / bf16 panels |\n|---|---|---|---|---|---|")
+        print(
+            "| rows | kernel, fp32 panels, ms | kernel, bf16 panels, ms | oneDNN, ms | oneDNN / kernel "
+            "(fp32) | "
+            "fp32 / bf16 panels |\n|---|---|---|---|---|---|"
+        )
         for m in rows:
             k_s, b_s, o_s = [], [], []
             for _ in range(args.repeats):
@@ -90,20 +96,31 @@ def main() -> int:
                 b_s.append(one_pass(m, "bf16"))
                 o_s.append(one_pass(m, None))
             k, b, o = min(k_s), min(b_s), min(o_s)
-            result[m] = {"kernel_ms": round(k * 1e3, 2), "kernel_bf16_panels_ms": round(b * 1e3, 2),
-                         "onednn_ms": round(o * 1e3, 2), "ratio": round(o / k, 3), "fp32_over_bf16_panels": round(k / b, 3)}
-            print(f"| {m} | {k * 1e3:.1f} | {b * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} | {k / b:.2f} |", flush=True)
+            result[m] = {
+                "kernel_ms": round(k * 1e3, 2),
+                "kernel_bf16_panels_ms": round(b * 1e3, 2),
+                "onednn_ms": round(o * 1e3, 2),
+                "ratio": round(o / k, 3),
+                "fp32_over_bf16_panels": round(k / b, 3),
+            }
+            print(
+                f"| {m} | {k * 1e3:.1f} | {b * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} | {k / b:.2f} |",
+                flush=True,
+            )
     print(json.dumps({"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                       "rows": result}))
     return 0
 
 
 def bf16_engine(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``--dtype bfloat16``: the bf16 kernel against oneDNN's bf16 matmul, each matrix packed as the engine packs it."""
+    """``--dtype bfloat16``: the bf16 kernel against oneDNN's bf16 matmul, each matrix packed as the engine
+    packs it."""
     from megatron_spec.layers.linear import Linear, bf16_small_linear_available
 
     if not bf16_small_linear_available():
-        ap.error("no AVX512-BF16 kernel here (megatron_spec._C not built, or a CPU without bf16 dot products)")
+        ap.error(
+            "no AVX512-BF16 kernel here (megatron_spec._C not built, or a CPU without bf16 dot products)"
+        )
     torch.manual_seed(0)
     layers = []
     for out, inp in SHAPES * args.layers + [(49152, 576)]:
@@ -150,12 +167,27 @@ def bf16_engine(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             result[m]["ratio"] = round(best["onednn"] / ours, 3)
             if amx:
                 result[m]["avx512bf16_over_amx"] = round(best["avx512bf16"] / best["amx"], 3)
-            print(f"| {m} | " + " | ".join(f"{best[k] * 1e3:.1f}" for k in kernels) + f" | {best['onednn'] / ours:.2f} |"
-                  + (f" {best['avx512bf16'] / best['amx']:.2f} |" if amx else ""), flush=True)
+            print(
+                f"| {m} | "
+                + " | ".join(f"{best[k] * 1e3:.1f}" for k in kernels)
+                + f" | {best['onednn'] / ours:.2f} |"
+                + (f" {best['avx512bf16'] / best['amx']:.2f} |" if amx else ""),
+                flush=True,
+            )
         if amx:
             _ext.set_amx(True)
-    print(json.dumps({"threads": args.threads, "dtype": "bfloat16", "cpu_kind": probe().kind, "kernels": kernels,
-                      "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": result}))
+    print(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "dtype": "bfloat16",
+                "cpu_kind": probe().kind,
+                "kernels": kernels,
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "rows": result,
+            }
+        )
+    )
     return 0
 
 

@@ -26,13 +26,16 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _real_model import ROOT, chat_prompts  # noqa: E402
+from _real_model import ROOT, chat_prompts
 
 CLASS_NAMES = ["1 of 1", "2 of 2", "3+ of 3+", "majority", "minority"]
 
 
-def generate(model: str, work: str, prompts: int, samples: int, new_tokens: int, seed: int) -> list[list[list[int]]]:
-    """``prompts`` held-out chat prompts x ``samples`` T=1 answers each from the native engine (plain decoding)."""
+def generate(
+    model: str, work: str, prompts: int, samples: int, new_tokens: int, seed: int
+) -> list[list[list[int]]]:
+    """``prompts`` held-out chat prompts x ``samples`` T=1 answers each from the native engine (plain
+    decoding)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -44,10 +47,20 @@ def generate(model: str, work: str, prompts: int, samples: int, new_tokens: int,
     torch.set_num_threads(2)
     path = resolve_model(model, log=lambda m: print(m, file=sys.stderr))
     ps = chat_prompts(AutoTokenizer.from_pretrained(path), work, prompts, seed)
-    srv = EngineServer(EngineConfig(model_path=path, draft_kind="none", dtype="auto", max_batch_size=2 * samples,
-                                    context_length=max(map(len, ps)) + new_tokens, num_threads=2))
+    srv = EngineServer(
+        EngineConfig(
+            model_path=path,
+            draft_kind="none",
+            dtype="auto",
+            max_batch_size=2 * samples,
+            context_length=max(map(len, ps)) + new_tokens,
+            num_threads=2,
+        )
+    )
     sp = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    out, _ = srv.core.generate([GenerateRequest(str(i), p, sp, n=samples) for i, p in enumerate(ps)], seed=seed)
+    out, _ = srv.core.generate(
+        [GenerateRequest(str(i), p, sp, n=samples) for i, p in enumerate(ps)], seed=seed
+    )
     groups: dict[str, list[list[int]]] = defaultdict(list)
     for s in out:
         groups[s.request_id].append(list(s.output_ids))
@@ -84,13 +97,20 @@ def replay(groups: list[list[list[int]]], k: int, candidates: int) -> dict:
                     accepted[name].append(m)
                     if name == "majority":  # as the engine's record_unused_history: positions 0..m observed
                         classes.record_proposal(support, min(len(prop), len(truth)), m)
-    return {"proposals": {n: len(v) for n, v in accepted.items()},
-            "accepted_per_proposal": {n: round(sum(v) / max(1, len(v)), 3) for n, v in accepted.items()},
-            "first_token_accepted": {n: round(sum(1 for x in v if x) / max(1, len(v)), 3) for n, v in accepted.items()},
-            "support_classes": {f"{CLASS_NAMES[c // 2]}, {'first' if c % 2 == 0 else 'later'}":
-                                {"accepted": round(classes.accepted[c] / classes.tried[c], 3) if classes.tried[c] else None,
-                                 "tried": int(classes.tried[c])}
-                                for c in range(SUPPORT_CLASSES)}}
+    return {
+        "proposals": {n: len(v) for n, v in accepted.items()},
+        "accepted_per_proposal": {n: round(sum(v) / max(1, len(v)), 3) for n, v in accepted.items()},
+        "first_token_accepted": {
+            n: round(sum(1 for x in v if x) / max(1, len(v)), 3) for n, v in accepted.items()
+        },
+        "support_classes": {
+            f"{CLASS_NAMES[c // 2]}, {'first' if c % 2 == 0 else 'later'}": {
+                "accepted": round(classes.accepted[c] / classes.tried[c], 3) if classes.tried[c] else None,
+                "tried": int(classes.tried[c]),
+            }
+            for c in range(SUPPORT_CLASSES)
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8, help="answers per prompt (the GRPO group)")
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--k", type=int, default=10, help="longest proposal (the engine's --history-max-draft-tokens)")
-    ap.add_argument("--candidates", type=int, default=16, help="LiveIndex max_candidates of the majority proposals")
+    ap.add_argument(
+        "--k", type=int, default=10, help="longest proposal (the engine's --history-max-draft-tokens)"
+    )
+    ap.add_argument(
+        "--candidates", type=int, default=16, help="LiveIndex max_candidates of the majority proposals"
+    )
     ap.add_argument("--seed", type=int, default=5)
     args = ap.parse_args(argv)
     if min(args.prompts, args.samples, args.new_tokens, args.k, args.candidates) < 1:
@@ -113,10 +137,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:<10}{res['proposals'][n]:>8}{res['accepted_per_proposal'][n]:>22.3f}{res['first_token_accepted'][n]:>16.3f}")
     print(f"\n{'support class (majority proposals)':<36}{'accepted':>10}{'tried':>8}")
     for name, v in res["support_classes"].items():
-        print(f"{name:<36}{'-' if v['accepted'] is None else format(v['accepted'], '.3f'):>10}{v['tried']:>8}")
-    res.update(model=args.model, prompts=args.prompts, samples=args.samples, new_tokens=args.new_tokens, k=args.k,
-               majority_over_newest=round(res["accepted_per_proposal"]["majority"]
-                                          / max(1e-9, res["accepted_per_proposal"]["newest"]), 3))
+        print(
+            f"{name:<36}{'-' if v['accepted'] is None else format(v['accepted'], '.3f'):>10}{v['tried']:>8}"
+        )
+    res.update(
+        model=args.model,
+        prompts=args.prompts,
+        samples=args.samples,
+        new_tokens=args.new_tokens,
+        k=args.k,
+        majority_over_newest=round(
+            res["accepted_per_proposal"]["majority"] / max(1e-9, res["accepted_per_proposal"]["newest"]), 3
+        ),
+    )
     print(json.dumps(res))
     return 0
 

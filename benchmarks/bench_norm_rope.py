@@ -12,7 +12,8 @@ Engine: the native engine on the real model (SmolLM2-135M-Instruct, greedy, 64 n
 chat prompts at max batch B = 1 and 16) and on the demo's model when ``runs/bench_grpo/base`` exists
 (T=1, 16 prompts x 8 samples, batch 16), with the kernels on and off (``layers.decoder``'s switch) in
 alternating order round by round in one process: tokens/s is each side's best round, the ratio the
-median of the paired per-round ratios (``bench_rollout.paired_ratio``); the greedy outputs are compared. Prints markdown tables and one
+median of the paired per-round ratios (``bench_rollout.paired_ratio``); the greedy outputs are compared.
+Prints markdown tables and one
 JSON line.
 """
 
@@ -81,7 +82,6 @@ def ops(repeats: int) -> dict:
 
 def engine_ab(name: str, path: str, requests, batch: int, context: int, rounds: int, threads: int) -> dict:
     from bench_rollout import paired_ratio
-
     from megatron_spec.layers import decoder
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
@@ -126,14 +126,16 @@ def main() -> int:
     from megatron_spec.layers.decoder import norm_rope_kernels_available
 
     if not norm_rope_kernels_available():
-        ap.error("the extension (megatron_spec._C) is not built with rms_norm_f32 / rope_f32: nothing to compare")
+        ap.error(
+            "the extension (megatron_spec._C) is not built with rms_norm_f32 / rope_f32: nothing to compare"
+        )
     result: dict = {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "threads": args.threads}
     with torch.inference_mode():
         result["ops"] = ops(args.repeats)
     if args.engine:
         import transformers
-        from _real_model import chat_prompts
 
+        from _real_model import chat_prompts
         from megatron_spec.models.fetch import resolve_model
         from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 

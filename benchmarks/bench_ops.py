@@ -106,7 +106,10 @@ def bench_verify(B: int, k: int, V: int, mode: str, repeats: int) -> dict[str, f
     t_r, n_r = verify_chain_reference(*args)
     assert torch.equal(t_c, t_r) and torch.equal(n_c, n_r)
     t = side_by_side(
-        {"cpp": lambda: torch.ops.megatron_spec.verify_chain(*args), "torch": lambda: verify_chain_reference(*args)},
+        {
+            "cpp": lambda: torch.ops.megatron_spec.verify_chain(*args),
+            "torch": lambda: verify_chain_reference(*args),
+        },
         repeats,
     )
     return {name: B / sec for name, sec in t.items()}
@@ -125,17 +128,25 @@ def main() -> None:
                     help="run this compiled kernel variant (default: the one the extension picked)")
     args = ap.parse_args()
     if not ops.compiled_kernel_for("verify_chain", torch.device("cpu")):
-        raise SystemExit("megatron_spec._C is not built (pip install --no-build-isolation -e .): nothing to compare")
+        raise SystemExit(
+            "megatron_spec._C is not built (pip install --no-build-isolation -e .): nothing to compare"
+        )
     if args.kernel_isa is not None:
         _ext.set_kernel_isa(args.kernel_isa)
 
     threads = torch.get_num_threads()
     capability, kernel_isa = probe().capability, _ext.kernel_isa()
-    print(f"threads={threads}  torch={torch.__version__}  cpu_capability={capability}  kernel_isa={kernel_isa}  "
-          f"torch_kernels={torch.backends.cpu.get_cpu_capability()}")
+    print(
+        f"threads={threads}  torch={torch.__version__}  cpu_capability={capability}  kernel_isa={kernel_isa} "
+        " "
+        f"torch_kernels={torch.backends.cpu.get_cpu_capability()}"
+    )
     fp8 = bench_fp8(tuple(args.fp8_shape), args.repeats, getattr(torch, args.dtype))
     mem = fp8["memcpy"]
-    print(f"memcpy                          {mem:8.2f} GB/s (read + write, 256 MiB; interleaved with the FP8 runs)")
+    print(
+        f"memcpy                          {mem:8.2f} GB/s (read + write, 256 MiB; interleaved with the FP8 "
+        "runs)"
+    )
     n, k = args.fp8_shape
     print(f"fp8 quantise {args.dtype} [{n}, {k}]  (GB/s, read + write; fraction of memcpy)")
     for name, label in [("cpp_out", "C++ into preallocated"), ("cpp", "C++ allocating outputs"),

@@ -130,25 +130,66 @@ def build_models(work: str, base: str | None, sft_steps: int, eagle_steps: int,
         print("[setup] training the small base model (launch/sft_base.py)", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", small,
                         "--steps", str(sft_steps), "--task", task], check=True)
-    paths = {"small": small, "target": os.path.join(work, "target"), "eagle3": os.path.join(work, "eagle3"),
-             "eagle3_small": os.path.join(work, "eagle3_small"), "draft_model": os.path.join(work, "draft_model")}
+    paths = {
+        "small": small,
+        "target": os.path.join(work, "target"),
+        "eagle3": os.path.join(work, "eagle3"),
+        "eagle3_small": os.path.join(work, "eagle3_small"),
+        "draft_model": os.path.join(work, "draft_model"),
+    }
     if not os.path.isdir(paths["draft_model"]):
         # a separately trained, 8x smaller model of the same family and tokenizer (like a 0.6B
         # drafting for an 8B): it agrees with the target often, not always
-        print("[setup] training the draft model (launch/sft_base.py, 0.8M parameters)", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft_base.py"), "--out", paths["draft_model"],
-                        "--steps", "150", "--hidden-size", "128", "--intermediate-size", "384", "--num-layers", "4",
-                        "--num-attention-heads", "4", "--num-kv-heads", "2", "--seed", "7", "--task", task],
-                       check=True)
+        print(
+            "[setup] training the draft model (launch/sft_base.py, 0.8M parameters)",
+            file=sys.stderr,
+            flush=True,
+        )
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "launch", "sft_base.py"),
+                "--out",
+                paths["draft_model"],
+                "--steps",
+                "150",
+                "--hidden-size",
+                "128",
+                "--intermediate-size",
+                "384",
+                "--num-layers",
+                "4",
+                "--num-attention-heads",
+                "4",
+                "--num-kv-heads",
+                "2",
+                "--seed",
+                "7",
+                "--task",
+                task,
+            ],
+            check=True,
+        )
     if not os.path.isdir(paths["eagle3_small"]):
-        print("[setup] EAGLE-3 draft trained by ModelOpt on the base's continuations", file=sys.stderr, flush=True)
+        print(
+            "[setup] EAGLE-3 draft trained by ModelOpt on the base's continuations",
+            file=sys.stderr,
+            flush=True,
+        )
         tok = AutoTokenizer.from_pretrained(small)
         prompts = task_prompts(tok, 512, seed=777, task=task)
         long = task != "sum"  # sum_long: up to 24 prompt and ~100 response tokens
-        srv = EngineServer(EngineConfig(model_path=small, max_batch_size=64, context_length=192 if long else 160))
-        samples, _ = srv.generate([GenerateRequest(str(i), p, SamplingParams(temperature=0.0,
-                                                                             max_new_tokens=144 if long else 96))
-                                   for i, p in enumerate(prompts)])
+        srv = EngineServer(
+            EngineConfig(model_path=small, max_batch_size=64, context_length=192 if long else 160)
+        )
+        samples, _ = srv.generate(
+            [
+                GenerateRequest(
+                    str(i), p, SamplingParams(temperature=0.0, max_new_tokens=144 if long else 96)
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
         seqs = [p + s.output_ids for p, s in zip(prompts, samples)]
         train_and_export_eagle3(small, paths["eagle3_small"], seqs, steps=eagle_steps, batch_size=16,
                                 max_len=160 if long else 96,
@@ -188,8 +229,17 @@ def tail_seconds(finish_times: list[float]) -> float:
     return t[-1] - t[max(0, -(-9 * len(t) // 10) - 1)]
 
 
-GRPO_CONFIGS = ("ar", "eagle3_k2", "eagle3_k3", "eagle3_k4", "eagle3_k5", "eagle3_auto", "history_auto", "combined",
-                "combined_no_tree")
+GRPO_CONFIGS = (
+    "ar",
+    "eagle3_k2",
+    "eagle3_k3",
+    "eagle3_k4",
+    "eagle3_k5",
+    "eagle3_auto",
+    "history_auto",
+    "combined",
+    "combined_no_tree",
+)
 
 
 def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float | None:
@@ -209,7 +259,9 @@ def length_policy_ceiling(at_least, controller, b: int, k_ref: int = 3) -> float
     # the verify forward's cost, a least-squares line through the table's sizes in b..b(K+1): the
     # table's neighbouring entries come from different (rows, k) at different moments and are noisy,
     # and an oracle choosing between sizes a few tokens apart would read that noise as a gain
-    pts = {n: controller.verify.seconds[n] for n in controller.verify.sizes if b <= n <= b * (len(at_least) + 1)}
+    pts = {
+        n: controller.verify.seconds[n] for n in controller.verify.sizes if b <= n <= b * (len(at_least) + 1)
+    }
     if len(pts) < 2:
         return None
     best = oracle_over(at_least, cost_line(pts), controller.proposal_seconds, b, k_ref)
@@ -239,7 +291,9 @@ def oracle_over(at_least, line, proposal, b: int, k_ref: int) -> tuple[float, in
     return oracle[best] / ref, best
 
 
-def timed_rounds(servers: dict, reqs, rounds: int, tag: str, seed: int, prime_seed: int | None = None) -> dict:
+def timed_rounds(
+    servers: dict, reqs, rounds: int, tag: str, seed: int, prime_seed: int | None = None
+) -> dict:
     """Each round runs every server once on ``reqs``, in turn, its history emptied first (and, with
     ``prime_seed``, primed by one call on the same prompts: their earlier rollouts); per server the
     rounds' ``(GenerateStats, tail seconds, response lengths)``. A warm-up call per server first (oneDNN
@@ -281,15 +335,42 @@ def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, 
     reqs = [GenerateRequest(f"g{i}", p, sp, n=8) for i, p in enumerate(prompts)]
     auto = dict(max_draft_tokens=5)
     plen = _prompt_width(prompts)
-    make = {"ar": lambda: _server(paths, dtype, "none", 1, 16, new_tokens, plen),
-            **{f"eagle3_k{k}": (lambda k=k: _server(paths, dtype, "eagle3", k, 16, new_tokens, plen)) for k in range(2, 6)},
-            "eagle3_auto": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **auto),
-            "history_auto": lambda: _server(paths, dtype, "history", "auto", 16, new_tokens, plen,
-                                            max_draft_tokens=history_max),
-            "combined": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history=True,
-                                        history_max_draft_tokens=history_max, **auto),
-            "combined_no_tree": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, history=True,
-                                                history_max_draft_tokens=history_max, history_tree="off", **auto)}
+    make = {
+        "ar": lambda: _server(paths, dtype, "none", 1, 16, new_tokens, plen),
+        **{
+            f"eagle3_k{k}": (lambda k=k: _server(paths, dtype, "eagle3", k, 16, new_tokens, plen))
+            for k in range(2, 6)
+        },
+        "eagle3_auto": lambda: _server(paths, dtype, "eagle3", "auto", 16, new_tokens, plen, **auto),
+        "history_auto": lambda: _server(
+            paths, dtype, "history", "auto", 16, new_tokens, plen, max_draft_tokens=history_max
+        ),
+        "combined": lambda: _server(
+            paths,
+            dtype,
+            "eagle3",
+            "auto",
+            16,
+            new_tokens,
+            plen,
+            history=True,
+            history_max_draft_tokens=history_max,
+            **auto,
+        ),
+        "combined_no_tree": lambda: _server(
+            paths,
+            dtype,
+            "eagle3",
+            "auto",
+            16,
+            new_tokens,
+            plen,
+            history=True,
+            history_max_draft_tokens=history_max,
+            history_tree="off",
+            **auto,
+        ),
+    }
     servers = {n: make[n]() for n in make if n in configs}
     runs = timed_rounds(servers, reqs, rounds, "grpo", seed=0, prime_seed=1000)
     stats = {n: [x[0] for x in v] for n, v in runs.items()}
@@ -317,18 +398,29 @@ def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, 
         "length_oracle_over_k3_grpo": ceiling.get(16),
         "length_oracle_over_k3_grpo_by_batch": ceiling,
         "history_accept_length_grpo": statistics.median(hist_al) if hist_al else None,
-        "history_alone_accept_length_grpo": (statistics.median(st.spec_accept_length for st in stats["history_auto"])
-                                             if "history_auto" in stats else None),
+        "history_alone_accept_length_grpo": (
+            statistics.median(st.spec_accept_length for st in stats["history_auto"])
+            if "history_auto" in stats
+            else None
+        ),
         "combined_over_eagle3_grpo": ratio("combined", "eagle3_auto"),
         "tree_over_no_tree_grpo": ratio("combined", "combined_no_tree"),
-        "tail_speedup_grpo": (statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"]))
-                              if "ar" in tails and "combined" in tails else None),
-        "grpo_per_config": {n: {"tokens_per_s": max(st.tokens_per_s for st in v),
-                                "tail_s": statistics.median(tails[n]),
-                                "k_mean": v[-1].k_mean, "accept_length": v[-1].spec_accept_length,
-                                "tree_frac": v[-1].source_steps.get("tree", 0) / max(1, sum(v[-1].source_steps.values())),
-                                "tree_second": v[-1].tree_second}
-                            for n, v in stats.items()},
+        "tail_speedup_grpo": (
+            statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"]))
+            if "ar" in tails and "combined" in tails
+            else None
+        ),
+        "grpo_per_config": {
+            n: {
+                "tokens_per_s": max(st.tokens_per_s for st in v),
+                "tail_s": statistics.median(tails[n]),
+                "k_mean": v[-1].k_mean,
+                "accept_length": v[-1].spec_accept_length,
+                "tree_frac": v[-1].source_steps.get("tree", 0) / max(1, sum(v[-1].source_steps.values())),
+                "tree_second": v[-1].tree_second,
+            }
+            for n, v in stats.items()
+        },
     }
 
 
@@ -375,14 +467,23 @@ def fresh_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int,
         "live_history_frac": statistics.median(live) if live else None,
         "combined_over_eagle3_fresh": ratio("combined", "eagle3_auto"),
         "live_over_no_live_fresh": ratio("combined", "combined_no_live"),
-        "tail_speedup_fresh": (statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"]))
-                               if "ar" in tails and "combined" in tails else None),
+        "tail_speedup_fresh": (
+            statistics.median(a / c for a, c in zip(tails["ar"], tails["combined"]))
+            if "ar" in tails and "combined" in tails
+            else None
+        ),
         "fresh_new_tokens": new_tokens,
         "fresh_lengths": {n: [length_summary(x[2]) for x in v] for n, v in runs.items()},
-        "fresh_per_config": {n: {"tokens_per_s": max(st.tokens_per_s for st in v), "tail_s": statistics.median(tails[n]),
-                                 "accept_length": v[-1].spec_accept_length, "source_steps": dict(v[-1].source_steps),
-                                 "source_accept_length": {s: v[-1].source_accept_length(s) for s in v[-1].source_steps}}
-                             for n, v in stats.items()},
+        "fresh_per_config": {
+            n: {
+                "tokens_per_s": max(st.tokens_per_s for st in v),
+                "tail_s": statistics.median(tails[n]),
+                "accept_length": v[-1].spec_accept_length,
+                "source_steps": dict(v[-1].source_steps),
+                "source_accept_length": {s: v[-1].source_accept_length(s) for s in v[-1].source_steps},
+            }
+            for n, v in stats.items()
+        },
     }
 
 
@@ -427,7 +528,10 @@ def draft_kinds(paths, dtype: str, prompts, batch: int, new_tokens: int, rounds:
     for name, srv in servers.items():
         configs[name], configs[f"{name}_t1"] = (srv, 0.0), (srv, 1.0)
     runs = run_interleaved(configs, prompts, new_tokens, repeats=rounds)
-    out: dict = {"ar": max(x.tokens_per_s for x in runs["ar"]), "ar_t1": max(x.tokens_per_s for x in runs["ar_t1"])}
+    out: dict = {
+        "ar": max(x.tokens_per_s for x in runs["ar"]),
+        "ar_t1": max(x.tokens_per_s for x in runs["ar_t1"]),
+    }
     for name in servers:
         if name == "ar":
             continue
@@ -438,8 +542,12 @@ def draft_kinds(paths, dtype: str, prompts, batch: int, new_tokens: int, rounds:
             row["tokens_per_s" + sfx] = max(x.tokens_per_s for x in rs)
             row["over_ar" + sfx] = paired_ratio(rs, runs["ar" + sfx])
             row["accept_length" + sfx] = sum(x.spec_accept_length * x.spec_steps for x in rs) / max(steps, 1)
-            row["accept_pos" + sfx] = [round(sum(x.accepted_at_least[j] for x in rs if len(x.accepted_at_least) > j)
-                                             / max(steps, 1), 3) for j in range(k)]
+            row["accept_pos" + sfx] = [
+                round(
+                    sum(x.accepted_at_least[j] for x in rs if len(x.accepted_at_least) > j) / max(steps, 1), 3
+                )
+                for j in range(k)
+            ]
         out[name] = row
     return out
 
@@ -476,11 +584,22 @@ def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> di
                          "v": v, "c": c})
             del srv
         results.append({"batch_size": b, "ar_tokens_per_s": ar, "spec": spec})
-        print(f"[steady] {dtype} B={b} ar={ar:.1f} " + " ".join(
-            f"k{x['k']}={x['tokens_per_s']:.1f}/{x['accept_length']:.2f}" for x in spec), file=sys.stderr, flush=True)
-    return {"hardware": "cpu", "model": os.path.join(paths["target"], "config.json"), "dtype": dtype,
-            "draft_kind": "eagle3", "draft_model": None, "prompt_len": prompt_len, "max_new_tokens": new_tokens,
-            "results": results}
+        print(
+            f"[steady] {dtype} B={b} ar={ar:.1f} "
+            + " ".join(f"k{x['k']}={x['tokens_per_s']:.1f}/{x['accept_length']:.2f}" for x in spec),
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "hardware": "cpu",
+        "model": os.path.join(paths["target"], "config.json"),
+        "dtype": dtype,
+        "draft_kind": "eagle3",
+        "draft_model": None,
+        "prompt_len": prompt_len,
+        "max_new_tokens": new_tokens,
+        "results": results,
+    }
 
 
 def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, float, float]:
@@ -524,8 +643,8 @@ def forward_costs(server, batch: int, k: int, reps: int = 10) -> tuple[float, fl
             drafter.cache.lens[:batch] = 64  # the same positions every time
             drafter.propose(tokens, k, greedy, gen)
 
-        step = lambda: model(ids1, pos1, cache, pos1[:, 0] + 1)  # noqa: E731
-        verify = lambda: model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux)  # noqa: E731
+        step = lambda: model(ids1, pos1, cache, pos1[:, 0] + 1)
+        verify = lambda: model(idsk, posk, cache, posk[:, -1] + 1, aux_layers=aux)
         for fn in (step, verify, propose, step, verify, propose):  # warm-up
             fn()
         v, c, c_loop = [], [], []
@@ -550,17 +669,22 @@ def hf_generate(path: str, dtype: str, prompts, new_tokens: int, assistant: str 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
     kw = {}
     if assistant is not None:
-        kw["assistant_model"] = transformers.AutoModelForCausalLM.from_pretrained(assistant, dtype=torch_dtype).eval()
+        kw["assistant_model"] = transformers.AutoModelForCausalLM.from_pretrained(
+            assistant, dtype=torch_dtype
+        ).eval()
     eos = model.generation_config.eos_token_id
     sample = assistant is None
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
     attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        model.generate(ids[:1], attention_mask=attn[:1], do_sample=sample, max_new_tokens=4, pad_token_id=0, **kw)
+        model.generate(
+            ids[:1], attention_mask=attn[:1], do_sample=sample, max_new_tokens=4, pad_token_id=0, **kw
+        )
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=attn, do_sample=sample, max_new_tokens=new_tokens, pad_token_id=0,
-                             **kw)
+        out = model.generate(
+            ids, attention_mask=attn, do_sample=sample, max_new_tokens=new_tokens, pad_token_id=0, **kw
+        )
         seconds = time.perf_counter() - t0
     tokens = 0
     for row in out[:, width:].tolist():
@@ -571,61 +695,106 @@ def hf_generate(path: str, dtype: str, prompts, new_tokens: int, assistant: str 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default=None, help="small trained base model (default: train one here)")
-    ap.add_argument("--model", default=None,
-                    help="a real model instead of the widened small one: smollm2 or a Hub id (megatron-spec "
-                         "fetch-model); its chat prompts, its EAGLE-3 draft (--draft, or trained here) and its first "
-                         "--draft-layers layers as the draft model (benchmarks/_real_model.py)")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="a real model instead of the widened small one: smollm2 or a Hub id (megatron-spec "
+        "fetch-model); its chat prompts, its EAGLE-3 draft (--draft, or trained here) and its first "
+        "--draft-layers layers as the draft model (benchmarks/_real_model.py)",
+    )
     ap.add_argument("--draft", default=None, help="with --model: its ModelOpt EAGLE-3 export")
-    ap.add_argument("--draft-layers", type=int, default=4, help="with --model: layers of the truncated draft model")
-    ap.add_argument("--mtp", default=None, help="with --model: an MTP export of it (make_draft.py --draft-kind mtp); "
-                                                "section drafts makes one when not given")
-    ap.add_argument("--draft-model", default=None,
-                    help="with --model: a distilled draft model (make_draft.py --draft-kind model); section drafts "
-                         "makes one when not given")
+    ap.add_argument(
+        "--draft-layers", type=int, default=4, help="with --model: layers of the truncated draft model"
+    )
+    ap.add_argument(
+        "--mtp",
+        default=None,
+        help="with --model: an MTP export of it (make_draft.py --draft-kind mtp); "
+        "section drafts makes one when not given",
+    )
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        help="with --model: a distilled draft model (make_draft.py --draft-kind model); section drafts "
+        "makes one when not given",
+    )
     ap.add_argument("--dtypes", default="auto,float32",
                     help="engine dtypes to measure (auto | float32 | bfloat16), resolved for this CPU")
     ap.add_argument("--batch-sizes", default=None, help="default 1,4,16 (--model: 1,16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 96 (--model: 64)")
-    ap.add_argument("--ks", default=None, help="EAGLE-3 k values of the table: default 1,2,3,4,5 (--model: 3)")
+    ap.add_argument(
+        "--ks", default=None, help="EAGLE-3 k values of the table: default 1,2,3,4,5 (--model: 3)"
+    )
     ap.add_argument("--sft-steps", type=int, default=500)
     ap.add_argument("--eagle-steps", type=int, default=300)
-    ap.add_argument("--prompts-per-row", type=int, default=2, help="requests per batch slot (continuous batching)")
+    ap.add_argument(
+        "--prompts-per-row", type=int, default=2, help="requests per batch slot (continuous batching)"
+    )
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
-    ap.add_argument("--steady-state-out", default=None,
-                    help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)")
+    ap.add_argument(
+        "--steady-state-out",
+        default=None,
+        help="also write the simulator's engine-benchmark JSON here (dtype auto, fixed 64-token rows)",
+    )
     ap.add_argument("--steady-only", action="store_true", help="only the steady-state measurement")
-    ap.add_argument("--sections", default="main,grpo",
-                    help="what to measure: main (the batch-size table), grpo, fresh (the GRPO workload on prompts "
-                         "never seen: the live group index), drafts (--model: every draft kind at k=3, greedy and "
-                         "T=1, batch 1)")
+    ap.add_argument(
+        "--sections",
+        default="main,grpo",
+        help="what to measure: main (the batch-size table), grpo, fresh (the GRPO workload on prompts "
+        "never seen: the live group index), drafts (--model: every draft kind at k=3, greedy and "
+        "T=1, batch 1)",
+    )
     ap.add_argument("--grpo-new-tokens", type=int, default=None, help="default 128 (--model: 64)")
     ap.add_argument("--grpo-rounds", type=int, default=None, help="default 3 (--model: 2)")
-    ap.add_argument("--grpo-task", default="sum_long",
-                    help="task of the GRPO workload and of its own models (in WORK_DIR/models_TASK): sum_long "
-                         "(2..12 terms) gives the varied response lengths of an RL batch and its long tail")
+    ap.add_argument(
+        "--grpo-task",
+        default="sum_long",
+        help="task of the GRPO workload and of its own models (in WORK_DIR/models_TASK): sum_long "
+        "(2..12 terms) gives the varied response lengths of an RL batch and its long tail",
+    )
     ap.add_argument("--grpo-history-max", type=int, default=10,
                     help="longest history proposal (history alone: its k_max; beside EAGLE-3: "
                          "history_max_draft_tokens)")
-    ap.add_argument("--grpo-configs", default=None,
-                    help="configs of the GRPO workload to run (keys needing a missing one are null); default all "
-                         "(--model: ar,eagle3_k3,eagle3_auto,combined)")
-    ap.add_argument("--fresh-new-tokens", type=int, default=None,
-                    help="longest response of the fresh workload (default --grpo-new-tokens); 1024 with "
-                         "--fresh-templates asking for reasoning gives the long tail of issue 31 (64-1024 tokens)")
-    ap.add_argument("--fresh-templates", default=None,
-                    help="with --model: prompt templates of the fresh workload's questions, separated by '||' and "
-                         "taken in turn ({prompt}: the question), e.g. '{prompt}||{prompt} Explain every step of your "
-                         "reasoning.': half short answers, half long reasoning (the long tail)")
+    ap.add_argument(
+        "--grpo-configs",
+        default=None,
+        help="configs of the GRPO workload to run (keys needing a missing one are null); default all "
+        "(--model: ar,eagle3_k3,eagle3_auto,combined)",
+    )
+    ap.add_argument(
+        "--fresh-new-tokens",
+        type=int,
+        default=None,
+        help="longest response of the fresh workload (default --grpo-new-tokens); 1024 with "
+        "--fresh-templates asking for reasoning gives the long tail of issue 31 (64-1024 tokens)",
+    )
+    ap.add_argument(
+        "--fresh-templates",
+        default=None,
+        help="with --model: prompt templates of the fresh workload's questions, separated by '||' and "
+        "taken in turn ({prompt}: the question), e.g. '{prompt}||{prompt} Explain every step of your "
+        "reasoning.': half short answers, half long reasoning (the long tail)",
+    )
     ap.add_argument("--fresh-configs", default=",".join(FRESH_CONFIGS),
                     help="configs of the fresh workload to run (keys needing a missing one are null)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
-    ap.add_argument("--rounds", type=int, default=None, help="round-robin rounds of the batch-size table (default 5, "
-                                                                 "--model: 3)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="round-robin rounds of the batch-size table (default 5, --model: 3)",
+    )
     args = ap.parse_args()
     real = args.model is not None
-    for name, small, big in (("batch_sizes", "1,4,16", "1,16"), ("new_tokens", 96, 64), ("ks", "1,2,3,4,5", "3"),
-                             ("grpo_new_tokens", 128, 64), ("grpo_rounds", 3, 2), ("rounds", 5, 3),
-                             ("grpo_configs", ",".join(GRPO_CONFIGS), "ar,eagle3_k3,eagle3_auto,combined")):
+    for name, small, big in (
+        ("batch_sizes", "1,4,16", "1,16"),
+        ("new_tokens", 96, 64),
+        ("ks", "1,2,3,4,5", "3"),
+        ("grpo_new_tokens", 128, 64),
+        ("grpo_rounds", 3, 2),
+        ("rounds", 5, 3),
+        ("grpo_configs", ",".join(GRPO_CONFIGS), "ar,eagle3_k3,eagle3_auto,combined"),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, big if real else small)
     torch.set_num_threads(2)
@@ -638,15 +807,17 @@ def main() -> int:
                                  mtp=args.mtp, draft_model=args.draft_model,
                                  other_kinds="drafts" in args.sections.split(","))
         tok = AutoTokenizer.from_pretrained(paths["target"])
-        make_prompts = lambda n, seed, templates=None: chat_prompts(tok, args.work_dir, n, seed, templates)  # noqa: E731
+        make_prompts = lambda n, seed, templates=None: chat_prompts(tok, args.work_dir, n, seed, templates)
     else:
-        paths = build_models(os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps)
+        paths = build_models(
+            os.path.join(args.work_dir, "models"), args.base, args.sft_steps, args.eagle_steps
+        )
         tok = AutoTokenizer.from_pretrained(paths["target"])
-        make_prompts = lambda n, seed, templates=None: task_prompts(tok, n, seed)  # noqa: E731
+        make_prompts = lambda n, seed, templates=None: task_prompts(tok, n, seed)
 
     ks = [int(x) for x in args.ks.split(",")]
-    from megatron_spec.isa import probe, resolve_dtype
     from megatron_spec._ext import cpu_facts
+    from megatron_spec.isa import probe, resolve_dtype
 
     main_dtype = resolve_dtype("auto")
     dtypes = list(dict.fromkeys(resolve_dtype(d.strip()) for d in args.dtypes.split(",")))
@@ -670,7 +841,9 @@ def main() -> int:
         wpaths = paths if args.grpo_task == "sum" else build_models(
             os.path.join(args.work_dir, f"models_{args.grpo_task}"), None, args.sft_steps, args.eagle_steps,
             task=args.grpo_task)
-        return wpaths, task_prompts(AutoTokenizer.from_pretrained(wpaths["target"]), 16, seed, task=args.grpo_task)
+        return wpaths, task_prompts(
+            AutoTokenizer.from_pretrained(wpaths["target"]), 16, seed, task=args.grpo_task
+        )
 
     grpo = {}
     if "grpo" in sections:
@@ -687,19 +860,36 @@ def main() -> int:
         if not real:
             ap.error("--sections drafts needs --model (the real model's MTP and distilled drafts)")
         drafts = draft_kinds(paths, main_dtype, make_prompts(2, 4242), 1, args.new_tokens, args.rounds)
-        print("drafts B=1: " + json.dumps({n: {a: v if not isinstance(v, float) else round(v, 3) for a, v in r.items()}
-                                           if isinstance(r, dict) else round(r, 2) for n, r in drafts.items()}),
-              file=sys.stderr, flush=True)
+        print(
+            "drafts B=1: "
+            + json.dumps(
+                {
+                    n: {a: v if not isinstance(v, float) else round(v, 3) for a, v in r.items()}
+                    if isinstance(r, dict)
+                    else round(r, 2)
+                    for n, r in drafts.items()
+                }
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     for dtype in (dtypes if "main" in sections else []):
         for b in (int(x) for x in args.batch_sizes.split(",")):
             prompts = make_prompts(b * args.prompts_per_row, 4242)
             plen = _prompt_width(prompts)
             row: dict = {}
             servers = {"ar": _server(paths, dtype, "none", 1, b, args.new_tokens, plen)}
-            servers.update({f"eagle3_k{k}": _server(paths, dtype, "eagle3", k, b, args.new_tokens, plen) for k in ks})
+            servers.update(
+                {f"eagle3_k{k}": _server(paths, dtype, "eagle3", k, b, args.new_tokens, plen) for k in ks}
+            )
             servers["eagle3_auto"] = _server(paths, dtype, "eagle3", "auto", b, args.new_tokens, plen,
                                              max_draft_tokens=max(ks))
-            servers.update({kind: _server(paths, dtype, kind, 3, b, args.new_tokens, plen) for kind in ("model", "ngram")})
+            servers.update(
+                {
+                    kind: _server(paths, dtype, kind, 3, b, args.new_tokens, plen)
+                    for kind in ("model", "ngram")
+                }
+            )
             configs = {name: (srv, 0.0) for name, srv in servers.items()}
             configs["ar_sampling"] = (servers["ar"], 1.0)
             if "eagle3_k3" in servers:  # acceptance at the RL sampling temperature
@@ -718,10 +908,13 @@ def main() -> int:
                 row[name] = st.tokens_per_s
                 if name.startswith("eagle3_k"):
                     row[f"accept_k{name[len('eagle3_k'):]}"] = st.spec_accept_length
-                    if name.startswith("eagle3_k3"):  # per position: the share of verify steps accepting >= j+1
+                    # per position: the share of verify steps accepting >= j+1
+                    if name.startswith("eagle3_k3"):
                         steps = sum(x.spec_steps for x in rounds)
-                        row[f"accept_pos_k{name[len('eagle3_k'):]}"] = [
-                            round(sum(x.accepted_at_least[j] for x in rounds) / max(steps, 1), 3) for j in range(3)]
+                        row[f"accept_pos_k{name[len('eagle3_k') :]}"] = [
+                            round(sum(x.accepted_at_least[j] for x in rounds) / max(steps, 1), 3)
+                            for j in range(3)
+                        ]
                 elif name in ("model", "ngram"):
                     row[f"accept_{name}"] = st.spec_accept_length
             if "eagle3_k3" in servers:
@@ -743,65 +936,114 @@ def main() -> int:
                                                  for k, v in row.items()), file=sys.stderr, flush=True)
 
     # table
-    cols = ["ar", "ar_sampling", *[f"eagle3_k{k}" for k in ks], "eagle3_k3_t1", "eagle3_auto", "model", "ngram",
-            "hf_generate",
-            "hf_assisted"]
-    print(f"{'config':<14}" + "".join(f"{c:>13}" for c in cols) + f"{'tau_k3':>8}{'v':>6}{'c':>6}{'ceil':>6}{'frac':>6}"
-          + f"{'c_loop':>8}{'ceil_l':>8}{'frac_l':>8}")
+    cols = [
+        "ar",
+        "ar_sampling",
+        *[f"eagle3_k{k}" for k in ks],
+        "eagle3_k3_t1",
+        "eagle3_auto",
+        "model",
+        "ngram",
+        "hf_generate",
+        "hf_assisted",
+    ]
+    print(
+        f"{'config':<14}"
+        + "".join(f"{c:>13}" for c in cols)
+        + f"{'tau_k3':>8}{'v':>6}{'c':>6}{'ceil':>6}{'frac':>6}"
+        + f"{'c_loop':>8}{'ceil_l':>8}{'frac_l':>8}"
+    )
     for key, row in results.items():
-        print(f"{key:<14}" + "".join(f"{row.get(c, float('nan')):>13.1f}" for c in cols)
-              + f"{row['accept_k3']:>8.2f}{row['v']:>6.2f}{row['c']:>6.2f}{row['ceiling_k3']:>6.2f}"
-              + f"{row['fraction_of_ceiling_k3']:>6.2f}{row['c_in_loop']:>8.3f}{row['ceiling_k3_in_loop']:>8.2f}"
-              + f"{row['fraction_of_ceiling_k3_in_loop']:>8.2f}")
+        print(
+            f"{key:<14}"
+            + "".join(f"{row.get(c, float('nan')):>13.1f}" for c in cols)
+            + f"{row['accept_k3']:>8.2f}{row['v']:>6.2f}{row['c']:>6.2f}{row['ceiling_k3']:>6.2f}"
+            + f"{row['fraction_of_ceiling_k3']:>6.2f}"
+            f"{row['c_in_loop']:>8.3f}{row['ceiling_k3_in_loop']:>8.2f}"
+            + f"{row['fraction_of_ceiling_k3_in_loop']:>8.2f}"
+        )
     print("acceptance lengths: " + json.dumps({k: {a: v if isinstance(v, list) else round(v, 2)
                                                   for a, v in r.items() if a.startswith("accept")}
                                               for k, r in results.items()}))
     main_dtype = main_dtype if main_dtype in dtypes else dtypes[0]
     b1, b16 = results.get(f"{main_dtype}_b1"), results.get(f"{main_dtype}_b16")  # None: batch not measured
-    rnd = lambda x: None if x is None else round(x, 3)  # noqa: E731
+    rnd = lambda x: None if x is None else round(x, 3)
     mine = [r for k, r in results.items() if k.startswith(f"{main_dtype}_")]
     summary = {
         "real_model": os.path.basename(os.path.normpath(paths["target"])) if real else None,
-        "ar_over_hf_generate_b1": rnd(b1["ar_sampling"] / b1["hf_generate"]) if b1 and "hf_generate" in b1 else None,
+        "ar_over_hf_generate_b1": rnd(b1["ar_sampling"] / b1["hf_generate"])
+        if b1 and "hf_generate" in b1
+        else None,
         "eagle3_k3_over_ar_b16": rnd(b16["eagle3_k3_over_ar"]) if b16 else None,
-        "eagle3_accept_length_k3_t1": rnd(statistics.median(r["accept_k3_t1"] for r in mine if "accept_k3_t1" in r))
-        if any("accept_k3_t1" in r for r in mine) else None,
+        "eagle3_accept_length_k3_t1": rnd(
+            statistics.median(r["accept_k3_t1"] for r in mine if "accept_k3_t1" in r)
+        )
+        if any("accept_k3_t1" in r for r in mine)
+        else None,
         "eagle3_k3_over_ar_b1": rnd(b1["eagle3_k3_over_ar"]) if b1 else None,
         "accept_length_k3_b1": rnd(b1["accept_k3"]) if b1 else None,
-        "fraction_of_ceiling_k3_min": rnd(min(r["fraction_of_ceiling_k3"] for r in results.values())) if results
+        "fraction_of_ceiling_k3_min": rnd(min(r["fraction_of_ceiling_k3"] for r in results.values()))
+        if results
         else None,
-        "fraction_of_ceiling_k3_min_in_loop": rnd(min(r["fraction_of_ceiling_k3_in_loop"] for r in results.values()))
-        if results else None,
-        "ar_over_hf_generate_b16": rnd(b16["ar_sampling"] / b16["hf_generate"]) if b16 and "hf_generate" in b16
+        "fraction_of_ceiling_k3_min_in_loop": rnd(
+            min(r["fraction_of_ceiling_k3_in_loop"] for r in results.values())
+        )
+        if results
         else None,
-        "eagle3_k3_over_hf_assisted_b1": rnd(b1["eagle3_k3"] / b1["hf_assisted"]) if b1 and "hf_assisted" in b1
+        "ar_over_hf_generate_b16": rnd(b16["ar_sampling"] / b16["hf_generate"])
+        if b16 and "hf_generate" in b16
         else None,
-        "adaptive_over_best_fixed_min": rnd(min(r["adaptive_over_best_fixed"] for r in mine)) if mine else None,
+        "eagle3_k3_over_hf_assisted_b1": rnd(b1["eagle3_k3"] / b1["hf_assisted"])
+        if b1 and "hf_assisted" in b1
+        else None,
+        "adaptive_over_best_fixed_min": rnd(min(r["adaptive_over_best_fixed"] for r in mine))
+        if mine
+        else None,
         "best_fixed": best_fixed_name,
         "adaptive_over_k3_grpo": rnd(grpo.get("adaptive_over_k3_grpo")),
         "best_fixed_grpo": grpo.get("best_fixed_grpo"),
         "adaptive_over_best_fixed_grpo": rnd(grpo.get("adaptive_over_best_fixed_grpo")),
         "length_oracle_over_k3_grpo": rnd(grpo.get("length_oracle_over_k3_grpo")),
-        "length_oracle_over_k3_grpo_by_batch": {b: rnd(v) for b, v in grpo.get("length_oracle_over_k3_grpo_by_batch",
-                                                                              {}).items()},
+        "length_oracle_over_k3_grpo_by_batch": {
+            b: rnd(v) for b, v in grpo.get("length_oracle_over_k3_grpo_by_batch", {}).items()
+        },
         "history_accept_length_grpo": rnd(grpo.get("history_accept_length_grpo")),
         "combined_over_eagle3_grpo": rnd(grpo.get("combined_over_eagle3_grpo")),
         "tree_over_no_tree_grpo": rnd(grpo.get("tree_over_no_tree_grpo")),
         "tail_speedup_grpo": rnd(grpo.get("tail_speedup_grpo")),
-        "grpo_per_config": {n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()},
-        **{k: rnd(fresh.get(k)) for k in ("live_history_frac", "combined_over_eagle3_fresh", "live_over_no_live_fresh",
-                                          "tail_speedup_fresh")},
+        "grpo_per_config": {
+            n: {a: rnd(v) for a, v in c.items()} for n, c in grpo.get("grpo_per_config", {}).items()
+        },
+        **{
+            k: rnd(fresh.get(k))
+            for k in (
+                "live_history_frac",
+                "combined_over_eagle3_fresh",
+                "live_over_no_live_fresh",
+                "tail_speedup_fresh",
+            )
+        },
         "fresh_new_tokens": fresh.get("fresh_new_tokens"),
         "fresh_lengths": fresh.get("fresh_lengths", {}),
         "fresh_per_config": fresh.get("fresh_per_config", {}),
-        **{f"{name}_accept_length_k3{sfx}": rnd(drafts[name][f"accept_length{sfx}"])
-           for name in ("mtp", "draft_model_distilled") if name in drafts for sfx in ("", "_t1")},
-        "drafts_b1": {n: {a: v if isinstance(v, list) else rnd(v) for a, v in r.items()} if isinstance(r, dict)
-                      else rnd(r) for n, r in drafts.items()},
+        **{
+            f"{name}_accept_length_k3{sfx}": rnd(drafts[name][f"accept_length{sfx}"])
+            for name in ("mtp", "draft_model_distilled")
+            if name in drafts
+            for sfx in ("", "_t1")
+        },
+        "drafts_b1": {
+            n: {a: v if isinstance(v, list) else rnd(v) for a, v in r.items()}
+            if isinstance(r, dict)
+            else rnd(r)
+            for n, r in drafts.items()
+        },
         "dtype": main_dtype,
         **cpu_facts(),
-        "per_config": {k: {a: v if isinstance(v, list) else round(v, 3) for a, v in r.items() if v is not None}
-                       for k, r in results.items()},
+        "per_config": {
+            k: {a: v if isinstance(v, list) else round(v, 3) for a, v in r.items() if v is not None}
+            for k, r in results.items()
+        },
     }
     print(json.dumps(summary))
     return 0

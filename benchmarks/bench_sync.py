@@ -9,7 +9,8 @@ weights moved off the bf16 grid, as every RL step does) streamed into the native
 main job's settings (64 MiB buckets, two engine threads, verified) as fp32 into an fp32 engine (the demo's
 configuration), bf16 into a bf16 engine and FP8 into a bf16 engine, beside a memcpy of the same bytes in the
 same run. Each sync is timed end to end (begin_weight_update .. verified) and by piece: on the trainer's side
-gather and HF views, packing into the bucket, waiting for a free bucket, fingerprints, waiting for the engine's
+gather and HF views, packing into the bucket, waiting for a free bucket, fingerprints, waiting for the
+engine's
 calls; in the engine mapping the payloads, loading them into its parameters, re-packing the linear layers into
 the kernels' layouts and the checksums (``end_weight_update``'s ``sync_timings``). Its JSON line has
 ``sync_fraction_of_memcpy`` (the fp32 configuration's bytes per second end to end over memcpy's).
@@ -59,7 +60,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megatron_spec.interfaces import WeightReceiver  # noqa: E402
+from megatron_spec.interfaces import WeightReceiver
 
 
 def memcpy_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> tuple[float, int]:
@@ -182,7 +183,9 @@ def per_tensor_sync(engine, model, version: str) -> tuple[int, int, float]:
     engine.begin_weight_update("target")
     for name, t in iter_hf_tensors(model, dtype=torch.bfloat16):
         flat, meta = pack_bucket([(name, t)])
-        engine.update_weights_from_tensor(make_bucket_payload(flat, meta), "target", version, flush_cache=False)
+        engine.update_weights_from_tensor(
+            make_bucket_payload(flat, meta), "target", version, flush_cache=False
+        )
         nbytes += flat.numel()
         calls += 1
     seconds = time.perf_counter() - t0
@@ -198,7 +201,10 @@ def best_per_tensor(engine, model, version_prefix: str, label: str, repeats: int
         nbytes, calls, sec = per_tensor_sync(engine, model, f"{version_prefix}-{i}")
         times.append(sec)
     gbps = round(nbytes / min(times) / 1e9, 3)
-    print(f"{label:>22}: {nbytes / 1e6:7.1f} MB in {calls} one-tensor calls, {min(times):6.3f} s = {gbps:5.2f} GB/s")
+    print(
+        f"{label:>22}: {nbytes / 1e6:7.1f} MB in {calls} one-tensor calls, {min(times):6.3f} s = {gbps:5.2f} "
+        "GB/s"
+    )
     return gbps
 
 
@@ -210,9 +216,13 @@ def logprob_mismatch(engine, model, vocab: int, seed: int) -> dict[str, float]:
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, vocab, (8,), generator=g).tolist() for _ in range(4)]
     new = 8
-    samples, _ = engine.generate([GenerateRequest(f"p{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new,
-                                                                              ignore_eos=True))
-                                  for i, p in enumerate(prompts)], seed=seed)
+    samples, _ = engine.generate(
+        [
+            GenerateRequest(f"p{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True))
+            for i, p in enumerate(prompts)
+        ],
+        seed=seed,
+    )
     seqs = torch.tensor([p + s.output_ids for p, s in zip(prompts, samples)])
     with torch.no_grad():
         logits = model(seqs, torch.arange(seqs.shape[1]).expand_as(seqs), attention_mask=None)
@@ -222,7 +232,8 @@ def logprob_mismatch(engine, model, vocab: int, seed: int) -> dict[str, float]:
 
 
 def sync_pieces() -> tuple[str, ...]:
-    """The pieces a sync is timed by: the trainer's (``end_s`` left out: the engine's pieces split it) and the engine's."""
+    """The pieces a sync is timed by: the trainer's (``end_s`` left out: the engine's pieces split it) and
+    the engine's."""
     from megatron_spec.rollout.native.server import SYNC_TIMINGS
     from megatron_spec.sync.streamer import SYNC_PIECES
 
@@ -256,9 +267,12 @@ def real_model(args) -> dict:
             p.add_(torch.randn(p.shape, generator=g) * 1e-5)
     n_params = sum(p.numel() for p in model.parameters())
     cpu = probe()
-    print(f"{args.model}: {n_params / 1e6:.0f}M parameters ({n_params * 4 / 1e6:.0f} MB in fp32); CPU {cpu.kind}, "
-          f"kernel_isa {_ext.kernel_isa()}, bf16 linear kernel {_ext.bf16_linear_kernel()}; "
-          f"buckets {args.bucket_mb} MiB, engine threads {args.engine_threads}")
+    print(
+        f"{args.model}: {n_params / 1e6:.0f}M parameters ({n_params * 4 / 1e6:.0f} MB in fp32); CPU "
+        f"{cpu.kind}, "
+        f"kernel_isa {_ext.kernel_isa()}, bf16 linear kernel {_ext.bf16_linear_kernel()}; "
+        f"buckets {args.bucket_mb} MiB, engine threads {args.engine_threads}"
+    )
     res: dict = {"model": args.model, "cpu_kind": cpu.kind, "cpu_capability": cpu.capability,
                  "kernel_isa": _ext.kernel_isa(), "bf16_linear_kernel": _ext.bf16_linear_kernel(),
                  "params_m": round(n_params / 1e6, 1), "bucket_mb": args.bucket_mb,
@@ -269,8 +283,16 @@ def real_model(args) -> dict:
     header = f"{'':>6} {'MB':>6} {'total s':>8} {'GB/s':>6} " + " ".join(f"{p[:-2]:>9}" for p in names)
     print(header)
     for label, engine_dtype, weight_dtype, fp8 in configs:
-        ecfg = EngineConfig(model_path=ckpt, dtype=engine_dtype, load_weights=False, num_threads=args.engine_threads,
-                            max_batch_size=4, context_length=64, warm_up=False, fp8_weights=fp8)
+        ecfg = EngineConfig(
+            model_path=ckpt,
+            dtype=engine_dtype,
+            load_weights=False,
+            num_threads=args.engine_threads,
+            max_batch_size=4,
+            context_length=64,
+            warm_up=False,
+            fp8_weights=fp8,
+        )
         with NativeEngine(ecfg) as eng:
             st = WeightStreamer(eng, bucket_bytes=args.bucket_mb << 20, weight_dtype=weight_dtype)
             st.sync_target(model, f"{label}-warm")  # first use: buffers, mappings, allocator
@@ -288,9 +310,13 @@ def real_model(args) -> dict:
         res[f"{label}_pieces"] = pieces
     memcpy_after, _ = memcpy_gbps(n_params * 4)
     memcpy = max(memcpy_before, memcpy_after)  # the faster of the two: the conservative reference
-    print(f"(median of {args.repeats} syncs each, seconds; pieces overlap: the sender thread fingerprints and calls "
-          f"the engine while the next bucket is packed)\nmemcpy of {n_params * 4 / 1e6:.0f} MB: {memcpy_before:.2f} GB/s "
-          f"before, {memcpy_after:.2f} after")
+    print(
+        f"(median of {args.repeats} syncs each, seconds; pieces overlap: the sender thread fingerprints and "
+        "calls "
+        f"the engine while the next bucket is packed)\nmemcpy of {n_params * 4 / 1e6:.0f} MB: "
+        f"{memcpy_before:.2f} GB/s "
+        f"before, {memcpy_after:.2f} after"
+    )
     res["memcpy_gbps"] = round(memcpy, 3)
     for label, *_ in configs:
         res[f"{label}_fraction_of_memcpy"] = round(res[f"{label}_gbps"] / memcpy, 4)
@@ -301,16 +327,24 @@ def real_model(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default=None, help="the real model (smollm2 or a Hub id): the main job's sync by piece")
-    ap.add_argument("--engine-threads", type=int, default=2, help="--model: the engine's threads (the main job's: 2)")
+    ap.add_argument(
+        "--model", default=None, help="the real model (smollm2 or a Hub id): the main job's sync by piece"
+    )
+    ap.add_argument(
+        "--engine-threads", type=int, default=2, help="--model: the engine's threads (the main job's: 2)"
+    )
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--ffn", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=16000)
-    ap.add_argument("--bucket-mb", type=int, default=8,
-                    help="bucket size; 8 MiB buckets stay in this CPU's 32 MiB L3 between packing and loading")
+    ap.add_argument(
+        "--bucket-mb",
+        type=int,
+        default=8,
+        help="bucket size; 8 MiB buckets stay in this CPU's 32 MiB L3 between packing and loading",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--work", default="/tmp/megatron_spec_bench_sync")
     args = ap.parse_args()
@@ -332,29 +366,47 @@ def main() -> None:
     memcpy, memcpy_threads = memcpy_gbps()
     print(f"memcpy (torch copy of 256 MiB, best of 1/{torch.get_num_threads()} threads: {memcpy_threads}): "
           f"{memcpy:.2f} GB/s")
-    ckpt = make_checkpoint(os.path.join(args.work, f"qwen3_h{args.hidden}_l{args.layers}_v{args.vocab}"), args)
+    ckpt = make_checkpoint(
+        os.path.join(args.work, f"qwen3_h{args.hidden}_l{args.layers}_v{args.vocab}"), args
+    )
     init_parallel(1)
     cfg = HFCheckpoint(ckpt).decoder_config
     model = build_gpt_model(cfg, vocab_divisible_by=8)
     load_hf_weights(model, ckpt)
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.0f}M parameters, {n_params * 2 / 1e6:.0f} MB in bf16; buckets {args.bucket_mb} MiB")
+    print(
+        f"model: {n_params / 1e6:.0f}M parameters, {n_params * 2 / 1e6:.0f} MB in bf16; buckets "
+        f"{args.bucket_mb} MiB"
+    )
     bucket = args.bucket_mb << 20
     engine_dtype = resolve_dtype("auto")
-    print(f"cpu_capability {probe().capability}, kernel_isa {_ext.kernel_isa()}, native engine dtype {engine_dtype}")
+    print(
+        f"cpu_capability {probe().capability}, kernel_isa {_ext.kernel_isa()}, native engine dtype "
+        f"{engine_dtype}"
+    )
     base = dict(model_path=ckpt, dtype=engine_dtype, load_weights=False, num_threads=1, max_batch_size=4,
                 context_length=64)
-    res: dict = {**_ext.cpu_facts(), "kernel_isa": _ext.kernel_isa(), "dtype": engine_dtype,
-                 "memcpy_gbps": round(memcpy, 3), "params_m": round(n_params / 1e6, 1), "bucket_mb": args.bucket_mb}
+    res: dict = {
+        **_ext.cpu_facts(),
+        "kernel_isa": _ext.kernel_isa(),
+        "dtype": engine_dtype,
+        "memcpy_gbps": round(memcpy, 3),
+        "params_m": round(n_params / 1e6, 1),
+        "bucket_mb": args.bucket_mb,
+    }
 
     def best(streamer, what: str, version: str, policy=model):
         reps = [streamer.sync_target(policy, f"{version}-{i}") for i in range(args.repeats)]
         r = max(reps, key=lambda r: r.gb_per_s)
         peak = max((x.peak_extra_bytes or 0) for x in reps[1:] or reps)  # the first one pays first-use costs
-        print(f"{what:>22}: {r.bytes / 1e6:7.1f} MB in {r.num_buckets:3d} buckets, stream {r.stream_seconds:6.3f} s "
-              f"= {r.gb_per_s:5.2f} GB/s ({r.gb_per_s / memcpy:5.1%} of the first memcpy); verify {r.verify_seconds:.3f} s; "
-              f"peak extra {peak / 1e6:.1f} MB = {peak / (2 * r.bucket_capacity):.2f} x two buckets")
+        print(
+            f"{what:>22}: {r.bytes / 1e6:7.1f} MB in {r.num_buckets:3d} buckets, stream "
+            f"{r.stream_seconds:6.3f} s "
+            f"= {r.gb_per_s:5.2f} GB/s ({r.gb_per_s / memcpy:5.1%} of the first memcpy); verify "
+            f"{r.verify_seconds:.3f} s; "
+            f"peak extra {peak / 1e6:.1f} MB = {peak / (2 * r.bucket_capacity):.2f} x two buckets"
+        )
         return r, peak
 
     with NativeEngine(EngineConfig(**base)) as eng:
@@ -379,8 +431,9 @@ def main() -> None:
         st = WeightStreamer(recv, bucket_bytes=bucket, weight_dtype="bf16", verify=False, measure_memory=True)
         r, _ = best(st, "bf16 policy -> SGLang", "pl", policy_bf16)
         res["bf16_policy_stream_gbps_sglang_layout"] = round(r.gb_per_s, 3)
-        res["per_tensor_bf16_policy_gbps_sglang_layout"] = best_per_tensor(recv, policy_bf16, "plpt", "  ... per tensor",
-                                                                           args.repeats)
+        res["per_tensor_bf16_policy_gbps_sglang_layout"] = best_per_tensor(
+            recv, policy_bf16, "plpt", "  ... per tensor", args.repeats
+        )
         st = WeightStreamer(recv, bucket_bytes=bucket, weight_dtype="bf16", verify=False, measure_memory=True)
         r, _ = best(st, "fp32 -> bf16 -> SGLang", "sl")
         res["bf16_stream_gbps_sglang_layout"] = round(r.gb_per_s, 3)
@@ -398,15 +451,21 @@ def main() -> None:
         res["fp8_mb"] = round(r.bytes / 1e6, 1)
         res["fp8_peak_extra_over_two_buckets"] = round(peak / (2 * r.bucket_capacity), 3)
         mm_fp8 = logprob_mismatch(eng, model, cfg.vocab_size, seed=1)
-    print(f"log-prob mismatch vs Megatron (fp32 master), T=1, 32 tokens: bf16 weights max {mm_bf16['max']:.2e} "
-          f"mean {mm_bf16['mean']:.2e}; fp8 weights max {mm_fp8['max']:.2e} mean {mm_fp8['mean']:.2e}")
+    print(
+        f"log-prob mismatch vs Megatron (fp32 master), T=1, 32 tokens: bf16 weights max {mm_bf16['max']:.2e} "
+        f"mean {mm_bf16['mean']:.2e}; fp8 weights max {mm_fp8['max']:.2e} mean {mm_fp8['mean']:.2e}"
+    )
     again, _ = memcpy_gbps()  # the machine is shared: take the faster of the two measurements (conservative)
     if again > memcpy:
         print(f"memcpy measured again at the end: {again:.2f} GB/s (used as the reference)")
         memcpy = again
     res["memcpy_gbps"] = round(memcpy, 3)
-    res.update(bf16_logprob_mismatch_max=round(mm_bf16["max"], 5), bf16_logprob_mismatch_mean=round(mm_bf16["mean"], 5),
-               fp8_logprob_mismatch_max=round(mm_fp8["max"], 5), fp8_logprob_mismatch_mean=round(mm_fp8["mean"], 5))
+    res.update(
+        bf16_logprob_mismatch_max=round(mm_bf16["max"], 5),
+        bf16_logprob_mismatch_mean=round(mm_bf16["mean"], 5),
+        fp8_logprob_mismatch_max=round(mm_fp8["max"], 5),
+        fp8_logprob_mismatch_mean=round(mm_fp8["mean"], 5),
+    )
     # Headline ratios compare like with like: data movement (no verification) on both paths, into the
     # receiver with SGLang's layout (the production engine's), of a bf16 policy streamed as bf16 (a
     # --bf16 Megatron model holds its parameters in bf16: nothing is converted on the way, as with
@@ -417,10 +476,14 @@ def main() -> None:
     res["bucket_over_per_tensor"] = round(res[f"bf16_policy_stream_gbps{sl}"]
                                           / res[f"per_tensor_bf16_policy_gbps{sl}"], 2)
     res["bf16_from_fp32_fraction_of_memcpy"] = round(res[f"bf16_stream_gbps{sl}"] / memcpy, 3)
-    res["bucket_over_per_tensor_from_fp32"] = round(res[f"bf16_stream_gbps{sl}"] / res[f"per_tensor_bf16_gbps{sl}"], 2)
+    res["bucket_over_per_tensor_from_fp32"] = round(
+        res[f"bf16_stream_gbps{sl}"] / res[f"per_tensor_bf16_gbps{sl}"], 2
+    )
     res["bf16_verified_fraction_of_memcpy"] = round(res[f"bf16_gbps{sl}"] / memcpy, 3)
     res["bf16_fraction_of_memcpy_native_engine"] = round(res[f"bf16_stream_gbps{nat}"] / memcpy, 3)
-    res["bucket_over_per_tensor_native_engine"] = round(res["bf16_stream_gbps"] / res["per_tensor_bf16_gbps"], 2)
+    res["bucket_over_per_tensor_native_engine"] = round(
+        res["bf16_stream_gbps"] / res["per_tensor_bf16_gbps"], 2
+    )
     res["bf16_verified_fraction_of_memcpy_native_engine"] = round(res["bf16_gbps"] / memcpy, 3)
     destroy_parallel()
     print(json.dumps(res))

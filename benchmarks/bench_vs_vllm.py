@@ -15,7 +15,8 @@ threads each. Per dtype and batch size, each configuration is one long-lived eng
 process, each vLLM one in its own worker process, ``benchmarks/_vllm_worker.py``), and every round
 runs all of them once, one after the other, so this machine's drift hits them alike. Before each call the
 benchmark waits for the machine to go quiet (``settle``): vLLM's engine keeps one core busy for ~1 s after a
-call returns, which slowed whichever configuration ran next (``settle_s_max`` / ``settle_s_mean``: the waits). Tokens/s is a
+call returns, which slowed whichever configuration ran next (``settle_s_max`` / ``settle_s_mean``: the
+waits). Tokens/s is a
 configuration's best round; a ratio is the median over rounds of the paired per-round ratio.
 
 Configurations: ours plain (``ar``), EAGLE-3 k=3 and EAGLE-3 adaptive + history, with the decoder layer
@@ -58,7 +59,8 @@ VLLM_SPEC = {
 
 
 def vllm_draft(draft: str, work: str) -> str:
-    """The EAGLE-3 export as vLLM must read it (aux-layer ids one higher: ``vllm_protocol.vllm_eagle3_dir``)."""
+    """The EAGLE-3 export as vLLM must read it (aux-layer ids one higher:
+    ``vllm_protocol.vllm_eagle3_dir``)."""
     from megatron_spec.rollout.vllm_protocol import vllm_eagle3_dir
 
     return vllm_eagle3_dir(draft, work)
@@ -69,8 +71,12 @@ class VllmEngine:
 
     def __init__(self, python: str, model: str, dtype: str, batch: int, max_len: int, spec: dict | None,
                  threads: int, log):
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),
-                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"), OMP_NUM_THREADS=str(threads))
+        env = dict(
+            os.environ,
+            VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}"),
+            VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
+            OMP_NUM_THREADS=str(threads),
+        )
         cmd = [python, WORKER, "--model", model, "--dtype", dtype, "--max-num-seqs", str(batch),
                "--max-model-len", str(max_len)]
         if spec:
@@ -78,8 +84,15 @@ class VllmEngine:
         self.stderr = open(log, "w")
         # its own process group: vLLM starts an engine-core process of its own, which must go with the worker
         # (close); left behind, it spun on both cores at ~100% and skewed whatever ran next
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         line = self._read()
         self.load_s = line["load_s"]
 
@@ -88,7 +101,9 @@ class VllmEngine:
             line = self.proc.stdout.readline()
             if not line:
                 self.stderr.flush()
-                raise RuntimeError(f"vLLM worker exited (code {self.proc.wait()}); its log: {self.stderr.name}")
+                raise RuntimeError(
+                    f"vLLM worker exited (code {self.proc.wait()}); its log: {self.stderr.name}"
+                )
             if line.startswith("{"):
                 return json.loads(line)
 
@@ -106,32 +121,54 @@ class VllmEngine:
             except subprocess.TimeoutExpired:
                 pass
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker, if still there, and vLLM's engine-core process
+            # the worker, if still there, and vLLM's engine-core process
+            os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.stderr.close()
 
 
 class OurEngine:
-    def __init__(self, model: str, dtype: str, batch: int, max_len: int, kind: str, draft: str | None, threads: int,
-                 **kw):
+    def __init__(
+        self,
+        model: str,
+        dtype: str,
+        batch: int,
+        max_len: int,
+        kind: str,
+        draft: str | None,
+        threads: int,
+        **kw,
+    ):
         from megatron_spec.rollout.config import EngineConfig
         from megatron_spec.rollout.native.server import EngineServer
 
         t0 = time.perf_counter()
-        self.srv = EngineServer(EngineConfig(model_path=model, draft_kind=kind, draft_path=draft, dtype=dtype,
-                                             max_batch_size=batch, context_length=max_len, num_threads=threads, **kw))
+        self.srv = EngineServer(
+            EngineConfig(
+                model_path=model,
+                draft_kind=kind,
+                draft_path=draft,
+                dtype=dtype,
+                max_batch_size=batch,
+                context_length=max_len,
+                num_threads=threads,
+                **kw,
+            )
+        )
         self.load_s = time.perf_counter() - t0
         self.compile_s = self.srv.info()["compile_seconds"]
         self.stats: list = []  # each generate call's GenerateStats
 
     def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+        from bench_rollout import _reset_history
         from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
-        from bench_rollout import _reset_history
-
         sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
-        _reset_history(self.srv)  # every round repeats the same prompts: the last round's greedy answers would replay
-        samples, st = self.srv.core.generate([GenerateRequest(str(i), p, sp) for i, p in enumerate(prompts)], seed=0)
+        # every round repeats the same prompts: the last round's greedy answers would replay
+        _reset_history(self.srv)
+        samples, st = self.srv.core.generate(
+            [GenerateRequest(str(i), p, sp) for i, p in enumerate(prompts)], seed=0
+        )
         self.stats.append(st)
         return st.wall_s, [list(s.output_ids) for s in samples]
 
@@ -176,10 +213,18 @@ def verify_seconds(eng: OurEngine, b: int, widths: list[int], repeats: int = 5) 
     vocab, dev = model.cfg.vocab_size, core.device
     ctx = core.context_length - max(widths) - 2
     gen = torch.Generator(device="cpu").manual_seed(0)
-    ids = lambda t: torch.randint(0, vocab, (b, t), generator=gen).to(dev)
+
+    def ids(t):
+        return torch.randint(0, vocab, (b, t), generator=gen).to(dev)
+
     with torch.inference_mode():
-        model(ids(ctx), torch.arange(ctx, device=dev).expand(b, ctx), cache, torch.full((b,), ctx, device=dev),
-              logits_index=torch.full((b, 1), ctx - 1, device=dev))  # the context the verifies attend to
+        model(
+            ids(ctx),
+            torch.arange(ctx, device=dev).expand(b, ctx),
+            cache,
+            torch.full((b,), ctx, device=dev),
+            logits_index=torch.full((b, 1), ctx - 1, device=dev),
+        )  # the context the verifies attend to
         runs: dict[int, list[float]] = {t: [] for t in widths}
         for r in range(repeats + 1):
             for t in widths:
@@ -222,8 +267,64 @@ def spec_ceiling(engines: dict, b: int) -> dict | None:
             "proposal_ms": {k: round(1e3 * ctl.proposal_seconds(b, k), 1) for k in range(1, depth + 1)}}
 
 
+def engine_makers(args, model: str, dtype, b: int, max_len: int, tag: str) -> dict:
+    """Every configuration of one (dtype, batch) cell, as a function that starts its engine."""
+    ours = dict(compile=args.compile)
+    makers = {
+        "ours_ar": lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads, **ours),
+        "ours_eagle3_k3": lambda: OurEngine(
+            model,
+            dtype,
+            b,
+            max_len,
+            "eagle3",
+            args.draft,
+            args.threads,
+            num_draft_tokens=args.k,
+            **ours,
+        ),
+        "ours_eagle3_auto_history": lambda: OurEngine(
+            model,
+            dtype,
+            b,
+            max_len,
+            "eagle3",
+            args.draft,
+            args.threads,
+            num_draft_tokens="auto",
+            history=True,
+            **ours,
+        ),
+        "vllm_ar": lambda: VllmEngine(
+            args.vllm_python,
+            model,
+            dtype,
+            b,
+            max_len,
+            None,
+            args.threads,
+            os.path.join(args.work_dir, "vllm_logs", f"{tag}_ar.log"),
+        ),
+    }
+    for name in filter(None, args.vllm_spec.split(",")):
+        spec = VLLM_SPEC[name](vllm_draft(args.draft, args.work_dir), args.k)
+        makers[f"vllm_{name}"] = (lambda spec=spec, name=name: VllmEngine(
+            args.vllm_python, model, dtype, b, max_len, spec, args.threads,
+            os.path.join(args.work_dir, "vllm_logs", f"{tag}_{name}.log")))
+    return makers
+
+
+def paired(times: dict[str, list[float]], a: str, bs: list[str], rounds: int) -> float | None:
+    """The median over rounds of ``a``'s tokens/s over the best of ``bs`` in the same round."""
+    bs = [x for x in bs if x in times]
+    if a not in times or not bs:
+        return None
+    return round(statistics.median(times[a][i] / max(times[x][i] for x in bs) for i in range(rounds)), 3)
+
+
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the finally blocks: the vLLM workers go too
+    # a kill runs the finally blocks: the vLLM workers go too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, help="the Python of an environment with vllm-cpu")
     ap.add_argument("--model", default="smollm2")
@@ -237,9 +338,13 @@ def main() -> None:
     ap.add_argument("--vllm-spec", default="ngram,eagle3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                    help="our engines with --rollout-compile (the decoder layer compiled by torch.compile; its "
-                         "start-up compile time lands in compile_s)")
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our engines with --rollout-compile (the decoder layer compiled by torch.compile; its "
+        "start-up compile time lands in compile_s)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -250,7 +355,7 @@ def main() -> None:
     from megatron_spec.models.fetch import resolve_model
 
     torch.set_num_threads(args.threads)
-    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
     model = resolve_model(args.model, log=log)
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model), args.work_dir, args.prompts, seed=11)
     max_len = max(map(len, prompts)) + args.new_tokens + 2 * args.k + 2
@@ -267,22 +372,7 @@ def main() -> None:
     for dtype in dtypes:
         for b in (int(x) for x in args.batch_sizes.split(",")):
             tag = f"{dtype}_b{b}"
-            ours = dict(compile=args.compile)
-            makers = {
-                "ours_ar": lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads, **ours),
-                "ours_eagle3_k3": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft, args.threads,
-                                                    num_draft_tokens=args.k, **ours),
-                "ours_eagle3_auto_history": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft,
-                                                              args.threads, num_draft_tokens="auto", history=True,
-                                                              **ours),
-                "vllm_ar": lambda: VllmEngine(args.vllm_python, model, dtype, b, max_len, None, args.threads,
-                                              os.path.join(args.work_dir, "vllm_logs", f"{tag}_ar.log")),
-            }
-            for name in filter(None, args.vllm_spec.split(",")):
-                spec = VLLM_SPEC[name](vllm_draft(args.draft, args.work_dir), args.k)
-                makers[f"vllm_{name}"] = (lambda spec=spec, name=name: VllmEngine(
-                    args.vllm_python, model, dtype, b, max_len, spec, args.threads,
-                    os.path.join(args.work_dir, "vllm_logs", f"{tag}_{name}.log")))
+            makers = engine_makers(args, model, dtype, b, max_len, tag)
             engines = {}
             for name, make in makers.items():
                 log(f"[{tag}] starting {name}")
@@ -296,7 +386,8 @@ def main() -> None:
             first: dict[str, float] = {}
             settled: list[float] = []
             try:
-                for r in range(args.rounds + 1):  # round 0 warms every engine up (its time: the first-call cost)
+                # round 0 warms every engine up (its time: the first-call cost)
+                for r in range(args.rounds + 1):
                     for name, eng in engines.items():
                         settled.append(settle())  # the last call's engine quiet again (vLLM polls for ~1 s)
                         wall, out = eng.generate(prompts, args.new_tokens)
@@ -313,18 +404,13 @@ def main() -> None:
                     eng.close()
             per = {n: max(v) for n, v in times.items()}
 
-            def paired(a: str, bs: list[str]) -> float | None:
-                bs = [x for x in bs if x in times]
-                if a not in times or not bs:
-                    return None
-                return round(statistics.median(times[a][i] / max(times[x][i] for x in bs)
-                                               for i in range(args.rounds)), 3)
-
             ours_spec = [n for n in times if n.startswith("ours_") and n != "ours_ar"]
             vllm_all = [n for n in times if n.startswith("vllm_")]
             best_ours = max(ours_spec, key=lambda n: per[n]) if ours_spec else None
-            result[f"ar_over_vllm_{tag}"] = paired("ours_ar", ["vllm_ar"])
-            result[f"spec_over_vllm_{tag}"] = paired(best_ours, vllm_all) if best_ours else None
+            result[f"ar_over_vllm_{tag}"] = paired(times, "ours_ar", ["vllm_ar"], args.rounds)
+            result[f"spec_over_vllm_{tag}"] = (
+                paired(times, best_ours, vllm_all, args.rounds) if best_ours else None
+            )
             over_ar = ceiling["over_ar"] if ceiling else None
             ar = result[f"ar_over_vllm_{tag}"]
             result[f"spec_ceiling_over_ar_{tag}"] = over_ar
@@ -334,16 +420,18 @@ def main() -> None:
             if ref is not None and "ours_ar" in outputs:
                 match = sum(a == c for a, c in zip(outputs["ours_ar"], ref)) / len(ref)
             exact = {n: outputs[n] == outputs["ours_ar"] for n in outputs if n.startswith("ours_")}
-            result["per_config"][tag] = {"tokens_per_s": {n: round(v, 2) for n, v in per.items()},
-                                         "first_call_s": {n: round(v, 2) for n, v in first.items()},
-                                         "load_s": {n: round(e.load_s, 1) for n, e in engines.items()},
-                                         "compile_s": {n: e.compile_s for n, e in engines.items()
-                                                       if isinstance(e, OurEngine)},
-                                         "greedy_match_ours_vs_vllm": match,
-                                         "ours_spec_equals_ours_ar": exact, "best_ours_spec": best_ours,
-                                         "spec_ceiling": ceiling,
-                                         "settle_s_max": round(max(settled, default=0.0), 2),
-                                         "settle_s_mean": round(statistics.fmean(settled), 2) if settled else 0.0}
+            result["per_config"][tag] = {
+                "tokens_per_s": {n: round(v, 2) for n, v in per.items()},
+                "first_call_s": {n: round(v, 2) for n, v in first.items()},
+                "load_s": {n: round(e.load_s, 1) for n, e in engines.items()},
+                "compile_s": {n: e.compile_s for n, e in engines.items() if isinstance(e, OurEngine)},
+                "greedy_match_ours_vs_vllm": match,
+                "ours_spec_equals_ours_ar": exact,
+                "best_ours_spec": best_ours,
+                "spec_ceiling": ceiling,
+                "settle_s_max": round(max(settled, default=0.0), 2),
+                "settle_s_mean": round(statistics.fmean(settled), 2) if settled else 0.0,
+            }
             log(f"[{tag}] " + json.dumps(result["per_config"][tag]))
     print(json.dumps(result))
 

@@ -4,7 +4,8 @@ What it measures, on ``--threads`` torch threads (2 by default, as the rollout e
 
 * ``mem_bw``: bytes read + written per second by ``Tensor.copy_`` on 256 MiB buffers
   (the STREAM-copy convention: a copy of B bytes moves 2B).
-* per dtype (bfloat16 where this CPU does bf16 natively, and float32), on a stack of the rollout engine's own linear layers
+* per dtype (bfloat16 where this CPU does bf16 natively, and float32), on a stack of the rollout engine's own
+linear layers
   (oneDNN-prepacked, ~100M parameters, hidden 4096): the time of one forward at 1, 2, 4, 8,
   16, 32, 64 and 256 tokens. ``flops`` is 2 * params * tokens / time at 256 tokens (the
   compute-bound end); the table's shape t(n) / t(1) is the simulator's CPU GEMM curve (on this
@@ -42,10 +43,9 @@ import datetime
 import json
 import os
 import platform
+import sys
 import time
 from pathlib import Path
-
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from megatron_spec.isa import resolve_dtype
     from megatron_spec._ext import cpu_facts
+    from megatron_spec.isa import resolve_dtype
 
     # bf16 only where the engine would run it (megatron_spec.isa): without native bf16 its matmuls are
     # 30-130x slower and oneDNN cannot pack them, so the profile then holds fp32 alone.
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = {
         "name": "cpu",
         "source": "benchmarks/measure_cpu_profile.py",
-        "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"processor": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "torch": torch.__version__,
                     "threads": args.threads, "memory_bytes": _memory_bytes(),
@@ -292,18 +292,28 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(profile, indent=2) + "\n")
-    print(json.dumps({
-        "mem_bw_GBps": round(mem_bw / 1e9, 2),
-        "attn_bw_GBps": {dt: {q: round(b / 1e9, 2) for q, b in t.items()} for dt, t in attn_bw.items()},
-        "weight_bw_GBps": {dt: round(fits[dt][1] / 1e9, 2) for dt in stacks},
-        "gemm_call_us": {dt: round(fits[dt][0] * 1e6, 1) for dt in stacks},
-        "gflops": {dt: round(s["flops"] / 1e9, 1) for dt, s in stacks.items()},
-        "layer_overhead_us": round(layer_overhead * 1e6, 1),
-        "bf16_verify4_over_decode1": (round(stacks["bfloat16"]["forward_s"]["4"]
-                                            / stacks["bfloat16"]["forward_s"]["1"], 3) if "bfloat16" in stacks else None),
-        **cpu_facts(), "dtype": resolve_dtype("auto"),
-        "output": str(args.output),
-    }))
+    print(
+        json.dumps(
+            {
+                "mem_bw_GBps": round(mem_bw / 1e9, 2),
+                "attn_bw_GBps": {
+                    dt: {q: round(b / 1e9, 2) for q, b in t.items()} for dt, t in attn_bw.items()
+                },
+                "weight_bw_GBps": {dt: round(fits[dt][1] / 1e9, 2) for dt in stacks},
+                "gemm_call_us": {dt: round(fits[dt][0] * 1e6, 1) for dt in stacks},
+                "gflops": {dt: round(s["flops"] / 1e9, 1) for dt, s in stacks.items()},
+                "layer_overhead_us": round(layer_overhead * 1e6, 1),
+                "bf16_verify4_over_decode1": (
+                    round(stacks["bfloat16"]["forward_s"]["4"] / stacks["bfloat16"]["forward_s"]["1"], 3)
+                    if "bfloat16" in stacks
+                    else None
+                ),
+                **cpu_facts(),
+                "dtype": resolve_dtype("auto"),
+                "output": str(args.output),
+            }
+        )
+    )
     return 0
 
 

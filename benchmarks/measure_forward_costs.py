@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
 DEFAULT_MODELS = ("llama-3.2-1b", "qwen3-8b")
 DEFAULT_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -41,7 +41,9 @@ def decoder_config(name: str, num_layers: int):
     from megatron_spec.models.hf_config import DecoderConfig
 
     hf = dict(builtin_config(name), num_hidden_layers=num_layers)
-    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[hf["model_type"]]
+    arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
+        hf["model_type"]
+    ]
     hf.setdefault("architectures", [arch])
     hf.setdefault("rms_norm_eps", 1e-6)
     hf.setdefault("rope_theta", 1000000.0)
@@ -59,7 +61,8 @@ def builtin_config(name: str) -> dict:
 
 
 class Timer:
-    """Median seconds of a callable: CUDA events on a GPU (device time of the queued work), else the host clock."""
+    """Median seconds of a callable: CUDA events on a GPU (device time of the queued work), else the host
+    clock."""
 
     def __init__(self, device: torch.device, warmup: int, reps: int):
         self.device, self.warmup, self.reps = device, warmup, reps
@@ -95,8 +98,15 @@ def measure_depth(name: str, layers: int, args, device: torch.device, timer: Tim
     max_len = args.ctx + k_max + 1
     with torch.device(device):  # random weights made where they run (no host copy of a large model)
         model = CausalLM(cfg, max_positions=max_len).to(dtype).eval()
-        head = Eagle3Head(Eagle3Config.for_target(cfg, min(args.draft_vocab, cfg.vocab_size),
-                                                  aux_layer_ids=(0,), torch_dtype=args.dtype)).to(dtype).eval()
+        head = (
+            Eagle3Head(
+                Eagle3Config.for_target(
+                    cfg, min(args.draft_vocab, cfg.vocab_size), aux_layer_ids=(0,), torch_dtype=args.dtype
+                )
+            )
+            .to(dtype)
+            .eval()
+        )
     cache = model.new_cache(b_max, max_len)
     draft_cache = head.new_cache(b_max, max_len)
     g = torch.Generator(device=device).manual_seed(0)
@@ -108,19 +118,25 @@ def measure_depth(name: str, layers: int, args, device: torch.device, timer: Tim
                 ids = torch.randint(0, cfg.vocab_size, (b, k + 1), generator=g, device=device)
                 pos = ctx.unsqueeze(1) + torch.arange(k + 1, device=device)
                 out["verify_s"].setdefault(str(k), {})[str(b)] = timer(
-                    lambda: model(ids, pos, cache, ctx + k + 1))
+                    lambda ids=ids, pos=pos, ctx=ctx, k=k: model(ids, pos, cache, ctx + k + 1))
                 emb = model.embed_tokens(ids)
                 hid = torch.randn(b, k + 1, cfg.hidden_size, generator=g, device=device, dtype=dtype)
                 last = (torch.full((b, 1), k, dtype=torch.long, device=device))
                 out["eagle3_extend_s"].setdefault(str(k), {})[str(b)] = timer(
-                    lambda: head(emb, hid, pos, draft_cache, ctx + k + 1, logits_index=last))
+                    lambda emb=emb, hid=hid, pos=pos, ctx=ctx, k=k, last=last: head(
+                        emb, hid, pos, draft_cache, ctx + k + 1, logits_index=last))
             emb1 = model.embed_tokens(torch.randint(0, cfg.vocab_size, (b, 1), generator=g, device=device))
             hid1 = torch.randn(b, 1, cfg.hidden_size, generator=g, device=device, dtype=dtype)
             pos1 = ctx.unsqueeze(1)
-            out["eagle3_draft_pass_s"][str(b)] = timer(lambda: head(emb1, hid1, pos1, draft_cache, ctx + 1))
-            print(f"  {name} L={layers} B={b}: verify k=0 {1e3 * out['verify_s'][str(args.k[0])][str(b)]:.2f} ms, "
-                  f"k={k_max} {1e3 * out['verify_s'][str(k_max)][str(b)]:.2f} ms, draft pass "
-                  f"{1e3 * out['eagle3_draft_pass_s'][str(b)]:.2f} ms", flush=True)
+            out["eagle3_draft_pass_s"][str(b)] = timer(
+                lambda emb1=emb1, hid1=hid1, pos1=pos1, ctx=ctx: head(emb1, hid1, pos1, draft_cache, ctx + 1))
+            print(
+                f"  {name} L={layers} B={b}: verify k=0 {1e3 * out['verify_s'][str(args.k[0])][str(b)]:.2f} "
+                "ms, "
+                f"k={k_max} {1e3 * out['verify_s'][str(k_max)][str(b)]:.2f} ms, draft pass "
+                f"{1e3 * out['eagle3_draft_pass_s'][str(b)]:.2f} ms",
+                flush=True,
+            )
     return out  # the model and its caches go with this frame (the caller empties the CUDA cache)
 
 
@@ -138,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
-    ap.add_argument("--layers", default="2,4", help="the two depths measured (the full depth is extrapolated)")
+    ap.add_argument(
+        "--layers", default="2,4", help="the two depths measured (the full depth is extrapolated)"
+    )
     ap.add_argument("--batch", default=",".join(map(str, DEFAULT_BATCH)))
     ap.add_argument("--k", default=",".join(map(str, DEFAULT_K)))
     ap.add_argument("--ctx", type=int, default=1024, help="cached tokens per row")
@@ -146,8 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--quick", action="store_true",
-                    help="a CPU dry run: tiny widths of each model's family, B in 1,2, k in 0,1, 1 and 2 layers")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a CPU dry run: tiny widths of each model's family, B in 1,2, k in 0,1, 1 and 2 layers",
+    )
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     args.batch = [int(x) for x in args.batch.split(",")]
@@ -178,20 +199,44 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         cfg = builtin_config(name)
-        entries.append({
-            "model": name, "shape": {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                          "num_key_value_heads", "head_dim", "intermediate_size",
-                                                          "vocab_size")},
-            "profile_params": get_model(name).total_params, "dtype": args.dtype, "tp": 1, "ctx_per_seq": args.ctx,
-            "layers_measured": layers, "verify_s": extrapolate(per_depth, full),
-            "eagle3_draft_pass_s": per_depth[layers[0]]["eagle3_draft_pass_s"],
-            "eagle3_extend_s": per_depth[layers[0]]["eagle3_extend_s"],
-            "raw": {str(n): t for n, t in per_depth.items()}, "seconds": time.perf_counter() - t0,
-            "quick": args.quick})
-    doc = {"generated_by": "benchmarks/measure_forward_costs.py", "engine": "megatron-spec native (eager PyTorch)",
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-           "hardware": _hardware_name(device), "torch": torch.__version__, "commit": _commit(),
-           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "entries": entries}
+        entries.append(
+            {
+                "model": name,
+                "shape": {
+                    k: cfg[k]
+                    for k in (
+                        "hidden_size",
+                        "num_hidden_layers",
+                        "num_attention_heads",
+                        "num_key_value_heads",
+                        "head_dim",
+                        "intermediate_size",
+                        "vocab_size",
+                    )
+                },
+                "profile_params": get_model(name).total_params,
+                "dtype": args.dtype,
+                "tp": 1,
+                "ctx_per_seq": args.ctx,
+                "layers_measured": layers,
+                "verify_s": extrapolate(per_depth, full),
+                "eagle3_draft_pass_s": per_depth[layers[0]]["eagle3_draft_pass_s"],
+                "eagle3_extend_s": per_depth[layers[0]]["eagle3_extend_s"],
+                "raw": {str(n): t for n, t in per_depth.items()},
+                "seconds": time.perf_counter() - t0,
+                "quick": args.quick,
+            }
+        )
+    doc = {
+        "generated_by": "benchmarks/measure_forward_costs.py",
+        "engine": "megatron-spec native (eager PyTorch)",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "hardware": _hardware_name(device),
+        "torch": torch.__version__,
+        "commit": _commit(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "entries": entries,
+    }
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"wrote {args.out}")

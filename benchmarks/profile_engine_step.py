@@ -57,7 +57,9 @@ def _scoped(fn, name):
 def patched(pairs):
     """Wrap ``(owner, attribute, scope)`` in ``record_function`` scopes for the block (a subclass listed
     before its base gets its own wrapper of the inherited function)."""
-    saved = [(o, a, o.__dict__.get(a) if isinstance(o, type) else getattr(o, a), a in vars(o)) for o, a, _ in pairs]
+    saved = [
+        (o, a, o.__dict__.get(a) if isinstance(o, type) else getattr(o, a), a in vars(o)) for o, a, _ in pairs
+    ]
     try:
         for o, a, name in pairs:
             setattr(o, a, _scoped(getattr(o, a), name))
@@ -72,7 +74,8 @@ def patched(pairs):
 
 @contextlib.contextmanager
 def python_layers():
-    """Every decoder layer in Python for the block (not ``megatron_spec::decoder_layers``, whose ops the scopes
+    """Every decoder layer in Python for the block (not ``megatron_spec::decoder_layers``, whose ops the
+    scopes
     below cannot see)."""
     from megatron_spec.layers import decoder
 
@@ -100,10 +103,14 @@ def forward_scopes():
 def engine_scopes():
     from megatron_spec.rollout.native import drafters, engine, model, spec_step
 
-    return [(model.CausalLM, "forward_segments", "target_forward"),
-            (drafters.Eagle3Drafter, "propose", "draft"), (drafters.Eagle3Drafter, "commit", "draft"),
-            (engine, "process_logits", "sampling_verify"), (engine, "sample_from_logprobs", "sampling_verify"),
-            (spec_step, "verify_chain", "sampling_verify")]
+    return [
+        (model.CausalLM, "forward_segments", "target_forward"),
+        (drafters.Eagle3Drafter, "propose", "draft"),
+        (drafters.Eagle3Drafter, "commit", "draft"),
+        (engine, "process_logits", "sampling_verify"),
+        (engine, "sample_from_logprobs", "sampling_verify"),
+        (spec_step, "verify_chain", "sampling_verify"),
+    ]
 
 
 def split_by_scope(prof, scopes) -> dict[str, float]:
@@ -163,7 +170,8 @@ def profile_forward(target, b: int, t: int, repeats: int, context: int = 128) ->
 
         for _ in range(3):
             step()
-        wall_fused = median_time(step, repeats)  # the layers in C++ where they run there (decoder.fused_stack)
+        # the layers in C++ where they run there (decoder.fused_stack)
+        wall_fused = median_time(step, repeats)
         with python_layers():  # the Python layers: their ops are split by scope below
             step()
             wall = median_time(step, repeats)
@@ -240,7 +248,9 @@ def main() -> None:
             for name, t in (("decode", 1), ("verify", args.k + 1)):
                 r = profile_forward(target, b, t, args.repeats)
                 result["forward"][f"{dtype}_b{b}_{name}"] = r
-                print(f"[forward] {dtype} B={b} {name}: {1e3 * r['wall_s']:.1f} ms", file=sys.stderr, flush=True)
+                print(
+                    f"[forward] {dtype} B={b} {name}: {1e3 * r['wall_s']:.1f} ms", file=sys.stderr, flush=True
+                )
         del target
         for b in sizes:
             prompts = chat_prompts(tok, args.work_dir, 2 * b, seed=5)
@@ -253,17 +263,27 @@ def main() -> None:
                                                 num_threads=args.threads))
                 r = profile_engine(srv, prompts, args.new_tokens)
                 result["engine"][f"{dtype}_b{b}_{'ar' if kind == 'none' else f'eagle3_k{args.k}'}"] = r
-                print(f"[engine] {dtype} B={b} {kind}: {r['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+                print(
+                    f"[engine] {dtype} B={b} {kind}: {r['tokens_per_s']:.1f} tokens/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 del srv
 
-    print("\nForward, ms (unprofiled wall time of the Python layers, parts from one profiled pass of them; and the "
-          "wall time with the layers in C++, csrc/decoder_cpu.cpp, where they run):\n")
+    print(
+        "\nForward, ms (unprofiled wall time of the Python layers, parts from one profiled pass of them; and "
+        "the "
+        "wall time with the layers in C++, csrc/decoder_cpu.cpp, where they run):\n"
+    )
     cols = (*FORWARD_SCOPES, "other", "between_ops")
     print("| forward | wall | " + " | ".join(cols) + " | wall, C++ layers |")
     print("|---" * (len(cols) + 3) + "|")
     for key, r in result["forward"].items():
-        print(f"| {key} | {1e3 * r['wall_s']:.1f} | " + " | ".join(f"{1e3 * r['parts_s'][c]:.1f}" for c in cols)
-              + f" | {1e3 * r['wall_fused_s']:.1f} |")
+        print(
+            f"| {key} | {1e3 * r['wall_s']:.1f} | "
+            + " | ".join(f"{1e3 * r['parts_s'][c]:.1f}" for c in cols)
+            + f" | {1e3 * r['wall_fused_s']:.1f} |"
+        )
     print("\nEngine step, ms per step (greedy, 64 new tokens; parts scaled to the unprofiled wall time):\n")
     cols = (*ENGINE_SCOPES, "scheduler_host")
     print("| run | tokens/s | step | " + " | ".join(cols) + " |")

@@ -58,8 +58,8 @@ def main() -> int:
 
     import numpy as np
 
-    from megatron_spec.isa import resolve_dtype
     from megatron_spec._ext import cpu_facts
+    from megatron_spec.isa import resolve_dtype
     from megatron_spec.telemetry import read_metrics, start_end_means
 
     rows = read_metrics(os.path.join(args.work_dir, "metrics.jsonl"))

@@ -62,8 +62,12 @@ def main() -> int:
                                            tp_group=info.tp_group)
     valid = torch.arange(width - 1).unsqueeze(0) < (lengths - 1).unsqueeze(1)
     report = {
-        "architecture": cfg.architecture, "num_params": cfg.num_params, "tp": info.tp_size, "dp": info.dp_size,
-        "load_s": round(load_s, 2), "roundtrip_bit_exact": not mismatched,
+        "architecture": cfg.architecture,
+        "num_params": cfg.num_params,
+        "tp": info.tp_size,
+        "dp": info.dp_size,
+        "load_s": round(load_s, 2),
+        "roundtrip_bit_exact": not mismatched,
         "mean_token_logprob": round(lp[valid].mean().item(), 4),
     }
     if args.compare_transformers:

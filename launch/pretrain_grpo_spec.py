@@ -32,17 +32,23 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_spec.config import ConfigError, add_arguments, from_args  # noqa: E402
+from megatron_spec.config import ConfigError, add_arguments, from_args
 
 PROG = "pretrain_grpo_spec.py"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="without torchrun: check the flags, then start this many workers on this machine "
-                             "(torchrun --standalone); ignored under torchrun")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="without torchrun: check the flags, then start this many workers on this machine "
+        "(torchrun --standalone); ignored under torchrun",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     spawn = args.nproc_per_node if "LOCAL_RANK" not in os.environ else None
@@ -51,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from megatron_spec.compat.fallbacks import fallback_line, quiet_fallback_warnings
 
-    quiet_fallback_warnings()  # every rank: megatron-core's per-module fallback warnings; rank 0 says them once
+    # every rank: megatron-core's per-module fallback warnings; rank 0 says them once
+    quiet_fallback_warnings()
     rank = int(os.environ.get("RANK", "0"))
     world_size = spawn or int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -77,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_spec.rl.checkpoint import hold_run_folder
 
         try:
-            _run_lock = hold_run_folder(cfg.checkpoint.save)  # noqa: F841 (held open until this process ends)
+            _run_lock = hold_run_folder(cfg.checkpoint.save)  # held open until this process ends
         except ConfigError as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
             return 2

@@ -22,19 +22,27 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
+import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output HF checkpoint directory")
     ap.add_argument("--task", default="sum")
-    ap.add_argument("--data", default=None, help="train on a prompt set (JSONL/Parquet/datasets folder, read as "
-                                                 "--prompt-data is) instead of --task: prompt -> answer")
-    ap.add_argument("--eval-data", default=None, help="held-out prompt set for the final accuracy (with --data)")
+    ap.add_argument(
+        "--data",
+        default=None,
+        help="train on a prompt set (JSONL/Parquet/datasets folder, read as "
+        "--prompt-data is) instead of --task: prompt -> answer",
+    )
+    ap.add_argument(
+        "--eval-data", default=None, help="held-out prompt set for the final accuracy (with --data)"
+    )
     ap.add_argument("--prompt-key", default="prompt")
     ap.add_argument("--answer-key", default="answer")
-    ap.add_argument("--reward", default="synthetic", help="reward scoring the held-out accuracy (math with --data)")
+    ap.add_argument(
+        "--reward", default="synthetic", help="reward scoring the held-out accuracy (math with --data)"
+    )
     ap.add_argument("--max-new-tokens", type=int, default=96, help="response length of the held-out accuracy")
     ap.add_argument("--family", default="qwen3", choices=["llama", "qwen2", "qwen3"])
     ap.add_argument("--hidden-size", type=int, default=256)
@@ -71,12 +79,12 @@ def main(argv=None) -> int:
 
     from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
     from megatron_spec.models import HFCheckpoint, save_hf_checkpoint
-    from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
     from megatron_spec.models.gpt import build_gpt_model, export_hf_state_dict, load_hf_weights
     from megatron_spec.models.tiny import make_hf_checkpoint
     from megatron_spec.parallel import destroy_parallel, init_parallel
     from megatron_spec.rl.rollouts import Rollout, pack
     from megatron_spec.rl.synthetic_tasks import corrupt_solution, generate, iterate
+    from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 
     info = init_parallel(tp_size=args.tensor_model_parallel_size, seed=args.seed)
     rank0 = info.rank == 0
@@ -100,7 +108,11 @@ def main(argv=None) -> int:
     device = params[0].device  # the batches go where the model is (a GPU under torchrun on a GPU node)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / args.warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+        ),
+    )
     stream = (iterate(args.task, seed=args.seed + 1 + info.dp_rank) if not args.data
               else data_stream(args, seed=args.seed + 1 + info.dp_rank))
     noise_rng = random.Random(args.seed + 7919 + info.dp_rank)
@@ -119,7 +131,9 @@ def main(argv=None) -> int:
         batch = pack(rows, tok.pad_token_id, device=device)
         zero_grads(ddp)
         logits = ddp(batch.input_ids, batch.position_ids, attention_mask=None)[:, :-1]
-        lp = vocab_parallel_token_logprobs(logits, batch.targets, vocab_size=cfg.vocab_size, tp_group=info.tp_group)
+        lp = vocab_parallel_token_logprobs(
+            logits, batch.targets, vocab_size=cfg.vocab_size, tp_group=info.tp_group
+        )
         loss = -(lp * batch.mask).sum() / batch.mask.sum()
         loss.backward()
         finalize_grads(ddp)
@@ -139,9 +153,21 @@ def main(argv=None) -> int:
         acc = greedy_accuracy(args.out, held_out, reward=args.reward, max_new_tokens=args.max_new_tokens)
         sampled = greedy_accuracy(args.out, held_out, temperature=1.0, reward=args.reward,
                                   max_new_tokens=args.max_new_tokens)
-        print(json.dumps({"out": args.out, "params": cfg.num_params, "steps": args.steps, "final_loss": loss.item(),
-                          "train_s": round(train_s, 1), "noisy_frac": args.noisy_frac, "greedy_accuracy": acc,
-                          "sampled_accuracy_t1": sampled}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "out": args.out,
+                    "params": cfg.num_params,
+                    "steps": args.steps,
+                    "final_loss": loss.item(),
+                    "train_s": round(train_s, 1),
+                    "noisy_frac": args.noisy_frac,
+                    "greedy_accuracy": acc,
+                    "sampled_accuracy_t1": sampled,
+                }
+            ),
+            flush=True,
+        )
     destroy_parallel()
     return 0
 

@@ -31,7 +31,7 @@ def compiled_ops_available() -> bool:
     try:
         import torch  # noqa: F401  (the extension registers into torch.ops)
 
-        from megatron_spec import _C  # noqa: F401
+        from megatron_spec import _C
     except ImportError as exc:
         logger.debug("megatron-spec ops: pure-PyTorch references (_C not importable: %s)", exc)
         return False
@@ -59,7 +59,8 @@ def supported_kernel_isas() -> list[str]:
 
 
 def bf16_dot_available() -> bool:
-    """Whether ``megatron_spec::linear_small_bf16`` runs its AVX512-BF16 tiles here (a CPU with bf16 dot products,
+    """Whether ``megatron_spec::linear_small_bf16`` runs its AVX512-BF16 tiles here (a CPU with bf16 dot
+    products,
     the AVX-512 kernel variant active); else it runs scalar loops, and the layers keep oneDNN for bf16."""
     if not compiled_ops_available():
         return False
@@ -69,7 +70,8 @@ def bf16_dot_available() -> bool:
 
 
 def amx_supported() -> bool:
-    """Whether this CPU and its OS run AMX-BF16 tiles (before ``MEGATRON_SPEC_NO_AMX`` and the other switches)."""
+    """Whether this CPU and its OS run AMX-BF16 tiles (before ``MEGATRON_SPEC_NO_AMX`` and the other
+    switches)."""
     if not compiled_ops_available():
         return False
     from megatron_spec import _C
@@ -91,7 +93,9 @@ def set_amx(on: bool) -> None:
     """Run the bf16 linear kernel on AMX tiles (True) or AVX512-BF16 dot products (False) from now on, in this
     process (tests compare both). ValueError for True where AMX does not run; RuntimeError without ``_C``."""
     if not compiled_ops_available():
-        raise RuntimeError("megatron_spec._C is not built (or MEGATRON_SPEC_FORCE_REFERENCE=1): no AMX kernel")
+        raise RuntimeError(
+            "megatron_spec._C is not built (or MEGATRON_SPEC_FORCE_REFERENCE=1): no AMX kernel"
+        )
     from megatron_spec import _C
 
     _C.set_amx(bool(on))
@@ -109,7 +113,9 @@ def set_kernel_isa(name: str) -> None:
     """Run the CPU kernel variant ``name`` from now on, in this process (tests compare each with the
     references). Raises ValueError for a variant this CPU cannot run, RuntimeError without ``_C``."""
     if not compiled_ops_available():
-        raise RuntimeError("megatron_spec._C is not built (or MEGATRON_SPEC_FORCE_REFERENCE=1): no kernel variants")
+        raise RuntimeError(
+            "megatron_spec._C is not built (or MEGATRON_SPEC_FORCE_REFERENCE=1): no kernel variants"
+        )
     from megatron_spec import _C
 
     _C.set_kernel_isa(name)
@@ -117,7 +123,8 @@ def set_kernel_isa(name: str) -> None:
 
 def cpu_facts() -> dict[str, object]:
     """What a benchmark's JSON line says of the machine and the kernels that ran: the CPU kind (``AVX2``,
-    ``AVX-512-BF16``, ``AMX``), its model and torch's capability, and the linear kernel of each engine dtype."""
+    ``AVX-512-BF16``, ``AMX``), its model and torch's capability, and the linear kernel of each engine
+    dtype."""
     from megatron_spec.isa import probe
 
     info = probe()

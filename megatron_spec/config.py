@@ -23,7 +23,13 @@ from typing import Any
 import yaml
 
 from megatron_spec.config_values import ConfigError, coerce, parse_stop_strings
-from megatron_spec.rollout.config import SETTING, check_speculation, default_text, device_default, parse_num_draft_tokens
+from megatron_spec.rollout.config import (
+    SETTING,
+    check_speculation,
+    default_text,
+    device_default,
+    parse_num_draft_tokens,
+)
 
 
 def _json_object(value: Any, flag: str) -> str:
@@ -41,7 +47,9 @@ def _json_object(value: Any, flag: str) -> str:
     return value
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, flag: str | None = None, parse: Any = None) -> Any:
+def _f(
+    default: Any, help: str, choices: tuple | None = None, flag: str | None = None, parse: Any = None
+) -> Any:
     meta = {"help": help}
     if parse:
         meta["parse"] = parse  # the flag's argparse type where the field's type is a union (int | "auto")
@@ -61,8 +69,12 @@ def _setting(name: str) -> Any:
 @dataclass
 class ModelConfig:
     hf_checkpoint: str = _setting("hf_checkpoint")
-    tensor_model_parallel_size: int = _f(1, "tensor-parallel size (divides the world size; the rest is data parallel)")
-    make_vocab_size_divisible_by: int = _f(128, "pad the vocabulary to a multiple of this times TP (Megatron-LM)")
+    tensor_model_parallel_size: int = _f(
+        1, "tensor-parallel size (divides the world size; the rest is data parallel)"
+    )
+    make_vocab_size_divisible_by: int = _f(
+        128, "pad the vocabulary to a multiple of this times TP (Megatron-LM)"
+    )
     bf16: bool = _f(False, "train the policy in bfloat16 (default float32)")
     seed: int = _setting("seed")
 
@@ -74,27 +86,45 @@ class DataConfig:
                                 "megatron_spec.rl.synthetic_tasks)")
     prompt_key: str = _f("prompt", "column holding the prompt text")
     answer_key: str = _f("answer", "column holding the reference answer passed to the reward")
-    apply_chat_template: bool = _f(False, "render each prompt as a user turn with the tokenizer's chat template "
-                                          "(add_generation_prompt; the template writes BOS and the other special "
-                                          "tokens); off: the prompt is tokenised with the tokenizer's own special "
-                                          "tokens (BOS where it adds one)")
-    apply_chat_template_kwargs: str = _f(None, "the chat template's own variables as a JSON object (a mapping in "
-                                                "YAML), e.g. '{\"enable_thinking\": false}' for Qwen3",
-                                         parse=lambda v: _json_object(v, "--apply-chat-template-kwargs"))
+    apply_chat_template: bool = _f(
+        False,
+        "render each prompt as a user turn with the tokenizer's chat template "
+        "(add_generation_prompt; the template writes BOS and the other special "
+        "tokens); off: the prompt is tokenised with the tokenizer's own special "
+        "tokens (BOS where it adds one)",
+    )
+    apply_chat_template_kwargs: str = _f(
+        None,
+        "the chat template's own variables as a JSON object (a mapping in "
+        "YAML), e.g. '{\"enable_thinking\": false}' for Qwen3",
+        parse=lambda v: _json_object(v, "--apply-chat-template-kwargs"),
+    )
     system_prompt: str = _f(None, "system turn put before each prompt (needs --apply-chat-template)")
     prompt_template: str = _f(None, "text each prompt becomes, with {prompt} standing for the prompt column, "
                                     "before the chat template: e.g. '{prompt} Answer True or False.'")
-    stop: str = _f(None, "stop string(s) ending a response after the EOS ids of config.json and "
-                         "generation_config.json: one string or a JSON list; the response keeps the stop string")
-    reward: str = _f("synthetic", "reward function: a registered name (synthetic, math, exact), 'module:function' (the "
-                             "working directory importable) or 'path/to/file.py:function'")
+    stop: str = _f(
+        None,
+        "stop string(s) ending a response after the EOS ids of config.json and "
+        "generation_config.json: one string or a JSON list; the response keeps the stop string",
+    )
+    reward: str = _f(
+        "synthetic",
+        "reward function: a registered name (synthetic, math, exact), 'module:function' (the "
+        "working directory importable) or 'path/to/file.py:function'",
+    )
     num_synthetic_prompts: int = _f(2048, "prompts generated for a synthetic task")
     max_prompt_length: int = _f(256, "longest prompt in tokens (see --overlong-prompts)")
-    overlong_prompts: str = _f("filter", "prompts longer than --max-prompt-length: filter (dropped when the data "
-                                         "loads, their count printed, as verl and slime do) or error",
-                               ("filter", "error"))
-    eval_data: str = _f(None, "held-out prompts for --eval-interval: a file or 'synthetic:<task>' (default: the "
-                              "synthetic training task drawn with another seed)")
+    overlong_prompts: str = _f(
+        "filter",
+        "prompts longer than --max-prompt-length: filter (dropped when the data "
+        "loads, their count printed, as verl and slime do) or error",
+        ("filter", "error"),
+    )
+    eval_data: str = _f(
+        None,
+        "held-out prompts for --eval-interval: a file or 'synthetic:<task>' (default: the "
+        "synthetic training task drawn with another seed)",
+    )
     eval_prompts: int = _f(128, "prompts per held-out evaluation (the first N of --eval-data)")
 
 
@@ -102,8 +132,11 @@ class DataConfig:
 class RolloutConfig:
     rollout_backend: str = _setting("rollout_backend")
     rollout_dtype: str = _setting("rollout_dtype")
-    rollout_weight_dtype: str = _f("fp32", "dtype of streamed weights (fp8: block-FP8 target, draft unquantised)",
-                                   ("fp32", "bf16", "fp8"))
+    rollout_weight_dtype: str = _f(
+        "fp32",
+        "dtype of streamed weights (fp8: block-FP8 target, draft unquantised)",
+        ("fp32", "bf16", "fp8"),
+    )
     rollout_max_batch_size: int = _setting("rollout_max_batch_size")
     rollout_max_new_tokens: int = _setting("rollout_max_new_tokens")
     rollout_temperature: float = _setting("rollout_temperature")
@@ -116,36 +149,65 @@ class RolloutConfig:
     rollout_startup_timeout_s: float = _setting("rollout_startup_timeout_s")
     rollout_call_timeout_s: float = _setting("rollout_call_timeout_s")
     rollout_bucket_mb: int = _f(64, "weight-streaming bucket size in MiB")
-    rollout_reference_check: bool = _f(False, "start the native engine beside the rollout engine (plain decoding, "
-                                              "the same weights streamed to it) and after every weight sync compare "
-                                              "both engines' greedy tokens on the first --rollout-reference-prompts "
-                                              "training prompts; a difference stops the run naming the prompt and "
-                                              "position (health/reference_*, docs/metrics.md). Costs a second copy "
-                                              "of the weights and a second sync per step")
+    rollout_reference_check: bool = _f(
+        False,
+        "start the native engine beside the rollout engine (plain decoding, "
+        "the same weights streamed to it) and after every weight sync compare "
+        "both engines' greedy tokens on the first --rollout-reference-prompts "
+        "training prompts; a difference stops the run naming the prompt and "
+        "position (health/reference_*, docs/metrics.md). Costs a second copy "
+        "of the weights and a second sync per step",
+    )
     rollout_reference_prompts: int = _f(4, "prompts of --rollout-reference-check")
     rollout_reference_tokens: int = _f(32, "greedy tokens per prompt of --rollout-reference-check")
-    async_policy_lag: int = _f(0, "policy lag L: the engines generate the next batch while the trainer trains this "
-                                  "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "
-                                  "so L=1 gives all the overlap and L>1 only older weights (0 = synchronous)")
-    rollout_release_memory: bool = _f(True, "release engine memory (KV cache, weights) while the trainer trains")
-    rollout_engine_kwargs: str = _f(None, "JSON object of the rollout engine's own arguments, passed through: SGLang "
-                                          "ServerArgs fields (checked by the lossless guard), vLLM LLM(...) keywords, "
-                                          "e.g. '{\"chunked_prefill_size\": 8192}'; not those our flags set")
-    rollout_mem_fraction_static: float = _f(None, "SGLang's mem_fraction_static: the share of GPU memory its weights "
-                                                   "and KV cache take while it generates (default: SGLang's choice, "
-                                                   "sized for a GPU of its own; colocated, see docs/memory_plan.md)")
-    colocate_offload: str = _f("none", "what the trainer moves to host memory while the colocated engine generates: "
-                                       "optimizer (fp32 main weights, AdamW moments, gradient buffers) or all (and "
-                                       "the weights); a no-op on CPU (docs/memory_plan.md)", ("none", "optimizer", "all"))
+    async_policy_lag: int = _f(
+        0,
+        "policy lag L: the engines generate the next batch while the trainer trains this "
+        "one, and batch t comes from policy version max(0, t-L); one batch is in flight, "
+        "so L=1 gives all the overlap and L>1 only older weights (0 = synchronous)",
+    )
+    rollout_release_memory: bool = _f(
+        True, "release engine memory (KV cache, weights) while the trainer trains"
+    )
+    rollout_engine_kwargs: str = _f(
+        None,
+        "JSON object of the rollout engine's own arguments, passed through: SGLang "
+        "ServerArgs fields (checked by the lossless guard), vLLM LLM(...) keywords, "
+        "e.g. '{\"chunked_prefill_size\": 8192}'; not those our flags set",
+    )
+    rollout_mem_fraction_static: float = _f(
+        None,
+        "SGLang's mem_fraction_static: the share of GPU memory its weights "
+        "and KV cache take while it generates (default: SGLang's choice, "
+        "sized for a GPU of its own; colocated, see docs/memory_plan.md)",
+    )
+    colocate_offload: str = _f(
+        "none",
+        "what the trainer moves to host memory while the colocated engine generates: "
+        "optimizer (fp32 main weights, AdamW moments, gradient buffers) or all (and "
+        "the weights); a no-op on CPU (docs/memory_plan.md)",
+        ("none", "optimizer", "all"),
+    )
     engine_restarts: int = _f(2, "restarts of a dead engine per step before the run fails")
-    rollout_num_engines: int = _f(None, "rollout engines; engine e is owned by the first rank of the e-th block of "
-                                        "world/N ranks and serves a share of each step's prompts (default: one per "
-                                        "node)")
-    rollout_tensor_parallel_size: int = _f(None, "GPUs (ranks) per engine: SGLang's tp_size (default: every rank of "
-                                                 "the engine's block with SGLang; the native engine runs 1)")
-    rollout_wait_timeout_s: float = _f(10800.0, "longest a rank waits for the engines' rollouts (the long-timeout "
-                                                "group around generation); exceeded: the run stops naming the engine")
-    dist_timeout_s: float = _f(600.0, "timeout of the training collectives (gradient reduction, weight gathers)")
+    rollout_num_engines: int = _f(
+        None,
+        "rollout engines; engine e is owned by the first rank of the e-th block of "
+        "world/N ranks and serves a share of each step's prompts (default: one per "
+        "node)",
+    )
+    rollout_tensor_parallel_size: int = _f(
+        None,
+        "GPUs (ranks) per engine: SGLang's tp_size (default: every rank of "
+        "the engine's block with SGLang; the native engine runs 1)",
+    )
+    rollout_wait_timeout_s: float = _f(
+        10800.0,
+        "longest a rank waits for the engines' rollouts (the long-timeout "
+        "group around generation); exceeded: the run stops naming the engine",
+    )
+    dist_timeout_s: float = _f(
+        600.0, "timeout of the training collectives (gradient reduction, weight gathers)"
+    )
 
     def __post_init__(self):
         if self.rollout_max_batch_size is None:  # not given: sized by the device
@@ -165,20 +227,34 @@ class SpecConfig:
     spec_history_max_draft_tokens: int = _setting("spec_history_max_draft_tokens")
     spec_history_tree: str = _setting("spec_history_tree")
     spec_trace: str | None = _setting("spec_trace")
-    spec_online_draft_training: bool = _f(False, "train the EAGLE-3 draft online from the verifier's hidden states")
+    spec_online_draft_training: bool = _f(
+        False, "train the EAGLE-3 draft online from the verifier's hidden states"
+    )
     spec_draft_ttt_steps: int = _f(3, "training-time-test unroll of the online draft trainer")
-    spec_draft_lr: float = _f(3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)")
-    spec_draft_tv_weight: float = _f(0.0, "add this weight times the total variation 1 - sum min(p, q) to the online "
-                                          "EAGLE-3 draft's loss: trains for acceptance (docs/draft_training.md)")
+    spec_draft_lr: float = _f(
+        3e-4, "online draft learning rate (1e-3 shook a converged draft: docs/draft_training.md)"
+    )
+    spec_draft_tv_weight: float = _f(
+        0.0,
+        "add this weight times the total variation 1 - sum min(p, q) to the online "
+        "EAGLE-3 draft's loss: trains for acceptance (docs/draft_training.md)",
+    )
     spec_mtp_num_layers: int = _setting("spec_mtp_num_layers")
-    spec_watchdog_steps: int = _f(3, "steps of acceptance ~1 before the collapse watchdog acts (0 = off); a sudden "
-                                    "collapse from healthy acceptance acts on its first step")
+    spec_watchdog_steps: int = _f(
+        3,
+        "steps of acceptance ~1 before the collapse watchdog acts (0 = off); a sudden "
+        "collapse from healthy acceptance acts on its first step",
+    )
     spec_watchdog_fallback: bool = _f(False, "on acceptance collapse fall back to autoregressive decoding")
 
     @property
     def spec_k_max(self) -> int:
         """Tokens drafted per step at most (the fixed k, or --spec-max-draft-tokens with auto)."""
-        return self.spec_max_draft_tokens if self.spec_num_draft_tokens == "auto" else int(self.spec_num_draft_tokens)
+        return (
+            self.spec_max_draft_tokens
+            if self.spec_num_draft_tokens == "auto"
+            else int(self.spec_num_draft_tokens)
+        )
 
 
 @dataclass
@@ -191,55 +267,91 @@ class GRPOConfig:
     lr: float = _f(1e-5, "policy learning rate (AdamW)")
     lr_warmup_steps: int = _f(0, "linear learning-rate warm-up over the first N RL steps (AdamW's first "
                                  "updates move every parameter by about lr, whatever its gradient's noise)")
-    lr_decay_style: str = _f("constant", "learning rate after the warm-up, over the remaining --train-iters steps, "
-                                         "down to --lr-min", ("constant", "cosine", "linear"))
+    lr_decay_style: str = _f(
+        "constant",
+        "learning rate after the warm-up, over the remaining --train-iters steps, down to --lr-min",
+        ("constant", "cosine", "linear"),
+    )
     lr_min: float = _f(0.0, "learning rate a cosine or linear decay reaches at step --train-iters")
     weight_decay: float = _f(0.0, "AdamW weight decay (matrices only: norms and biases get none)")
     clip_grad: float = _f(1.0, "policy gradient-norm clip (0 = off)")
     clip_eps_low: float = _f(0.2, "ratio clip below: 1 - eps_low")
     clip_eps_high: float = _f(0.28, "ratio clip above: 1 + eps_high")
-    kl_coef: float = _f(0.0, "coefficient of the k3 KL estimate to a frozen reference (0 = no reference model)")
+    kl_coef: float = _f(
+        0.0, "coefficient of the k3 KL estimate to a frozen reference (0 = no reference model)"
+    )
     loss_agg: str = _f("token", "loss aggregation", ("token", "sequence"))
     advantage_baseline: str = _f("group", "baseline of the advantage", ("group", "batch"))
     advantage_normalize_std: bool = _f(True, "divide advantages by the group (or batch) std")
-    tis_cap: float = _f(0.0, "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off); "
-                             "the weight multiplies the policy-gradient and the KL term")
-    dynamic_sampling: bool = _f(False, "drop groups whose rewards are all equal before training (DAPO's dynamic "
-                                       "sampling: their advantages are 0); the step trains on fewer rollouts, "
-                                       "train/samples_trained says how many")
-    truncated_responses: str = _f("keep", "responses cut at --rollout-max-new-tokens: keep (train on them as "
-                                          "scored) or drop (no loss on them; they still count in their group's "
-                                          "baseline)", ("keep", "drop"))
+    tis_cap: float = _f(
+        0.0,
+        "truncated importance-sampling correction by engine/trainer ratio, cap C (0 = off); "
+        "the weight multiplies the policy-gradient and the KL term",
+    )
+    dynamic_sampling: bool = _f(
+        False,
+        "drop groups whose rewards are all equal before training (DAPO's dynamic "
+        "sampling: their advantages are 0); the step trains on fewer rollouts, "
+        "train/samples_trained says how many",
+    )
+    truncated_responses: str = _f(
+        "keep",
+        "responses cut at --rollout-max-new-tokens: keep (train on them as "
+        "scored) or drop (no loss on them; they still count in their group's "
+        "baseline)",
+        ("keep", "drop"),
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    save: str = _f(None, "the run's folder: checkpoints, metrics, exports (default runs/grpo-<date>-<time>); a run "
-                         "started again with the same --save resumes from its latest complete checkpoint")
+    save: str = _f(
+        None,
+        "the run's folder: checkpoints, metrics, exports (default runs/grpo-<date>-<time>); a run "
+        "started again with the same --save resumes from its latest complete checkpoint",
+    )
     load: str = _f(None, "resume from this checkpoint directory (latest iteration)")
-    resume: bool = _f(True, "resume from the latest complete checkpoint in --save when it has one; --no-resume "
-                            "starts over there, removing the previous run's checkpoints, metrics and exports")
-    save_interval: int = _f(10, "save a checkpoint every N steps, and after the last (0 = only after the last)")
-    save_keep: int = _f(0, "keep the newest N checkpoints, removing older ones after each save (0 = keep all)")
-    save_hf: bool = _f(True, "at the end of the run write the trained policy as an HF folder, <run>/hf/policy, "
-                             "beside its draft (<run>/hf/eagle3, mtp or draft_model): what transformers, vLLM, "
-                             "SGLang and lm-eval load (docs/serving_exports.md)")
+    resume: bool = _f(
+        True,
+        "resume from the latest complete checkpoint in --save when it has one; --no-resume "
+        "starts over there, removing the previous run's checkpoints, metrics and exports",
+    )
+    save_interval: int = _f(
+        10, "save a checkpoint every N steps, and after the last (0 = only after the last)"
+    )
+    save_keep: int = _f(
+        0, "keep the newest N checkpoints, removing older ones after each save (0 = keep all)"
+    )
+    save_hf: bool = _f(
+        True,
+        "at the end of the run write the trained policy as an HF folder, <run>/hf/policy, "
+        "beside its draft (<run>/hf/eagle3, mtp or draft_model): what transformers, vLLM, "
+        "SGLang and lm-eval load (docs/serving_exports.md)",
+    )
 
 
 @dataclass
 class LoggingConfig:
-    logger: str = _f("jsonl,tensorboard", "where the metrics go, comma-separated: jsonl (always written: resume and the "
-                                          "report read it), tensorboard, wandb (W&B; WANDB_MODE=offline needs no network)")
+    logger: str = _f(
+        "jsonl,tensorboard",
+        "where the metrics go, comma-separated: jsonl (always written: resume and the "
+        "report read it), tensorboard, wandb (W&B; WANDB_MODE=offline needs no network)",
+    )
     wandb_project: str = _f("megatron-spec", "W&B project (--logger wandb)")
-    wandb_name: str = _f(None, "W&B run name (default: the run folder's name; a resumed run continues its W&B run)")
+    wandb_name: str = _f(
+        None, "W&B run name (default: the run folder's name; a resumed run continues its W&B run)"
+    )
     metrics_path: str = _f(None, "metrics JSONL (default <save>/metrics.jsonl)")
     tensorboard_dir: str = _f(None, "TensorBoard directory (default <save>/tensorboard; 'none' = off)")
     log_interval: int = _f(1, "progress line every N steps (0: none)")
     quiet: bool = _f(False, "no progress line")
     dump_rollouts: bool = _f(False, "write every step's rollouts to <save>/rollouts/step_NNNNNN.jsonl")
-    eval_interval: int = _f(0, "every N steps and after the last, the mean reward of the current policy on held-out "
-                               "prompts, one sample each with the rollout sampling settings and a fixed seed "
-                               "(eval/reward; 0 = off; synchronous runs only)")
+    eval_interval: int = _f(
+        0,
+        "every N steps and after the last, the mean reward of the current policy on held-out "
+        "prompts, one sample each with the rollout sampling settings and a fixed seed "
+        "(eval/reward; 0 = off; synchronous runs only)",
+    )
 
 
 GROUPS: dict[str, type] = {
@@ -258,7 +370,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
-    def validate(self) -> "RunConfig":
+    def validate(self) -> RunConfig:
         m, r, s, g = self.model, self.rollout, self.spec, self.grpo
         if not m.hf_checkpoint:
             raise ConfigError("--hf-checkpoint is required")
@@ -267,15 +379,20 @@ class RunConfig:
         if s.spec_online_draft_training and s.spec_draft_kind not in ("eagle3", "mtp"):
             raise ConfigError("--spec-online-draft-training needs --spec-draft-kind eagle3 or mtp")
         if s.spec_draft_kind == "mtp" and not s.spec_online_draft_training and not s.spec_draft_path:
-            raise ConfigError("--spec-draft-kind mtp needs --spec-online-draft-training (heads trained beside the "
-                              "policy) or --spec-draft-path (an MTP export)")
+            raise ConfigError(
+                "--spec-draft-kind mtp needs --spec-online-draft-training (heads trained beside the "
+                "policy) or --spec-draft-path (an MTP export)"
+            )
         if not (s.spec_draft_tv_weight >= 0 and math.isfinite(s.spec_draft_tv_weight)):
             raise ConfigError(f"--spec-draft-tv-weight {s.spec_draft_tv_weight} must be >= 0 and finite")
         if s.spec_draft_tv_weight and (s.spec_draft_kind != "eagle3" or not s.spec_online_draft_training):
-            raise ConfigError("--spec-draft-tv-weight trains the EAGLE-3 draft online: it needs --spec-draft-kind "
-                              "eagle3 and --spec-online-draft-training")
+            raise ConfigError(
+                "--spec-draft-tv-weight trains the EAGLE-3 draft online: it needs --spec-draft-kind "
+                "eagle3 and --spec-online-draft-training"
+            )
         try:
-            s.spec_num_draft_tokens = parse_num_draft_tokens(s.spec_num_draft_tokens)  # YAML may hold "auto" or 3
+            # YAML may hold "auto" or 3
+            s.spec_num_draft_tokens = parse_num_draft_tokens(s.spec_num_draft_tokens)
         except ValueError as exc:
             raise ConfigError(f"--spec-num-draft-tokens: {exc}") from exc
         try:
@@ -286,14 +403,20 @@ class RunConfig:
         if lg.log_interval < 0:
             raise ConfigError(f"--log-interval {lg.log_interval} must be >= 0 (0: no progress line)")
         if lg.eval_interval < 0 or d.eval_prompts < 1:
-            raise ConfigError(f"--eval-interval {lg.eval_interval} must be >= 0 and --eval-prompts {d.eval_prompts} >= 1")
+            raise ConfigError(
+                f"--eval-interval {lg.eval_interval} must be >= 0 and --eval-prompts {d.eval_prompts} >= 1"
+            )
         if lg.eval_interval and r.async_policy_lag:
-            raise ConfigError("--eval-interval needs a synchronous run (--async-policy-lag 0): the engine is busy "
-                              "generating ahead in async mode")
+            raise ConfigError(
+                "--eval-interval needs a synchronous run (--async-policy-lag 0): the engine is busy "
+                "generating ahead in async mode"
+            )
         if d.prompt_template is not None and "{prompt}" not in d.prompt_template:
             raise ConfigError(f"--prompt-template {d.prompt_template!r} has no {{prompt}} placeholder")
         if d.system_prompt and not d.apply_chat_template:
-            raise ConfigError("--system-prompt needs --apply-chat-template (a system turn exists only in a chat template)")
+            raise ConfigError(
+                "--system-prompt needs --apply-chat-template (a system turn exists only in a chat template)"
+            )
         try:
             parse_stop_strings(d.stop)
         except ValueError as exc:
@@ -305,8 +428,10 @@ class RunConfig:
         if not 0.0 <= g.lr_min <= g.lr:
             raise ConfigError(f"--lr-min {g.lr_min} must be in [0, --lr {g.lr}]")
         if g.dynamic_sampling and g.advantage_baseline != "group":
-            raise ConfigError("--dynamic-sampling needs --advantage-baseline group: with the batch baseline a group "
-                              "of equal rewards still has a non-zero advantage")
+            raise ConfigError(
+                "--dynamic-sampling needs --advantage-baseline group: with the batch baseline a group "
+                "of equal rewards still has a non-zero advantage"
+            )
         if g.grpo_num_minibatches < 1:
             raise ConfigError(f"--grpo-num-minibatches {g.grpo_num_minibatches} must be >= 1")
         if g.grpo_group_size < 1 or g.prompts_per_step < 1:
@@ -320,35 +445,50 @@ class RunConfig:
         if not 0 <= g.clip_eps_low < 1 or g.clip_eps_high < 0:
             raise ConfigError("--clip-eps-low must be in [0, 1) and --clip-eps-high >= 0")
         if r.rollout_top_k < -1:
-            raise ConfigError(f"--rollout-top-k {r.rollout_top_k}: 0 or -1 is off, else the tokens kept (>= 1)")
+            raise ConfigError(
+                f"--rollout-top-k {r.rollout_top_k}: 0 or -1 is off, else the tokens kept (>= 1)"
+            )
         r.rollout_top_k = max(r.rollout_top_k, 0)  # -1 = off, as SGLang, vLLM, slime and verl write it
         if r.async_policy_lag < 0:
             raise ConfigError("--async-policy-lag must be >= 0")
         if r.colocate_offload != "none" and r.async_policy_lag:
-            raise ConfigError(f"--colocate-offload {r.colocate_offload} needs a synchronous run (--async-policy-lag 0): "
-                              f"with a policy lag the engine generates while the trainer trains")
+            raise ConfigError(
+                f"--colocate-offload {r.colocate_offload} needs a synchronous run (--async-policy-lag 0): "
+                f"with a policy lag the engine generates while the trainer trains"
+            )
         try:
             from megatron_spec.rollout.config import parse_engine_kwargs
 
-            parse_engine_kwargs(r.rollout_engine_kwargs, r.rollout_backend or "auto")  # auto: by the GPU, at start
+            # auto: by the GPU, at start
+            parse_engine_kwargs(r.rollout_engine_kwargs, r.rollout_backend or "auto")
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         unknown = set(self.logging.logger.split(",")) - {"jsonl", "tensorboard", "wandb"}
         if unknown:
-            raise ConfigError(f"--logger {self.logging.logger}: unknown {sorted(unknown)}; choose from jsonl, tensorboard, "
-                              f"wandb (comma-separated)")
+            raise ConfigError(
+                f"--logger {self.logging.logger}: unknown {sorted(unknown)}; choose from jsonl, tensorboard, "
+                f"wandb (comma-separated)"
+            )
         if r.rollout_mem_fraction_static is not None and not 0 < r.rollout_mem_fraction_static < 1:
-            raise ConfigError(f"--rollout-mem-fraction-static must be in (0, 1), got {r.rollout_mem_fraction_static}")
+            raise ConfigError(
+                f"--rollout-mem-fraction-static must be in (0, 1), got {r.rollout_mem_fraction_static}"
+            )
         if r.rollout_weight_dtype == "fp8" and r.rollout_dtype == "float32" and r.rollout_backend == "sglang":
-            raise ConfigError("--rollout-weight-dtype fp8 with SGLang runs the FP8 kernels; set --rollout-dtype bfloat16")
+            raise ConfigError(
+                "--rollout-weight-dtype fp8 with SGLang runs the FP8 kernels; set --rollout-dtype bfloat16"
+            )
         if r.rollout_num_engines is not None and r.rollout_num_engines < 1:
             raise ConfigError(f"--rollout-num-engines must be >= 1, got {r.rollout_num_engines}")
         if r.rollout_tensor_parallel_size is not None and r.rollout_tensor_parallel_size < 1:
-            raise ConfigError(f"--rollout-tensor-parallel-size must be >= 1, got {r.rollout_tensor_parallel_size}")
+            raise ConfigError(
+                f"--rollout-tensor-parallel-size must be >= 1, got {r.rollout_tensor_parallel_size}"
+            )
         if r.rollout_backend in ("native", "vllm") and r.rollout_tensor_parallel_size not in (None, 1):
-            raise ConfigError(f"--rollout-tensor-parallel-size {r.rollout_tensor_parallel_size}: the {r.rollout_backend} "
-                              f"engine runs on one device (1) here; use --rollout-backend sglang for engines over "
-                              f"several GPUs")
+            raise ConfigError(
+                f"--rollout-tensor-parallel-size {r.rollout_tensor_parallel_size}: the {r.rollout_backend} "
+                f"engine runs on one device (1) here; use --rollout-backend sglang for engines over "
+                f"several GPUs"
+            )
         if r.rollout_backend == "vllm":
             from megatron_spec.rollout.vllm_protocol import check_engine_settings
 
@@ -362,8 +502,10 @@ class RunConfig:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
         if r.rollout_reference_check and (r.rollout_reference_prompts < 1 or r.rollout_reference_tokens < 1):
-            raise ConfigError(f"--rollout-reference-prompts {r.rollout_reference_prompts} and --rollout-reference-tokens "
-                              f"{r.rollout_reference_tokens} must be >= 1")
+            raise ConfigError(
+                f"--rollout-reference-prompts {r.rollout_reference_prompts} and --rollout-reference-tokens "
+                f"{r.rollout_reference_tokens} must be >= 1"
+            )
         if r.rollout_wait_timeout_s <= 0 or r.dist_timeout_s <= 0:
             raise ConfigError("--rollout-wait-timeout-s and --dist-timeout-s must be > 0")
         if self.checkpoint.save_interval < 0 or self.checkpoint.save_keep < 0:
@@ -392,18 +534,29 @@ _METAVARS = {int: "N", float: "X"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One argument group per subsystem; defaults are None so the YAML file can fill in. Positional
     ``section.key=value`` overrides (NeMo-RL's and verl's form) come last and win over flags and file."""
-    parser.add_argument("--config", default=None, help="YAML file with values for any of the flags below: sections "
-                        "(model, data, rollout, spec, grpo, checkpoint, logging) of keys with or without their "
-                        "section's prefix (rollout: {max_batch_size: 16} or {rollout_max_batch_size: 16})")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="overrides after the flags, e.g. grpo.lr=1e-5 rollout.max_new_tokens=512 (values read "
-                             "as YAML, then as the key's type)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="YAML file with values for any of the flags below: sections "
+        "(model, data, rollout, spec, grpo, checkpoint, logging) of keys with or without their "
+        "section's prefix (rollout: {max_batch_size: 16} or {rollout_max_batch_size: 16})",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="overrides after the flags, e.g. grpo.lr=1e-5 rollout.max_new_tokens=512 (values read "
+        "as YAML, then as the key's type)",
+    )
     for group_name, cls in GROUPS.items():
         group = parser.add_argument_group(group_name)
         for f in dataclasses.fields(cls):
             kind = _field_type(cls, f)
-            kw: dict[str, Any] = {"dest": f"{group_name}.{f.name}", "default": None,
-                                  "help": f"{f.metadata['help']} (default: {default_text(f.name, f.default)})"}
+            kw: dict[str, Any] = {
+                "dest": f"{group_name}.{f.name}",
+                "default": None,
+                "help": f"{f.metadata['help']} (default: {default_text(f.name, f.default)})",
+            }
             if kind is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             else:
@@ -473,7 +626,9 @@ def from_args(args: argparse.Namespace) -> RunConfig:
             except yaml.YAMLError as exc:
                 raise ConfigError(f"--config {args.config} is not valid YAML: {exc}") from exc
         if not isinstance(data, dict):
-            raise ConfigError(f"--config {args.config}: expected sections {sorted(GROUPS)}, got {type(data).__name__}")
+            raise ConfigError(
+                f"--config {args.config}: expected sections {sorted(GROUPS)}, got {type(data).__name__}"
+            )
         for group_name, body in data.items():
             if body is not None and not isinstance(body, dict):
                 raise ConfigError(f"{args.config}: section {group_name!r} must hold keys, got {body!r}")

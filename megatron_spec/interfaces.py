@@ -8,13 +8,16 @@ Three declared interfaces, so no caller probes an object with ``getattr``/``hasa
   do the payload gather/forwarder that stand in for an engine on its TP senders
   (``megatron_spec.sync.forward``).
 - :class:`RolloutEngine`: a whole engine (generation, speculation switch, weight updates and their
-  versions, memory release/resume, checksums, shutdown). :class:`~megatron_spec.rollout.native.client.NativeEngine`,
-  :class:`~megatron_spec.rollout.vllm_backend.VllmEngine` and :class:`~megatron_spec.rollout.sglang_backend.SGLangEngine`
+  versions, memory release/resume, checksums, shutdown).
+  :class:`~megatron_spec.rollout.native.client.NativeEngine`,
+  :class:`~megatron_spec.rollout.vllm_backend.VllmEngine` and
+  :class:`~megatron_spec.rollout.sglang_backend.SGLangEngine`
   implement every member with the same signature (``tests/rollout/test_api.py`` checks it member by member).
 - :class:`DraftLearner`: the EAGLE-3 and MTP online trainers, which declare it
   (``megatron_spec.draft.trainer.Eagle3Trainer``, ``megatron_spec.draft.mtp.MtpTrainer``).
 
-:class:`EngineError` and its subclasses are what every :class:`RolloutEngine` raises for an engine that is gone
+:class:`EngineError` and its subclasses are what every :class:`RolloutEngine` raises for an engine that is
+gone
 (:class:`EngineDiedError`), stuck (:class:`EngineTimeoutError`) or failing a call (:class:`EngineCallError`),
 whatever its backend: the rollout manager restarts an engine on the first two.
 
@@ -92,8 +95,13 @@ class WeightReceiver(Protocol):
         """Open a session for ``target``, ``draft`` or ``all``."""
         ...
 
-    def update_weights_from_tensor(self, payloads: bytes | Sequence[bytes], selector: str,
-                                   weight_version: str | None = None, flush_cache: bool = True) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self,
+        payloads: bytes | Sequence[bytes],
+        selector: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
         """Load one bucket (``tp_size`` payloads) into ``selector``'s weights, tagged ``weight_version``."""
         ...
 
@@ -137,8 +145,14 @@ class RolloutEngine(WeightReceiver, Protocol):
     def is_alive(self) -> bool:
         ...
 
-    def generate(self, requests: Sequence[GenerateRequest], *, on_progress: Callable[[int], None] | None = None,
-                 timeout: float | None = None, seed: int | None = None) -> tuple[list[SampleOutput], GenerateStats]:
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        on_progress: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+        seed: int | None = None,
+    ) -> tuple[list[SampleOutput], GenerateStats]:
         """Every sample of ``requests``; ``on_progress(samples done)`` while it runs; ``seed`` makes
         the call's sampling independent of earlier calls (where the backend can)."""
         ...

@@ -83,7 +83,11 @@ def init_parallel(tp_size: int = 1, seed: int = 1234, timeout_s: float = 600.0,
     wait_group = None
     if world > 1:  # collective: every rank creates it, in the same order
         wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_timeout_s))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     return ParallelInfo(
         rank=dist.get_rank(), world_size=world,
         tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size,

@@ -60,7 +60,8 @@ class MetricsWriter:
 
     def __init__(self, path: str, tensorboard_dir: str | None = None, resume_step: int | None = None,
                  wandb_init: Mapping[str, Any] | None = None):
-        """``resume_step``: a run resumed from the checkpoint of that step continues the files, dropping what the
+        """``resume_step``: a run resumed from the checkpoint of that step continues the files, dropping what
+        the
         run before it wrote after that step (rows it will write again; TensorBoard's ``purge_step``).
         ``wandb_init``: ``wandb.init``'s arguments (W&B is imported only then)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -77,7 +78,9 @@ class MetricsWriter:
         if tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1)
+            self._tb = SummaryWriter(
+                tensorboard_dir, purge_step=None if resume_step is None else resume_step + 1
+            )
         self._wandb = None
         if wandb_init is not None:
             import wandb
@@ -107,7 +110,8 @@ class MetricsWriter:
 
 
 def open_metrics(cfg, run_dir: str, resume_step: int | None) -> MetricsWriter:
-    """The run's :class:`MetricsWriter` from ``--logger`` and the logging settings (rank 0). The W&B run's id is
+    """The run's :class:`MetricsWriter` from ``--logger`` and the logging settings (rank 0). The W&B run's id
+    is
     the run folder's, so the same command started again continues the same W&B run."""
     import hashlib
 
@@ -119,10 +123,20 @@ def open_metrics(cfg, run_dir: str, resume_step: int | None) -> MetricsWriter:
     wandb_init = None
     if "wandb" in sinks:
         run_id = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
-        wandb_init = {"project": lg.wandb_project, "name": lg.wandb_name or os.path.basename(os.path.abspath(run_dir)),
-                      "id": run_id, "resume": "allow", "dir": run_dir, "config": cfg.to_dict()}
-    return MetricsWriter(lg.metrics_path or os.path.join(run_dir, "metrics.jsonl"), tb, resume_step=resume_step,
-                         wandb_init=wandb_init)
+        wandb_init = {
+            "project": lg.wandb_project,
+            "name": lg.wandb_name or os.path.basename(os.path.abspath(run_dir)),
+            "id": run_id,
+            "resume": "allow",
+            "dir": run_dir,
+            "config": cfg.to_dict(),
+        }
+    return MetricsWriter(
+        lg.metrics_path or os.path.join(run_dir, "metrics.jsonl"),
+        tb,
+        resume_step=resume_step,
+        wandb_init=wandb_init,
+    )
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

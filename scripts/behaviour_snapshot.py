@@ -37,14 +37,48 @@ def _port() -> int:
 
 
 def _grpo(out: str, name: str, models: dict, nproc: int, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={_port()}", os.path.join(ROOT, "launch", "pretrain_grpo_spec.py"),
-           "--hf-checkpoint", models["target"], "--prompt-data", "synthetic:sum",
-           "--reward", "tests.rl.rewards_for_tests:digit_share", "--make-vocab-size-divisible-by", "8",
-           "--prompts-per-step", "4", "--grpo-group-size", "2", "--micro-batch-size", "4",
-           "--rollout-max-new-tokens", "12", "--rollout-max-batch-size", "8", "--rollout-num-threads", "1",
-           "--lr", "1e-3", "--quiet", "--tensorboard-dir", "none", "--train-iters", "3", "--save-interval", "3",
-           "--dump-rollouts", "--save", os.path.join(out, name), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_port()}",
+        os.path.join(ROOT, "launch", "pretrain_grpo_spec.py"),
+        "--hf-checkpoint",
+        models["target"],
+        "--prompt-data",
+        "synthetic:sum",
+        "--reward",
+        "tests.rl.rewards_for_tests:digit_share",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--grpo-group-size",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--rollout-max-new-tokens",
+        "12",
+        "--rollout-max-batch-size",
+        "8",
+        "--rollout-num-threads",
+        "1",
+        "--lr",
+        "1e-3",
+        "--quiet",
+        "--tensorboard-dir",
+        "none",
+        "--train-iters",
+        "3",
+        "--save-interval",
+        "3",
+        "--dump-rollouts",
+        "--save",
+        os.path.join(out, name),
+        *extra,
+    ]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     with open(os.path.join(out, f"{name}.log"), "w") as log:
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -57,20 +91,56 @@ def _generate(out: str, models: dict) -> None:
     prompts = os.path.join(out, "prompts.jsonl")
     with open(prompts, "w") as f:
         for i in range(12):
-            f.write(json.dumps({"id": f"p{i}", "input_ids": [rnd.randrange(4, 80) for _ in range(5 + i % 4)]}) + "\n")
-    drafts = {"eagle3": ["--draft-kind", "eagle3", "--draft-path", models["eagle3"], "--num-draft-tokens", "3"],
-              "model": ["--draft-kind", "model", "--draft-path", models["draft_model"], "--num-draft-tokens", "3"],
-              "ngram": ["--draft-kind", "ngram", "--num-draft-tokens", "2"],
-              "history": ["--draft-kind", "history", "--num-draft-tokens", "4"], "none": ["--draft-kind", "none"]}
+            f.write(
+                json.dumps({"id": f"p{i}", "input_ids": [rnd.randrange(4, 80) for _ in range(5 + i % 4)]})
+                + "\n"
+            )
+    drafts = {
+        "eagle3": ["--draft-kind", "eagle3", "--draft-path", models["eagle3"], "--num-draft-tokens", "3"],
+        "model": ["--draft-kind", "model", "--draft-path", models["draft_model"], "--num-draft-tokens", "3"],
+        "ngram": ["--draft-kind", "ngram", "--num-draft-tokens", "2"],
+        "history": ["--draft-kind", "history", "--num-draft-tokens", "4"],
+        "none": ["--draft-kind", "none"],
+    }
     for name, flags in drafts.items():
         for t in ("0", "1"):
             path = os.path.join(out, "generate", f"{name}-t{t}.jsonl")
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            subprocess.run([sys.executable, "-m", "megatron_spec", "generate", "--model", models["target"], *flags,
-                            "--prompts", prompts, "--n", "4", "--temperature", t, "--max-new-tokens", "24",
-                            "--seed", "3", "--batch-size", "8", "--dtype", "float32", "--num-threads", "1",
-                            "--ignore-eos", "--output", path, "--no-progress"], check=True, capture_output=True,
-                           env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"), cwd=ROOT)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "megatron_spec",
+                    "generate",
+                    "--model",
+                    models["target"],
+                    *flags,
+                    "--prompts",
+                    prompts,
+                    "--n",
+                    "4",
+                    "--temperature",
+                    t,
+                    "--max-new-tokens",
+                    "24",
+                    "--seed",
+                    "3",
+                    "--batch-size",
+                    "8",
+                    "--dtype",
+                    "float32",
+                    "--num-threads",
+                    "1",
+                    "--ignore-eos",
+                    "--output",
+                    path,
+                    "--no-progress",
+                ],
+                check=True,
+                capture_output=True,
+                env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                cwd=ROOT,
+            )
 
 
 def _digest(out: str) -> dict:
@@ -93,8 +163,9 @@ def _digest(out: str) -> dict:
             res[f"{run}/{os.path.relpath(f, d)}"] = h.hexdigest()[:16]
         rows = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
         res[f"{run}/metric_keys"] = sorted({k for r in rows for k in r})
-        res[f"{run}/metrics"] = [{k: v for k, v in r.items() if not k.startswith(TIMING) and not k.endswith("_s")}
-                                 for r in rows]
+        res[f"{run}/metrics"] = [
+            {k: v for k, v in r.items() if not k.startswith(TIMING) and not k.endswith("_s")} for r in rows
+        ]
     return res
 
 
@@ -102,12 +173,36 @@ def run(out: str, models_dir: str) -> None:
     with open(os.path.join(models_dir, "setup.json")) as f:
         models = {k: os.path.join(models_dir, v) for k, v in json.load(f).items()}
     os.makedirs(out, exist_ok=True)
-    _grpo(out, "eagle3_online", models, 1, "--spec-draft-kind", "eagle3", "--spec-draft-path", models["eagle3"],
-          "--spec-online-draft-training", "--rollout-temperature", "1.0", "--eval-interval", "2",
-          "--eval-prompts", "4")
+    _grpo(
+        out,
+        "eagle3_online",
+        models,
+        1,
+        "--spec-draft-kind",
+        "eagle3",
+        "--spec-draft-path",
+        models["eagle3"],
+        "--spec-online-draft-training",
+        "--rollout-temperature",
+        "1.0",
+        "--eval-interval",
+        "2",
+        "--eval-prompts",
+        "4",
+    )
     _grpo(out, "async_lag1", models, 1, "--spec-draft-kind", "eagle3", "--spec-draft-path", models["eagle3"],
           "--async-policy-lag", "1")
-    _grpo(out, "dp2_mtp", models, 2, "--spec-draft-kind", "mtp", "--spec-online-draft-training", "--kl-coef", "0.01")
+    _grpo(
+        out,
+        "dp2_mtp",
+        models,
+        2,
+        "--spec-draft-kind",
+        "mtp",
+        "--spec-online-draft-training",
+        "--kl-coef",
+        "0.01",
+    )
     _grpo(out, "ngram_tp2", models, 2, "--spec-draft-kind", "ngram", "--tensor-model-parallel-size", "2",
           "--rollout-temperature", "0.7", "--rollout-top-k", "8")
     _generate(out, models)

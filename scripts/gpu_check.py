@@ -16,7 +16,8 @@ deadline for the whole run leaves time for the summary):
 1. ``env``: nvidia-smi, torch and CUDA, nvcc, ``megatron-spec info``;
 2. ``install``: megatron-core from the carried wheels into a temporary folder (no network);
 3. ``build``: ``megatron_spec._C`` for sm_90 (``build_ext --inplace``, every core);
-4. ``ops``: the gpu-marked op tests (every CUDA kernel against its reference, bit for bit, and the device checks);
+4. ``ops``: the gpu-marked op tests (every CUDA kernel against its reference, bit for bit, and the device
+checks);
 5. ``forward_costs``: seconds of verify forwards and EAGLE-3 passes for real model shapes
    (``benchmarks/measure_forward_costs.py``), the points ``megatron-spec simulate`` reads;
 6. ``smoke``: the gpu-marked tests of the trainer and the engine (GPTModel on CUDA against transformers,
@@ -67,18 +68,43 @@ def prepare(kit: Path) -> int:
     for version in WHEELS:
         if not list(wheels.glob(f"megatron_core-{version}-*.whl")):
             print(f"[prepare] downloading megatron-core {version} (cp312, no dependencies)", flush=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                            "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
-                            "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux_2_17_x86_64",
-                            "-d", str(wheels), f"megatron-core=={version}"], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    "--only-binary=:all:",
+                    "--python-version",
+                    "3.12",
+                    "--implementation",
+                    "cp",
+                    "--platform",
+                    "manylinux_2_28_x86_64",
+                    "--platform",
+                    "manylinux_2_24_x86_64",
+                    "--platform",
+                    "manylinux_2_17_x86_64",
+                    "-d",
+                    str(wheels),
+                    f"megatron-core=={version}",
+                ],
+                check=True,
+            )
     models = kit / "models"
     if not (models / "setup.json").is_file():
-        print("[prepare] making the test models (ModelOpt trains the EAGLE-3 draft; about a minute)", flush=True)
+        print(
+            "[prepare] making the test models (ModelOpt trains the EAGLE-3 draft; about a minute)", flush=True
+        )
         if models.exists():
             shutil.rmtree(models)
         models.mkdir(parents=True)
         env = dict(os.environ, PYTHONPATH=str(ROOT))
-        subprocess.run([sys.executable, "-m", "tests.model_factory", str(models)], check=True, cwd=ROOT, env=env)
+        subprocess.run(
+            [sys.executable, "-m", "tests.model_factory", str(models)], check=True, cwd=ROOT, env=env
+        )
     if not (models / "mtp" / "config.json").is_file():
         _make_mtp(models)
     size = sum(f.stat().st_size for f in kit.rglob("*") if f.is_file())
@@ -116,11 +142,17 @@ class Run:
         self.deadline = self.t0 + deadline_s
         self.steps: list[dict] = []
 
-    def step(self, name: str, cmd: list[str] | str, limit_s: float, *, env: dict[str, str] | None = None) -> bool:
+    def step(
+        self, name: str, cmd: list[str] | str, limit_s: float, *, env: dict[str, str] | None = None
+    ) -> bool:
         left = self.deadline - time.monotonic()
         limit = min(limit_s, left)
         log = self.logs / f"{name}.log"
-        rec = {"step": name, "limit_s": round(limit, 1), "command": cmd if isinstance(cmd, str) else " ".join(cmd)}
+        rec = {
+            "step": name,
+            "limit_s": round(limit, 1),
+            "command": cmd if isinstance(cmd, str) else " ".join(cmd),
+        }
         if limit < 5:
             rec.update(status="skipped", seconds=0.0, why="the run's deadline has passed")
             self.steps.append(rec)
@@ -130,9 +162,16 @@ class Run:
         t = time.monotonic()
         with open(log, "w") as f:
             try:
-                proc = subprocess.run(cmd, shell=isinstance(cmd, str), cwd=ROOT, env=dict(self.env, **(env or {})),
-                                      stdout=f, stderr=subprocess.STDOUT, timeout=limit,
-                                      executable="/bin/bash" if isinstance(cmd, str) else None)
+                proc = subprocess.run(
+                    cmd,
+                    shell=isinstance(cmd, str),
+                    cwd=ROOT,
+                    env=dict(self.env, **(env or {})),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=limit,
+                    executable="/bin/bash" if isinstance(cmd, str) else None,
+                )
                 status = "passed" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
             except subprocess.TimeoutExpired:
                 status = f"timed out after {limit:.0f} s"
@@ -163,16 +202,23 @@ def run(args) -> int:
     r = Run(out, args.deadline_s, env)
     models = kit / "models"
     if not (models / "setup.json").is_file():
-        print(f"[gpu-check] {models}: no prepared models; run scripts/gpu_check.sh --prepare first", file=sys.stderr)
+        print(
+            f"[gpu-check] {models}: no prepared models; run scripts/gpu_check.sh --prepare first",
+            file=sys.stderr,
+        )
         return 2
 
     # 1. the environment
-    r.step("env", "nvidia-smi || true; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem "
-                  "--format=csv || true; "
-                  f"{py} -c 'import torch, sys; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", "
-                  "torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name() if "
-                  "torch.cuda.is_available() else \"-\")'; nvcc --version || true; nproc; free -g; "
-                  f"{py} -m megatron_spec info", 60)
+    r.step(
+        "env",
+        "nvidia-smi || true; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem "
+        "--format=csv || true; "
+        f'{py} -c \'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", '
+        "torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name() if "
+        'torch.cuda.is_available() else "-")\'; nvcc --version || true; nproc; free -g; '
+        f"{py} -m megatron_spec info",
+        60,
+    )
     # 2. megatron-core from the carried wheels
     if dry:  # the wheels are for Python 3.12: check them, use the environment's megatron-core
         code = ("import sys, zipfile, glob\n"
@@ -190,13 +236,25 @@ def run(args) -> int:
         r.step("install", tries, 90)
     # 3. the extension, for sm_90
     if dry:
-        r.step("build", [py, "-c", "from megatron_spec import _ext; assert _ext.compiled_ops_available(); "
-                                   "print('dry run: the CPU extension built by setup_env:', _ext.kernel_isa())"], 60)
+        r.step(
+            "build",
+            [
+                py,
+                "-c",
+                "from megatron_spec import _ext; assert _ext.compiled_ops_available(); "
+                "print('dry run: the CPU extension built by setup_env:', _ext.kernel_isa())",
+            ],
+            60,
+        )
     else:
-        r.step("build", f"MAX_JOBS=$(nproc) MEGATRON_SPEC_CUDA_ARCHS=90 {py} setup.py build_ext --inplace && "
-                        f"{py} -c \"import torch; from megatron_spec import ops; "
-                        f"assert ops.compiled_kernel_for('verify_chain', torch.device('cuda')), 'no CUDA kernels'; "
-                        f"print('CUDA kernels: yes')\"", 240)
+        r.step(
+            "build",
+            f"MAX_JOBS=$(nproc) MEGATRON_SPEC_CUDA_ARCHS=90 {py} setup.py build_ext --inplace && "
+            f'{py} -c "import torch; from megatron_spec import ops; '
+            f"assert ops.compiled_kernel_for('verify_chain', torch.device('cuda')), 'no CUDA kernels'; "
+            f"print('CUDA kernels: yes')\"",
+            240,
+        )
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--durations=10"]
     # 4. the ops against their references
     r.step("ops", pytest + ["-m", "gpu", "tests/ops", "tests/ops/test_ops_devices.py"], 120)
@@ -210,11 +268,39 @@ def run(args) -> int:
     r.step("smoke", pytest + (["-m", "gpu"] if dry else []) + SMOKE_TESTS, 200)
     # 7. two short GRPO runs on the native engine
     steps = 2 if dry else 6
-    grpo = ["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", str(args.port),
-            "launch/pretrain_grpo_spec.py", "--hf-checkpoint", str(models / "target"), "--prompt-data", "synthetic:sum",
-            "--reward", "synthetic", "--rollout-backend", "native", "--prompts-per-step", "4", "--grpo-group-size", "4",
-            "--micro-batch-size", "8", "--rollout-max-new-tokens", "24", "--max-prompt-length", "32",
-            "--train-iters", str(steps), "--log-interval", "1", "--make-vocab-size-divisible-by", "8"]
+    grpo = [
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        "--master_port",
+        str(args.port),
+        "launch/pretrain_grpo_spec.py",
+        "--hf-checkpoint",
+        str(models / "target"),
+        "--prompt-data",
+        "synthetic:sum",
+        "--reward",
+        "synthetic",
+        "--rollout-backend",
+        "native",
+        "--prompts-per-step",
+        "4",
+        "--grpo-group-size",
+        "4",
+        "--micro-batch-size",
+        "8",
+        "--rollout-max-new-tokens",
+        "24",
+        "--max-prompt-length",
+        "32",
+        "--train-iters",
+        str(steps),
+        "--log-interval",
+        "1",
+        "--make-vocab-size-divisible-by",
+        "8",
+    ]
     setup = json.loads((models / "setup.json").read_text())
     r.step("grpo_fp8", [py] + grpo + [
         "--rollout-weight-dtype", "fp8", "--colocate-offload", "all", "--spec-draft-kind", "eagle3",
@@ -231,7 +317,9 @@ def finish(r: Run, out: Path, costs: Path, dry: bool) -> int:
         src = out / "runs" / name / "metrics.jsonl"
         if src.is_file():
             shutil.copy(src, r.logs / f"{name}_metrics.jsonl")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
     summary = {"kit": "scripts/gpu_check.sh", "dry_run": dry, "commit": commit or None,
                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "seconds": round(time.monotonic() - r.t0, 1),
@@ -245,7 +333,9 @@ def finish(r: Run, out: Path, costs: Path, dry: bool) -> int:
     print("\n[gpu-check] step             status                          seconds")
     for s in r.steps:
         print(f"[gpu-check] {s['step']:<16} {s['status']:<31} {s['seconds']:>7}")
-    print(f"[gpu-check] {summary['passed']}/{len(r.steps)} passed in {summary['seconds']} s; {out}/summary.json")
+    print(
+        f"[gpu-check] {summary['passed']}/{len(r.steps)} passed in {summary['seconds']} s; {out}/summary.json"
+    )
     return 0 if summary["passed"] == len(r.steps) else 1
 
 

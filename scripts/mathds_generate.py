@@ -60,7 +60,9 @@ def _split_modules(split: str) -> dict:
         return _flatten(modules.test())
     if split == "extrapolate":
         return _flatten(modules.test_extra())
-    raise SystemExit(f"unknown split {split!r}; expected one of {sorted(LEVELS) + ['train', 'interpolate', 'extrapolate']}")
+    raise SystemExit(
+        f"unknown split {split!r}; expected one of {sorted(LEVELS) + ['train', 'interpolate', 'extrapolate']}"
+    )
 
 
 def sample(module_fn, n: int, seed: int) -> list[tuple[str, str]]:
@@ -86,7 +88,9 @@ def main(argv=None) -> int:
                     help="comma-separated full module names (exact, e.g. numbers__gcd)")
     ap.add_argument("--splits", default="train-easy,interpolate,extrapolate")
     ap.add_argument("--num-train", type=int, default=2000, help="problems per module in a train* split")
-    ap.add_argument("--num-test", type=int, default=500, help="problems per module in interpolate/extrapolate")
+    ap.add_argument(
+        "--num-test", type=int, default=500, help="problems per module in interpolate/extrapolate"
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     for split in args.splits.split(","):

@@ -47,8 +47,13 @@ NO_NATIVE_BF16_TESTS=(
     tests/draft/test_online_acceptance.py
 )
 
+# the lint (pyproject.toml [tool.ruff]: line length 110, pycodestyle, pyflakes, isort, pyupgrade, bugbear),
+# in both lanes, before any test: a second or two
+lint() { echo "[test] ruff check"; ruff check --quiet . && echo "[test] ruff: clean"; }
+
 if [ "${1:-}" = "--fast" ]; then
     shift
+    lint
     # the session's test models (a target, its ModelOpt EAGLE-3 draft, ...: deterministic) made once and
     # kept in the ignored cache, keyed by what makes them; the full suite makes them afresh
     key=$(cat tests/model_factory.py megatron_spec/models/tiny.py megatron_spec/draft/modelopt_train.py \
@@ -67,6 +72,7 @@ if [ "$#" -gt 0 ]; then
 fi
 
 status=0
+lint || status=$?
 python -m pytest -q "${WORKERS[@]}" --durations=15 || status=$?
 
 if python -c "import sys; from megatron_spec import isa; sys.exit(0 if isa.probe().native_bf16 else 1)"; then

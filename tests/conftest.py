@@ -24,10 +24,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def setup(tmp_path_factory) -> Setup:
-    """The small target, a second one of the same shape, a draft model and the target's ModelOpt EAGLE-3 draft.
+    """The small target, a second one of the same shape, a draft model and the target's ModelOpt EAGLE-3
+    draft.
 
     Made here once per session; ``MEGATRON_SPEC_TEST_MODELS=DIR`` reads them from a folder made before by
-    ``python -m tests.model_factory DIR`` instead (the GPU check kit carries one to a machine without ModelOpt).
+    ``python -m tests.model_factory DIR`` instead (the GPU check kit carries one to a machine without
+    ModelOpt).
     """
     prepared = os.environ.get("MEGATRON_SPEC_TEST_MODELS")
     if prepared:

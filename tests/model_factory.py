@@ -1,4 +1,5 @@
-"""The small models the tests share (``setup`` in tests/conftest.py), made here or read from a prepared folder.
+"""The small models the tests share (``setup`` in tests/conftest.py), made here or read from a prepared
+folder.
 
 ``python -m tests.model_factory DIR`` writes them to DIR (``setup.json`` names each one); the GPU check kit
 (scripts/gpu_check.sh) carries that folder to a machine without NVIDIA ModelOpt, where the session fixture
@@ -11,7 +12,6 @@ import dataclasses
 import json
 import os
 import sys
-
 from pathlib import Path
 
 import torch
@@ -36,7 +36,9 @@ def load_native(path: str, dtype=torch.float32):
     ck = HFCheckpoint(path)
     cfg = ck.decoder_config
     m = CausalLM(cfg).to(dtype).eval()
-    m.load_weights((n, ck.get(n)) for n in ck.names() if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    m.load_weights(
+        (n, ck.get(n)) for n in ck.names() if not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
     return m
 
 
@@ -69,7 +71,11 @@ def make_setup(root) -> Setup:
 def save_setup(root) -> Setup:
     """:func:`make_setup` plus ``root/setup.json`` naming each model relative to ``root``."""
     made = make_setup(root)
-    names = {f.name: os.path.relpath(getattr(made, f.name), root) for f in dataclasses.fields(Setup) if f.name != "cfg"}
+    names = {
+        f.name: os.path.relpath(getattr(made, f.name), root)
+        for f in dataclasses.fields(Setup)
+        if f.name != "cfg"
+    }
     with open(os.path.join(root, "setup.json"), "w") as f:
         json.dump(names, f, indent=1)
     return made

@@ -16,7 +16,9 @@ from collections.abc import Hashable, Mapping
 from scipy import stats
 
 
-def chi_square_pvalue(counts: Mapping[Hashable, int], probs: Mapping[Hashable, float], min_expected: float = 5.0) -> float:
+def chi_square_pvalue(
+    counts: Mapping[Hashable, int], probs: Mapping[Hashable, float], min_expected: float = 5.0
+) -> float:
     n = sum(counts.values())
     outside = sum(c for key, c in counts.items() if probs.get(key, 0.0) <= 0.0)
     if outside:

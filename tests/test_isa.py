@@ -44,7 +44,10 @@ def _info(**kw) -> isa.CpuInfo:
 
 def test_native_bf16_needs_every_part():
     assert _info().native_bf16 and _info().why_not_bf16() == ""
-    assert not _info(bf16_arith=False).native_bf16 and "no bf16 arithmetic" in _info(bf16_arith=False).why_not_bf16()
+    assert (
+        not _info(bf16_arith=False).native_bf16
+        and "no bf16 arithmetic" in _info(bf16_arith=False).why_not_bf16()
+    )
     assert not _info(onednn_bf16=False).native_bf16 and "oneDNN" in _info(onednn_bf16=False).why_not_bf16()
     forced = _info(forced_off=True)
     assert not forced.native_bf16 and isa.NO_NATIVE_BF16_ENV in forced.why_not_bf16()
@@ -129,10 +132,13 @@ def test_switch_runs_this_machine_as_an_avx2_cpu():
         "import megatron_spec, json, torch\n"
         "from megatron_spec import isa\n"
         "try:\n"
-        "    torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16), 4); err = None\n"
+        "    torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16), 4); err = "
+        "None\n"
         "except RuntimeError as e:\n"
         "    err = str(e)\n"
-        "print(json.dumps({'err': err, 'cap': torch.backends.cpu.get_cpu_capability(), **isa.probe().as_dict()}))\n")
+        "print(json.dumps({'err': err, 'cap': torch.backends.cpu.get_cpu_capability(), "
+        "**isa.probe().as_dict()}))\n"
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["native_bf16"] is False and out["cpu_capability"] == "AVX2" and out["no_native_bf16_forced"]
@@ -175,7 +181,9 @@ def test_engine_asked_for_bf16_without_native_bf16_runs_fp32(setup):
         "a = EngineServer(EngineConfig(dtype='bfloat16', **kw))\n"
         "b = EngineServer(EngineConfig(dtype='float32', **kw))\n"
         "print(json.dumps({'dtype': a.config.dtype, 'param': str(a.target.embed_tokens.weight.dtype),\n"
-        "                  'same': [x.output_ids == y.output_ids for x, y in zip(a.generate(reqs)[0], b.generate(reqs)[0])]}))\n")
+        "                  'same': [x.output_ids == y.output_ids for x, y in zip(a.generate(reqs)[0], "
+        "b.generate(reqs)[0])]}))\n"
+    )
     res = _run_switched(code)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -190,8 +198,13 @@ def test_info_prints_the_cpu_and_the_dtype_auto_picks(switched):
            if k not in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", isa.NO_NATIVE_BF16_ENV)}
     if switched:
         env[isa.NO_NATIVE_BF16_ENV] = "1"
-    res = subprocess.run([sys.executable, "-m", "megatron_spec", "info", "--json"], env=env, capture_output=True,
-                         text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_spec", "info", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     facts = json.loads(res.stdout)
     assert facts["cpu_model"] and facts["cpu_capability"]
@@ -202,7 +215,8 @@ def test_info_prints_the_cpu_and_the_dtype_auto_picks(switched):
     else:
         assert facts["native_bf16"] is (facts["native_bf16_why_not"] is None)
         here = isa.probe()
-        if not here.forced_off:  # this process may itself run under the switch (scripts/test.sh's second pass)
+        # this process may itself run under the switch (scripts/test.sh's second pass)
+        if not here.forced_off:
             assert facts["native_bf16"] is here.native_bf16
 
 
@@ -215,21 +229,32 @@ def test_the_cpu_kind_names_amx_avx512_bf16_and_avx2():
 
 
 def test_amx_runs_where_the_cpu_has_it_unless_switched_off():
-    """The bf16 linear kernel's AMX tiles: on where the CPU and OS allow them, off with ``MEGATRON_SPEC_NO_AMX=1``
+    """The bf16 linear kernel's AMX tiles: on where the CPU and OS allow them, off with
+    ``MEGATRON_SPEC_NO_AMX=1``
     (the AVX512-BF16 dot products then) or ``MEGATRON_SPEC_NO_NATIVE_BF16=1`` (no bf16 engine at all)."""
     from megatron_spec import _ext
 
     if not _ext.compiled_ops_available():
         pytest.skip("megatron_spec._C not built")
-    code = ("import json; from megatron_spec import _ext; from megatron_spec.isa import probe\n"
-            "print(json.dumps({'active': _ext.amx_active(), 'kernel': _ext.bf16_linear_kernel(), 'kind': probe().kind}))")
-    # the switches, and the caps the package sets from the switch on import (run under it: scripts/test.sh's second run)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MEGATRON_SPEC_NO_AMX", isa.NO_NATIVE_BF16_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    code = (
+        "import json; from megatron_spec import _ext; from megatron_spec.isa import probe\n"
+        "print(json.dumps({'active': _ext.amx_active(), 'kernel': _ext.bf16_linear_kernel(), 'kind': "
+        "probe().kind}))"
+    )
+    # the switches, and the caps the package sets from the switch on import (run under it: scripts/test.sh's
+    # second run)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("MEGATRON_SPEC_NO_AMX", isa.NO_NATIVE_BF16_ENV, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+    }
     runs = {}
     for name, extra in (("default", {}), ("no_amx", {"MEGATRON_SPEC_NO_AMX": "1"}),
                         ("no_bf16", {isa.NO_NATIVE_BF16_ENV: "1"})):
-        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra})
+        res = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env={**env, **extra}
+        )
         assert res.returncode == 0, res.stderr
         runs[name] = json.loads(res.stdout.strip().splitlines()[-1])
     assert runs["default"]["active"] == _ext.amx_supported() == (runs["default"]["kernel"] == "amx")

@@ -67,7 +67,8 @@ FORWARDS = ("logprob", "train")
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
     """ModelOpt's default EAGLE-3 feature layers: ``sorted({1, L//2 - 1, L - 4})`` clamped at 0 (the layers
-    captured when a draft names none; ``megatron_spec.draft.eagle3_config`` writes the same into its exports)."""
+    captured when a draft names none; ``megatron_spec.draft.eagle3_config`` writes the same into its
+    exports)."""
     return tuple(sorted({1, max(0, num_layers // 2 - 1), max(0, num_layers - 4)}))
 
 
@@ -430,8 +431,13 @@ class _Recorder:
         b_all, t_all = self.all_rows
         rows = logits[t_all, b_all]  # [N_all, V/tp]
         cfg = self.cfg
-        ids, lps = draft_vocab_teacher(rows, vocab_size=self.vocab_size, target_ids=cfg.draft_target_ids,
-                                       topk=cfg.teacher_topk, tp_group=self.group if self.tp_size > 1 else None)
+        ids, lps = draft_vocab_teacher(
+            rows,
+            vocab_size=self.vocab_size,
+            target_ids=cfg.draft_target_ids,
+            topk=cfg.teacher_topk,
+            tp_group=self.group if self.tp_size > 1 else None,
+        )
         nxt = self.next_tokens_all
         tp_group = self.group if self.tp_size > 1 else None
         mass = None  # a reduced draft vocabulary: what the teacher's renormalisation leaves out

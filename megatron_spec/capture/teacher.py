@@ -154,7 +154,8 @@ def log_mass_and_token_logprobs(
 
 def _exp_sums(logits: torch.Tensor, vocab_size: int, target_ids: torch.Tensor, tokens: torch.Tensor | None,
               tp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``sums [2 or 3, N]``, with ``m`` the row max of the unpadded logits over the TP group and summed over it:
+    """``sums [2 or 3, N]``, with ``m`` the row max of the unpadded logits over the TP group and summed over
+    it:
     ``sums[0] = sum_{v < Vd} exp(z_tid(v) - m)``, ``sums[1] = sum_all exp(z - m)`` and, with ``tokens``,
     ``sums[2] = z_token - m`` (from the rank that owns the token). One float copy of this rank's logits."""
     tp_rank, tp_size = _tp_info(tp_group)
@@ -168,8 +169,11 @@ def _exp_sums(logits: torch.Tensor, vocab_size: int, target_ids: torch.Tensor, t
     parts = []
     if tokens is not None:  # read before the logits are overwritten by their exp
         local = (tokens >= v_start) & (tokens < v_start + x.shape[1])
-        z = (x.gather(1, (tokens - v_start).clamp(0, x.shape[1] - 1).unsqueeze(1)).squeeze(1).float() if x.shape[1]
-             else m.new_zeros(n))  # a rank holding only padded columns owns no token
+        z = (
+            x.gather(1, (tokens - v_start).clamp(0, x.shape[1] - 1).unsqueeze(1)).squeeze(1).float()
+            if x.shape[1]
+            else m.new_zeros(n)
+        )  # a rank holding only padded columns owns no token
         parts.append(torch.where(local, z - m, torch.zeros_like(z)))
     e = (x.float() - m.unsqueeze(1)).exp_()
     sums = torch.stack([e.index_select(1, cols).sum(dim=1), e.sum(dim=1), *parts])  # [2 or 3, N]

@@ -1,4 +1,5 @@
-"""``megatron-spec export-hf CHECKPOINT --out DIR``: a GRPO checkpoint's policy as an HF folder beside its draft
+"""``megatron-spec export-hf CHECKPOINT --out DIR``: a GRPO checkpoint's policy as an HF folder beside its
+draft
 (``megatron_spec.rl.export``): what transformers, vLLM, SGLang and lm-eval load."""
 
 from __future__ import annotations
@@ -10,10 +11,18 @@ HELP = "write a GRPO checkpoint's policy as an HF folder (DIR/policy) beside its
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a run's --save folder (its latest complete checkpoint) or one iter_* folder")
-    parser.add_argument("--out", required=True, help="the export folder: OUT/policy, OUT/<draft>, OUT/export.json")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="the exported weights' dtype (default: the policy's own, fp32 unless trained with --bf16)")
+    parser.add_argument(
+        "checkpoint", help="a run's --save folder (its latest complete checkpoint) or one iter_* folder"
+    )
+    parser.add_argument(
+        "--out", required=True, help="the export folder: OUT/policy, OUT/<draft>, OUT/export.json"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="the exported weights' dtype (default: the policy's own, fp32 unless trained with --bf16)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

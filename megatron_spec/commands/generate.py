@@ -26,7 +26,8 @@ HELP = "generate samples with the rollout engine (optionally speculative) from a
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine and sampling settings under the launcher's names (``--spec-draft-kind``, ``--rollout-dtype``),
+    """The engine and sampling settings under the launcher's names (``--spec-draft-kind``,
+    ``--rollout-dtype``),
     each also under its older name here (``--draft-kind``, ``--dtype``): one table,
     ``megatron_spec.rollout.config.SETTINGS``; then what only a sampler on its own needs."""
     from megatron_spec.rollout.config import add_generate_arguments
@@ -40,12 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the native engine runs: cpu, cuda or cuda:N")
     p.add_argument("--output", required=True, help="output JSONL, one line per sample")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--apply-chat-template", action="store_true",
-                   help="render each text prompt as a user turn with the tokenizer's chat template (prompts that are "
-                        "lists of chat messages always are); the trainer's encoding, rl/prompting.encode_prompt")
+    p.add_argument(
+        "--apply-chat-template",
+        action="store_true",
+        help="render each text prompt as a user turn with the tokenizer's chat template (prompts that are "
+        "lists of chat messages always are); the trainer's encoding, rl/prompting.encode_prompt",
+    )
     p.add_argument("--system-prompt", default=None, help="system turn before each chat prompt")
-    p.add_argument("--prompt-template", default=None, help="text each prompt becomes, {prompt} standing for it")
-    p.add_argument("--apply-chat-template-kwargs", default=None, help="the chat template's variables, a JSON object")
+    p.add_argument(
+        "--prompt-template", default=None, help="text each prompt becomes, {prompt} standing for it"
+    )
+    p.add_argument(
+        "--apply-chat-template-kwargs", default=None, help="the chat template's variables, a JSON object"
+    )
 
 
 def check_paths(args: argparse.Namespace) -> None:
@@ -60,7 +68,9 @@ def check_paths(args: argparse.Namespace) -> None:
     if not os.path.isdir(model):
         raise FileNotFoundError(f"--hf-checkpoint {model}: no such directory (an HF checkpoint directory)")
     if not os.path.isfile(os.path.join(model, "config.json")):
-        raise FileNotFoundError(f"--hf-checkpoint {model} has no config.json (not an HF checkpoint directory)")
+        raise FileNotFoundError(
+            f"--hf-checkpoint {model} has no config.json (not an HF checkpoint directory)"
+        )
     path = args.spec_draft_path
     if path and args.spec_draft_kind in ("eagle3", "model", "mtp") and not os.path.isdir(path):
         raise FileNotFoundError(f"--spec-draft-path {path}: no such directory")
@@ -101,9 +111,11 @@ def check_context(args: argparse.Namespace, prompts) -> int:
     new = args.rollout_max_new_tokens
     need = len(ids) + new
     if need > limit:
-        raise ValueError(f"prompt {rid!r} has {len(ids)} tokens; with --rollout-max-new-tokens {new} it needs "
-                         f"{need} positions, more than the model's context of {limit} (max_position_embeddings in "
-                         f"{args.hf_checkpoint}/config.json)")
+        raise ValueError(
+            f"prompt {rid!r} has {len(ids)} tokens; with --rollout-max-new-tokens {new} it needs "
+            f"{need} positions, more than the model's context of {limit} (max_position_embeddings in "
+            f"{args.hf_checkpoint}/config.json)"
+        )
     if args.context_length and args.context_length > limit:
         raise ValueError(f"--context-length {args.context_length} exceeds the model's context of {limit} "
                          f"(max_position_embeddings)")
@@ -159,11 +171,10 @@ def read_prompts(path: str, tokenizer, encoding: dict | None = None) -> list[tup
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_spec.isa import probe, resolve_dtype
     from megatron_spec.rollout import make_engine
     from megatron_spec.rollout.config import EngineConfig, check_speculation, engine_kwargs, sampling_kwargs
     from megatron_spec.rollout.types import SamplingParams
-
-    from megatron_spec.isa import probe, resolve_dtype
 
     try:
         check_paths(args)
@@ -174,18 +185,29 @@ def run(args: argparse.Namespace) -> int:
     backend = args.rollout_backend
     values = vars(args)
     try:
-        dtype = resolve_dtype(args.rollout_dtype, "cuda" if backend == "sglang" else args.device.partition(":")[0])
+        dtype = resolve_dtype(
+            args.rollout_dtype, "cuda" if backend == "sglang" else args.device.partition(":")[0]
+        )
         check_speculation(values, backend)
         from megatron_spec.rl.prompting import parse_template_kwargs
 
-        prompts = read_prompts(args.prompts, tokenizer, {
-            "chat_template": args.apply_chat_template, "system_prompt": args.system_prompt,
-            "template": args.prompt_template, "template_kwargs": parse_template_kwargs(args.apply_chat_template_kwargs)})
+        prompts = read_prompts(
+            args.prompts,
+            tokenizer,
+            {
+                "chat_template": args.apply_chat_template,
+                "system_prompt": args.system_prompt,
+                "template": args.prompt_template,
+                "template_kwargs": parse_template_kwargs(args.apply_chat_template_kwargs),
+            },
+        )
         sampling = SamplingParams(**sampling_kwargs(values), ignore_eos=args.ignore_eos)
         batch_size = args.rollout_max_batch_size
         requests = batched_requests(prompts, sampling, args.n, batch_size)
         context = check_context(args, prompts)
-        config = EngineConfig(**{**engine_kwargs(values), "dtype": dtype}, device=args.device, context_length=context)
+        config = EngineConfig(
+            **{**engine_kwargs(values), "dtype": dtype}, device=args.device, context_length=context
+        )
         if backend == "vllm":
             from megatron_spec.rollout.vllm_backend import vllm_python
             from megatron_spec.rollout.vllm_protocol import check_supported

@@ -17,8 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from megatron_spec import __version__
-    from megatron_spec import _ext
+    from megatron_spec import __version__, _ext
     from megatron_spec.compat import compat_active
     from megatron_spec.compat.fallbacks import fallback_line
     from megatron_spec.compat.fallbacks import installed_version as _version

@@ -10,13 +10,19 @@ HELP = "plot a GRPO run's metrics (reward, acceptance, stage times, step time) a
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", help="the run's --save directory (holds metrics.jsonl)")
-    p.add_argument("--baseline", default=None, help="a run of the same job without speculation, for comparison")
+    p.add_argument(
+        "--baseline", default=None, help="a run of the same job without speculation, for comparison"
+    )
     p.add_argument("--compare", default=None, metavar="RUN_DIR",
                    help="another speculative run of the same job (e.g. frozen vs online draft): both runs' "
                         "acceptance length per step on one figure, report/acceptance_compare.png")
-    p.add_argument("--labels", default=None, metavar="THIS,OTHER",
-                   help="legend names of RUN_DIR and the --compare run (default: online draft / frozen draft, "
-                        "from their metrics)")
+    p.add_argument(
+        "--labels",
+        default=None,
+        metavar="THIS,OTHER",
+        help="legend names of RUN_DIR and the --compare run (default: online draft / frozen draft, "
+        "from their metrics)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

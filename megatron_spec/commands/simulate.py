@@ -69,9 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="most tokens per sequence the engine verifies in one pass over the KV cache "
                         "(GPU default 4, as calibrated; 0: any k in one pass)")
     e.add_argument("--params", help="calibration JSON (default: megatron_spec/sim/data/calibration.json)")
-    e.add_argument("--measured", default=None,
-                   help="measured forward times of a GPU run (benchmarks/measure_forward_costs.py; default: "
-                        "megatron_spec/sim/data/measured_forwards.json when it exists); 'none': the roofline alone")
+    e.add_argument(
+        "--measured",
+        default=None,
+        help="measured forward times of a GPU run (benchmarks/measure_forward_costs.py; default: "
+        "megatron_spec/sim/data/measured_forwards.json when it exists); 'none': the roofline alone",
+    )
     e.add_argument("--k-max", type=int, default=10, help="largest k searched for the optimal k")
     p.add_argument("--validate-engine-bench", metavar="FILE",
                    help="compare with an engine benchmark JSON instead of simulating a step")
@@ -81,7 +84,9 @@ def _rates(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--accept-rates wants comma-separated numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--accept-rates wants comma-separated numbers, got {text!r}"
+        ) from None
 
 
 def build_config(args: argparse.Namespace):
@@ -109,13 +114,28 @@ def build_config(args: argparse.Namespace):
     if args.fused_verify_max_q is not None:
         engine = engine.replace(fused_verify_max_q=args.fused_verify_max_q)
     return SimConfig(
-        model=args.model, hardware=hw, num_gpus=args.num_gpus, mode=args.mode, policy_lag=args.policy_lag,
-        draft_kind=args.draft_kind, num_draft_tokens=args.num_draft_tokens,
-        accept_length=args.accept_length, accept_rates=args.accept_rates, tp=args.tp, ep=args.ep,
-        num_engines=args.num_engines, workload=wl, rollout_dtype=args.rollout_dtype, train_gpus=args.train_gpus,
-        draft_model=args.draft_model, online_draft_training=args.online_draft_training,
-        efficiency=eff, engine=engine, calibration_path=args.params,
-        measured_path=False if args.measured == "none" else args.measured)
+        model=args.model,
+        hardware=hw,
+        num_gpus=args.num_gpus,
+        mode=args.mode,
+        policy_lag=args.policy_lag,
+        draft_kind=args.draft_kind,
+        num_draft_tokens=args.num_draft_tokens,
+        accept_length=args.accept_length,
+        accept_rates=args.accept_rates,
+        tp=args.tp,
+        ep=args.ep,
+        num_engines=args.num_engines,
+        workload=wl,
+        rollout_dtype=args.rollout_dtype,
+        train_gpus=args.train_gpus,
+        draft_model=args.draft_model,
+        online_draft_training=args.online_draft_training,
+        efficiency=eff,
+        engine=engine,
+        calibration_path=args.params,
+        measured_path=False if args.measured == "none" else args.measured,
+    )
 
 
 def _calibration_summary(hardware_kind: str, path) -> dict:
@@ -160,7 +180,11 @@ def run(args: argparse.Namespace) -> int:
         if args.validate_engine_bench:
             from megatron_spec.sim.engine_bench import validate_engine_benchmark
 
-            print(json.dumps(validate_engine_benchmark(args.validate_engine_bench, calibration_path=args.params)))
+            print(
+                json.dumps(
+                    validate_engine_benchmark(args.validate_engine_bench, calibration_path=args.params)
+                )
+            )
             return 0
         missing = [flag for flag, value in (("--model", args.model), ("--hardware", args.hardware),
                                             ("--num-gpus", args.num_gpus),
@@ -181,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
                 for model in args.sweep_models or [cfg.model]:
                     per = cfg if hw_name is cfg.hardware else cfg.replace(
                         hardware=hw_name, efficiency=None, engine=None)
-                    block = sw.batch_sweep(per.replace(model=model), k_values=range(1, min(args.k_max, 5) + 1))
+                    block = sw.batch_sweep(
+                        per.replace(model=model), k_values=range(1, min(args.k_max, 5) + 1)
+                    )
                     print(sw.format_batch_table(block))
                     edges[f"{block[0]['model']}@{block[0]['hardware']}"] = sw.break_even(block)
                     batch_rows += block

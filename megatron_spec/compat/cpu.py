@@ -28,7 +28,8 @@ import logging
 import sys
 import time
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,7 +62,7 @@ class _Event:
     def synchronize(self) -> None:
         return None
 
-    def elapsed_time(self, end_event: "_Event") -> float:
+    def elapsed_time(self, end_event: _Event) -> float:
         """Milliseconds between two recorded events, like the CUDA event API."""
         if self._t is None or end_event._t is None:
             raise RuntimeError("elapsed_time() needs both events to be recorded first")

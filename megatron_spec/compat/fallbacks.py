@@ -2,7 +2,8 @@
 
 megatron-core warns in every process, once per module, that TransformerEngine or Apex is missing and which
 local implementation it takes instead ("Apex is not installed. Falling back to Torch Norm", ...), and that
-``CUDA_DEVICE_MAX_CONNECTIONS`` is unset. Eight ranks print forty such lines and a user cannot tell which matter.
+``CUDA_DEVICE_MAX_CONNECTIONS`` is unset. Eight ranks print forty such lines and a user cannot tell which
+matter.
 :func:`quiet_fallback_warnings` silences exactly these warnings (by their text, from megatron-core's modules),
 and :func:`fallback_line` is the one line the launcher's rank 0 prints in their place.
 """
@@ -51,6 +52,8 @@ def fallback_line(gpu: bool | None = None) -> str:
     if not gpu:
         parts.append("on CPU through megatron_spec.compat's shim")
     elif os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
-        parts.append("CUDA_DEVICE_MAX_CONNECTIONS is not 1 (megatron-core asks for 1 to overlap tensor-parallel "
-                     "communication)")
+        parts.append(
+            "CUDA_DEVICE_MAX_CONNECTIONS is not 1 (megatron-core asks for 1 to overlap tensor-parallel "
+            "communication)"
+        )
     return "megatron-core: " + "; ".join(parts)

@@ -117,7 +117,9 @@ def distill_draft_model(
     target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(target_dir)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    draft = truncate(transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32), num_layers)
+    draft = truncate(
+        transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32), num_layers
+    )
     for p in draft.model.embed_tokens.parameters():
         p.requires_grad_(False)
     for p in draft.lm_head.parameters():
@@ -129,8 +131,18 @@ def distill_draft_model(
 
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup_steps, 1)) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, max(0, s - warmup_steps) / max(1, steps - warmup_steps))))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / max(warmup_steps, 1))
+            * (
+                0.1
+                + 0.9
+                * 0.5
+                * (1 + math.cos(math.pi * min(1.0, max(0, s - warmup_steps) / max(1, steps - warmup_steps))))
+            )
+        ),
+    )
     g = torch.Generator().manual_seed(seed)
     draft.train()
     curve, t1 = [], time.perf_counter()
@@ -167,5 +179,11 @@ def distill_draft_model(
 
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
-    return {"before": before, "after": after, "curve": curve, "teacher_seconds": teacher_s, "train_seconds": train_s,
-            "rows": sum(int(t[0].shape[0]) for t in teacher)}
+    return {
+        "before": before,
+        "after": after,
+        "curve": curve,
+        "teacher_seconds": teacher_s,
+        "train_seconds": train_s,
+        "rows": sum(int(t[0].shape[0]) for t in teacher),
+    }

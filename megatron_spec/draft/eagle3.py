@@ -117,11 +117,14 @@ class Eagle3Head(nn.Module):
         """Target token embeddings ``[B, T, H]`` for ``input_ids [B, T]``."""
         weight = self.__dict__["_embed_weight"]
         if weight is None:
-            raise RuntimeError("Eagle3Head has no target embedding: call set_target_embedding(...) or pass embeddings")
+            raise RuntimeError(
+                "Eagle3Head has no target embedding: call set_target_embedding(...) or pass embeddings"
+            )
         return F.embedding(input_ids, weight)
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
-        """``h0 = fc(aux)``: aux ``[..., n_aux * H]`` (target layer outputs in ``aux_layer_ids`` order) -> ``[..., H]``."""
+        """``h0 = fc(aux)``: aux ``[..., n_aux * H]`` (target layer outputs in ``aux_layer_ids`` order) ->
+        ``[..., H]``."""
         if aux.shape[-1] != self.fc.in_features:
             raise ValueError(f"aux hidden states have width {aux.shape[-1]}, expected {self.cfg.num_aux} x "
                              f"{self.cfg.hidden_size} = {self.fc.in_features}")
@@ -267,7 +270,9 @@ class Eagle3Head(nn.Module):
         """Expected export name -> shape (``d2t`` only with a reduced vocabulary)."""
         return {name: tuple(t.shape) for name, t in self.named_export_tensors()}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True
+    ) -> set[str]:
         """Copy export-named tensors (``layers.0.*`` or legacy ``midlayer.*``) into the head.
 
         Returns the (canonical) names loaded.
@@ -288,7 +293,9 @@ class Eagle3Head(nn.Module):
                     raise ValueError(f"tensor {canon} given twice (as {name})")
                 dst = targets[canon]
                 if tuple(tensor.shape) != tuple(dst.shape):
-                    raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                    raise ValueError(
+                        f"tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                    )
                 if canon == "d2t":
                     check_d2t(tensor, self.cfg.vocab_size, self.cfg.draft_vocab_size, source=f"tensor {name}")
                     dst.copy_(tensor.long())

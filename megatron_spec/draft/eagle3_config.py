@@ -74,11 +74,15 @@ class Eagle3Config:
             raise ValueError(f"eagle3 num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_kv_heads}")
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"eagle3 draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
+            raise ValueError(
+                f"eagle3 draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}"
+            )
         if not self.aux_layer_ids:
             raise ValueError("eagle3 eagle_aux_hidden_state_layer_ids is empty")
         if len(set(self.aux_layer_ids)) != len(self.aux_layer_ids):
-            raise ValueError(f"eagle3 eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)} has duplicates")
+            raise ValueError(
+                f"eagle3 eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)} has duplicates"
+            )
         rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling)  # raises on unsupported RoPE
 
     @property
@@ -92,21 +96,38 @@ class Eagle3Config:
     def layer_config(self) -> DecoderConfig:
         """The draft layer as a Llama :class:`DecoderConfig` (for the native Attention/MLP modules)."""
         return DecoderConfig(
-            architecture="LlamaForCausalLM", family="llama", vocab_size=self.draft_vocab_size,
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size, num_layers=1,
-            num_attention_heads=self.num_attention_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=False,
-            qkv_bias=False, qk_norm=False)
+            architecture="LlamaForCausalLM",
+            family="llama",
+            vocab_size=self.draft_vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=False,
+            qkv_bias=False,
+            qk_norm=False,
+        )
 
     @classmethod
     def for_target(cls, target: DecoderConfig, draft_vocab_size: int, **kw: Any) -> Eagle3Config:
         """A head shaped like one layer of ``target`` (its widths, heads and vocabulary) reading
         ModelOpt's default aux layers; ``kw`` sets any other field."""
         kw.setdefault("aux_layer_ids", default_aux_layer_ids(target.num_layers))
-        return cls(hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
-                   num_attention_heads=target.num_attention_heads, num_kv_heads=target.num_kv_heads,
-                   head_dim=target.head_dim, vocab_size=target.vocab_size, draft_vocab_size=draft_vocab_size, **kw)
+        return cls(
+            hidden_size=target.hidden_size,
+            intermediate_size=target.intermediate_size,
+            num_attention_heads=target.num_attention_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            **kw,
+        )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -123,7 +144,9 @@ class Eagle3Config:
         cfg = dict(cfg)
         archs = cfg.get("architectures") or []
         if archs and ARCHITECTURE not in archs:
-            raise ValueError(f"{source}: architectures {archs} is not an EAGLE-3 draft (expected {ARCHITECTURE})")
+            raise ValueError(
+                f"{source}: architectures {archs} is not an EAGLE-3 draft (expected {ARCHITECTURE})"
+            )
         eagle = dict(cfg.get("eagle_config") or {})
 
         def need(key: str) -> Any:
@@ -144,15 +167,19 @@ class Eagle3Config:
         if eagle.get("use_aux_hidden_state") is False:
             raise ValueError(f"{source}: eagle_config.use_aux_hidden_state=false is EAGLE-1/2, not EAGLE-3")
         if eagle.get("use_input_layernorm_in_first_layer") is False:
-            raise ValueError(f"{source}: eagle_config.use_input_layernorm_in_first_layer=false (no hidden_norm) "
-                             f"is not supported")
+            raise ValueError(
+                f"{source}: eagle_config.use_input_layernorm_in_first_layer=false (no hidden_norm) "
+                f"is not supported"
+            )
         if eagle.get("use_last_layernorm") is False:
             raise ValueError(f"{source}: eagle_config.use_last_layernorm=false is not supported (ModelOpt's "
                              f"exporter requires norm.weight and SGLang always applies it)")
         hidden = int(need("hidden_size"))
         if cfg.get("target_hidden_size") not in (None, hidden):
-            raise ValueError(f"{source}: target_hidden_size {cfg['target_hidden_size']} != hidden_size {hidden} "
-                             f"is not supported")
+            raise ValueError(
+                f"{source}: target_hidden_size {cfg['target_hidden_size']} != hidden_size {hidden} "
+                f"is not supported"
+            )
         heads = int(need("num_attention_heads"))
 
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
@@ -174,8 +201,9 @@ class Eagle3Config:
                  "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
                  "rope_parameters", "max_position_embeddings", "torch_dtype", "dtype", "eagle_config"}
         extra = {k: v for k, v in cfg.items() if k not in known}
-        extra["eagle_config"] = {k: v for k, v in eagle.items() if k not in ("eagle_aux_hidden_state_layer_ids",
-                                                                              "norm_output")}
+        extra["eagle_config"] = {
+            k: v for k, v in eagle.items() if k not in ("eagle_aux_hidden_state_layer_ids", "norm_output")
+        }
         return cls(
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
@@ -199,14 +227,22 @@ class Eagle3Config:
         out: dict[str, Any] = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
                                "num_hidden_layers": 1, "tie_word_embeddings": False}
         out.update({k: v for k, v in self.extra.items() if k != "eagle_config"})
-        out.update({
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "max_position_embeddings": self.max_position_embeddings, "torch_dtype": self.torch_dtype,
-        })
+        out.update(
+            {
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "vocab_size": self.vocab_size,
+                "draft_vocab_size": self.draft_vocab_size,
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta,
+                "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
+                "max_position_embeddings": self.max_position_embeddings,
+                "torch_dtype": self.torch_dtype,
+            }
+        )
         eagle = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
                  "use_last_layernorm": True, "use_mtp_layernorm": False}
         eagle.update(self.extra.get("eagle_config", {}))
@@ -223,16 +259,19 @@ class Eagle3Config:
             ValueError: naming the field and both values.
         """
         if self.hidden_size != target.hidden_size:
-            raise ValueError(f"draft hidden_size {self.hidden_size} != target hidden_size {target.hidden_size} "
-                             f"in {source}")
+            raise ValueError(
+                f"draft hidden_size {self.hidden_size} != target hidden_size {target.hidden_size} in {source}"
+            )
         if self.vocab_size != target.vocab_size:
             raise ValueError(f"draft vocab_size {self.vocab_size} != target vocab_size {target.vocab_size} "
                              f"in {source}")
         bad = [i for i in self.aux_layer_ids if not 0 <= i < target.num_layers]
         if bad:
-            raise ValueError(f"draft eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)} out of range for "
-                             f"a target with {target.num_layers} layers (valid 0..{target.num_layers - 1}) "
-                             f"in {source}")
+            raise ValueError(
+                f"draft eagle_aux_hidden_state_layer_ids {list(self.aux_layer_ids)} out of range for "
+                f"a target with {target.num_layers} layers (valid 0..{target.num_layers - 1}) "
+                f"in {source}"
+            )
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, *, source: str = "d2t") -> None:

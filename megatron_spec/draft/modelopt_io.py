@@ -97,7 +97,11 @@ def load_eagle3(
             if c == "t2d":  # optional boolean target->draft mask some exporters add; must agree with d2t
                 continue
             if c not in expected:
-                hint = (" (d2t without a reduced vocabulary: draft_vocab_size == vocab_size)" if c == "d2t" else "")
+                hint = (
+                    " (d2t without a reduced vocabulary: draft_vocab_size == vocab_size)"
+                    if c == "d2t"
+                    else ""
+                )
                 raise ValueError(f"unexpected tensor {name} in EAGLE-3 draft {ckpt.path}{hint}")
             shape = ckpt.shape(name)
             if shape != expected[c]:

@@ -193,7 +193,9 @@ def train_and_export_eagle3(
     min_len = ttt_steps + 2  # the last TTT step compares positions 1 + ttt_steps .. T-1
     seqs = [s for s in seqs if len(s) >= min_len]
     if not seqs:
-        raise ValueError(f"token_sequences has no sequence of at least {min_len} tokens (ttt_steps={ttt_steps})")
+        raise ValueError(
+            f"token_sequences has no sequence of at least {min_len} tokens (ttt_steps={ttt_steps})"
+        )
     seq_len = min(max_len, max(len(s) for s in seqs))
 
     torch.manual_seed(seed)  # the draft's initialisation
@@ -201,13 +203,21 @@ def train_and_export_eagle3(
     model.to(device)
     vocab = model.config.vocab_size
     if draft_vocab_size is not None and not 0 < draft_vocab_size <= vocab:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab} (the target's vocab_size)")
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab} (the target's vocab_size)"
+        )
     if draft_vocab_size == vocab:
         draft_vocab_size = None
     d2t = calibrate_d2t(seqs, draft_vocab_size) if draft_vocab_size is not None else None
 
-    cfg = eagle3_modelopt_config(model.config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids,
-                                 ttt_steps=ttt_steps, export_rope_scaling=export_rope_scaling, draft_arch=draft_arch)
+    cfg = eagle3_modelopt_config(
+        model.config,
+        draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=aux_layer_ids,
+        ttt_steps=ttt_steps,
+        export_rope_scaling=export_rope_scaling,
+        draft_arch=draft_arch,
+    )
     model = mtsp.convert(model, [("eagle", cfg)])
     eagle = model.eagle_module
     if d2t is not None:
@@ -279,9 +289,19 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     with open(a.data) as f:
         seqs = [json.loads(line)["input_ids"] for line in f if line.strip()]
-    res = train_and_export_eagle3(a.target, a.out, seqs, steps=a.steps, batch_size=a.batch_size, max_len=a.max_len,
-                                  draft_vocab_size=a.draft_vocab_size, ttt_steps=a.ttt_steps, lr=a.lr, seed=a.seed,
-                                  export_rope_scaling={} if a.no_export_rope_scaling else None)
+    res = train_and_export_eagle3(
+        a.target,
+        a.out,
+        seqs,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        max_len=a.max_len,
+        draft_vocab_size=a.draft_vocab_size,
+        ttt_steps=a.ttt_steps,
+        lr=a.lr,
+        seed=a.seed,
+        export_rope_scaling={} if a.no_export_rope_scaling else None,
+    )
     print(json.dumps({"path": res.path, "final_loss": res.losses[-1] if res.losses else None,
                       "final_acc": res.accuracies[-1] if res.accuracies else None, "seconds": res.seconds}))
     return 0

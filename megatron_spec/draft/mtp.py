@@ -48,7 +48,6 @@ from megatron_spec.capture.teacher import (
 from megatron_spec.draft.losses import hard_cross_entropy_sum, soft_cross_entropy_sum, top1_agreement_sum
 from megatron_spec.draft.mtp_head import mtp_layer_prefix
 from megatron_spec.draft.mtp_io import load_mtp_head, load_mtp_tensors, read_mtp_config, save_mtp
-from megatron_spec.interfaces import DraftLearner
 from megatron_spec.draft.optim import (
     HOST,
     DraftOptimizer,
@@ -58,6 +57,7 @@ from megatron_spec.draft.optim import (
     group_info,
     scored_rows_per_step,
 )
+from megatron_spec.interfaces import DraftLearner
 from megatron_spec.models.convert import ParamRule, canonical_name, megatron_rules, shard
 from megatron_spec.models.hf_config import DecoderConfig
 
@@ -218,7 +218,9 @@ class MtpTrainer(DraftUpdate, DraftLearner):
         from megatron.core import parallel_state as ps
 
         if config.tv_weight:  # its heads are vocabulary-parallel: min(p, q) would need the whole vocabulary
-            raise ValueError("tv_weight is for the EAGLE-3 draft; the MTP trainer takes the soft or hard loss")
+            raise ValueError(
+                "tv_weight is for the EAGLE-3 draft; the MTP trainer takes the soft or hard loss"
+            )
         self.draft = MtpDraft(policy, num_layers, use_te=use_te).train()
         self.config = config
         if ps.model_parallel_is_initialized():
@@ -300,7 +302,8 @@ class MtpTrainer(DraftUpdate, DraftLearner):
         self.draft.eval()
         try:
             for mb in micro_batches(lens, self.config.micro_batch_rows):
-                _, l_s, a_s = self._micro_batch(cache, mb, [1.0] * depth, ones, label_ok)  # mb: segment indices
+                # mb: segment indices
+                _, l_s, a_s = self._micro_batch(cache, mb, [1.0] * depth, ones, label_ok)
                 loss_sums += l_s
                 agree += a_s
         finally:
@@ -341,7 +344,8 @@ class MtpTrainer(DraftUpdate, DraftLearner):
         teacher_lp = cache.padded("teacher_logprobs", segs).to(w_dev)  # [B, S, k | V]
         teacher_ids = cache.padded("teacher_ids", segs).to(w_dev) if cache.teacher_ids is not None else None
         next_tokens = cache.padded("next_tokens", segs, pad_value=-1).to(w_dev)
-        scored = cache.pad_rows(cache.scored_mask(), segs, False).to(w_dev)  # [B, S]: context rows carry no loss
+        # [B, S]: context rows carry no loss
+        scored = cache.pad_rows(cache.scored_mask(), segs, False).to(w_dev)
         teacher_top1 = teacher_ids[..., 0] if teacher_ids is not None else teacher_lp.argmax(-1)
         group = self.tp_group if self.tp_size > 1 else None
         outs = draft(hidden, embeds)

@@ -90,7 +90,9 @@ class MtpHead(nn.Module):
         cfg = self.target_cfg
         dtype = dtype or self.layers[0].eh_proj.weight.dtype
         device = self.layers[0].eh_proj.weight.device
-        return [KVCache(1, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device) for _ in self.layers]
+        return [
+            KVCache(1, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim, dtype, device) for _ in self.layers
+        ]
 
     # ------------------------------------------------------------------ weights by HF name
     def _views(self) -> Iterator[tuple[str, torch.Tensor]]:

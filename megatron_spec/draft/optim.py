@@ -38,7 +38,8 @@ class DraftTrainerConfig:
     """``soft``: cross-entropy against the teacher distribution; ``hard``: against the sampled next tokens."""
     tv_weight: float = 0.0
     """``soft`` loss only: add ``tv_weight`` times the total variation ``1 - sum min(p, q)`` on the teacher's
-    entries (``losses.tv_loss_rows``), the acceptance itself as a loss (``--spec-draft-tv-weight``); EAGLE-3 only."""
+    entries (``losses.tv_loss_rows``), the acceptance itself as a loss (``--spec-draft-tv-weight``); EAGLE-3
+    only."""
     loss_decay: float = 0.9
     """Weight ``loss_decay ** s`` of TTT step s (MTP: of depth s); ModelOpt's ``eagle_loss_decay_factor``."""
     lr: float = 1e-4
@@ -72,7 +73,9 @@ class DraftTrainerConfig:
         if not (self.tv_weight >= 0 and math.isfinite(self.tv_weight)):
             raise ValueError(f"draft tv_weight must be >= 0 and finite, got {self.tv_weight}")
         if self.tv_weight and self.loss != "soft":
-            raise ValueError("draft tv_weight needs the soft loss (the teacher's distribution), got loss='hard'")
+            raise ValueError(
+                "draft tv_weight needs the soft loss (the teacher's distribution), got loss='hard'"
+            )
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"draft lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
@@ -243,8 +246,17 @@ class DraftUpdate:
     ``optimizer``, ``step``, ``export_dir`` and ``export(dir)``, and a
     ``_micro_batch(cache, segs, weights, counts, label_ok) -> (loss, loss_sums[n], agree_sums[n])``."""
 
-    def _update(self, cache, segments: list[int], lens: list[int], weights: Sequence[float],
-                label_ok: torch.Tensor | None, group: dist.ProcessGroup | None, tag: str, t0: float) -> dict[str, float]:
+    def _update(
+        self,
+        cache,
+        segments: list[int],
+        lens: list[int],
+        weights: Sequence[float],
+        label_ok: torch.Tensor | None,
+        group: dist.ProcessGroup | None,
+        tag: str,
+        t0: float,
+    ) -> dict[str, float]:
         """Global scored-row counts per unrolled step (the loss normaliser), backward over
         micro-batches of ``segments`` (gradient accumulation), one optimizer step, then the
         metrics: ``draft/loss_{tag}{s}``, ``draft/acc_{tag}{s}`` (means over the group), their
@@ -266,8 +278,12 @@ class DraftUpdate:
         self.step += 1
         rows = torch.tensor([float(sum(lens))], dtype=torch.float64, device=HOST)
         totals = reduce_metric_sums(torch.cat([loss_sums, agree, rows]), group, dev)
-        out = {"draft/step": float(self.step), "draft/rows": float(totals[-1]), "draft/grad_norm": opt["grad_norm"],
-               "draft/lr": opt["lr"]}
+        out = {
+            "draft/step": float(self.step),
+            "draft/rows": float(totals[-1]),
+            "draft/grad_norm": opt["grad_norm"],
+            "draft/lr": opt["lr"],
+        }
         total_loss = 0.0
         for s_i in range(n):
             mean = float(totals[s_i] / counts[s_i])

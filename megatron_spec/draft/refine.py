@@ -98,7 +98,8 @@ def refine_eagle3(
 
     Returns ``before`` and ``after`` (:meth:`Eagle3Trainer.evaluate` on ``held_out``: expected
     acceptance per unrolled step and ``draft/eval_tau``), ``train_after`` (the same on as many rows of
-    the training rollouts: :func:`training_sample_segments`, captured exactly), ``curve`` (``(step, eval_tau)`` every
+    the training rollouts: :func:`training_sample_segments`, captured exactly), ``curve`` (``(step,
+    eval_tau)`` every
     ``eval_every`` steps), ``rows`` / ``held_out_rows`` and the seconds of capture and training.
     """
     from megatron_spec.capture import Capture, CaptureConfig
@@ -115,18 +116,35 @@ def refine_eagle3(
     model = build_gpt_model(cfg)
     load_hf_weights(model, ckpt)
     trainer = Eagle3Trainer.from_modelopt(
-        draft_dir, cfg,
-        DraftTrainerConfig(lr=lr, ttt_steps=ttt_steps, max_rows_per_step=rows_per_step, warmup_steps=warmup_steps,
-                           lr_schedule="cosine", total_steps=steps, seed=seed,
-                           tv_weight=tv_weight),
+        draft_dir,
+        cfg,
+        DraftTrainerConfig(
+            lr=lr,
+            ttt_steps=ttt_steps,
+            max_rows_per_step=rows_per_step,
+            warmup_steps=warmup_steps,
+            lr_schedule="cosine",
+            total_steps=steps,
+            seed=seed,
+            tv_weight=tv_weight,
+        ),
     )
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))
-    exact = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=None, storage_dtype="bfloat16", max_bytes=1 << 40))
+    exact = Capture.for_trainer(
+        trainer, CaptureConfig(teacher_topk=None, storage_dtype="bfloat16", max_bytes=1 << 40)
+    )
     caches = _capture_both(model, capture, rollouts, held_out, capture_batch_size, progress, exact=exact)
     del model  # the head reads the cache from here on
-    res = _fit(trainer, *caches, steps=steps, score="draft/eval_tau", eval_every=eval_every, progress=progress,
-               desc="eagle3 draft")
+    res = _fit(
+        trainer,
+        *caches,
+        steps=steps,
+        score="draft/eval_tau",
+        eval_every=eval_every,
+        progress=progress,
+        desc="eagle3 draft",
+    )
     trainer.export(os.fspath(out_dir or draft_dir))
     return res
 
@@ -156,8 +174,19 @@ def _capture_both(model, capture, rollouts: Sequence[Rollout], held_out: Sequenc
     return train_cache, eval_cache, sample, time.perf_counter() - t0
 
 
-def _fit(trainer, train_cache, eval_cache, sample, capture_s: float, *, steps: int, score: str, eval_every: int,
-         progress: bool, desc: str) -> dict[str, Any]:
+def _fit(
+    trainer,
+    train_cache,
+    eval_cache,
+    sample,
+    capture_s: float,
+    *,
+    steps: int,
+    score: str,
+    eval_every: int,
+    progress: bool,
+    desc: str,
+) -> dict[str, Any]:
     """Train ``trainer`` ``steps`` steps on ``train_cache``; evaluate on ``eval_cache`` before, every
     ``eval_every`` steps (metric ``score``) and after, and on ``sample`` (training rows) after."""
     from tqdm.auto import tqdm
@@ -175,8 +204,16 @@ def _fit(trainer, train_cache, eval_cache, sample, capture_s: float, *, steps: i
     after = trainer.evaluate(eval_cache)
     curve.append((steps, after[score]))
     seen = trainer.evaluate(sample)
-    return {"before": before, "after": after, "train_after": seen, "curve": curve, "rows": train_cache.num_scored,
-            "held_out_rows": eval_cache.num_scored, "capture_seconds": capture_s, "train_seconds": train_s}
+    return {
+        "before": before,
+        "after": after,
+        "train_after": seen,
+        "curve": curve,
+        "rows": train_cache.num_scored,
+        "held_out_rows": eval_cache.num_scored,
+        "capture_seconds": capture_s,
+        "train_seconds": train_s,
+    }
 
 
 def training_sample_segments(cache, rows: int) -> list[int]:
@@ -251,13 +288,22 @@ def train_mtp(
     capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=teacher_topk, storage_dtype="bfloat16",
                                                          max_bytes=1 << 40))
     caches = _capture_both(model, capture, rollouts, held_out, capture_batch_size, progress)
-    res = _fit(trainer, *caches, steps=steps, score="draft/eval_top1_0", eval_every=eval_every, progress=progress,
-               desc="mtp draft")  # the depths read the policy's output weight: the model stays
+    res = _fit(
+        trainer,
+        *caches,
+        steps=steps,
+        score="draft/eval_top1_0",
+        eval_every=eval_every,
+        progress=progress,
+        desc="mtp draft",
+    )  # the depths read the policy's output weight: the model stays
     trainer.export(os.fspath(out_dir))
     return res
 
 
-def save_rollouts(path: str | os.PathLike, rollouts: Sequence[tuple[int, Sequence[int], Sequence[int]]]) -> None:
+def save_rollouts(
+    path: str | os.PathLike, rollouts: Sequence[tuple[int, Sequence[int], Sequence[int]]]
+) -> None:
     """Write ``(prompt index, prompt ids, response ids)`` rollouts as JSONL (atomically)."""
     import json
 

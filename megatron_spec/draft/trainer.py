@@ -52,7 +52,6 @@ from megatron_spec.draft.losses import (
     ttt_valid_rows,
     tv_loss_sum,
 )
-from megatron_spec.interfaces import DraftLearner
 from megatron_spec.draft.optim import (
     HOST,
     STATE_FILE,
@@ -64,6 +63,7 @@ from megatron_spec.draft.optim import (
     group_info,
     reduce_metric_sums,
 )
+from megatron_spec.interfaces import DraftLearner
 
 
 class Eagle3Trainer(DraftUpdate, DraftLearner):
@@ -182,7 +182,9 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
             label_ok = (nxt >= 0) & (self._t2d.to(nxt.device)[nxt.clamp(min=0)] >= 0)
         return self._update(cache, segments, lens, weights, label_ok, self.group, "ttt", t0)
 
-    def _unroll(self, cache: DraftCache, segs: list[int], steps: int) -> Iterator[tuple[int, Any, torch.Tensor]]:
+    def _unroll(
+        self, cache: DraftCache, segs: list[int], steps: int
+    ) -> Iterator[tuple[int, Any, torch.Tensor]]:
         """The training-time-test unroll over ``segs`` (right-padded): yields ``(s, out, valid)`` per
         step, ``out`` the head's :class:`Eagle3Output` and ``valid [B, S]`` the rows scored at step s
         (inside the segment, ``q >= s``, and a scored row of the cache: context rows never are)."""
@@ -247,7 +249,9 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
         return loss, l_sums, a_sums
 
     @torch.no_grad()
-    def acceptance(self, cache: DraftCache, steps: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def acceptance(
+        self, cache: DraftCache, steps: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-row expected acceptance of the current head on ``cache`` (no update, no collective).
 
         Returns:
@@ -274,9 +278,14 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
         try:
             for segs in micro_batches(lens_all, self.config.micro_batch_rows):
                 teacher_lp = cache.padded("teacher_logprobs", segs).to(dev)  # [B, S, k | Vd]
-                teacher_ids = cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
-                log_mass = (cache.padded("teacher_log_mass", segs).to(dev) if cache.teacher_log_mass is not None
-                            else None)  # [B, S]: the target's mass on a reduced draft vocabulary
+                teacher_ids = (
+                    cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
+                )
+                log_mass = (
+                    cache.padded("teacher_log_mass", segs).to(dev)
+                    if cache.teacher_log_mass is not None
+                    else None
+                )  # [B, S]: the target's mass on a reduced draft vocabulary
                 lens = torch.tensor([lens_all[s] for s in segs], device=dev)
                 t = int(lens.max())
                 # row index into the cache of every padded row (-1: padding)

@@ -64,8 +64,13 @@ def compiling_pays(dtype: torch.dtype) -> bool:
 
 
 @torch.library.custom_op("megatron_spec_compiled::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, small: torch.Tensor | None, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    small: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
     """:func:`~megatron_spec.layers.linear.packed_matmul` (the weights :meth:`Linear.pack` made) as an op
     the compiler calls rather than traces."""
     return packed_matmul(x, packed, small, bias, out_features)
@@ -87,7 +92,8 @@ def layer_step(x: torch.Tensor, weights: LayerWeights, dims: tuple, cos: torch.T
                ) -> torch.Tensor:
     """One decoder layer over ``x [b * t, H]`` (one rectangular segment of ``b`` rows of ``t`` tokens in
     slots ``0..b-1``, every row's output kept): :meth:`DecoderLayer.forward_flat` for one :class:`LayerPlan`
-    without ``pack``, ``rows`` or a slot offset, with the layer's K/V written into ``k_cache, v_cache`` (this layer's
+    without ``pack``, ``rows`` or a slot offset, with the layer's K/V written into ``k_cache, v_cache`` (this
+    layer's
     ``[slots, nkv, max_len, d]`` tensors) at ``write_index``. ``dims``: ``(nq, nkv, head_dim,
     intermediate, eps)``; ``cos, sin [b, 1, t, d]``; ``mask [b, 1, t, read_len]``."""
     ln1, ln2, qkv_w, qkv_b, o_w, gate_up_w, down_w, q_norm, k_norm = weights
@@ -121,8 +127,17 @@ def layer_weights(layer: DecoderLayer) -> LayerWeights | None:
     if any(lin._packed is None for lin in lins) or a.o_proj.bias is not None:
         return None
     qkv, o, gate_up, down = ((lin._packed, lin._small) for lin in lins)
-    return (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, qkv, a.qkv_proj.bias, o, gate_up,
-            down, None if a.q_norm is None else a.q_norm.weight, None if a.k_norm is None else a.k_norm.weight)
+    return (
+        layer.input_layernorm.weight,
+        layer.post_attention_layernorm.weight,
+        qkv,
+        a.qkv_proj.bias,
+        o,
+        gate_up,
+        down,
+        None if a.q_norm is None else a.q_norm.weight,
+        None if a.k_norm is None else a.k_norm.weight,
+    )
 
 
 class CompiledLayers:
@@ -161,9 +176,20 @@ class CompiledLayers:
             out.append(w)
         return out
 
-    def run(self, x: torch.Tensor, plan: LayerPlan, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-            layers: range, weights: list[LayerWeights], aux_layers=(), aux: list | None = None) -> torch.Tensor:
-        """Layers ``layers`` over ``x [b * t, H]`` of ``plan`` (no ``pack``, slot offset 0); the outputs of the
+    def run(
+        self,
+        x: torch.Tensor,
+        plan: LayerPlan,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        layers: range,
+        weights: list[LayerWeights],
+        aux_layers=(),
+        aux: list | None = None,
+    ) -> torch.Tensor:
+        """Layers ``layers`` over ``x [b * t, H]`` of ``plan`` (no ``pack``, slot offset 0); the outputs of
+        the
         layers in ``aux_layers`` are appended to ``aux``."""
         if not getattr(cache, "_static_for_compile", False):
             # the cache's sizes are fixed for the engine's life: static, so that dynamo neither makes them
@@ -171,13 +197,20 @@ class CompiledLayers:
             for t in cache.k + cache.v:
                 torch._dynamo.mark_static(t)
             cache._static_for_compile = True
-        # imported here, not with the module: dynamo takes ~1.7 s to import, and every engine imports this module
+        # imported here, not with the module: dynamo takes ~1.7 s to import, and every engine imports this
+        # module
         # to ask compiling_pays() whether to compile at all
         from torch._dynamo.utils import counters
 
         graphs = counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        for t, dims in ((x, (0,)), (cos, (0, 2)), (sin, (0, 2)), (plan.write_index, (0,)), (plan.mask, (0, 2, 3))):
+        for t, dims in (
+            (x, (0,)),
+            (cos, (0, 2)),
+            (sin, (0, 2)),
+            (plan.write_index, (0,)),
+            (plan.mask, (0, 2, 3)),
+        ):
             for dim in dims:
                 if t.shape[dim] > 1:  # dynamo specialises sizes 0 and 1 whatever is marked
                     torch._dynamo.maybe_mark_dynamic(t, dim)
@@ -189,6 +222,12 @@ class CompiledLayers:
         if built:
             self.compiles += built
             self.compile_seconds += time.perf_counter() - t0
-            logger.info("compiled decoder layer for %d rows x %d tokens (fused attention %s), %s: %.1f s", plan.b,
-                        plan.t, use_fused_attention(x.dtype, plan.b, plan.t), x.dtype, time.perf_counter() - t0)
+            logger.info(
+                "compiled decoder layer for %d rows x %d tokens (fused attention %s), %s: %.1f s",
+                plan.b,
+                plan.t,
+                use_fused_attention(x.dtype, plan.b, plan.t),
+                x.dtype,
+                time.perf_counter() - t0,
+            )
         return x

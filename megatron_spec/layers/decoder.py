@@ -47,7 +47,8 @@ _KERNELS: dict[str, bool] = {}
 
 
 def kernel_available(op: str) -> bool:
-    """Whether the extension's op ``megatron_spec::{op}`` runs here: ``megatron_spec._C`` built with it and not
+    """Whether the extension's op ``megatron_spec::{op}`` runs here: ``megatron_spec._C`` built with it and
+    not
     disabled (``MEGATRON_SPEC_FORCE_REFERENCE=1``); decided once per process and op (``_KERNELS``)."""
     if op not in _KERNELS:
         from megatron_spec._ext import compiled_ops_available
@@ -66,7 +67,8 @@ def norm_rope_kernels_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 def _eager_cpu_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    """The dtype suffix of the extension's norm/RoPE kernels (``"f32"``, ``"bf16"``) when ``x`` and ``w`` are both
+    """The dtype suffix of the extension's norm/RoPE kernels (``"f32"``, ``"bf16"``) when ``x`` and ``w`` are
+    both
     fp32 or both bf16 on the CPU, no gradient is asked for, torch.compile is not tracing (it fuses torch's own
     arithmetic better than it could call an opaque op) and the kernels are built; else None."""
     if x.dtype != w.dtype or x.dtype not in _SUFFIX or x.device.type != "cpu" or w.device.type != "cpu":
@@ -163,12 +165,16 @@ class Rotary(nn.Module):
         """Rotate ``x [B, n, T, d]`` (queries and keys alike, or both heads stacked on ``n``)."""
         return rotate(x, *self.tables(positions, x.dtype))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[B, nq, T, d]``, k ``[B, nkv, T, d]``, positions ``[B, T]``."""
         return self.apply(q, positions), self.apply(k, positions)
 
 
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Grouped-query attention as two batched matmuls with an fp32 softmax.
 
     q ``[B, nq, T, d]``, k/v ``[B, nkv, L, d]`` (strided cache views are fine), mask
@@ -179,7 +185,8 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     b, nq, t, d = q.shape
     nkv = k.shape[1]
     g = nq // nkv
-    scores = torch.matmul(q.reshape(b, nkv, g * t, d), k.transpose(-1, -2)).float() * scale  # [B, nkv, g*T, L]
+    # [B, nkv, g*T, L]
+    scores = torch.matmul(q.reshape(b, nkv, g * t, d), k.transpose(-1, -2)).float() * scale
     scores = scores.view(b, nkv, g, t, -1).masked_fill(~mask.view(b, 1, 1, t, -1), float("-inf"))
     probs = scores.softmax(dim=-1).to(q.dtype).view(b, nkv, g * t, -1)
     return torch.matmul(probs, v).view(b, nq, t, d)
@@ -191,7 +198,9 @@ def attention_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
     return dtype in _SUFFIX and kernel_available(f"attention_{_SUFFIX[dtype]}")
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """Grouped-query attention of ``q [B, nq, T, d]`` over ``k, v [B, nkv, L, d]`` with ``mask [B, 1, T, L]``
     (True = attend): in fp32 or bf16 on a CPU, where no gradient is asked for, the extension's kernel (one
     task a row and KV head, reading the cache views in place: fp32 1.2-2.6x faster than torch's kernels at
@@ -257,9 +266,12 @@ class Attention(nn.Module):
         qk, v = qkv.split([(self.nq + self.nkv) * self.d, self.nkv * self.d], dim=-1)
         if self.q_norm is not None:
             q, k = qk.view(b, t, -1, self.d).split([self.nq, self.nkv], dim=2)
-            q, k = rotary(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), positions)  # [B, n, T, d]
+            # [B, n, T, d]
+            q, k = rotary(self.q_norm(q).transpose(1, 2), self.k_norm(k).transpose(1, 2), positions)
         else:  # queries and keys rotated in one go (the same elementwise arithmetic, half the ops)
-            q, k = rotary.apply(qk.view(b, t, -1, self.d).transpose(1, 2), positions).split([self.nq, self.nkv], 1)
+            q, k = rotary.apply(qk.view(b, t, -1, self.d).transpose(1, 2), positions).split(
+                [self.nq, self.nkv], 1
+            )
         v = v.view(b, t, self.nkv, self.d).transpose(1, 2)
         if write_index is None:
             write_index = cache.write_index(positions, slot_offset)
@@ -360,19 +372,22 @@ class DecoderLayer(nn.Module):
 
 
 FUSED_LAYERS = True
-"""Let :func:`fused_stack` hand eligible layer stacks to ``megatron_spec::decoder_layers`` (``csrc/decoder_cpu.cpp``:
+"""Let :func:`fused_stack` hand eligible layer stacks to ``megatron_spec::decoder_layers``
+(``csrc/decoder_cpu.cpp``:
 the same ops in the same order, called from C++; the same bits). False keeps every layer in Python
 (benchmarks compare both)."""
 
 
 def fused_layers_available(dtype: torch.dtype) -> bool:
-    """Whether ``megatron_spec::decoder_layers`` and the kernels it calls for ``dtype`` (fp32 or bf16) run here."""
+    """Whether ``megatron_spec::decoder_layers`` and the kernels it calls for ``dtype`` (fp32 or bf16) run
+    here."""
     return (attention_kernel_available(dtype) and norm_rope_kernels_available(dtype)
             and kernel_available("decoder_layers"))
 
 
 def fused_input(x: torch.Tensor) -> bool:
-    """The part of :func:`fused_stack`'s conditions that depends on the call, not on the layers: the switch, the
+    """The part of :func:`fused_stack`'s conditions that depends on the call, not on the layers: the switch,
+    the
     CPU, fp32 or bf16 with the extension's kernels, no gradient, not compiling, at most the panels' rows."""
     dt = x.dtype
     return (FUSED_LAYERS and x.device.type == "cpu" and dt in _SUFFIX and not torch.is_grad_enabled()
@@ -381,12 +396,15 @@ def fused_input(x: torch.Tensor) -> bool:
 
 
 def fused_stack(layers: Sequence[DecoderLayer], x: torch.Tensor) -> tuple[list[torch.Tensor], list] | None:
-    """The arguments of ``megatron_spec::decoder_layers`` for running ``layers`` over ``x [N, H]`` (weights, 6 a
+    """The arguments of ``megatron_spec::decoder_layers`` for running ``layers`` over ``x [N, H]`` (weights,
+    6 a
     layer, and each layer's q/k/v bias), or None where the Python layer must run them.
 
     They may run there only where :meth:`DecoderLayer.forward_flat` would call exactly the ops the C++ layer
-    calls: no gradient, not under torch.compile, on the CPU in fp32 or bf16 with the extension's norm, RoPE and
-    attention kernels; every projection packed into the extension's panels for ``x.dtype`` (:meth:`Linear.pack`)
+    calls: no gradient, not under torch.compile, on the CPU in fp32 or bf16 with the extension's norm, RoPE
+    and
+    attention kernels; every projection packed into the extension's panels for ``x.dtype``
+    (:meth:`Linear.pack`)
     and at most the rows they take (:data:`SMALL_MAX_ROWS`, :data:`SMALL_MAX_ROWS_BF16`: decode and verify
     sizes, not prefills); no per-head q/k norms (Qwen3). The caller keeps to one segment with no packed or
     dropped rows (:class:`LayerPlan`).

@@ -68,7 +68,9 @@ class KVCache:
         self.k[layer].view(-1, d).index_copy_(0, index, k_new.reshape(-1, d).to(self.dtype))
         self.v[layer].view(-1, d).index_copy_(0, index, v_new.reshape(-1, d).to(self.dtype))
 
-    def view(self, layer: int, batch: int, length: int, slot_offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def view(
+        self, layer: int, batch: int, length: int, slot_offset: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Strided views ``[B, nkv, length, d]`` of slots ``offset..offset+batch-1`` (no copy)."""
         rows = slice(slot_offset, slot_offset + batch)
         return self.k[layer][rows, :, :length], self.v[layer][rows, :, :length]

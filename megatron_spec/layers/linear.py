@@ -50,27 +50,32 @@ def bf16_exact(w: torch.Tensor) -> bool:
 
 
 def small_linear_available() -> bool:
-    """Whether the fp32 decode/verify kernel of ``csrc/linear_cpu.cpp`` can run (``megatron_spec._C`` built)."""
+    """Whether the fp32 decode/verify kernel of ``csrc/linear_cpu.cpp`` can run (``megatron_spec._C``
+    built)."""
     from megatron_spec._ext import compiled_ops_available
 
     return compiled_ops_available() and hasattr(torch.ops.megatron_spec, "linear_small_f32")
 
 
 SMALL_MAX_ROWS_BF16 = 128
-"""bf16 inputs of at most this many rows run through ``megatron_spec::linear_small_bf16`` (CPUs with AVX512-BF16
+"""bf16 inputs of at most this many rows run through ``megatron_spec::linear_small_bf16`` (CPUs with
+AVX512-BF16
 dot products): decode and verify batches; prefills go to oneDNN. Measured over SmolLM2-135M's 211 matrices
 on a 2-core Zen 4, kernel vs oneDNN's packed bf16 matmul (ms, best of 5; ``benchmarks/bench_linear_rows.py``,
 with the kernel's panel prefetch): 9.5 vs 16.1 at 1 row, 10.1 vs 14.9 at 4, 14.8 vs 24.4 at 16, 42.5 vs 50.4
 at 64, 82.8 vs 90.8 at 128. The kernel's rows do not depend on the batch (oneDNN's do), so it is used up to
 here, where it is still faster. On a CPU with AMX the same op runs on AMX tiles (``csrc/linear_amx_cpu.cpp``,
 ``megatron_spec._ext.amx_active``), over a 2-core Xeon with AMX (ms, kernel on tiles / on AVX512-BF16 dot
-products / oneDNN's packed bf16 matmul, itself on AMX tiles): 15.3 / 16.5 / 20.7 at 1 row, 15.0 / 30.1 / 21.2 at
-16, 24.8 / 91.9 / 28.2 at 64, 42.1 / 174.8 / 39.4 at 128: the limit stays (a verify of up to 128 rows keeps the
+products / oneDNN's packed bf16 matmul, itself on AMX tiles): 15.3 / 16.5 / 20.7 at 1 row, 15.0 / 30.1 / 21.2
+at
+16, 24.8 / 91.9 / 28.2 at 64, 42.1 / 174.8 / 39.4 at 128: the limit stays (a verify of up to 128 rows keeps
+the
 batch invariance, at oneDNN's speed where it stops paying)."""
 
 
 def bf16_small_linear_available() -> bool:
-    """Whether the bf16 decode/verify kernel of ``csrc/linear_bf16_cpu.cpp`` runs its bf16 dot products here."""
+    """Whether the bf16 decode/verify kernel of ``csrc/linear_bf16_cpu.cpp`` runs its bf16 dot products
+    here."""
     from megatron_spec._ext import bf16_dot_available
 
     return bf16_dot_available() and hasattr(torch.ops.megatron_spec, "linear_small_bf16")
@@ -81,8 +86,13 @@ PACK_EPOCH = 0
 copies (``layers.decoder.fused_stack``'s lists, cached by ``CausalLM``) is current while it has not moved."""
 
 
-def packed_matmul(x: torch.Tensor, packed: torch.Tensor, small: torch.Tensor | None, bias: torch.Tensor | None,
-                  out_features: int) -> torch.Tensor:
+def packed_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    small: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> torch.Tensor:
     """``x [M, in] -> [M, out_features]`` through the prepacked weights of a :class:`Linear`: the
     extension kernel's panels ``small`` for ``M <= SMALL_MAX_ROWS`` (fp32; bf16 panels of pairs, 4-D:
     ``SMALL_MAX_ROWS_BF16``) when there are some, oneDNN's ``packed`` else."""
@@ -107,7 +117,8 @@ class Linear(nn.Module):
     serves inputs of up to :data:`SMALL_MAX_ROWS` rows through the extension's kernel, 1.4-1.9x faster
     than oneDNN at 1-16 rows and 1.2x at 64 on a 2-core AVX2 EPYC (``csrc/linear_cpu.cpp``); it costs
     the weights' size once more in memory, half of it where the weights are all bf16 numbers
-    (:data:`BF16_WEIGHT_PANELS`: bf16 panels, the same results, up to 1.9x faster again). :meth:`pack` builds them after weights
+    (:data:`BF16_WEIGHT_PANELS`: bf16 panels, the same results, up to 1.9x faster again). :meth:`pack` builds
+    them after weights
     change (the engine calls it after every load); it is used only when autograd is off, so
     training the same module (the EAGLE-3 head) takes the plain path. (The weight was stored transposed,
     ``weight_t [in, out]``, until a weight sync measured the transposing copies as its slowest piece; state
@@ -154,7 +165,9 @@ class Linear(nn.Module):
         where it has their layout (a weight sync: no allocation, no page faults)."""
         ops = torch.ops.megatron_spec
         if w.dtype == torch.bfloat16:
-            pack, dtype = (ops.linear_pack_bf16, torch.bfloat16) if bf16_small_linear_available() else (None, None)
+            pack, dtype = (
+                (ops.linear_pack_bf16, torch.bfloat16) if bf16_small_linear_available() else (None, None)
+            )
         elif not small_linear_available():
             pack, dtype = None, None
         elif BF16_WEIGHT_PANELS and bf16_exact(w):
@@ -171,7 +184,8 @@ class Linear(nn.Module):
         return pack(w)
 
     def unpack(self, keep: bool = False) -> None:
-        """Drop the packed copies (the weights are about to change, or are released); ``keep``: keep the panels'
+        """Drop the packed copies (the weights are about to change, or are released); ``keep``: keep the
+        panels'
         memory, unused, for the next :meth:`pack` to write into."""
         global PACK_EPOCH
         PACK_EPOCH += 1
@@ -184,7 +198,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self._packed is not None and not torch.is_grad_enabled() and x.dtype == self.weight.dtype
                 and x.device.type == "cpu"):
-            y = packed_matmul(x.reshape(-1, x.shape[-1]), self._packed, self._small, self.bias, self.out_features)
+            y = packed_matmul(
+                x.reshape(-1, x.shape[-1]), self._packed, self._small, self.bias, self.out_features
+            )
             return y.view(*x.shape[:-1], self.out_features)
         y = F.linear(x, self.weight)
         return y + self.bias if self.bias is not None else y
@@ -214,7 +230,8 @@ class TiedLinear(Linear):
 
 
 def pack_linears(module: nn.Module, enable: bool = True, keep: bool = False) -> int:
-    """(Re)pack every :class:`Linear` in ``module`` (or drop the packed copies, with ``keep``: keeping the panels'
+    """(Re)pack every :class:`Linear` in ``module`` (or drop the packed copies, with ``keep``: keeping the
+    panels'
     memory for the next pack, as a weight update does); returns how many."""
     n = 0
     for m in module.modules():

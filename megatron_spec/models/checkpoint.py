@@ -187,7 +187,8 @@ def save_hf_checkpoint(
     with atomic_folder(path) as tmp:
         # huggingface_hub's writer: shards past max_shard_bytes with model.safetensors.index.json (the layout
         # transformers and the engines read), contiguous CPU copies, tensors sharing storage written once
-        # a tensor that views part of a larger storage (an embedding cut from its padded vocabulary) is copied:
+        # a tensor that views part of a larger storage (an embedding cut from its padded vocabulary) is
+        # copied:
         # huggingface_hub refuses to write one that does not cover its storage
         own = {n: t.detach().cpu() for n, t in tensors.items()}
         own = {n: t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()

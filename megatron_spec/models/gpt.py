@@ -39,7 +39,7 @@ def te_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine  # noqa: F401 (imported to learn whether it is installed)
     except Exception:  # TE raises OSError/RuntimeError too when its CUDA libs are missing
         return False
     return True
@@ -47,7 +47,11 @@ def te_available() -> bool:
 
 def default_model_device() -> torch.device:
     """The current CUDA device when there is one (``init_parallel`` sets it per local rank), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
 
 
 def transformer_config(cfg: DecoderConfig, *, tp_size: int, params_dtype: torch.dtype = torch.float32,
@@ -88,7 +92,8 @@ def transformer_config(cfg: DecoderConfig, *, tp_size: int, params_dtype: torch.
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         attention_softmax_in_fp32=True,
-        cuda_graph_scope=[],  # the whole layer, megatron-core's default said its current way (not the deprecated "full")
+        # the whole layer, megatron-core's default said its current way (not the deprecated "full")
+        cuda_graph_scope=[],
     )
     if mtp_num_layers:
         kwargs["mtp_num_layers"] = mtp_num_layers
@@ -147,7 +152,9 @@ def build_gpt_model(
 
         mtp_spec = get_gpt_mtp_block_spec(tcfg, spec, use_transformer_engine=use_te)
     if float(int(cfg.rope_theta)) != cfg.rope_theta:
-        raise ValueError(f"rope_theta {cfg.rope_theta} is not an integer; megatron-core takes an int rotary_base")
+        raise ValueError(
+            f"rope_theta {cfg.rope_theta} is not an integer; megatron-core takes an int rotary_base"
+        )
     padded = padded_vocab_size(cfg.vocab_size, tp, vocab_divisible_by)
     model = GPTModel(
         config=tcfg,
@@ -284,6 +291,8 @@ def iter_hf_tensors(model: torch.nn.Module, tp_group: dist.ProcessGroup | None =
         yield name, view.reshape(shape).contiguous()
 
 
-def export_hf_state_dict(model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+def export_hf_state_dict(
+    model: torch.nn.Module, tp_group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """All policy weights as an HF state dict (collective over the TP group)."""
     return dict(iter_hf_tensors(model, tp_group))

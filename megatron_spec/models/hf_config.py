@@ -26,7 +26,11 @@ SUPPORTED_ARCHITECTURES = {
 
 # Llama 3.x frequency scaling as megatron-core implements it (RotaryEmbedding._apply_scaling
 # fixes low/high frequency factors and the original context); other values cannot be built.
-_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -110,7 +114,7 @@ class DecoderConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> "DecoderConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> DecoderConfig:
         """Parse an HF ``config.json`` dictionary; errors name ``source``."""
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -192,7 +196,7 @@ class DecoderConfig:
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "DecoderConfig":
+    def from_pretrained(cls, path: str | os.PathLike) -> DecoderConfig:
         """Read ``<path>/config.json`` (or ``path`` itself if it is a JSON file)."""
         path = os.fspath(path)
         cfg_path = path if path.endswith(".json") else os.path.join(path, "config.json")

@@ -128,9 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-shard-size", default=None)
     a = ap.parse_args(argv)
-    make_hf_checkpoint(a.out, family=a.family, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-                       num_layers=a.num_layers, num_attention_heads=a.num_attention_heads,
-                       num_kv_heads=a.num_kv_heads, seed=a.seed, max_shard_size=a.max_shard_size)
+    make_hf_checkpoint(
+        a.out,
+        family=a.family,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_layers=a.num_layers,
+        num_attention_heads=a.num_attention_heads,
+        num_kv_heads=a.num_kv_heads,
+        seed=a.seed,
+        max_shard_size=a.max_shard_size,
+    )
     print(a.out)
     return 0
 

@@ -58,7 +58,7 @@ def compiled_kernel_for(op_name: str, device: torch.device) -> bool:
     return key is not None and _has_kernel(op_name, key)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _has_kernel(op_name: str, dispatch_key: str) -> bool:
     # The dispatcher lookup costs tens of microseconds and is asked on every sampling call of the
     # engine (several per verify step); the registrations of _C do not change once it is loaded.
@@ -75,8 +75,10 @@ def check_devices(op: str, first: str, tensors: dict[str, torch.Tensor | None]) 
     device = tensors[first].device
     for name, t in tensors.items():
         if t is not None and t.device != device:
-            raise ValueError(f"{op}: {name} is on {t.device}, {first} on {device}; every tensor argument must be "
-                             f"on one device")
+            raise ValueError(
+                f"{op}: {name} is on {t.device}, {first} on {device}; every tensor argument must be "
+                f"on one device"
+            )
     return device
 
 
@@ -118,7 +120,9 @@ def fp8_block_quantize(
         if w_fp8.dtype != torch.float8_e4m3fn:
             raise ValueError(f"fp8_block_quantize: out must be float8_e4m3fn, got {w_fp8.dtype}")
         if compiled_kernel_for("fp8_block_quantize_out", w.device):
-            torch.ops.megatron_spec.fp8_block_quantize_out(w, bn, bk, out=_as_bytes(w_fp8), scale_inv=scale_inv)
+            torch.ops.megatron_spec.fp8_block_quantize_out(
+                w, bn, bk, out=_as_bytes(w_fp8), scale_inv=scale_inv
+            )
         else:
             ref_q, ref_s = fp8_block_quantize_reference(w, bn, bk)
             if ref_q.shape != w_fp8.shape:
@@ -150,7 +154,8 @@ def fp8_block_dequantize(
     dtype: torch.dtype = torch.bfloat16,
     block_size: tuple[int, int] = (128, 128),
 ) -> torch.Tensor:
-    """Inverse of :func:`fp8_block_quantize`: ``w_fp8 [N, K] * weight_scale_inv`` in float32, cast to ``dtype``."""
+    """Inverse of :func:`fp8_block_quantize`: ``w_fp8 [N, K] * weight_scale_inv`` in float32, cast to
+    ``dtype``."""
     bn, bk = _block(block_size)
     check_devices("fp8_block_dequantize", "w_fp8", {"w_fp8": w_fp8, "scale_inv": scale_inv})
     if compiled_kernel_for("fp8_block_dequantize", w_fp8.device):
@@ -181,9 +186,19 @@ def verify_chain_op(
     Low-level op with the exact argument types of the kernel (see ``verify_reference``); the API
     the engine calls is ``megatron_spec.speculative.verify_chain``.
     """
-    device = check_devices("verify_chain", "target_logprobs", {
-        "target_logprobs": target_logprobs, "draft_tokens": draft_tokens, "draft_probs": draft_probs, "d2t": d2t,
-        "greedy": greedy, "u_accept": u_accept, "u_sample": u_sample})
+    device = check_devices(
+        "verify_chain",
+        "target_logprobs",
+        {
+            "target_logprobs": target_logprobs,
+            "draft_tokens": draft_tokens,
+            "draft_probs": draft_probs,
+            "d2t": d2t,
+            "greedy": greedy,
+            "u_accept": u_accept,
+            "u_sample": u_sample,
+        },
+    )
     if compiled_kernel_for("verify_chain", device):
         return torch.ops.megatron_spec.verify_chain(
             target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_accept, u_sample

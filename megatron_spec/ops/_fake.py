@@ -12,7 +12,9 @@ import torch
 
 @torch.library.register_fake("megatron_spec::fp8_block_quantize")
 def _fp8_block_quantize_fake(w: torch.Tensor, block_n: int, block_k: int):
-    torch._check(block_n > 0 and block_k > 0, lambda: f"fp8 block size must be positive, got [{block_n}, {block_k}]")
+    torch._check(
+        block_n > 0 and block_k > 0, lambda: f"fp8 block size must be positive, got [{block_n}, {block_k}]"
+    )
     torch._check(w.dim() == 2, lambda: f"fp8_block_quantize expects a 2-D weight, got {w.dim()}-D")
     n, k = w.shape
     w_fp8 = w.new_empty((n, k), dtype=torch.uint8)  # e4m3 bytes (see csrc/ops.cpp)
@@ -63,31 +65,42 @@ def _linear_pack_f32_fake(w):
 @torch.library.register_fake("megatron_spec::linear_small_f32")
 def _linear_small_f32_fake(x, packed, bias, out_features: int):
     torch._check(x.dim() == 2, lambda: f"linear_small_f32 expects a 2-D input, got {x.dim()}-D")
-    torch._check(packed.dim() == 3 and packed.shape[2] == 16, lambda: "linear_small_f32: weight not from linear_pack_f32")
+    torch._check(
+        packed.dim() == 3 and packed.shape[2] == 16,
+        lambda: "linear_small_f32: weight not from linear_pack_f32",
+    )
     return x.new_empty((x.shape[0], out_features))
 
 
 @torch.library.register_fake("megatron_spec::attention_f32")
 def _attention_f32_fake(q, k, v, mask, scale: float):
-    torch._check(q.dim() == 4 and k.dim() == 4, lambda: "attention_f32 expects q [b, nq, t, d] and k [b, nkv, L, d]")
+    torch._check(
+        q.dim() == 4 and k.dim() == 4, lambda: "attention_f32 expects q [b, nq, t, d] and k [b, nkv, L, d]"
+    )
     return q.new_empty(q.shape)
 
 
 @torch.library.register_fake("megatron_spec::attention_bf16")
 def _attention_bf16_fake(q, k, v, mask, scale: float):
-    torch._check(q.dim() == 4 and k.dim() == 4, lambda: "attention_bf16 expects q [b, nq, t, d] and k [b, nkv, L, d]")
+    torch._check(
+        q.dim() == 4 and k.dim() == 4, lambda: "attention_bf16 expects q [b, nq, t, d] and k [b, nkv, L, d]"
+    )
     return q.new_empty(q.shape)
 
 
 def _rms_norm_fake(x, w, eps: float):
-    torch._check(x.dim() >= 1 and w.dim() == 1 and w.shape[0] == x.shape[-1],
-                 lambda: f"rms_norm: input [..., {x.shape[-1] if x.dim() else '?'}] and weight {tuple(w.shape)}")
+    torch._check(
+        x.dim() >= 1 and w.dim() == 1 and w.shape[0] == x.shape[-1],
+        lambda: f"rms_norm: input [..., {x.shape[-1] if x.dim() else '?'}] and weight {tuple(w.shape)}",
+    )
     return x.new_empty(x.shape)
 
 
 def _rope_fake(x, cos, sin):
-    torch._check(x.dim() == 4 and cos.dim() == 4 and sin.dim() == 4, lambda: "rope expects x [B, n, T, d] and "
-                 "tables [B, 1, T, d]")
+    torch._check(
+        x.dim() == 4 and cos.dim() == 4 and sin.dim() == 4,
+        lambda: "rope expects x [B, n, T, d] and tables [B, 1, T, d]",
+    )
     return x.new_empty(x.shape)
 
 

@@ -83,6 +83,8 @@ def fp8_block_dequantize_reference(
             f"{tuple(scale_inv.shape)}"
         )
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"fp8_block_dequantize output dtype must be float32, bfloat16 or float16, got {dtype}")
+        raise ValueError(
+            f"fp8_block_dequantize output dtype must be float32, bfloat16 or float16, got {dtype}"
+        )
     full = scale_inv.repeat_interleave(block_n, dim=0)[:n].repeat_interleave(block_k, dim=1)[:, :k]  # [N, K]
     return (w_fp8.float() * full).to(dtype)

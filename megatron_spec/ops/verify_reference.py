@@ -269,7 +269,9 @@ def _check_inputs(target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_acc
         if draft_probs is None:
             raise ValueError("verify_chain: d2t given without draft_probs")
         if d2t.dim() != 1 or d2t.dtype != torch.int64:
-            raise ValueError(f"verify_chain: d2t must be int64 [Vd], got {d2t.dtype} of shape {tuple(d2t.shape)}")
+            raise ValueError(
+                f"verify_chain: d2t must be int64 [Vd], got {d2t.dtype} of shape {tuple(d2t.shape)}"
+            )
         Vd = d2t.shape[0]
     if draft_probs is not None:
         expect.append(("draft_probs", draft_probs, (B, k, Vd), torch.float32))

@@ -30,14 +30,14 @@ from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.capture.support import vocab_parallel_entropy_and_log_mass, vocab_parallel_support_mask
 from megatron_spec.config import GRPOConfig, RunConfig
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights, unwrap
-from megatron_spec.train.offload import ColocateOffload
-from megatron_spec.train.optimizer import MixedPrecisionAdamW
 from megatron_spec.parallel import ParallelInfo
 from megatron_spec.rl import checkpoint as ckpt_io
 from megatron_spec.rl.loss import grpo_loss
 from megatron_spec.rl.rollouts import PackedBatch, Rollout, micro_batches, pack, select_for_training, split
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
+from megatron_spec.train.offload import ColocateOffload
+from megatron_spec.train.optimizer import MixedPrecisionAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,9 @@ class PolicyActor:
     still have batches to train on are kept in ``snapshots``.
     """
 
-    def __init__(self, cfg: RunConfig, info: ParallelInfo, ckpt: HFCheckpoint, *, renormalise_engine_logprobs: bool):
+    def __init__(
+        self, cfg: RunConfig, info: ParallelInfo, ckpt: HFCheckpoint, *, renormalise_engine_logprobs: bool
+    ):
         self.cfg = cfg
         self.info = info
         self.device = info.device  # every tensor the actor makes for the model lives here
@@ -96,17 +98,27 @@ class PolicyActor:
                 print(f"megatron-spec: warning: --bf16 training on a CPU where {probe().why_not_bf16()}: "
                       "bf16 matmuls run 30-130x slower than fp32 here; drop --bf16 on this machine",
                       file=sys.stderr, flush=True)
-        self.model = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by,
-                                     device=self.device)
+        self.model = build_gpt_model(
+            self.dcfg,
+            params_dtype=dtype,
+            vocab_divisible_by=m.make_vocab_size_divisible_by,
+            device=self.device,
+        )
         load_hf_weights(self.model, ckpt)
         self.ddp = wrap_ddp(self.model)
         self.params = [p for p in self.ddp.parameters() if p.requires_grad]
         # fp32 main weights and AdamW moments; with --bf16 the model computes in bf16 (train/optimizer.py)
-        self.optimizer = MixedPrecisionAdamW(self.params, lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.999))
+        self.optimizer = MixedPrecisionAdamW(
+            self.params, lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.999)
+        )
         self.ref = None
         if g.kl_coef > 0:
-            self.ref = build_gpt_model(self.dcfg, params_dtype=dtype, vocab_divisible_by=m.make_vocab_size_divisible_by,
-                                       device=self.device)
+            self.ref = build_gpt_model(
+                self.dcfg,
+                params_dtype=dtype,
+                vocab_divisible_by=m.make_vocab_size_divisible_by,
+                device=self.device,
+            )
             load_hf_weights(self.ref, ckpt)
             self.ref.eval().requires_grad_(False)
         self.offload = self._colocate_offload()
@@ -119,7 +131,9 @@ class PolicyActor:
                              f"--grpo-num-minibatches {g.grpo_num_minibatches}")
         # an SGLang engine's log-probs are of the untruncated distribution: renormalised by log Z
         r = cfg.rollout
-        truncating = r.rollout_temperature > 0 and (r.rollout_top_k > 0 or r.rollout_top_p < 1.0 or r.rollout_min_p > 0)
+        truncating = r.rollout_temperature > 0 and (
+            r.rollout_top_k > 0 or r.rollout_top_p < 1.0 or r.rollout_min_p > 0
+        )
         self.renormalise = truncating and renormalise_engine_logprobs
         self.policy_version = 0
         self.oldest_version = 0  # the oldest policy this process can stream (after a resume: the loaded one)
@@ -138,8 +152,13 @@ class PolicyActor:
                  "optimizer": self.optimizer.state_tensors}
         active = self.device.type == "cuda"
         if level != "none" and not active and self.rank0:
-            print(f"megatron-spec: --colocate-offload {level} moves nothing on {self.device.type}: the engine and "
-                  f"the trainer share host memory", file=sys.stderr, flush=True)
+            print(
+                f"megatron-spec: --colocate-offload {level} moves nothing on {self.device.type}: the engine "
+                "and "
+                f"the trainer share host memory",
+                file=sys.stderr,
+                flush=True,
+            )
         return ColocateOffload(level, kinds, active=active)
 
     # ------------------------------------------------------------------ the online draft
@@ -217,7 +236,8 @@ class PolicyActor:
         lp = vocab_parallel_token_logprobs(logits, batch.targets, vocab_size=self.dcfg.vocab_size,
                                            temperature=r.rollout_temperature, exclude_mask=exclude,
                                            tp_group=self.info.tp_group)
-        lp = torch.where(batch.mask > 0, lp, torch.zeros_like(lp)) if not grad else lp  # -inf * 0 would be NaN
+        # -inf * 0 would be NaN
+        lp = torch.where(batch.mask > 0, lp, torch.zeros_like(lp)) if not grad else lp
         if not extras:
             return lp
         entropy, log_mass = vocab_parallel_entropy_and_log_mass(
@@ -226,7 +246,9 @@ class PolicyActor:
         return lp, entropy, log_mass
 
     @torch.no_grad()
-    def old_logprobs(self, rollouts: list[Rollout], pad_id: int) -> tuple[list[list[MicroBatch]], dict[str, float]]:
+    def old_logprobs(
+        self, rollouts: list[Rollout], pad_id: int
+    ) -> tuple[list[list[MicroBatch]], dict[str, float]]:
         """This rank's rollouts as ``--grpo-num-minibatches`` minibatches, each a list of
         :class:`MicroBatch`; captures for the draft.
 
@@ -271,9 +293,13 @@ class PolicyActor:
                     ref = self._logprobs(self.ref, batch, grad=False) if self.ref is not None else None
                     on = batch.mask > 0  # [B, L-1]
                     inside = on & torch.isfinite(old)
-                    if self.renormalise:  # SGLang's log p(t) + log Z -> log p(t) under the truncated distribution
-                        batch.engine_logprobs = torch.where(on, batch.engine_logprobs - log_mass, batch.engine_logprobs)
-                    batch.mask = batch.mask * inside.to(batch.mask.dtype)  # the out-of-support tokens leave the loss
+                    # SGLang's log p(t) + log Z -> log p(t) under the truncated distribution
+                    if self.renormalise:
+                        batch.engine_logprobs = torch.where(
+                            on, batch.engine_logprobs - log_mass, batch.engine_logprobs
+                        )
+                    # the out-of-support tokens leave the loss
+                    batch.mask = batch.mask * inside.to(batch.mask.dtype)
                     old = torch.where(inside, old, torch.zeros_like(old))
                     diff = (old - batch.engine_logprobs).abs()[inside].to(torch.float64)
                     sums += torch.stack([diff.sum(), inside.sum().to(torch.float64), (on & ~inside).sum().to(
@@ -388,10 +414,19 @@ class PolicyActor:
             dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX, group=self.info.dp_group)
         pg, kl, clipped, ratio, tokens, entropy, outside, samples, steps = sums.tolist()
         n = max(tokens, 1.0)
-        return {"loss/pg": pg / n, "loss/kl": kl / n, "train/clip_frac": clipped / n, "train/ratio_mean": ratio / n,
-                "train/ratio_max": float(ratio_max), "train/grad_norm": grad_norm, "train/lr": lr,
-                "train/entropy": entropy / n, "train/out_of_support_frac": outside / n,
-                "train/samples_trained": int(samples), "train/optimizer_steps": int(round(steps))}
+        return {
+            "loss/pg": pg / n,
+            "loss/kl": kl / n,
+            "train/clip_frac": clipped / n,
+            "train/ratio_mean": ratio / n,
+            "train/ratio_max": float(ratio_max),
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/entropy": entropy / n,
+            "train/out_of_support_frac": outside / n,
+            "train/samples_trained": int(samples),
+            "train/optimizer_steps": int(round(steps)),
+        }
 
     # ------------------------------------------------------------------ checkpoint state
     def sharded_state(self, saved: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -399,7 +434,8 @@ class PolicyActor:
         ``dist_checkpointing`` (``rl/checkpoint.py``). To save: ``saved`` is None. To load: ``saved`` is the
         checkpoint's trainer state; on another layout than it was saved with, the generators are left out
         (they start from the seed) and the draft learner's state is DP rank 0's of the saved run (an
-        EAGLE-3 head is the same on every rank; an MTP learner's is tensor-parallel: refused at another TP)."""
+        EAGLE-3 head is the same on every rank; an MTP learner's is tensor-parallel: refused at another
+        TP)."""
         info = self.info
         model = unwrap(self.model).sharded_state_dict()
         state = {"model": model, "optimizer": self.optimizer.sharded_state_dict(model)}
@@ -411,25 +447,34 @@ class PolicyActor:
         if self.draft is not None:
             kind = self.cfg.spec.spec_draft_kind
             if saved is not None and not saved.get("draft_state", True):
-                raise ckpt_io.CheckpointLoadError("the checkpoint has no draft trainer state; it was saved without "
-                                                  "--spec-online-draft-training")
+                raise ckpt_io.CheckpointLoadError(
+                    "the checkpoint has no draft trainer state; it was saved without "
+                    "--spec-online-draft-training"
+                )
             if not same and kind == "mtp" and saved["tp_size"] != info.tp_size:
                 raise ckpt_io.CheckpointLoadError(
-                    f"the MTP draft learner's state is tensor-parallel: it resumes at the TP size it was saved with "
-                    f"({saved['tp_size']}), this run has TP {info.tp_size}")
-            state["draft"] = ckpt_io.per_rank("draft_state", self.draft.state_dict() if saved is None else None,
-                                              rank, world)
+                    "the MTP draft learner's state is tensor-parallel: it resumes at the TP size it was "
+                    "saved with "
+                    f"({saved['tp_size']}), this run has TP {info.tp_size}"
+                )
+            state["draft"] = ckpt_io.per_rank(
+                "draft_state", self.draft.state_dict() if saved is None else None, rank, world
+            )
         return state
 
-    def load_state(self, loaded: dict[str, Any], path: str, *, policy_version: int, draft_version: int) -> None:
+    def load_state(
+        self, loaded: dict[str, Any], path: str, *, policy_version: int, draft_version: int
+    ) -> None:
         """What :meth:`sharded_state` described, as ``dist_checkpointing`` loaded it from ``path``."""
         unwrap(self.model).load_state_dict(loaded["model"])
         self.optimizer.load_sharded_state_dict(loaded["optimizer"])
         if "rng" in loaded:
             ckpt_io.set_rng_state(loaded["rng"])
         elif self.rank0:
-            logger.warning("resuming %s on another layout than it was saved with: the generators start from the "
-                           "seed", path)
+            logger.warning(
+                "resuming %s on another layout than it was saved with: the generators start from the seed",
+                path,
+            )
         self.policy_version = self.oldest_version = policy_version
         self.draft_version = draft_version
         if self.draft is not None:

@@ -20,7 +20,9 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, *, baseline: str = "
     if baseline == "group":
         g = r.view(-1, group_size)  # [P, G]
         centred = g - g.mean(dim=1, keepdim=True)
-        scale = g.std(dim=1, unbiased=False, keepdim=True) if normalize_std else torch.ones_like(centred[:, :1])
+        scale = (
+            g.std(dim=1, unbiased=False, keepdim=True) if normalize_std else torch.ones_like(centred[:, :1])
+        )
         return (centred / (scale + eps)).reshape(-1)
     if baseline == "batch":
         centred = r - r.mean()

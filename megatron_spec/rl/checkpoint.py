@@ -67,8 +67,13 @@ def rng_state() -> dict[str, Any]:
     visible GPU; an empty list without one), Python's, numpy's and megatron-core's model-parallel tracker."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all(), "python": random.getstate(),
-            "numpy": np.random.get_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -76,8 +81,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
     cuda = state.get("cuda")  # absent in checkpoints written before it was saved
     if cuda is not None and len(cuda) != torch.cuda.device_count():
-        raise CheckpointLoadError(f"the checkpoint holds CUDA generator states for {len(cuda)} GPUs, this process "
-                                  f"sees {torch.cuda.device_count()}: resume with as many GPUs visible per process")
+        raise CheckpointLoadError(
+            f"the checkpoint holds CUDA generator states for {len(cuda)} GPUs, this process "
+            f"sees {torch.cuda.device_count()}: resume with as many GPUs visible per process"
+        )
     torch.set_rng_state(state["torch"])
     if cuda is not None:
         torch.cuda.set_rng_state_all(cuda)
@@ -137,7 +144,8 @@ def save_checkpoint(root: str, step: int, *, rank: int, sharded_state: dict[str,
     if rank == 0:
         _atomic_write(os.path.join(tmp, "trainer_state.json"),
                       lambda p: open(p, "w").write(json.dumps(trainer_state, indent=2)))
-    if draft_saver is not None:  # collective (the draft trainers gather and sync), written by their first rank
+    # collective (the draft trainers gather and sync), written by their first rank
+    if draft_saver is not None:
         draft_saver(os.path.join(tmp, "draft"))
     _barrier()
     if rank == 0:
@@ -164,8 +172,11 @@ def unreadable(path: str) -> str | None:
     if not os.path.isfile(os.path.join(path, "COMPLETE")):
         return f"{path} is not a complete checkpoint (no COMPLETE marker: its save was interrupted)"
     if not os.path.isfile(os.path.join(path, "metadata.json")):
-        return (f"{path} was written by megatron-spec before its checkpoints were megatron-core dist_checkpointing "
-                f"ones (per-rank pickles)")
+        return (
+            f"{path} was written by megatron-spec before its checkpoints were megatron-core "
+            "dist_checkpointing "
+            f"ones (per-rank pickles)"
+        )
     return None
 
 
@@ -210,7 +221,16 @@ def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-RUN_FILES = ("metrics.jsonl", "tensorboard", "wandb", "rollouts", "hf", "draft_export", "report", "config.yaml")
+RUN_FILES = (
+    "metrics.jsonl",
+    "tensorboard",
+    "wandb",
+    "rollouts",
+    "hf",
+    "draft_export",
+    "report",
+    "config.yaml",
+)
 """What a run writes into its folder besides its checkpoints (what ``--no-resume`` removes)."""
 
 
@@ -232,8 +252,10 @@ def plan_resume(save: str | None, load: str | None, resume: bool) -> tuple[str |
     if complete:
         return save, False
     if used:
-        raise ConfigError(f"--save {save} holds a run with no complete checkpoint to resume ({', '.join(used)}); "
-                          f"--no-resume starts over there (removing them), or choose another --save")
+        raise ConfigError(
+            f"--save {save} holds a run with no complete checkpoint to resume ({', '.join(used)}); "
+            f"--no-resume starts over there (removing them), or choose another --save"
+        )
     return None, False
 
 
@@ -246,15 +268,19 @@ def _in_use(save: str, fd: int):
     from megatron_spec.config import ConfigError
 
     holder = os.pread(fd, 200, 0).decode(errors="replace").strip()
-    return ConfigError(f"--save {save} is in use by a live run{f' ({holder})' if holder else ''}: stop it first "
-                       f"(its workers too), or choose another --save")
+    return ConfigError(
+        f"--save {save} is in use by a live run{f' ({holder})' if holder else ''}: stop it first "
+        f"(its workers too), or choose another --save"
+    )
 
 
 def check_run_folder_free(save: str | None) -> None:
     """``ConfigError`` when a live run holds ``save``'s lock: a second run there would write into the same
     checkpoints and metrics (a run whose launcher was killed alone leaves its workers running, each in a
-    process group of its own). Rank 0 tests it (a shared lock, let go at once) before the folder is judged, then
-    holds it (:func:`hold_run_folder`); the other ranks do not test it: they would find their own rank 0 there."""
+    process group of its own). Rank 0 tests it (a shared lock, let go at once) before the folder is judged,
+    then
+    holds it (:func:`hold_run_folder`); the other ranks do not test it: they would find their own rank 0
+    there."""
     if not save or not os.path.isfile(os.path.join(save, LOCK)):
         return
     import fcntl
@@ -271,7 +297,8 @@ def check_run_folder_free(save: str | None) -> None:
 
 def hold_run_folder(save: str, wait_s: float = 10.0) -> int:
     """Take ``save``'s lock for the life of this process (rank 0; the fd is returned, kept open, and not
-    inherited by the engines' processes). A test by another launcher (:func:`check_run_folder_free`) may hold it
+    inherited by the engines' processes). A test by another launcher (:func:`check_run_folder_free`) may hold
+    it
     shared for a moment: waited for up to ``wait_s``, then ``ConfigError``."""
     import fcntl
     import socket
@@ -317,7 +344,8 @@ def prune(root: str, keep: int) -> list[str]:
 
 
 def prepare_run_dir(cfg, info) -> str:
-    """The run's folder, ready (collective): ``--save``, or ``runs/grpo-<date>-<time>`` by rank 0's clock; where
+    """The run's folder, ready (collective): ``--save``, or ``runs/grpo-<date>-<time>`` by rank 0's clock;
+    where
     it resumes from (:func:`plan_resume`: ``cfg.checkpoint.load`` is set), the previous run's files removed
     first under ``--no-resume``."""
     import logging
@@ -332,8 +360,9 @@ def prepare_run_dir(cfg, info) -> str:
     c.load, clear = plan_resume(c.save, c.load, c.resume)
     if clear and info.rank == 0:
         clear_run(c.save)
-        logging.getLogger(__name__).warning("--no-resume: removed the previous run's checkpoints and files from %s",
-                                            c.save)
+        logging.getLogger(__name__).warning(
+            "--no-resume: removed the previous run's checkpoints and files from %s", c.save
+        )
     if info.world_size > 1:
         dist.barrier(group=info.wait_group)
     os.makedirs(c.save, exist_ok=True)

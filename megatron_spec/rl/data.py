@@ -26,7 +26,7 @@ import torch
 
 @dataclass(frozen=True)
 class PromptExample:
-    prompt: "str | tuple[dict[str, str], ...]"
+    prompt: str | tuple[dict[str, str], ...]
     """Text, or chat messages (``{"role", "content"}``) rendered with the chat template (``rl.prompting``)."""
     answer: str
     metadata: dict = field(default_factory=dict, compare=False)
@@ -35,7 +35,8 @@ class PromptExample:
 
 
 def column(row: dict, key: str):
-    """``row[key]``, where a dotted key walks nested columns (``reward_model.ground_truth``, verl's layout)."""
+    """``row[key]``, where a dotted key walks nested columns (``reward_model.ground_truth``, verl's
+    layout)."""
     value = row
     for part in key.split("."):
         if not isinstance(value, dict) or part not in value:
@@ -44,7 +45,7 @@ def column(row: dict, key: str):
     return value
 
 
-def _messages(value) -> "tuple[dict[str, str], ...] | None":
+def _messages(value) -> tuple[dict[str, str], ...] | None:
     """A list of chat messages as plain dicts, or None when ``value`` is not one."""
     if not isinstance(value, (list, tuple)) or not value:
         return None
@@ -54,20 +55,31 @@ def _messages(value) -> "tuple[dict[str, str], ...] | None":
     return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
-def load_prompts(spec: str, *, prompt_key: str = "prompt", answer_key: str = "answer",
-                 num_synthetic: int = 2048, seed: int = 0, cache_dir: str | None = None) -> list[PromptExample]:
+def load_prompts(
+    spec: str,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    num_synthetic: int = 2048,
+    seed: int = 0,
+    cache_dir: str | None = None,
+) -> list[PromptExample]:
     """All examples of a prompt set; errors name the file, column or task that is wrong."""
     if spec.startswith("synthetic:"):
         from megatron_spec.rl.synthetic_tasks import generate
 
-        return [PromptExample(e.prompt, e.answer) for e in generate(spec.split(":", 1)[1], num_synthetic, seed)]
+        return [
+            PromptExample(e.prompt, e.answer) for e in generate(spec.split(":", 1)[1], num_synthetic, seed)
+        ]
     if os.path.isdir(spec):
         return _from_rows(spec, _load_dir(spec, cache_dir), prompt_key, answer_key)
     if is_hub_dataset(spec):
         return _from_rows(spec, _load_hub(spec, cache_dir), prompt_key, answer_key)
     if not os.path.isfile(spec):
-        raise FileNotFoundError(f"prompt data {spec} does not exist (use a JSONL/Parquet file, a datasets "
-                                f"directory, a Hub dataset name org/name[:config][@split] or synthetic:<task>)")
+        raise FileNotFoundError(
+            f"prompt data {spec} does not exist (use a JSONL/Parquet file, a datasets "
+            f"directory, a Hub dataset name org/name[:config][@split] or synthetic:<task>)"
+        )
     ext = os.path.splitext(spec)[1].lower()
     builder = _BUILDERS.get(ext)
     if builder is None:
@@ -116,8 +128,10 @@ def _load_hub(spec: str, cache_dir: str | None):
             return datasets.load_dataset(path, m["config"], split=split, cache_dir=tmp, keep_in_memory=True)
         except Exception as exc:  # no such config or split (ValueError), files datasets cannot read
             text = " ".join(str(exc).split())[:300] or type(exc).__name__
-            raise ValueError(f"prompt data {spec}: the cached Hub dataset {m['repo']} cannot be read as config "
-                             f"{m['config'] or '(default)'}, split {split}: {text}") from None
+            raise ValueError(
+                f"prompt data {spec}: the cached Hub dataset {m['repo']} cannot be read as config "
+                f"{m['config'] or '(default)'}, split {split}: {text}"
+            ) from None
 
 
 def _load_files(spec: str, builder: str, files: list[str], cache_dir: str | None):
@@ -128,7 +142,9 @@ def _load_files(spec: str, builder: str, files: list[str], cache_dir: str | None
         try:
             return load_dataset(builder, data_files=files, split="train", cache_dir=tmp, keep_in_memory=True)
         except Exception as exc:  # datasets raises bare StopIteration / ArrowInvalid on bad files
-            raise ValueError(f"prompt data {spec} cannot be read as {builder}: {type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"prompt data {spec} cannot be read as {builder}: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def _load_dir(spec: str, cache_dir: str | None):
@@ -136,19 +152,26 @@ def _load_dir(spec: str, cache_dir: str | None):
     directory's JSONL/Parquet files (one format)."""
     import datasets
 
-    if os.path.isfile(os.path.join(spec, "dataset_info.json")) or os.path.isfile(os.path.join(spec, "dataset_dict.json")):
+    if os.path.isfile(os.path.join(spec, "dataset_info.json")) or os.path.isfile(
+        os.path.join(spec, "dataset_dict.json")
+    ):
         ds = datasets.load_from_disk(spec, keep_in_memory=True)
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
                 raise ValueError(f"prompt data {spec} holds splits {sorted(ds)} and no 'train' split")
             ds = ds["train"]
         return ds
-    files = sorted(os.path.join(spec, f) for f in os.listdir(spec)
-                   if os.path.splitext(f)[1].lower() in _BUILDERS and os.path.getsize(os.path.join(spec, f)) > 0)
+    files = sorted(
+        os.path.join(spec, f)
+        for f in os.listdir(spec)
+        if os.path.splitext(f)[1].lower() in _BUILDERS and os.path.getsize(os.path.join(spec, f)) > 0
+    )
     builders = {_BUILDERS[os.path.splitext(f)[1].lower()] for f in files}
     if not files:
-        raise ValueError(f"prompt data {spec} is a directory with neither a saved dataset (dataset_info.json) "
-                         f"nor non-empty .jsonl/.json/.parquet files")
+        raise ValueError(
+            f"prompt data {spec} is a directory with neither a saved dataset (dataset_info.json) "
+            f"nor non-empty .jsonl/.json/.parquet files"
+        )
     if len(builders) > 1:
         raise ValueError(f"prompt data {spec} mixes JSON and Parquet files; keep one format per directory")
     return _load_files(spec, builders.pop(), files, cache_dir)
@@ -159,26 +182,37 @@ def _from_rows(spec: str, ds, prompt_key: str, answer_key: str) -> list[PromptEx
         raise ValueError(f"prompt data {spec} is empty")
     for key in (prompt_key, answer_key):
         if key.split(".")[0] not in ds.column_names:
-            raise ValueError(f"prompt data {spec} has no column {key.split('.')[0]!r} (columns: {ds.column_names})")
+            raise ValueError(
+                f"prompt data {spec} has no column {key.split('.')[0]!r} (columns: {ds.column_names})"
+            )
     rows = []
     for i, r in enumerate(ds):
         try:
             prompt = column(r, prompt_key)
             answer = column(r, answer_key)
         except KeyError as exc:
-            raise ValueError(f"prompt data {spec} row {i}: no {exc.args[0]!r} in {prompt_key!r} or {answer_key!r}") from None
+            raise ValueError(
+                f"prompt data {spec} row {i}: no {exc.args[0]!r} in {prompt_key!r} or {answer_key!r}"
+            ) from None
         if not isinstance(prompt, str):
             prompt = _messages(prompt)
             if prompt is None:
-                raise ValueError(f"prompt data {spec} row {i}: column {prompt_key!r} holds neither text nor a list "
-                                 f"of chat messages ({{'role', 'content'}})")
+                raise ValueError(
+                    f"prompt data {spec} row {i}: column {prompt_key!r} holds neither text nor a list "
+                    f"of chat messages ({{'role', 'content'}})"
+                )
         if answer is None:
             raise ValueError(f"prompt data {spec} row {i}: column {answer_key!r} is null")
         if isinstance(answer, (dict, list, tuple)):
-            raise ValueError(f"prompt data {spec} row {i}: column {answer_key!r} holds a {type(answer).__name__} "
-                             f"({str(answer)[:60]}), not one answer"
-                             + (f"; name the field inside it: --answer-key {answer_key}.<one of {sorted(answer)}>"
-                                if isinstance(answer, dict) else ""))
+            raise ValueError(
+                f"prompt data {spec} row {i}: column {answer_key!r} holds a {type(answer).__name__} "
+                f"({str(answer)[:60]}), not one answer"
+                + (
+                    f"; name the field inside it: --answer-key {answer_key}.<one of {sorted(answer)}>"
+                    if isinstance(answer, dict)
+                    else ""
+                )
+            )
         drop = {prompt_key.split(".")[0]} | ({answer_key} if "." not in answer_key else set())
         rows.append(PromptExample(prompt, str(answer), {k: v for k, v in r.items() if k not in drop}))
     return rows
@@ -214,7 +248,9 @@ class PromptSampler:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["n"] != self.n or state["seed"] != self.seed:
-            raise ValueError(f"checkpoint's data sampler was for {state['n']} prompts with seed {state['seed']}, "
-                             f"this run has {self.n} prompts with seed {self.seed}")
+            raise ValueError(
+                f"checkpoint's data sampler was for {state['n']} prompts with seed {state['seed']}, "
+                f"this run has {self.n} prompts with seed {self.seed}"
+            )
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._perm = self._permutation(self.epoch)

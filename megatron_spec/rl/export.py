@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 DRAFT_FOLDERS = {"eagle3": "eagle3", "mtp": "mtp", "model": "draft_model"}
-"""The draft's folder name in an export, by ``--spec-draft-kind`` (n-gram and history drafts have no weights)."""
+"""The draft's folder name in an export, by ``--spec-draft-kind`` (n-gram and history drafts have no
+weights)."""
 
 
 class ExportError(RuntimeError):
@@ -59,9 +60,7 @@ def write_hf_export(out: str, model: torch.nn.Module, source: str, *, tp_group=N
         return
     from transformers import AutoTokenizer, GenerationConfig
 
-    from megatron_spec.models.checkpoint import HFCheckpoint, save_hf_checkpoint
-
-    from megatron_spec.models.checkpoint import atomic_folder
+    from megatron_spec.models.checkpoint import HFCheckpoint, atomic_folder, save_hf_checkpoint
 
     with atomic_folder(out) as tmp:
         config = dict(HFCheckpoint(source).config_dict)
@@ -99,13 +98,27 @@ def export_trained(cfg, info, actor, run_dir: str, step: int) -> None:
         draft_dir = s.spec_draft_path
     out = os.path.join(run_dir, "hf")
     if info.dp_rank == 0:
-        write_hf_export(out, unwrap(actor.model), cfg.model.hf_checkpoint, tp_group=info.tp_group,
-                        write=info.rank == 0, draft_kind=s.spec_draft_kind, draft_dir=draft_dir,
-                        info={"step": step, "policy_version": actor.policy_version, "draft_kind": s.spec_draft_kind,
-                              "draft_version": actor.draft_version})
+        write_hf_export(
+            out,
+            unwrap(actor.model),
+            cfg.model.hf_checkpoint,
+            tp_group=info.tp_group,
+            write=info.rank == 0,
+            draft_kind=s.spec_draft_kind,
+            draft_dir=draft_dir,
+            info={
+                "step": step,
+                "policy_version": actor.policy_version,
+                "draft_kind": s.spec_draft_kind,
+                "draft_version": actor.draft_version,
+            },
+        )
     if info.rank == 0:
-        print(f"megatron-spec: trained policy: {os.path.abspath(os.path.join(out, 'policy'))}", file=sys.stderr,
-              flush=True)
+        print(
+            f"megatron-spec: trained policy: {os.path.abspath(os.path.join(out, 'policy'))}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -119,8 +132,10 @@ def resolve_checkpoint(path: str) -> str:
     elif os.path.isfile(os.path.join(path, LATEST)):
         it = os.path.join(path, f"iter_{latest_step(path):07d}")
     elif os.path.isdir(path):
-        raise ExportError(f"{path} holds no checkpoint (no trainer_state.json, no {LATEST}): name a run's --save "
-                          f"folder or one of its iter_* folders")
+        raise ExportError(
+            f"{path} holds no checkpoint (no trainer_state.json, no {LATEST}): name a run's --save "
+            f"folder or one of its iter_* folders"
+        )
     else:
         raise ExportError(f"no such folder: {path}")
     problem = unreadable(it)
@@ -139,7 +154,9 @@ def checkpoint_plan(iter_dir: str) -> dict[str, Any]:
                           f"export it from the run that wrote it")
     source = cfg["model"]["hf_checkpoint"]
     if not os.path.isfile(os.path.join(source, "config.json")):
-        raise ExportError(f"the run started from {source}, which is gone: its config and tokenizer are the export's")
+        raise ExportError(
+            f"the run started from {source}, which is gone: its config and tokenizer are the export's"
+        )
     kind = cfg["spec"]["spec_draft_kind"]
     draft = None
     if os.path.isdir(os.path.join(iter_dir, "draft")):
@@ -165,8 +182,12 @@ def export_checkpoint(path: str, out: str, *, dtype: str | None = None) -> str:
     info = init_parallel(tp_size=1, seed=m["seed"])
     try:
         ckpt = HFCheckpoint(plan["source"])
-        model = build_gpt_model(ckpt.decoder_config, params_dtype=torch.bfloat16 if m["bf16"] else torch.float32,
-                                vocab_divisible_by=m["make_vocab_size_divisible_by"], device=info.device)
+        model = build_gpt_model(
+            ckpt.decoder_config,
+            params_dtype=torch.bfloat16 if m["bf16"] else torch.float32,
+            vocab_divisible_by=m["make_vocab_size_divisible_by"],
+            device=info.device,
+        )
         model.load_state_dict(load_checkpoint(iter_dir, {"model": model.sharded_state_dict()})["model"])
         s = plan["state"]
         write_hf_export(out, model, plan["source"], write=True, draft_kind=plan["draft_kind"],

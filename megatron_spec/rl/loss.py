@@ -113,6 +113,13 @@ def grpo_loss(
                  (pg * m * (w if w is not None else 1.0)).sum(), (on & ~valid).sum())
         # one host sync per call: the statistics are host floats (each exactly its tensor's value)
         values = torch.stack([x.to(torch.float64) for x in parts]).tolist()
-        stats = GRPOLossStats(tokens=values[0], clipped=values[1], ratio_sum=values[2], ratio_max=values[3], kl_sum=values[4],
-                              pg_loss_sum=values[5], out_of_support=values[6])
+        stats = GRPOLossStats(
+            tokens=values[0],
+            clipped=values[1],
+            ratio_sum=values[2],
+            ratio_max=values[3],
+            kl_sum=values[4],
+            pg_loss_sum=values[5],
+            out_of_support=values[6],
+        )
     return loss, stats

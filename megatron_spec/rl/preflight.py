@@ -39,7 +39,9 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
         except ModelNotFoundError as exc:
             raise ConfigError(f"--hf-checkpoint {exc}") from None
     if not os.path.isdir(m.hf_checkpoint):
-        raise ConfigError(f"--hf-checkpoint {m.hf_checkpoint}: no such directory (an HF checkpoint directory)")
+        raise ConfigError(
+            f"--hf-checkpoint {m.hf_checkpoint}: no such directory (an HF checkpoint directory)"
+        )
     try:
         target = DecoderConfig.from_pretrained(m.hf_checkpoint)
     except (FileNotFoundError, ValueError) as exc:  # no config.json, an architecture we do not convert
@@ -70,8 +72,10 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
             except FileNotFoundError as exc:
                 raise ConfigError(f"{flag} {str(exc).removeprefix('prompt data ')}") from None
         elif not (os.path.isfile(spec) or os.path.isdir(spec)):  # a folder: load_prompts reads its files
-            raise ConfigError(f"{flag} {spec}: no such file (a JSONL or Parquet file, a folder of them, a Hub dataset "
-                              f"name org/name[:config][@split] in the local cache, or synthetic:<task>)")
+            raise ConfigError(
+                f"{flag} {spec}: no such file (a JSONL or Parquet file, a folder of them, a Hub dataset "
+                f"name org/name[:config][@split] in the local cache, or synthetic:<task>)"
+            )
 
     from megatron_spec.rl.rewards import get_reward
 
@@ -84,7 +88,8 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
         raise ConfigError(f"--load {cfg.checkpoint.load}: no such directory")
     from megatron_spec.rl.checkpoint import check_run_folder_free, plan_resume
 
-    if int(os.environ.get("RANK", "0")) == 0:  # rank 0 (the others may find their own run's rank 0 holding it)
+    # rank 0 (the others may find their own run's rank 0 holding it)
+    if int(os.environ.get("RANK", "0")) == 0:
         check_run_folder_free(cfg.checkpoint.save)  # a live run there: one line, before its files are judged
 
     plan_resume(cfg.checkpoint.save, cfg.checkpoint.load, cfg.checkpoint.resume)  # a used folder: one line
@@ -111,11 +116,15 @@ def _check_backend(backend: str | None, vllm_python: str | None = None) -> None:
     if chosen != "sglang":
         return
     try:
-        import sglang  # noqa: F401
+        import sglang  # noqa: F401 (imported to learn whether it is installed)
     except Exception as exc:  # ImportError, or a broken install raising anything at import
-        how = "--rollout-backend sglang" if backend else "the rollout backend defaults to sglang on a GPU, but"
-        raise ConfigError(f"{how} sglang does not import here ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-                          f"install it (requirements/gpu.txt) or pass --rollout-backend native") from None
+        how = (
+            "--rollout-backend sglang" if backend else "the rollout backend defaults to sglang on a GPU, but"
+        )
+        raise ConfigError(
+            f"{how} sglang does not import here ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            f"install it (requirements/gpu.txt) or pass --rollout-backend native"
+        ) from None
 
 
 def _check_draft(kind: str, path: str, target) -> None:

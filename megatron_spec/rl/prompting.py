@@ -38,7 +38,7 @@ def apply_prompt_template(template: str | None, prompt: str) -> str:
     return prompt if template is None else template.replace("{prompt}", prompt)
 
 
-def encode_prompt(tokenizer: Any, prompt: "str | Sequence[Mapping[str, str]]", *, chat_template: bool,
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[Mapping[str, str]], *, chat_template: bool,
                   system_prompt: str | None = None, template: str | None = None,
                   template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Token ids of ``prompt`` (see the module docstring for what the two modes add), after
@@ -52,8 +52,10 @@ def encode_prompt(tokenizer: Any, prompt: "str | Sequence[Mapping[str, str]]", *
         return list(tokenizer(apply_prompt_template(template, prompt), add_special_tokens=True)["input_ids"])
     if not has_chat_template(tokenizer):
         why = "--apply-chat-template" if isinstance(prompt, str) else "a prompt of chat messages"
-        raise ValueError(f"{why}: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has no chat_template "
-                         f"(tokenizer_config.json or chat_template.jinja)")
+        raise ValueError(
+            f"{why}: the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has no chat_template "
+            f"(tokenizer_config.json or chat_template.jinja)"
+        )
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": apply_prompt_template(template, prompt)}]
     else:
@@ -63,11 +65,13 @@ def encode_prompt(tokenizer: Any, prompt: "str | Sequence[Mapping[str, str]]", *
             messages[users[-1]]["content"] = apply_prompt_template(template, messages[users[-1]]["content"])
     if system_prompt and not any(m.get("role") == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": system_prompt})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def parse_template_kwargs(value: "str | Mapping[str, Any] | None") -> dict[str, Any]:
+def parse_template_kwargs(value: str | Mapping[str, Any] | None) -> dict[str, Any]:
     """``--apply-chat-template-kwargs``: a JSON object (a YAML ``--config`` may give a mapping)."""
     from megatron_spec.config_values import json_object
 

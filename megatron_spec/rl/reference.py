@@ -1,4 +1,5 @@
-"""``--rollout-reference-check``: the rollout engine's greedy tokens against our engine holding the same weights.
+"""``--rollout-reference-check``: the rollout engine's greedy tokens against our engine holding the same
+weights.
 
 The streamer's fingerprints prove the bytes an engine loaded equal the bytes sent; they cannot prove the
 engine computes with them (a kernel's cached copy of a weight, a tied head left unpacked: docs/design.md,
@@ -56,11 +57,14 @@ def compare_greedy(engine: Sequence[SampleOutput], reference: Sequence[SampleOut
             continue
         if first is None:
             pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            lp = lambda xs, i: f"{xs[i]:.4f}" if i < len(xs) else "-"  # noqa: E731
-            tok = lambda xs, i: str(xs[i]) if i < len(xs) else "end"  # noqa: E731
+            lp = lambda xs, i: f"{xs[i]:.4f}" if i < len(xs) else "-"
+            tok = lambda xs, i: str(xs[i]) if i < len(xs) else "end"
             said = f" after {decode(a[:pos])!r}" if decode is not None else ""
-            first = (f"request {s.request_id}: position {pos}{said}: the engine wrote token {tok(a, pos)} "
-                     f"(log-prob {lp(s.logprobs, pos)}), the reference {tok(b, pos)} (log-prob {lp(r.logprobs, pos)})")
+            first = (
+                f"request {s.request_id}: position {pos}{said}: the engine wrote token {tok(a, pos)} "
+                f"(log-prob {lp(s.logprobs, pos)}), the reference {tok(b, pos)} (log-prob "
+                f"{lp(r.logprobs, pos)})"
+            )
     return Comparison(equal, len(engine), tokens, first)
 
 
@@ -77,8 +81,13 @@ class ReferenceCheck:
         from megatron_spec.rollout import make_engine
         from megatron_spec.sync.streamer import WeightStreamer
 
-        plain = dataclasses.replace(config, draft_kind="none", draft_path=None, history=False,
-                                    num_draft_tokens=3 if config.num_draft_tokens == "auto" else config.num_draft_tokens)
+        plain = dataclasses.replace(
+            config,
+            draft_kind="none",
+            draft_path=None,
+            history=False,
+            num_draft_tokens=3 if config.num_draft_tokens == "auto" else config.num_draft_tokens,
+        )
         self.engine = make_engine(plain, backend="native")
         self.streamer = WeightStreamer(self.engine, bucket_bytes=bucket_bytes, weight_dtype=weight_dtype)
         self.requests = list(requests)
@@ -108,14 +117,21 @@ def reference_metrics(results: Sequence[tuple[Comparison, float] | None]) -> dic
         return {}
     prompts = sum(c.prompts for c, _ in got)
     equal = sum(c.equal for c, _ in got)
-    out = {"health/reference_equal": equal / max(prompts, 1), "health/reference_tokens": sum(c.tokens for c, _ in got),
-           "health/reference_s": max(s for _, s in got)}
+    out = {
+        "health/reference_equal": equal / max(prompts, 1),
+        "health/reference_tokens": sum(c.tokens for c, _ in got),
+        "health/reference_s": max(s for _, s in got),
+    }
     bad = [c.first_difference for c, _ in got if c.first_difference is not None]
     if bad:
         raise ReferenceMismatch(
-            f"--rollout-reference-check: {prompts - equal} of {prompts} greedy probe prompts differ between the rollout "
-            f"engine and the native engine holding the same weights; first: {bad[0]}. Equal log-probs at that position "
-            f"are a tie; otherwise the engine does not compute with the weights it was sent (drop the flag to run on)")
+            f"--rollout-reference-check: {prompts - equal} of {prompts} greedy probe prompts differ between "
+            "the rollout "
+            f"engine and the native engine holding the same weights; first: {bad[0]}. Equal log-probs at "
+            "that position "
+            "are a tie; otherwise the engine does not compute with the weights it was sent (drop the flag "
+            "to run on)"
+        )
     return out
 
 
@@ -137,8 +153,9 @@ def check_owners(reference: ReferenceCheck | None, engine, decode, info, sync_s:
         try:
             mine = (reference.compare(engine, decode=decode), sync_s + time.perf_counter() - t0)
         except (EngineDiedError, EngineTimeoutError) as exc:
-            logging.getLogger(__name__).warning("--rollout-reference-check skipped: the engine failed during the "
-                                                "probe (%s)", exc)
+            logging.getLogger(__name__).warning(
+                "--rollout-reference-check skipped: the engine failed during the probe (%s)", exc
+            )
     results = [mine]
     if info.world_size > 1:
         results = [None] * info.world_size

@@ -101,7 +101,11 @@ def write_report(run_dir: str, baseline_dir: str | None = None, compare_dir: str
         bsteps = [int(r["step"]) for r in base]
         ax.plot(bsteps, _col(base, "time/step"), "--", label="autoregressive: step")
         ax.plot(bsteps, _col(base, "time/gen"), "--", label="autoregressive: gen")
-    ax.set(xlabel="step", ylabel="seconds", title="Step time, speculative vs autoregressive" if base else "Step time")
+    ax.set(
+        xlabel="step",
+        ylabel="seconds",
+        title="Step time, speculative vs autoregressive" if base else "Step time",
+    )
     ax.legend(fontsize=8)
     files["step_time"] = os.path.join(out_dir, "step_time.png")
     fig.tight_layout()
@@ -130,28 +134,38 @@ def write_report(run_dir: str, baseline_dir: str | None = None, compare_dir: str
 
     first, last = rows[0], rows[-1]
     reward_start, reward_end, k = start_end_means(rows, "reward/mean")
-    lines = [f"# GRPO run report: {os.path.abspath(run_dir)}", "",
-             f"- steps: {len(rows)} (policy version {last.get('policy_version')})",
-             f"- reward: {reward_start:.3f} (first {k} steps) -> {reward_end:.3f} (last {k} steps)"
-             + _batch_note(run_dir),
-             *_eval_lines(rows),
-             f"- acceptance length: {_mean(_col(rows, 'spec/accept_length')):.2f} tokens per verify step "
-             f"(k = {first.get('spec/num_draft_tokens')})",
-             f"- draft loss: {_mean(_col(rows, 'draft/loss')):.4f}" if any(r.get('draft/loss') is not None for r in rows)
-             else "- draft loss: no online draft training",
-             f"- train/rollout log-prob mismatch: mean {_mean(_col(rows, 'mismatch/logprob_abs_diff_mean')):.2e}, "
-             f"max {max(_col(rows, 'mismatch/logprob_abs_diff_max')):.2e}",
-             f"- weight sync: {_mean(_col(rows, 'sync/bytes')) / 2**20:.1f} MiB in "
-             f"{_mean(_col(rows, 'sync/seconds')):.3f} s per step",
-             f"- resident memory: {rows[0].get('mem/rss_mb', float('nan')):.0f} -> {last.get('mem/rss_mb', float('nan')):.0f} MiB",
-             "", "| stage | mean seconds |", "|---|---|"]
+    lines = [
+        f"# GRPO run report: {os.path.abspath(run_dir)}",
+        "",
+        f"- steps: {len(rows)} (policy version {last.get('policy_version')})",
+        f"- reward: {reward_start:.3f} (first {k} steps) -> {reward_end:.3f} (last {k} steps)"
+        + _batch_note(run_dir),
+        *_eval_lines(rows),
+        f"- acceptance length: {_mean(_col(rows, 'spec/accept_length')):.2f} tokens per verify step "
+        f"(k = {first.get('spec/num_draft_tokens')})",
+        f"- draft loss: {_mean(_col(rows, 'draft/loss')):.4f}"
+        if any(r.get("draft/loss") is not None for r in rows)
+        else "- draft loss: no online draft training",
+        f"- train/rollout log-prob mismatch: mean {_mean(_col(rows, 'mismatch/logprob_abs_diff_mean')):.2e}, "
+        f"max {max(_col(rows, 'mismatch/logprob_abs_diff_max')):.2e}",
+        f"- weight sync: {_mean(_col(rows, 'sync/bytes')) / 2**20:.1f} MiB in "
+        f"{_mean(_col(rows, 'sync/seconds')):.3f} s per step",
+        f"- resident memory: {rows[0].get('mem/rss_mb', float('nan')):.0f} -> "
+        f"{last.get('mem/rss_mb', float('nan')):.0f} MiB",
+        "",
+        "| stage | mean seconds |",
+        "|---|---|",
+    ]
     for stage in (*STAGES, "step"):
         lines.append(f"| {stage} | {_mean(_col(rows, f'time/{stage}')):.3f} |")
     if base:
         gen_s, gen_b = _mean(_col(rows, "time/gen")), _mean(_col(base, "time/gen"))
         step_s, step_b = _mean(_col(rows, "time/step")), _mean(_col(base, "time/step"))
-        lines += ["", f"- against the baseline {os.path.abspath(baseline_dir)}: generation {gen_b / gen_s:.2f}x, "
-                      f"step {step_b / step_s:.2f}x"]
+        lines += [
+            "",
+            f"- against the baseline {os.path.abspath(baseline_dir)}: generation {gen_b / gen_s:.2f}x, "
+            f"step {step_b / step_s:.2f}x",
+        ]
     lines += source_lines
     lines += compare_lines
     lines += ["", "Plots: " + ", ".join(f"[{name}]({os.path.basename(p)})" for name, p in files.items())]
@@ -182,7 +196,12 @@ def acceptance_figure(rows: Sequence[dict[str, Any]]):
     k = max([int(r["spec/num_draft_tokens"]) for r in rows if r.get("spec/num_draft_tokens") is not None]
             + [len(positions)])
     top = max([k + 1.0, 2.0] + [a for a in accept if a == a])
-    ax.set(xlabel="step", ylabel="accept length", title="Speculative acceptance", ylim=(1, top + 0.02 * (top - 1)))
+    ax.set(
+        xlabel="step",
+        ylabel="accept length",
+        title="Speculative acceptance",
+        ylim=(1, top + 0.02 * (top - 1)),
+    )
     ax2.set(ylabel="acceptance rate", ylim=(0, 1.02))
     lines, labels = (a + b for a, b in zip(ax.get_legend_handles_labels(), ax2.get_legend_handles_labels()))
     fig.legend(lines, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 3), frameon=False)
@@ -228,7 +247,11 @@ def sources_figure(rows: Sequence[dict[str, Any]], sources: Sequence[str]):
         vals = [float(r.get(f"spec/source_tokens/{s}", 0) or 0) for r in rows]
         ax.bar(steps, vals, bottom=bottom, label=SOURCE_NAMES.get(s, s))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.set(xlabel="step", ylabel="accepted drafted tokens", title="Which draft source drafted the accepted tokens")
+    ax.set(
+        xlabel="step",
+        ylabel="accepted drafted tokens",
+        title="Which draft source drafted the accepted tokens",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -268,8 +291,12 @@ def _running_mean(xs: Sequence[float], n: int) -> list[float]:
     return out
 
 
-def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: str | None = None, smooth: int = 10,
-                              zoom: bool | None = None):
+def compare_acceptance_figure(
+    runs: dict[str, Sequence[dict[str, Any]]],
+    title: str | None = None,
+    smooth: int = 10,
+    zoom: bool | None = None,
+):
     """Acceptance length per step of several runs on one figure: top, the full scale 1 .. k+1 (so
     that noise reads as noise); bottom, zoomed to the data with ``smooth``-step running means
     (dotted: each run's raw curve is the top panel's). An online run's held-out expected
@@ -298,7 +325,11 @@ def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: 
             bottom.plot(steps, accept, color=color, lw=0.6, alpha=0.45)
             bottom.plot(steps, _running_mean(accept, smooth), color=color, lw=2.0,
                         label=f"{name}: {smooth}-step running mean")
-            tau = [(int(r["step"]), r["draft/heldout_tau"]) for r in rows if r.get("draft/heldout_tau") is not None]
+            tau = [
+                (int(r["step"]), r["draft/heldout_tau"])
+                for r in rows
+                if r.get("draft/heldout_tau") is not None
+            ]
             if tau:
                 bottom.plot(*zip(*tau), color=color, ls="--", lw=0.9, label=f"{name}: held-out expected tau")
         fallback = [int(r["step"]) for r in rows if r.get("spec/watchdog") == "fallback"]
@@ -326,7 +357,10 @@ def compare_acceptance_figure(runs: dict[str, Sequence[dict[str, Any]]], title: 
 def acceptance_table(runs: dict[str, Sequence[dict[str, Any]]]) -> list[str]:
     """Markdown table: each run's acceptance length over the first and last fifth of its steps,
     its mean and minimum, and the last fifth against the first run's."""
-    lines = ["| run | steps | first fifth | last fifth | mean | min | last fifth / first run's |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | steps | first fifth | last fifth | mean | min | last fifth / first run's |",
+        "|---|---|---|---|---|---|---|",
+    ]
     ref = None
     for name, rows in runs.items():
         first, last, n = start_end_means(rows, "spec/accept_length")
@@ -358,7 +392,9 @@ def _evals(rows: list[dict]) -> list[tuple[int, float, float | None]]:
              if r.get("eval/reward") is not None]
     final = [r for r in rows if r.get("eval_final/reward") is not None]
     if final:
-        evals.append((int(final[-1]["step"]), final[-1]["eval_final/reward"], final[-1].get("eval_final/reward_se")))
+        evals.append(
+            (int(final[-1]["step"]), final[-1]["eval_final/reward"], final[-1].get("eval_final/reward_se"))
+        )
     return evals
 
 

@@ -1,4 +1,5 @@
-"""Reward functions: plain Python callables chosen by name, ``module:function`` or ``path/to/file.py:function``.
+"""Reward functions: plain Python callables chosen by name, ``module:function`` or
+``path/to/file.py:function``.
 
 Signature: ``reward(prompt, response: str, answer: str) -> float``; with a parameter named ``metadata``
 (or ``**kwargs``) it also gets the sample's other dataset columns as a dict (verl's ``data_source``,
@@ -106,7 +107,7 @@ class Reward:
     wants_metadata: bool = False
 
     @classmethod
-    def of(cls, fn: Callable, name: str) -> "Reward":
+    def of(cls, fn: Callable, name: str) -> Reward:
         try:
             params = inspect.signature(fn).parameters.values()
         except (TypeError, ValueError):  # a builtin or C callable: the plain signature
@@ -147,8 +148,10 @@ def get_reward(spec: str) -> Reward:
     if spec in REGISTRY:
         return Reward.of(REGISTRY[spec], spec)
     if ":" not in spec:
-        raise ValueError(f"reward {spec!r} is neither a registered name {sorted(REGISTRY)} nor 'module:function' "
-                         f"or 'path/to/file.py:function'")
+        raise ValueError(
+            f"reward {spec!r} is neither a registered name {sorted(REGISTRY)} nor 'module:function' "
+            f"or 'path/to/file.py:function'"
+        )
     fn = _import(spec)
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not callable")
@@ -159,7 +162,9 @@ def _checked(reward: Reward, value: Any, where: str) -> float:
     try:
         value = float(value)
     except (TypeError, ValueError) as exc:
-        raise RewardError(f"reward function {reward.name!r} returned {value!r} on {where}, not a number") from exc
+        raise RewardError(
+            f"reward function {reward.name!r} returned {value!r} on {where}, not a number"
+        ) from exc
     if value != value or value in (float("inf"), float("-inf")):
         raise RewardError(f"reward function {reward.name!r} returned {value} on {where}")
     return value
@@ -169,13 +174,15 @@ def score(reward: Reward, prompts: list, responses: list[str], answers: list[str
           metadata: list[dict] | None = None) -> list[float]:
     """Apply ``reward`` to every sample; any exception or non-finite value is a :class:`RewardError`."""
     metadata = metadata if metadata is not None else [{} for _ in prompts]
-    extra = (lambda m: {"metadata": m}) if reward.wants_metadata else (lambda m: {})  # noqa: E731
+    extra = (lambda m: {"metadata": m}) if reward.wants_metadata else (lambda m: {})
     if reward.batched:
         try:
             values = list(reward.fn(prompts, responses, answers, **extra(metadata)))
         except Exception as exc:
-            raise RewardError(f"batched reward function {reward.name!r} raised on a batch of {len(prompts)} samples "
-                              f"(the first prompt {str(prompts[0])[:60]!r}): {type(exc).__name__}: {exc}") from exc
+            raise RewardError(
+                f"batched reward function {reward.name!r} raised on a batch of {len(prompts)} samples "
+                f"(the first prompt {str(prompts[0])[:60]!r}): {type(exc).__name__}: {exc}"
+            ) from exc
         if len(values) != len(prompts):
             raise RewardError(f"batched reward function {reward.name!r} returned {len(values)} values for "
                               f"{len(prompts)} samples")
@@ -185,7 +192,9 @@ def score(reward: Reward, prompts: list, responses: list[str], answers: list[str
         try:
             value = reward.fn(p, r, a, **extra(m))
         except Exception as exc:
-            raise RewardError(f"reward function {reward.name!r} raised on sample {i} (prompt {str(p)[:60]!r}): "
-                              f"{type(exc).__name__}: {exc}") from exc
+            raise RewardError(
+                f"reward function {reward.name!r} raised on sample {i} (prompt {str(p)[:60]!r}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         out.append(_checked(reward, value, f"sample {i}"))
     return out

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from megatron_spec.config import ConfigError, RunConfig
 from megatron_spec.parallel import ParallelInfo
 from megatron_spec.rl.advantages import grpo_advantages
-from megatron_spec.rl.step_records import Batch, Pending, Round, Shard, engine_metrics
 from megatron_spec.rl.rollouts import Rollout
+from megatron_spec.rl.step_records import Batch, Pending, Round, Shard, engine_metrics
 
 if TYPE_CHECKING:
     from megatron_spec.rl.actor import PolicyActor
@@ -61,8 +61,8 @@ class RolloutManager:
     """
 
     def __init__(self, cfg: RunConfig, info: ParallelInfo, timer: StageTimer):
-        from megatron_spec.rollout.fleet import EngineLayout
         from megatron_spec.rollout import default_backend
+        from megatron_spec.rollout.fleet import EngineLayout
 
         self.cfg = cfg
         self.info = info
@@ -72,9 +72,11 @@ class RolloutManager:
         if self.backend == "sglang" and (s.spec_num_draft_tokens == "auto" or s.spec_history
                                          or s.spec_draft_kind == "history"):
             # the flags' check covers an explicit --rollout-backend sglang; this, SGLang as the GPU default
-            raise ConfigError("--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history run in the "
-                              "native engine only (SGLang drafts a fixed k: docs/architecture.md); the rollout backend "
-                              "defaults to sglang on a GPU: pass --rollout-backend native or a fixed k")
+            raise ConfigError(
+                "--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history run in the "
+                "native engine only (SGLang drafts a fixed k: docs/architecture.md); the rollout backend "
+                "defaults to sglang on a GPU: pass --rollout-backend native or a fixed k"
+            )
         self.layout = EngineLayout.resolve(
             world_size=info.world_size, trainer_tp_size=info.tp_size, num_engines=r.rollout_num_engines,
             engine_tp_size=r.rollout_tensor_parallel_size,
@@ -83,7 +85,8 @@ class RolloutManager:
         self.my_engine = self.layout.engine_of(info.rank)
         self.sender_engine = self.layout.sender_engine(info.rank)
         self._sender_group = None
-        if self.layout.engine_tp_size > 1:  # per-TP-rank payloads through the senders' group (sync/forward.py)
+        # per-TP-rank payloads through the senders' group (sync/forward.py)
+        if self.layout.engine_tp_size > 1:
             import datetime
 
             for e in range(self.layout.num_engines):  # collective: every rank creates every group
@@ -94,7 +97,8 @@ class RolloutManager:
         self.engine: RolloutEngine | None = None
         self.streamer = None
         self.watchdog = None
-        self.reference = None  # --rollout-reference-check: the native engine beside this owner's (rl/reference.py)
+        # --rollout-reference-check: the native engine beside this owner's (rl/reference.py)
+        self.reference = None
         # the policy / draft version each engine holds (the same list on every rank: -1 = none)
         self.engine_target_version = [-1] * self.layout.num_engines
         self.engine_draft_version = [-1] * self.layout.num_engines
@@ -113,10 +117,12 @@ class RolloutManager:
         c, r = self.cfg, self.cfg.rollout
         values = {**dataclasses.asdict(c.model), **dataclasses.asdict(r), **dataclasses.asdict(c.spec)}
         if c.spec.spec_draft_kind == "mtp" and online_draft:
-            values["spec_draft_path"] = None  # the heads are streamed from the trainer before the first rollout
+            # the heads are streamed from the trainer before the first rollout
+            values["spec_draft_path"] = None
         return EngineConfig(
             **engine_kwargs(values),
-            device=str(self.info.device),  # the native engine shares this rank's device (SGLang places itself)
+            # the native engine shares this rank's device (SGLang places itself)
+            device=str(self.info.device),
             context_length=c.data.max_prompt_length + r.rollout_max_new_tokens,
             load_weights=False, fp8_weights=r.rollout_weight_dtype == "fp8",
             engine_kwargs=parse_engine_kwargs(r.rollout_engine_kwargs, self.backend))
@@ -143,7 +149,9 @@ class RolloutManager:
                 from megatron_spec.rl.watchdog import AcceptanceWatchdog
 
                 # every owner sees the same (job-wide) acceptance, so all engines fall back together
-                self.watchdog = AcceptanceWatchdog(window=s.spec_watchdog_steps, fallback=s.spec_watchdog_fallback)
+                self.watchdog = AcceptanceWatchdog(
+                    window=s.spec_watchdog_steps, fallback=s.spec_watchdog_fallback
+                )
         elif self.sender_engine is not None:
             from megatron_spec.sync.forward import PayloadForwarder
             from megatron_spec.sync.streamer import WeightStreamer
@@ -161,21 +169,32 @@ class RolloutManager:
 
         r = self.cfg.rollout
         config = dataclasses.replace(self._engine_cfg, engine_index=self.my_engine)
-        self.engine = make_engine(config, backend=self.backend, mem_fraction_static=r.rollout_mem_fraction_static,
-                                  tp_size=self.layout.engine_tp_size, temperatures=(r.rollout_temperature,))
+        self.engine = make_engine(
+            config,
+            backend=self.backend,
+            mem_fraction_static=r.rollout_mem_fraction_static,
+            tp_size=self.layout.engine_tp_size,
+            temperatures=(r.rollout_temperature,),
+        )
         target = self.engine
         if self.layout.engine_tp_size > 1:  # one payload per engine TP rank, from its colocated rank
             from megatron_spec.sync.forward import PayloadGather
 
-            target = PayloadGather(self.engine, self._sender_group, self.info.rank, self.layout.engine_tp_size)
-        self.streamer = WeightStreamer(target, bucket_bytes=r.rollout_bucket_mb << 20,
-                                       weight_dtype=r.rollout_weight_dtype, for_sglang=self.backend == "sglang")
+            target = PayloadGather(
+                self.engine, self._sender_group, self.info.rank, self.layout.engine_tp_size
+            )
+        self.streamer = WeightStreamer(
+            target,
+            bucket_bytes=r.rollout_bucket_mb << 20,
+            weight_dtype=r.rollout_weight_dtype,
+            for_sglang=self.backend == "sglang",
+        )
 
     def _restart_engine(self, why: str) -> None:
         logger.warning("rollout engine %d failed (%s); restarting it", self.my_engine, why)
         try:
             self.engine.shutdown()
-        except Exception:  # noqa: BLE001 (a dead engine may fail to say goodbye; it is replaced either way)
+        except Exception:  # a dead engine may fail to say goodbye; it is replaced either way
             pass
         self._start_engine()
 
@@ -206,7 +225,8 @@ class RolloutManager:
         return self.task.sampler.state_dict()
 
     def apply_speculation(self, version: int) -> None:
-        """Switch the engines to autoregressive decoding once the watchdog asked for it (collective: every rank
+        """Switch the engines to autoregressive decoding once the watchdog asked for it (collective: every
+        rank
         calls it before a generate round, with the ``version`` the round generates from); called only where no
         generate is in flight (the handle's pipe serves one call at a time). The native engine switches in
         place; vLLM and SGLang fix their speculative method at start-up and rebuild, losing their weights,
@@ -260,7 +280,8 @@ class RolloutManager:
         check = self.cfg.rollout.rollout_reference_check and bool(need)
         t_ref = 0.0
         if need and (self.sender_engine in need or lay.gathers(rank, need)):
-            with actor.weights_of(version) as model:  # every rank of a feeding TP group takes part in the gathers
+            # every rank of a feeding TP group takes part in the gathers
+            with actor.weights_of(version) as model:
                 from megatron_spec.models.gpt import iter_hf_views
 
                 if self.sender_engine in need:
@@ -285,7 +306,9 @@ class RolloutManager:
         # MTP heads are tensor-parallel: their export gathers over the TP group like the target's
         collective = actor.draft is not None and self.cfg.spec.spec_draft_kind == "mtp"
         if need and self.sender_engine in need:
-            named = list(actor.draft.named_update_tensors()) if actor.draft is not None else self._static_draft
+            named = (
+                list(actor.draft.named_update_tensors()) if actor.draft is not None else self._static_draft
+            )
             if named is not None:  # n-gram and plain decoding have no draft weights
                 account(self.streamer.sync_draft(named, f"d{actor.draft_version}"))
         elif need and collective and lay.gathers(rank, need):
@@ -296,7 +319,9 @@ class RolloutManager:
         if check:
             from megatron_spec.rl.reference import check_owners
 
-            out.update(check_owners(self.reference, self.engine, self.task.tokenizer.decode, self.info, t_ref))
+            out.update(
+                check_owners(self.reference, self.engine, self.task.tokenizer.decode, self.info, t_ref)
+            )
         return out
 
     @functools.cached_property
@@ -305,7 +330,9 @@ class RolloutManager:
         an engine that released its weights has lost the draft too)."""
         from megatron_spec.draft.modelopt_io import startup_draft_tensors
 
-        return startup_draft_tensors(self.cfg.spec.spec_draft_kind, self.cfg.spec.spec_draft_path, self.actor.dcfg)
+        return startup_draft_tensors(
+            self.cfg.spec.spec_draft_kind, self.cfg.spec.spec_draft_path, self.actor.dcfg
+        )
 
     # ------------------------------------------------------------------ generation over the engines
     def _shard_plan(self, reqs: list[GenerateRequest]) -> list[list[int]]:
@@ -374,12 +401,16 @@ class RolloutManager:
             if time.monotonic() > deadline:
                 late = ", ".join(f"engine {e} (rank {self.layout.owner(e)})" for e in missing)
                 raise RolloutWaitTimeout(
-                    f"rank {self.info.rank} waited more than --rollout-wait-timeout-s {self.info.wait_timeout_s:g} "
+                    f"rank {self.info.rank} waited more than --rollout-wait-timeout-s "
+                    f"{self.info.wait_timeout_s:g} "
                     f"for the rollouts of {late}; a generation is stuck or needs longer: raise "
-                    f"--rollout-wait-timeout-s")
+                    f"--rollout-wait-timeout-s"
+                )
             time.sleep(0.02)
 
-    def _collect(self, rnd: Round, version: int, first: Shard | None = None) -> tuple[list[Rollout], list[Shard]]:
+    def _collect(
+        self, rnd: Round, version: int, first: Shard | None = None
+    ) -> tuple[list[Rollout], list[Shard]]:
         """One generate round over all engines (collective): each owner generates its shard of the
         round and scores it; every rank gets every shard. An engine that fails is restarted by its
         owner and re-fed ``version`` by its senders, and only its shard is generated again; the
@@ -399,8 +430,12 @@ class RolloutManager:
                 local = first if first is not None else self._generate_shard(
                     mine, self._engine_seed(rnd.seed, self.my_engine))
                 if local.error is None:  # the owner scores its own (the reward work is spread over them)
-                    local = dataclasses.replace(local, samples=None, rollouts=self.task.score(local.samples, meta, version),
-                                                request_ids=[s.request_id for s in local.samples])
+                    local = dataclasses.replace(
+                        local,
+                        samples=None,
+                        rollouts=self.task.score(local.samples, meta, version),
+                        request_ids=[s.request_id for s in local.samples],
+                    )
             first = None
             got = self._exchange(local, pending)
             failed = [e for e in pending if got[e].error is not None]
@@ -411,8 +446,11 @@ class RolloutManager:
                 raise RuntimeError(f"rollout engine(s) {failed} failed {tries} times in a row; last error: "
                                    f"{got[failed[0]].error}")
             if self.info.rank == 0:
-                logger.warning("rollout engine(s) %s failed (%s); restarting them and generating their prompts "
-                               "again", failed, got[failed[0]].error)
+                logger.warning(
+                    "rollout engine(s) %s failed (%s); restarting them and generating their prompts again",
+                    failed,
+                    got[failed[0]].error,
+                )
             self.engine_restarts_total += len(failed)
             for e in failed:  # the same bookkeeping on every rank
                 self.engine_target_version[e] = self.engine_draft_version[e] = -1
@@ -423,7 +461,11 @@ class RolloutManager:
             self.push_weights(version)
             pending = failed
         order = {q.request_id: i for i, q in enumerate(reqs)}
-        keyed = [(order[q], ro.sample_index, ro) for sh in done.values() for ro, q in zip(sh.rollouts, sh.request_ids)]
+        keyed = [
+            (order[q], ro.sample_index, ro)
+            for sh in done.values()
+            for ro, q in zip(sh.rollouts, sh.request_ids)
+        ]
         rollouts = [ro for _, _, ro in sorted(keyed, key=lambda t: (t[0], t[1]))]
         return rollouts, [done[e] for e in sorted(done)]
 
@@ -450,19 +492,26 @@ class RolloutManager:
         rewards = [ro.reward for ro in rollouts]
         mean = sum(rewards) / len(rewards)
         var = sum((r - mean) ** 2 for r in rewards) / max(len(rewards) - 1, 1)
-        return {"eval/reward": mean, "eval/reward_se": math.sqrt(var / len(rewards)), "eval/prompts": len(rewards),
-                "eval/policy_version": version}
+        return {
+            "eval/reward": mean,
+            "eval/reward_se": math.sqrt(var / len(rewards)),
+            "eval/prompts": len(rewards),
+            "eval/policy_version": version,
+        }
 
     def submit(self, step: int, version: int) -> None:
         """Async mode: draw the prompts of batch ``step`` and start generating this owner's shard
         with the weights of ``version``, which the engines hold now."""
-        before = self.task.sampler.state_dict()  # a checkpoint taken while this batch is in flight resumes here
+        # a checkpoint taken while this batch is in flight resumes here
+        before = self.task.sampler.state_dict()
         rnd = self.task.next_round(step)
         fut = None
         if self.owner:
             plan = self._shard_plan(rnd.requests)
             mine = [rnd.requests[i] for i in plan[self.my_engine]]
-            fut = self._executor.submit(self._generate_shard, mine, self._engine_seed(rnd.seed, self.my_engine))
+            fut = self._executor.submit(
+                self._generate_shard, mine, self._engine_seed(rnd.seed, self.my_engine)
+            )
         self.pending.append(Pending(rnd, version, fut, before))
 
     def generate(self, step: int, version: int) -> tuple[Batch, float]:

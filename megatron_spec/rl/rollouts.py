@@ -105,9 +105,11 @@ def select_for_training(rollouts: list[Rollout], group_size: int, *, drop_equal_
     kept, groups_dropped = list(rollouts), 0
     if drop_equal_reward_groups:
         if len(rollouts) % group_size:
-            raise ValueError(f"--dynamic-sampling needs whole groups on every data-parallel rank: {len(rollouts)} "
-                             f"rollouts are not groups of {group_size} (make --prompts-per-step a multiple of the "
-                             f"data-parallel size)")
+            raise ValueError(
+                f"--dynamic-sampling needs whole groups on every data-parallel rank: {len(rollouts)} "
+                f"rollouts are not groups of {group_size} (make --prompts-per-step a multiple of the "
+                f"data-parallel size)"
+            )
         kept = []
         for i in range(0, len(rollouts), group_size):
             group = rollouts[i:i + group_size]

@@ -90,7 +90,8 @@ def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculati
         "reward/mean": float(rewards.mean()),
         "reward/std": float(rewards.std(unbiased=False)),
         "rollout/response_length_mean": float(lengths.mean()),
-        "rollout/truncated_frac": sum(ro.finish_reason == "length" for ro in batch.rollouts) / len(batch.rollouts),
+        "rollout/truncated_frac": sum(ro.finish_reason == "length" for ro in batch.rollouts)
+        / len(batch.rollouts),
         "gen/tokens_per_s": st.tokens_per_s,
         "gen/seconds": batch.gen_seconds,
         "gen/exposed_s": exposed,

@@ -34,7 +34,9 @@ def sum_example(rng: random.Random, min_terms: int = 3, max_terms: int = 6) -> E
     for t in terms[1:]:
         steps.append(f"{total}+{t}={total + t}")
         total += t
-    return Example(prompt="+".join(map(str, terms)) + "=", answer=str(total), solution=";".join(steps) + f"#{total}")
+    return Example(
+        prompt="+".join(map(str, terms)) + "=", answer=str(total), solution=";".join(steps) + f"#{total}"
+    )
 
 
 def sum_long_example(rng: random.Random) -> Example:

@@ -15,13 +15,18 @@ from typing import Any
 from megatron_spec.config import ConfigError, RunConfig
 from megatron_spec.config_values import parse_stop_strings
 from megatron_spec.rl.data import PromptSampler, load_prompts
-from megatron_spec.rl.prompting import (encode_prompt, has_chat_template, parse_template_kwargs,
-                                        stop_token_ids, truncate_at_stop_strings)
-from megatron_spec.rl.step_records import Round
+from megatron_spec.rl.prompting import (
+    encode_prompt,
+    has_chat_template,
+    parse_template_kwargs,
+    stop_token_ids,
+    truncate_at_stop_strings,
+)
 from megatron_spec.rl.rewards import get_reward, score
 from megatron_spec.rl.rollouts import Rollout
+from megatron_spec.rl.step_records import Round
 from megatron_spec.rollout.config import sampling_kwargs
-from megatron_spec.rollout.types import GenerateRequest, SamplingParams, SampleOutput
+from megatron_spec.rollout.types import GenerateRequest, SampleOutput, SamplingParams
 from megatron_spec.telemetry import StageTimer
 
 
@@ -40,19 +45,28 @@ class PromptTask:
         # prompt format and response ends (rl/prompting.py): chat template, EOS ids of config.json
         # and generation_config.json, stop strings
         if cfg.data.apply_chat_template and not has_chat_template(self.tokenizer):
-            raise ConfigError(f"--apply-chat-template: the tokenizer of {m.hf_checkpoint} has no chat_template")
+            raise ConfigError(
+                f"--apply-chat-template: the tokenizer of {m.hf_checkpoint} has no chat_template"
+            )
         self.stop_ids = stop_token_ids(m.hf_checkpoint, self.tokenizer)
         self.template_kwargs = parse_template_kwargs(cfg.data.apply_chat_template_kwargs)
         self.stop_strings = parse_stop_strings(cfg.data.stop)
-        self.sampling = SamplingParams(**sampling_kwargs(dataclasses.asdict(cfg.rollout)), stop_token_ids=self.stop_ids)
+        self.sampling = SamplingParams(
+            **sampling_kwargs(dataclasses.asdict(cfg.rollout)), stop_token_ids=self.stop_ids
+        )
         """Every request's sampling: the rollout settings and the stop ids (frozen, shared)."""
 
     def load(self, run_dir: str) -> None:
         """Training and held-out prompts (``run_dir``: the datasets' cache), the sampler, the reward."""
         cfg, seed = self.cfg, self.cfg.model.seed
-        self.examples = load_prompts(cfg.data.prompt_data, prompt_key=cfg.data.prompt_key,
-                                     answer_key=cfg.data.answer_key, num_synthetic=cfg.data.num_synthetic_prompts,
-                                     seed=seed, cache_dir=run_dir)
+        self.examples = load_prompts(
+            cfg.data.prompt_data,
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
+            num_synthetic=cfg.data.num_synthetic_prompts,
+            seed=seed,
+            cache_dir=run_dir,
+        )
         self.examples = self._drop_overlong(self.examples, f"--prompt-data {cfg.data.prompt_data}")
         self.sampler = PromptSampler(len(self.examples), seed)
         self.eval_examples = []
@@ -62,14 +76,21 @@ class PromptTask:
                 answer_key=cfg.data.answer_key, num_synthetic=cfg.data.eval_prompts,
                 seed=seed + 7_919_000, cache_dir=run_dir)
             self.eval_examples = self._drop_overlong(
-                self.eval_examples, f"--eval-data {cfg.data.eval_data or cfg.data.prompt_data}")[:cfg.data.eval_prompts]
+                self.eval_examples, f"--eval-data {cfg.data.eval_data or cfg.data.prompt_data}"
+            )[: cfg.data.eval_prompts]
         self.reward = get_reward(cfg.data.reward)
 
     def encode(self, prompt) -> list[int]:
         """The prompt's token ids (``rl.prompting.encode_prompt``: text or chat messages)."""
         d = self.cfg.data
-        return encode_prompt(self.tokenizer, prompt, chat_template=d.apply_chat_template, system_prompt=d.system_prompt,
-                             template=d.prompt_template, template_kwargs=self.template_kwargs)
+        return encode_prompt(
+            self.tokenizer,
+            prompt,
+            chat_template=d.apply_chat_template,
+            system_prompt=d.system_prompt,
+            template=d.prompt_template,
+            template_kwargs=self.template_kwargs,
+        )
 
     def _drop_overlong(self, examples: list, what: str) -> list:
         """``--overlong-prompts``: prompts longer than ``--max-prompt-length`` dropped at load (their count
@@ -80,16 +101,23 @@ class PromptTask:
         if not long:
             return examples
         if d.overlong_prompts == "error":
-            raise ConfigError(f"{what}: {len(long)} of {len(examples)} prompts are longer than --max-prompt-length "
-                              f"{d.max_prompt_length} tokens (the first, row {long[0]}, has {lengths[long[0]]}); raise "
-                              f"it, or --overlong-prompts filter drops them")
+            raise ConfigError(
+                f"{what}: {len(long)} of {len(examples)} prompts are longer than --max-prompt-length "
+                f"{d.max_prompt_length} tokens (the first, row {long[0]}, has {lengths[long[0]]}); raise "
+                f"it, or --overlong-prompts filter drops them"
+            )
         if len(long) == len(examples):
-            raise ConfigError(f"{what}: every prompt is longer than --max-prompt-length {d.max_prompt_length} tokens "
-                              f"(the shortest has {min(lengths)})")
+            raise ConfigError(
+                f"{what}: every prompt is longer than --max-prompt-length {d.max_prompt_length} tokens "
+                f"(the shortest has {min(lengths)})"
+            )
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"megatron-spec: {what}: dropped {len(long)} of {len(examples)} prompts longer than "
-                  f"--max-prompt-length {d.max_prompt_length} tokens (--overlong-prompts filter)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"megatron-spec: {what}: dropped {len(long)} of {len(examples)} prompts longer than "
+                f"--max-prompt-length {d.max_prompt_length} tokens (--overlong-prompts filter)",
+                file=sys.stderr,
+                flush=True,
+            )
         drop = set(long)
         return [ex for i, ex in enumerate(examples) if i not in drop]
 
@@ -128,8 +156,12 @@ class PromptTask:
         check's probes, ``megatron_spec.rl.reference``: the same every step)."""
         greedy = dataclasses.replace(self.sampling, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                                      max_new_tokens=tokens)
-        return [GenerateRequest(f"probe{i}", self.request(f"probe{i}", ex.prompt, f"prompt {i}", 1).input_ids, greedy)
-                for i, ex in enumerate(self.examples[:prompts])]
+        return [
+            GenerateRequest(
+                f"probe{i}", self.request(f"probe{i}", ex.prompt, f"prompt {i}", 1).input_ids, greedy
+            )
+            for i, ex in enumerate(self.examples[:prompts])
+        ]
 
     def score(self, samples: list[SampleOutput], meta: dict[str, tuple[int, str, Any, tuple[int, ...]]],
               version: int) -> list[Rollout]:
@@ -140,11 +172,27 @@ class PromptTask:
         rollouts = []
         for s in samples:
             index, _, _, ids, _ = meta[s.request_id]
-            rollouts.append(Rollout(index, s.sample_index, list(ids), s.output_ids, s.logprobs, s.finish_reason,
-                                    version, s.accepted_per_step, s.num_verify_steps))
+            rollouts.append(
+                Rollout(
+                    index,
+                    s.sample_index,
+                    list(ids),
+                    s.output_ids,
+                    s.logprobs,
+                    s.finish_reason,
+                    version,
+                    s.accepted_per_step,
+                    s.num_verify_steps,
+                )
+            )
         with self.timer("reward"):
-            rewards = score(self.reward, [meta[s.request_id][1] for s in samples], texts,
-                            [meta[s.request_id][2] for s in samples], [meta[s.request_id][4] for s in samples])
+            rewards = score(
+                self.reward,
+                [meta[s.request_id][1] for s in samples],
+                texts,
+                [meta[s.request_id][2] for s in samples],
+                [meta[s.request_id][4] for s in samples],
+            )
         for ro, rew in zip(rollouts, rewards):
             ro.reward = rew
         return rollouts

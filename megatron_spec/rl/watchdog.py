@@ -33,7 +33,7 @@ import math
 logger = logging.getLogger(__name__)
 
 
-class Action(str, enum.Enum):
+class Action(enum.StrEnum):
     """What the caller should do after a step (a ``str``: JSON-serialisable in metrics)."""
 
     OK = "ok"
@@ -58,9 +58,14 @@ class AcceptanceWatchdog:
         if window < 1:
             raise ValueError(f"watchdog window must be >= 1 step, got {window}")
         if not threshold >= 1.0:
-            raise ValueError(f"watchdog threshold is an accept length (>= 1.0 tokens per verify step), got {threshold}")
+            raise ValueError(
+                f"watchdog threshold is an accept length (>= 1.0 tokens per verify step), got {threshold}"
+            )
         if not sudden_fraction < 1.0:
-            raise ValueError(f"watchdog sudden_fraction must be < 1 (a fraction of the healthy gain), got {sudden_fraction}")
+            raise ValueError(
+                "watchdog sudden_fraction must be < 1 (a fraction of the healthy gain), got "
+                f"{sudden_fraction}"
+            )
         self.window, self.fallback, self.threshold = window, fallback, threshold
         self.sudden_fraction = sudden_fraction
         self.streak = 0
@@ -91,9 +96,12 @@ class AcceptanceWatchdog:
             else:
                 what = (f"accept length <= {self.threshold:.2f} for {self.streak} consecutive steps "
                         f"(last {accept_length:.3f})")
-            logger.warning("speculative acceptance collapsed: %s; the draft is probably stale, corrupted or lost "
-                           "(check the draft weight sync and the last draft update)%s", what,
-                           "; falling back to autoregressive decoding" if self.fallback else "")
+            logger.warning(
+                "speculative acceptance collapsed: %s; the draft is probably stale, corrupted or lost "
+                "(check the draft weight sync and the last draft update)%s",
+                what,
+                "; falling back to autoregressive decoding" if self.fallback else "",
+            )
         return Action.FALLBACK if self.fallback else Action.WARN
 
     def baseline(self) -> float | None:

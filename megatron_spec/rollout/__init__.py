@@ -41,12 +41,15 @@ def make_engine(config: EngineConfig, backend: str | None = None, *, mem_fractio
         from megatron_spec.rollout.sglang_backend import SGLangEngine
 
         overrides = {} if mem_fraction_static is None else {"mem_fraction_static": mem_fraction_static}
-        overrides.update(config.engine_kwargs)  # --rollout-engine-kwargs: through ServerArgs and the lossless guard
+        # --rollout-engine-kwargs: through ServerArgs and the lossless guard
+        overrides.update(config.engine_kwargs)
         return SGLangEngine(config, tp_size=tp_size, server_overrides=overrides)
     if backend == "vllm":
         from megatron_spec.rollout.vllm_backend import VllmEngine
 
         if tp_size != 1:
-            raise ValueError(f"the vLLM engine is driven with one TP rank here: tp_size must be 1, got {tp_size}")
+            raise ValueError(
+                f"the vLLM engine is driven with one TP rank here: tp_size must be 1, got {tp_size}"
+            )
         return VllmEngine(config, python=config.vllm_python, temperatures=temperatures)
     raise ValueError(f"rollout backend must be 'native', 'sglang' or 'vllm', got {backend!r}")

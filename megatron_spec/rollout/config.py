@@ -27,7 +27,7 @@ HISTORY_TREE_MODES = ("auto", "off")
 BACKENDS = ("native", "sglang", "vllm")
 
 
-def parse_num_draft_tokens(value: "int | str") -> "int | str":
+def parse_num_draft_tokens(value: int | str) -> int | str:
     """A ``--spec-num-draft-tokens`` value: ``auto`` or an int (argparse ``type`` and YAML values)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
@@ -94,7 +94,7 @@ class Setting:
         return "--" + self.name.replace("_", "-")
 
 
-def _num_draft_tokens_arg(value: str) -> "int | str":
+def _num_draft_tokens_arg(value: str) -> int | str:
     try:
         return parse_num_draft_tokens(value)
     except ValueError as exc:
@@ -102,64 +102,212 @@ def _num_draft_tokens_arg(value: str) -> "int | str":
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("hf_checkpoint", "model", None, "HF checkpoint directory of the policy (config.json, safetensors, "
-            "tokenizer)", engine="model_path", alias="--model"),
-    Setting("seed", "model", 1234, "base seed: model-parallel RNG, data order, sampling", engine="seed",
-            generate_default=0),
-    Setting("rollout_backend", "rollout", None, "rollout engine: native (PyTorch, its own process), sglang (GPU) "
-            "or vllm (vLLM in its own process and Python: --rollout-vllm-python); the launcher's default: sglang "
-            "with a GPU, native without", BACKENDS, alias="--backend", generate_default="native"),
-    Setting("rollout_vllm_python", "rollout", None, "the Python of vLLM's environment for --rollout-backend vllm "
-            "(default: $MEGATRON_SPEC_VLLM_PYTHON, else .venv-vllm/bin/python in this repository, made by "
-            "scripts/setup_env.sh --with-vllm)", parse=str, engine="vllm_python"),
-    Setting("rollout_startup_timeout_s", "rollout", 600.0, "longest an engine may take to start (load, compile) "
-            "before it is stopped", engine="startup_timeout_s"),
-    Setting("rollout_call_timeout_s", "rollout", 3600.0, "longest one engine call (a generate, a weight update) may "
-            "take before the engine is stopped (and, in a run, restarted)", engine="call_timeout_s"),
-    Setting("rollout_dtype", "rollout", "auto", "engine compute dtype (auto: bfloat16 where the CPU does bf16 "
-            "natively or on a GPU, float32 elsewhere; see megatron-spec info)", DTYPE_CHOICES, engine="dtype",
-            alias="--dtype"),
-    Setting("rollout_max_batch_size", "rollout", None, "sequences the engine decodes at once", engine="max_batch_size",
-            alias="--batch-size", generate_default=32),
-    Setting("rollout_max_new_tokens", "rollout", None, "longest response", sampling="max_new_tokens",
-            alias="--max-new-tokens", generate_default=128),
-    Setting("rollout_temperature", "rollout", 1.0, "sampling temperature (0 = greedy)", sampling="temperature",
-            alias="--temperature"),
+    Setting(
+        "hf_checkpoint",
+        "model",
+        None,
+        "HF checkpoint directory of the policy (config.json, safetensors, tokenizer)",
+        engine="model_path",
+        alias="--model",
+    ),
+    Setting(
+        "seed",
+        "model",
+        1234,
+        "base seed: model-parallel RNG, data order, sampling",
+        engine="seed",
+        generate_default=0,
+    ),
+    Setting(
+        "rollout_backend",
+        "rollout",
+        None,
+        "rollout engine: native (PyTorch, its own process), sglang (GPU) "
+        "or vllm (vLLM in its own process and Python: --rollout-vllm-python); the launcher's default: sglang "
+        "with a GPU, native without",
+        BACKENDS,
+        alias="--backend",
+        generate_default="native",
+    ),
+    Setting(
+        "rollout_vllm_python",
+        "rollout",
+        None,
+        "the Python of vLLM's environment for --rollout-backend vllm "
+        "(default: $MEGATRON_SPEC_VLLM_PYTHON, else .venv-vllm/bin/python in this repository, made by "
+        "scripts/setup_env.sh --with-vllm)",
+        parse=str,
+        engine="vllm_python",
+    ),
+    Setting(
+        "rollout_startup_timeout_s",
+        "rollout",
+        600.0,
+        "longest an engine may take to start (load, compile) before it is stopped",
+        engine="startup_timeout_s",
+    ),
+    Setting(
+        "rollout_call_timeout_s",
+        "rollout",
+        3600.0,
+        "longest one engine call (a generate, a weight update) may "
+        "take before the engine is stopped (and, in a run, restarted)",
+        engine="call_timeout_s",
+    ),
+    Setting(
+        "rollout_dtype",
+        "rollout",
+        "auto",
+        "engine compute dtype (auto: bfloat16 where the CPU does bf16 "
+        "natively or on a GPU, float32 elsewhere; see megatron-spec info)",
+        DTYPE_CHOICES,
+        engine="dtype",
+        alias="--dtype",
+    ),
+    Setting(
+        "rollout_max_batch_size",
+        "rollout",
+        None,
+        "sequences the engine decodes at once",
+        engine="max_batch_size",
+        alias="--batch-size",
+        generate_default=32,
+    ),
+    Setting(
+        "rollout_max_new_tokens",
+        "rollout",
+        None,
+        "longest response",
+        sampling="max_new_tokens",
+        alias="--max-new-tokens",
+        generate_default=128,
+    ),
+    Setting(
+        "rollout_temperature",
+        "rollout",
+        1.0,
+        "sampling temperature (0 = greedy)",
+        sampling="temperature",
+        alias="--temperature",
+    ),
     Setting("rollout_top_p", "rollout", 1.0, "nucleus sampling (1 = off)", sampling="top_p", alias="--top-p"),
-    Setting("rollout_top_k", "rollout", 0, "top-k sampling (0 or -1 = off)", sampling="top_k", alias="--top-k"),
+    Setting(
+        "rollout_top_k", "rollout", 0, "top-k sampling (0 or -1 = off)", sampling="top_k", alias="--top-k"
+    ),
     Setting("rollout_min_p", "rollout", 0.0, "min-p sampling (0 = off)", sampling="min_p", alias="--min-p"),
-    Setting("rollout_num_threads", "rollout", None, "torch threads in the native engine process", parse=int,
-            engine="num_threads", alias="--num-threads"),
-    Setting("rollout_compile", "rollout", False, "native engine on a CPU: run its decoder layer compiled by "
-            "torch.compile (inductor; fused norms, rotation, activation): faster steps, after a compile of seconds "
-            "per step shape on first use (cached on disk for later runs); not where the extension's C++ decoder layers "
-            "run for the engine's dtype (they are faster: layers.compiled.compiling_pays)", engine="compile", alias="--compile"),
-    Setting("spec_draft_kind", "spec", "none", "drafter (history: earlier responses to the same prompt, native "
-            "engine)", DRAFT_KINDS, engine="draft_kind", alias="--draft-kind"),
-    Setting("spec_draft_path", "spec", None, "ModelOpt-exported EAGLE-3 directory, or draft-model HF checkpoint",
-            engine="draft_path", alias="--draft-path"),
-    Setting("spec_num_draft_tokens", "spec", 3, "k: tokens drafted per verify step, or auto: chosen per step in "
-            "0..--spec-max-draft-tokens from measured acceptance and step cost (native engine)",
-            parse=_num_draft_tokens_arg, engine="num_draft_tokens", alias="--num-draft-tokens"),
-    Setting("spec_max_draft_tokens", "spec", 5, "k_max of --spec-num-draft-tokens auto", engine="max_draft_tokens",
-            alias="--max-draft-tokens"),
-    Setting("spec_history", "spec", False, "also draft from earlier responses to the same prompt (GRPO siblings, "
-            "earlier steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)",
-            engine="history", alias="--history"),
-    Setting("spec_history_live", "spec", True, "with the history drafter: also draft from what the running rows of "
-            "the same prompt (GRPO siblings) have written so far (the live group index, spec/live.py)",
-            engine="history_live", alias="--history-live"),
-    Setting("spec_history_max_draft_tokens", "spec", 10, "the longest history proposal beside the drafter "
-            "(--spec-history): steps where only the history drafts may verify this many tokens",
-            engine="history_max_draft_tokens", alias="--history-max-draft-tokens"),
-    Setting("spec_history_tree", "spec", "auto", "tree steps beside --spec-history (the drafter's and the "
-            "history's proposals as two branches of one verify): auto (where the cost model expects them to "
-            "pay) or off", HISTORY_TREE_MODES, engine="history_tree", alias="--history-tree"),
-    Setting("spec_trace", "spec", None, "native engine with --spec-num-draft-tokens auto: append the adaptive "
-            "controller's decision of every verify step (plan, predicted and realised tokens/s, seconds) to this "
-            "file as JSON lines (rollout/native/decision_trace.py)", parse=str, engine="spec_trace"),
-    Setting("spec_mtp_num_layers", "spec", 1, "MTP heads trained beside the policy (spec-draft-kind mtp)",
-            engine="mtp_num_layers", generate=False),
+    Setting(
+        "rollout_num_threads",
+        "rollout",
+        None,
+        "torch threads in the native engine process",
+        parse=int,
+        engine="num_threads",
+        alias="--num-threads",
+    ),
+    Setting(
+        "rollout_compile",
+        "rollout",
+        False,
+        "native engine on a CPU: run its decoder layer compiled by "
+        "torch.compile (inductor; fused norms, rotation, activation): faster steps, after a compile of "
+        "seconds "
+        "per step shape on first use (cached on disk for later runs); not where the extension's C++ decoder "
+        "layers "
+        "run for the engine's dtype (they are faster: layers.compiled.compiling_pays)",
+        engine="compile",
+        alias="--compile",
+    ),
+    Setting(
+        "spec_draft_kind",
+        "spec",
+        "none",
+        "drafter (history: earlier responses to the same prompt, native engine)",
+        DRAFT_KINDS,
+        engine="draft_kind",
+        alias="--draft-kind",
+    ),
+    Setting(
+        "spec_draft_path",
+        "spec",
+        None,
+        "ModelOpt-exported EAGLE-3 directory, or draft-model HF checkpoint",
+        engine="draft_path",
+        alias="--draft-path",
+    ),
+    Setting(
+        "spec_num_draft_tokens",
+        "spec",
+        3,
+        "k: tokens drafted per verify step, or auto: chosen per step in "
+        "0..--spec-max-draft-tokens from measured acceptance and step cost (native engine)",
+        parse=_num_draft_tokens_arg,
+        engine="num_draft_tokens",
+        alias="--num-draft-tokens",
+    ),
+    Setting(
+        "spec_max_draft_tokens",
+        "spec",
+        5,
+        "k_max of --spec-num-draft-tokens auto",
+        engine="max_draft_tokens",
+        alias="--max-draft-tokens",
+    ),
+    Setting(
+        "spec_history",
+        "spec",
+        False,
+        "also draft from earlier responses to the same prompt (GRPO siblings, "
+        "earlier steps), per row where expected to emit more (needs --spec-num-draft-tokens auto)",
+        engine="history",
+        alias="--history",
+    ),
+    Setting(
+        "spec_history_live",
+        "spec",
+        True,
+        "with the history drafter: also draft from what the running rows of "
+        "the same prompt (GRPO siblings) have written so far (the live group index, spec/live.py)",
+        engine="history_live",
+        alias="--history-live",
+    ),
+    Setting(
+        "spec_history_max_draft_tokens",
+        "spec",
+        10,
+        "the longest history proposal beside the drafter "
+        "(--spec-history): steps where only the history drafts may verify this many tokens",
+        engine="history_max_draft_tokens",
+        alias="--history-max-draft-tokens",
+    ),
+    Setting(
+        "spec_history_tree",
+        "spec",
+        "auto",
+        "tree steps beside --spec-history (the drafter's and the "
+        "history's proposals as two branches of one verify): auto (where the cost model expects them to "
+        "pay) or off",
+        HISTORY_TREE_MODES,
+        engine="history_tree",
+        alias="--history-tree",
+    ),
+    Setting(
+        "spec_trace",
+        "spec",
+        None,
+        "native engine with --spec-num-draft-tokens auto: append the adaptive "
+        "controller's decision of every verify step (plan, predicted and realised tokens/s, seconds) to this "
+        "file as JSON lines (rollout/native/decision_trace.py)",
+        parse=str,
+        engine="spec_trace",
+    ),
+    Setting(
+        "spec_mtp_num_layers",
+        "spec",
+        1,
+        "MTP heads trained beside the policy (spec-draft-kind mtp)",
+        engine="mtp_num_layers",
+        generate=False,
+    ),
 )
 SETTING: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
@@ -213,12 +361,16 @@ def check_speculation(values: Mapping[str, Any], backend: str | None = None) -> 
         raise ValueError(f"--spec-num-draft-tokens must be an integer or 'auto', got {k!r}")
     k_most = k_max if k == "auto" else k
     if kind != "none" and k_most < 1:
-        raise ValueError(f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, got {k_most}")
+        raise ValueError(
+            f"--spec-num-draft-tokens (--spec-max-draft-tokens with auto) must be >= 1, got {k_most}"
+        )
     if hist_k < 1:
         raise ValueError(f"--spec-history-max-draft-tokens must be >= 1, got {hist_k}")
     if history and (k != "auto" or kind in ("none", "history")):
-        raise ValueError("--spec-history needs --spec-num-draft-tokens auto and a --spec-draft-kind other than "
-                         "none and history (--spec-draft-kind history drafts from the history alone)")
+        raise ValueError(
+            "--spec-history needs --spec-num-draft-tokens auto and a --spec-draft-kind other than "
+            "none and history (--spec-draft-kind history drafts from the history alone)"
+        )
     if values.get("spec_history_tree", "auto") not in HISTORY_TREE_MODES:
         raise ValueError(f"--spec-history-tree must be one of {HISTORY_TREE_MODES}, "
                          f"got {values.get('spec_history_tree')!r}")
@@ -227,43 +379,73 @@ def check_speculation(values: Mapping[str, Any], backend: str | None = None) -> 
                          "--spec-num-draft-tokens auto and a --spec-draft-kind")
     if backend in ("sglang", "vllm") and (k == "auto" or history or kind == "history"):
         name = {"sglang": "SGLang's", "vllm": "vLLM's"}[backend]
-        raise ValueError(f"--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need the "
-                         f"native engine (--rollout-backend native): {name} speculative worker fixes k at "
-                         f"start-up (docs/architecture.md)")
+        raise ValueError(
+            f"--spec-num-draft-tokens auto, --spec-history and --spec-draft-kind history need the "
+            f"native engine (--rollout-backend native): {name} speculative worker fixes k at "
+            f"start-up (docs/architecture.md)"
+        )
 
 
 ENGINE_KWARGS_SET_HERE = {
-    "sglang": {"model_path": "--hf-checkpoint", "dtype": "--rollout-dtype", "tp_size": "--rollout-tensor-parallel-size",
-               "random_seed": "--seed", "context_length": "--max-prompt-length + --rollout-max-new-tokens",
-               "max_running_requests": "--rollout-max-batch-size", "mem_fraction_static": "--rollout-mem-fraction-static",
-               "skip_tokenizer_init": None, "enable_memory_saver": None, "load_format": None, "weight_version": None,
-               "decrypted_config_file": None, "speculative_algorithm": "--spec-draft-kind",
-               "speculative_draft_model_path": "--spec-draft-path", "speculative_num_steps": "--spec-num-draft-tokens",
-               "speculative_num_draft_tokens": "--spec-num-draft-tokens", "speculative_eagle_topk": None},
-    "vllm": {"model": "--hf-checkpoint", "dtype": "--rollout-dtype", "max_num_seqs": "--rollout-max-batch-size",
-             "max_model_len": "--max-prompt-length + --rollout-max-new-tokens", "seed": "--seed",
-             "enforce_eager": "--rollout-compile", "speculative_config": "--spec-*", "load_format": None,
-             "worker_extension_cls": None, "weight_transfer_config": None, "logprobs_mode": None,
-             "disable_log_stats": None, "per_request_spec_decode_metrics": None},
+    "sglang": {
+        "model_path": "--hf-checkpoint",
+        "dtype": "--rollout-dtype",
+        "tp_size": "--rollout-tensor-parallel-size",
+        "random_seed": "--seed",
+        "context_length": "--max-prompt-length + --rollout-max-new-tokens",
+        "max_running_requests": "--rollout-max-batch-size",
+        "mem_fraction_static": "--rollout-mem-fraction-static",
+        "skip_tokenizer_init": None,
+        "enable_memory_saver": None,
+        "load_format": None,
+        "weight_version": None,
+        "decrypted_config_file": None,
+        "speculative_algorithm": "--spec-draft-kind",
+        "speculative_draft_model_path": "--spec-draft-path",
+        "speculative_num_steps": "--spec-num-draft-tokens",
+        "speculative_num_draft_tokens": "--spec-num-draft-tokens",
+        "speculative_eagle_topk": None,
+    },
+    "vllm": {
+        "model": "--hf-checkpoint",
+        "dtype": "--rollout-dtype",
+        "max_num_seqs": "--rollout-max-batch-size",
+        "max_model_len": "--max-prompt-length + --rollout-max-new-tokens",
+        "seed": "--seed",
+        "enforce_eager": "--rollout-compile",
+        "speculative_config": "--spec-*",
+        "load_format": None,
+        "worker_extension_cls": None,
+        "weight_transfer_config": None,
+        "logprobs_mode": None,
+        "disable_log_stats": None,
+        "per_request_spec_decode_metrics": None,
+    },
 }
-"""The engine arguments megatron-spec sets itself (what ``--rollout-engine-kwargs`` may not: the flag that sets
+"""The engine arguments megatron-spec sets itself (what ``--rollout-engine-kwargs`` may not: the flag that
+sets
 each, or None where the weight sync, the log-probs or the exactness proofs depend on our value)."""
 
 
 def parse_engine_kwargs(text: str | None, backend: str) -> dict:
-    """``--rollout-engine-kwargs``: a JSON object of the engine's own arguments (SGLang's ``ServerArgs`` fields,
+    """``--rollout-engine-kwargs``: a JSON object of the engine's own arguments (SGLang's ``ServerArgs``
+    fields,
     vLLM's ``LLM(...)`` keywords), passed through; raises ``ValueError`` naming what is wrong."""
     from megatron_spec.config_values import json_object
 
     value = json_object("--rollout-engine-kwargs", text)
     if value and backend == "native":
-        raise ValueError("--rollout-engine-kwargs: the native engine takes no engine arguments (its settings are the "
-                         "--rollout-* flags); they are for --rollout-backend sglang or vllm")
+        raise ValueError(
+            "--rollout-engine-kwargs: the native engine takes no engine arguments (its settings are the "
+            "--rollout-* flags); they are for --rollout-backend sglang or vllm"
+        )
     for key in value:
         if key in ENGINE_KWARGS_SET_HERE.get(backend, {}):
             flag = ENGINE_KWARGS_SET_HERE[backend][key]
-            raise ValueError(f"--rollout-engine-kwargs: {key!r} is set by megatron-spec "
-                             + (f"from {flag}" if flag else "(the weight sync, log-probs or exactness depend on it)"))
+            raise ValueError(
+                f"--rollout-engine-kwargs: {key!r} is set by megatron-spec "
+                + (f"from {flag}" if flag else "(the weight sync, log-probs or exactness depend on it)")
+            )
     return value
 
 
@@ -318,7 +500,8 @@ class EngineConfig:
     compile: bool = False
     """Run the target's single-segment forwards through its decoder layer compiled by ``torch.compile``
     (``megatron_spec.layers.compiled``; native engine on a CPU, weights packed for oneDNN). Greedy tokens as
-    eager (fp32 logits within ~2e-6 relative); ``warm_up`` compiles the decode and verify shapes at start-up."""
+    eager (fp32 logits within ~2e-6 relative); ``warm_up`` compiles the decode and verify shapes at
+    start-up."""
     load_weights: bool = True
     """Read the target weights from ``model_path``; False waits for a weight update instead."""
     fp8_weights: bool = False
@@ -331,15 +514,19 @@ class EngineConfig:
     startup_timeout_s: float = 600.0
     call_timeout_s: float = 3600.0
     vllm_python: str | None = None
-    """The vLLM environment's Python (``--rollout-backend vllm``; ``megatron_spec.rollout.vllm_backend.vllm_python``)."""
+    """The vLLM environment's Python (``--rollout-backend vllm``;
+    ``megatron_spec.rollout.vllm_backend.vllm_python``)."""
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
-    """The engine's own arguments, passed through (``--rollout-engine-kwargs``; :func:`parse_engine_kwargs`)."""
+    """The engine's own arguments, passed through (``--rollout-engine-kwargs``;
+    :func:`parse_engine_kwargs`)."""
     engine_index: int = 0
     """Which of the job's engines this is (``--rollout-num-engines``): names it in logs and in
     the fault-injection points of the tests (``megatron_spec.faults``)."""
 
     def __post_init__(self) -> None:
-        check_speculation({s.name: getattr(self, s.engine) for s in SETTINGS if s.engine and s.group == "spec"})
+        check_speculation(
+            {s.name: getattr(self, s.engine) for s in SETTINGS if s.engine and s.group == "spec"}
+        )
         kind, _, index = self.device.partition(":")
         if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
@@ -352,7 +539,7 @@ class EngineConfig:
         if self.draft_path and self.draft_kind in ("eagle3", "model") and not os.path.isdir(self.draft_path):
             raise FileNotFoundError(f"draft_path {self.draft_path} is not a directory")
 
-    def resolved(self, device: str | None = None) -> "EngineConfig":
+    def resolved(self, device: str | None = None) -> EngineConfig:
         """This config with ``dtype`` resolved for an engine on ``device`` (``cpu`` | ``cuda``; default: the
         config's own ``device``)."""
         dtype = resolve_dtype(self.dtype, device or self.device_type)

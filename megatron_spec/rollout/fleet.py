@@ -44,7 +44,7 @@ class EngineLayout:
 
     @classmethod
     def resolve(cls, *, world_size: int, trainer_tp_size: int, num_engines: int | None,
-                engine_tp_size: int | None, ranks_per_node: int, backend: str) -> "EngineLayout":
+                engine_tp_size: int | None, ranks_per_node: int, backend: str) -> EngineLayout:
         """The layout the flags ask for, checked.
 
         Args:
@@ -58,24 +58,33 @@ class EngineLayout:
             ranks_per_node = world_size  # a ragged launch: treat the job as one node
         n = num_engines if num_engines is not None else max(1, world_size // ranks_per_node)
         if n < 1 or world_size % n:
-            raise ConfigError(f"--rollout-num-engines {n} does not divide the world size {world_size}: every engine "
-                              f"is owned by a block of world/N ranks")
+            raise ConfigError(
+                f"--rollout-num-engines {n} does not divide the world size {world_size}: every engine "
+                f"is owned by a block of world/N ranks"
+            )
         block = world_size // n
         t = engine_tp_size if engine_tp_size is not None else (block if backend == "sglang" else 1)
         if backend != "sglang" and t != 1:
-            raise ConfigError(f"--rollout-tensor-parallel-size {t}: the {backend} engine runs on one device (1)")
+            raise ConfigError(
+                f"--rollout-tensor-parallel-size {t}: the {backend} engine runs on one device (1)"
+            )
         if t < 1 or t > block:
-            raise ConfigError(f"--rollout-tensor-parallel-size {t} must be in 1..{block}: an engine runs on the "
-                              f"devices of its own block of {block} ranks (world {world_size} / {n} engines)")
+            raise ConfigError(
+                f"--rollout-tensor-parallel-size {t} must be in 1..{block}: an engine runs on the "
+                f"devices of its own block of {block} ranks (world {world_size} / {n} engines)"
+            )
         if t > ranks_per_node:
-            raise ConfigError(f"--rollout-tensor-parallel-size {t} exceeds the {ranks_per_node} ranks of a node: an "
-                              f"engine's GPUs and the trainer ranks that feed them must share a machine")
+            raise ConfigError(
+                f"--rollout-tensor-parallel-size {t} exceeds the {ranks_per_node} ranks of a node: an "
+                f"engine's GPUs and the trainer ranks that feed them must share a machine"
+            )
         if block % ranks_per_node and ranks_per_node % block:
             raise ConfigError(f"{n} engines make blocks of {block} ranks, which do not tile nodes of "
                               f"{ranks_per_node} ranks")
         if trainer_tp_size < 1 or world_size % trainer_tp_size:
-            raise ConfigError(f"--tensor-model-parallel-size {trainer_tp_size} does not divide the world size "
-                              f"{world_size}")
+            raise ConfigError(
+                f"--tensor-model-parallel-size {trainer_tp_size} does not divide the world size {world_size}"
+            )
         return cls(world_size, n, t, trainer_tp_size)
 
     # ------------------------------------------------------------------ ranks
@@ -118,8 +127,10 @@ class EngineLayout:
 
     def describe(self) -> str:
         owners = ", ".join(str(self.owner(e)) for e in range(self.num_engines))
-        return (f"{self.num_engines} rollout engine(s) x TP {self.engine_tp_size} over {self.world_size} ranks "
-                f"(blocks of {self.block}; owners: ranks {owners})")
+        return (
+            f"{self.num_engines} rollout engine(s) x TP {self.engine_tp_size} over {self.world_size} ranks "
+            f"(blocks of {self.block}; owners: ranks {owners})"
+        )
 
 
 def request_work(num_samples: int, prompt_tokens: int, max_new_tokens: int) -> float:

@@ -129,8 +129,10 @@ class EngineChannel:
             if time.monotonic() > deadline:
                 self.kill()
                 limit = f" of {timeout_s:g} s" if timeout_s is not None else ""
-                raise EngineTimeoutError(f"{self.name} did not answer {what} within its timeout{limit}; process "
-                                         f"stopped (raise {self.timeout_flag} if the work needs longer)")
+                raise EngineTimeoutError(
+                    f"{self.name} did not answer {what} within its timeout{limit}; process "
+                    f"stopped (raise {self.timeout_flag} if the work needs longer)"
+                )
 
     def wait_ready(self, timeout: float, startup_flag: str) -> dict[str, Any]:
         """The engine's start-up ``info``; raises :class:`EngineCallError` with the engine's traceback when
@@ -212,7 +214,7 @@ def serve(build: Callable[[], Any], conn, name: str = "engine") -> None:
             if method == "generate":
                 last = [0.0]
 
-                def progress(n, call_id=call_id):
+                def progress(n, call_id=call_id, last=last):
                     now = time.monotonic()
                     if now - last[0] > 0.2:
                         last[0] = now

@@ -33,8 +33,14 @@ class ProcessEngine(RolloutEngine):
                                   on_progress=on_progress, **kwargs)
 
     # ------------------------------------------------------------------ engine API
-    def generate(self, requests: Sequence[GenerateRequest], *, on_progress: Callable[[int], None] | None = None,
-                 timeout: float | None = None, seed: int | None = None) -> tuple[list[SampleOutput], GenerateStats]:
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        on_progress: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+        seed: int | None = None,
+    ) -> tuple[list[SampleOutput], GenerateStats]:
         """Generate all samples of ``requests``; ``on_progress(n_samples_done)`` while it runs.
         ``seed`` makes the call's sampling independent of earlier calls."""
         return self._call("generate", list(requests), on_progress=on_progress, timeout=timeout, seed=seed)
@@ -47,8 +53,13 @@ class ProcessEngine(RolloutEngine):
         """Open a weight-update session for ``target``, ``draft`` or ``all``."""
         self._call("begin_weight_update", selector)
 
-    def update_weights_from_tensor(self, payloads: bytes | Sequence[bytes], selector: str,
-                                   weight_version: str | None = None, flush_cache: bool = True) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self,
+        payloads: bytes | Sequence[bytes],
+        selector: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
         """Load one bucket payload (or one per engine TP rank) into the ``target`` or ``draft`` weights.
 
         The caller keeps the tensors behind the payload alive until this returns.

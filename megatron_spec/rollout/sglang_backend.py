@@ -1,4 +1,5 @@
-"""The SGLang rollout backend (``--rollout-backend sglang``): ``sglang.Engine`` behind the native engine's API.
+"""The SGLang rollout backend (``--rollout-backend sglang``): ``sglang.Engine`` behind the native engine's
+API.
 
 :class:`SGLangEngine` takes the same :class:`EngineConfig` and offers the same calls as
 ``NativeEngine``: ``generate``, ``begin_weight_update`` / ``update_weights_from_tensor`` /
@@ -42,11 +43,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_spec.dtypes import torch_dtype
-from megatron_spec.rollout import sglang_protocol as proto
 from megatron_spec.interfaces import MEMORY_TAGS, RolloutEngine
+from megatron_spec.rollout import sglang_protocol as proto
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.types import (GenerateRequest, GenerateStats, SampleOutput, check_ready_to_generate,
-                                        stats_from_samples)
+from megatron_spec.rollout.types import (
+    GenerateRequest,
+    GenerateStats,
+    SampleOutput,
+    check_ready_to_generate,
+    stats_from_samples,
+)
 
 if TYPE_CHECKING:
     from megatron_spec.sync.fingerprint import Fingerprint
@@ -105,9 +111,11 @@ class SGLangEngine(RolloutEngine):
 
             arch = HFCheckpoint(config.model_path).decoder_config.architecture
             if arch not in FP8_TARGETS:
-                raise ValueError(f"FP8 rollout weights on SGLang need a target whose loader reads *.weight_scale_inv; "
-                                 f"{arch}'s loader (SGLang 0.5.23) renames it to *.weight_scale and drops it. "
-                                 f"Supported: {sorted(FP8_TARGETS)}; use --rollout-weight-dtype bf16")
+                raise ValueError(
+                    f"FP8 rollout weights on SGLang need a target whose loader reads *.weight_scale_inv; "
+                    f"{arch}'s loader (SGLang 0.5.23) renames it to *.weight_scale and drops it. "
+                    f"Supported: {sorted(FP8_TARGETS)}; use --rollout-weight-dtype bf16"
+                )
         self._speculation = config.draft_kind != "none"
         self._fp8_config_file = self._write_fp8_config() if config.fp8_weights else None
         self.server_kwargs = self._server_kwargs(self._speculation)
@@ -125,7 +133,8 @@ class SGLangEngine(RolloutEngine):
         self._draft_backup: tuple[list[tuple[str, torch.Tensor]], str] | None = None
         from megatron_spec.sync.verify import DigestLedger
 
-        self.digest_ledger = DigestLedger()  # digests are this engine's: every streamer checks against one book
+        # digests are this engine's: every streamer checks against one book
+        self.digest_ledger = DigestLedger()
         self.info = {"backend": "sglang", "draft_kind": config.draft_kind, "num_draft_tokens": config.k,
                      "dtype": config.dtype, "tp_size": self.tp_size, "gpu_ids": list(self.gpu_ids)}
         if config.fp8_weights and config.load_weights:
@@ -139,8 +148,10 @@ class SGLangEngine(RolloutEngine):
         ids = tuple(int(g) for g in gpu_ids)
         proto.gpu_placement(ids, self.tp_size)  # raises for ids SGLang cannot place
         if torch.cuda.is_available() and max(ids) >= torch.cuda.device_count():
-            raise ValueError(f"SGLang engine GPUs {list(ids)}: only {torch.cuda.device_count()} CUDA devices are "
-                             f"visible to this process")
+            raise ValueError(
+                f"SGLang engine GPUs {list(ids)}: only {torch.cuda.device_count()} CUDA devices are "
+                f"visible to this process"
+            )
         return ids
 
     def _server_kwargs(self, speculation: bool) -> dict[str, Any]:
@@ -193,8 +204,14 @@ class SGLangEngine(RolloutEngine):
         return not self._closed
 
     # ------------------------------------------------------------------ generation
-    def generate(self, requests: Sequence[GenerateRequest], *, on_progress: Callable[[int], None] | None = None,
-                 timeout: float | None = None, seed: int | None = None) -> tuple[list[SampleOutput], GenerateStats]:
+    def generate(
+        self,
+        requests: Sequence[GenerateRequest],
+        *,
+        on_progress: Callable[[int], None] | None = None,
+        timeout: float | None = None,
+        seed: int | None = None,
+    ) -> tuple[list[SampleOutput], GenerateStats]:
         """Generate every sample of ``requests`` in one SGLang batch.
 
         ``seed`` is applied per sample through SGLang's ``sampling_seed`` only when the engine
@@ -209,31 +226,49 @@ class SGLangEngine(RolloutEngine):
         expanded = [(r, i) for r in requests for i in range(r.n)]
         if not expanded:
             return [], GenerateStats(num_draft_tokens=self._k())
-        check_lossless(self.server_args, sampling={"temperature": [r.sampling.temperature for r, _ in expanded],
-                                                   "min_p": [r.sampling.min_p for r, _ in expanded]})
+        check_lossless(
+            self.server_args,
+            sampling={
+                "temperature": [r.sampling.temperature for r, _ in expanded],
+                "min_p": [r.sampling.min_p for r, _ in expanded],
+            },
+        )
         deterministic = bool(getattr(self.server_args, "enable_deterministic_inference", False))
         params = []
-        for j, (r, i) in enumerate(expanded):
+        for j, (r, _) in enumerate(expanded):
             p = r.sampling.to_sglang()
             if seed is not None and deterministic:
                 p["sampling_seed"] = (int(seed) * 1_000_003 + j) % (1 << 63)
             params.append(p)
         t0 = time.perf_counter()
         try:
-            outs = self._engine.generate(input_ids=[list(r.input_ids) for r, _ in expanded], sampling_params=params,
-                                         return_logprob=True)
+            outs = self._engine.generate(
+                input_ids=[list(r.input_ids) for r, _ in expanded],
+                sampling_params=params,
+                return_logprob=True,
+            )
         except Exception as exc:  # its scheduler died or hung up: the rollout manager restarts the engine
             from megatron_spec.interfaces import EngineDiedError
 
-            raise EngineDiedError(f"SGLang engine failed during generate: {type(exc).__name__}: {exc}") from exc
+            raise EngineDiedError(
+                f"SGLang engine failed during generate: {type(exc).__name__}: {exc}"
+            ) from exc
         wall = time.perf_counter() - t0
         if isinstance(outs, dict):
             outs = [outs]
         if len(outs) != len(expanded):
             raise proto.SGLangOutputError(f"SGLang returned {len(outs)} outputs for {len(expanded)} samples")
-        samples = [proto.parse_output(o, r.request_id, i, speculative=self._speculation,
-                                      target_version=self._versions["target"],
-                                      draft_version=self._versions["draft"]) for o, (r, i) in zip(outs, expanded)]
+        samples = [
+            proto.parse_output(
+                o,
+                r.request_id,
+                i,
+                speculative=self._speculation,
+                target_version=self._versions["target"],
+                draft_version=self._versions["draft"],
+            )
+            for o, (r, i) in zip(outs, expanded)
+        ]
         if on_progress is not None:
             on_progress(len(samples))
         return samples, stats_from_samples(samples, wall, self._k())
@@ -269,11 +304,18 @@ class SGLangEngine(RolloutEngine):
     def begin_weight_update(self, selector: str = "all") -> None:
         if self._session is not None:
             raise RuntimeError("begin_weight_update called twice without end_weight_update")
-        self._ok("begin_weight_update", self._tm("begin_weight_update", proto.session_request(True, selector)))
+        self._ok(
+            "begin_weight_update", self._tm("begin_weight_update", proto.session_request(True, selector))
+        )
         self._session = {"selector": selector}
 
-    def update_weights_from_tensor(self, payloads: bytes | Sequence[bytes], selector: str,
-                                   weight_version: str | None = None, flush_cache: bool = True) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self,
+        payloads: bytes | Sequence[bytes],
+        selector: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
         """Load one flattened bucket into ``target`` or ``draft``.
 
         Args:
@@ -402,9 +444,14 @@ class SGLangEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ health
     def health(self, timeout: float = 60.0) -> dict[str, Any]:
-        out: dict[str, Any] = {"alive": not self._closed, "weight_version": self._versions["target"],
-                               "draft_weight_version": self._versions["draft"], "released": sorted(self._released),
-                               "engine_weight_version": self._engine_version(), "checksums": {}}
+        out: dict[str, Any] = {
+            "alive": not self._closed,
+            "weight_version": self._versions["target"],
+            "draft_weight_version": self._versions["draft"],
+            "released": sorted(self._released),
+            "engine_weight_version": self._engine_version(),
+            "checksums": {},
+        }
         for group in self._groups():
             if self._versions[group] is None:
                 continue

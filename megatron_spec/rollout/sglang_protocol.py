@@ -98,7 +98,8 @@ def fp8_target_config(model_path: str) -> dict[str, Any]:
 
 
 def gpu_placement(gpu_ids: Sequence[int], tp_size: int) -> dict[str, int]:
-    """SGLang's ``base_gpu_id`` / ``gpu_id_step`` for an engine whose TP rank i runs on local GPU ``gpu_ids[i]``.
+    """SGLang's ``base_gpu_id`` / ``gpu_id_step`` for an engine whose TP rank i runs on local GPU
+    ``gpu_ids[i]``.
 
     SGLang places TP rank i (one node, no pipeline parallelism) on ``base_gpu_id + i * gpu_id_step``
     (``Engine._launch_scheduler_processes``; ``weight_cache.protocol.compute_local_gpu_id``), so it
@@ -115,8 +116,10 @@ def gpu_placement(gpu_ids: Sequence[int], tp_size: int) -> dict[str, int]:
         raise ValueError(f"gpu_ids must be local CUDA device indices >= 0, got {ids}")
     step = ids[1] - ids[0] if len(ids) > 1 else 1
     if step < 1 or ids != [ids[0] + i * step for i in range(tp_size)]:
-        raise ValueError(f"SGLang places TP rank i on base_gpu_id + i * gpu_id_step (step >= 1): gpu_ids {ids} are "
-                         f"not increasing in equal steps; colocate each engine with ranks on such GPUs")
+        raise ValueError(
+            f"SGLang places TP rank i on base_gpu_id + i * gpu_id_step (step >= 1): gpu_ids {ids} are "
+            f"not increasing in equal steps; colocate each engine with ranks on such GPUs"
+        )
     return {"base_gpu_id": ids[0], "gpu_id_step": step}
 
 
@@ -147,8 +150,10 @@ def nccl_port(engine_index: int, *, attempts: int = 64, rng: random.Random | Non
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in {lo}-{lo + NCCL_PORT_BLOCK - 1} for engine {engine_index}'s NCCL group "
-                       f"after {attempts} tries")
+    raise RuntimeError(
+        f"no free port in {lo}-{lo + NCCL_PORT_BLOCK - 1} for engine {engine_index}'s NCCL group "
+        f"after {attempts} tries"
+    )
 
 
 def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool = True,
@@ -193,8 +198,10 @@ def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool =
         kw.update(speculative_kwargs(config))
     if config.fp8_weights:
         if fp8_config_file is None:
-            raise ValueError("FP8 rollout weights need fp8_config_file: the target's config.json with the block-FP8 "
-                             "quantization_config (fp8_target_config), written where the engine can read it")
+            raise ValueError(
+                "FP8 rollout weights need fp8_config_file: the target's config.json with the block-FP8 "
+                "quantization_config (fp8_target_config), written where the engine can read it"
+            )
         kw["decrypted_config_file"] = os.path.abspath(fp8_config_file)
         kw["load_format"] = "dummy"
         if kw.get("speculative_algorithm"):
@@ -212,8 +219,10 @@ def _io_struct():
 
 def _check_selector(selector: str) -> None:
     if selector not in SELECTORS:
-        raise ValueError(f"selector must be 'target' or 'draft' (SGLang's 'all' loads target tensors into the "
-                         f"EAGLE-3 draft), got {selector!r}")
+        raise ValueError(
+            f"selector must be 'target' or 'draft' (SGLang's 'all' loads target tensors into the "
+            f"EAGLE-3 draft), got {selector!r}"
+        )
 
 
 def update_request(payloads: Sequence[bytes], selector: str, weight_version: str | None, flush_cache: bool):
@@ -268,7 +277,9 @@ def parse_output(out: Mapping[str, Any], request_id: str, sample_index: int, *, 
     """
     meta = out.get("meta_info")
     if meta is None or "output_ids" not in out:
-        raise SGLangOutputError(f"request {request_id}: SGLang output lacks output_ids/meta_info: keys {sorted(out)}")
+        raise SGLangOutputError(
+            f"request {request_id}: SGLang output lacks output_ids/meta_info: keys {sorted(out)}"
+        )
     output_ids = [int(t) for t in out["output_ids"]]
     finish = meta.get("finish_reason") or {}
     ftype = finish.get("type") if isinstance(finish, Mapping) else finish
@@ -278,16 +289,22 @@ def parse_output(out: Mapping[str, Any], request_id: str, sample_index: int, *, 
         raise SGLangOutputError(f"request {request_id}: unknown finish_reason {finish!r}")
     completion = int(meta.get("completion_tokens", len(output_ids)))
     if completion != len(output_ids):
-        raise SGLangOutputError(f"request {request_id}: completion_tokens {completion} != {len(output_ids)} output ids")
+        raise SGLangOutputError(
+            f"request {request_id}: completion_tokens {completion} != {len(output_ids)} output ids"
+        )
     lps = meta.get("output_token_logprobs")
     if lps is None or len(lps) != len(output_ids):
-        raise SGLangOutputError(f"request {request_id}: {0 if lps is None else len(lps)} output_token_logprobs for "
-                                f"{len(output_ids)} tokens (generate with return_logprob=True)")
+        raise SGLangOutputError(
+            f"request {request_id}: {0 if lps is None else len(lps)} output_token_logprobs for "
+            f"{len(output_ids)} tokens (generate with return_logprob=True)"
+        )
     logprobs = []
     for i, (entry, tok) in enumerate(zip(lps, output_ids)):
         lp, lp_tok = float(entry[0]), int(entry[1])
         if lp_tok != tok:
-            raise SGLangOutputError(f"request {request_id}: logprob {i} is for token {lp_tok}, output has {tok}")
+            raise SGLangOutputError(
+                f"request {request_id}: logprob {i} is for token {lp_tok}, output has {tok}"
+            )
         logprobs.append(lp)
     verify_ct = int(meta.get("spec_verify_ct", 0) or 0)
     accepted: list[int] = []
@@ -296,18 +313,32 @@ def parse_output(out: Mapping[str, Any], request_id: str, sample_index: int, *, 
         hist = meta.get("spec_correct_drafts_histogram") or []
         if hist:
             if sum(hist) != verify_ct:
-                raise SGLangOutputError(f"request {request_id}: acceptance histogram covers {sum(hist)} steps, "
-                                        f"spec_verify_ct is {verify_ct}")
+                raise SGLangOutputError(
+                    f"request {request_id}: acceptance histogram covers {sum(hist)} steps, "
+                    f"spec_verify_ct is {verify_ct}"
+                )
             accepted = [j for j, c in enumerate(hist) for _ in range(int(c))]
             if 1 + sum(accepted) + verify_ct < completion:
-                raise SGLangOutputError(f"request {request_id}: {completion} tokens from {verify_ct} verify steps "
-                                        f"accepting {sum(accepted)} drafts")
+                raise SGLangOutputError(
+                    f"request {request_id}: {completion} tokens from {verify_ct} verify steps "
+                    f"accepting {sum(accepted)} drafts"
+                )
     else:
         steps = completion
     version = meta.get("weight_version")
     if version is not None and version not in (target_version, draft_version):
-        raise SGLangOutputError(f"request {request_id}: generated under weight_version {version!r}, the engine "
-                                f"should hold target {target_version!r} / draft {draft_version!r}")
-    return SampleOutput(request_id=request_id, sample_index=sample_index, output_ids=output_ids, logprobs=logprobs,
-                        finish_reason=ftype, num_verify_steps=steps, accepted_per_step=accepted,
-                        weight_version=target_version, draft_weight_version=draft_version)
+        raise SGLangOutputError(
+            f"request {request_id}: generated under weight_version {version!r}, the engine "
+            f"should hold target {target_version!r} / draft {draft_version!r}"
+        )
+    return SampleOutput(
+        request_id=request_id,
+        sample_index=sample_index,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        finish_reason=ftype,
+        num_verify_steps=steps,
+        accepted_per_step=accepted,
+        weight_version=target_version,
+        draft_weight_version=draft_version,
+    )

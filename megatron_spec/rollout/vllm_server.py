@@ -40,7 +40,12 @@ from typing import Any
 
 from megatron_spec.rollout import vllm_protocol as proto
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.types import GenerateRequest, GenerateStats, check_ready_to_generate, stats_from_samples
+from megatron_spec.rollout.types import (
+    GenerateRequest,
+    GenerateStats,
+    check_ready_to_generate,
+    stats_from_samples,
+)
 
 logger = logging.getLogger(__name__)
 _GROUPS = ("target", "draft")
@@ -70,11 +75,16 @@ class VllmServer:
         import megatron_spec.rollout.vllm_worker  # noqa: F401  (registers the bucket backend in this process)
 
         t0 = time.perf_counter()
-        self.llm = LLM(**proto.llm_kwargs(self.config, speculation=self.speculation, draft_dir=self._draft_dir))
+        self.llm = LLM(
+            **proto.llm_kwargs(self.config, speculation=self.speculation, draft_dir=self._draft_dir)
+        )
         self.llm.collective_rpc("init_weight_transfer_engine", args=({},))
         self.load_seconds = time.perf_counter() - t0
         loaded = "init" if self.config.load_weights else None
-        self.versions: dict[str, str | None] = {"target": loaded, "draft": loaded if self._has_draft() else None}
+        self.versions: dict[str, str | None] = {
+            "target": loaded,
+            "draft": loaded if self._has_draft() else None,
+        }
 
     def _has_draft(self) -> bool:
         """A draft with weights (n-gram has none)."""
@@ -108,7 +118,9 @@ class VllmServer:
             return [], GenerateStats(num_draft_tokens=k)
         # vLLM takes n > 1 only for sampling (greedy n > 1 is a validation error): a greedy request's samples
         # go as n prompts of one (the prefix cache shares their prompt)
-        parts = [(r, j, i, 1) for j, r in enumerate(requests) if r.sampling.temperature == 0 for i in range(r.n)]
+        parts = [
+            (r, j, i, 1) for j, r in enumerate(requests) if r.sampling.temperature == 0 for i in range(r.n)
+        ]
         parts += [(r, j, 0, r.n) for j, r in enumerate(requests) if r.sampling.temperature > 0]
         parts.sort(key=lambda p: (p[1], p[2]))
         params = [SamplingParams(**proto.sampling_kwargs(r.sampling, n, None if seed is None else
@@ -116,14 +128,16 @@ class VllmServer:
                   for r, j, first, n in parts]
         self._kill_point()
         t0 = time.perf_counter()
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(r.input_ids)) for r, *_ in parts], params,
-                                 use_tqdm=False)
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(r.input_ids)) for r, *_ in parts], params, use_tqdm=False
+        )
         wall = time.perf_counter() - t0
         samples = []
         for (r, _, first, n), out in zip(parts, outs):
             if len(out.outputs) != n:
-                raise proto.VllmOutputError(f"request {r.request_id}: vLLM returned {len(out.outputs)} samples "
-                                            f"for n={n}")
+                raise proto.VllmOutputError(
+                    f"request {r.request_id}: vLLM returned {len(out.outputs)} samples for n={n}"
+                )
             for c in sorted(out.outputs, key=lambda c: c.index):
                 metrics = c.spec_decode_metrics
                 samples.append(proto.sample_output(
@@ -142,8 +156,9 @@ class VllmServer:
         from megatron_spec import faults
 
         self._generate_calls += 1
-        if faults.should_fire("engine_kill_in_generate", self._generate_calls) or \
-                faults.should_fire(f"engine{self.config.engine_index}_kill_in_generate", self._generate_calls):
+        if faults.should_fire("engine_kill_in_generate", self._generate_calls) or faults.should_fire(
+            f"engine{self.config.engine_index}_kill_in_generate", self._generate_calls
+        ):
             threading.Timer(0.5, faults.kill_self).start()
 
     def set_speculation(self, enabled: bool) -> bool:
@@ -162,7 +177,9 @@ class VllmServer:
         if self._session is not None:
             raise RuntimeError("begin_weight_update called twice without end_weight_update")
         if selector not in ("target", "draft", "all"):
-            raise ValueError(f"begin_weight_update selector must be 'target', 'draft' or 'all', got {selector!r}")
+            raise ValueError(
+                f"begin_weight_update selector must be 'target', 'draft' or 'all', got {selector!r}"
+            )
         self._session = {"groups": set(_GROUPS) if selector == "all" else {selector}, "open": None,
                          "versions": {}, "done": set()}
 
@@ -171,8 +188,10 @@ class VllmServer:
         if s["open"] == group:
             return
         if group in s["done"]:
-            raise RuntimeError(f"{group} tensors after that group's vLLM session was closed (send each group's "
-                               f"buckets together)")
+            raise RuntimeError(
+                f"{group} tensors after that group's vLLM session was closed (send each group's "
+                f"buckets together)"
+            )
         if s["open"] is not None:
             self._finish(s["open"])
         self.llm.collective_rpc("start_weight_update" if group == "target" else "start_draft_weight_update")
@@ -192,18 +211,27 @@ class VllmServer:
             raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")
         self.versions[group] = next(iter(versions))
 
-    def update_weights_from_tensor(self, payloads: list[bytes], selector: str, weight_version: str | None = None,
-                                   flush_cache: bool = True) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self,
+        payloads: list[bytes],
+        selector: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
         s = self._session
         if s is None:
             raise RuntimeError("update_weights_from_tensor outside begin_weight_update/end_weight_update")
         if selector not in _GROUPS:
             raise ValueError(f"selector must be 'target' or 'draft', got {selector!r}")
         if selector not in s["groups"]:
-            raise ValueError(f"update for {selector!r} in a weight-update session opened for {sorted(s['groups'])}")
+            raise ValueError(
+                f"update for {selector!r} in a weight-update session opened for {sorted(s['groups'])}"
+            )
         if selector == "draft" and not self._has_draft():
-            raise ValueError(f"selector 'draft' but the engine runs without draft weights (draft_kind "
-                             f"{self.config.draft_kind!r}, speculation {'on' if self.speculation else 'off'})")
+            raise ValueError(
+                f"selector 'draft' but the engine runs without draft weights (draft_kind "
+                f"{self.config.draft_kind!r}, speculation {'on' if self.speculation else 'off'})"
+            )
         if len(payloads) != 1:
             raise ValueError(f"the vLLM engine here has one TP rank; got {len(payloads)} payloads")
         self._open(selector)
@@ -262,10 +290,15 @@ class VllmServer:
         import psutil
 
         held = self.llm.collective_rpc("megatron_spec_checksums")[0]
-        return {"alive": True, "pid": os.getpid(), "weight_version": self.versions["target"],
-                "draft_weight_version": self.versions["draft"], "released": sorted(self._released),
-                "rss_bytes": psutil.Process().memory_info().rss,
-                "checksums": {g: held[g] for g in self._groups() if self.versions[g] is not None and g in held}}
+        return {
+            "alive": True,
+            "pid": os.getpid(),
+            "weight_version": self.versions["target"],
+            "draft_weight_version": self.versions["draft"],
+            "released": sorted(self._released),
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "checksums": {g: held[g] for g in self._groups() if self.versions[g] is not None and g in held},
+        }
 
     def _stop_llm(self) -> None:
         import gc

@@ -13,7 +13,8 @@ and loads it the way vLLM's own ``ipc`` backend does: ``initialize_layerwise_rel
 pre-packed GEMM weights, as soon as all its tensors arrived), ``finalize_layerwise_reload`` at the end.
 
 What it adds to vLLM's session: the layers each session must deliver (a session that leaves one of them
-waiting for its tensors fails at its end, naming it: :func:`unloaded`), and the fingerprint of the values it loaded, in the model's
+waiting for its tensors fails at its end, naming it: :func:`unloaded`), and the fingerprint of the values it
+loaded, in the model's
 dtype (``megatron_spec.sync.fingerprint``), which the trainer compares exactly with what it sent. The
 fingerprint proves the bytes arrived whole; that the kernels compute with them is what the backend's
 greedy health probe and its tests show (the CPU build's packed weights cannot be read back).
@@ -26,7 +27,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 BACKEND = "megatron_spec_bucket"
@@ -144,7 +149,7 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
         # copies: the layerwise loader keeps a layer's tensors until all of them arrived, possibly buckets
         # later, and the sender reuses a bucket's buffer as soon as this call returns (its double buffering)
         named = [(n, t.clone()) for n, t in read_bucket_payload(update_info.payload)]
-        for name, t in named:
+        for _, t in named:
             s["fingerprint"].add(t, s["dtype"] if t.is_floating_point() else None)
         with disable_mtp_completeness_check():
             self.model.load_weights(iter(named))
@@ -162,8 +167,10 @@ class BucketWeightTransferEngine(WeightTransferEngine[BucketInitInfo, BucketUpda
             layer.quant_method.process_weights_after_loading(layer)
         if missing:  # reported, not raised: raising here would leave vLLM's worker inside its session
             self.checksums.pop(s["group"], None)
-            self.last_error = (f"{s['group']} weight update incomplete: {len(missing)} of vLLM's layers did not "
-                               f"receive all their tensors, e.g. {missing[:3]}")
+            self.last_error = (
+                f"{s['group']} weight update incomplete: {len(missing)} of vLLM's layers did not "
+                f"receive all their tensors, e.g. {missing[:3]}"
+            )
             return
         self.last_error = None
         self.checksums[s["group"]] = s["fingerprint"].to_dict()

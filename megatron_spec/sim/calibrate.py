@@ -31,9 +31,9 @@ import argparse
 import datetime
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from scipy.optimize import least_squares
@@ -90,12 +90,19 @@ def scenarios(values: dict[str, float]) -> dict[str, SimConfig]:
         alpha = values[f"alpha_{wl}"]
         for k in (3, 5, 7):
             out[f"{wl}/eagle3/k{k}"] = _base(
-                wl, num_draft_tokens=k, accept_rates=AcceptanceProfile.geometric(alpha, k).rates, efficiency=eff)
+                wl,
+                num_draft_tokens=k,
+                accept_rates=AcceptanceProfile.geometric(alpha, k).rates,
+                efficiency=eff,
+            )
         out[f"{wl}/ngram"] = _base(wl, draft_kind="ngram", num_draft_tokens=NGRAM_K,
                                       accept_length=NGRAM_ACCEPT[wl], efficiency=eff)
     out["rl-zero/async/k3"] = _base(
-        "rl-zero", num_draft_tokens=3, accept_rates=AcceptanceProfile.geometric(values["alpha_rl-zero"], 3).rates,
-        efficiency=eff).replace(num_gpus=64, mode="async", policy_lag=1, train_gpus=16)
+        "rl-zero",
+        num_draft_tokens=3,
+        accept_rates=AcceptanceProfile.geometric(values["alpha_rl-zero"], 3).rates,
+        efficiency=eff,
+    ).replace(num_gpus=64, mode="async", policy_lag=1, train_gpus=16)
     return out
 
 
@@ -146,19 +153,35 @@ def _async_step_speedup(r: SimResult) -> float:
 
 # Reported beside the fit, not fitted (see module docstring).
 REPORTED: tuple[Target, ...] = (
-    Target("rl-zero gen share of sync step (AR)", 0.685,
-           lambda r: _gen(r["rl-zero/eagle3/k3"], "ar") / r["rl-zero/eagle3/k3"].step_time_ar_s,
-           note="paper: 65-72%"),
-    Target("rl-think gen share of sync step (AR)", 0.685,
-           lambda r: _gen(r["rl-think/eagle3/k3"], "ar") / r["rl-think/eagle3/k3"].step_time_ar_s,
-           note="paper: 65-72%"),
-    Target("async generation speedup (48 engines)", None, lambda r: r["rl-zero/async/k3"].rollout_speedup,
-           note="simulated; the paper does not report it"),
-    Target("async spec exposed gen (s)", 0.6,
-           lambda r: max(0.0, _async_split(r["rl-zero/async/k3"])[2] - _async_split(r["rl-zero/async/k3"])[0])),
-    Target("async spec step (s)", 60.5,
-           lambda r: max(_async_split(r["rl-zero/async/k3"])[0], _async_split(r["rl-zero/async/k3"])[2]),
-           note="cannot go below the measured AR train side, 64.6 s"),
+    Target(
+        "rl-zero gen share of sync step (AR)",
+        0.685,
+        lambda r: _gen(r["rl-zero/eagle3/k3"], "ar") / r["rl-zero/eagle3/k3"].step_time_ar_s,
+        note="paper: 65-72%",
+    ),
+    Target(
+        "rl-think gen share of sync step (AR)",
+        0.685,
+        lambda r: _gen(r["rl-think/eagle3/k3"], "ar") / r["rl-think/eagle3/k3"].step_time_ar_s,
+        note="paper: 65-72%",
+    ),
+    Target(
+        "async generation speedup (48 engines)",
+        None,
+        lambda r: r["rl-zero/async/k3"].rollout_speedup,
+        note="simulated; the paper does not report it",
+    ),
+    Target(
+        "async spec exposed gen (s)",
+        0.6,
+        lambda r: max(0.0, _async_split(r["rl-zero/async/k3"])[2] - _async_split(r["rl-zero/async/k3"])[0]),
+    ),
+    Target(
+        "async spec step (s)",
+        60.5,
+        lambda r: max(_async_split(r["rl-zero/async/k3"])[0], _async_split(r["rl-zero/async/k3"])[2]),
+        note="cannot go below the measured AR train side, 64.6 s",
+    ),
 )
 
 
@@ -218,7 +241,7 @@ def write_calibration(result: dict, path: Path) -> dict:
     errors = [abs(r["rel_error"]) for r in result["evaluation"]]
     doc = {
         "generated_by": "python -m megatron_spec.sim.calibrate",
-        "generated_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generated_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "gpu": {n: values[n] for n in EFF_NAMES},
         "workload_fits": {wl: {"eagle3_alpha": values[f"alpha_{wl}"]} for wl in ("rl-zero", "rl-think")},
         "bounds": {n: list(b) for n, b in BOUNDS.items()},
@@ -253,7 +276,9 @@ def format_report(doc: dict) -> str:
     lines.append('targets (docs/design.md, "Reference measurements"):')
     lines.append(f"  {'target':<42} {'measured':>9} {'predicted':>10} {'error':>8}")
     for r in doc["fit"]["targets"]:
-        lines.append(f"  {r['name']:<42} {r['measured']:>9.3f} {r['predicted']:>10.3f} {100 * r['rel_error']:>+7.1f}%")
+        lines.append(
+            f"  {r['name']:<42} {r['measured']:>9.3f} {r['predicted']:>10.3f} {100 * r['rel_error']:>+7.1f}%"
+        )
     lines.append(f"  max |error| {100 * doc['fit']['max_abs_rel_error']:.1f}%, "
                  f"rms {100 * doc['fit']['rms_rel_error']:.1f}%")
     lines.append("reported, not fitted:")

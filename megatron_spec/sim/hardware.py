@@ -19,7 +19,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 DATA_DIR = Path(__file__).resolve().parent / "data"
 CPU_PROFILE_PATH = DATA_DIR / "cpu_profile.json"
 
@@ -133,7 +132,9 @@ def load_cpu_profile(path: str | Path = CPU_PROFILE_PATH) -> HardwareProfile:
             raise ValueError(f"CPU profile {path} lacks {key!r}; re-run benchmarks/measure_cpu_profile.py")
     flops = {canonical_dtype(k): float(v) for k, v in raw["flops"].items()}
     weight_bw = {canonical_dtype(k): float(v) for k, v in raw["weight_bw"].items()}
-    attn_bw = {canonical_dtype(k): {int(q): float(b) for q, b in t.items()} for k, t in raw["attn_bw"].items()}
+    attn_bw = {
+        canonical_dtype(k): {int(q): float(b) for q, b in t.items()} for k, t in raw["attn_bw"].items()
+    }
     mem_bw = float(raw["mem_bw"])
     stacks = raw.get("linear_stack", {})
     curves = {canonical_dtype(dt): gemm_curve(st) for dt, st in stacks.items()}

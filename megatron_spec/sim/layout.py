@@ -71,9 +71,14 @@ class Candidate:
         if not self.fits:
             out["reason"] = self.reason
             return out
-        out.update(kv_capacity_tokens=round(self.kv_capacity_tokens), kv_needed_tokens=round(self.kv_needed_tokens),
-                   headroom_ok=self.headroom_ok, gen_ar_s=round(self.gen_ar_s, 3),
-                   gen_spec_s=round(self.gen_spec_s, 3), rollout_speedup=round(self.gen_ar_s / self.gen_spec_s, 4))
+        out.update(
+            kv_capacity_tokens=round(self.kv_capacity_tokens),
+            kv_needed_tokens=round(self.kv_needed_tokens),
+            headroom_ok=self.headroom_ok,
+            gen_ar_s=round(self.gen_ar_s, 3),
+            gen_spec_s=round(self.gen_spec_s, 3),
+            rollout_speedup=round(self.gen_ar_s / self.gen_spec_s, 4),
+        )
         return out
 
 
@@ -122,7 +127,9 @@ def _powers_of_two(limit: int) -> list[int]:
 def candidate_shapes(model: ModelProfile, gen_gpus: int, tp: int | None = None, ep: int | None = None,
                      num_engines: int | None = None) -> list[tuple[int, int]]:
     """(tp, ep) pairs worth simulating on ``gen_gpus`` generation GPUs (pins respected)."""
-    tps = [tp] if tp is not None else [t for t in _powers_of_two(min(MAX_TP, gen_gpus)) if model.heads % t == 0]
+    tps = (
+        [tp] if tp is not None else [t for t in _powers_of_two(min(MAX_TP, gen_gpus)) if model.heads % t == 0]
+    )
     if model.is_moe:
         eps = [ep] if ep is not None else [e for e in _powers_of_two(min(MAX_EP, gen_gpus))
                                            if model.num_experts % e == 0]
@@ -179,13 +186,17 @@ def search_layouts(cfg: SimConfig) -> LayoutSearch:
     if not fit:
         smallest = min(cands, key=lambda c: (c.devices, c.tp))
         largest = max(cands, key=lambda c: (c.devices, c.tp))
-        raise ValueError(f"no rollout engine layout fits {model.name!r} on {gen_gpus} {hw.name} generation GPUs: "
-                         f"the largest tried ({largest.tp=}, {largest.ep=}): {largest.reason}; "
-                         f"the smallest: {smallest.reason}")
+        raise ValueError(
+            f"no rollout engine layout fits {model.name!r} on {gen_gpus} {hw.name} generation GPUs: "
+            f"the largest tried ({largest.tp=}, {largest.ep=}): {largest.reason}; "
+            f"the smallest: {smallest.reason}"
+        )
     ar_opt = min(fit, key=lambda c: (c.gen_ar_s, c.devices))
     spec_opt = min(fit, key=lambda c: (c.gen_spec_s, c.devices))
     if model.is_moe:
-        return LayoutSearch("MoE: best simulated rollout throughput per mode", ar_opt, spec_opt, ar_opt, spec_opt, cands)
+        return LayoutSearch(
+            "MoE: best simulated rollout throughput per mode", ar_opt, spec_opt, ar_opt, spec_opt, cands
+        )
     roomy = [c for c in fit if c.headroom_ok]
     if roomy:
         chosen = min(roomy, key=lambda c: (c.devices, c.tp))

@@ -85,11 +85,14 @@ def measured_for(model, hw, dtype: str, par, role: str, path: str | Path | bool 
         if _DTYPES.get(entry.get("dtype")) != _DTYPES.get(dtype, dtype):
             continue
         if role == "target":
-            table = {int(k) + 1: {int(b): float(s) for b, s in row.items()} for k, row in entry["verify_s"].items()}
+            table = {
+                int(k) + 1: {int(b): float(s) for b, s in row.items()} for k, row in entry["verify_s"].items()
+            }
         else:
             table = {int(k) + 1: {int(b): float(s) for b, s in row.items()}
                      for k, row in entry.get("eagle3_extend_s", {}).items()}
             table[1] = {int(b): float(s) for b, s in entry["eagle3_draft_pass_s"].items()}
-        source = f"{doc.get('device', hw.name)}, {doc.get('measured_at', '?')}, commit {str(doc.get('commit'))[:9]}"
+        source = (f"{doc.get('device', hw.name)}, {doc.get('measured_at', '?')}, commit "
+                  f"{str(doc.get('commit'))[:9]}")
         return MeasuredForwards(table, int(entry["ctx_per_seq"]), source, role)
     return None

@@ -254,7 +254,9 @@ def profile_from_hf_config(cfg: dict, name: str = "custom") -> ModelProfile:
     vocab = int(_get(cfg, "vocab_size", source=src))
     intermediate = int(cfg.get("intermediate_size") or 4 * hidden)
     kw: dict = {}
-    num_experts = int(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    num_experts = int(
+        cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0
+    )
     if num_experts:
         experts_per_tok = int(_get(cfg, "num_experts_per_tok", source=src))
         moe_intermediate = int(cfg.get("moe_intermediate_size") or intermediate)
@@ -283,9 +285,12 @@ def profile_from_hf_config(cfg: dict, name: str = "custom") -> ModelProfile:
                 else layers // int(cfg["full_attention_interval"]))
         if 0 < full < layers:
             kw["attn_layers"] = full
-            kw["linear_state_elems"] = (layers - full) * int(
-                _get(cfg, "linear_num_value_heads", source=src)) * int(
-                _get(cfg, "linear_key_head_dim", source=src)) * int(_get(cfg, "linear_value_head_dim", source=src))
+            kw["linear_state_elems"] = (
+                (layers - full)
+                * int(_get(cfg, "linear_num_value_heads", source=src))
+                * int(_get(cfg, "linear_key_head_dim", source=src))
+                * int(_get(cfg, "linear_value_head_dim", source=src))
+            )
     return ModelProfile(name=name, family=model_type, hidden=hidden, layers=layers, heads=heads,
                         kv_heads=kv_heads, head_dim=head_dim, vocab=vocab, intermediate=intermediate,
                         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), **kw)

@@ -3,7 +3,8 @@
 :class:`EfficiencyParams` are the few numbers no datasheet gives: the fraction of peak an
 engine achieves and its fixed overheads. For GPUs they are fitted to the measured 8B numbers
 of the reference paper (docs/design.md, "Reference measurements") by
-``python -m megatron_spec.sim.calibrate``, which writes ``data/calibration.json``; every simulation reads that file, so results are
+``python -m megatron_spec.sim.calibrate``, which writes ``data/calibration.json``; every simulation reads
+that file, so results are
 reproducible without refitting. For the ``cpu`` profile they come from the measured profile
 (achieved figures, so the efficiencies are 1) and are never fitted to engine runs.
 

@@ -32,8 +32,8 @@ from megatron_spec.sim.acceptance import AcceptanceProfile
 from megatron_spec.sim.hardware import HardwareProfile, get_hardware
 from megatron_spec.sim.models import ModelProfile, draft_profile, get_model
 from megatron_spec.sim.params import EfficiencyParams, EngineSettings, default_engine_settings, efficiency_for
-from megatron_spec.sim.roofline import DRAFT_KINDS, ForwardModel, Parallelism, StepModel
 from megatron_spec.sim.rollout import simulate_engine, simulate_streaming
+from megatron_spec.sim.roofline import DRAFT_KINDS, ForwardModel, Parallelism, StepModel
 from megatron_spec.sim.workload import PRESETS, Workload
 
 #: bytes per parameter of Megatron training state: bf16 weights, fp32 grads, fp32 master
@@ -100,7 +100,9 @@ def build_acceptance(cfg: SimConfig) -> AcceptanceProfile:
     if cfg.num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens k={cfg.num_draft_tokens} must be >= 1")
     if (cfg.accept_length is None) == (cfg.accept_rates is None):
-        raise ValueError("give exactly one of accept_length (--accept-length) or accept_rates (--accept-rates)")
+        raise ValueError(
+            "give exactly one of accept_length (--accept-length) or accept_rates (--accept-rates)"
+        )
     if cfg.accept_rates is not None:
         return AcceptanceProfile.from_rates(cfg.accept_rates)
     return AcceptanceProfile.from_accept_length(cfg.accept_length, cfg.num_draft_tokens)
@@ -194,15 +196,23 @@ def step_cost_breakdown(steps: StepModel, batch: float, ctx_per_seq: float, tau:
     def ms(x) -> float:
         return round(float(np.asarray(x).ravel()[0]) * 1e3, 4)
 
-    out = {"batch": float(batch), "ctx_per_seq": float(ctx_per_seq), "decode_ms": ms(ar["total"]),
-           "verify_ms": ms(v["total"]), "draft_ms": ms(spec["draft"] + spec["host"]), "spec_step_ms": ms(spec["total"]),
-           "step_speedup": round(tau * float(ar["total"][0]) / float(spec["total"][0]), 4)}
+    out = {
+        "batch": float(batch),
+        "ctx_per_seq": float(ctx_per_seq),
+        "decode_ms": ms(ar["total"]),
+        "verify_ms": ms(v["total"]),
+        "draft_ms": ms(spec["draft"] + spec["host"]),
+        "spec_step_ms": ms(spec["total"]),
+        "step_speedup": round(tau * float(ar["total"][0]) / float(spec["total"][0]), 4),
+    }
     for name, f in (("decode", ar), ("verify", v)):
         out[f"{name}_parts_ms"] = {c: ms(f[c]) for c in ("gemm", "attn", "logits", "comm", "overhead")}
         out[f"{name}_weight_gb_per_device"] = round(float(np.asarray(f["weight_bytes"]).ravel()[0]) / 1e9, 4)
         out[f"{name}_kv_gb_per_device"] = round(float(np.asarray(f["kv_bytes"]).ravel()[0]) / 1e9, 4)
         if steps.target.model.is_moe:
-            out[f"{name}_distinct_experts_per_layer"] = round(float(np.asarray(f["distinct_experts"]).ravel()[0]), 2)
+            out[f"{name}_distinct_experts_per_layer"] = round(
+                float(np.asarray(f["distinct_experts"]).ravel()[0]), 2
+            )
     return out
 
 
@@ -211,8 +221,15 @@ def _forward_models(cfg: SimConfig, model: ModelProfile, hw: HardwareProfile, ef
     """The target's and the draft's forward models, with the measured points that cover them."""
     from megatron_spec.sim.measured import measured_for
 
-    target = ForwardModel(model, hw, eff, settings, par, cfg.rollout_dtype,
-                          measured=measured_for(model, hw, cfg.rollout_dtype, par, "target", cfg.measured_path))
+    target = ForwardModel(
+        model,
+        hw,
+        eff,
+        settings,
+        par,
+        cfg.rollout_dtype,
+        measured=measured_for(model, hw, cfg.rollout_dtype, par, "target", cfg.measured_path),
+    )
     dprof = draft_profile(cfg.draft_kind, model, cfg.draft_model)
     # the draft runs inside the same engine, with the same sharding (a dense draft ignores ep)
     draft = None
@@ -283,7 +300,9 @@ def simulate(cfg: SimConfig) -> SimResult:
     concurrency = {"ar": mem["concurrency"], "spec": mem["concurrency"]}
     if settings.max_batched_tokens:
         for name, q in (("ar", 1), ("spec", k + 1)):
-            concurrency[name] = max(1, min(concurrency[name], settings.max_batched_tokens * par.attn_groups // q))
+            concurrency[name] = max(
+                1, min(concurrency[name], settings.max_batched_tokens * par.attn_groups // q)
+            )
     if cfg.mode == "async" and cfg.policy_lag >= 2:
         gen = {}
         for name, fn, t in (("ar", steps.ar_step, 1.0), ("spec", steps.spec_step, tau)):
@@ -297,7 +316,16 @@ def simulate(cfg: SimConfig) -> SimResult:
     prefill = {"ar": steps.prefill(per_engine, wl.prompt_len, with_draft=False),
                "spec": steps.prefill(per_engine, wl.prompt_len, with_draft=True)}
 
-    train = _train_side(model, None if draft is None else draft.model, hw, eff, wl, train_gpus, cfg.online_draft_training, cfg.draft_train_unroll)
+    train = _train_side(
+        model,
+        None if draft is None else draft.model,
+        hw,
+        eff,
+        wl,
+        train_gpus,
+        cfg.online_draft_training,
+        cfg.draft_train_unroll,
+    )
     sync_bytes = target.weight_bytes_per_device()
     if cfg.online_draft_training and draft is not None:
         sync_bytes += draft.weight_bytes_per_device()
@@ -326,20 +354,39 @@ def simulate(cfg: SimConfig) -> SimResult:
     ctx = wl.prompt_len + wl.mean_response_len() / 2.0
     step_costs = [step_cost_breakdown(steps, b, ctx, tau) for b in sorted({1.0, b_full})]
     detail = {
-        "model": model.name, "hardware": hw.name, "num_gpus": cfg.num_gpus, "mode": cfg.mode,
-        "policy_lag": cfg.policy_lag if cfg.mode == "async" else 0, "draft_kind": cfg.draft_kind,
-        "num_draft_tokens": k, **acceptance.describe(k),
+        "model": model.name,
+        "hardware": hw.name,
+        "num_gpus": cfg.num_gpus,
+        "mode": cfg.mode,
+        "policy_lag": cfg.policy_lag if cfg.mode == "async" else 0,
+        "draft_kind": cfg.draft_kind,
+        "num_draft_tokens": k,
+        **acceptance.describe(k),
         "gen_ar": {**gen["ar"].as_dict(), "prefill_s": prefill["ar"], "concurrency": concurrency["ar"]},
-        "gen_spec": {**gen["spec"].as_dict(), "prefill_s": prefill["spec"], "concurrency": concurrency["spec"]},
-        "engine": {"tp": par.tp, "ep": par.ep, "devices_per_engine": par.engine_devices, "engines": engines,
-                   "gen_gpus": gen_gpus, "train_gpus": train_gpus, "rollouts_per_engine": per_engine,
-                   "rollout_dtype": target.dtype, **mem},
+        "gen_spec": {
+            **gen["spec"].as_dict(),
+            "prefill_s": prefill["spec"],
+            "concurrency": concurrency["spec"],
+        },
+        "engine": {
+            "tp": par.tp,
+            "ep": par.ep,
+            "devices_per_engine": par.engine_devices,
+            "engines": engines,
+            "gen_gpus": gen_gpus,
+            "train_gpus": train_gpus,
+            "rollouts_per_engine": per_engine,
+            "rollout_dtype": target.dtype,
+            **mem,
+        },
         "workload": wl.describe(),
         "step_costs": step_costs,
         "model_params": model.summary(),
         "efficiency": eff.as_dict(),
-        "measured_points": {name: (fm.measured.describe() if fm is not None and fm.measured is not None else None)
-                            for name, fm in (("verify", target), ("draft", draft))},
+        "measured_points": {
+            name: (fm.measured.describe() if fm is not None and fm.measured is not None else None)
+            for name, fm in (("verify", target), ("draft", draft))
+        },
     }
     return SimResult(
         rollout_speedup=stages["ar"]["gen"] / stages["spec"]["gen"],

@@ -154,7 +154,9 @@ class ForwardModel:
             t, hit = self.measured.lookup(b, q)
             if hit.any():
                 b_arr = np.asarray(b, dtype=float)
-                at_measured = self._roofline(b_arr, q, b_arr * self.measured.ctx_per_seq, fixed_overhead_s)["total"]
+                at_measured = self._roofline(b_arr, q, b_arr * self.measured.ctx_per_seq, fixed_overhead_s)[
+                    "total"
+                ]
                 moved = np.maximum(t + out["total"] - at_measured, 0.5 * t)
                 out["total"] = np.where(hit, moved, out["total"])
                 out["measured"] = hit & np.ones(np.shape(out["total"]), dtype=bool)
@@ -174,14 +176,17 @@ class ForwardModel:
             # fraction of experts a forward's T routed tokens touch; each device streams its
             # E/ep experts' share of them once per forward
             touched = expected_distinct_experts(m.num_experts, m.experts_per_tok, T) / m.num_experts
-            w_bytes = w_bytes + m.moe_layers * (m.num_experts / par.ep) * touched * m.expert_params * self.wbytes
+            w_bytes = (
+                w_bytes + m.moe_layers * (m.num_experts / par.ep) * touched * m.expert_params * self.wbytes
+            )
         gemm_comp = 2.0 * m.active_params * T / G / self.flops
         if self.gemm_curve:  # measured CPU curve plus a fixed cost per GEMM call
             calls = m.gemm_calls_per_forward
             if m.is_moe:
                 calls = calls + m.moe_layers * 2 * m.num_experts / par.ep * touched
-            gemm = np.maximum(calls * self.gemm_call_s + w_bytes / self.weight_bw * _curve(T, self.gemm_curve),
-                              gemm_comp)
+            gemm = np.maximum(
+                calls * self.gemm_call_s + w_bytes / self.weight_bw * _curve(T, self.gemm_curve), gemm_comp
+            )
         else:
             gemm = np.maximum(w_bytes / self.weight_bw, gemm_comp)
         # Attention over the KV cache (each sequence's cache is read once per forward).
@@ -246,7 +251,9 @@ class StepModel:
             first = self.draft.forward(b, k + 1, ctx_sum, eff.draft_pass_overhead_s)["total"]
             draft = draft + first
             if k > 1:
-                draft = draft + (k - 1) * self.draft.forward(b, 1, ctx_sum, eff.draft_pass_overhead_s)["total"]
+                draft = (
+                    draft + (k - 1) * self.draft.forward(b, 1, ctx_sum, eff.draft_pass_overhead_s)["total"]
+                )
         return {"verify": v["total"], "draft": draft, "host": host, "total": v["total"] + draft + host,
                 "eager": v["eager"]}
 
@@ -257,5 +264,7 @@ class StepModel:
         ctx = sequences * prompt_len / 2.0  # mean causal context per prompt token
         t = float(self.target.forward(sequences, prompt_len, ctx, self.target.eff.step_overhead_s)["total"])
         if with_draft and self.draft is not None:
-            t += float(self.draft.forward(sequences, prompt_len, ctx, self.target.eff.draft_pass_overhead_s)["total"])
+            t += float(
+                self.draft.forward(sequences, prompt_len, ctx, self.target.eff.draft_pass_overhead_s)["total"]
+            )
         return t

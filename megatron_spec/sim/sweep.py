@@ -72,7 +72,9 @@ def format_batch_table(rows: list[dict]) -> str:
     lines = [f"per-step speedup tau x t_decode / t_spec ({rows[0]['model']} on {rows[0]['hardware']}, "
              f"tp={rows[0]['tp']} ep={rows[0]['ep']}; * = speculation loses)", head, "-" * len(head)]
     for bt in batches:
-        lines.append(f"{bt:>6} " + " ".join(f"{by[(k, bt)]:>6.2f}{'*' if by[(k, bt)] <= 1 else ' '}" for k in ks))
+        lines.append(
+            f"{bt:>6} " + " ".join(f"{by[(k, bt)]:>6.2f}{'*' if by[(k, bt)] <= 1 else ' '}" for k in ks)
+        )
     return "\n".join(lines)
 
 
@@ -95,7 +97,9 @@ def sweep(cfg: SimConfig, models: list[str] | None = None, alphas=DEFAULT_ALPHAS
             hardware=hw, efficiency=None, engine=None)
         for model in models or [cfg.model]:
             # the layout the search picks for this model and hardware at the given acceptance
-            lay = pin_layout(cfg.replace(hardware=hw, model=model, efficiency=per_hw.efficiency, engine=per_hw.engine))
+            lay = pin_layout(
+                cfg.replace(hardware=hw, model=model, efficiency=per_hw.efficiency, engine=per_hw.engine)
+            )
             per_model = per_hw.replace(tp=lay.tp, ep=lay.ep)
             for label, prof in profiles:
                 block = []
@@ -115,8 +119,10 @@ def format_table(rows: list[dict]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         mark = "  <- best k" if r["optimal"] else ""
-        lines.append(f"{r['model']:<18} {r['hardware']:<8} {r['profile']:<11} {r['k']:>3} {r['accept_length']:>6.2f} "
-                     f"{r['rollout_speedup']:>10.3f} {r['e2e_speedup']:>7.3f}{mark}")
+        lines.append(
+            f"{r['model']:<18} {r['hardware']:<8} {r['profile']:<11} {r['k']:>3} {r['accept_length']:>6.2f} "
+            f"{r['rollout_speedup']:>10.3f} {r['e2e_speedup']:>7.3f}{mark}"
+        )
     return "\n".join(lines)
 
 

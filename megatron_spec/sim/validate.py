@@ -48,16 +48,36 @@ class Point:
 
 
 # SkyRL: DAPO math prompts, thinking-length responses; only the length cap (8192) is reported.
-SKYRL_WORKLOAD = Workload(name="skyrl-dapo-qwen3.5-9b", prompts_per_step=32, samples_per_prompt=8, prompt_len=200,
-                          response_median=3000.0, response_sigma=0.8, max_response_len=8192)
-SKYRL = SimConfig(model="qwen3.5-9b", hardware="h100", num_gpus=8, mode="sync", draft_kind="mtp", num_draft_tokens=3,
-                  accept_rates=(0.886, 0.770, 0.663), tp=1, ep=1, workload=SKYRL_WORKLOAD,
-                  online_draft_training=True, draft_train_unroll=1)
-SKYRL_ASSUMED = ("prompt length 200 tokens and log-normal response lengths, median 3000, sigma 0.8, capped at 8192 "
-                 "(only the cap is reported)",
-                 "the engine behaves as the calibrated one (vLLM with the fitted efficiencies and overheads)",
-                 "the MTP head is the model's own full-attention layer; its online training is one extra "
-                 "head forward+backward over the batch")
+SKYRL_WORKLOAD = Workload(
+    name="skyrl-dapo-qwen3.5-9b",
+    prompts_per_step=32,
+    samples_per_prompt=8,
+    prompt_len=200,
+    response_median=3000.0,
+    response_sigma=0.8,
+    max_response_len=8192,
+)
+SKYRL = SimConfig(
+    model="qwen3.5-9b",
+    hardware="h100",
+    num_gpus=8,
+    mode="sync",
+    draft_kind="mtp",
+    num_draft_tokens=3,
+    accept_rates=(0.886, 0.770, 0.663),
+    tp=1,
+    ep=1,
+    workload=SKYRL_WORKLOAD,
+    online_draft_training=True,
+    draft_train_unroll=1,
+)
+SKYRL_ASSUMED = (
+    "prompt length 200 tokens and log-normal response lengths, median 3000, sigma 0.8, capped at 8192 "
+    "(only the cap is reported)",
+    "the engine behaves as the calibrated one (vLLM with the fitted efficiencies and overheads)",
+    "the MTP head is the model's own full-attention layer; its online training is one extra "
+    "head forward+backward over the batch",
+)
 SKYRL_MEASURED = {"rollout_ar_s": 310.1, "rollout_spec_s": 152.4, "step_ar_s": 400.7, "step_spec_s": 246.8,
                   "train_ar_s": 57.3, "train_spec_s": 61.3}
 
@@ -65,13 +85,27 @@ SKYRL_MEASURED = {"rollout_ar_s": 310.1, "rollout_spec_s": 152.4, "step_ar_s": 4
 VERL_WORKLOAD = Workload(name="verl-mimo-7b-h20", prompts_per_step=256, samples_per_prompt=16, prompt_len=200,
                          response_median=3000.0, response_sigma=0.8, max_response_len=8192)
 VERL_TAU = 2.5  # assumed; 2 draft steps cap the accept length at 3
-VERL = SimConfig(model="mimo-7b", hardware="h20", num_gpus=16, train_gpus=8, mode="async", policy_lag=2,
-                 draft_kind="mtp", num_draft_tokens=3, accept_length=VERL_TAU, tp=1, ep=1, workload=VERL_WORKLOAD)
-VERL_ASSUMED = ("the tree draft (2 steps x top-2, 4 tokens verified) modelled as a chain of k=3: the same 4 query "
-                "tokens per sequence in verification, 3 draft passes instead of 2 x 2 branches",
-                f"accept length {VERL_TAU} (not reported; at most 3 with 2 draft steps)",
-                "8 rollout H20 at TP=1 in steady state (fully async), 256 x 16 rollouts, response median 3000, "
-                "sigma 0.8, cap 8192: the batch each engine runs follows from its KV memory")
+VERL = SimConfig(
+    model="mimo-7b",
+    hardware="h20",
+    num_gpus=16,
+    train_gpus=8,
+    mode="async",
+    policy_lag=2,
+    draft_kind="mtp",
+    num_draft_tokens=3,
+    accept_length=VERL_TAU,
+    tp=1,
+    ep=1,
+    workload=VERL_WORKLOAD,
+)
+VERL_ASSUMED = (
+    "the tree draft (2 steps x top-2, 4 tokens verified) modelled as a chain of k=3: the same 4 query "
+    "tokens per sequence in verification, 3 draft passes instead of 2 x 2 branches",
+    f"accept length {VERL_TAU} (not reported; at most 3 with 2 draft steps)",
+    "8 rollout H20 at TP=1 in steady state (fully async), 256 x 16 rollouts, response median 3000, "
+    "sigma 0.8, cap 8192: the batch each engine runs follows from its KV memory",
+)
 
 
 def _step_from_measured_rest(pred: SimResult) -> float:
@@ -85,23 +119,46 @@ def _step_from_measured_rest(pred: SimResult) -> float:
 
 def points() -> list[Point]:
     return [
-        Point("SkyRL Qwen3.5-9B 8xH100 MTP k=3: rollout", "NovaSky-AI/SkyRL docs/content/docs/examples/spec_decode.mdx",
-              "rollout_speedup", 310.1 / 152.4, SKYRL, SKYRL_ASSUMED),
-        Point("SkyRL Qwen3.5-9B 8xH100 MTP k=3: step (rollout share as measured)",
-              "NovaSky-AI/SkyRL docs/content/docs/examples/spec_decode.mdx",
-              "step_speedup_from_measured_rest", 400.7 / 246.8, SKYRL,
-              SKYRL_ASSUMED + ("the measured non-rollout time per step (90.6 s) is kept",)),
-        Point("SkyRL Qwen3.5-9B 8xH100 MTP k=3: step (simulated throughout)",
-              "NovaSky-AI/SkyRL docs/content/docs/examples/spec_decode.mdx",
-              "e2e_speedup", 400.7 / 246.8, SKYRL, SKYRL_ASSUMED,
-              note="low because of an input we lack: the rollout share of the step. Measured rollout is 310 s, 77% of the step; "
-                   "the simulator generates the stated batch once in ~78 s (DAPO's dynamic sampling regenerates "
-                   "until the batch is full, and its rounds are not reported), so its step is less rollout-bound"),
-        Point("verl MiMo-7B H20 SGLang MTP (loss case)", "verl-project/verl docs/advance/mtp.md, section 4",
-              "rollout_speedup", 0.5, VERL, VERL_ASSUMED, known_inputs=False,
-              note="missing inputs: the accept length and the batch size. Predicted a loss for every accept "
-                   "length a 2-step draft can reach (<= 3); the measured 0.5x corresponds to tau ~ 1.6",
-              extra={"tau_sweep": (1.5, 2.0, 2.5, 3.0)}),
+        Point(
+            "SkyRL Qwen3.5-9B 8xH100 MTP k=3: rollout",
+            "NovaSky-AI/SkyRL docs/content/docs/examples/spec_decode.mdx",
+            "rollout_speedup",
+            310.1 / 152.4,
+            SKYRL,
+            SKYRL_ASSUMED,
+        ),
+        Point(
+            "SkyRL Qwen3.5-9B 8xH100 MTP k=3: step (rollout share as measured)",
+            "NovaSky-AI/SkyRL docs/content/docs/examples/spec_decode.mdx",
+            "step_speedup_from_measured_rest",
+            400.7 / 246.8,
+            SKYRL,
+            SKYRL_ASSUMED + ("the measured non-rollout time per step (90.6 s) is kept",),
+        ),
+        Point(
+            "SkyRL Qwen3.5-9B 8xH100 MTP k=3: step (simulated throughout)",
+            "NovaSky-AI/SkyRL docs/content/docs/examples/spec_decode.mdx",
+            "e2e_speedup",
+            400.7 / 246.8,
+            SKYRL,
+            SKYRL_ASSUMED,
+            note="low because of an input we lack: the rollout share of the step. Measured rollout is 310 s, "
+                 "77% of the step; "
+            "the simulator generates the stated batch once in ~78 s (DAPO's dynamic sampling regenerates "
+            "until the batch is full, and its rounds are not reported), so its step is less rollout-bound",
+        ),
+        Point(
+            "verl MiMo-7B H20 SGLang MTP (loss case)",
+            "verl-project/verl docs/advance/mtp.md, section 4",
+            "rollout_speedup",
+            0.5,
+            VERL,
+            VERL_ASSUMED,
+            known_inputs=False,
+            note="missing inputs: the accept length and the batch size. Predicted a loss for every accept "
+            "length a 2-step draft can reach (<= 3); the measured 0.5x corresponds to tau ~ 1.6",
+            extra={"tau_sweep": (1.5, 2.0, 2.5, 3.0)},
+        ),
     ]
 
 
@@ -121,7 +178,9 @@ def evaluate(point: Point) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_spec.sim.validate", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_spec.sim.validate", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     rows = [evaluate(pt) for pt in points()]
@@ -133,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         flag = "" if r["known_inputs"] else "  (missing input, see note)"
         print(f"{r['name']:<66} {r['measured']:>9.3f} {r['predicted']:>10.3f} {r['rel_error']:>+7.1%}{flag}")
         if "predicted_by_tau" in r:
-            print("    by accept length: " + ", ".join(f"tau {t}: {v:.3f}" for t, v in r["predicted_by_tau"].items()))
+            print(
+                "    by accept length: "
+                + ", ".join(f"tau {t}: {v:.3f}" for t, v in r["predicted_by_tau"].items())
+            )
     return 0
 
 

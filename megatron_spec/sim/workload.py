@@ -83,7 +83,9 @@ class Workload:
     def truncated_fraction(self) -> float:
         if self.response_sigma == 0:
             return float(self.response_median >= self.max_response_len)
-        return float(norm.sf((math.log(self.max_response_len) - math.log(self.response_median)) / self.response_sigma))
+        return float(
+            norm.sf((math.log(self.max_response_len) - math.log(self.response_median)) / self.response_sigma)
+        )
 
     def engine_lengths(self, per_engine: int, seed: int = 0) -> np.ndarray:
         """Response lengths of the engine holding the step's longest rollout (see module doc),

@@ -154,7 +154,9 @@ def check_lossless(
                 )
         elif leaf.endswith("acceptance_method") and isinstance(value, str):
             if any(word in value.lower() for word in _LOSSY_METHOD_WORDS):
-                problems.append(f"{path} = {value!r}: typical/relaxed acceptance is lossy; use rejection sampling")
+                problems.append(
+                    f"{path} = {value!r}: typical/relaxed acceptance is lossy; use rejection sampling"
+                )
         elif leaf == "use_relaxed_acceptance_for_thinking" and value:
             problems.append(f"{path} = {value}: relaxed acceptance is lossy")
 
@@ -178,16 +180,23 @@ def check_lossless(
             except ValueError:
                 simulated = True
             if simulated:
-                problems.append(f"SGLANG_SIMULATE_ACC_LEN = {sim!r}: simulated acceptance does not sample the target")
+                problems.append(
+                    f"SGLANG_SIMULATE_ACC_LEN = {sim!r}: simulated acceptance does not sample the target"
+                )
         _, device = _find(flat, "device")
         _, rejection = _find(flat, "speculative_use_rejection_sampling")
         greedy_verify_device = isinstance(device, str) and device.split(":")[0].lower() in ("cpu", "xpu")
         greedy_verify_rocm = rocm and not (rejection is not _MISSING and bool(rejection))
         if (greedy_verify_device or greedy_verify_rocm) and all_greedy is not True:
-            where = f"device {device!r}" if greedy_verify_device else "ROCm without speculative_use_rejection_sampling"
+            where = (
+                f"device {device!r}"
+                if greedy_verify_device
+                else "ROCm without speculative_use_rejection_sampling"
+            )
             problems.append(
                 f"SGLang verifies drafts by argmax on {where}, ignoring temperature: only temperature-0 "
-                f"sampling is exact there (sampling {'unknown' if all_greedy is None else 'is not all greedy'})"
+                "sampling is exact there (sampling "
+                f"{'unknown' if all_greedy is None else 'is not all greedy'})"
             )
         if max_min_p is not None and max_min_p > 0:
             problems.append(

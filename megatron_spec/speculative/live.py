@@ -64,9 +64,13 @@ class LiveIndex:
 
     def __init__(self, *, min_match: int = 2, max_match: int = 8, max_occurrences: int = 64,
                  max_tokens_per_group: int = 1 << 15, max_candidates: int = 16) -> None:
-        for name, value, low in [("min_match", min_match, 1), ("max_match", max_match, 1),
-                                 ("max_occurrences", max_occurrences, 1), ("max_tokens_per_group", max_tokens_per_group, 1),
-                                 ("max_candidates", max_candidates, 1)]:
+        for name, value, low in [
+            ("min_match", min_match, 1),
+            ("max_match", max_match, 1),
+            ("max_occurrences", max_occurrences, 1),
+            ("max_tokens_per_group", max_tokens_per_group, 1),
+            ("max_candidates", max_candidates, 1),
+        ]:
             if int(value) != value or value < low:
                 raise ValueError(f"LiveIndex: {name} must be an integer >= {low}, got {value!r}")
         if max_match < min_match:
@@ -146,7 +150,8 @@ class LiveIndex:
         many of them reach offset j and ``agree`` how many wrote that token; only those go on to j + 1.
         At T = 1 the siblings sampled from the policy after the same text, so the support is evidence of how
         likely the target is to write the proposed token (measured: ``benchmarks/bench_live_support.py``); the
-        engine's controller learns what each support class is worth (``rollout.native.measures.SupportStats``)."""
+        engine's controller learns what each support class is worth
+        (``rollout.native.measures.SupportStats``)."""
         self._counts["proposals"] += 1
         g = self.groups.get(group)
         if g is None or k <= 0:
@@ -159,7 +164,8 @@ class LiveIndex:
             occ = g.table.get(tuple(text[-n:]))
             if not occ:
                 continue
-            cands: list[tuple[list[int], int]] = []  # (source text, where its continuation starts), newest first
+            # (source text, where its continuation starts), newest first
+            cands: list[tuple[list[int], int]] = []
             for r, p in reversed(occ):
                 src = g.texts[r]
                 if p + 1 < len(src) and not (r == row and p == end):
@@ -182,7 +188,8 @@ class LiveIndex:
                 out.append(x)
                 support.append((counts[x], sum(counts.values())))
                 cands = [c for c in cands if c[1] + j < len(c[0]) and c[0][c[1] + j] == x]
-            if len(out) < k and len(cands) == 1:  # one candidate left: the rest of its text, each token 1 of 1
+            # one candidate left: the rest of its text, each token 1 of 1
+            if len(out) < k and len(cands) == 1:
                 src, s = cands[0]
                 rest = src[s + len(out):s + k]
                 out.extend(rest)

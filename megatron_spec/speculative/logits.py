@@ -25,8 +25,8 @@ This module knows nothing about models, engines, drafts or random numbers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -196,7 +196,9 @@ def process_logits(
     x = logits.reshape(-1, V).float()  # [R, V]
     if token_mask is not None:
         if token_mask.dtype != torch.bool:
-            raise ValueError(f"process_logits: token_mask must be bool (True = allowed), got {token_mask.dtype}")
+            raise ValueError(
+                f"process_logits: token_mask must be bool (True = allowed), got {token_mask.dtype}"
+            )
         x = _keep(x, token_mask.to(x.device).expand(shape).reshape(-1, V))
     R = x.shape[0]
     if R == 0:

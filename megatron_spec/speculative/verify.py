@@ -103,7 +103,9 @@ def verify_chain(
             ``megatron_spec/ops/verify_reference.py``, "Input checks"), or malformed arguments.
     """
     if target_logprobs.dim() != 3:
-        raise ValueError(f"verify_chain: target_logprobs must be [B, k+1, V], got shape {tuple(target_logprobs.shape)}")
+        raise ValueError(
+            f"verify_chain: target_logprobs must be [B, k+1, V], got shape {tuple(target_logprobs.shape)}"
+        )
     B, K1, _ = target_logprobs.shape
     k = K1 - 1
     device = target_logprobs.device
@@ -127,7 +129,9 @@ def verify_chain(
     elif generator is not None:
         ua, us = _draw_uniforms(B, k, device, generator)
     else:
-        raise ValueError("verify_chain: randomness must be explicit: pass u_accept and u_sample, or a generator")
+        raise ValueError(
+            "verify_chain: randomness must be explicit: pass u_accept and u_sample, or a generator"
+        )
     tokens, num_accepted = verify_chain_op(lp, x, q, m, g, ua, us)
     logprobs = lp.gather(-1, tokens.clamp(min=0)[..., None])[..., 0]  # [B, k+1]
     logprobs = torch.where(tokens >= 0, logprobs, torch.zeros_like(logprobs))
@@ -148,7 +152,8 @@ class TreeVerifyResult(VerifyResult):
     """``[B]`` bool: the path went on along y past the first branch's tokens (the cached tokens of the
     path are then y_1..y_n, whose K/V sit at y's positions)."""
     second_len: torch.Tensor = None
-    """``[B]`` int64: n, the tokens of y cached on the kept path (``num_accepted``; 0 where not ``second``)."""
+    """``[B]`` int64: n, the tokens of y cached on the kept path (``num_accepted``; 0 where not
+    ``second``)."""
 
 
 def verify_tree(
@@ -185,7 +190,9 @@ def verify_tree(
     Returns:
         :class:`TreeVerifyResult`.
     """
-    first = verify_chain(target_logprobs, draft_tokens, draft_probs, d2t=d2t, greedy=greedy, generator=generator)
+    first = verify_chain(
+        target_logprobs, draft_tokens, draft_probs, d2t=d2t, greedy=greedy, generator=generator
+    )
     b, k1 = first.tokens.shape
     m = second_tokens.shape[1]
     dev = first.tokens.device
@@ -226,7 +233,8 @@ def verify_tree(
         logprobs[r, s0:s0 + n2 + 1] = lps[:n2 + 1]
         num[r] = second_len[r] = s0 + n2
         second[r] = True
-        positions[r, s0:] = (k1 - 1 + torch.arange(s0, k1 + m, device=dev)).clamp(max=k1 + m - 1)  # token j at y_j's
+        # token j at y_j's
+        positions[r, s0:] = (k1 - 1 + torch.arange(s0, k1 + m, device=dev)).clamp(max=k1 + m - 1)
     return result()
 
 

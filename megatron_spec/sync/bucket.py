@@ -43,7 +43,9 @@ def _align(offset: int, itemsize: int) -> int:
     return -(-offset // itemsize) * itemsize
 
 
-def bucket_layout(named: Sequence[tuple[str, torch.Size | Sequence[int], torch.dtype]]) -> tuple[list[FlattenedTensorMetadata], int]:
+def bucket_layout(
+    named: Sequence[tuple[str, torch.Size | Sequence[int], torch.dtype]],
+) -> tuple[list[FlattenedTensorMetadata], int]:
     """Metadata for tensors of the given names/shapes/dtypes and the bucket's byte size."""
     meta, offset = [], 0
     for name, shape, dtype in named:
@@ -70,7 +72,7 @@ def pack_bucket(named_tensors: Sequence[tuple[str, torch.Tensor]], out: torch.Te
     elif out.dtype != torch.uint8 or out.numel() < nbytes:
         raise ValueError(f"bucket buffer of {out.numel()} bytes cannot hold {nbytes} bytes")
     flat = out[:nbytes]
-    for (name, tensor), m in zip(named_tensors, meta):
+    for (_, tensor), m in zip(named_tensors, meta):
         if m.numel:
             flat[m.start_idx:m.end_idx].view(tensor.dtype).view(tensor.shape).copy_(tensor)
     return flat, meta
@@ -121,7 +123,9 @@ class BucketWriter:
 
     def __init__(self, buffer: torch.Tensor, limit: int | None = None):
         if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-            raise ValueError(f"bucket buffer must be a 1-D uint8 tensor, got {buffer.dtype} {tuple(buffer.shape)}")
+            raise ValueError(
+                f"bucket buffer must be a 1-D uint8 tensor, got {buffer.dtype} {tuple(buffer.shape)}"
+            )
         self.buffer = buffer
         self.limit = limit
         self.offset = 0

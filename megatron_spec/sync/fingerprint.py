@@ -106,7 +106,8 @@ def _bits_sums(x: torch.Tensor) -> tuple[int, int, int]:
     bits = x.contiguous().reshape(-1).view(_INT_VIEW[width])
     if bits.device.type == "cpu":
         if _compiled_sums():
-            s1, s2 = torch.ops.megatron_spec.bits_sums(bits).tolist()  # one pass, threads (csrc/fingerprint_cpu.cpp)
+            # one pass, threads (csrc/fingerprint_cpu.cpp)
+            s1, s2 = torch.ops.megatron_spec.bits_sums(bits).tolist()
             return n, s1 % _MOD, s2 % _MOD
         return n, *_numpy_sums(bits.numpy())
     return n, *_torch_sums(bits)

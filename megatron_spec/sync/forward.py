@@ -73,7 +73,7 @@ class PayloadGather(WeightReceiver):
         try:
             result = fn(*args, **kwargs)
             status = ("ok", result)
-        except Exception as exc:  # noqa: BLE001 (re-raised here and on every sender)
+        except Exception as exc:  # re-raised here and on every sender
             _round(self.group, self.owner, ("error", f"{type(exc).__name__}: {exc}"))
             raise
         _round(self.group, self.owner, status)
@@ -82,8 +82,13 @@ class PayloadGather(WeightReceiver):
     def begin_weight_update(self, selector: str = "all") -> None:
         self._call(self.engine.begin_weight_update, selector)
 
-    def update_weights_from_tensor(self, payloads: Sequence[bytes], selector: str, weight_version: str | None = None,
-                                   flush_cache: bool = True) -> Any:
+    def update_weights_from_tensor(
+        self,
+        payloads: Sequence[bytes],
+        selector: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> Any:
         if len(payloads) != 1:
             raise ValueError(f"each sender makes one payload per bucket, got {len(payloads)}")
         gathered: list[Any] = [None] * self.num_senders
@@ -119,8 +124,13 @@ class PayloadForwarder(WeightReceiver):
     def begin_weight_update(self, selector: str = "all") -> None:
         self._wait("begin_weight_update")
 
-    def update_weights_from_tensor(self, payloads: Sequence[bytes], selector: str, weight_version: str | None = None,
-                                   flush_cache: bool = True) -> Any:
+    def update_weights_from_tensor(
+        self,
+        payloads: Sequence[bytes],
+        selector: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> Any:
         if len(payloads) != 1:
             raise ValueError(f"each sender makes one payload per bucket, got {len(payloads)}")
         dist.gather_object(payloads[0], None, dst=self.owner, group=self.group)

@@ -61,8 +61,10 @@ WEIGHT_DTYPES = ("fp32", "bf16", "fp8")
 _ALIGN_SLACK = 16  # worst-case alignment padding in front of one tensor
 
 SYNC_PIECES = ("gather_s", "pack_s", "wait_buffer_s", "fingerprint_s", "engine_call_s", "end_s")
-"""The trainer's side of a sync: gathering and converting to HF views, packing (cast or quantise) into the bucket,
-waiting for the engine to free a bucket, fingerprinting the sent buckets, waiting for the engine's update calls
+"""The trainer's side of a sync: gathering and converting to HF views, packing (cast or quantise) into the
+bucket,
+waiting for the engine to free a bucket, fingerprinting the sent buckets, waiting for the engine's update
+calls
 (sender thread), ``end_weight_update`` (the engine's re-pack and checksums)."""
 
 __all__ = ["SYNC_PIECES", "WEIGHT_DTYPES", "SyncReport", "WeightStreamer", "WeightSyncError"]
@@ -93,7 +95,8 @@ class SyncReport:
     skipped: bool = False
     """This rank took no part (another data-parallel replica)."""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds per piece (:data:`SYNC_PIECES`; the engine's, where it reports them, from its ``sync_timings``).
+    """Seconds per piece (:data:`SYNC_PIECES`; the engine's, where it reports them, from its
+    ``sync_timings``).
     The trainer's pieces overlap: the sender thread fingerprints and calls the engine while the next bucket is
     packed."""
 
@@ -137,10 +140,20 @@ class WeightStreamer:
             10-20 GB/s with 1 thread and 0.2-0.8 GB/s with 2 here (benchmarks/bench_sync.py).
     """
 
-    def __init__(self, engine: Any, *, bucket_bytes: int = 256 << 20, weight_dtype: str = "bf16",
-                 for_sglang: bool = False, verify: bool = True, engine_dtype: str | torch.dtype | None = None,
-                 engine_tp_size: int | None = None, keep_buffers: bool | None = None, measure_memory: bool = False,
-                 cpu_threads: int | None = 1):
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        bucket_bytes: int = 256 << 20,
+        weight_dtype: str = "bf16",
+        for_sglang: bool = False,
+        verify: bool = True,
+        engine_dtype: str | torch.dtype | None = None,
+        engine_tp_size: int | None = None,
+        keep_buffers: bool | None = None,
+        measure_memory: bool = False,
+        cpu_threads: int | None = 1,
+    ):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
         if bucket_bytes < 1 << 10:
@@ -154,7 +167,9 @@ class WeightStreamer:
         self.measure_memory = measure_memory
         self.cpu_threads = cpu_threads
         if engine_dtype is None:
-            engine_dtype = engine.config.dtype if engine is not None and engine.config is not None else "bfloat16"
+            engine_dtype = (
+                engine.config.dtype if engine is not None and engine.config is not None else "bfloat16"
+            )
         self.engine_dtype = torch_dtype(engine_dtype, "engine_dtype")
         self.engine_tp_size = int(engine_tp_size or (engine.tp_size if engine is not None else 1))
         self._buffers: list[torch.Tensor] = []
@@ -185,7 +200,9 @@ class WeightStreamer:
         shapes = expected_hf_shapes(gpt.decoder_config)
         device = next(gpt.parameters()).device
         items = iter_hf_views(model, tp_group, stream_order=True)
-        return self._sync("target", items, version, shapes.items(), device, quantize=self.weight_dtype == "fp8")
+        return self._sync(
+            "target", items, version, shapes.items(), device, quantize=self.weight_dtype == "fp8"
+        )
 
     def sync_target_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str, *,
                             shapes: Mapping[str, Sequence[int]] | None = None,
@@ -222,7 +239,8 @@ class WeightStreamer:
         items = ((n, t, tuple(t.shape)) for n, t in named)
         rep = self._sync("draft", items, version, [(n, tuple(t.shape)) for n, t in named], named[0][1].device,
                          quantize=False)
-        self.engine.remember_draft(named, version)  # engines that lose the draft on release push it again on resume
+        # engines that lose the draft on release push it again on resume
+        self.engine.remember_draft(named, version)
         return rep
 
     def close(self) -> None:
@@ -293,7 +311,7 @@ class WeightStreamer:
             except BaseException:
                 try:  # close the session so the engine does not claim the partial update
                     self.engine.abort_weight_update()
-                except Exception as exc:  # noqa: BLE001 (the first error is the one to report)
+                except Exception as exc:  # the first error is the one to report
                     logger.debug("closing the session after a failed %s sync: %s", group, exc)
                 raise
             rep.stream_seconds = time.perf_counter() - t0
@@ -307,7 +325,8 @@ class WeightStreamer:
                 rep.timings.update(health.get("sync_timings") or {})
         finally:
             torch.set_num_threads(threads)
-            if device.type == "cuda":  # buckets the engine has let go of (docs/memory_plan.md) go back to the pool
+            # buckets the engine has let go of (docs/memory_plan.md) go back to the pool
+            if device.type == "cuda":
                 torch.cuda.ipc_collect()
             if mem is not None:
                 mem.__exit__(None, None, None)
@@ -323,7 +342,9 @@ class WeightStreamer:
 
     def _check(self, group: str, version: str, sent: Fingerprint | None, health: dict, digest_before) -> None:
         if not isinstance(health, dict):
-            raise WeightSyncError(group, f"end_weight_update returned {type(health).__name__}, expected a health dict")
+            raise WeightSyncError(
+                group, f"end_weight_update returned {type(health).__name__}, expected a health dict"
+            )
         check_version(group, version, health)
         held = reported_checksum(health, group)
         if self.verify:
@@ -333,7 +354,9 @@ class WeightStreamer:
                 check_fingerprint(group, sent, health)
             elif "digest" in held:
                 ledger = self.engine.digest_ledger or self._ledger
-                ledger.check(group, sent, digest_before, held["digest"], lambda: self.engine.startup_fingerprint(group))
+                ledger.check(
+                    group, sent, digest_before, held["digest"], lambda: self.engine.startup_fingerprint(group)
+                )
             else:
                 raise WeightSyncError(group, f"engine checksum has an unknown form: keys {sorted(held)}")
         other = "draft" if group == "target" else "target"
@@ -352,7 +375,9 @@ class WeightStreamer:
         clock = dict.fromkeys(SYNC_PIECES[:-1], 0.0)
 
         def call_engine(payloads, last: bool) -> None:
-            self.engine.update_weights_from_tensor(payloads, selector=group, weight_version=version, flush_cache=last)
+            self.engine.update_weights_from_tensor(
+                payloads, selector=group, weight_version=version, flush_cache=last
+            )
 
         def sender() -> None:
             # The fingerprint of a bucket is taken while the engine loads it (both only read it).
@@ -427,7 +452,7 @@ class WeightStreamer:
                     self._pack(writer, entries, src)
                     clock["pack_s"] += time.perf_counter() - t_pack
                     rep.num_tensors += 1
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     produce_error = exc
                 t_item = time.perf_counter()
             if produce_error is None and not errors:

@@ -72,7 +72,9 @@ class _AllowlistUnpickler(pickle.Unpickler):
             return FlattenedTensorMetadata
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        raise UnsafePayloadError(f"payload refused: global {module}.{name} is not allowed in a weight payload")
+        raise UnsafePayloadError(
+            f"payload refused: global {module}.{name} is not allowed in a weight payload"
+        )
 
 
 def _reduce_cpu_storage_by_name(storage: torch.UntypedStorage):
@@ -179,7 +181,9 @@ def read_bucket_payload(data: bytes) -> list[tuple[str, torch.Tensor]]:
     flat, meta = obj["flattened_tensor"], obj["metadata"]
     if not isinstance(flat, torch.Tensor) or not isinstance(meta, list) \
             or not all(isinstance(m, FlattenedTensorMetadata) for m in meta):
-        raise UnsafePayloadError("payload bucket must hold a tensor and a list of FlattenedTensorMetadata records")
+        raise UnsafePayloadError(
+            "payload bucket must hold a tensor and a list of FlattenedTensorMetadata records"
+        )
     for m in meta:
         _check_record(m)
     return unpack_bucket(flat, meta)

@@ -80,7 +80,9 @@ class DigestLedger:
 
     def __init__(self, capacity: int = 16):
         self.capacity = capacity
-        self._seen: dict[str, collections.OrderedDict[tuple, str]] = {g: collections.OrderedDict() for g in GROUPS}
+        self._seen: dict[str, collections.OrderedDict[tuple, str]] = {
+            g: collections.OrderedDict() for g in GROUPS
+        }
 
     def record(self, group: str, sent: Fingerprint, digest: str) -> None:
         book = self._seen[group]
@@ -103,22 +105,31 @@ class DigestLedger:
         key = _key(sent)
         if key in book:
             if book[key] != after:
-                raise WeightSyncError(group, "engine digest differs from the last time these exact weights were "
-                                             "loaded: the update was dropped or only partly loaded")
+                raise WeightSyncError(
+                    group,
+                    "engine digest differs from the last time these exact weights were "
+                    "loaded: the update was dropped or only partly loaded",
+                )
         else:
             stale = [d for k, d in book.items() if d == after]
             if stale:
-                raise WeightSyncError(group, "engine digest equals that of weights sent earlier: it still holds "
-                                             "an older version (update dropped)")
+                raise WeightSyncError(
+                    group,
+                    "engine digest equals that of weights sent earlier: it still holds "
+                    "an older version (update dropped)",
+                )
             if before is not None and after == before:
                 start = startup_fingerprint() if startup_fingerprint is not None else None
                 if start is None or _key(start) != key:
-                    raise WeightSyncError(group, "engine digest did not change although new weights were sent "
-                                                 "(update dropped)")
+                    raise WeightSyncError(
+                        group, "engine digest did not change although new weights were sent (update dropped)"
+                    )
         self.record(group, sent, after)
 
 
-def check_untouched(group: str, recorded: tuple[str, Mapping[str, Any]] | None, health: Mapping[str, Any]) -> None:
+def check_untouched(
+    group: str, recorded: tuple[str, Mapping[str, Any]] | None, health: Mapping[str, Any]
+) -> None:
     """The group that was *not* updated must still hold what it held after its own last sync.
 
     Args:

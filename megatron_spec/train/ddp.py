@@ -49,7 +49,9 @@ def finalize_grads(ddp_model: torch.nn.Module, num_tokens: torch.Tensor | None =
         return
     for param in ddp_model.module.parameters():
         if param.requires_grad:
-            param.grad = param.main_grad.to(param.dtype) if param.main_grad.dtype != param.dtype else param.main_grad
+            param.grad = (
+                param.main_grad.to(param.dtype) if param.main_grad.dtype != param.dtype else param.main_grad
+            )
 
 
 def zero_grads(ddp_model: torch.nn.Module) -> None:

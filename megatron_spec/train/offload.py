@@ -29,7 +29,7 @@ What it does not know: the engine, the schedule of phases (the trainer calls :me
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -75,7 +75,9 @@ class ColocateOffload:
         active: move at all; ``False`` makes :meth:`enter` only record the phase (CPU runs).
     """
 
-    def __init__(self, level: str, kinds: dict[str, Callable[[], list[torch.Tensor]]], *, active: bool = True):
+    def __init__(
+        self, level: str, kinds: dict[str, Callable[[], list[torch.Tensor]]], *, active: bool = True
+    ):
         if level not in PLAN:
             raise ValueError(f"colocate-offload level must be one of {LEVELS}, got {level!r}")
         if set(kinds) != set(KINDS):

@@ -30,7 +30,8 @@ the caller computes the norm over its groups and clips through :meth:`grads`), s
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -48,7 +49,9 @@ class MixedPrecisionAdamW:
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.params = list(params)
         # fp32 weights are their own main copy; bf16 ones get an fp32 copy on the same device
-        self.main_params = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.main_params = [
+            p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params
+        ]
         decay = [m for m in self.main_params if m.dim() >= 2]
         no_decay = [m for m in self.main_params if m.dim() < 2]  # norms and biases
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -104,15 +107,21 @@ class MixedPrecisionAdamW:
     def state_dict(self) -> dict[str, Any]:
         """AdamW's state plus the fp32 main weights (bf16 training resumes from them, not from the
         rounded bf16 weights)."""
-        return {"adamw": self.optimizer.state_dict(),
-                "main_params": [m.detach() if m is not p else None for p, m in zip(self.params, self.main_params)]}
+        return {
+            "adamw": self.optimizer.state_dict(),
+            "main_params": [
+                m.detach() if m is not p else None for p, m in zip(self.params, self.main_params)
+            ],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "adamw" not in state:  # a checkpoint saved by plain torch.optim.AdamW (fp32 runs)
             state = {"adamw": state, "main_params": [None] * len(self.params)}
         mains = state["main_params"]
         if len(mains) != len(self.params):
-            raise ValueError(f"optimizer state holds {len(mains)} main weights, the model has {len(self.params)}")
+            raise ValueError(
+                f"optimizer state holds {len(mains)} main weights, the model has {len(self.params)}"
+            )
         with torch.no_grad():
             for p, main, saved in zip(self.params, self.main_params, mains):
                 if main is p:
@@ -123,13 +132,15 @@ class MixedPrecisionAdamW:
 
     # ------------------------------------------------------------------ megatron-core dist_checkpointing
     def _state_ids(self) -> list[int]:
-        """For each of AdamW's state ids (its groups' parameters in order): the index of the model parameter."""
+        """For each of AdamW's state ids (its groups' parameters in order): the index of the model
+        parameter."""
         index = {id(m): i for i, m in enumerate(self.main_params)}
         return [index[id(m)] for group in self.optimizer.param_groups for m in group["params"]]
 
     def _fill_state(self) -> None:
         """AdamW's per-weight state, made where a weight has none yet (before the first step, or a weight that
-        never got a gradient): zeros and step 0, what AdamW itself starts from, so that a sharded state dict has
+        never got a gradient): zeros and step 0, what AdamW itself starts from, so that a sharded state dict
+        has
         every tensor to save or load into."""
         for group in self.optimizer.param_groups:
             for m in group["params"]:
@@ -143,9 +154,11 @@ class MixedPrecisionAdamW:
         ``sharded_state_dict()``), so a checkpoint saved at one TP/DP layout loads at another
         (``optimizer.state.exp_avg.<param key>``, megatron-core's own names); the hyper-parameters and the
         step counts are common state (every weight steps together)."""
-        from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
-                                                                 make_sharded_optimizer_tensor,
-                                                                 optim_state_to_sharding_state)
+        from megatron.core.dist_checkpointing.optimizer import (
+            get_param_id_to_sharded_param_map,
+            make_sharded_optimizer_tensor,
+            optim_state_to_sharding_state,
+        )
 
         self._fill_state()
         ids = self._state_ids()

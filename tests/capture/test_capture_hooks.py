@@ -154,7 +154,7 @@ def test_mtp_features_and_reduced_vocab_full_teacher(policy, hf_outputs):
 def test_capture_leaves_the_model_untouched(policy):
     cfg = policy.decoder_config
     ids, pos, mask = _batch(cfg.vocab_size)
-    hooks = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in policy.modules())  # noqa: E731
+    hooks = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in policy.modules())
     assert hooks() == 0
     with torch.no_grad():
         plain = policy(ids, pos, attention_mask=None)

@@ -44,7 +44,9 @@ def test_sglang_captures_layer_inputs_at_ids_plus_one():
     assert "hidden_states = self.layers[i](" in loop
     layer = ss._method(ss._class(tree, "Qwen3DecoderLayer"), "forward")
     first = ast.unparse(layer.body[0])  # the first thing the layer does: its attention entry
-    assert first.startswith("hidden_states = self.attn_boundary.prepare(") and "capture=capture_output" in first
+    assert (
+        first.startswith("hidden_states = self.attn_boundary.prepare(") and "capture=capture_output" in first
+    )
     qwen3 = ss.srt()["sglang.srt.models.qwen3"].Qwen3ForCausalLM
     llama = ss.srt()["sglang.srt.models.llama"].LlamaForCausalLM
     assert _layers_to_capture(qwen3, [1, 3, 4], 8) == _layers_to_capture(llama, [1, 3, 4], 8) == [2, 4, 5]

@@ -42,7 +42,9 @@ def test_reduced_vocab_teacher_renormalises_over_draft_ids(logits):
 def test_log_mass_is_the_targets_mass_on_the_draft_ids(logits):
     target_ids = torch.tensor([7, 2, 9, 0])
     want = torch.softmax(logits[:, :10].double(), -1)[:, target_ids].sum(-1).log()  # padded columns excluded
-    torch.testing.assert_close(draft_vocab_log_mass(logits, vocab_size=10, target_ids=target_ids).double(), want)
+    torch.testing.assert_close(
+        draft_vocab_log_mass(logits, vocab_size=10, target_ids=target_ids).double(), want
+    )
     assert torch.equal(draft_vocab_log_mass(logits, vocab_size=10), torch.zeros(5))  # the full vocabulary
     every = draft_vocab_log_mass(logits, vocab_size=10, target_ids=torch.arange(10))
     torch.testing.assert_close(every, torch.zeros(5), atol=1e-6, rtol=0)

@@ -23,7 +23,10 @@ def test_megatron_cores_fallback_warnings_are_silenced_and_nothing_else():
               "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", "megatron.core.tensor_parallel.layers")
         _warn("Apex is not installed. Falling back to Torch Norm", "somebody.else")  # not megatron-core's
         _warn("the loss is NaN", "megatron.core.pipeline_parallel")  # megatron-core's, not a fallback
-    assert [str(w.message) for w in seen] == ["Apex is not installed. Falling back to Torch Norm", "the loss is NaN"]
+    assert [str(w.message) for w in seen] == [
+        "Apex is not installed. Falling back to Torch Norm",
+        "the loss is NaN",
+    ]
 
 
 def test_one_line_names_what_runs(monkeypatch):

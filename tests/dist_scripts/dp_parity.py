@@ -11,9 +11,9 @@ import torch
 
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, export_hf_state_dict, load_hf_weights
 from megatron_spec.parallel import destroy_parallel, init_parallel
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 
 
 def main() -> None:

@@ -29,9 +29,9 @@ from megatron_spec.draft.mtp import MtpTrainer
 from megatron_spec.draft.mtp_head import MtpHead
 from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
 from megatron_spec.parallel import destroy_parallel, init_parallel
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 
 STEPS = 3
 DRAFT_VOCAB = 40
@@ -125,7 +125,9 @@ def run(info, ckpt, cfg, on: bool):
         )
         zero_grads(ddp)
         saved: list[torch.Tensor] = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (saved.append(t), t)[1], lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t, saved=saved: (saved.append(t), t)[1], lambda t: t
+        ):
             with cap_m.record(ddp, mask) if on else contextlib.nullcontext():
                 logits = ddp(ids, pos, attention_mask=None)
             lp = vocab_parallel_token_logprobs(
@@ -195,8 +197,15 @@ def main() -> None:
         {
             "cache": {
                 k: getattr(cache0, k)
-                for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs", "teacher_log_mass", "next_logprobs",
-                          "cu_seqlens")
+                for k in (
+                    "tokens",
+                    "aux",
+                    "teacher_ids",
+                    "teacher_logprobs",
+                    "teacher_log_mass",
+                    "next_logprobs",
+                    "cu_seqlens",
+                )
             },
             "tp_rank": info.tp_rank,
             "dp_rank": info.dp_rank,

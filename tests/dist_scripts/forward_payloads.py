@@ -17,10 +17,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
 from megatron_spec.parallel import destroy_parallel, init_parallel
-from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
@@ -29,7 +29,7 @@ from megatron_spec.sync.streamer import WeightStreamer
 from megatron_spec.sync.transport import read_bucket_payload
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from sync_parity import NEW, PROMPT_LEN, TEMPS, megatron_logprobs, perturb  # noqa: E402
+from sync_parity import NEW, PROMPT_LEN, TEMPS, megatron_logprobs, perturb
 
 
 class TwoRankEngine(WeightReceiver):
@@ -84,9 +84,14 @@ def main() -> None:
     out = {}
     engine = None
     if info.rank == 0:
-        engine = TwoRankEngine(NativeEngine(EngineConfig(model_path=other_dir, num_threads=1, max_batch_size=4,
-                                                         context_length=64)))
-        streamer = WeightStreamer(PayloadGather(engine, group, 0, 2), bucket_bytes=32 << 10, weight_dtype="fp32")
+        engine = TwoRankEngine(
+            NativeEngine(
+                EngineConfig(model_path=other_dir, num_threads=1, max_batch_size=4, context_length=64)
+            )
+        )
+        streamer = WeightStreamer(
+            PayloadGather(engine, group, 0, 2), bucket_bytes=32 << 10, weight_dtype="fp32"
+        )
     else:
         streamer = WeightStreamer(PayloadForwarder(group, 0), bucket_bytes=32 << 10, weight_dtype="fp32",
                                   verify=False, engine_dtype=torch.float32)
@@ -94,8 +99,10 @@ def main() -> None:
     if info.rank == 0:
         out.update(buckets=rep.num_buckets, calls=engine.calls)
         assert engine.calls == rep.num_buckets > 1, (engine.calls, rep.num_buckets)
-        reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=t, max_new_tokens=NEW, ignore_eos=True))
-                for i, (p, t) in enumerate(zip(prompts, TEMPS))]
+        reqs = [
+            GenerateRequest(f"r{i}", p, SamplingParams(temperature=t, max_new_tokens=NEW, ignore_eos=True))
+            for i, (p, t) in enumerate(zip(prompts, TEMPS))
+        ]
         samples, _ = engine.engine.generate(reqs, seed=7)
         for i, s in enumerate(samples):
             seqs[i] = torch.tensor(list(prompts[i]) + s.output_ids)
@@ -112,7 +119,7 @@ def main() -> None:
     try:
         streamer.sync_target(model, "v2", tp_group=info.tp_group)
         raised = None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raised = exc
     assert raised is not None, "the failed bucket must fail the sync on every sender"
     if info.rank == 1:

@@ -15,7 +15,13 @@ from megatron_spec.capture.support import vocab_parallel_support_mask
 from megatron_spec.parallel import destroy_parallel, init_parallel
 from megatron_spec.speculative import SamplingTensors, process_logits
 
-SETTINGS = [(1.0, 5, 1.0, 0.0), (0.7, 8, 0.8, 0.05), (1.3, 0, 0.9, 0.0), (1.0, 0, 1.0, 0.1), (0.5, 3, 1.0, 0.0)]
+SETTINGS = [
+    (1.0, 5, 1.0, 0.0),
+    (0.7, 8, 0.8, 0.05),
+    (1.3, 0, 0.9, 0.0),
+    (1.0, 0, 1.0, 0.1),
+    (0.5, 3, 1.0, 0.0),
+]
 
 
 def main() -> None:

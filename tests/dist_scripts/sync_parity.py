@@ -54,10 +54,16 @@ def run_engine(config: EngineConfig, weight_dtype: str, model, info, prompts, vo
     engine_lp = None
     if info.rank == 0:
         with NativeEngine(config) as engine:
-            streamer = WeightStreamer(engine, bucket_bytes=32 << 10, weight_dtype=weight_dtype, measure_memory=True)
+            streamer = WeightStreamer(
+                engine, bucket_bytes=32 << 10, weight_dtype=weight_dtype, measure_memory=True
+            )
             rep = streamer.sync_target(model, f"v-{weight_dtype}", tp_group=info.tp_group)
-            reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=t, max_new_tokens=NEW, ignore_eos=True))
-                    for i, (p, t) in enumerate(zip(prompts, TEMPS))]
+            reqs = [
+                GenerateRequest(
+                    f"r{i}", p, SamplingParams(temperature=t, max_new_tokens=NEW, ignore_eos=True)
+                )
+                for i, (p, t) in enumerate(zip(prompts, TEMPS))
+            ]
             samples, _ = engine.generate(reqs, seed=7)
             health = engine.health()
         assert health["weight_version"] == f"v-{weight_dtype}"

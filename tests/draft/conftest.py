@@ -42,8 +42,16 @@ def drafts(tmp_path_factory) -> DraftSetup:
     from megatron_spec.draft.modelopt_train import train_and_export_eagle3
 
     root = tmp_path_factory.mktemp("eagle3")
-    target = make_hf_checkpoint(root / "target", family="qwen3", num_layers=4, hidden_size=64, intermediate_size=128,
-                                num_attention_heads=4, num_kv_heads=2, seed=3)
+    target = make_hf_checkpoint(
+        root / "target",
+        family="qwen3",
+        num_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seed=3,
+    )
     cfg = DecoderConfig.from_pretrained(target)
     seqs = training_sequences(vocab=cfg.vocab_size)
     common = dict(steps=4, batch_size=4, max_len=32, ttt_steps=2, lr=3e-3, progress=False, keep_model=True)
@@ -62,8 +70,17 @@ def peaked_target(path, num_layers: int):
     from megatron_spec.models import HFCheckpoint
     from megatron_spec.rollout.native.model import CausalLM
 
-    path = make_hf_checkpoint(path, family="qwen3", num_layers=num_layers, hidden_size=64, intermediate_size=128,
-                              num_attention_heads=4, num_kv_heads=2, seed=3, init_std=0.05)
+    path = make_hf_checkpoint(
+        path,
+        family="qwen3",
+        num_layers=num_layers,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seed=3,
+        init_std=0.05,
+    )
     weights = os.path.join(path, "model.safetensors")
     sd = load_file(weights)
     for name in sd:

@@ -53,8 +53,17 @@ def test_tp_sharded_capture_covers_the_batch_once(layouts):
         c = rank_state["cache"]
         cu = c["cu_seqlens"].tolist()
         return [
-            {k: c[k][cu[i] : cu[i + 1]]
-             for k in ("tokens", "aux", "teacher_ids", "teacher_logprobs", "teacher_log_mass", "next_logprobs")}
+            {
+                k: c[k][cu[i] : cu[i + 1]]
+                for k in (
+                    "tokens",
+                    "aux",
+                    "teacher_ids",
+                    "teacher_logprobs",
+                    "teacher_log_mass",
+                    "next_logprobs",
+                )
+            }
             for i in range(len(cu) - 1)
         ]
 
@@ -66,7 +75,8 @@ def test_tp_sharded_capture_covers_the_batch_once(layouts):
         assert torch.equal(a["tokens"], b["tokens"])
         assert torch.equal(a["teacher_ids"], b["teacher_ids"])
         torch.testing.assert_close(a["teacher_logprobs"], b["teacher_logprobs"], atol=1e-5, rtol=0)
-        torch.testing.assert_close(a["teacher_log_mass"], b["teacher_log_mass"], atol=1e-5, rtol=0)  # TP reductions
+        # TP reductions
+        torch.testing.assert_close(a["teacher_log_mass"], b["teacher_log_mass"], atol=1e-5, rtol=0)
         assert torch.all(a["teacher_log_mass"] < 0)  # a reduced draft vocabulary holds part of the mass
         torch.testing.assert_close(a["next_logprobs"], b["next_logprobs"], atol=1e-5, rtol=0)  # the same pass
         torch.testing.assert_close(a["aux"], b["aux"], atol=1e-5, rtol=0)

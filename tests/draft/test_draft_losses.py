@@ -107,7 +107,8 @@ def test_acceptance_against_the_target_not_the_renormalised_teacher():
     teacher = (p_full[:, tid] / mass.unsqueeze(-1)).log()
     torch.testing.assert_close(acceptance_rows(logq, teacher, mass.log()), exact)
     renormalised = acceptance_rows(logq, teacher)
-    assert torch.all(renormalised >= exact - 1e-6) and torch.any(renormalised > exact + 1e-3)  # what it overstated
+    # what it overstated
+    assert torch.all(renormalised >= exact - 1e-6) and torch.any(renormalised > exact + 1e-3)
     top_lp, top_ids = teacher.topk(3, dim=-1)
     bound = acceptance_rows(logq.gather(-1, top_ids), top_lp, mass.log())
     assert torch.all(bound >= exact - 1e-6)

@@ -79,7 +79,8 @@ def test_learns_exports_and_streams_by_engine_names(drafts, policy, tmp_path):
             DraftTrainerConfig(lr=1e-2, ttt_steps=3, loss=loss),
             export_dir=tmp_path / loss,
         )
-        # response rows only: the learning check below was calibrated on them (prompt context: test_online_keeps_acceptance)
+        # response rows only: the learning check below was calibrated on them (prompt context:
+        # test_online_keeps_acceptance)
         cache = _capture(trainer, policy, ids, mask, teacher_topk=8, prompt_context=False)
         first = trainer.train_step(cache)
         for _ in range(7):
@@ -128,7 +129,9 @@ def test_tv_term_adds_the_total_variation(drafts, policy):
     with torch.no_grad():
         _, out, valid = next(tr._unroll(cache, segs, 1))
         logq = out.logits.log_softmax(-1).gather(-1, cache.padded("teacher_ids", segs))
-        tv = tv_loss_rows(logq, cache.padded("teacher_logprobs", segs), cache.padded("teacher_log_mass", segs))
+        tv = tv_loss_rows(
+            logq, cache.padded("teacher_logprobs", segs), cache.padded("teacher_log_mass", segs)
+        )
     assert int(valid.sum()) == int(ok.sum())
     assert float(tv[valid].mean()) > 0.1  # the term is not vanishing here
     want = float(ce[0][ok].mean()) + w * float(tv[valid].double().mean())

@@ -32,7 +32,9 @@ def _draft_lm_head(model):
     return model.eagle_module.lm_head if hasattr(model.eagle_module, "lm_head") else model.lm_head
 
 
-def modelopt_forward(model, ids: torch.Tensor, *, train: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def modelopt_forward(
+    model, ids: torch.Tensor, *, train: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(draft logits, pre-norm hidden) of each TTT step of ModelOpt's own forward."""
     hidden, logits = [], []
     handles = [
@@ -94,7 +96,8 @@ def head_inputs(hf_target, head: Eagle3Head, ids: torch.Tensor, *, shift: int = 
 def test_first_step_equals_modelopt(drafts, hf_target, which):
     res = getattr(drafts, which)
     ids = torch.randint(4, drafts.target_cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(5))
-    # ModelOpt trains with plain RoPE (the YaRN in the export is for serving) and hidden_norm(input_layernorm(h)).
+    # ModelOpt trains with plain RoPE (the YaRN in the export is for serving) and
+    # hidden_norm(input_layernorm(h)).
     head = load_eagle3(res.path, drafts.target_cfg, rope_scaling=None, double_hidden_norm=True)
     assert head.cfg.aux_layer_ids == res.aux_layer_ids
     (ref_logits, ref_hidden), = modelopt_forward(res.model, ids)
@@ -187,7 +190,11 @@ def test_engine_mode_equals_full_sequence(drafts, which):
     res = getattr(drafts, which)
     head = load_eagle3(res.path, drafts.target_cfg)
     if which == "reduced":
-        assert head.cfg.rope_scaling == {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2048}
+        assert head.cfg.rope_scaling == {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 2048,
+        }
         assert head.rotary.attention_scaling == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
     g = torch.Generator().manual_seed(9)
     b, t, h = 2, 11, head.cfg.hidden_size
@@ -200,7 +207,9 @@ def test_engine_mode_equals_full_sequence(drafts, which):
         logits, hid = head(embeds[:, :6], hidden[:, :6], pos[:, :6], cache, torch.full((b,), 6))
         chunks_l, chunks_h = [logits], [hid]
         for i in range(6, t):
-            logits, hid = head(embeds[:, i:i + 1], hidden[:, i:i + 1], pos[:, i:i + 1], cache, torch.full((b,), i + 1))
+            logits, hid = head(
+                embeds[:, i : i + 1], hidden[:, i : i + 1], pos[:, i : i + 1], cache, torch.full((b,), i + 1)
+            )
             chunks_l.append(logits)
             chunks_h.append(hid)
         last, _ = head(embeds[:, -1:], hidden[:, -1:], pos[:, -1:], cache, torch.full((b,), t),
@@ -251,7 +260,13 @@ def test_yarn_tables_match_sglang(drafts):
     torch.nn.Module.__init__(ref)
     ref.rotary_dim, ref.base = cfg.head_dim, cfg.rope_theta
     ref.max_position_embeddings = scaling["original_max_position_embeddings"]
-    ref.scaling_factor, ref.extrapolation_factor, ref.beta_fast, ref.beta_slow, ref.truncate = 32.0, 1, 32, 1, True
+    ref.scaling_factor, ref.extrapolation_factor, ref.beta_fast, ref.beta_slow, ref.truncate = (
+        32.0,
+        1,
+        32,
+        1,
+        True,
+    )
     ref.mscale = yarn.yarn_get_mscale_simple(32.0)
     cache = ref._compute_cos_sin_cache()[:cfg.max_position_embeddings]  # [P, d] = cat(cos, sin) halves
     ours = ScaledRotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, scaling)

@@ -17,10 +17,19 @@ from megatron_spec.draft.eagle3 import default_aux_layer_ids
 pytestmark = pytest.mark.modelopt
 
 MODELOPT_NAMES = {
-    "fc.weight", "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
-    "layers.0.post_attention_layernorm.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
-    "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight", "norm.weight", "lm_head.weight",
+    "fc.weight",
+    "layers.0.input_layernorm.weight",
+    "layers.0.hidden_norm.weight",
+    "layers.0.post_attention_layernorm.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
 }
 
 
@@ -50,7 +59,10 @@ def test_round_trip_bit_exact(drafts, tmp_path, which):
     src = getattr(drafts, which).path
     head = load_eagle3(src, drafts.target_cfg)
     save_eagle3(head, tmp_path / "saved")
-    original, saved = load_file(os.path.join(src, "model.safetensors")), load_file(tmp_path / "saved" / "model.safetensors")
+    original, saved = (
+        load_file(os.path.join(src, "model.safetensors")),
+        load_file(tmp_path / "saved" / "model.safetensors"),
+    )
     assert set(saved) == set(original)
     for name, t in original.items():
         assert saved[name].dtype == t.dtype and torch.equal(saved[name], t), name
@@ -62,7 +74,8 @@ def test_round_trip_bit_exact(drafts, tmp_path, which):
         cfg_src = json.load(f)
     with open(tmp_path / "saved" / "config.json") as f:
         cfg_saved = json.load(f)
-    cfg_src.pop("torch_dtype")  # ModelOpt writes its default "bfloat16" over float32 tensors; we write the truth
+    # ModelOpt writes its default "bfloat16" over float32 tensors; we write the truth
+    cfg_src.pop("torch_dtype")
     assert cfg_saved.pop("torch_dtype") == "float32"
     assert cfg_saved == cfg_src
 
@@ -117,7 +130,9 @@ def test_error_aux_id_out_of_range(drafts, tmp_path):
         cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 4]
 
     path = edited_copy(drafts.full.path, tmp_path / "ids", config=ids)
-    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids \[0, 1, 4\] out of range.*4 layers"):
+    with pytest.raises(
+        ValueError, match=r"eagle_aux_hidden_state_layer_ids \[0, 1, 4\] out of range.*4 layers"
+    ):
         load_eagle3(path, drafts.target_cfg)
 
 
@@ -135,16 +150,22 @@ def test_error_d2t(drafts, tmp_path, bad):
         return sd
 
     path = edited_copy(drafts.reduced.path, tmp_path / bad, tensors=edit)
-    msg = {"range": r"d2t out of range: draft id 5 maps to target id 84", "negative": r"d2t out of range: draft id 0",
-           "duplicate": r"d2t maps several draft ids to the same target id"}[bad]
+    msg = {
+        "range": r"d2t out of range: draft id 5 maps to target id 84",
+        "negative": r"d2t out of range: draft id 0",
+        "duplicate": r"d2t maps several draft ids to the same target id",
+    }[bad]
     with pytest.raises(ValueError, match=msg):
         load_eagle3(path, drafts.target_cfg)
 
 
 @pytest.mark.parametrize("name", ["layers.0.mlp.up_proj.weight", "d2t", "norm.weight"])
 def test_error_missing_tensor(drafts, tmp_path, name):
-    path = edited_copy(drafts.reduced.path, tmp_path / "missing", tensors=lambda sd: {k: v for k, v in sd.items()
-                                                                                        if k != name})
+    path = edited_copy(
+        drafts.reduced.path,
+        tmp_path / "missing",
+        tensors=lambda sd: {k: v for k, v in sd.items() if k != name},
+    )
     with pytest.raises(ValueError, match=rf"missing tensor {name}"):
         load_eagle3(path, drafts.target_cfg)
 
@@ -161,14 +182,21 @@ def test_error_unexpected_tensor(drafts, tmp_path):
 
 
 def test_error_misshapen_tensor(drafts, tmp_path):
-    path = edited_copy(drafts.full.path, tmp_path / "shape", tensors=lambda sd: {**sd, "fc.weight": sd["fc.weight"][:, :128].contiguous()})
+    path = edited_copy(
+        drafts.full.path,
+        tmp_path / "shape",
+        tensors=lambda sd: {**sd, "fc.weight": sd["fc.weight"][:, :128].contiguous()},
+    )
     with pytest.raises(ValueError, match=r"tensor fc.weight .* has shape \(64, 128\), expected \(64, 192\)"):
         load_eagle3(path, drafts.target_cfg)
 
 
 def test_error_both_namings(drafts, tmp_path):
-    path = edited_copy(drafts.full.path, tmp_path / "both",
-                       tensors=lambda sd: {**sd, "midlayer.hidden_norm.weight": sd["layers.0.hidden_norm.weight"].clone()})
+    path = edited_copy(
+        drafts.full.path,
+        tmp_path / "both",
+        tensors=lambda sd: {**sd, "midlayer.hidden_norm.weight": sd["layers.0.hidden_norm.weight"].clone()},
+    )
     with pytest.raises(ValueError, match=r"layers.0.hidden_norm.weight appears twice"):
         load_eagle3(path, drafts.target_cfg)
 
@@ -187,8 +215,17 @@ def test_error_unsupported_config(drafts, tmp_path, edit, msg):
 
 
 def test_config_round_trip_from_scratch():
-    cfg = Eagle3Config(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=8,
-                       vocab_size=50, draft_vocab_size=20, aux_layer_ids=(1, 3, 5), norm_output=True,
-                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    cfg = Eagle3Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        vocab_size=50,
+        draft_vocab_size=20,
+        aux_layer_ids=(1, 3, 5),
+        norm_output=True,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    )
     again = Eagle3Config.from_hf_dict(cfg.to_hf_dict())
     assert again == cfg

@@ -24,14 +24,22 @@ def test_results_and_exported_config(drafts):
     cfg_full = json.load(open(os.path.join(full.path, "config.json")))
     assert cfg_red["architectures"] == ["LlamaForCausalLMEagle3"]
     # ModelOpt's default export RoPE override vs. export_rope_scaling={} (the plain RoPE it trained with)
-    assert cfg_red["rope_scaling"] == {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 2048}
+    assert cfg_red["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 2048,
+    }
     assert cfg_full["rope_scaling"]["rope_type"] == "default"
     assert cfg_red["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1]
     # draft sizes follow the target
     t = drafts.target_cfg
-    assert (cfg_red["num_attention_heads"], cfg_red["num_key_value_heads"], cfg_red["head_dim"],
-            cfg_red["intermediate_size"], cfg_red["rope_theta"]) == (t.num_attention_heads, t.num_kv_heads,
-                                                                     t.head_dim, t.intermediate_size, t.rope_theta)
+    assert (
+        cfg_red["num_attention_heads"],
+        cfg_red["num_key_value_heads"],
+        cfg_red["head_dim"],
+        cfg_red["intermediate_size"],
+        cfg_red["rope_theta"],
+    ) == (t.num_attention_heads, t.num_kv_heads, t.head_dim, t.intermediate_size, t.rope_theta)
 
 
 @pytest.mark.parametrize("which", ["reduced", "full"])

@@ -34,9 +34,13 @@ def test_export_reused_only_with_same_settings_and_sequences(tmp_path):
     assert not md.reusable_export(str(export), stamp)  # no export beside the stamp
     (export / "config.json").write_text("{}")
     assert md.reusable_export(str(export), stamp)
-    for other in (md.modelopt_stamp(_args(steps=300), seqs), md.modelopt_stamp(_args(draft_vocab_size=None), seqs),
-                  md.modelopt_stamp(_args(target="runs/u"), seqs), md.modelopt_stamp(_args(), seqs[:1]),
-                  md.modelopt_stamp(_args(), [seqs[0], seqs[1][:-1]])):
+    for other in (
+        md.modelopt_stamp(_args(steps=300), seqs),
+        md.modelopt_stamp(_args(draft_vocab_size=None), seqs),
+        md.modelopt_stamp(_args(target="runs/u"), seqs),
+        md.modelopt_stamp(_args(), seqs[:1]),
+        md.modelopt_stamp(_args(), [seqs[0], seqs[1][:-1]]),
+    ):
         assert not md.reusable_export(str(export), other)
     (export / md.STAMP).write_text("{not json")
     assert not md.reusable_export(str(export), stamp)

@@ -11,9 +11,9 @@ from megatron_spec.draft.mtp_head import MtpHead
 from megatron_spec.draft.trainer import DraftTrainerConfig
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.tiny import make_hf_checkpoint
-from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
+from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
 FAMILIES = {"qwen3": dict(family="qwen3"), "llama_tied": dict(family="llama", tie_word_embeddings=True)}
@@ -148,7 +148,9 @@ def test_training_never_touches_the_policy_and_names_round_trip(policies, tmp_pa
         assert held[f"draft/eval_ce{k}"] == pytest.approx(first[f"draft/loss_mtp{k}"], rel=1e-5)
         assert held[f"draft/eval_top1_{k}"] == pytest.approx(first[f"draft/acc_mtp{k}"], rel=1e-5)
     after = trainer.evaluate(cache)
-    assert after["draft/eval_ce0"] < held["draft/eval_ce0"] and after["draft/eval_ce1"] < held["draft/eval_ce1"]
+    assert (
+        after["draft/eval_ce0"] < held["draft/eval_ce0"] and after["draft/eval_ce1"] < held["draft/eval_ce1"]
+    )
     assert all(p.grad is None for p in policy.parameters())
     for n, p in policy.named_parameters():
         assert torch.equal(p, before[n]), n

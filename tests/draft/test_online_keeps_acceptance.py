@@ -11,7 +11,8 @@ and 12 sampled response tokens (T=1, the native engine); a *strong* EAGLE-3 draf
 offline on whole sequences as ModelOpt trains. Then the online loop exactly as GRPO runs it:
 ``Capture.for_trainer(trainer, CaptureConfig())`` around the policy's forward with the *response*
 mask, one ``train_step`` per batch, 3 TTT steps, lr 1e-3 (the ``--spec-draft-lr`` default when
-the failure was found; today's 3e-4 with warm-up is gentler). Held out: other rollouts, scored as the engine drafts (prompt in context, response
+the failure was found; today's 3e-4 with warm-up is gentler). Held out: other rollouts, scored as the engine
+drafts (prompt in context, response
 rows scored), by ``Eagle3Trainer.acceptance``: the expected tokens per verify step of k=3 chains
 (from ``sum_x min(p, q)`` per step).
 
@@ -23,7 +24,6 @@ the prompt as context raises it by 0.030 (SE 0.013; tau 2.371 -> 2.401).
 """
 
 from __future__ import annotations
-
 
 import pytest
 import torch
@@ -52,8 +52,9 @@ def world(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     n = 10 * BATCH + HELD_OUT
     prompts = [torch.randint(4, cfg.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(n)]
-    core = EngineCore(target, None, num_draft_tokens=K, max_batch_size=128, context_length=PROMPT + RESPONSE + 2,
-                      seed=0)
+    core = EngineCore(
+        target, None, num_draft_tokens=K, max_batch_size=128, context_length=PROMPT + RESPONSE + 2, seed=0
+    )
     sp = SamplingParams(temperature=1.0, max_new_tokens=RESPONSE, ignore_eos=True)
     samples, _ = core.generate([GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)])
     seqs = torch.tensor([p + s.output_ids for p, s in zip(prompts, samples)])  # [n, 36]
@@ -79,10 +80,20 @@ def _strong_draft(world) -> dict[str, torch.Tensor]:
     """An EAGLE-3 head trained offline on whole sequences (ModelOpt's recipe: every row scored)."""
     cfg = world["cfg"]
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_kv_heads=2,
-                                   head_dim=16, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size,
-                                   aux_layer_ids=(0, 1), torch_dtype="float32"))
-    for name, p in head.named_parameters():
+    head = Eagle3Head(
+        Eagle3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=cfg.vocab_size,
+            aux_layer_ids=(0, 1),
+            torch_dtype="float32",
+        )
+    )
+    for p in head.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.02)
     trainer = Eagle3Trainer(head, DraftTrainerConfig(lr=3e-3, ttt_steps=K))
@@ -98,7 +109,9 @@ def _tau_per_sequence(trainer: Eagle3Trainer, held) -> torch.Tensor:
     seg = torch.repeat_interleave(torch.arange(held.num_segments), held.seqlens)
     ok = ~tau.isnan()
     sums = torch.zeros(held.num_segments, dtype=torch.float64).index_add_(0, seg[ok], tau[ok])
-    counts = torch.zeros(held.num_segments, dtype=torch.float64).index_add_(0, seg[ok], torch.ones_like(tau[ok]))
+    counts = torch.zeros(held.num_segments, dtype=torch.float64).index_add_(
+        0, seg[ok], torch.ones_like(tau[ok])
+    )
     return sums / counts
 
 
@@ -106,9 +119,19 @@ def online_change(world, strong, base: CaptureConfig) -> tuple[float, float, dic
     """(mean per-sequence change of the held-out expected chain length, its standard error,
     evaluation before, after) for ONLINE_STEPS GRPO-style updates captured with ``base``."""
     cfg = world["cfg"]
-    head = Eagle3Head(Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_kv_heads=2,
-                                   head_dim=16, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size,
-                                   aux_layer_ids=(0, 1), torch_dtype="float32"))
+    head = Eagle3Head(
+        Eagle3Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            vocab_size=cfg.vocab_size,
+            draft_vocab_size=cfg.vocab_size,
+            aux_layer_ids=(0, 1),
+            torch_dtype="float32",
+        )
+    )
     head.load_state_dict(strong)
     # lr 1e-3: the --spec-draft-lr default when issue 20 was found, harsher than today's 3e-4 + warm-up
     trainer = Eagle3Trainer(head, DraftTrainerConfig(lr=1e-3, ttt_steps=K))

@@ -60,14 +60,30 @@ def test_refinement_from_cached_states_raises_acceptance(tmp_path):
         new = _prompts(44, 84, 320, seed=2)
         rollouts = [(p, s.output_ids) for p, s in zip(new, _generate(target, None, new, seed=3)[0])]
         held_prompts = _prompts(44, 84, 32, seed=1)
-        held = [(p, s.output_ids) for p, s in zip(held_prompts, _generate(target, None, held_prompts, seed=4)[0])]
+        held = [
+            (p, s.output_ids) for p, s in zip(held_prompts, _generate(target, None, held_prompts, seed=4)[0])
+        ]
 
         init_parallel(tp_size=1, seed=0)
         try:
             out = tmp_path / "refined"
-            res = refine_eagle3(path, weak, rollouts, held, steps=60, out_dir=out, lr=1e-2, rows_per_step=1024,
-                                warmup_steps=2, eval_every=20, progress=False)
-            exact, bound = _held_out_tau(path, out, held, teacher_topk=None), _held_out_tau(path, out, held, 4)
+            res = refine_eagle3(
+                path,
+                weak,
+                rollouts,
+                held,
+                steps=60,
+                out_dir=out,
+                lr=1e-2,
+                rows_per_step=1024,
+                warmup_steps=2,
+                eval_every=20,
+                progress=False,
+            )
+            exact, bound = (
+                _held_out_tau(path, out, held, teacher_topk=None),
+                _held_out_tau(path, out, held, 4),
+            )
         finally:
             destroy_parallel()
         # the held-out figure is exact (a whole-vocabulary teacher), not the top-k teacher's upper bound
@@ -84,9 +100,11 @@ def test_refinement_from_cached_states_raises_acceptance(tmp_path):
         assert torch.equal(after_head.d2t, before_head.d2t)  # the draft vocabulary is kept
         assert not torch.equal(after_head.fc.weight, before_head.fc.weight)
 
-        def engine_accept(head) -> float:  # the native engine serves the export: acceptance, T=1, held-out prompts
-            return _generate(target, Eagle3Drafter(head.eval(), target.embed_tokens), held_prompts, seed=7)[1] \
-                .mean_accept_length
+        # the native engine serves the export: acceptance, T=1, held-out prompts
+        def engine_accept(head) -> float:
+            return _generate(target, Eagle3Drafter(head.eval(), target.embed_tokens), held_prompts, seed=7)[
+                1
+            ].mean_accept_length
 
         engine = {"before": engine_accept(before_head), "after": engine_accept(after_head)}
         print("refinement:", {"tau": [round(t, 3) for _, t in res["curve"]], "engine_accept_length": engine})
@@ -134,8 +152,18 @@ def test_mtp_from_cached_states_learns_and_the_engine_serves_it(tmp_path):
         path, ckpt, target, rollouts, held, held_prompts = _target_rollouts(tmp_path)
         init_parallel(tp_size=1, seed=0)
         try:
-            res = train_mtp(path, rollouts, held, steps=60, out_dir=tmp_path / "mtp", lr=1e-2, rows_per_step=1024,
-                            warmup_steps=2, eval_every=30, progress=False)
+            res = train_mtp(
+                path,
+                rollouts,
+                held,
+                steps=60,
+                out_dir=tmp_path / "mtp",
+                lr=1e-2,
+                rows_per_step=1024,
+                warmup_steps=2,
+                eval_every=30,
+                progress=False,
+            )
         finally:
             destroy_parallel()
         assert res["rows"] == len(rollouts) * NEW_TOKENS and len(res["curve"]) == 3
@@ -143,7 +171,9 @@ def test_mtp_from_cached_states_learns_and_the_engine_serves_it(tmp_path):
         assert res["after"]["draft/eval_ce0"] < res["before"]["draft/eval_ce0"], res
         head = load_mtp_head(tmp_path / "mtp", ckpt.decoder_config).eval()
         stats = _generate(target, MtpDrafter(head, target, 3), held_prompts, seed=7)[1]
-        print("mtp:", {k: round(v, 3) for k, v in res["after"].items()}, res["before"], stats.mean_accept_length)
+        print(
+            "mtp:", {k: round(v, 3) for k, v in res["after"].items()}, res["before"], stats.mean_accept_length
+        )
         assert stats.mean_accept_length > 1.5, stats
     finally:
         torch.set_num_threads(threads)
@@ -162,8 +192,18 @@ def test_distilled_draft_model_accepts_more_and_stays_exact(tmp_path):
     torch.set_num_threads(1)
     try:
         path, _, target, rollouts, held, held_prompts = _target_rollouts(tmp_path, n_train=128)
-        res = distill_draft_model(path, tmp_path / "draft_model", rollouts, held, num_layers=1, steps=60, lr=3e-3,
-                                  batch_size=16, warmup_steps=2, progress=False)
+        res = distill_draft_model(
+            path,
+            tmp_path / "draft_model",
+            rollouts,
+            held,
+            num_layers=1,
+            steps=60,
+            lr=3e-3,
+            batch_size=16,
+            warmup_steps=2,
+            progress=False,
+        )
         assert res["rows"] == len(rollouts) * NEW_TOKENS
         print("distill:", res["before"], res["after"])
         assert res["after"]["accept_t1"] > res["before"]["accept_t1"] + 0.05, res
@@ -172,12 +212,14 @@ def test_distilled_draft_model_accepts_more_and_stays_exact(tmp_path):
         assert dck.decoder_config.num_layers == 1
         draft = CausalLM(dck.decoder_config).eval()
         draft.load_weights((n, dck.get(n)) for n in dck.weight_names())
-        core = EngineCore(target, ModelDrafter(draft), num_draft_tokens=3, max_batch_size=64, context_length=64,
-                          seed=0)
+        core = EngineCore(
+            target, ModelDrafter(draft), num_draft_tokens=3, max_batch_size=64, context_length=64, seed=0
+        )
         sp = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
         spec = core.generate([GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(held_prompts[:8])])[0]
-        plain = EngineCore(target, None, num_draft_tokens=3, max_batch_size=64, context_length=64, seed=0).generate(
-            [GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(held_prompts[:8])])[0]
+        plain = EngineCore(
+            target, None, num_draft_tokens=3, max_batch_size=64, context_length=64, seed=0
+        ).generate([GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(held_prompts[:8])])[0]
         assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     finally:
         torch.set_num_threads(threads)
@@ -206,8 +248,14 @@ def test_engine_accepts_as_often_as_the_evaluation_predicts(tmp_path):
         cfg = ckpt.decoder_config
         head = load_eagle3(draft, cfg).eval()
         prompts = _prompts(44, 84, 96, seed=5)
-        core = EngineCore(target, Eagle3Drafter(head, target.embed_tokens), num_draft_tokens=1, max_batch_size=64,
-                          context_length=64, seed=11)
+        core = EngineCore(
+            target,
+            Eagle3Drafter(head, target.embed_tokens),
+            num_draft_tokens=1,
+            max_batch_size=64,
+            context_length=64,
+            seed=11,
+        )
         sp = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
         outs, _ = core.generate([GenerateRequest(f"p{i}", p, sp) for i, p in enumerate(prompts)])
         outs = sorted(outs, key=lambda s: int(s.request_id[1:]))
@@ -218,19 +266,25 @@ def test_engine_accepts_as_often_as_the_evaluation_predicts(tmp_path):
             load_hf_weights(model, ckpt)
             trainer = Eagle3Trainer.from_modelopt(draft, cfg, DraftTrainerConfig(ttt_steps=1))
             capture = Capture.for_trainer(trainer, CaptureConfig(teacher_topk=None, storage_dtype="float32"))
-            cache = capture_rollouts(model, capture, [(prompts[int(s.request_id[1:])], s.output_ids) for s in outs])
+            cache = capture_rollouts(
+                model, capture, [(prompts[int(s.request_id[1:])], s.output_ids) for s in outs]
+            )
             alpha = trainer.acceptance(cache, 1)[0][0]
             log_mass, cache.teacher_log_mass = cache.teacher_log_mass, None
             renormalised = trainer.acceptance(cache, 1)[0][0]
         finally:
             destroy_parallel()
-        assert log_mass is not None and float(log_mass.exp().mean()) < 0.995  # the draft vocabulary leaves mass out
+        # the draft vocabulary leaves mass out
+        assert log_mass is not None and float(log_mass.exp().mean()) < 0.995
 
         scored = cache.scored_mask()
         accepted, predicted, upper = [], [], []
         for si, s in enumerate(outs):
-            rows = [r for r in range(int(cache.cu_seqlens[si]), int(cache.cu_seqlens[si + 1])) if bool(scored[r])]
-            assert len(rows) == len(s.output_ids)  # row j: the pair of response token j, predicting token j + 1
+            rows = [
+                r for r in range(int(cache.cu_seqlens[si]), int(cache.cu_seqlens[si + 1])) if bool(scored[r])
+            ]
+            # row j: the pair of response token j, predicting token j + 1
+            assert len(rows) == len(s.output_ids)
             for i, a in s.draft_starts():  # the draft proposing token i is scored at row i - 1
                 accepted.append(a)
                 predicted.append(float(alpha[rows[i - 1]]))
@@ -255,7 +309,8 @@ def test_draft_starts_follow_the_accepted_drafts():
 
     s = SampleOutput("r", 0, list(range(7)), [0.0] * 7, "length", 5, accepted_per_step=[1, 0, 2, 0],
                      draft_lengths=[3, 3, 3, 3])
-    assert s.draft_starts() == [(1, 1), (3, 0), (4, 2)]  # a fourth step would propose token 7: past the output
+    # a fourth step would propose token 7: past the output
+    assert s.draft_starts() == [(1, 1), (3, 0), (4, 2)]
     s.draft_lengths = [3, 0, 3, 3]
     with pytest.raises(ValueError, match="drafted nothing"):
         s.draft_starts()

@@ -110,9 +110,12 @@ def _run(cmd: list[str], timeout: int, **kw) -> subprocess.CompletedProcess:
 
 def test_whole_extension_builds_with_cuda_and_loads():
     if os.environ.get("MEGATRON_SPEC_CUDA_BUILD_CHECK") != "always" and (done := _verified()) is not None:
-        pytest.skip(f"setup.py, csrc/, requirements/gpu.txt and this test are byte-identical to what built and loaded "
-                    f"with {done['torch']} on {done['date']} ({RECORD.name}); MEGATRON_SPEC_CUDA_BUILD_CHECK=always "
-                    f"runs it again")
+        pytest.skip(
+            "setup.py, csrc/, requirements/gpu.txt and this test are byte-identical to what built and "
+            "loaded "
+            f"with {done['torch']} on {done['date']} ({RECORD.name}); MEGATRON_SPEC_CUDA_BUILD_CHECK=always "
+            f"runs it again"
+        )
     if (why := _skip_reason()) is not None:
         pytest.skip(why)
     t0 = time.time()
@@ -171,6 +174,18 @@ def test_whole_extension_builds_with_cuda_and_loads():
         loaded = _run([sys.executable, "-c", check], timeout=300, env=env)
         assert loaded.returncode == 0, loaded.stderr[-4000:]
         assert "registered for CUDA and CPU: " + " ".join(ops) in loaded.stdout, loaded.stdout
-    RECORD.write_text(json.dumps({"inputs_sha256": _inputs_digest(), "torch": version, "cuda_toolkit": cuda_major,
-                                  "arch": f"sm_{ARCH}", "ops": ops, "date": time.strftime("%Y-%m-%d"),
-                                  "seconds": round(time.time() - t0)}, indent=1) + "\n")
+    RECORD.write_text(
+        json.dumps(
+            {
+                "inputs_sha256": _inputs_digest(),
+                "torch": version,
+                "cuda_toolkit": cuda_major,
+                "arch": f"sm_{ARCH}",
+                "ops": ops,
+                "date": time.strftime("%Y-%m-%d"),
+                "seconds": round(time.time() - t0),
+            },
+            indent=1,
+        )
+        + "\n"
+    )

@@ -59,8 +59,16 @@ def test_dry_run_passes_every_step(kit, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     failed = {s["step"]: s.get("tail", s.get("why")) for s in summary["steps"] if s["status"] != "passed"}
     assert proc.returncode == 0 and not failed, f"{failed}\n{proc.stdout[-3000:]}"
-    assert [s["step"] for s in summary["steps"]] == ["env", "install", "build", "ops", "forward_costs", "smoke",
-                                                     "grpo_fp8", "grpo_bf16_mtp"]
+    assert [s["step"] for s in summary["steps"]] == [
+        "env",
+        "install",
+        "build",
+        "ops",
+        "forward_costs",
+        "smoke",
+        "grpo_fp8",
+        "grpo_bf16_mtp",
+    ]
     assert summary["dry_run"] is True
     costs = json.loads((out / "forward_costs.json").read_text())
     assert {e["model"] for e in costs["entries"]} == {"llama-3.2-1b", "qwen3-8b"}

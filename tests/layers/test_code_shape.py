@@ -12,7 +12,9 @@ def lines(path: Path) -> int:
 
 
 def test_no_library_file_over_500_lines():
-    long = {str(p.relative_to(ROOT)): lines(p) for p in (ROOT / "megatron_spec").rglob("*.py") if lines(p) > 500}
+    long = {
+        str(p.relative_to(ROOT)): lines(p) for p in (ROOT / "megatron_spec").rglob("*.py") if lines(p) > 500
+    }
     assert long == {}
 
 

@@ -15,7 +15,18 @@ ROOT = Path(__file__).resolve().parents[2]  # holds megatron_spec/
 PKG = ROOT / "megatron_spec"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("__init__", "exit", "dtypes", "faults", "isa", "telemetry", "config_values", "interfaces", "compat", "sim"),
+    (
+        "__init__",
+        "exit",
+        "dtypes",
+        "faults",
+        "isa",
+        "telemetry",
+        "config_values",
+        "interfaces",
+        "compat",
+        "sim",
+    ),
     ("_ext", "models", "parallel", "train"),
     ("layers", "ops"),
     ("speculative", "capture"),
@@ -34,7 +45,10 @@ def _typing_only(tree: ast.AST) -> set[int]:
     out = set()
     for node in ast.walk(tree):
         test = getattr(node, "test", None)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in (getattr(test, "id", None), getattr(test, "attr", None)):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in (
+            getattr(test, "id", None),
+            getattr(test, "attr", None),
+        ):
             out.update(id(n) for n in ast.walk(node))
     return out
 
@@ -94,10 +108,19 @@ def test_imported_modules_reads_relative_and_function_level_imports(tmp_path):
     src.parent.mkdir(parents=True)
     src.write_text("import torch\nfrom . import rope\nfrom ..rollout.native import model\n"
                    "def f():\n    from megatron_spec.layers.linear import Linear\n")
-    src.write_text(src.read_text() + "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_spec.rl import x\n")
+    src.write_text(
+        src.read_text()
+        + "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from megatron_spec.rl import x\n"
+    )
     (src.parent / "rope.py").write_text("")
-    assert imported_modules(src, tmp_path) == {"torch", "typing", "megatron_spec.draft", "megatron_spec.draft.rope",
-                                               "megatron_spec.rollout.native", "megatron_spec.layers.linear"}
+    assert imported_modules(src, tmp_path) == {
+        "torch",
+        "typing",
+        "megatron_spec.draft",
+        "megatron_spec.draft.rope",
+        "megatron_spec.rollout.native",
+        "megatron_spec.layers.linear",
+    }
 
 
 def test_draft_does_not_import_the_rollout_engine():
@@ -106,7 +129,8 @@ def test_draft_does_not_import_the_rollout_engine():
 
 def test_layers_import_only_the_model_config():
     inside = imports_of("layers", "megatron_spec")
-    allowed = ("megatron_spec.layers", "megatron_spec.models", "megatron_spec._ext")  # _ext: the kernels' loader
+    # _ext: the kernels' loader
+    allowed = ("megatron_spec.layers", "megatron_spec.models", "megatron_spec._ext")
     assert [v for v in inside if not v.split(": ")[1].startswith(allowed)] == []
     assert inside, "expected the layers to import each other (is ROOT right?)"
 
@@ -126,7 +150,10 @@ def test_no_import_runs_up_a_layer():
         for module in sorted(imported_modules(f)):
             dst = unit_of(module)
             if dst is not None and rank[dst] > rank[src]:
-                upward.append(f"{f.relative_to(ROOT)} ({src}, layer {rank[src]}) imports {module} ({dst}, layer {rank[dst]})")
+                upward.append(
+                    f"{f.relative_to(ROOT)} ({src}, layer {rank[src]}) imports {module} ({dst}, layer "
+                    f"{rank[dst]})"
+                )
     assert upward == []
 
 
@@ -134,7 +161,9 @@ def test_no_files_import_each_other_in_a_circle():
     graph: dict[str, set[str]] = {}
     for f in sorted(PKG.rglob("*.py")):
         mod = module_of(f)
-        graph[mod] = {m for m in imported_modules(f) if m != mod and m.startswith("megatron_spec.") and is_module(m)}
+        graph[mod] = {
+            m for m in imported_modules(f) if m != mod and m.startswith("megatron_spec.") and is_module(m)
+        }
     # a package's __init__ importing its own submodules is how a package hands names on, not a circle
     for mod, deps in graph.items():
         graph[mod] = {d for d in deps if not d.startswith(mod + ".")}

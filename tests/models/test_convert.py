@@ -33,7 +33,9 @@ def test_shards_concatenate_back_to_hf_bit_exact(tp):
     hf = _random_hf(CFG)
     padded = padded_vocab_size(CFG.vocab_size, tp, divisible_by=8)
     rules = megatron_rules(CFG, tp, padded)
-    shards = {r: dict(hf_to_megatron_shards(CFG, hf.__getitem__, list(rules), r, tp, padded)) for r in range(tp)}
+    shards = {
+        r: dict(hf_to_megatron_shards(CFG, hf.__getitem__, list(rules), r, tp, padded)) for r in range(tp)
+    }
     back = {}
     for name, rule in rules.items():
         parts = [shards[r][name] for r in range(tp)]

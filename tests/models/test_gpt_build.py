@@ -50,7 +50,9 @@ def test_missing_tensor_named(parallel, hf_checkpoints, tmp_path):
 def test_wrong_shape_named(parallel, hf_checkpoints, tmp_path):
     path = _copy(hf_checkpoints["qwen3"], tmp_path / "ck")
     tensors = load_file(os.path.join(path, "model.safetensors"))
-    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"][:, :64].contiguous()
+    tensors["model.layers.0.mlp.down_proj.weight"] = tensors["model.layers.0.mlp.down_proj.weight"][
+        :, :64
+    ].contiguous()
     save_file(tensors, os.path.join(path, "model.safetensors"))
     ckpt = HFCheckpoint(path)
     model = build_gpt_model(ckpt.decoder_config)
@@ -70,7 +72,7 @@ def test_unsupported_architecture_named(parallel, hf_checkpoints, tmp_path):
     cfg["architectures"] = ["GemmaForCausalLM"]
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match="GemmaForCausalLM.*not supported"):
-        HFCheckpoint(path).decoder_config
+        _ = HFCheckpoint(path).decoder_config
 
 
 def test_tp_size_that_does_not_divide_heads(parallel, hf_checkpoints):
@@ -94,7 +96,8 @@ def test_policy_is_built_on_the_requested_device(parallel, hf_checkpoints, name)
     cfg = HFCheckpoint(hf_checkpoints[name]).decoder_config
     model = build_gpt_model(cfg, device="meta")
     assert _off_device(model, torch.device("meta")) == []
-    assert any(".layernorm" in n or "final_layernorm" in n for n, _ in model.named_parameters())  # norms were checked
+    # norms were checked
+    assert any(".layernorm" in n or "final_layernorm" in n for n, _ in model.named_parameters())
 
 
 def test_policy_defaults_to_the_current_device(parallel, hf_checkpoints):

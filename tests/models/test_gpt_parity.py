@@ -22,7 +22,10 @@ def parity_runs(hf_checkpoints, tmp_path_factory):
     runs = {}
     for tp in (1, 2):
         out = tmp_path_factory.mktemp(f"parity_tp{tp}")
-        runs[tp] = (run_torchrun("gpt_parity.py", tp, str(tp), str(out), *(hf_checkpoints[n] for n in NAMES)), out)
+        runs[tp] = (
+            run_torchrun("gpt_parity.py", tp, str(tp), str(out), *(hf_checkpoints[n] for n in NAMES)),
+            out,
+        )
     return runs
 
 

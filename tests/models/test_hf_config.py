@@ -30,10 +30,19 @@ def test_qwen2_has_qkv_bias_llama_not():
 
 
 def test_llama3_rope_scaling_parsed():
-    cfg = DecoderConfig.from_hf_dict({**BASE, "architectures": ["LlamaForCausalLM"],
-                                      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                       "high_freq_factor": 4.0,
-                                                       "original_max_position_embeddings": 8192}})
+    cfg = DecoderConfig.from_hf_dict(
+        {
+            **BASE,
+            "architectures": ["LlamaForCausalLM"],
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        }
+    )
     assert cfg.rope_scaling_factor == 8.0
 
 
@@ -60,7 +69,8 @@ def test_missing_field_named(tmp_path):
 
 @pytest.mark.parametrize("tp, message", [(3, "num_attention_heads"), (4, "num_key_value_heads"), (0, ">= 1")])
 def test_tp_must_divide_heads(tp, message):
-    cfg = DecoderConfig.from_hf_dict({**BASE, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
-                                      "intermediate_size": 144})
+    cfg = DecoderConfig.from_hf_dict(
+        {**BASE, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 144}
+    )
     with pytest.raises(ValueError, match=message):
         cfg.check_tensor_parallel(tp)

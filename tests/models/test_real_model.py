@@ -37,8 +37,12 @@ def chat_prompts(smollm2) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2)
-    return [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False) for c in CHAT]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for c in CHAT
+    ]
 
 
 def test_fetched_checkpoint_has_the_real_shape_and_end_of_turn(smollm2):
@@ -66,8 +70,10 @@ def parallel():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dtype):
-    """fp32: within 1e-4 of transformers' logits. bf16: every layer rounds its activations to bf16, and the two
-    implementations round in different places (and oneDNN's bf16 kernels differ between CPUs), so bf16 logits of
+    """fp32: within 1e-4 of transformers' logits. bf16: every layer rounds its activations to bf16, and the
+    two
+    implementations round in different places (and oneDNN's bf16 kernels differ between CPUs), so bf16 logits
+    of
     the two are compared by their distance from transformers' fp32 logits: ours no further than transformers'
     own bf16 logits (x 1.25). On a 2-core Zen 4 with native bf16: ours 2.6e-2, transformers' 3.4e-2, the two
     bf16 runs 2.8e-2 apart (a fixed 3e-2 between them failed there at 3.1e-2)."""
@@ -98,8 +104,10 @@ def test_megatron_logits_equal_transformers(parallel, smollm2, chat_prompts, dty
     else:
         hf16 = hf_logits(torch.bfloat16)
         hf_rel = ((hf16 - ref).norm() / ref.norm()).item()
-        assert rel <= 1.25 * hf_rel + 1e-3, (f"bf16: our logits are {rel:.2e} from transformers' fp32 logits, "
-                                             f"transformers' bf16 logits {hf_rel:.2e}")
+        assert rel <= 1.25 * hf_rel + 1e-3, (
+            f"bf16: our logits are {rel:.2e} from transformers' fp32 logits, "
+            f"transformers' bf16 logits {hf_rel:.2e}"
+        )
     if dtype == torch.float32:  # the checkpoint is bf16: exported fp32 weights are its values exactly
         for name, t in export_hf_state_dict(model).items():
             assert torch.equal(t.to(torch.bfloat16), ckpt.get(name)), name
@@ -119,7 +127,9 @@ def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    server = EngineServer(EngineConfig(model_path=smollm2, dtype="float32", max_batch_size=16, context_length=160))
+    server = EngineServer(
+        EngineConfig(model_path=smollm2, dtype="float32", max_batch_size=16, context_length=160)
+    )
     sp = SamplingParams(temperature=0.0, max_new_tokens=64)
     samples, _ = server.generate([GenerateRequest(f"c{i}", p, sp) for i, p in enumerate(chat_prompts)])
     ended = 0
@@ -133,7 +143,9 @@ def test_engine_greedy_equals_transformers_on_chat_prompts(smollm2, chat_prompts
         ended += out[-1] == 2
         if i < 2:  # the literal check through transformers' own generate loop
             with torch.no_grad():
-                ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=64, pad_token_id=2)[0, len(p):]
+                ref = hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=64, pad_token_id=2)[
+                    0, len(p) :
+                ]
             assert out == ref.tolist(), (i, CHAT[i])
     assert ended > 0, "no output reached <|im_end|>: the end of turn was never checked"
 
@@ -160,9 +172,17 @@ def test_draft_model_of_its_first_layers_is_exact(smollm2, chat_prompts, tmp_pat
     prompts = chat_prompts[:4]
     outs = {}
     for kind in ("none", "model"):
-        server = EngineServer(EngineConfig(model_path=smollm2, dtype="float32", max_batch_size=4, context_length=128,
-                                           draft_kind=kind, draft_path=draft if kind == "model" else None,
-                                           num_draft_tokens=3))
+        server = EngineServer(
+            EngineConfig(
+                model_path=smollm2,
+                dtype="float32",
+                max_batch_size=4,
+                context_length=128,
+                draft_kind=kind,
+                draft_path=draft if kind == "model" else None,
+                num_draft_tokens=3,
+            )
+        )
         samples, stats = server.generate([GenerateRequest(f"c{i}", p, sp) for i, p in enumerate(prompts)])
         outs[kind] = ([s.output_ids for s in samples], stats)
         del server
@@ -189,7 +209,9 @@ def test_hub_id_resolves_from_the_local_cache_offline(smollm2, tmp_path, monkeyp
     path = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     assert os.path.samefile(path, snap)
     assert json.load(open(os.path.join(path, "config.json")))["num_hidden_layers"] == 30
-    with pytest.raises(ModelNotFoundError, match="Qwen/Qwen3-0.6B: not found in the Hugging Face cache .*HF_HUB_OFFLINE"):
+    with pytest.raises(
+        ModelNotFoundError, match="Qwen/Qwen3-0.6B: not found in the Hugging Face cache .*HF_HUB_OFFLINE"
+    ):
         resolve_model("Qwen/Qwen3-0.6B")
     with pytest.raises(ModelNotFoundError, match="no such directory"):
         resolve_model("/nonexistent/model")
@@ -217,18 +239,51 @@ def test_sampled_output_follows_the_real_model(smollm2, tmp_path):
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "input_ids": prompt}) + "\n"
                                               for i in range(n_requests)))
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "megatron_spec", "generate", "--model", smollm2, "--draft-kind",
-                           "ngram", "--num-draft-tokens", "3", "--prompts", str(tmp_path / "p.jsonl"), "--n",
-                           str(per_request), "--temperature", "1.0", "--top-k", "20", "--top-p", "0.9",
-                           "--max-new-tokens", "2", "--ignore-eos", "--seed", "7", "--batch-size", "64",
-                           "--dtype", "float32", "--output", str(out), "--no-progress"],
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_spec",
+            "generate",
+            "--model",
+            smollm2,
+            "--draft-kind",
+            "ngram",
+            "--num-draft-tokens",
+            "3",
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--n",
+            str(per_request),
+            "--temperature",
+            "1.0",
+            "--top-k",
+            "20",
+            "--top-p",
+            "0.9",
+            "--max-new-tokens",
+            "2",
+            "--ignore-eos",
+            "--seed",
+            "7",
+            "--batch-size",
+            "64",
+            "--dtype",
+            "float32",
+            "--output",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     n = per_request * n_requests
     pairs = Counter(tuple(r["output_ids"][:2]) for r in rows)
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    sampling = lambda b: SamplingTensors.from_values(1.0, 20, 0.9, 0.0, batch_size=b)  # noqa: E731
+    sampling = lambda b: SamplingTensors.from_values(1.0, 20, 0.9, 0.0, batch_size=b)
     with torch.no_grad():
         p1 = process_logits(hf(torch.tensor([prompt])).logits[:, -1], sampling(1)).exp()[0]
         support = (p1 > 0).nonzero()[:, 0]

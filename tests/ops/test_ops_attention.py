@@ -42,7 +42,8 @@ SHAPES = [(1, 9, 3, 1, 37, 64), (16, 9, 3, 1, 128, 64), (4, 9, 3, 4, 70, 64), (2
 @pytest.mark.parametrize("b,nq,nkv,t,length,d", SHAPES)
 def test_matches_float64_attention(kernel_variant, b, nq, nkv, t, length, d):
     gen = torch.Generator().manual_seed(b * 1000 + t * 100 + length)
-    q = torch.randn(b, t, nq, d, generator=gen).transpose(1, 2)  # [b, nq, t, d], strided as the layers make it
+    # [b, nq, t, d], strided as the layers make it
+    q = torch.randn(b, t, nq, d, generator=gen).transpose(1, 2)
     k, v = cache_views(gen, b, nkv, length, d)
     # each row sees its first kv_len positions, causally over its t queries at the end (a verify)
     kv_len = torch.randint(max(1, t), length + 1, (b,), generator=gen)
@@ -104,7 +105,9 @@ def test_opcheck():
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
     mask = torch.ones(2, 1, 3, 5, dtype=torch.bool)
     torch.library.opcheck(torch.ops.megatron_spec.attention_f32, (q, k, v, mask, 0.35))
-    torch.library.opcheck(torch.ops.megatron_spec.attention_bf16, (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.35))
+    torch.library.opcheck(
+        torch.ops.megatron_spec.attention_bf16, (q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, 0.35)
+    )
 
 
 def test_layers_use_it_in_fp32_and_bf16_and_torch_elsewhere(monkeypatch):
@@ -122,6 +125,8 @@ def test_layers_use_it_in_fp32_and_bf16_and_torch_elsewhere(monkeypatch):
     bf = decoder.attend(qb, kb, vb, mask, 0.25)
     assert torch.equal(bf, torch.ops.megatron_spec.attention_bf16(qb, kb, vb, mask, 0.25))
     monkeypatch.setitem(decoder._KERNELS, "attention_bf16", False)  # torch's kernels
-    torch.testing.assert_close(decoder.attend(qb, kb, vb, mask, 0.25).float(), bf.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(
+        decoder.attend(qb, kb, vb, mask, 0.25).float(), bf.float(), rtol=2e-2, atol=2e-2
+    )
     half = decoder.attend(q.half(), k.half(), v.half(), mask, 0.25)  # no kernel for fp16: torch's
     assert half.dtype == torch.float16

@@ -10,8 +10,10 @@ from megatron_spec.ops import fp8_block_quantize_reference, verify_chain_referen
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not ops.compiled_kernel_for("verify_chain", torch.device("cuda")),
-                       reason="needs a CUDA device and megatron_spec._C built with CUDA"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not ops.compiled_kernel_for("verify_chain", torch.device("cuda")),
+        reason="needs a CUDA device and megatron_spec._C built with CUDA",
+    ),
 ]
 
 
@@ -69,7 +71,10 @@ def test_verify_cuda_refuses_what_the_reference_refuses():
     cases = [
         ((lp * 3 + 1, x, None, None, sampled, ua, us), r"target_logprobs\[0, \d(, \d+)?\]"),
         ((nan_greedy, x, None, None, greedy, ua, us), r"target_logprobs\[2, 1\] contains NaN \(greedy row\)"),
-        ((shifted, torch.full_like(x, -1), None, None, sampled, ua, us), r"target_logprobs\[1, 0\] is not normalised"),
+        (
+            (shifted, torch.full_like(x, -1), None, None, sampled, ua, us),
+            r"target_logprobs\[1, 0\] is not normalised",
+        ),
         ((positive, x, None, None, sampled, ua, us), r"target_logprobs\[3, 0, \d+\] = 0\.5"),
     ]
     for args, match in cases:
@@ -82,10 +87,14 @@ def test_verify_cuda_refuses_what_the_reference_refuses():
     unread[:, 1, 0] = float("nan")
     x0 = x.clone()
     x0[:, 0] = (x[:, 0] + 1) % V  # rejected at position 0
-    t, n = torch.ops.megatron_spec.verify_chain(unread.cuda(), x0.cuda(), None, None, greedy.cuda(), ua.cuda(), us.cuda())
+    t, n = torch.ops.megatron_spec.verify_chain(
+        unread.cuda(), x0.cuda(), None, None, greedy.cuda(), ua.cuda(), us.cuda()
+    )
     t_r, n_r = verify_chain_reference(unread, x0, None, None, greedy, ua, us)
     assert torch.equal(t.cpu(), t_r) and torch.equal(n.cpu(), n_r)
-    t, n = torch.ops.megatron_spec.verify_chain(lp.cuda(), x.cuda(), None, None, greedy.cuda(), ua.cuda(), us.cuda())
+    t, n = torch.ops.megatron_spec.verify_chain(
+        lp.cuda(), x.cuda(), None, None, greedy.cuda(), ua.cuda(), us.cuda()
+    )
     t_r, n_r = verify_chain_reference(lp, x, None, None, greedy, ua, us)
     assert torch.equal(t.cpu(), t_r) and torch.equal(n.cpu(), n_r)
 
@@ -96,11 +105,15 @@ def test_cuda_binding_refuses_a_host_tensor(name):
     killed the process (illegal address). Both the wrapper and the binding itself name the argument."""
     g = torch.Generator().manual_seed(3)
     B, k, V = 3, 2, 50
-    args = {"target_logprobs": torch.log_softmax(torch.randn(B, k + 1, V, generator=g), -1),
-            "draft_tokens": torch.randint(0, V, (B, k), generator=g),
-            "draft_probs": torch.softmax(torch.randn(B, k, V, generator=g), -1), "d2t": None,
-            "greedy": torch.zeros(B, dtype=torch.bool), "u_accept": torch.rand(B, k, dtype=torch.float64, generator=g),
-            "u_sample": torch.rand(B, dtype=torch.float64, generator=g)}
+    args = {
+        "target_logprobs": torch.log_softmax(torch.randn(B, k + 1, V, generator=g), -1),
+        "draft_tokens": torch.randint(0, V, (B, k), generator=g),
+        "draft_probs": torch.softmax(torch.randn(B, k, V, generator=g), -1),
+        "d2t": None,
+        "greedy": torch.zeros(B, dtype=torch.bool),
+        "u_accept": torch.rand(B, k, dtype=torch.float64, generator=g),
+        "u_sample": torch.rand(B, dtype=torch.float64, generator=g),
+    }
     cuda_args = {n: (a.cuda() if a is not None and n != name else a) for n, a in args.items()}
     with pytest.raises(ValueError, match=f"{name} is on cpu"):
         torch.ops.megatron_spec.verify_chain(*cuda_args.values())
@@ -115,5 +128,7 @@ def test_fp8_cuda_binding_refuses_a_host_scale():
     with pytest.raises(ValueError, match="scale_inv is on cpu"):
         torch.ops.megatron_spec.fp8_block_dequantize(q, s.cpu(), 128, 128, torch.float32)
     with pytest.raises(ValueError, match="scale_inv is on cpu"):
-        torch.ops.megatron_spec.fp8_block_quantize_out(w, 128, 128, out=torch.empty_like(q), scale_inv=s.cpu())
+        torch.ops.megatron_spec.fp8_block_quantize_out(
+            w, 128, 128, out=torch.empty_like(q), scale_inv=s.cpu()
+        )
     torch.cuda.synchronize()

@@ -20,7 +20,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 CU_FILES = sorted((CSRC / "cuda").glob("*.cu"))
-NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if pathlib.Path("/usr/local/bin/nvcc").exists() else None)
+NVCC = shutil.which("nvcc") or (
+    "/usr/local/bin/nvcc" if pathlib.Path("/usr/local/bin/nvcc").exists() else None
+)
 
 
 def test_there_are_kernel_files():
@@ -38,7 +40,10 @@ def test_cu_file_compiles_for_sm90(cu, tmp_path):
 
 
 def _cuda_include() -> pathlib.Path | None:
-    for base in [pathlib.Path(NVCC).resolve().parent.parent if NVCC else None, pathlib.Path("/usr/local/cuda")]:
+    for base in [
+        pathlib.Path(NVCC).resolve().parent.parent if NVCC else None,
+        pathlib.Path("/usr/local/cuda"),
+    ]:
         if base is not None and (base / "include" / "cuda_runtime.h").exists():
             return base / "include"
     return None

@@ -19,10 +19,24 @@ _RUN_FUSED = CausalLM._run_fused
 
 def make_model(dtype: torch.dtype, family: str = "llama", layers: int = 3, qk_norm: bool = False) -> CausalLM:
     cfg = DecoderConfig(
-        architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family],
-        family=family, vocab_size=96, hidden_size=64, intermediate_size=80, num_layers=layers,
-        num_attention_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=256, tie_word_embeddings=True, qkv_bias=family == "qwen2", qk_norm=qk_norm)
+        architecture={"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+            family
+        ],
+        family=family,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=80,
+        num_layers=layers,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        qkv_bias=family == "qwen2",
+        qk_norm=qk_norm,
+    )
     g = torch.Generator().manual_seed(3)
     m = CausalLM(cfg, max_positions=256)
     with torch.no_grad():
@@ -139,7 +153,8 @@ def test_refuses_inconsistent_arguments():
 
 
 def test_repacked_weights_reach_the_cpp_layers(monkeypatch):
-    """The model keeps the C++ layers' argument lists between forwards; new weights packed after a load (as the
+    """The model keeps the C++ layers' argument lists between forwards; new weights packed after a load (as
+    the
     engine does after every update) are what the next forward runs."""
     if not decoder.fused_layers_available(torch.float32):
         pytest.skip("the extension's fp32 kernels do not all run here")

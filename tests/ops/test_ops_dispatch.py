@@ -63,7 +63,12 @@ def test_no_extension_means_no_variant(monkeypatch):
 
 @requires_ext
 def test_info_reports_the_variant():
-    out = subprocess.run([sys.executable, "-m", "megatron_spec", "info", "--json"], capture_output=True, text=True,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_spec", "info", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     assert facts["kernel_isa"] in _ext.supported_kernel_isas()

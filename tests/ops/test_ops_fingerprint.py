@@ -22,7 +22,8 @@ def compiled(bits: torch.Tensor) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
-@pytest.mark.parametrize("n", [0, 1, 7, (1 << 18) + 3, 3 * (1 << 18)])  # below, at and across the kernel's chunks
+# below, at and across the kernel's chunks
+@pytest.mark.parametrize("n", [0, 1, 7, (1 << 18) + 3, 3 * (1 << 18)])
 def test_sums_equal_the_reference(kernel_variant, dtype, n):
     info = torch.iinfo(dtype)
     g = torch.Generator().manual_seed(n)

@@ -15,7 +15,8 @@ from megatron_spec.ops import fp8_block_dequantize_reference, fp8_block_quantize
 
 requires_cpu_kernel = pytest.mark.skipif(
     not ops.compiled_kernel_for("fp8_block_quantize", torch.device("cpu")),
-    reason="compiled ops unavailable: megatron_spec._C not built (pip install --no-build-isolation -e .) or MEGATRON_SPEC_FORCE_REFERENCE=1",
+    reason="compiled ops unavailable: megatron_spec._C not built (pip install --no-build-isolation -e .) or "
+           "MEGATRON_SPEC_FORCE_REFERENCE=1",
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -216,7 +217,9 @@ def _block_loop_oracle(w: torch.Tensor, bn: int = 128, bk: int = 128):
             amax = blk.abs().max().clamp(min=1e-4)
             s[i, j] = amax / torch.tensor(448.0)
             mult = amax.reciprocal() * 448.0
-            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (blk * mult).clamp(-448, 448).to(torch.float8_e4m3fn)
+            q[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = (
+                (blk * mult).clamp(-448, 448).to(torch.float8_e4m3fn)
+            )
     return q, s
 
 
@@ -244,11 +247,13 @@ def _sglang_per_block_cast_to_fp8():
     if not path.exists():
         pytest.skip(f"{path} not found in this sglang version")
     tree = ast.parse(path.read_text())
-    fn = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "per_block_cast_to_fp8"), None)
+    fn = next(
+        (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "per_block_cast_to_fp8"), None
+    )
     if fn is None:
         pytest.skip("per_block_cast_to_fp8 not found in sglang/benchmark/deepseek_utils.py")
     namespace = {"torch": torch, "Tuple": tuple, "cdiv": lambda a, b: -(-a // b)}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), namespace)
     return namespace["per_block_cast_to_fp8"]
 
 

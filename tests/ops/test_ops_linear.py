@@ -106,8 +106,10 @@ def test_bf16_panels_give_the_bits_of_fp32_panels(kernel_variant, n, k):
     for m in (1, 4, 6, 7, 16, 33, 128):
         x = torch.randn(m, k, generator=g)
         for bias in (None, torch.randn(n, generator=g)):
-            assert torch.equal(torch.ops.megatron_spec.linear_small_f32(x, p16, bias, n),
-                               torch.ops.megatron_spec.linear_small_f32(x, p32, bias, n)), (m, bias is not None)
+            assert torch.equal(
+                torch.ops.megatron_spec.linear_small_f32(x, p16, bias, n),
+                torch.ops.megatron_spec.linear_small_f32(x, p32, bias, n),
+            ), (m, bias is not None)
 
 
 def test_bf16_panels_refuse_weights_they_would_round():
@@ -141,14 +143,16 @@ def test_linear_layer_keeps_bf16_panels_only_for_bf16_weights(monkeypatch):
 
 @pytest.mark.parametrize("n,k", [(50, 37), (33, 64), (20, 576)])
 def test_pack_into_writes_what_a_fresh_pack_makes(n, k):
-    """linear_pack_into rewrites panels in place (a weight sync's re-pack) with the bits of each fresh pack."""
+    """linear_pack_into rewrites panels in place (a weight sync's re-pack) with the bits of each fresh
+    pack."""
     ops = torch.ops.megatron_spec
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g)
     cases = [(ops.linear_pack_f32, w), (ops.linear_pack_bf16w, w.bfloat16().float()),
              (ops.linear_pack_bf16, w.bfloat16())]
     for pack, src in cases:
-        packed = pack(torch.randn(src.shape, generator=g).bfloat16().to(src.dtype))  # panels of earlier weights
+        # panels of earlier weights
+        packed = pack(torch.randn(src.shape, generator=g).bfloat16().to(src.dtype))
         ptr = packed.data_ptr()
         ops.linear_pack_into(src.t().contiguous().t(), packed)  # from a strided view too
         assert packed.data_ptr() == ptr and torch.equal(packed, pack(src)), pack
@@ -167,7 +171,8 @@ def test_pack_into_refuses_other_layouts():
 
 
 def test_layer_repacks_into_the_panels_it_kept():
-    """An update's unpack(keep=True) then pack() writes the new weights into the same panels: the layer's output
+    """An update's unpack(keep=True) then pack() writes the new weights into the same panels: the layer's
+    output
     is that of a freshly packed layer; unpack() without keep frees them."""
     from megatron_spec.layers.linear import Linear
 

@@ -4,7 +4,8 @@ The kernel runs AVX512-BF16 dot products where the CPU has them and the AVX-512 
 loops that do the same operations elsewhere (the default and AVX2 variants): both are compared with a float64
 matmul of the bf16 values (fp32 accumulation, one bf16 rounding an output), with each other bit for bit,
 and each row's result with the same row computed alone (a row does not depend on the batch it is in). On a CPU
-with AMX the op runs on AMX tiles instead (csrc/linear_amx_cpu.cpp): the ``amx`` variant, held to the same bound
+with AMX the op runs on AMX tiles instead (csrc/linear_amx_cpu.cpp): the ``amx`` variant, held to the same
+bound
 and the same batch invariance (not to the dot products' bits).
 """
 
@@ -143,7 +144,8 @@ def test_layer_uses_it_for_bf16_up_to_the_row_limit(monkeypatch):
 
 
 def test_compiling_is_skipped_where_the_cpp_layers_run(monkeypatch):
-    """``--rollout-compile`` compiles the layer only where the extension's C++ decoder layers do not run for the
+    """``--rollout-compile`` compiles the layer only where the extension's C++ decoder layers do not run for
+    the
     dtype (they were faster than the compiled layer in fp32 and bf16: layers.compiled.compiling_pays)."""
     from megatron_spec.layers import decoder
     from megatron_spec.layers.compiled import compiling_pays

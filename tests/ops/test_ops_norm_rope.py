@@ -34,7 +34,9 @@ def rope_reference(x, cos, sin):
     return x.double() * cos.double() + torch.cat([-x2, x1], dim=-1) * sin.double()
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (16, 576), (64, 576), (1024, 576), (3, 7), (2, 5, 33), (4, 1), (1, 40)])
+@pytest.mark.parametrize(
+    "shape", [(1, 576), (16, 576), (64, 576), (1024, 576), (3, 7), (2, 5, 33), (4, 1), (1, 40)]
+)
 def test_rms_norm_matches_float64(kernel_variant, shape):
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(*shape, generator=g) * 3
@@ -70,8 +72,18 @@ def test_rms_norm_zero_rows_and_empty():
     assert torch.ops.megatron_spec.rms_norm_f32(torch.zeros(0, 8), w, 1e-6).shape == (0, 8)
 
 
-@pytest.mark.parametrize("b,n,t,d", [(1, 12, 1, 64), (16, 12, 1, 64), (4, 12, 4, 64), (2, 10, 3, 32), (1, 3, 5, 8),
-                                     (2, 2, 2, 6), (1, 1, 1, 2)])
+@pytest.mark.parametrize(
+    "b,n,t,d",
+    [
+        (1, 12, 1, 64),
+        (16, 12, 1, 64),
+        (4, 12, 4, 64),
+        (2, 10, 3, 32),
+        (1, 3, 5, 8),
+        (2, 2, 2, 6),
+        (1, 1, 1, 2),
+    ],
+)
 def test_rope_is_torchs_arithmetic_bit_for_bit(kernel_variant, b, n, t, d):
     g = torch.Generator().manual_seed(b * 100 + t * 10 + d)
     x = torch.randn(b, t, n, d, generator=g).transpose(1, 2)  # [b, n, t, d] as the layers make it
@@ -108,7 +120,9 @@ def test_rms_norm_bf16_is_torchs_bf16_formula(kernel_variant, shape):
                                torch_rms_bf16(strided, w, 1e-5).float(), rtol=2 ** -7, atol=0)
 
 
-@pytest.mark.parametrize("b,n,t,d", [(1, 12, 1, 64), (16, 12, 1, 64), (4, 12, 4, 64), (1, 3, 5, 8), (2, 2, 2, 6)])
+@pytest.mark.parametrize(
+    "b,n,t,d", [(1, 12, 1, 64), (16, 12, 1, 64), (4, 12, 4, 64), (1, 3, 5, 8), (2, 2, 2, 6)]
+)
 def test_rope_bf16_is_torchs_bf16_arithmetic_bit_for_bit(kernel_variant, b, n, t, d):
     g = torch.Generator().manual_seed(b * 100 + t * 10 + d + 1)
     x = torch.randn(b, t, n, d, generator=g).bfloat16().transpose(1, 2)
@@ -129,7 +143,8 @@ def test_bf16_kernels_round_nan_and_inf_as_torch():
     tab = torch.full((1, 1, 1, 16), 2.0).bfloat16()
     out = torch.ops.megatron_spec.rope_bf16(big, tab, tab)
     x1, x2 = big.chunk(2, dim=-1)
-    ref = big * tab + torch.cat([-x2, x1], dim=-1) * tab  # inf - inf: nan in the first half, inf in the second
+    # inf - inf: nan in the first half, inf in the second
+    ref = big * tab + torch.cat([-x2, x1], dim=-1) * tab
     assert torch.equal(out.isnan(), ref.isnan()) and out.isnan().any()
     assert torch.equal(out[~out.isnan()], ref[~ref.isnan()])
 
@@ -149,7 +164,8 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.megatron_spec.rope_f32(x.double(), tab, tab)
     with pytest.raises(RuntimeError, match="bfloat16"):
-        torch.ops.megatron_spec.rms_norm_bf16(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)  # fp32 weight
+        # fp32 weight
+        torch.ops.megatron_spec.rms_norm_bf16(torch.randn(2, 8).bfloat16(), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="bfloat16"):
         torch.ops.megatron_spec.rope_bf16(x.bfloat16(), tab, tab.bfloat16())
 
@@ -160,13 +176,16 @@ def test_opcheck():
                           (torch.randn(2, 3, 4, 8), torch.randn(2, 1, 4, 8), torch.randn(2, 1, 4, 8)))
     torch.library.opcheck(torch.ops.megatron_spec.rms_norm_bf16,
                           (torch.randn(3, 2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-6))
-    torch.library.opcheck(torch.ops.megatron_spec.rope_bf16, tuple(torch.randn(*s).bfloat16() for s in
-                                                                   ((2, 3, 4, 8), (2, 1, 4, 8), (2, 1, 4, 8))))
+    torch.library.opcheck(
+        torch.ops.megatron_spec.rope_bf16,
+        tuple(torch.randn(*s).bfloat16() for s in ((2, 3, 4, 8), (2, 1, 4, 8), (2, 1, 4, 8))),
+    )
 
 
 def test_layers_use_them_only_where_they_may(monkeypatch):
     """The layers call the kernels for fp32 and bf16 CPU inference and torch otherwise: under autograd (the
-    draft head trains through the same RMSNorm), mixed dtypes, and without the extension; the results agree."""
+    draft head trains through the same RMSNorm), mixed dtypes, and without the extension; the results
+    agree."""
     g = torch.Generator().manual_seed(0)
     norm = decoder.RMSNorm(16, 1e-6)
     with torch.no_grad():
@@ -189,8 +208,9 @@ def test_layers_use_them_only_where_they_may(monkeypatch):
     torch.testing.assert_close(y_kernel, y_grad.detach(), rtol=1e-6, atol=1e-6)
     bf_calls = []
     real_bf = torch.ops.megatron_spec.rms_norm_bf16
-    monkeypatch.setattr(torch.ops.megatron_spec, "rms_norm_bf16", lambda *a: bf_calls.append(a) or real_bf(*a),
-                        raising=False)
+    monkeypatch.setattr(
+        torch.ops.megatron_spec, "rms_norm_bf16", lambda *a: bf_calls.append(a) or real_bf(*a), raising=False
+    )
     with torch.no_grad():
         y_bf = copy.deepcopy(norm).to(torch.bfloat16)(x.detach().bfloat16())
         norm(x.detach().bfloat16())  # bf16 input, fp32 weight: torch's arithmetic

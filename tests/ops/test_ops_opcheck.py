@@ -9,7 +9,8 @@ from megatron_spec import ops
 
 pytestmark = pytest.mark.skipif(
     not ops.compiled_kernel_for("verify_chain", torch.device("cpu")),
-    reason="compiled ops unavailable: megatron_spec._C not built (pip install --no-build-isolation -e .) or MEGATRON_SPEC_FORCE_REFERENCE=1",
+    reason="compiled ops unavailable: megatron_spec._C not built (pip install --no-build-isolation -e .) or "
+           "MEGATRON_SPEC_FORCE_REFERENCE=1",
 )
 
 

@@ -13,7 +13,8 @@ from megatron_spec.ops import SAMPLE_CHUNK, spec_exp_reference, verify_chain_ref
 
 requires_cpu_kernel = pytest.mark.skipif(
     not ops.compiled_kernel_for("verify_chain", torch.device("cpu")),
-    reason="compiled ops unavailable: megatron_spec._C not built (pip install --no-build-isolation -e .) or MEGATRON_SPEC_FORCE_REFERENCE=1",
+    reason="compiled ops unavailable: megatron_spec._C not built (pip install --no-build-isolation -e .) or "
+           "MEGATRON_SPEC_FORCE_REFERENCE=1",
 )
 
 
@@ -203,7 +204,7 @@ def _no_drafts(lp, greedy=False):
 
 
 def _raises_in_both(args, match):
-    for name, fn in BOTH:
+    for _, fn in BOTH:
         with pytest.raises(ValueError, match=match):
             fn(*args)
 
@@ -215,8 +216,15 @@ def test_refuses_raw_logits(kernel_variant):
     B, k, V = 6, 3, 500
     logits = torch.randn(B, k + 1, V, generator=g) * 3
     x = torch.randint(0, V, (B, k), generator=g)
-    args = (logits, x, None, None, torch.zeros(B, dtype=torch.bool),
-            torch.rand(B, k, dtype=torch.float64, generator=g), torch.rand(B, dtype=torch.float64, generator=g))
+    args = (
+        logits,
+        x,
+        None,
+        None,
+        torch.zeros(B, dtype=torch.bool),
+        torch.rand(B, k, dtype=torch.float64, generator=g),
+        torch.rand(B, dtype=torch.float64, generator=g),
+    )
     _raises_in_both(args, r"not a log-probability|not normalised")
     # greedy rows refuse them too (largest probability above 1): the argmax is right, the row no distribution
     _raises_in_both(args[:4] + (torch.ones(B, dtype=torch.bool),) + args[5:],
@@ -252,8 +260,10 @@ def test_greedy_rows_bound_their_largest_probability(kernel_variant):
         assert (t[:, 0] == (7 if base is point else 0)).all()
         bad = ok.clone()
         bad[3] = base[3] + math.log(scale_bad)
-        _raises_in_both(_no_drafts(bad, greedy=True),
-                        r"target_logprobs\[3, 0\] is not normalised: its largest probability is .*outside \[1/V, 1\]")
+        _raises_in_both(
+            _no_drafts(bad, greedy=True),
+            r"target_logprobs\[3, 0\] is not normalised: its largest probability is .*outside \[1/V, 1\]",
+        )
 
 
 @requires_cpu_kernel
@@ -270,7 +280,9 @@ def test_greedy_nan_refused_where_the_chain_reads(kernel_variant, V):
     for pos, tok in [(1, V - 2), (0, 3 % V), (k, V - 1)]:  # vector body and scalar tail of the argmax
         bad = lp.clone()
         bad[1, pos, tok] = float("nan")
-        _raises_in_both((bad, x, None, None, greedy, ua, us), rf"target_logprobs\[1, {pos}\] contains NaN \(greedy row\)")
+        _raises_in_both(
+            (bad, x, None, None, greedy, ua, us), rf"target_logprobs\[1, {pos}\] contains NaN \(greedy row\)"
+        )
     # a NaN where the chain never reads (after a rejection at position 0) is not looked at, by either
     x2 = x.clone()
     x2[:, 0] = (x[:, 0] + 1) % V
@@ -283,7 +295,9 @@ def test_greedy_nan_refused_where_the_chain_reads(kernel_variant, V):
 @pytest.mark.parametrize("mode", ["point", "dense", "mapped"])
 def test_sampled_row_nan_and_positive_logprob_refused(kernel_variant, mode):
     g = torch.Generator().manual_seed(14)
-    lp, x, q, d2t, greedy, ua, us = make_inputs(4, 2, 700, mode, g, greedy_frac=0.0, neg_frac=0.0, hole_frac=0.0)
+    lp, x, q, d2t, greedy, ua, us = make_inputs(
+        4, 2, 700, mode, g, greedy_frac=0.0, neg_frac=0.0, hole_frac=0.0
+    )
     # NaN in the emission row (never sampled before; now the row's mass is NaN)
     no_draft = x.clone().fill_(-1)
     bad = lp.clone()
@@ -292,11 +306,15 @@ def test_sampled_row_nan_and_positive_logprob_refused(kernel_variant, mode):
     # a tested draft with log-prob above 0 (accepted whatever u is: raw logits)
     bad = lp.clone()
     bad[1, 0, x[1, 0]] = 0.5
-    _raises_in_both((bad, x, q, d2t, greedy, ua, us), rf"target_logprobs\[1, 0, {int(x[1, 0])}\] = 0\.5 is not a log-prob")
+    _raises_in_both(
+        (bad, x, q, d2t, greedy, ua, us), rf"target_logprobs\[1, 0, {int(x[1, 0])}\] = 0\.5 is not a log-prob"
+    )
     # a row without mass keeps its message
     bad = lp.clone()
     bad[3, 0] = float("-inf")
-    _raises_in_both((bad, no_draft, q, d2t, greedy, ua, us), r"target_logprobs\[3, 0\] has no probability mass")
+    _raises_in_both(
+        (bad, no_draft, q, d2t, greedy, ua, us), r"target_logprobs\[3, 0\] has no probability mass"
+    )
 
 
 @requires_cpu_kernel
@@ -350,5 +368,7 @@ def test_logprob_mass_order_is_the_kernels_lane_order():
                 lanes = [0.0] * 8
                 for i, v in enumerate(p[r][a: a + SAMPLE_CHUNK]):
                     lanes[i % 8] += v
-                m += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+                m += ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + (
+                    (lanes[4] + lanes[5]) + (lanes[6] + lanes[7])
+                )
             assert logprob_mass(lp[r: r + 1]).item() == m

@@ -18,8 +18,10 @@ SPECIALS = [PAD, BOS, EOS, EOT, "<|start_header_id|>", "<|end_header_id|>"]
 # Llama-3-Instruct's template, shortened (no tools, no date): BOS, then one header per turn.
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + "
+    "'<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% "
+    "endif %}"
 )
 
 CORPUS = [
@@ -61,9 +63,18 @@ def make_chat_checkpoint(path: str, *, eot_bias: float = 0.0, seed: int = 0) -> 
 
     tok = bpe_tokenizer()
     ids = {t: tok.convert_tokens_to_ids(t) for t in (BOS, EOS, EOT, PAD)}
-    make_hf_checkpoint(path, family="qwen3", hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_attention_heads=4, num_kv_heads=2, vocab_size=len(tok), seed=seed,
-                       extra_config={"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]})
+    make_hf_checkpoint(
+        path,
+        family="qwen3",
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        vocab_size=len(tok),
+        seed=seed,
+        extra_config={"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]},
+    )
     for name in os.listdir(path):  # replace the character tokenizer make_hf_checkpoint wrote
         if name.startswith(("tokenizer", "special_tokens", "chat_template")):
             os.remove(os.path.join(path, name))

@@ -12,12 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_spec.config import (CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig,
-                                  RolloutConfig, RunConfig)
+from megatron_spec.config import (
+    CheckpointConfig,
+    DataConfig,
+    GRPOConfig,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+)
 from megatron_spec.models.gpt import unwrap
-from megatron_spec.train.offload import KINDS, PLAN
 from megatron_spec.parallel import destroy_parallel
 from megatron_spec.rl.trainer import GRPOTrainer
+from megatron_spec.train.offload import KINDS, PLAN
 
 
 @pytest.fixture
@@ -80,7 +87,11 @@ def test_each_stage_runs_with_what_the_plan_holds(make, level):
         for i, held in enumerate(records[1:], 1):  # step 1's prepare precedes the first optimizer state
             for kind in KINDS:
                 want = full[kind] if kind in PLAN[level][phase] else 0
-                assert held[kind] == want, f"step {i + 1}, {phase}: {kind} holds {held[kind]} bytes, plan {want}"
+                assert held[kind] == want, (
+                    f"step {i + 1}, {phase}: {kind} holds {held[kind]} bytes, plan {want}"
+                )
     for a, b in zip(unwrap(plain.actor.model).parameters(), unwrap(moved.actor.model).parameters()):
         assert torch.equal(a, b)
-    assert any(not torch.equal(a, b) for a, b in zip(start, moved.actor._snapshot())), "the policy must change here"
+    assert any(not torch.equal(a, b) for a, b in zip(start, moved.actor._snapshot())), (
+        "the policy must change here"
+    )

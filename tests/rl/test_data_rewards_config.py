@@ -36,7 +36,7 @@ def test_corrupted_sum_solutions_slip_once_and_are_not_rewarded():
         good_steps, bad_steps = ex.solution.split("#")[0].split(";"), bad.split("#")[0].split(";")
         assert len(good_steps) == len(bad_steps)
         slips = [i for i, s in enumerate(bad_steps)
-                 if eval(s.split("=")[0]) != int(s.split("=")[1])]  # noqa: S307 (digits and + only)
+                 if eval(s.split("=")[0]) != int(s.split("=")[1])]  # digits and + only
         assert slips == [len(bad_steps) - 1]
         assert int(final_answer(bad)) == int(ex.answer) + 1
         assert get_reward("synthetic")(ex.prompt, bad, ex.answer) == 0.0
@@ -69,14 +69,19 @@ def test_reward_by_import_path_and_errors():
         raise KeyError("x")
 
     with pytest.raises(RewardError, match="reward function 'boom' raised on sample 1"):
-        score(Reward.of(lambda p, r, a: 1.0 if r == "ok" else boom(p, r, a), "boom"), ["p", "q"], ["ok", "bad"],
-              ["a", "a"])
+        score(
+            Reward.of(lambda p, r, a: 1.0 if r == "ok" else boom(p, r, a), "boom"),
+            ["p", "q"],
+            ["ok", "bad"],
+            ["a", "a"],
+        )
     with pytest.raises(RewardError, match="returned nan"):
         score(Reward.of(lambda p, r, a: float("nan"), "nanny"), ["p"], ["r"], ["a"])
 
 
 def test_reward_from_a_file_the_working_directory_metadata_and_batches(tmp_path, monkeypatch):
-    """``path/file.py:fn``; ``module:fn`` from the working directory (torchrun does not put it on sys.path); the
+    """``path/file.py:fn``; ``module:fn`` from the working directory (torchrun does not put it on sys.path);
+    the
     dataset's other columns as ``metadata``; a batched function gets the round's lists."""
     (tmp_path / "my_rewards.py").write_text(
         "def by_source(prompt, response, answer, metadata):\n"
@@ -148,8 +153,21 @@ def _parse(argv):
 def test_flags_yaml_and_validation(tmp_path):
     y = tmp_path / "run.yaml"
     y.write_text("grpo:\n  grpo_group_size: 4\n  lr: 0.001\nspec:\n  spec_num_draft_tokens: 5\n")
-    cfg = _parse(["--hf-checkpoint", "m", "--prompt-data", "synthetic:sum", "--config", str(y), "--lr", "0.002",
-                  "--spec-draft-kind", "ngram", "--no-rollout-release-memory"])
+    cfg = _parse(
+        [
+            "--hf-checkpoint",
+            "m",
+            "--prompt-data",
+            "synthetic:sum",
+            "--config",
+            str(y),
+            "--lr",
+            "0.002",
+            "--spec-draft-kind",
+            "ngram",
+            "--no-rollout-release-memory",
+        ]
+    )
     assert isinstance(cfg, RunConfig)
     assert cfg.grpo.grpo_group_size == 4 and cfg.grpo.lr == 0.002  # the flag overrides the file
     assert cfg.spec.spec_num_draft_tokens == 5 and cfg.rollout.rollout_release_memory is False
@@ -160,7 +178,10 @@ def test_flags_yaml_and_validation(tmp_path):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--grpo-num-minibatches", "3"])
     with pytest.raises(ValueError, match="--log-interval -1 must be >= 0"):
         _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--log-interval", "-1"])
-    assert _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--log-interval", "0"]).logging.log_interval == 0
+    assert (
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--log-interval", "0"]).logging.log_interval
+        == 0
+    )
     bad = tmp_path / "bad.yaml"
     bad.write_text("grpo:\n  nope: 1\n")
     with pytest.raises(ValueError, match="unknown key grpo.nope"):
@@ -169,12 +190,26 @@ def test_flags_yaml_and_validation(tmp_path):
 
 def test_a_config_written_the_usual_way(tmp_path):
     """PyYAML reads ``1e-5`` as text and keys may drop their section's prefix (NeMo-RL's, verl's files):
-    values take the key's type, unknown keys get the closest names, dotted overrides win over flag and file."""
+    values take the key's type, unknown keys get the closest names, dotted overrides win over flag and
+    file."""
     y = tmp_path / "nemo.yaml"
     y.write_text("grpo:\n  lr: 1e-5\n  group_size: '4'\nrollout:\n  max_batch_size: \"24\"\n  top_k: -1\n"
                  "spec:\n  draft_kind: ngram\n  num_draft_tokens: auto\n  history: 'true'\n")
-    cfg = _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(y), "--rollout-max-new-tokens", "32",
-                  "grpo.lr=3e-6", "rollout.max_new_tokens=48", "spec.spec_max_draft_tokens=7"])
+    cfg = _parse(
+        [
+            "--hf-checkpoint",
+            "m",
+            "--prompt-data",
+            "x",
+            "--config",
+            str(y),
+            "--rollout-max-new-tokens",
+            "32",
+            "grpo.lr=3e-6",
+            "rollout.max_new_tokens=48",
+            "spec.spec_max_draft_tokens=7",
+        ]
+    )
     assert cfg.grpo.lr == 3e-6 and isinstance(cfg.grpo.lr, float)  # the override over the file
     assert cfg.grpo.grpo_group_size == 4 and cfg.rollout.rollout_max_batch_size == 24
     assert cfg.rollout.rollout_top_k == 0  # -1 = off
@@ -182,19 +217,25 @@ def test_a_config_written_the_usual_way(tmp_path):
     assert cfg.spec.spec_num_draft_tokens == "auto" and cfg.spec.spec_history is True
     assert cfg.spec.spec_max_draft_tokens == 7
     assert _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(y)]).grpo.lr == 1e-5
-    for text, message in (("grpo:\n  lr: fast\n", "grpo.lr must be a float, got 'fast'"),
-                          ("rollout:\n  max_batch_size: 1.5\n", "rollout.rollout_max_batch_size must be an int"),
-                          ("rollout:\n  max_batchsize: 8\n", "unknown key rollout.max_batchsize; did you mean "
-                                                             "rollout_max_batch_size?"),
-                          ("rolout:\n  max_batch_size: 8\n", "unknown section 'rolout'; did you mean rollout?"),
-                          ("rollout:\n  backend: tensorrt\n", "rollout.rollout_backend must be one of native, "
-                                                              "sglang, vllm")):
+    for text, message in (
+        ("grpo:\n  lr: fast\n", "grpo.lr must be a float, got 'fast'"),
+        ("rollout:\n  max_batch_size: 1.5\n", "rollout.rollout_max_batch_size must be an int"),
+        (
+            "rollout:\n  max_batchsize: 8\n",
+            "unknown key rollout.max_batchsize; did you mean rollout_max_batch_size?",
+        ),
+        ("rolout:\n  max_batch_size: 8\n", "unknown section 'rolout'; did you mean rollout?"),
+        ("rollout:\n  backend: tensorrt\n", "rollout.rollout_backend must be one of native, sglang, vllm"),
+    ):
         bad = tmp_path / "bad.yaml"
         bad.write_text(text)
         with pytest.raises(ConfigError, match=re.escape(message)):
             _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(bad)])
-    for override, message in (("grpo.lr", "expected section.key=value"), ("lr=1e-5", "expected section.key=value"),
-                              ("grpo.lrr=1", "unknown key grpo.lrr; did you mean lr")):
+    for override, message in (
+        ("grpo.lr", "expected section.key=value"),
+        ("lr=1e-5", "expected section.key=value"),
+        ("grpo.lrr=1", "unknown key grpo.lrr; did you mean lr"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             _parse(["--hf-checkpoint", "m", "--prompt-data", "x", override])
     with pytest.raises(ConfigError, match="--rollout-top-k -2"):

@@ -28,16 +28,29 @@ def verl_parquet(path: Path, n: int = 24, seed: int = 0) -> list:
     import pyarrow.parquet as pq
 
     rows = generate("sum", n, seed)
-    pq.write_table(pa.Table.from_pylist([
-        {"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": ex.prompt}], "ability": "math",
-         "reward_model": {"style": "rule", "ground_truth": ex.answer}, "extra_info": {"split": "train", "index": i}}
-        for i, ex in enumerate(rows)]), str(path))
+    pq.write_table(
+        pa.Table.from_pylist(
+            [
+                {
+                    "data_source": "openai/gsm8k",
+                    "prompt": [{"role": "user", "content": ex.prompt}],
+                    "ability": "math",
+                    "reward_model": {"style": "rule", "ground_truth": ex.answer},
+                    "extra_info": {"split": "train", "index": i},
+                }
+                for i, ex in enumerate(rows)
+            ]
+        ),
+        str(path),
+    )
     return rows
 
 
 def test_verl_layout_loads(tmp_path):
     rows = verl_parquet(tmp_path / "train.parquet")
-    got = load_prompts(str(tmp_path / "train.parquet"), prompt_key="prompt", answer_key="reward_model.ground_truth")
+    got = load_prompts(
+        str(tmp_path / "train.parquet"), prompt_key="prompt", answer_key="reward_model.ground_truth"
+    )
     assert [e.answer for e in got] == [r.answer for r in rows]
     assert got[0].prompt == ({"role": "user", "content": rows[0].prompt},)
     with pytest.raises(ValueError, match=r"column 'reward_model' holds a dict .* --answer-key "
@@ -82,14 +95,16 @@ def test_hub_dataset_names_read_the_local_cache_offline(tmp_path, monkeypatch):
 
     rows = {c: {s: [{"question": f"{c} {s} {i}", "answer": f"#### {i}"} for i in range(n)]
                 for s, n in (("train", 5), ("test", 2))} for c in ("main", "socratic")}
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "acme/gsm8k",
-                                                                                   rows)))
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_CACHE", str(hub_cache(tmp_path / "hub", "acme/gsm8k", rows))
+    )
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     got = load_prompts("acme/gsm8k:main", prompt_key="question")
     assert [(e.prompt, e.answer) for e in got] == [(f"main train {i}", f"#### {i}") for i in range(5)]
     got = load_prompts("acme/gsm8k:socratic@test", prompt_key="question")
     assert [e.prompt for e in got] == ["socratic test 0", "socratic test 1"]
-    hub_cache(tmp_path / "hub", "acme/one", {"default": rows["main"]}, readme=False)  # split names from the files
+    # split names from the files
+    hub_cache(tmp_path / "hub", "acme/one", {"default": rows["main"]}, readme=False)
     assert len(load_prompts("acme/one", prompt_key="question")) == 5
     for spec, message in (("acme/gsm8k", "Config name is missing"), ("acme/gsm8k:nope", "'nope' not found"),
                           ("acme/gsm8k:main@dev", "split dev"),
@@ -114,7 +129,9 @@ def _flags(prompt_data: str) -> dict:
 def test_message_prompts_render_like_text_prompts():
     tok = bpe_tokenizer()
     text = "What is 3 + 5?"
-    as_text = encode_prompt(tok, text, chat_template=True, system_prompt="Be brief.", template="{prompt} Think.")
+    as_text = encode_prompt(
+        tok, text, chat_template=True, system_prompt="Be brief.", template="{prompt} Think."
+    )
     as_messages = encode_prompt(tok, ({"role": "user", "content": text},), chat_template=False,
                                 system_prompt="Be brief.", template="{prompt} Think.")
     assert as_text == as_messages
@@ -141,7 +158,8 @@ def gsm8k_digits(prompt, response, answer, metadata):
 def test_verl_parquet_run_killed_resumed_and_exported(tmp_path):
     """The user's data in, the trained model out (issue 54's bar): GRPO on a verl-format parquet (message
     prompts, ``reward_model.ground_truth``, a metadata column read by a ``file.py:function`` reward), a YAML
-    written the NeMo-RL way (``lr: 1e-5``, unprefixed keys) and a dotted override, two overlong prompts dropped
+    written the NeMo-RL way (``lr: 1e-5``, unprefixed keys) and a dotted override, two overlong prompts
+    dropped
     at load; ``kill -9`` after step 2's checkpoint, the same command again resumes and finishes; ``export-hf``
     of the run loads in transformers with logits equal to the Megatron policy's (fp32, < 1e-4) and equals the
     run's own ``--save-hf`` folder."""
@@ -165,18 +183,42 @@ def test_verl_parquet_run_killed_resumed_and_exported(tmp_path):
     pq.write_table(pa.Table.from_pylist(table), str(data))
     (tmp_path / "my_reward.py").write_text(BAR_REWARD)
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("data:\n  prompt_key: prompt\n  answer_key: reward_model.ground_truth\n  max_prompt_length: 96\n"
-                   f"  reward: {tmp_path / 'my_reward.py'}:gsm8k_digits\n"
-                   "grpo:\n  lr: 1e-5\n  group_size: 2\n  prompts_per_step: 2\n  micro_batch_size: 4\n"
-                   "rollout:\n  max_new_tokens: 8\n  max_batch_size: 8\n  dtype: float32\n"
-                   "checkpoint:\n  save_interval: 1\n")
+    cfg.write_text(
+        "data:\n  prompt_key: prompt\n  answer_key: reward_model.ground_truth\n  max_prompt_length: 96\n"
+        f"  reward: {tmp_path / 'my_reward.py'}:gsm8k_digits\n"
+        "grpo:\n  lr: 1e-5\n  group_size: 2\n  prompts_per_step: 2\n  micro_batch_size: 4\n"
+        "rollout:\n  max_new_tokens: 8\n  max_batch_size: 8\n  dtype: float32\n"
+        "checkpoint:\n  save_interval: 1\n"
+    )
     run = tmp_path / "run"
     steps = 6
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(ROOT / "launch" / "pretrain_grpo_spec.py"), "--config", str(cfg),
-           "--hf-checkpoint", model, "--prompt-data", str(data), "--make-vocab-size-divisible-by", "8",
-           "--save", str(run), "--quiet", "--tensorboard-dir", "none", "--dump-rollouts", "--rollout-num-threads",
-           "1", f"grpo.train_iters={steps}", "data.apply_chat_template_kwargs=" '{"unused_variable": true}']
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(ROOT / "launch" / "pretrain_grpo_spec.py"),
+        "--config",
+        str(cfg),
+        "--hf-checkpoint",
+        model,
+        "--prompt-data",
+        str(data),
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--save",
+        str(run),
+        "--quiet",
+        "--tensorboard-dir",
+        "none",
+        "--dump-rollouts",
+        "--rollout-num-threads",
+        "1",
+        f"grpo.train_iters={steps}",
+        'data.apply_chat_template_kwargs={"unused_variable": true}',
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     first = subprocess.Popen(cmd, cwd=str(ROOT), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, start_new_session=True)
@@ -208,14 +250,24 @@ def test_verl_parquet_run_killed_resumed_and_exported(tmp_path):
     assert "lr: 1.0e-05" in saved and "answer_key: reward_model.ground_truth" in saved
     dumped = [json.loads(x) for x in (run / "rollouts" / f"step_{steps:06d}.jsonl").read_text().splitlines()]
     tok = transformers.AutoTokenizer.from_pretrained(model)
-    assert all(tok.decode(r["prompt_ids"]).startswith("<|begin_of_text|><|start_header_id|>user") for r in dumped)
+    assert all(
+        tok.decode(r["prompt_ids"]).startswith("<|begin_of_text|><|start_header_id|>user") for r in dumped
+    )
 
     out = tmp_path / "export"
     cli("export-hf", str(run), "--out", str(out))
     same_folder(run / "hf", out)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out / "policy"), dtype=torch.float32).eval()
-    ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)])
+    ids = torch.tensor(
+        [
+            tok.apply_chat_template(
+                [{"role": "user", "content": "What is 12 + 30?"}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        ]
+    )
     with torch.no_grad():
         theirs = hf(input_ids=ids).logits.float()
     ours = megatron_logits(model, run / f"iter_{steps:07d}", ids).float()

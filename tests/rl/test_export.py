@@ -38,7 +38,7 @@ def tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def same_folder(a: Path, b: Path) -> None:
     """The policy's tensors bit for bit, every other file byte for byte (export.json names its own origin)."""
-    names = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())  # noqa: E731
+    names = lambda d: sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
     assert names(a) == names(b)
     ta, tb = tensors(a / "policy"), tensors(b / "policy")
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
@@ -48,7 +48,8 @@ def same_folder(a: Path, b: Path) -> None:
 
 
 def megatron_logits(target: str, iter_dir: Path, ids: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's policy in a Megatron GPTModel of its own (TP=1 whatever TP it was saved at: megatron-core
+    """The checkpoint's policy in a Megatron GPTModel of its own (TP=1 whatever TP it was saved at:
+    megatron-core
     reshards it; a subprocess: megatron-core's state stays out of this one)."""
     logits = iter_dir.parent / "logits.pt"
     script = f"""
@@ -67,8 +68,14 @@ with torch.no_grad():
     out = model(ids, torch.arange(ids.shape[1]).unsqueeze(0), attention_mask=None)[..., :cfg.vocab_size]
 torch.save(out, {str(logits)!r})
 """
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=str(ROOT), env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                   timeout=300, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", script],
+        check=True,
+        cwd=str(ROOT),
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        timeout=300,
+        capture_output=True,
+    )
     return torch.load(logits)
 
 
@@ -77,9 +84,22 @@ def test_save_hf_equals_export_hf_and_loads_in_transformers(setup, tmp_path, tp)
     import transformers
 
     run = tmp_path / "run"
-    grpo(setup, run, "--train-iters", "2", "--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3,
-         "--spec-online-draft-training", "--tensor-model-parallel-size", str(tp), "--rollout-dtype", "float32",
-         nproc=tp)
+    grpo(
+        setup,
+        run,
+        "--train-iters",
+        "2",
+        "--spec-draft-kind",
+        "eagle3",
+        "--spec-draft-path",
+        setup.eagle3,
+        "--spec-online-draft-training",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--rollout-dtype",
+        "float32",
+        nproc=tp,
+    )
     saved = run / "hf"
     record = json.loads((saved / "export.json").read_text())
     assert record["step"] == 2 and record["policy_version"] == 2 and record["draft"] == "eagle3"
@@ -113,7 +133,8 @@ def test_our_engine_serves_the_export_with_its_draft(setup, tmp_path):
     grpo(setup, run, "--train-iters", "1", "--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3,
          "--rollout-dtype", "float32")
     policy, draft = run / "hf" / "policy", run / "hf" / "eagle3"
-    assert json.loads((run / "hf" / "export.json").read_text())["draft"] == "eagle3"  # the static draft, copied
+    # the static draft, copied
+    assert json.loads((run / "hf" / "export.json").read_text())["draft"] == "eagle3"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in
                                enumerate(["What is 3 plus 4?", "Add 10 and 21.", "Sum of 7 and 8?"])))
@@ -121,9 +142,25 @@ def test_our_engine_serves_the_export_with_its_draft(setup, tmp_path):
     for kind in ("eagle3", "none"):
         extra = ["--spec-draft-path", str(draft)] if kind == "eagle3" else []
         out = tmp_path / f"{kind}.jsonl"
-        proc = cli("generate", "--hf-checkpoint", str(policy), "--prompts", str(prompts), "--output", str(out),
-                   "--spec-draft-kind", kind, *extra, "--rollout-temperature", "0", "--rollout-max-new-tokens", "16",
-                   "--rollout-dtype", "float32", "--no-progress")
+        proc = cli(
+            "generate",
+            "--hf-checkpoint",
+            str(policy),
+            "--prompts",
+            str(prompts),
+            "--output",
+            str(out),
+            "--spec-draft-kind",
+            kind,
+            *extra,
+            "--rollout-temperature",
+            "0",
+            "--rollout-max-new-tokens",
+            "16",
+            "--rollout-dtype",
+            "float32",
+            "--no-progress",
+        )
         got[kind] = {json.loads(x)["id"]: json.loads(x)["output_ids"] for x in out.read_text().splitlines()}
         summary = json.loads(proc.stdout.strip().splitlines()[-1])
         if kind == "eagle3":

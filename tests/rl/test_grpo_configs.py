@@ -21,9 +21,18 @@ from tests.rl.test_grpo_e2e import grpo, metrics
 
 pytestmark = pytest.mark.dist
 
-TRAIN_KEYS = ("loss/pg", "loss/kl", "train/clip_frac", "train/ratio_mean", "train/ratio_max", "train/grad_norm",
-              "train/entropy", "mismatch/logprob_abs_diff_max", "mismatch/logprob_abs_diff_mean",
-              "mismatch/out_of_support_frac")
+TRAIN_KEYS = (
+    "loss/pg",
+    "loss/kl",
+    "train/clip_frac",
+    "train/ratio_mean",
+    "train/ratio_max",
+    "train/grad_norm",
+    "train/entropy",
+    "mismatch/logprob_abs_diff_max",
+    "mismatch/logprob_abs_diff_mean",
+    "mismatch/out_of_support_frac",
+)
 
 
 def finite(rows: list[dict]) -> None:
@@ -59,8 +68,10 @@ def test_truncated_sampling_with_a_bf16_engine(setup, tmp_path, sampling, bounda
     from megatron_spec.isa import probe
 
     if boundary and not probe().native_bf16:
-        pytest.skip(f"the engine computes bf16 only where the CPU does ({probe().why_not_bf16()}); here it runs "
-                    f"fp32 like the verifier, so no token falls outside the verifier's support")
+        pytest.skip(
+            f"the engine computes bf16 only where the CPU does ({probe().why_not_bf16()}); here it runs "
+            f"fp32 like the verifier, so no token falls outside the verifier's support"
+        )
     run = tmp_path / "run"
     grpo(setup, run, "--train-iters", "2", "--rollout-temperature", "1.0", "--rollout-dtype", "bfloat16",
          "--tis-cap", "2", *sampling)
@@ -72,25 +83,62 @@ def test_truncated_sampling_with_a_bf16_engine(setup, tmp_path, sampling, bounda
     assert all(0 < r["train/entropy"] for r in m)
     assert all(r["train/samples_trained"] >= 1 and r["train/optimizer_steps"] == 1 for r in m)
     if boundary:
-        assert any(r["mismatch/out_of_support_frac"] > 0 for r in m), "no boundary token: the test tests nothing"
+        assert any(r["mismatch/out_of_support_frac"] > 0 for r in m), (
+            "no boundary token: the test tests nothing"
+        )
 
 
-@pytest.mark.parametrize("extra, check", [
-    (["--kl-coef", "0.01"], lambda m: m[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6) and m[-1]["loss/kl"] > 0),
-    (["--loss-agg", "sequence"], lambda m: all(r["train/samples_trained"] == 8 for r in m)),
-    (["--tis-cap", "2", "--rollout-temperature", "1.0"], lambda m: all(r["train/ratio_max"] < 1.5 for r in m)),
-    # greedy rollouts: the 2 samples of a prompt coincide, every group's rewards are equal, dynamic
-    # sampling leaves nothing: no optimizer step. Cosine from 1e-3 to 1e-4 over 2 steps: t = 0, 1/2
-    # -> 1e-3, 1e-4 + 9e-4 (1 + cos(pi / 2)) / 2 = 5.5e-4
-    (["--dynamic-sampling", "--rollout-temperature", "0", "--lr-decay-style", "cosine", "--lr-min", "1e-4"],
-     lambda m: all(r["train/groups_filtered"] == 4 and r["train/samples_trained"] == 0
-                   and r["train/optimizer_steps"] == 0 and r["train/grad_norm"] == 0 for r in m)
-     and [r["train/lr"] for r in m] == pytest.approx([1e-3, 5.5e-4])),
-    # 12 new tokens: the tiny model rarely ends a response, most are cut and leave the loss
-    (["--truncated-responses", "drop", "--lr-decay-style", "linear"],
-     lambda m: all(r["train/truncated_dropped"] > 0 and r["train/samples_trained"] == 8 - r["train/truncated_dropped"]
-                   for r in m) and [r["train/lr"] for r in m] == pytest.approx([1e-3, 5e-4])),
-], ids=["kl", "sequence", "tis", "dynamic_sampling_cosine", "truncated_drop_linear"])
+@pytest.mark.parametrize(
+    "extra, check",
+    [
+        (
+            ["--kl-coef", "0.01"],
+            lambda m: m[0]["loss/kl"] == pytest.approx(0.0, abs=1e-6) and m[-1]["loss/kl"] > 0,
+        ),
+        (["--loss-agg", "sequence"], lambda m: all(r["train/samples_trained"] == 8 for r in m)),
+        (
+            ["--tis-cap", "2", "--rollout-temperature", "1.0"],
+            lambda m: all(r["train/ratio_max"] < 1.5 for r in m),
+        ),
+        # greedy rollouts: the 2 samples of a prompt coincide, every group's rewards are equal, dynamic
+        # sampling leaves nothing: no optimizer step. Cosine from 1e-3 to 1e-4 over 2 steps: t = 0, 1/2
+        # -> 1e-3, 1e-4 + 9e-4 (1 + cos(pi / 2)) / 2 = 5.5e-4
+        (
+            [
+                "--dynamic-sampling",
+                "--rollout-temperature",
+                "0",
+                "--lr-decay-style",
+                "cosine",
+                "--lr-min",
+                "1e-4",
+            ],
+            lambda m: (
+                all(
+                    r["train/groups_filtered"] == 4
+                    and r["train/samples_trained"] == 0
+                    and r["train/optimizer_steps"] == 0
+                    and r["train/grad_norm"] == 0
+                    for r in m
+                )
+                and [r["train/lr"] for r in m] == pytest.approx([1e-3, 5.5e-4])
+            ),
+        ),
+        # 12 new tokens: the tiny model rarely ends a response, most are cut and leave the loss
+        (
+            ["--truncated-responses", "drop", "--lr-decay-style", "linear"],
+            lambda m: (
+                all(
+                    r["train/truncated_dropped"] > 0
+                    and r["train/samples_trained"] == 8 - r["train/truncated_dropped"]
+                    for r in m
+                )
+                and [r["train/lr"] for r in m] == pytest.approx([1e-3, 5e-4])
+            ),
+        ),
+    ],
+    ids=["kl", "sequence", "tis", "dynamic_sampling_cosine", "truncated_drop_linear"],
+)
 def test_loss_options_in_the_loop(setup, tmp_path, extra, check):
     run = tmp_path / "run"
     grpo(setup, run, "--train-iters", "2", *extra)
@@ -99,8 +147,11 @@ def test_loss_options_in_the_loop(setup, tmp_path, extra, check):
     assert check(m), m
 
 
-@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "1"], ["--tensor-model-parallel-size", "2"]],
-                         ids=["dp2", "tp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["--tensor-model-parallel-size", "1"], ["--tensor-model-parallel-size", "2"]],
+    ids=["dp2", "tp2"],
+)
 def test_two_ranks_report_what_one_rank_does(setup, tmp_path, layout):
     """One step from the same start and the same rollouts (rank 0's engine, same seed) on one rank
     and on two. DP=2: before, the metrics were rank 0's half of the tokens; now the sums are over
@@ -114,8 +165,18 @@ def test_two_ranks_report_what_one_rank_does(setup, tmp_path, layout):
     grpo(setup, one, *common)
     grpo(setup, two, *common, *layout, nproc=2)
     a, b = metrics(one)[0], metrics(two)[0]
-    assert (one / "rollouts" / "step_000001.jsonl").read_text() == (two / "rollouts" / "step_000001.jsonl").read_text()
+    assert (one / "rollouts" / "step_000001.jsonl").read_text() == (
+        two / "rollouts" / "step_000001.jsonl"
+    ).read_text()
     assert a["train/samples_trained"] == b["train/samples_trained"] == 8
-    for key in ("loss/pg", "train/entropy", "train/ratio_mean", "train/clip_frac", "mismatch/logprob_abs_diff_mean",
-                "mismatch/logprob_abs_diff_max", "mismatch/out_of_support_frac", "train/grad_norm"):
+    for key in (
+        "loss/pg",
+        "train/entropy",
+        "train/ratio_mean",
+        "train/clip_frac",
+        "mismatch/logprob_abs_diff_mean",
+        "mismatch/logprob_abs_diff_max",
+        "mismatch/out_of_support_frac",
+        "train/grad_norm",
+    ):
         assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a[key], b[key])

@@ -27,13 +27,43 @@ pytestmark = pytest.mark.dist
 
 def grpo(setup, run_dir: Path, *extra: str, nproc: int = 1, env: dict | None = None, check: bool = True,
          timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(LAUNCH),
-           "--hf-checkpoint", setup.target, "--prompt-data", "synthetic:sum",
-           "--reward", "tests.rl.rewards_for_tests:digit_share", "--make-vocab-size-divisible-by", "8",
-           "--prompts-per-step", "4", "--grpo-group-size", "2", "--micro-batch-size", "4",
-           "--rollout-max-new-tokens", "12", "--rollout-max-batch-size", "8", "--rollout-num-threads", "1",
-           "--lr", "1e-3", "--save", str(run_dir), "--quiet", "--tensorboard-dir", "none", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(LAUNCH),
+        "--hf-checkpoint",
+        setup.target,
+        "--prompt-data",
+        "synthetic:sum",
+        "--reward",
+        "tests.rl.rewards_for_tests:digit_share",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--grpo-group-size",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--rollout-max-new-tokens",
+        "12",
+        "--rollout-max-batch-size",
+        "8",
+        "--rollout-num-threads",
+        "1",
+        "--lr",
+        "1e-3",
+        "--save",
+        str(run_dir),
+        "--quiet",
+        "--tensorboard-dir",
+        "none",
+        *extra,
+    ]
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=str(ROOT))
     if check and proc.returncode != 0:
@@ -70,7 +100,11 @@ def test_greedy_speculation_on_off_identical_rollouts_and_checkpoints(setup, tmp
     assert metrics(ar)[0]["spec/accept_length"] == 1.0 and "vllm/spec_acceptance_rate" not in metrics(ar)[0]
     for r in m:  # the NeMo-RL / SkyRL names beside ours: the same counts, positions 1-based
         assert r["vllm/spec_acceptance_length"] == pytest.approx(r["spec/accept_length"])
-        assert r["vllm/spec_num_accepted_tokens"] <= r["vllm/spec_num_draft_tokens"] <= 3 * r["vllm/spec_num_drafts"]
+        assert (
+            r["vllm/spec_num_accepted_tokens"]
+            <= r["vllm/spec_num_draft_tokens"]
+            <= 3 * r["vllm/spec_num_drafts"]
+        )
         assert r["vllm/train/draft_acceptance_rate_pos_1"] == r["spec/accept_rate_pos0"]
     a, b = model_state(spec, 5), model_state(ar, 5)
     assert a.keys() == b.keys() and any(k.startswith("optimizer.state.exp_avg.") for k in a)
@@ -119,7 +153,8 @@ def test_resume_resharded_from_tp2_to_tp1_dp2(setup, tmp_path):
     wa, wb = model_state(straight, 3), model_state(moved, 3)
     assert wa.keys() == wb.keys()
     for k in wa:
-        if "word_embeddings" in k or "output_layer" in k:  # the vocabulary's padding differs by TP (and its AdamW state)
+        # the vocabulary's padding differs by TP (and its AdamW state)
+        if "word_embeddings" in k or "output_layer" in k:
             n = min(wa[k].shape[0], wb[k].shape[0])
             wa[k], wb[k] = wa[k][:n], wb[k][:n]
         assert torch.allclose(wa[k], wb[k], rtol=1e-4, atol=1e-6), k
@@ -127,8 +162,17 @@ def test_resume_resharded_from_tp2_to_tp1_dp2(setup, tmp_path):
 
 def test_dead_engine_is_restarted_and_the_step_retried(setup, tmp_path):
     run = tmp_path / "run"
-    proc = grpo(setup, run, "--train-iters", "3", "--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3,
-                env={"MEGATRON_SPEC_FAULTS": "engine_exit_at_generate=2", "MEGATRON_SPEC_FAULTS_DIR": str(tmp_path)})
+    proc = grpo(
+        setup,
+        run,
+        "--train-iters",
+        "3",
+        "--spec-draft-kind",
+        "eagle3",
+        "--spec-draft-path",
+        setup.eagle3,
+        env={"MEGATRON_SPEC_FAULTS": "engine_exit_at_generate=2", "MEGATRON_SPEC_FAULTS_DIR": str(tmp_path)},
+    )
     assert "restarting it" in proc.stderr
     assert [r["step"] for r in metrics(run)] == [1, 2, 3]
 
@@ -144,11 +188,20 @@ def test_nan_loss_stops_before_a_checkpoint(setup, tmp_path):
     assert [r["step"] for r in metrics(run)] == [1]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--max-prompt-length", "3"], "every prompt is longer than --max-prompt-length 3"),
-    (["--reward", "tests.rl.rewards_for_tests:raises"], "reward function 'tests.rl.rewards_for_tests:raises' raised"),
-    (["--tensor-model-parallel-size", "2"], "does not divide num_attention_heads|does not divide num_key_value_heads"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-prompt-length", "3"], "every prompt is longer than --max-prompt-length 3"),
+        (
+            ["--reward", "tests.rl.rewards_for_tests:raises"],
+            "reward function 'tests.rl.rewards_for_tests:raises' raised",
+        ),
+        (
+            ["--tensor-model-parallel-size", "2"],
+            "does not divide num_attention_heads|does not divide num_key_value_heads",
+        ),
+    ],
+)
 def test_bad_input_is_named(setup, tmp_path, extra, message):
     nproc = 2 if "--tensor-model-parallel-size" in extra else 1
     if nproc == 2:
@@ -189,7 +242,9 @@ def test_async_policy_lag(setup, tmp_path, lag=1):
     # batch t (0-based) was generated by version max(0, t - lag), every rollout says so
     assert [r["rollout/policy_version"] for r in m] == [max(0, t - lag) for t in range(4)]
     for t in range(4):
-        rows = [json.loads(x) for x in (run / "rollouts" / f"step_{t + 1:06d}.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(x) for x in (run / "rollouts" / f"step_{t + 1:06d}.jsonl").read_text().splitlines()
+        ]
         assert {r["policy_version"] for r in rows} == {max(0, t - lag)}
     assert all(r["gen/exposed_s"] <= r["gen/seconds"] + 1e-6 for r in m)
 
@@ -207,7 +262,8 @@ def test_online_draft_training_in_the_loop(setup, tmp_path, kind, nproc):
     assert all(r["capture/rows"] > 0 and r["sync/bytes"] > 0 for r in m)
     assert [r["draft/step"] for r in m] == [1.0, 2.0, 3.0]
     meta = json.loads((run / "iter_0000003" / "trainer_state.json").read_text())
-    assert meta["draft_state"] and (run / "iter_0000003" / "metadata.json").exists()  # the draft trainer resumes
+    # the draft trainer resumes
+    assert meta["draft_state"] and (run / "iter_0000003" / "metadata.json").exists()
     # with the policy: its state is a per-rank object of the checkpoint
     assert any((run / "iter_0000003" / "draft").iterdir())  # and its export, in the serving layout
     if kind == "eagle3":
@@ -231,6 +287,15 @@ def test_held_out_evaluation_first_every_n_and_final(setup, tmp_path):
             if r.get(key) is not None:
                 assert 0.0 <= r[key] <= 1.0
         assert r["time/step"] > 0 and r.get("time/eval", 0.0) >= 0.0
-    proc = grpo(setup, tmp_path / "bad", "--train-iters", "1", "--eval-interval", "1", "--async-policy-lag", "1",
-                check=False)
+    proc = grpo(
+        setup,
+        tmp_path / "bad",
+        "--train-iters",
+        "1",
+        "--eval-interval",
+        "1",
+        "--async-policy-lag",
+        "1",
+        check=False,
+    )
     assert proc.returncode != 0 and "--eval-interval needs a synchronous run" in proc.stderr

@@ -18,15 +18,22 @@ from pathlib import Path
 import pytest
 
 from tests.dist_utils import free_port
-from tests.rollout.test_vllm_backend import chat, smollm2, smollm2_eagle3  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.vllm, pytest.mark.dist, pytest.mark.slow]
 STEPS, PROMPTS, GROUP = 3, 3, 2
 
 
-def grpo(model: str, draft: str | None, run_dir: Path, backend: str, env: dict | None = None, extra: tuple = (),
-         steps: int = STEPS, ok: bool = True):
+def grpo(
+    model: str,
+    draft: str | None,
+    run_dir: Path,
+    backend: str,
+    env: dict | None = None,
+    extra: tuple = (),
+    steps: int = STEPS,
+    ok: bool = True,
+):
     """The run's metrics rows (``ok``), else its failed process."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / "launch" / "pretrain_grpo_spec.py"),
@@ -54,7 +61,9 @@ def rollouts(run_dir: Path, step: int) -> list[tuple]:
     return [(tuple(r["prompt_ids"]), tuple(r["response_ids"])) for r in rows]
 
 
-def test_grpo_with_vllm_survives_a_kill_falls_back_and_matches_the_native_engine(smollm2, smollm2_eagle3, tmp_path):
+def test_grpo_with_vllm_survives_a_kill_falls_back_and_matches_the_native_engine(
+    smollm2, smollm2_eagle3, tmp_path
+):
     """One vLLM run through two faults. vLLM is killed in step 2's rollouts and restarted (nothing lost). The
     online draft's first update is corrupted (``corrupt_draft=1``): step 2 drafts garbage, the acceptance
     watchdog (window 1) falls back, and since vLLM fixes its speculative method at start-up the fallback
@@ -71,7 +80,8 @@ def test_grpo_with_vllm_survives_a_kill_falls_back_and_matches_the_native_engine
     assert (faults / "fired-engine_kill_in_generate").exists() and (faults / "fired-corrupt_draft").exists()
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     assert got[-1]["rollout/engine_restarts"] == 1
-    assert [m["rollout/policy_version"] for m in got] == list(range(STEPS))  # each step from the newest policy
+    # each step from the newest policy
+    assert [m["rollout/policy_version"] for m in got] == list(range(STEPS))
     assert "fallback" in [m["spec/watchdog"] for m in got[:2]]
     assert got[-1]["spec/num_draft_tokens"] == 0 and got[-1]["spec/accept_length"] == 1.0, got[-1]
     # in the run: vLLM's greedy tokens equal the native engine's holding the same weights, every step

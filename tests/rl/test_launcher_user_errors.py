@@ -31,7 +31,9 @@ def models(tmp_path_factory):
     from megatron_spec.models.hf_config import DecoderConfig
 
     root = tmp_path_factory.mktemp("launcher_errors")
-    small = dict(family="qwen3", num_layers=2, intermediate_size=64, num_attention_heads=2, num_kv_heads=1, seed=3)
+    small = dict(
+        family="qwen3", num_layers=2, intermediate_size=64, num_attention_heads=2, num_kv_heads=1, seed=3
+    )
     target = make_hf_checkpoint(root / "target", hidden_size=32, **small)
     other = make_hf_checkpoint(root / "other", hidden_size=48, **small)
     save_eagle3(random_eagle3(DecoderConfig.from_pretrained(other), 5), root / "eagle3_other")
@@ -89,12 +91,18 @@ def test_tv_weight_is_checked_where_the_flags_are(models):
 
 # the four errors a newcomer met: the flags, and the one line each must print
 FOUR_ERRORS = {
-    "missing checkpoint": (["--hf-checkpoint", "/nonexistent"],
-                           "error: --hf-checkpoint /nonexistent: no such directory (an HF checkpoint directory)"),
-    "draft for another model": (["--spec-draft-kind", "eagle3", "--spec-draft-path", "EAGLE3_OTHER"],
-                                "error: --spec-draft-path (eagle3): draft hidden_size 48 != target hidden_size 32"),
-    "eval without eval data": (["--prompt-data", "PROMPTS", "--eval-interval", "1"],
-                               "error: --eval-interval with a file prompt set needs --eval-data (held-out prompts)"),
+    "missing checkpoint": (
+        ["--hf-checkpoint", "/nonexistent"],
+        "error: --hf-checkpoint /nonexistent: no such directory (an HF checkpoint directory)",
+    ),
+    "draft for another model": (
+        ["--spec-draft-kind", "eagle3", "--spec-draft-path", "EAGLE3_OTHER"],
+        "error: --spec-draft-path (eagle3): draft hidden_size 48 != target hidden_size 32",
+    ),
+    "eval without eval data": (
+        ["--prompt-data", "PROMPTS", "--eval-interval", "1"],
+        "error: --eval-interval with a file prompt set needs --eval-data (held-out prompts)",
+    ),
     "missing config": (["--config", "/nonexistent.yaml"], "error: --config /nonexistent.yaml: no such file"),
 }
 
@@ -106,8 +114,9 @@ def _launch(models, tmp_path, extra, runner):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.run([sys.executable, *runner(args)], capture_output=True, text=True, timeout=300, env=env,
-                          cwd=str(ROOT))
+    return subprocess.run(
+        [sys.executable, *runner(args)], capture_output=True, text=True, timeout=300, env=env, cwd=str(ROOT)
+    )
 
 
 @pytest.mark.parametrize("name", list(FOUR_ERRORS))
@@ -130,11 +139,32 @@ def test_nproc_per_node_checks_once_then_starts_the_workers(models, tmp_path):
         "import os\nif 'LOCAL_RANK' in os.environ:\n    raise ValueError('only in workers')\n"
         "def fn(prompt, response, answer):\n    return 0.0\n")
     env_path = f"{ROOT}{os.pathsep}{tmp_path}"
-    cmd = [sys.executable, str(LAUNCH), "--nproc-per-node", "2", "--hf-checkpoint", models["target"],
-           "--prompt-data", "synthetic:sum", "--reward", "worker_only_reward:fn", "--save", str(tmp_path / "run")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=str(ROOT),
-                          env={k: v for k, v in dict(os.environ, PYTHONPATH=env_path, OMP_NUM_THREADS="1").items()
-                               if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")})
+    cmd = [
+        sys.executable,
+        str(LAUNCH),
+        "--nproc-per-node",
+        "2",
+        "--hf-checkpoint",
+        models["target"],
+        "--prompt-data",
+        "synthetic:sum",
+        "--reward",
+        "worker_only_reward:fn",
+        "--save",
+        str(tmp_path / "run"),
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+        env={
+            k: v
+            for k, v in dict(os.environ, PYTHONPATH=env_path, OMP_NUM_THREADS="1").items()
+            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+        },
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines() == ["pretrain_grpo_spec.py: error: --reward: only in workers"]
 
@@ -165,7 +195,9 @@ def test_sglang_missing_on_a_gpu_is_one_line_naming_the_native_backend(models, m
     with pytest.raises(ConfigError) as info:
         check_inputs(_cfg(models, rollout__rollout_backend=backend))
     message = str(info.value)
-    assert "\n" not in message and "--rollout-backend native" in message and "sglang does not import" in message
+    assert (
+        "\n" not in message and "--rollout-backend native" in message and "sglang does not import" in message
+    )
     assert ("defaults to sglang on a GPU" in message) == (backend is None)
     check_inputs(_cfg(models, rollout__rollout_backend="native"))  # the way out works
 
@@ -186,20 +218,25 @@ def test_openmp_waits_passively_only_where_generation_overlaps_training():
 
 def test_a_folder_a_live_run_holds_is_refused_in_one_line(models, tmp_path):
     """A run whose launcher was killed alone leaves its workers training into --save; a second run started
-    there would write into the same checkpoints: refused while the first holds the folder's lock, in one line."""
+    there would write into the same checkpoints: refused while the first holds the folder's lock, in one
+    line."""
     from megatron_spec.rl.checkpoint import check_run_folder_free, hold_run_folder
 
     run = tmp_path / "run"
     check_run_folder_free(str(run))  # no folder, no lock file: free
     fd = hold_run_folder(str(run))  # the live run's rank 0
     try:
-        with pytest.raises(ConfigError, match=rf"--save {run} is in use by a live run \(pid {os.getpid()} on "):
+        with pytest.raises(
+            ConfigError, match=rf"--save {run} is in use by a live run \(pid {os.getpid()} on "
+        ):
             check_run_folder_free(str(run))
         with pytest.raises(ConfigError, match="in use by a live run"):
             hold_run_folder(str(run), wait_s=0.2)
         proc = _launch(models, tmp_path, [], lambda args: args)
         assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
-        assert proc.stderr.startswith(f"pretrain_grpo_spec.py: error: --save {run} is in use by a live run (pid ")
+        assert proc.stderr.startswith(
+            f"pretrain_grpo_spec.py: error: --save {run} is in use by a live run (pid "
+        )
     finally:
         os.close(fd)
     check_run_folder_free(str(run))  # that run ended: the folder is free again

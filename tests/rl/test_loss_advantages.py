@@ -43,7 +43,9 @@ def test_clipping_decoupled_bounds():
     lp = torch.tensor([[0.5, -0.5]], requires_grad=True)
     mask = torch.ones(1, 2)
     # A > 0: the high ratio is clipped at 1 + 0.28 (the min picks the clipped term), the low one is not
-    loss, st = grpo_loss(lp, old, torch.tensor([1.0]), mask, clip_eps_low=0.2, clip_eps_high=0.28, normalizer=2.0)
+    loss, st = grpo_loss(
+        lp, old, torch.tensor([1.0]), mask, clip_eps_low=0.2, clip_eps_high=0.28, normalizer=2.0
+    )
     expected = -(1.28 + math.exp(-0.5)) / 2
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     assert st.clipped == 1
@@ -60,7 +62,9 @@ def test_k3_kl_and_sequence_aggregation():
     ref = torch.tensor([[-1.0, -0.5], [-2.0, -2.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     # k3 at token (0,1): d = 0.5 -> e^0.5 - 0.5 - 1 = 0.148721
-    loss, st = grpo_loss(lp, lp, torch.zeros(2), mask, ref_logprobs=ref, kl_coef=0.1, agg="sequence", normalizer=2.0)
+    loss, st = grpo_loss(
+        lp, lp, torch.zeros(2), mask, ref_logprobs=ref, kl_coef=0.1, agg="sequence", normalizer=2.0
+    )
     k3 = math.exp(0.5) - 1.5
     # sequence means: sample 0 (0 + 0.1 k3) / 2, sample 1: 0 -> sum / 2
     assert loss.item() == pytest.approx(0.1 * k3 / 2 / 2, rel=1e-6)
@@ -122,7 +126,8 @@ def test_truncated_is_weight_multiplies_the_kl_term_too():
     loss, st = grpo_loss(lp, lp.detach(), torch.zeros(1), torch.ones(1, 1), ref_logprobs=ref, kl_coef=0.1,
                          is_weights=w)
     assert loss.item() == pytest.approx(0.25 * 0.1 * k3, rel=1e-6)
-    assert st.pg_loss_sum == 0.0 and st.kl_sum == pytest.approx(k3, rel=1e-6)  # loss/kl stays the raw estimate
+    # loss/kl stays the raw estimate
+    assert st.pg_loss_sum == 0.0 and st.kl_sum == pytest.approx(k3, rel=1e-6)
 
 
 def test_split_never_drops_and_select_for_training():

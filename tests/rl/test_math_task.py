@@ -38,12 +38,17 @@ def test_generated_splits_load_and_the_math_reward_reads_their_answers(tmp_path)
     for module in MODULES:
         for split, n in (("train-easy", 40), ("interpolate", 20)):
             path = tmp_path / "a" / module / f"{split}.jsonl"
-            rows = load_prompts(str(path), prompt_key="question", answer_key="answer", cache_dir=str(tmp_path))
+            rows = load_prompts(
+                str(path), prompt_key="question", answer_key="answer", cache_dir=str(tmp_path)
+            )
             assert len(rows) == n and all(r.prompt and r.answer for r in rows)
             # every reference answer is rewarded as itself, and another problem's differing answer is not
             assert all(math(r.prompt, r.answer, r.answer) == 1.0 for r in rows), (module, split)
             others = [(r, o) for r, o in zip(rows, rows[1:]) if r.answer != o.answer]
-            assert others and all(math(r.prompt, o.answer, r.answer) == 0.0 for r, o in others), (module, split)
+            assert others and all(math(r.prompt, o.answer, r.answer) == 0.0 for r, o in others), (
+                module,
+                split,
+            )
     # the harder variant sits under the module's own folder where the generator has one
     big = [json.loads(x) for x in (tmp_path / "a" / "numbers__place_value" / "extrapolate.jsonl").open()]
     assert {r["module"] for r in big} == {"numbers__place_value_big"} and len(big) == 20

@@ -14,10 +14,14 @@ from pathlib import Path
 import pytest
 
 from megatron_spec.config import ConfigError
-from megatron_spec.rl.data import load_prompts
 from megatron_spec.config_values import parse_stop_strings
-from megatron_spec.rl.prompting import (encode_prompt, stop_string_end, stop_token_ids,
-                                        truncate_at_stop_strings)
+from megatron_spec.rl.data import load_prompts
+from megatron_spec.rl.prompting import (
+    encode_prompt,
+    stop_string_end,
+    stop_token_ids,
+    truncate_at_stop_strings,
+)
 from megatron_spec.rl.rewards import get_reward
 from megatron_spec.rollout.types import SampleOutput
 from tests.dist_utils import free_port
@@ -63,9 +67,15 @@ def test_plain_prompts_get_bos_only_where_the_tokenizer_adds_one(tok):
     from megatron_spec.models.tiny import char_tokenizer
 
     ids = encode_prompt(tok, "What is 3 + 5?", chat_template=False)
-    assert ids[0] == tok.convert_tokens_to_ids(BOS) and ids[1:] == tok("What is 3 + 5?", add_special_tokens=False)["input_ids"]
+    assert (
+        ids[0] == tok.convert_tokens_to_ids(BOS)
+        and ids[1:] == tok("What is 3 + 5?", add_special_tokens=False)["input_ids"]
+    )
     char = char_tokenizer()  # the demo's tokenizer adds nothing: its prompts are unchanged
-    assert encode_prompt(char, "3+4=", chat_template=False) == char("3+4=", add_special_tokens=False)["input_ids"]
+    assert (
+        encode_prompt(char, "3+4=", chat_template=False)
+        == char("3+4=", add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_eos_ids_come_from_config_generation_config_and_tokenizer(tmp_path, tok):
@@ -145,7 +155,9 @@ def test_datasets_folders_and_gsm8k_columns(tmp_path):
     # chat messages (verl's, slime's layout) load as messages (rendered with the chat template later)
     assert load_prompts(str(chat), cache_dir=str(tmp_path))[0].prompt == ({"role": "user", "content": "hi"},)
     chat.write_text(json.dumps({"prompt": [1, 2], "answer": "1"}) + "\n")
-    with pytest.raises(ValueError, match="row 0: column 'prompt' holds neither text nor a list of chat messages"):
+    with pytest.raises(
+        ValueError, match="row 0: column 'prompt' holds neither text nor a list of chat messages"
+    ):
         load_prompts(str(chat), cache_dir=str(tmp_path))
 
 
@@ -181,10 +193,13 @@ def test_native_engine_stops_at_an_eos_id_of_generation_config(tmp_path, tok):
     assert HFCheckpoint(ckpt).decoder_config.eos_token_ids == (eos, eot)
     srv = EngineServer(EngineConfig(model_path=ckpt, max_batch_size=16, context_length=64, num_threads=1))
     ids = encode_prompt(tok, "What is 3 + 5?", chat_template=True)
-    samples, _ = srv.generate([GenerateRequest("0", ids, SamplingParams(temperature=1.0, max_new_tokens=12), n=16)],
-                              seed=0)
+    samples, _ = srv.generate(
+        [GenerateRequest("0", ids, SamplingParams(temperature=1.0, max_new_tokens=12), n=16)], seed=0
+    )
     for s in samples:
-        assert not {eos, eot} & set(s.output_ids[:-1]) and (s.finish_reason == "stop") == (s.output_ids[-1] == eot)
+        assert not {eos, eot} & set(s.output_ids[:-1]) and (s.finish_reason == "stop") == (
+            s.output_ids[-1] == eot
+        )
     # p(<|eot_id|>) ~ 0.28 per token: all 16 run 12 tokens without it with probability ~ 0.02**16
     assert sum(s.finish_reason == "stop" for s in samples) >= 12
 
@@ -200,27 +215,77 @@ def test_launcher_chat_template_path_stops_at_eot_from_generation_config(tmp_pat
     eot = tok.convert_tokens_to_ids(EOT)
     data = tmp_path / "train.jsonl"
     questions = [f"What is {a} + {b}?" for a in range(1, 5) for b in range(1, 3)]
-    data.write_text("".join(json.dumps({"question": q, "answer": f"... #### {eval(q[8:-1])}"}) + "\n"  # noqa: S307
+    data.write_text("".join(json.dumps({"question": q, "answer": f"... #### {eval(q[8:-1])}"}) + "\n"
                             for q in questions))
     run = tmp_path / "run"
     max_new = 12
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(ROOT / "launch" / "pretrain_grpo_spec.py"),
-           "--hf-checkpoint", ckpt, "--prompt-data", str(data), "--prompt-key", "question", "--answer-key", "answer",
-           "--apply-chat-template", "--system-prompt", "Be brief.", "--reward", "math",
-           "--eval-data", str(data), "--eval-interval", "2", "--eval-prompts", "4",
-           "--make-vocab-size-divisible-by", "8", "--prompts-per-step", "4", "--grpo-group-size", "2",
-           "--micro-batch-size", "4", "--train-iters", "2", "--rollout-max-new-tokens", str(max_new),
-           "--rollout-max-batch-size", "8", "--rollout-num-threads", "1", "--rollout-dtype", "float32",
-           "--rollout-backend", "native", "--max-prompt-length", "64", "--lr", "1e-3",
-           "--save", str(run), "--quiet", "--tensorboard-dir", "none", "--dump-rollouts"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=1",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(ROOT / "launch" / "pretrain_grpo_spec.py"),
+        "--hf-checkpoint",
+        ckpt,
+        "--prompt-data",
+        str(data),
+        "--prompt-key",
+        "question",
+        "--answer-key",
+        "answer",
+        "--apply-chat-template",
+        "--system-prompt",
+        "Be brief.",
+        "--reward",
+        "math",
+        "--eval-data",
+        str(data),
+        "--eval-interval",
+        "2",
+        "--eval-prompts",
+        "4",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--prompts-per-step",
+        "4",
+        "--grpo-group-size",
+        "2",
+        "--micro-batch-size",
+        "4",
+        "--train-iters",
+        "2",
+        "--rollout-max-new-tokens",
+        str(max_new),
+        "--rollout-max-batch-size",
+        "8",
+        "--rollout-num-threads",
+        "1",
+        "--rollout-dtype",
+        "float32",
+        "--rollout-backend",
+        "native",
+        "--max-prompt-length",
+        "64",
+        "--lr",
+        "1e-3",
+        "--save",
+        str(run),
+        "--quiet",
+        "--tensorboard-dir",
+        "none",
+        "--dump-rollouts",
+    ]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-6000:]
     rows = [json.loads(x) for step in (1, 2)
             for x in (run / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
     assert len(rows) == 16
-    rendered = {tuple(encode_prompt(tok, q, chat_template=True, system_prompt="Be brief.")) for q in questions}
+    rendered = {
+        tuple(encode_prompt(tok, q, chat_template=True, system_prompt="Be brief.")) for q in questions
+    }
     assert all(tuple(r["prompt_ids"]) in rendered for r in rows)
     stops = {eot, tok.convert_tokens_to_ids(EOS)}
     for r in rows:

@@ -43,7 +43,10 @@ def test_report_writes_plots_and_a_summary_with_windows_and_held_out(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
     summary = open(files["summary"]).read()
     assert "- steps: 10 (policy version 10)" in summary
-    assert "reward: 0.150 (first 2 steps) -> 0.950 (last 2 steps); mean over 4 prompts x 2 samples per step" in summary
+    assert (
+        "reward: 0.150 (first 2 steps) -> 0.950 (last 2 steps); mean over 4 prompts x 2 samples per step"
+        in summary
+    )
     assert "after steps 0, 5, 10: 0.250 -> 0.500 -> 0.750" in summary
     assert "acceptance length: 3.00" in summary
 
@@ -88,7 +91,11 @@ def test_acceptance_axis_starts_at_one_and_the_legend_is_off_the_lines():
         legend_box = fig.legends[0].get_window_extent()
         assert not legend_box.overlaps(ax.get_window_extent())  # below the axes, never over a line
         assert [t.get_text() for t in fig.legends[0].get_texts()] == [
-            "accept length (tokens / verify)", "P(draft 1 accepted)", "P(draft 2 accepted)", "P(draft 3 accepted)"]
+            "accept length (tokens / verify)",
+            "P(draft 1 accepted)",
+            "P(draft 2 accepted)",
+            "P(draft 3 accepted)",
+        ]
     finally:
         plt.close(fig)
 

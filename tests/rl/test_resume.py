@@ -35,8 +35,11 @@ def test_plan_resume(tmp_path):
     run.mkdir()
     assert plan_resume(str(run), None, True) == (None, False)  # an empty folder
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ConfigError, match=r"holds a run with no complete checkpoint to resume \(metrics.jsonl\); "
-                                          r"--no-resume starts over"):
+    with pytest.raises(
+        ConfigError,
+        match=r"holds a run with no complete checkpoint to resume \(metrics.jsonl\); "
+        r"--no-resume starts over",
+    ):
         plan_resume(str(run), None, True)
     fake_checkpoint(run, 3, complete=False)  # a save that was killed
     with pytest.raises(ConfigError, match=r"metrics.jsonl, iter_0000003"):
@@ -65,8 +68,11 @@ def test_save_keep(tmp_path):
     fake_checkpoint(tmp_path, 5, complete=False)
     assert prune(str(tmp_path), 0) == []
     assert prune(str(tmp_path), 2) == ["iter_0000001", "iter_0000002"]
-    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004",
-                                                                                 "iter_0000005"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("iter_")) == [
+        "iter_0000003",
+        "iter_0000004",
+        "iter_0000005",
+    ]
 
 
 def test_a_resumed_run_drops_the_rows_it_writes_again(tmp_path):
@@ -75,8 +81,11 @@ def test_a_resumed_run_drops_the_rows_it_writes_again(tmp_path):
     w = MetricsWriter(str(path), resume_step=2)
     w.write({"step": 3, "x": 30})
     w.close()
-    assert [json.loads(x) for x in path.read_text().splitlines()] == [{"step": 1, "x": 1}, {"step": 2, "x": 2},
-                                                                       {"step": 3, "x": 30}]
+    assert [json.loads(x) for x in path.read_text().splitlines()] == [
+        {"step": 1, "x": 1},
+        {"step": 2, "x": 2},
+        {"step": 3, "x": 30},
+    ]
 
 
 def test_the_launcher_refuses_a_used_folder_in_one_line(tmp_path):
@@ -117,7 +126,8 @@ def test_step_line_eta_and_logging(capsys):
 
 
 def test_wandb_logger_offline(tmp_path, monkeypatch):
-    """``--logger jsonl,wandb``: W&B (offline, no network) gets every numeric metric by step, in the run folder,
+    """``--logger jsonl,wandb``: W&B (offline, no network) gets every numeric metric by step, in the run
+    folder,
     under an id fixed by the run folder (the same command started again continues the same W&B run)."""
     from megatron_spec.config import RunConfig
     from megatron_spec.telemetry import open_metrics
@@ -133,9 +143,13 @@ def test_wandb_logger_offline(tmp_path, monkeypatch):
     for start in (None, 1):
         w = open_metrics(cfg, str(run), start)
         ids.append(w._wandb.id)
-        w.write({"step": 1 if start is None else 2, "reward/mean": 0.25, "spec/accept_length": 2.5, "note": "x"})
+        w.write(
+            {"step": 1 if start is None else 2, "reward/mean": 0.25, "spec/accept_length": 2.5, "note": "x"}
+        )
         w.close()
     assert ids[0] == ids[1] and not (run / "tensorboard").exists()
     logs = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert logs and all(b"reward/mean" in p.read_bytes() and b"spec/accept_length" in p.read_bytes() for p in logs)
+    assert logs and all(
+        b"reward/mean" in p.read_bytes() and b"spec/accept_length" in p.read_bytes() for p in logs
+    )
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]

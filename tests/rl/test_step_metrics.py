@@ -19,11 +19,18 @@ def test_dashboard_names_count_drafts_tokens_and_1_based_positions():
     st.add_step_k(0)  # a plain request-step (adaptive k = 0): no draft, not counted as one
     m = dashboard_spec_metrics(st)
     assert m["spec/num_drafts"] == m["vllm/spec_num_drafts"] == 4
-    assert m["spec/drafted_tokens"] == m["vllm/spec_num_draft_tokens"] == m["vllm/train/draft_num_draft_tokens"] == 11
+    assert (
+        m["spec/drafted_tokens"]
+        == m["vllm/spec_num_draft_tokens"]
+        == m["vllm/train/draft_num_draft_tokens"]
+        == 11
+    )
     assert m["spec/accepted_tokens"] == m["vllm/spec_num_accepted_tokens"] == 6
     assert m["spec/acceptance_rate"] == m["vllm/spec_acceptance_rate"] == pytest.approx(6 / 11)
     assert m["vllm/train/draft_acceptance_rate"] == pytest.approx(6 / 11)
-    assert m["vllm/spec_acceptance_length"] == m["vllm/train/draft_mean_acceptance_length"] == pytest.approx(2.5)
+    assert (
+        m["vllm/spec_acceptance_length"] == m["vllm/train/draft_mean_acceptance_length"] == pytest.approx(2.5)
+    )
     # position 1 is the first draft token: accepted in 3 of the 4 drafts (our spec/accept_rate_pos0)
     assert [m[f"vllm/spec_acceptance_rate-pos-{p}"] for p in (1, 2, 3)] == pytest.approx([0.75, 0.5, 0.25])
     assert [m[f"vllm/train/draft_acceptance_rate_pos_{p}"] for p in (1, 2, 3)] == st.accept_rate_per_position

@@ -27,13 +27,22 @@ import pytest
 import torch
 
 from megatron_spec.config import (
-    CheckpointConfig, DataConfig, GRPOConfig, LoggingConfig, ModelConfig, RolloutConfig, RunConfig, SpecConfig)
+    CheckpointConfig,
+    DataConfig,
+    GRPOConfig,
+    LoggingConfig,
+    ModelConfig,
+    RolloutConfig,
+    RunConfig,
+    SpecConfig,
+)
 from megatron_spec.models.gpt import unwrap
 from megatron_spec.parallel import destroy_parallel
-from megatron_spec.rl.rollouts import Rollout
 from megatron_spec.rl.rollout_manager import RolloutManager
+from megatron_spec.rl.rollouts import Rollout
 from megatron_spec.rl.trainer import GRPOTrainer
 from tests.device_utils import PACKAGE, OtherDefaultDevice
+
 
 @pytest.fixture(scope="module")
 def make_trainer(setup, tmp_path_factory):
@@ -45,11 +54,15 @@ def make_trainer(setup, tmp_path_factory):
              rollout: RolloutConfig | None = None, **grpo) -> GRPOTrainer:
         cfg = RunConfig(
             model=ModelConfig(hf_checkpoint=setup.target, make_vocab_size_divisible_by=8, bf16=bf16),
-            data=DataConfig(prompt_data="synthetic:sum", num_synthetic_prompts=8), spec=spec or SpecConfig(),
+            data=DataConfig(prompt_data="synthetic:sum", num_synthetic_prompts=8),
+            spec=spec or SpecConfig(),
             rollout=rollout or RolloutConfig(),
-            grpo=GRPOConfig(**{"prompts_per_step": 2, "grpo_group_size": 2, "micro_batch_size": 2, "lr": lr, **grpo}),
+            grpo=GRPOConfig(
+                **{"prompts_per_step": 2, "grpo_group_size": 2, "micro_batch_size": 2, "lr": lr, **grpo}
+            ),
             checkpoint=CheckpointConfig(save=str(tmp_path_factory.mktemp("run"))),
-            logging=LoggingConfig(tensorboard_dir="none", quiet=True)).validate()
+            logging=LoggingConfig(tensorboard_dir="none", quiet=True),
+        ).validate()
         trainer = GRPOTrainer(cfg)
         made.append(trainer)
         return trainer
@@ -119,7 +132,9 @@ def test_online_draft_training_makes_every_tensor_on_the_models_device(make_trai
 
 def test_the_check_catches_a_tensor_made_without_a_device():
     # what _grad_norm did before issue 15: a zero made on the default device, plus the model's values
-    code = compile("torch.zeros(()) + torch.ones((), device=device)", os.path.join(PACKAGE, "rl", "trainer.py"), "eval")
+    code = compile(
+        "torch.zeros(()) + torch.ones((), device=device)", os.path.join(PACKAGE, "rl", "trainer.py"), "eval"
+    )
     mode = OtherDefaultDevice()
     with mode, pytest.raises((RuntimeError, NotImplementedError)):
         float(eval(code, {"torch": torch, "device": torch.device("cpu")}))
@@ -163,7 +178,9 @@ def test_bf16_training_keeps_the_small_updates_fp32_makes(make_trainer, setup):
     assert moved > 0.04, f"only {moved:.1%} of the bf16 weights changed"
     assert upd["main"] is not None, "the --bf16 trainer keeps no fp32 main weights"
     cos, rel = compare(upd["main"], upd["fp32"])
-    assert cos > 0.98 and rel < 0.2, f"fp32 main weights' update vs fp32 run: cosine {cos:.3f}, relative {rel:.3f}"
+    assert cos > 0.98 and rel < 0.2, (
+        f"fp32 main weights' update vs fp32 run: cosine {cos:.3f}, relative {rel:.3f}"
+    )
     assert upd["rounded"], "the bf16 weights are not the fp32 main weights rounded"
 
 
@@ -190,7 +207,9 @@ def test_mem_fraction_static_reaches_sglangs_server_args(monkeypatch, setup):
 
     monkeypatch.setattr(sglang_backend, "_launch_sglang", launch)
     with pytest.raises(Launched) as got:
-        make_engine(EngineConfig(model_path=setup.target, dtype="bfloat16"), "sglang", mem_fraction_static=0.4)
+        make_engine(
+            EngineConfig(model_path=setup.target, dtype="bfloat16"), "sglang", mem_fraction_static=0.4
+        )
     assert got.value.args[0]["mem_fraction_static"] == 0.4
     from sglang.srt.server_args import ServerArgs
 
@@ -206,13 +225,18 @@ def test_every_rollout_trains_once_in_minibatches(make_trainer, setup):
     assert [sum(b.input_ids.shape[0] for b, _, _ in mb) for mb in minibatches] == [3, 3, 3, 3]
     stats = trainer.actor.train(minibatches, trainer.step)
     assert stats["train/samples_trained"] == 12 and stats["train/optimizer_steps"] == 4
-    assert 0 < stats["train/entropy"] <= math.log(setup.cfg.vocab_size) and mism["mismatch/out_of_support_frac"] == 0
+    assert (
+        0 < stats["train/entropy"] <= math.log(setup.cfg.vocab_size)
+        and mism["mismatch/out_of_support_frac"] == 0
+    )
 
 
 def test_top_k_tokens_outside_the_support_are_left_out(make_trainer, setup):
     """Defect 2: made-up responses are random tokens, most of them outside a top-3 support: they
     leave the loss (no NaN), the rest train; entropy is of the 3-token distribution."""
-    trainer = make_trainer(rollout=RolloutConfig(rollout_top_k=3, rollout_temperature=1.0), kl_coef=0.01, tis_cap=2.0)
+    trainer = make_trainer(
+        rollout=RolloutConfig(rollout_top_k=3, rollout_temperature=1.0), kl_coef=0.01, tis_cap=2.0
+    )
     rollouts = made_up_rollouts(setup.cfg.vocab_size, n=4)
     minibatches, mism = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
     assert 0.5 < mism["mismatch/out_of_support_frac"] < 1.0  # a random token is in a top-3 of ~100 rarely
@@ -232,7 +256,8 @@ def test_dynamic_sampling_drops_groups_of_equal_rewards(make_trainer, setup):
     assert trainer.actor.train(minibatches, trainer.step)["train/samples_trained"] == 2
     for r in rollouts:
         r.reward = 0.0
-    minibatches, mism = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)  # nothing left: no optimizer step
+    # nothing left: no optimizer step
+    minibatches, mism = trainer.actor.old_logprobs(rollouts, trainer.task.pad_id)
     before = weights(trainer)
     stats = trainer.actor.train(minibatches, trainer.step)
     assert stats["train/samples_trained"] == 0 and stats["train/optimizer_steps"] == 0

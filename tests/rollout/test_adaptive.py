@@ -148,7 +148,9 @@ def test_a_packed_verify_is_priced_apart_from_unpacked_ones():
         ctl.record_step(16, n // 16 - 1, 0.001 * n, 0.0, prefill=False)
     for _ in range(20):
         ctl.record_step(16, 2, 0.0015 * 24, 0.0, prefill=False, tokens=24)
-    assert ctl.verify.estimate(24) == pytest.approx(0.024) and ctl.packed_ratio == pytest.approx(1.5, rel=0.02)
+    assert ctl.verify.estimate(24) == pytest.approx(0.024) and ctl.packed_ratio == pytest.approx(
+        1.5, rel=0.02
+    )
     options = [[([1.0] * 3, None), ([1.0] * 3, 2)]] * 4 + [[([1.0] * 3, None)]] * 12
     rates = ctl.history_rates(options)  # 4 rows draft 2 tokens at k >= 2: 24 tokens, packed
     assert rates[2] == pytest.approx((4 * 3 + 12) / (0.024 * ctl.packed_ratio))
@@ -268,13 +270,16 @@ def test_history_only_steps_draft_past_the_main_drafters_k():
 
 def test_sibling_support_classes_learn_their_acceptance():
     st = SupportStats()
-    assert [support_class(a, t, j) for a, t, j in [(1, 1, 0), (2, 2, 0), (5, 5, 3), (2, 3, 0), (1, 2, 1), (1, 3, 0)]] \
-        == [0, 2, 5, 6, 9, 8]  # unanimous of 1 / 2 / 3+, majority, minority; first position or later
+    assert [
+        support_class(a, t, j)
+        for a, t, j in [(1, 1, 0), (2, 2, 0), (5, 5, 3), (2, 3, 0), (1, 2, 1), (1, 3, 0)]
+    ] == [0, 2, 5, 6, 9, 8]  # unanimous of 1 / 2 / 3+, majority, minority; first position or later
     sup = [(2, 2), (1, 1), (1, 2)]
     for _ in range(8):
         st.record_proposal(sup, 3, 3)  # drafted 3, all accepted: each token's class tried and accepted
     st.record_proposal(sup, 3, 0)  # the first rejected: only its class tried
-    st.record_proposal(sup, 1, 1)  # one token verified (a proposal cut short, or fewer emitted): the first alone
+    # one token verified (a proposal cut short, or fewer emitted): the first alone
+    st.record_proposal(sup, 1, 1)
     assert st.tried[support_class(2, 2, 0)] == 10 and st.accepted[support_class(2, 2, 0)] == 9
     assert st.tried[support_class(1, 1, 1)] == 8 and st.tried[support_class(1, 2, 2)] == 8
     a = st.alpha([0.5] * 4, sup, 2.0)  # each class's rate, shrunk towards the source's 0.5 by 2 observations
@@ -292,14 +297,21 @@ def test_a_live_proposal_drafts_only_its_paying_prefix():
     assert ctl.token_threshold(1) < 0.2  # a few rows: a wider verify costs little more
     for a in (0, 1) * 10:
         ctl.record_accept("live", None, 4, a)  # the live proposals' learned rate at position 1: ~0.52
-    for i in range(40):  # what the support classes were worth: unanimous pairs 0.9, a lone sibling 0.5, a split 0.1
+    # what the support classes were worth: unanimous pairs 0.9, a lone sibling 0.5, a split 0.1
+    for i in range(40):
         ctl.support.record_proposal([(2, 2), (2, 2)], 2, 2 if i % 10 else 1)
         ctl.support.record_proposal([(1, 1)], 1, i % 2)
         ctl.support.record_proposal([(1, 2)], 1, int(i % 10 == 0))
     accs = [{} for _ in range(16)]
     hist = [[1, 2, 3, 4]] * 3 + [[]] * 13
-    support = [[(2, 2), (2, 2), (1, 2), (2, 2)], [(1, 1), (1, 1), (1, 1), (1, 1)], [(1, 2), (1, 1), (1, 1), (1, 1)]]
-    plan, use, options = plan_step(ctl, "eagle3", accs, hist, ["live"] * 3 + [None] * 13, support + [None] * 13)
+    support = [
+        [(2, 2), (2, 2), (1, 2), (2, 2)],
+        [(1, 1), (1, 1), (1, 1), (1, 1)],
+        [(1, 2), (1, 1), (1, 1), (1, 1)],
+    ]
+    plan, use, options = plan_step(
+        ctl, "eagle3", accs, hist, ["live"] * 3 + [None] * 13, support + [None] * 13
+    )
     assert len(options[0]) == 2 and options[0][1][1] == 2  # two unanimous pairs pay; then a split does not
     assert len(options[1]) == 1 and len(options[2]) == 1  # a lone sibling or a split: not at this batch
     # the same proposals with no support (the finished responses' index): whole, at the learned rate
@@ -397,7 +409,8 @@ def test_tree_modes(monkeypatch):
     always = DraftLengthController(8, k_main=3, k_tree=8)
     plans = _train_tree(always, 16, 0.05, 0.2, steps=50)
     assert all(p.mode == "tree" for p in plans[1:])  # (the first step measures the drafter)
-    assert all(p.m == 8 for p in plans[1:])  # the whole history proposal is the second branch, whatever it costs
+    # the whole history proposal is the second branch, whatever it costs
+    assert all(p.m == 8 for p in plans[1:])
 
 
 def test_history_rows_hook_makes_rows_with_a_proposal_draft_from_it(monkeypatch):
@@ -467,7 +480,8 @@ def test_a_wider_batch_first_measures_k_max_then_chooses():
     twenty = one * 20
     assert c.choose_step(twenty) == StepPlan(5)
     c.record_step(20, 5, 0.070, 0.022, prefill=True)
-    assert c.choose_step(twenty) == best(twenty) != StepPlan(5)  # ... and the wider batch is not forced a second time
+    # ... and the wider batch is not forced a second time
+    assert c.choose_step(twenty) == best(twenty) != StepPlan(5)
 
 
 def test_proposal_cost_outside_its_rows_scales_with_one_draft_pass():

@@ -63,7 +63,9 @@ def test_engine_implements_the_protocol_member_by_member(engine):
                  "begin_weight_update", "update_weights_from_tensor", "end_weight_update",
                  "abort_weight_update", "health"):
         owner = next(k for k in engine.__mro__ if name in vars(k))  # itself, or ProcessEngine's shared calls
-        assert not getattr(owner, "_is_protocol", False), f"{engine.__name__} inherits {name} from the Protocol"
+        assert not getattr(owner, "_is_protocol", False), (
+            f"{engine.__name__} inherits {name} from the Protocol"
+        )
     assert engine.backend in ("native", "sglang", "vllm")
 
 
@@ -87,7 +89,9 @@ def test_draft_trainer_implements_the_protocol_member_by_member(learner):
         # the Protocol's parameters (names, kinds, defaults), then only optional ones
         assert [(p.name, p.kind, p.default) for p in mine[:len(theirs)]] == \
             [(p.name, p.kind, p.default) for p in theirs], f"{learner.__name__}.{name}"
-        assert all(p.default is not inspect.Parameter.empty for p in mine[len(theirs):]), f"{learner.__name__}.{name}"
+        assert all(p.default is not inspect.Parameter.empty for p in mine[len(theirs) :]), (
+            f"{learner.__name__}.{name}"
+        )
 
 
 @pytest.mark.parametrize("receiver", [PayloadGather, PayloadForwarder])
@@ -106,10 +110,19 @@ def probes(path: Path) -> list[str]:
     (``self.engine``, ``engine``, ``self.draft_trainer``, ...)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "hasattr"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+        ):
             target = node.args[0] if node.args else None
-            name = (target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name)
-                    else None)
+            name = (
+                target.attr
+                if isinstance(target, ast.Attribute)
+                else target.id
+                if isinstance(target, ast.Name)
+                else None
+            )
             if name in PROBED or (isinstance(target, ast.Attribute) and target.attr.endswith("engine")):
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     return found
@@ -122,7 +135,9 @@ def test_no_library_code_probes_engines_or_draft_learners():
 
 def test_probes_finds_a_probe(tmp_path):
     src = tmp_path / "x.py"
-    src.write_text("def f(self):\n    return getattr(self.engine, 'tp_size', 1) + hasattr(draft_trainer, 'x')\n")
+    src.write_text(
+        "def f(self):\n    return getattr(self.engine, 'tp_size', 1) + hasattr(draft_trainer, 'x')\n"
+    )
     global ROOT
     old, ROOT = ROOT, tmp_path
     try:

@@ -69,8 +69,14 @@ def requests(cfg, seed: int = 5) -> list[GenerateRequest]:
     for i in range(6):
         prompt = torch.randint(4, cfg.vocab_size, (3 + i,), generator=g).tolist()
         temperature = 0.0 if i % 2 else 1.0
-        out.append(GenerateRequest(f"r{i}", prompt * 2, SamplingParams(temperature=temperature, top_k=8, top_p=0.9,
-                                                                       max_new_tokens=18 + 3 * i), n=1 + i % 3))
+        out.append(
+            GenerateRequest(
+                f"r{i}",
+                prompt * 2,
+                SamplingParams(temperature=temperature, top_k=8, top_p=0.9, max_new_tokens=18 + 3 * i),
+                n=1 + i % 3,
+            )
+        )
     return out
 
 
@@ -82,7 +88,8 @@ def tokens(samples) -> list[tuple[str, int, list[int]]]:
 def test_every_tensor_a_step_makes_is_on_the_engines_device(setup, name):
     reqs = requests(setup.cfg)
     plain = server_for(setup, name)
-    want = [tokens(plain.generate(reqs, seed=7)[0]) for _ in range(2)]  # the second call drafts from history too
+    # the second call drafts from history too
+    want = [tokens(plain.generate(reqs, seed=7)[0]) for _ in range(2)]
     server = server_for(setup, name)  # built outside the check: its modules are made, then moved
     mode = OtherDefaultDevice()
     with mode:  # raises at the first tensor made off the engine's device
@@ -91,7 +98,7 @@ def test_every_tensor_a_step_makes_is_on_the_engines_device(setup, name):
     if CONFIGS[name].get("num_draft_tokens") == "auto":
         # adaptive k follows measured step times, and a sampled row's draws follow the steps it ran: only
         # greedy rows are the same tokens whatever the steps (odd request ids are greedy)
-        greedy = lambda calls: [[t for t in c if int(t[0][1:]) % 2] for c in calls]  # noqa: E731
+        greedy = lambda calls: [[t for t in c if int(t[0][1:]) % 2] for c in calls]
         got, want = greedy(got), greedy(want)
     assert got == want
 

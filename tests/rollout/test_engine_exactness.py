@@ -26,8 +26,12 @@ def _server(setup, kind: str, **kw) -> EngineServer:
 
 def _prompts(cfg, n: int, seed: int = 11) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(4, cfg.vocab_size, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(
+            4, cfg.vocab_size, (int(torch.randint(2, 12, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +74,14 @@ def test_compiled_layers_greedy_identical_to_transformers(setup, greedy_referenc
     """--rollout-compile: the decoder layer compiled by torch.compile serves decode (1 token a row) and
     verify (k + 1) steps of 1 and several rows; the greedy tokens stay transformers', for plain decoding
     and EAGLE-3 k=3, and its graphs are counted: the warm-up built all of them, none is built mid-generation
-    (a context of 60 positions, a cache of 64: the longest rows' reads cover all of it, which once cost every graph a
+    (a context of 60 positions, a cache of 64: the longest rows' reads cover all of it, which once cost every
+    graph a
     second build, ``layers.kv_cache``)."""
     prompts, ref = greedy_reference
     from megatron_spec.rollout.native import server as server_mod
 
-    monkeypatch.setattr(server_mod, "compiling_pays", lambda dtype: True)  # compiled even where the C++ layers run
+    # compiled even where the C++ layers run
+    monkeypatch.setattr(server_mod, "compiling_pays", lambda dtype: True)
     server = _server(setup, "eagle3", num_draft_tokens=3, max_batch_size=4, compile=True, context_length=60)
     warmed = server.info()["compiled_graphs"]
     assert server.target.compiled is not None and warmed >= 2  # warmed at start
@@ -98,22 +104,39 @@ def test_adaptive_k_greedy_identical_to_transformers(setup, greedy_reference, ki
     """num_draft_tokens auto: k changes step by step (0 included), the output never does; nor with
     the history drafter alone or beside a drafter (the second call drafts from the first's responses)."""
     prompts, ref = greedy_reference
-    server = _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=4, max_batch_size=4, history=history,
-                     history_max_draft_tokens=8)
+    server = _server(
+        setup,
+        kind,
+        num_draft_tokens="auto",
+        max_draft_tokens=4,
+        max_batch_size=4,
+        history=history,
+        history_max_draft_tokens=8,
+    )
     reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40), n=1 + i % 2)
             for i, p in enumerate(prompts)]
     server.generate(reqs)
     samples, stats = server.generate(reqs)
     if kind == "history" or history:
-        assert stats.source_steps.get("history", 0) + stats.source_steps.get("live", 0) > 0, stats.source_steps
+        assert stats.source_steps.get("history", 0) + stats.source_steps.get("live", 0) > 0, (
+            stats.source_steps
+        )
     for s in samples:
         assert s.output_ids == ref[int(s.request_id[1:])], (kind, s.request_id, s.sample_index)
         # the main drafter proposes at most 4; history proposals beside it up to 8 (steps it sits out),
         # or 4 + 8 in a tree step (both branches count)
         assert len(s.draft_lengths) == s.num_verify_steps - 1
-        assert all(0 <= k <= (4 + 8 if history else 4) for k in s.draft_lengths), (s.draft_lengths, s.draft_sources)
-        main = (kind, "live") if kind == "history" else (kind,)  # the history drafter as main: both its indexes
-        assert all(k <= (4 if src in main else 8) for k, src in zip(s.draft_lengths, s.draft_sources) if src != "tree")
+        assert all(0 <= k <= (4 + 8 if history else 4) for k in s.draft_lengths), (
+            s.draft_lengths,
+            s.draft_sources,
+        )
+        # the history drafter as main: both its indexes
+        main = (kind, "live") if kind == "history" else (kind,)
+        assert all(
+            k <= (4 if src in main else 8)
+            for k, src in zip(s.draft_lengths, s.draft_sources)
+            if src != "tree"
+        )
     assert sum(stats.k_counts) == sum(len(s.draft_lengths) for s in samples)
     assert len([c for c in stats.k_counts if c]) >= 2, stats.k_counts  # k did change (exploration at least)
     if history:  # greedy siblings repeat each other: the history drafted alone, past the main drafter's 4
@@ -133,7 +156,9 @@ def test_logprobs_equal_transformers_processed(setup, hf_target, kind):
         p = prompts[int(s.request_id[1:])]
         with torch.no_grad():
             logits = hf_target(torch.tensor([p + s.output_ids])).logits[0, len(p) - 1:-1]
-        lp = process_logits(logits, SamplingTensors.from_values(0.7, 20, 0.9, 0.0, batch_size=logits.shape[0]))
+        lp = process_logits(
+            logits, SamplingTensors.from_values(0.7, 20, 0.9, 0.0, batch_size=logits.shape[0])
+        )
         ref = lp.gather(-1, torch.tensor(s.output_ids)[:, None])[:, 0]
         assert torch.isfinite(ref).all(), "engine emitted a token outside the processed support"
         worst = max(worst, (ref - torch.tensor(s.logprobs)).abs().max().item())
@@ -213,7 +238,9 @@ def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
                             n=2 if i in (1, 4) else 1) for i, p in enumerate(prompts)]
     calls = []
     fwd = batched.core.model.forward_segments
-    batched.core.model.forward_segments = lambda segs, *a, **kw: calls.append(len(segs)) or fwd(segs, *a, **kw)
+    batched.core.model.forward_segments = lambda segs, *a, **kw: (
+        calls.append(len(segs)) or fwd(segs, *a, **kw)
+    )
     got, _ = batched.generate(reqs)
     assert max(calls) == 2  # some prompts did ride along
     for r in reqs:
@@ -227,7 +254,8 @@ def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
 
 @pytest.mark.parametrize("kind", ["eagle3", "model", "ngram"])
 def test_tree_steps_greedy_identical_to_transformers(setup, greedy_reference, kind, monkeypatch):
-    """The test hook history_tree_always: wherever a row has a history proposal the step is a tree (the drafter's k
+    """The test hook history_tree_always: wherever a row has a history proposal the step is a tree (the
+    drafter's k
     tokens and the history's as two branches of one verify); the history branch is kept past the
     drafter's tokens (its cache entries moved into place, the drafter's state rebuilt from the kept
     path) and the output is still transformers' greedy output. n-gram: a point-mass first branch,
@@ -240,7 +268,10 @@ def test_tree_steps_greedy_identical_to_transformers(setup, greedy_reference, ki
             for i, p in enumerate(prompts)]
     server.generate(reqs)
     samples, stats = server.generate(reqs)
-    assert stats.source_steps.get("tree", 0) > 20 and stats.tree_second > 10, (stats.source_steps, stats.tree_second)
+    assert stats.source_steps.get("tree", 0) > 20 and stats.tree_second > 10, (
+        stats.source_steps,
+        stats.tree_second,
+    )
     for s in samples:
         assert s.output_ids == ref[int(s.request_id[1:])], (kind, s.request_id, s.sample_index)
     assert stats.source_accept_length("tree") > stats.source_accept_length(kind)

@@ -32,8 +32,8 @@ def test_mixed_batch_samples_and_returns_the_processed_distribution():
 def test_segments_in_one_forward_equal_separate_forwards(setup):
     """``forward_segments``: a verify-shaped segment and a padded prefill segment share one pass
     over the weights; logits, aux states and every cache entry equal two separate forwards."""
-    from tests.conftest import load_native
     from megatron_spec.rollout.native.model import Segment
+    from tests.conftest import load_native
 
     model = load_native(setup.target)
     g = torch.Generator().manual_seed(5)
@@ -142,8 +142,14 @@ def test_packed_segment_equals_padded_segment(setup):
     # prompt tokens), as the padded one does; a position it does not run is refused
     with torch.no_grad():
         last = (lens - 1).unsqueeze(1)
-        got = [model.forward_segments([Segment(ids, 6 + torch.arange(t).expand(b, t), 6 + lens, logits_index=last,
-                                               pack=pk)], c, aux_layers=aux_layers)[0] for c, pk in zip(caches, (None, pack))]
+        got = [
+            model.forward_segments(
+                [Segment(ids, 6 + torch.arange(t).expand(b, t), 6 + lens, logits_index=last, pack=pk)],
+                c,
+                aux_layers=aux_layers,
+            )[0]
+            for c, pk in zip(caches, (None, pack))
+        ]
     assert got[1][0].shape == got[0][0].shape == (b, 1, vocab)
     torch.testing.assert_close(got[1][0], got[0][0], atol=1e-4, rtol=0)
     torch.testing.assert_close(got[1][1][pack], got[0][1][pack], atol=1e-4, rtol=0)
@@ -173,8 +179,9 @@ def test_draft_extend_padding_stays_inside_the_cache(setup):
         gen = torch.Generator().manual_seed(0)
         aux = torch.randn(max_len, aux_dim, generator=g.manual_seed(3))
         drafter.pending_aux[:2] = [[aux[:1]], [aux[:2], aux[2:max_len - 2]]]  # (per slot, chunks in order)
-        drafts, _ = drafter.propose([[1]] * rows, 2, SamplingTensors.from_values(0.0, 0, 1.0, 0.0, batch_size=rows),
-                                    gen)
+        drafts, _ = drafter.propose(
+            [[1]] * rows, 2, SamplingTensors.from_values(0.0, 0, 1.0, 0.0, batch_size=rows), gen
+        )
         outs.append(drafts[0])
     assert outs[0].tolist() == outs[1].tolist()
 
@@ -201,18 +208,20 @@ def test_packed_prefill_gives_the_padded_prefills_tokens(setup, monkeypatch, dra
         packs = []
         take = server.core._take
 
-        def spy(waiting, rows):
+        def spy(waiting, rows, take=take, packs=packs):
             adm = take(waiting, rows)
             if adm is not None:
                 packs.append(adm.segment.pack is not None)
             return adm
 
         server.core._take = spy
-        out, _ = server.core.generate([GenerateRequest(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))],
-                                      seed=0)
+        out, _ = server.core.generate(
+            [GenerateRequest(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, sps))], seed=0
+        )
         runs.append(([s.output_ids for s in out], [s.logprobs for s in out], packs))
     if draft == "none":  # (with drafts, the first two may finish in different steps: then admissions of one)
-        assert runs[0][2] == [False, True] and runs[1][2] == [True, True]  # (42 and 22 rows: C++ layers first)
+        # (42 and 22 rows: C++ layers first)
+        assert runs[0][2] == [False, True] and runs[1][2] == [True, True]
     assert runs[1][2][0]
     assert runs[0][0] == runs[1][0]
     for got, want in zip(runs[1][1], runs[0][1]):

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
+from megatron_spec.interfaces import EngineCallError, EngineDiedError
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.interfaces import EngineCallError, EngineDiedError
 from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 from megatron_spec.sync.bucket import pack_bucket
@@ -43,7 +43,9 @@ def engine(setup):
 
 def test_generate_through_the_process_with_progress(engine):
     seen = []
-    samples, stats = engine.generate([GenerateRequest("a", [5, 6, 7], _greedy(), n=3)], on_progress=seen.append)
+    samples, stats = engine.generate(
+        [GenerateRequest("a", [5, 6, 7], _greedy(), n=3)], on_progress=seen.append
+    )
     assert [s.sample_index for s in samples] == [0, 1, 2]
     assert all(len(s.output_ids) == 8 for s in samples)
     assert stats.num_tokens == 24 and stats.mean_accept_length >= 1.0

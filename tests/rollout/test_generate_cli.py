@@ -17,18 +17,40 @@ def models(tmp_path_factory):
     from megatron_spec.models.hf_config import DecoderConfig
 
     root = tmp_path_factory.mktemp("generate_cli")
-    small = dict(family="qwen3", num_layers=1, intermediate_size=64, num_attention_heads=2, num_kv_heads=1, seed=3)
+    small = dict(
+        family="qwen3", num_layers=1, intermediate_size=64, num_attention_heads=2, num_kv_heads=1, seed=3
+    )
     target = make_hf_checkpoint(root / "target", hidden_size=32, **small)
     other = make_hf_checkpoint(root / "other", hidden_size=48, **small)
     save_eagle3(random_eagle3(DecoderConfig.from_pretrained(other), 5), root / "eagle3_other")
     prompts = root / "prompts.jsonl"
-    prompts.write_text(json.dumps({"id": "a", "prompt": "12+3="}) + "\n" + json.dumps({"id": "b", "input_ids": [5, 6]}) + "\n")
+    prompts.write_text(
+        json.dumps({"id": "a", "prompt": "12+3="})
+        + "\n"
+        + json.dumps({"id": "b", "input_ids": [5, 6]})
+        + "\n"
+    )
     return {"target": str(target), "eagle3_other": str(root / "eagle3_other"), "prompts": str(prompts)}
 
 
 def _generate(models, out, *extra):
-    return main(["generate", "--model", models["target"], "--prompts", models["prompts"], "--output", str(out),
-                 "--max-new-tokens", "4", "--num-threads", "1", "--no-progress", *extra])
+    return main(
+        [
+            "generate",
+            "--model",
+            models["target"],
+            "--prompts",
+            models["prompts"],
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "4",
+            "--num-threads",
+            "1",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def test_rows_carry_ids_logprobs_and_decoded_text(models, tmp_path, capsys):
@@ -70,15 +92,20 @@ def test_a_prompt_longer_than_the_model_is_refused_before_the_engine_starts(mode
     assert main(["generate", "--model", models["target"], "--prompts", str(long), "--output", str(out),
                  "--max-new-tokens", "4", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "prompt 'long' has 5000 tokens" in err[0] and "the model's context of 512" in err[0]
+    assert (
+        len(err) == 1 and "prompt 'long' has 5000 tokens" in err[0] and "the model's context of 512" in err[0]
+    )
     assert not out.exists()
 
 
 def test_n_above_the_batch_size_is_served_in_batches(models, tmp_path, capsys):
-    """Issue 28: the engine's batch was sized to n (n=10000 on the real model got the engine killed for memory);
+    """Issue 28: the engine's batch was sized to n (n=10000 on the real model got the engine killed for
+    memory);
     n samples now run in batches of --batch-size, numbered 0..n-1 under their prompt."""
     out = tmp_path / "out.jsonl"
-    assert _generate(models, out, "--n", "7", "--batch-size", "3", "--ignore-eos", "--temperature", "1.0") == 0
+    assert (
+        _generate(models, out, "--n", "7", "--batch-size", "3", "--ignore-eos", "--temperature", "1.0") == 0
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["id"], r["sample"]) for r in rows] == [(p, i) for p in "ab" for i in range(7)]
     assert all(len(r["output_ids"]) == 4 for r in rows)
@@ -91,8 +118,10 @@ def test_a_missing_model_directory_is_named(models, tmp_path, capsys):
                  "--no-progress"]) == 2
     err = capsys.readouterr().err
     # one line naming the directory, not the symptom (a text prompt and no tokenizer)
-    assert err.strip().splitlines() == [f"megatron-spec generate: error: --hf-checkpoint {missing}: no such directory "
-                                        "(an HF checkpoint directory)"]
+    assert err.strip().splitlines() == [
+        f"megatron-spec generate: error: --hf-checkpoint {missing}: no such directory "
+        "(an HF checkpoint directory)"
+    ]
     assert not out.exists()
 
 

@@ -11,7 +11,13 @@ import pytest
 
 from megatron_spec import config as run_config
 from megatron_spec.cli import build_parser
-from megatron_spec.rollout.config import SETTINGS, EngineConfig, check_speculation, engine_kwargs, sampling_kwargs
+from megatron_spec.rollout.config import (
+    SETTINGS,
+    EngineConfig,
+    check_speculation,
+    engine_kwargs,
+    sampling_kwargs,
+)
 from megatron_spec.rollout.types import SamplingParams
 
 REQUIRED = ["--prompts", "p.jsonl", "--output", "o.jsonl"]
@@ -34,27 +40,80 @@ def test_generate_takes_the_launchers_names_and_its_older_ones_alike(tmp_path):
            "--spec-max-draft-tokens", "4", "--rollout-temperature", "0.7", "--rollout-top-k", "8",
            "--rollout-max-batch-size", "3", "--rollout-dtype", "float32", "--rollout-num-threads", "1",
            "--rollout-max-new-tokens", "9", "--rollout-backend", "native", "--spec-history-tree", "off"]
-    old = ["--model", "m", "--draft-kind", "ngram", "--num-draft-tokens", "auto", "--max-draft-tokens", "4",
-           "--temperature", "0.7", "--top-k", "8", "--batch-size", "3", "--dtype", "float32", "--num-threads", "1",
-           "--max-new-tokens", "9", "--backend", "native", "--history-tree", "off"]
+    old = [
+        "--model",
+        "m",
+        "--draft-kind",
+        "ngram",
+        "--num-draft-tokens",
+        "auto",
+        "--max-draft-tokens",
+        "4",
+        "--temperature",
+        "0.7",
+        "--top-k",
+        "8",
+        "--batch-size",
+        "3",
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--max-new-tokens",
+        "9",
+        "--backend",
+        "native",
+        "--history-tree",
+        "off",
+    ]
     assert vars(_generate_args(*new)) == vars(_generate_args(*old))
     args = _generate_args(*old)
-    assert (args.spec_num_draft_tokens, args.rollout_num_threads, args.rollout_max_batch_size) == ("auto", 1, 3)
+    assert (args.spec_num_draft_tokens, args.rollout_num_threads, args.rollout_max_batch_size) == (
+        "auto",
+        1,
+        3,
+    )
     assert _generate_args("--model", "m", "--history").spec_history is True
 
 
 def test_the_launcher_and_generate_build_the_same_engine_record(setup):
     """The same settings given to either command become the same EngineConfig and SamplingParams."""
-    argv = ["--spec-draft-kind", "eagle3", "--spec-draft-path", setup.eagle3, "--spec-num-draft-tokens", "auto",
-            "--spec-max-draft-tokens", "4", "--spec-history", "--rollout-temperature", "0.7", "--rollout-top-p",
-            "0.9", "--rollout-max-batch-size", "5", "--rollout-num-threads", "1", "--rollout-dtype", "float32",
-            "--rollout-max-new-tokens", "12", "--seed", "7"]
+    argv = [
+        "--spec-draft-kind",
+        "eagle3",
+        "--spec-draft-path",
+        setup.eagle3,
+        "--spec-num-draft-tokens",
+        "auto",
+        "--spec-max-draft-tokens",
+        "4",
+        "--spec-history",
+        "--rollout-temperature",
+        "0.7",
+        "--rollout-top-p",
+        "0.9",
+        "--rollout-max-batch-size",
+        "5",
+        "--rollout-num-threads",
+        "1",
+        "--rollout-dtype",
+        "float32",
+        "--rollout-max-new-tokens",
+        "12",
+        "--seed",
+        "7",
+    ]
     gen = vars(_generate_args("--hf-checkpoint", setup.target, *argv))
     parser = argparse.ArgumentParser()
     run_config.add_arguments(parser)
-    cfg = run_config.from_args(parser.parse_args(["--hf-checkpoint", setup.target, "--prompt-data", "synthetic:sum",
-                                                  *argv]))
-    launcher = {**dataclasses.asdict(cfg.model), **dataclasses.asdict(cfg.rollout), **dataclasses.asdict(cfg.spec)}
+    cfg = run_config.from_args(
+        parser.parse_args(["--hf-checkpoint", setup.target, "--prompt-data", "synthetic:sum", *argv])
+    )
+    launcher = {
+        **dataclasses.asdict(cfg.model),
+        **dataclasses.asdict(cfg.rollout),
+        **dataclasses.asdict(cfg.spec),
+    }
     launcher.pop("spec_mtp_num_layers")  # a launcher-only setting (the heads trained beside the policy)
     assert engine_kwargs(gen) == engine_kwargs(launcher)
     assert SamplingParams(**sampling_kwargs(gen)) == SamplingParams(**sampling_kwargs(launcher))
@@ -63,15 +122,25 @@ def test_the_launcher_and_generate_build_the_same_engine_record(setup):
         ("eagle3", "auto", 4, True, 5, 7)
 
 
-@pytest.mark.parametrize("values, backend, match", [
-    ({"spec_draft_kind": "eagle3"}, None, "--spec-draft-kind eagle3 needs --spec-draft-path"),
-    ({"spec_draft_kind": "ngram", "spec_num_draft_tokens": 0}, None, "must be >= 1"),
-    ({"spec_draft_kind": "ngram", "spec_history": True}, None, "--spec-history needs --spec-num-draft-tokens auto"),
-    ({"spec_draft_kind": "history", "spec_num_draft_tokens": "auto", "spec_history": True}, None,
-     "other than none and history"),
-    ({"spec_draft_kind": "ngram", "spec_num_draft_tokens": "auto"}, "sglang", "need the native engine"),
-    ({"spec_history_tree": "always"}, None, "--spec-history-tree must be one of"),
-])
+@pytest.mark.parametrize(
+    "values, backend, match",
+    [
+        ({"spec_draft_kind": "eagle3"}, None, "--spec-draft-kind eagle3 needs --spec-draft-path"),
+        ({"spec_draft_kind": "ngram", "spec_num_draft_tokens": 0}, None, "must be >= 1"),
+        (
+            {"spec_draft_kind": "ngram", "spec_history": True},
+            None,
+            "--spec-history needs --spec-num-draft-tokens auto",
+        ),
+        (
+            {"spec_draft_kind": "history", "spec_num_draft_tokens": "auto", "spec_history": True},
+            None,
+            "other than none and history",
+        ),
+        ({"spec_draft_kind": "ngram", "spec_num_draft_tokens": "auto"}, "sglang", "need the native engine"),
+        ({"spec_history_tree": "always"}, None, "--spec-history-tree must be one of"),
+    ],
+)
 def test_one_check_of_the_speculation_rules_for_all_three(setup, values, backend, match):
     """The launcher, generate and EngineConfig refuse the same settings with the same words."""
     with pytest.raises(ValueError, match=match):
@@ -79,7 +148,9 @@ def test_one_check_of_the_speculation_rules_for_all_three(setup, values, backend
     if backend is None:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**engine_kwargs({"hf_checkpoint": setup.target, **values}))
-    argv = [f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in values.items()]
+    argv = [
+        f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')}={v}" for k, v in values.items()
+    ]
     parser = argparse.ArgumentParser()
     run_config.add_arguments(parser)
     if values.get("spec_history_tree") == "always":

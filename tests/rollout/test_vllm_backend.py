@@ -46,9 +46,12 @@ def chat(smollm2) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2)
-    return [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True,
-                                    return_dict=False)
-            for c in ("What is 7 times 8?", "Count from 1 to 10.", "Name three colours.", "Say hello in French.")]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for c in ("What is 7 times 8?", "Count from 1 to 10.", "Name three colours.", "Say hello in French.")
+    ]
 
 
 def greedy(prompts, n_tokens: int = 16, ignore_eos: bool = False) -> list[GenerateRequest]:
@@ -69,8 +72,11 @@ def pushed(smollm2):
     from megatron_spec.rollout.vllm_backend import VllmEngine
     from megatron_spec.sync.streamer import WeightStreamer
 
-    eng = VllmEngine(EngineConfig(model_path=smollm2, max_batch_size=8, context_length=256, load_weights=False,
-                                  dtype="float32"))
+    eng = VllmEngine(
+        EngineConfig(
+            model_path=smollm2, max_batch_size=8, context_length=256, load_weights=False, dtype="float32"
+        )
+    )
     streamer = WeightStreamer(eng, weight_dtype="fp32", bucket_bytes=64 << 20)  # 8 buckets: layers span two
     streamer.sync_target_tensors(checkpoint_tensors(smollm2), "v1")
     yield eng, streamer
@@ -132,8 +138,11 @@ def test_seeded_sampling_repeats_and_samples_differ(pushed, chat):
     c, _ = eng.generate([GenerateRequest("p", chat[0], sp, n=4)], seed=12)
     assert [s.output_ids for s in a] == [s.output_ids for s in b] != [s.output_ids for s in c]
     assert len({tuple(s.output_ids) for s in a}) > 1 and [s.sample_index for s in a] == [0, 1, 2, 3]
-    g, _ = eng.generate([GenerateRequest("g", chat[0], SamplingParams(temperature=0.0, max_new_tokens=8), n=3)])
-    assert [s.sample_index for s in g] == [0, 1, 2] and len({tuple(s.output_ids) for s in g}) == 1  # vLLM: n=1 only
+    g, _ = eng.generate(
+        [GenerateRequest("g", chat[0], SamplingParams(temperature=0.0, max_new_tokens=8), n=3)]
+    )
+    # vLLM: n=1 only
+    assert [s.sample_index for s in g] == [0, 1, 2] and len({tuple(s.output_ids) for s in g}) == 1
 
 
 def test_release_on_the_cpu_frees_nothing_and_refuses_generation(pushed, chat):
@@ -143,7 +152,8 @@ def test_release_on_the_cpu_frees_nothing_and_refuses_generation(pushed, chat):
     rss = eng.health()["rss_bytes"]
     eng.release_memory()
     h = eng.health()
-    assert h["released"] == ["kv_cache", "weights"] and abs(h["rss_bytes"] - rss) < 0.05 * rss  # vLLM ignores sleep
+    # vLLM ignores sleep
+    assert h["released"] == ["kv_cache", "weights"] and abs(h["rss_bytes"] - rss) < 0.05 * rss
     with pytest.raises(EngineCallError, match="released"):
         eng.generate(greedy(chat[:1]))
     eng.resume_memory()
@@ -160,7 +170,9 @@ def test_greedy_ngram_speculation_equals_plain_decoding(smollm2, chat):
     with VllmEngine(EngineConfig(**kw, draft_kind="ngram", num_draft_tokens=3)) as spec:
         out, stats = spec.generate(greedy(prompts, 32, ignore_eos=True), seed=0)
         with pytest.raises(Exception, match="vllm#55005"):  # sampled speculation: refused per call too
-            spec.generate([GenerateRequest("s", prompts[0], SamplingParams(temperature=1.0, max_new_tokens=4))])
+            spec.generate(
+                [GenerateRequest("s", prompts[0], SamplingParams(temperature=1.0, max_new_tokens=4))]
+            )
     assert [s.output_ids for s in out] == [s.output_ids for s in ref]
     assert stats.spec_steps > 0 and stats.spec_accept_length > 1.0  # counting prompt: n-gram drafts accepted
     for s in out:  # vLLM's own per-request counters: every token is a verify step's or an accepted draft
@@ -178,8 +190,16 @@ def smollm2_eagle3(smollm2, chat, tmp_path_factory) -> str:
                                    dtype="float32")) as native:
         answers, _ = native.generate(greedy(chat, 32, ignore_eos=True), seed=0)
     out = str(tmp_path_factory.mktemp("eagle3") / "smollm2_eagle3")
-    train_and_export_eagle3(smollm2, out, [p + s.output_ids for p, s in zip(chat, answers)], steps=4, batch_size=4,
-                            max_len=96, draft_vocab_size=64, progress=False)
+    train_and_export_eagle3(
+        smollm2,
+        out,
+        [p + s.output_ids for p, s in zip(chat, answers)],
+        steps=4,
+        batch_size=4,
+        max_len=96,
+        draft_vocab_size=64,
+        progress=False,
+    )
     return out
 
 

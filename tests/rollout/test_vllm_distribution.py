@@ -36,18 +36,51 @@ def prompt(smollm2) -> list[int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(smollm2)
-    return tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False)
+    return tok.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
 
 
-def generate(smollm2, prompt, tmp_path, *extra: str, n: int = 64, requests: int = 16) -> subprocess.CompletedProcess:
+def generate(
+    smollm2, prompt, tmp_path, *extra: str, n: int = 64, requests: int = 16
+) -> subprocess.CompletedProcess:
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"id": f"p{i}", "input_ids": prompt}) + "\n"
                                               for i in range(requests)))
-    return subprocess.run([sys.executable, "-m", "megatron_spec", "generate", "--rollout-backend", "vllm",
-                           "--model", smollm2, "--prompts", str(tmp_path / "p.jsonl"), "--n", str(n),
-                           "--max-new-tokens", "2", "--ignore-eos", "--seed", "7", "--batch-size", "64",
-                           "--dtype", "float32", "--output", str(tmp_path / "out.jsonl"), "--no-progress", *extra],
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_spec",
+            "generate",
+            "--rollout-backend",
+            "vllm",
+            "--model",
+            smollm2,
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--n",
+            str(n),
+            "--max-new-tokens",
+            "2",
+            "--ignore-eos",
+            "--seed",
+            "7",
+            "--batch-size",
+            "64",
+            "--dtype",
+            "float32",
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--no-progress",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
 
 
 @pytest.mark.statistical
@@ -64,13 +97,15 @@ def test_plain_sampling_follows_the_real_model(smollm2, prompt, tmp_path, temper
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert len(rows) == n and len({tuple(r["output_ids"]) for r in rows}) > 10
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    sampling = lambda b: SamplingTensors.from_values(temperature, 0, top_p, 0.0, batch_size=b)  # noqa: E731
+    sampling = lambda b: SamplingTensors.from_values(temperature, 0, top_p, 0.0, batch_size=b)
     with torch.no_grad():
         lp1 = process_logits(hf(torch.tensor([prompt])).logits[:, -1], sampling(1))[0]
         # first tokens with mass >= 1e-4 (at most 128; chosen before looking at the draws) keep their second
         # token; the rest of the vocabulary is one cell, and so is each first token's tail of second tokens
         first = [t for t in lp1.argsort(descending=True)[:128].tolist() if lp1[t].exp() >= 1e-4]
-        lp2 = process_logits(hf(torch.tensor([prompt + [t] for t in first])).logits[:, -1], sampling(len(first)))
+        lp2 = process_logits(
+            hf(torch.tensor([prompt + [t] for t in first])).logits[:, -1], sampling(len(first))
+        )
     p1, p2 = lp1.exp(), lp2.exp()
     row_of = {t: i for i, t in enumerate(first)}
     kept = {t: set((p2[i] >= 1e-5).nonzero()[:, 0].tolist()) for t, i in row_of.items()}
@@ -105,4 +140,6 @@ def test_sampled_speculation_is_refused_in_one_line(smollm2, prompt, tmp_path, t
                     "--spec-num-draft-tokens", "3", n=2, requests=1)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert len(lines) == 1 and "vllm#55005" in lines[0] and "--rollout-backend native" in lines[0], proc.stderr
+    assert len(lines) == 1 and "vllm#55005" in lines[0] and "--rollout-backend native" in lines[0], (
+        proc.stderr
+    )

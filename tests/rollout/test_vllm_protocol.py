@@ -29,7 +29,8 @@ def test_sampled_speculation_on_the_cpu_is_refused_in_one_line(model_dir):
     assert "\n" not in msg and "vllm#55005" in msg
     for way_out in ("--rollout-temperature 0", "--spec-draft-kind none", "--rollout-backend native"):
         assert way_out in msg
-    proto.check_supported(EngineConfig(model_path=model_dir, draft_kind="ngram", device="cuda"), [1.0])  # GPU path
+    # GPU path
+    proto.check_supported(EngineConfig(model_path=model_dir, draft_kind="ngram", device="cuda"), [1.0])
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -55,28 +56,46 @@ def test_llm_arguments(model_dir, tmp_path):
     assert kw["load_format"] == "dummy" and kw["max_num_seqs"] == 8 and kw["max_model_len"] == 300
     assert kw["seed"] == 5 and kw["enforce_eager"] is True and kw["logprobs_mode"] == "processed_logprobs"
     assert kw["weight_transfer_config"] == {"backend": "megatron_spec_bucket"}
-    assert kw["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                        "prompt_lookup_max": 4}
+    assert kw["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 4,
+    }
     assert kw["per_request_spec_decode_metrics"] == "detailed"
     plain = proto.llm_kwargs(cfg, speculation=False, draft_dir=None)
-    assert "speculative_config" not in plain and "per_request_spec_decode_metrics" not in plain  # vLLM refuses it
+    # vLLM refuses it
+    assert "speculative_config" not in plain and "per_request_spec_decode_metrics" not in plain
     eagle = EngineConfig(model_path=model_dir, draft_kind="eagle3", draft_path=model_dir, num_draft_tokens=2)
-    assert proto.speculative_config(eagle, "/d") == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 2}
+    assert proto.speculative_config(eagle, "/d") == {
+        "method": "eagle3",
+        "model": "/d",
+        "num_speculative_tokens": 2,
+    }
 
 
 def test_engine_kwargs_pass_through_and_ours_are_refused(model_dir):
-    """``--rollout-engine-kwargs``: vLLM's own keywords reach ``LLM(...)``; those our flags or the weight sync set
+    """``--rollout-engine-kwargs``: vLLM's own keywords reach ``LLM(...)``; those our flags or the weight
+    sync set
     are refused naming the flag; the native engine takes none; not JSON or not an object is one line."""
     from megatron_spec.rollout.config import parse_engine_kwargs
 
     extra = parse_engine_kwargs('{"gpu_memory_utilization": 0.5, "enable_chunked_prefill": false}', "vllm")
-    kw = proto.llm_kwargs(EngineConfig(model_path=model_dir, engine_kwargs=extra), speculation=False, draft_dir=None)
+    kw = proto.llm_kwargs(
+        EngineConfig(model_path=model_dir, engine_kwargs=extra), speculation=False, draft_dir=None
+    )
     assert kw["gpu_memory_utilization"] == 0.5 and kw["enable_chunked_prefill"] is False
-    with pytest.raises(ValueError, match="'max_num_seqs' is set by megatron-spec from --rollout-max-batch-size"):
+    with pytest.raises(
+        ValueError, match="'max_num_seqs' is set by megatron-spec from --rollout-max-batch-size"
+    ):
         parse_engine_kwargs('{"max_num_seqs": 4}', "vllm")
-    with pytest.raises(ValueError, match="'weight_transfer_config' is set by megatron-spec \\(the weight sync"):
+    with pytest.raises(
+        ValueError, match="'weight_transfer_config' is set by megatron-spec \\(the weight sync"
+    ):
         parse_engine_kwargs('{"weight_transfer_config": {}}', "vllm")
-    with pytest.raises(ValueError, match="'speculative_num_steps' is set by megatron-spec from --spec-num-draft"):
+    with pytest.raises(
+        ValueError, match="'speculative_num_steps' is set by megatron-spec from --spec-num-draft"
+    ):
         parse_engine_kwargs('{"speculative_num_steps": 4}', "sglang")
     with pytest.raises(ValueError, match="the native engine takes no engine arguments"):
         parse_engine_kwargs('{"x": 1}', "native")
@@ -90,7 +109,9 @@ def test_engine_kwargs_pass_through_and_ours_are_refused(model_dir):
 def test_eagle3_dir_shifts_the_aux_layer_ids(tmp_path):
     draft = tmp_path / "draft"
     draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}))
+    (draft / "config.json").write_text(
+        json.dumps({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}})
+    )
     (draft / "model.safetensors").write_bytes(b"x")
     out = proto.vllm_eagle3_dir(str(draft), str(tmp_path))
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
@@ -110,11 +131,18 @@ def test_sampling_arguments():
 
 
 def test_a_completion_with_speculative_counters():
-    lp = lambda v: SimpleNamespace(logprob=v)  # noqa: E731  (vLLM's Logprob)
+    lp = lambda v: SimpleNamespace(logprob=v)  # vLLM's Logprob
     # 7 tokens: prefill 1, steps accepting 2, 0, 3 (3 + 1 + 4 = 8 > 6: the last step cut by the length limit)
-    s = proto.sample_output("r", 1, [4, 5, 6, 7, 8, 9, 10], [{t: lp(-0.5)} for t in [4, 5, 6, 7, 8, 9, 10]], "length",
-                            {"per_step_accepted": [2, 0, 3], "per_step_drafted": [3, 3, 3]},
-                            target_version="v2", draft_version="d1")
+    s = proto.sample_output(
+        "r",
+        1,
+        [4, 5, 6, 7, 8, 9, 10],
+        [{t: lp(-0.5)} for t in [4, 5, 6, 7, 8, 9, 10]],
+        "length",
+        {"per_step_accepted": [2, 0, 3], "per_step_drafted": [3, 3, 3]},
+        target_version="v2",
+        draft_version="d1",
+    )
     assert s.num_verify_steps == 7 - 5 and s.accepted_per_step == [2, 0, 3] and s.draft_lengths == [3, 3, 3]
     assert s.logprobs == [-0.5] * 7 and s.weight_version == "v2" and s.draft_sources == ["vllm"] * 3
     st = stats_from_samples([s], 1.0, 3)

@@ -86,8 +86,23 @@ def test_no_layout_fits_says_so(capsys):
 
 def test_issue_example_prints_a_layout_and_sync_and_async_projections(capsys):
     """The command of issue 19, without --tp/--ep."""
-    args = ["simulate", "--model", "qwen3-235b-a22b", "--hardware", "gb200", "--num-gpus", "512", "--mode", "sync",
-            "--draft-kind", "eagle3", "--num-draft-tokens", "3", "--accept-length", "3"]
+    args = [
+        "simulate",
+        "--model",
+        "qwen3-235b-a22b",
+        "--hardware",
+        "gb200",
+        "--num-gpus",
+        "512",
+        "--mode",
+        "sync",
+        "--draft-kind",
+        "eagle3",
+        "--num-draft-tokens",
+        "3",
+        "--accept-length",
+        "3",
+    ]
     assert main(args) == 0
     captured = capsys.readouterr()
     d = json.loads(captured.out)

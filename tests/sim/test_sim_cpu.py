@@ -13,7 +13,6 @@ from megatron_spec.sim.hardware import CPU_PROFILE_PATH, get_hardware
 from megatron_spec.sim.params import efficiency_for
 from megatron_spec.sim.roofline import _curve
 
-
 ENGINE_RECORD = CPU_PROFILE_PATH.parent / "cpu_engine_bench.json"
 
 

@@ -126,6 +126,8 @@ def test_verify_streams_more_experts_than_decode_at_small_batch_only():
     assert small["verify_distinct_experts_per_layer"] == pytest.approx(29.12, abs=0.01)
     assert small["verify_weight_gb_per_device"] > 2 * small["decode_weight_gb_per_device"]
     assert large["verify_distinct_experts_per_layer"] == pytest.approx(128.0, abs=0.01)
-    assert large["verify_weight_gb_per_device"] == pytest.approx(large["decode_weight_gb_per_device"], rel=1e-3)
+    assert large["verify_weight_gb_per_device"] == pytest.approx(
+        large["decode_weight_gb_per_device"], rel=1e-3
+    )
     # EP all-to-all carries k+1 times the tokens when verifying
     assert large["verify_parts_ms"]["comm"] > large["decode_parts_ms"]["comm"]

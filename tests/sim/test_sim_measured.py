@@ -25,9 +25,23 @@ VERIFY = {"0": {"1": 0.010, "4": 0.014}, "3": {"1": 0.020, "4": 0.028}}
 
 
 def write_doc(path, hardware="h100", model="qwen3-8b", dtype="bfloat16") -> str:
-    doc = {"hardware": hardware, "device": "NVIDIA H100 80GB HBM3", "commit": "abc", "measured_at": "now",
-           "entries": [{"model": model, "dtype": dtype, "tp": 1, "ctx_per_seq": CTX, "verify_s": VERIFY,
-                        "eagle3_draft_pass_s": {"1": 0.001, "4": 0.002}, "eagle3_extend_s": {"3": {"1": 0.003}}}]}
+    doc = {
+        "hardware": hardware,
+        "device": "NVIDIA H100 80GB HBM3",
+        "commit": "abc",
+        "measured_at": "now",
+        "entries": [
+            {
+                "model": model,
+                "dtype": dtype,
+                "tp": 1,
+                "ctx_per_seq": CTX,
+                "verify_s": VERIFY,
+                "eagle3_draft_pass_s": {"1": 0.001, "4": 0.002},
+                "eagle3_extend_s": {"3": {"1": 0.003}},
+            }
+        ],
+    }
     path.write_text(json.dumps(doc))
     return str(path)
 
@@ -52,9 +66,12 @@ def test_between_batch_sizes_log_interpolated_and_the_context_moves_it_by_the_ro
     f = steps.target.forward(2.0, 1, 2.0 * CTX, 0.0)
     np.testing.assert_allclose(f["total"], 0.012, rtol=1e-12)  # log2(2) is halfway from log2(1) to log2(4)
     longer = steps.target.forward(2.0, 1, 2.0 * 4 * CTX, 0.0)
-    plain = steps.target._roofline(2.0, 1, 2.0 * 4 * CTX, 0.0)["total"] - steps.target._roofline(2.0, 1, 2.0 * CTX,
-                                                                                                   0.0)["total"]
-    np.testing.assert_allclose(longer["total"] - f["total"], plain, rtol=1e-9)  # the KV reads the roofline adds
+    plain = (
+        steps.target._roofline(2.0, 1, 2.0 * 4 * CTX, 0.0)["total"]
+        - steps.target._roofline(2.0, 1, 2.0 * CTX, 0.0)["total"]
+    )
+    # the KV reads the roofline adds
+    np.testing.assert_allclose(longer["total"] - f["total"], plain, rtol=1e-9)
 
 
 @pytest.mark.parametrize("b, q", [(8.0, 1), (1.0, 2)])
@@ -80,10 +97,15 @@ def test_the_draft_uses_its_own_points_and_simulate_says_so(tmp_path):
     detail = simulate(cfg).detail
     assert detail["measured_points"]["verify"]["q"] == [1, 4]
     assert detail["measured_points"]["draft"]["batch"] == [1, 4]
-    assert simulate(cfg.replace(measured_path=False)).detail["measured_points"] == {"verify": None, "draft": None}
+    assert simulate(cfg.replace(measured_path=False)).detail["measured_points"] == {
+        "verify": None,
+        "draft": None,
+    }
 
 
 def test_tp_above_one_is_not_matched(tmp_path):
     from megatron_spec.sim.roofline import Parallelism
 
-    assert measured_for(MODEL, H100, "bf16", Parallelism(2, 1), "target", write_doc(tmp_path / "m.json")) is None
+    assert (
+        measured_for(MODEL, H100, "bf16", Parallelism(2, 1), "target", write_doc(tmp_path / "m.json")) is None
+    )

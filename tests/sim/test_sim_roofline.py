@@ -57,14 +57,18 @@ def test_unfused_verify_rereads_kv_per_query_token():
 def test_verify_is_nearly_free_at_small_batch_and_costly_at_large_batch():
     steps = StepModel(fwd(), None, "ngram", 3)
     small = steps.spec_step(np.array([1.0]), np.array([0.0]))["total"][0] / steps.ar_step(1.0, 0.0)["total"]
-    big = steps.spec_step(np.array([2048.0]), np.array([0.0]))["total"][0] / steps.ar_step(2048.0, 0.0)["total"]
+    big = (
+        steps.spec_step(np.array([2048.0]), np.array([0.0]))["total"][0] / steps.ar_step(2048.0, 0.0)["total"]
+    )
     assert small < 1.01  # 4 tokens ride on the same weight read
     assert big == pytest.approx(4.0, rel=0.02)  # compute-bound: 4x the tokens, 4x the time
 
 
 def test_tensor_parallel_halves_weights_and_adds_allreduce():
     f1, f2 = fwd(), fwd(par=Parallelism(tp=2))
-    assert float(f2.forward(1, 1, 0.0, 0.0)["gemm"]) == pytest.approx(float(f1.forward(1, 1, 0.0, 0.0)["gemm"]) / 2)
+    assert float(f2.forward(1, 1, 0.0, 0.0)["gemm"]) == pytest.approx(
+        float(f1.forward(1, 1, 0.0, 0.0)["gemm"]) / 2
+    )
     # 36 layers x 2 all-reduces x (10 us latency + 2 (tp-1)/tp x 4096 x 2 B / 450 GB/s)
     expected = 36 * 2 * (10e-6 + 1.0 * 4096 * 2 / 450e9)
     assert float(f2.forward(1, 1, 0.0, 0.0)["comm"]) == pytest.approx(expected)

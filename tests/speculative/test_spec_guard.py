@@ -93,22 +93,30 @@ def test_run_config_shape_with_sampling_inside():
     with pytest.raises(LossyConfigError, match="min_p = 0.05"):
         check_lossless(Run(rollout=Rollout(rollout_min_p=0.05)), environ={}, is_rocm=False)
     # greedy rows ignore min_p; the native engine applies it; no speculation, no SGLang verify
-    check_lossless(Run(rollout=Rollout(rollout_min_p=0.05, rollout_temperature=0.0)), environ={}, is_rocm=False)
-    check_lossless(Run(rollout=Rollout(rollout_backend="native", rollout_min_p=0.05)), environ={}, is_rocm=False)
+    check_lossless(
+        Run(rollout=Rollout(rollout_min_p=0.05, rollout_temperature=0.0)), environ={}, is_rocm=False
+    )
+    check_lossless(
+        Run(rollout=Rollout(rollout_backend="native", rollout_min_p=0.05)), environ={}, is_rocm=False
+    )
     check_lossless(Run(rollout=Rollout(rollout_min_p=0.05), spec=Spec(spec_draft_kind="none")), environ={},
                    is_rocm=False)
 
 
 def test_other_engines_lossy_acceptance():
     with pytest.raises(LossyConfigError, match="typical"):
-        check_lossless({"spec_decoding_acceptance_method": "typical_acceptance_sampler"}, environ={}, is_rocm=False)
+        check_lossless(
+            {"spec_decoding_acceptance_method": "typical_acceptance_sampler"}, environ={}, is_rocm=False
+        )
     with pytest.raises(LossyConfigError, match="relaxed"):
         check_lossless({"use_relaxed_acceptance_for_thinking": True}, environ={}, is_rocm=False)
 
 
 def test_simulated_acceptance_env():
     with pytest.raises(LossyConfigError, match="SGLANG_SIMULATE_ACC_LEN"):
-        check_lossless(sglang_args(), sampling=SAMPLED, environ={"SGLANG_SIMULATE_ACC_LEN": "3.2"}, is_rocm=False)
+        check_lossless(
+            sglang_args(), sampling=SAMPLED, environ={"SGLANG_SIMULATE_ACC_LEN": "3.2"}, is_rocm=False
+        )
     check_lossless(sglang_args(), sampling=SAMPLED, environ={"SGLANG_SIMULATE_ACC_LEN": "-1"}, is_rocm=False)
 
 
@@ -140,14 +148,20 @@ def test_min_p_is_not_applied_by_sglang_verify():
 
 def test_unreviewed_algorithms_are_refused():
     with pytest.raises(LossyConfigError, match="DFLASH"):
-        check_lossless(sglang_args(speculative_algorithm="DFLASH"), sampling=GREEDY, environ={}, is_rocm=False)
+        check_lossless(
+            sglang_args(speculative_algorithm="DFLASH"), sampling=GREEDY, environ={}, is_rocm=False
+        )
 
 
 def test_every_problem_is_listed_at_once():
     with pytest.raises(LossyConfigError) as info:
         check_lossless(
-            sglang_args(speculative_accept_threshold_single=0.5, speculative_accept_threshold_acc=0.5, device="cpu"),
-            sampling=SAMPLED, environ={"SGLANG_SIMULATE_ACC_LEN": "2"}, is_rocm=False,
+            sglang_args(
+                speculative_accept_threshold_single=0.5, speculative_accept_threshold_acc=0.5, device="cpu"
+            ),
+            sampling=SAMPLED,
+            environ={"SGLANG_SIMULATE_ACC_LEN": "2"},
+            is_rocm=False,
         )
     msg = str(info.value)
     for needle in ("threshold_single", "threshold_acc", "argmax", "SIMULATE"):

@@ -134,7 +134,9 @@ def test_stats_and_bad_arguments():
     h.propose("p", [1, 2], 2)
     h.propose("p", [7, 7], 2)
     st = h.stats()
-    assert st["proposals"] == 2 and st["hit_rate"] == 0.5 and st["mean_match"] == 2 and st["mean_proposal"] == 2
+    assert (
+        st["proposals"] == 2 and st["hit_rate"] == 0.5 and st["mean_match"] == 2 and st["mean_proposal"] == 2
+    )
     assert st["tokens"] == 4 and st["bytes"] == (5 + 5) * 4  # text with separator + suffix array, int32
     assert all(isinstance(v, float) for v in st.values())
     with pytest.raises(ValueError, match="min_match"):
@@ -165,7 +167,11 @@ def test_propose_takes_microseconds():
     diverged = [c[:-3] + [rng.randrange(32000)] + c[-2:] for c in stored]  # differs 3 tokens back
     unseen = [c[:-2] + [32001, 32002] for c in stored]  # matches nothing
     meds = {}
-    for name, contexts, hit in [("stored", stored, True), ("diverged", diverged, True), ("unseen", unseen, False)]:
+    for name, contexts, hit in [
+        ("stored", stored, True),
+        ("diverged", diverged, True),
+        ("unseen", unseen, False),
+    ]:
         times = []
         for i in range(800):
             p = i % 16
@@ -313,7 +319,9 @@ def test_history_drafts_verified_exactly(impl, case):
     temperature, trunc = CASES[case]
     lp1 = markov_target(100 + case, temperature, trunc)
     n = 20000
-    first, second, acc = generate_first_two(lp1, run_public if impl == "compiled" else run_reference, n, 40, seed=case)
+    first, second, acc = generate_first_two(
+        lp1, run_public if impl == "compiled" else run_reference, n, 40, seed=case
+    )
     p1 = lp1.double().exp()
     p0 = p1[PROMPT[-1]]
     ok1, msg1 = fit_ok(first, p0)

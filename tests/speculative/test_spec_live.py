@@ -142,9 +142,12 @@ def test_append_cost_does_not_grow_with_the_group():
     early = statistics.median(per_token[: len(per_token) // 10])
     late = statistics.median(per_token[-len(per_token) // 10 :])
     st = ix.stats()
-    print(f"live index: append {early * 1e6:.1f} us/token early, {late * 1e6:.1f} us/token at {st['tokens']:.0f} "
-          f"tokens; propose median {statistics.median(propose) * 1e6:.1f} us; hit rate {st['hit_rate']:.2f}, "
-          f"mean match {st['mean_match']:.1f}")
+    print(
+        f"live index: append {early * 1e6:.1f} us/token early, {late * 1e6:.1f} us/token at "
+        f"{st['tokens']:.0f} "
+        f"tokens; propose median {statistics.median(propose) * 1e6:.1f} us; hit rate {st['hit_rate']:.2f}, "
+        f"mean match {st['mean_match']:.1f}"
+    )
     assert late < 3 * early + 5e-6, (early, late)
     assert statistics.median(propose) < 1e-3
     assert hits > 0.5 * 7 * 1000  # the rows behind the first find what their siblings wrote (85% shared)
@@ -196,4 +199,5 @@ def test_the_support_benchmark_replays_sibling_answers():
     assert res["proposals"]["majority"] == res["proposals"]["newest"] > 0
     assert res["first_token_accepted"]["majority"] > res["first_token_accepted"]["newest"]
     first_majority = res["support_classes"]["majority, first"]
-    assert first_majority["tried"] == 4 and first_majority["accepted"] == 1.0  # 7, written by 3 of the 4 texts
+    # 7, written by 3 of the 4 texts
+    assert first_majority["tried"] == 4 and first_majority["accepted"] == 1.0

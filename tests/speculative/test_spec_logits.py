@@ -82,7 +82,9 @@ def test_top_p_acts_on_renormalised_top_k():
 
 def test_token_mask_removes_before_everything():
     lg = torch.tensor([[0.0, math.log(2), math.log(4)]])
-    lp = process_logits(lg, SamplingTensors.from_values([1.0]), token_mask=torch.tensor([[True, True, False]]))
+    lp = process_logits(
+        lg, SamplingTensors.from_values([1.0]), token_mask=torch.tensor([[True, True, False]])
+    )
     torch.testing.assert_close(lp[0].exp(), torch.tensor([1 / 3, 2 / 3, 0.0]))
     assert lp[0, 2].item() == NEG_INF
 
@@ -176,7 +178,9 @@ def test_sampling_tensors_constructors_and_validation():
 def test_errors_name_the_problem():
     s = SamplingTensors.from_values([1.0, 1.0])
     with pytest.raises(ValueError, match="row 1 has no allowed token"):
-        process_logits(torch.zeros(2, 3), s, token_mask=torch.tensor([[True, True, True], [False, False, False]]))
+        process_logits(
+            torch.zeros(2, 3), s, token_mask=torch.tensor([[True, True, True], [False, False, False]])
+        )
     with pytest.raises(ValueError, match="sampling rows"):
         process_logits(torch.zeros(3, 3), s)
     with pytest.raises(ValueError, match="bool"):
@@ -207,4 +211,5 @@ def test_a_batch_with_truncation_or_mixed_greedy_rows_takes_the_general_path():
     assert SamplingTensors.from_values(1.0, [0, 5], 1.0, 0.0)._kind == "mixed"
     assert SamplingTensors.from_values(1.0, 0, [1.0, 0.9], 0.0)._kind == "mixed"
     assert SamplingTensors.from_values(1.0, 0, 1.0, [0.0, 0.1])._kind == "mixed"
-    assert SamplingTensors.from_values(0.0, 5, 0.9, 0.1, batch_size=2)._kind == "greedy"  # greedy ignores them
+    # greedy ignores them
+    assert SamplingTensors.from_values(0.0, 5, 0.9, 0.1, batch_size=2)._kind == "greedy"

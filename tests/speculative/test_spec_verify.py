@@ -46,7 +46,9 @@ def test_greedy_equals_argmax_decoding(seed, impl):
     drafts = ar[:, :k].clone()
     for b in range(B):
         if n_good[b] < k:
-            wrong = (ar[b, n_good[b]] + 1 + torch.randint(0, V - 1, (1,), generator=g)) % V if V > 1 else ar[b, 0]
+            wrong = (
+                (ar[b, n_good[b]] + 1 + torch.randint(0, V - 1, (1,), generator=g)) % V if V > 1 else ar[b, 0]
+            )
             drafts[b, n_good[b]] = wrong
     # target log-probs along the drafted prefix (what the verifier sees)
     rows = torch.cat([start[:, None], drafts + 1], 1)  # [B, k+1]

@@ -277,7 +277,9 @@ def textbook_sampler(bug: str | None):
             tok = torch.where(full, torch.full_like(tok, -1), tok)
         pos = torch.arange(K1)[None]
         xp = torch.cat([x, torch.full((n, 1), -1)], 1)
-        return torch.where(pos < j[:, None], xp, torch.where(pos == j[:, None], tok[:, None], torch.full_like(xp, -1)))
+        return torch.where(
+            pos < j[:, None], xp, torch.where(pos == j[:, None], tok[:, None], torch.full_like(xp, -1))
+        )
 
     return fn
 

@@ -97,8 +97,8 @@ def test_tree_emits_the_target_distribution():
 
 
 def test_tree_greedy_follows_the_argmax():
-    res, _, ys, _ = _tree_step(400, 2, 4, seed=3, greedy=True)
-    for row, y, n in zip(res.tokens, ys, res.num_accepted.tolist()):
+    res, _, _, _ = _tree_step(400, 2, 4, seed=3, greedy=True)
+    for row, n in zip(res.tokens, res.num_accepted.tolist()):
         ctx = (0,)
         for t in row[:n + 1].tolist():
             assert t == int(p(ctx).argmax())
@@ -115,7 +115,9 @@ def test_tree_positions_point_at_the_logits_that_verified_each_token():
         if bool(res.second[r]):
             a = int(res.first_accepted[r])
             assert pos == list(range(a + 1)) + [k + j for j in range(a + 1, n)]
-            assert res.tokens[r, :n - 1].tolist() == ys[r, :n - 1].tolist() and n - 1 == int(res.second_len[r])
+            assert res.tokens[r, : n - 1].tolist() == ys[r, : n - 1].tolist() and n - 1 == int(
+                res.second_len[r]
+            )
         else:
             assert pos == list(range(n))
             a = int(res.first_accepted[r])

@@ -37,9 +37,18 @@ def random_eagle3(target_cfg: DecoderConfig, seed: int, draft_vocab: int = 40):
     from megatron_spec.draft.eagle3 import Eagle3Head
     from megatron_spec.draft.eagle3_config import Eagle3Config
 
-    cfg = Eagle3Config(hidden_size=target_cfg.hidden_size, intermediate_size=96, num_attention_heads=4,
-                       num_kv_heads=2, head_dim=16, vocab_size=target_cfg.vocab_size, draft_vocab_size=draft_vocab,
-                       aux_layer_ids=(0, 1), max_position_embeddings=256, torch_dtype="float32")
+    cfg = Eagle3Config(
+        hidden_size=target_cfg.hidden_size,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=target_cfg.vocab_size,
+        draft_vocab_size=draft_vocab,
+        aux_layer_ids=(0, 1),
+        max_position_embeddings=256,
+        torch_dtype="float32",
+    )
     head = Eagle3Head(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -63,9 +72,19 @@ def ckpts(tmp_path_factory) -> Ckpts:
     llama = make_hf_checkpoint(root / "llama_tied", family="llama", num_layers=2, hidden_size=64,
                                intermediate_size=128, num_attention_heads=4, num_kv_heads=2,
                                tie_word_embeddings=True, seed=13)
-    qwen2 = make_hf_checkpoint(root / "qwen2", family="qwen2", num_layers=1, hidden_size=64, intermediate_size=128,
-                               num_attention_heads=4, num_kv_heads=2, seed=14)
+    qwen2 = make_hf_checkpoint(
+        root / "qwen2",
+        family="qwen2",
+        num_layers=1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        seed=14,
+    )
     cfg = DecoderConfig.from_pretrained(a)
     save_eagle3(random_eagle3(cfg, 21), root / "eagle3")
     save_eagle3(random_eagle3(cfg, 22), root / "eagle3_other")
-    return Ckpts(str(a), str(b), str(llama), str(qwen2), str(root / "eagle3"), str(root / "eagle3_other"), cfg)
+    return Ckpts(
+        str(a), str(b), str(llama), str(qwen2), str(root / "eagle3"), str(root / "eagle3_other"), cfg
+    )

@@ -19,7 +19,8 @@ Nothing is copied from SGLang: the source is read from the installed package at 
 
 The import chain of ``sglang.srt`` needs torchvision, and no CPU torchvision is on PyPI (its Linux
 wheels link ``libtorch_cuda``; with a CPU torch, torchvision 0.28 then fails at import registering
-``torchvision::nms``). :func:`srt` imports the modules with a stand-in ``torchvision`` on the import path (only multimodal
+``torchvision::nms``). :func:`srt` imports the modules with a stand-in ``torchvision`` on the import path
+(only multimodal
 config modules name it, at import time) and with ``sglang.srt.configs.utils.register_image_processor``
 a no-op (it registers SGLang's multimodal image processors with transformers, which asks for
 torchvision). The rest of the chain is installed on CPU (requirements/sglang-cpu-deps.txt).
@@ -95,7 +96,9 @@ def literal_assignment(relpath: str, class_name: str, method: str, variable: str
     _, tree = source(relpath)
     fn = _method(_class(tree, class_name), method)
     for node in ast.walk(fn):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == variable for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == variable for t in node.targets
+        ):
             return ast.literal_eval(node.value)
     raise LookupError(f"{variable} not assigned in {class_name}.{method}")
 
@@ -155,7 +158,8 @@ _SRT_MODULES = ("sglang.srt.server_args", "sglang.srt.arg_groups.pipeline", "sgl
 @functools.cache
 def srt() -> dict[str, types.ModuleType]:
     """SGLang's own modules the contract tests drive, imported for real (see the module docstring)."""
-    importlib.import_module("sglang")  # before the stand-in: its import-time transformers patches must see no torchvision
+    # before the stand-in: its import-time transformers patches must see no torchvision
+    importlib.import_module("sglang")
 
     if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
         raise AssertionError("a torchvision is installed: import SGLang with it and drop the stand-in")
@@ -239,8 +243,13 @@ def _free_names(fn: ast.FunctionDef) -> set[str]:
 def _maybe_remap_kv_scale_name():
     """``maybe_remap_kv_scale_name`` compiled from the installed weight_utils source."""
     _, tree = source("srt/model_loader/weight_utils.py")
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "maybe_remap_kv_scale_name")
-    ns: dict[str, Any] = {"Optional": __import__("typing").Optional, "print_warning_once": lambda *a, **k: None}
+    fn = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "maybe_remap_kv_scale_name"
+    )
+    ns: dict[str, Any] = {
+        "Optional": __import__("typing").Optional,
+        "print_warning_once": lambda *a, **k: None,
+    }
     exec(compile(ast.Module(body=[fn], type_ignores=[]), "weight_utils.py", "exec"), ns)
     return ns["maybe_remap_kv_scale_name"]
 
@@ -271,13 +280,17 @@ def loader(relpath: str, class_name: str, method: str = "load_weights", *, weigh
     log = Recorder()
     import typing
 
-    ns: dict[str, Any] = {n: getattr(typing, n) for n in ("Iterable", "Tuple", "List", "Optional", "Dict", "Any")}
+    ns: dict[str, Any] = {
+        n: getattr(typing, n) for n in ("Iterable", "Tuple", "List", "Optional", "Dict", "Any")
+    }
     ns.update(torch=torch, logger=log, default_weight_loader=weight_loader or _default_weight_loader,
               get_layer_id=get_layer_id,
               add_prefix=add_prefix, maybe_remap_kv_scale_name=_maybe_remap_kv_scale_name())
     missing = _free_names(fn) - set(ns)
     if missing:
-        raise AssertionError(f"{class_name}.{method} now uses {sorted(missing)}: supply them in tests/sync/sglang_support.py")
+        raise AssertionError(
+            f"{class_name}.{method} now uses {sorted(missing)}: supply them in tests/sync/sglang_support.py"
+        )
     exec(compile(ast.Module(body=[fn], type_ignores=[]), os.path.join(sglang_root(), relpath), "exec"), ns)
     return ns[method], log
 
@@ -320,7 +333,11 @@ def _module_from_store(model: FakeModel) -> torch.nn.Module:
         grouped.setdefault(name, []).append((shard, t))
     root = torch.nn.Module()
     for name, parts in grouped.items():
-        t = torch.cat([t for _, t in sorted(parts, key=lambda st: order[st[0]])]) if len(parts) > 1 else parts[0][1]
+        t = (
+            torch.cat([t for _, t in sorted(parts, key=lambda st: order[st[0]])])
+            if len(parts) > 1
+            else parts[0][1]
+        )
         *path, leaf = name.split(".")
         mod = root
         for piece in path:
@@ -352,7 +369,9 @@ class FakeSGLangEngine:
     ``drop_draft`` acknowledges draft updates without loading them (the peers' silent bug).
     """
 
-    def __init__(self, target_loader, target_params, draft_loader=None, draft_params=(), tie=False, **server_kwargs):
+    def __init__(
+        self, target_loader, target_params, draft_loader=None, draft_params=(), tie=False, **server_kwargs
+    ):
         mods = srt()
         from sglang.srt.runtime_context import SpawnRanks, get_spec, publish
 
@@ -378,7 +397,9 @@ class FakeSGLangEngine:
             weights = _safetensors(draft_path)
             if self.load_formats["draft"] == "dummy":  # random values, and no d2t
                 g = torch.Generator().manual_seed(0)
-                weights = [(n, torch.rand(t.shape, generator=g).to(t.dtype)) for n, t in weights if n != "d2t"]
+                weights = [
+                    (n, torch.rand(t.shape, generator=g).to(t.dtype)) for n, t in weights if n != "d2t"
+                ]
             draft_loader(self.models["draft"], weights)  # d2t (if read) sets hot_token_id: once, here
         self.memory_saver = _MemorySaver(self)
         self.updater = self._weight_updater(mods["sglang.srt.managers.scheduler_components.weight_updater"])
@@ -401,8 +422,9 @@ class FakeSGLangEngine:
 
     def _weight_updater(self, wu):
         """SGLang's scheduler-side manager; its TP group is a one-rank gloo group on CPU."""
-        import torch.distributed as dist
         from unittest import mock
+
+        import torch.distributed as dist
 
         self._own_group = not dist.is_initialized()
         if self._own_group:
@@ -432,8 +454,9 @@ class FakeSGLangEngine:
         from sglang.srt.utils.weight_checker import WeightChecker
 
         module = _module_from_store(self.models[group])
-        payload = WeightChecker(get_model=lambda: module).handle("checksum", skip_tensor_list=list(skip) or None,
-                                                                 role=group)
+        payload = WeightChecker(get_model=lambda: module).handle(
+            "checksum", skip_tensor_list=list(skip) or None, role=group
+        )
         return _merge_checksum_payloads([(group, payload)])["per_gpu_checksum"]
 
     def generate(self, input_ids, sampling_params, return_logprob):
@@ -491,19 +514,25 @@ class _FakeTM:
         if eng.session is None:
             return False, "update_weights_from_tensor must run between begin and end"
         tp_size = self.eng.server_args.tp_size
-        if len(obj.serialized_named_tensors) < tp_size:  # SGLang: IndexError in a rank's scheduler, which dies
+        # SGLang: IndexError in a rank's scheduler, which dies
+        if len(obj.serialized_named_tensors) < tp_size:
             eng.dead = IndexError(f"serialized_named_tensors has {len(obj.serialized_named_tensors)} entries")
-            raise SchedulerDied(f"SGLang scheduler of TP rank {len(obj.serialized_named_tensors)} died: {eng.dead!r}")
+            raise SchedulerDied(
+                f"SGLang scheduler of TP rank {len(obj.serialized_named_tensors)} died: {eng.dead!r}"
+            )
         per_rank = []  # each TP rank deserialises its own entry (TpModelWorker.deserialize_own_rank)
         for rank in range(tp_size):
             data = MultiprocessingSerializer.deserialize(obj.serialized_named_tensors[rank])
-            bucket = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+            bucket = FlattenedTensorBucket(
+                flattened_tensor=data["flattened_tensor"], metadata=data["metadata"]
+            )
             per_rank.append(bucket.reconstruct_tensors())
         eng.payload_counts.append(len(obj.serialized_named_tensors))
         named = per_rank[0]  # TP=1 loaders and stores: every rank must have received the same tensors
         for rank, other in enumerate(per_rank[1:], 1):
             assert [n for n, _ in other] == [n for n, _ in named] and all(
-                torch.equal(a, b) for (_, a), (_, b) in zip(other, named)), f"TP rank {rank} got other tensors"
+                torch.equal(a, b) for (_, a), (_, b) in zip(other, named)
+            ), f"TP rank {rank} got other tensors"
         groups = ["target", "draft"] if obj.selector == "all" else [obj.selector]
         for g in groups:
             if g == "draft" and eng.drop_draft:
@@ -565,16 +594,22 @@ def publish_tp_rank(server_args, tp_rank: int, gpu_id: int) -> None:
 
 
 def _compiled_methods(relpath: str, names: Iterable[tuple[str, str]], ns: dict[str, Any]) -> dict[str, Any]:
-    """``(class, method)`` of an installed SGLang module compiled from its source with the globals in ``ns``."""
+    """``(class, method)`` of an installed SGLang module compiled from its source with the globals in
+    ``ns``."""
     _, tree = source(relpath)
     out = {}
     for class_name, name in names:
         fn = _method(_class(tree, class_name), name)
         missing = _free_names(fn) - set(ns)
         if missing:
-            raise AssertionError(f"{class_name}.{name} now uses {sorted(missing)}: supply them in sglang_support.py")
+            raise AssertionError(
+                f"{class_name}.{name} now uses {sorted(missing)}: supply them in sglang_support.py"
+            )
         scope = dict(ns)
-        exec(compile(ast.Module(body=[fn], type_ignores=[]), os.path.join(sglang_root(), relpath), "exec"), scope)
+        exec(
+            compile(ast.Module(body=[fn], type_ignores=[]), os.path.join(sglang_root(), relpath), "exec"),
+            scope,
+        )
         out[name] = scope[name]
     return out
 
@@ -628,7 +663,12 @@ class ShardedQwen3(torch.nn.Module):
         from sglang.srt.model_loader.weight_utils import default_weight_loader
 
         c = hf_config
-        h, head_dim, heads, kv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"]
+        h, head_dim, heads, kv = (
+            c["hidden_size"],
+            c["head_dim"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+        )
         inter, vocab = c["intermediate_size"], c["vocab_size"]
         self.config = types.SimpleNamespace(tie_word_embeddings=c["tie_word_embeddings"])
         self.pp_group = types.SimpleNamespace(is_last_rank=True)
@@ -638,12 +678,16 @@ class ShardedQwen3(torch.nn.Module):
         for _ in range(c["num_hidden_layers"]):
             layer = torch.nn.Module()
             layer.self_attn = torch.nn.Module()
-            layer.self_attn.qkv_proj = QKVParallelLinear(h, head_dim, heads, kv, bias=False, params_dtype=dtype)
+            layer.self_attn.qkv_proj = QKVParallelLinear(
+                h, head_dim, heads, kv, bias=False, params_dtype=dtype
+            )
             layer.self_attn.o_proj = RowParallelLinear(heads * head_dim, h, bias=False, params_dtype=dtype)
             layer.self_attn.q_norm = RMSNorm(head_dim, weight_dtype=dtype)
             layer.self_attn.k_norm = RMSNorm(head_dim, weight_dtype=dtype)
             layer.mlp = torch.nn.Module()
-            layer.mlp.gate_up_proj = MergedColumnParallelLinear(h, [inter, inter], bias=False, params_dtype=dtype)
+            layer.mlp.gate_up_proj = MergedColumnParallelLinear(
+                h, [inter, inter], bias=False, params_dtype=dtype
+            )
             layer.mlp.down_proj = RowParallelLinear(inter, h, bias=False, params_dtype=dtype)
             layer.input_layernorm = RMSNorm(h, weight_dtype=dtype)
             layer.post_attention_layernorm = RMSNorm(h, weight_dtype=dtype)
@@ -697,15 +741,21 @@ class TpRank:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         with get_parallel().override(tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD)):
             self.manager = SchedulerWeightUpdaterManager(
-                tp_worker=tp_worker_class(self.serializer)(runner), draft_worker=None, memory_saver_adapter=None,
-                flush_cache=lambda **kw: True, is_fully_idle=lambda **kw: True,
-                scheduler=types.SimpleNamespace(record_weight_version_change=lambda new_version: self.versions.append(
-                    new_version)))
+                tp_worker=tp_worker_class(self.serializer)(runner),
+                draft_worker=None,
+                memory_saver_adapter=None,
+                flush_cache=lambda **kw: True,
+                is_fully_idle=lambda **kw: True,
+                scheduler=types.SimpleNamespace(
+                    record_weight_version_change=lambda new_version: self.versions.append(new_version)
+                ),
+            )
 
     def handle(self, obj):
         """What this rank's scheduler does with a request object (as ``_request_dispatcher`` routes it)."""
         io = srt()["sglang.srt.managers.io_struct"]
-        obj = io.msgpack_decode(io.msgpack_encode(obj))  # the tokenizer -> scheduler hop (sock_send / sock_recv)
+        # the tokenizer -> scheduler hop (sock_send / sock_recv)
+        obj = io.msgpack_decode(io.msgpack_encode(obj))
         method = {"BeginWeightUpdateReqInput": "begin_weight_update",
                   "UpdateWeightsFromTensorReqInput": "update_weights_from_tensor"}[type(obj).__name__]
         return getattr(self.manager, method)(obj)

@@ -94,8 +94,17 @@ def test_cpu_payloads_travel_by_shared_memory_name_and_reuse_a_mapped_buffer():
     assert again[0][1].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
     assert torch.all(again[2][1] == 7.0)
     private = torch.arange(6.0)  # an ordinary tensor is moved into shared memory on the way
-    assert torch.equal(read_bucket_payload(serialize({"flattened_tensor": private.view(torch.uint8), "metadata": [
-        FlattenedTensorMetadata("p", torch.Size([6]), torch.float32, 0, 24, 24)]}))[0][1], private)
+    assert torch.equal(
+        read_bucket_payload(
+            serialize(
+                {
+                    "flattened_tensor": private.view(torch.uint8),
+                    "metadata": [FlattenedTensorMetadata("p", torch.Size([6]), torch.float32, 0, 24, 24)],
+                }
+            )
+        )[0][1],
+        private,
+    )
 
 
 class Evil:

@@ -49,7 +49,11 @@ def test_cast_to_engine_dtype():
 
 def test_numpy_and_torch_paths_agree_across_chunks():
     # the torch path is what runs on CUDA; both must give the same sums mod 2**64
-    for dtype, view in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float8_e4m3fn, torch.int8)):
+    for dtype, view in (
+        (torch.float32, torch.int32),
+        (torch.bfloat16, torch.int16),
+        (torch.float8_e4m3fn, torch.int8),
+    ):
         x = (torch.randn(100_003, generator=torch.Generator().manual_seed(3)) * 50).to(dtype)
         bits = x.view(view)
         assert _numpy_sums(bits.numpy()) == _torch_sums(bits), dtype
@@ -62,7 +66,9 @@ def test_device_path_reads_back_once_per_tensor(monkeypatch):
     reads = []
     for name in ("item", "tolist", "__int__", "__index__", "__bool__", "__float__"):
         orig = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name: (reads.append(_n), _o(self, *a))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda self, *a, _o=orig, _n=name: (reads.append(_n), _o(self, *a))[1]
+        )
     monkeypatch.setattr(fingerprint, "_DEVICE_CHUNK", 1000)
     bits = (torch.randn(10_500, generator=torch.Generator().manual_seed(4)) * 1e4).view(torch.int32)
     sums = _torch_sums(bits)  # 11 chunks

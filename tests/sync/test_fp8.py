@@ -38,14 +38,20 @@ def test_quantize_then_dequantize_matches_the_kernel_reference():
     w = torch.randn(300, 200, generator=g) * 0.05  # partial blocks at both edges
     named = [("model.layers.0.mlp.up_proj.weight", w), ("model.norm.weight", torch.ones(200))]
     sent = list(quantize_named(named))
-    assert [n for n, _ in sent] == ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv",
-                                    "model.norm.weight"]
+    assert [n for n, _ in sent] == [
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.0.mlp.up_proj.weight_scale_inv",
+        "model.norm.weight",
+    ]
     q_ref, s_ref = fp8_block_quantize_reference(w)
     assert torch.equal(sent[0][1].view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(sent[1][1], s_ref) and sent[1][1].shape == scale_shape((300, 200)) == (3, 2)
     back = dict(dequantize_named(sent, torch.float32))
     assert set(back) == {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
-    assert torch.equal(back["model.layers.0.mlp.up_proj.weight"], fp8_block_dequantize_reference(q_ref, s_ref, dtype=torch.float32))
+    assert torch.equal(
+        back["model.layers.0.mlp.up_proj.weight"],
+        fp8_block_dequantize_reference(q_ref, s_ref, dtype=torch.float32),
+    )
     err = (back["model.layers.0.mlp.up_proj.weight"] - w).abs().max() / w.abs().max()
     assert 0 < err < 0.07  # e4m3 keeps 3 mantissa bits: relative error below 2**-4 of the block amax
 

@@ -43,8 +43,14 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 # ------------------------------------------------------------------ SGLang's parameter names
 def _fp8_registers_weight_scale_inv() -> bool:
     _, tree = ss.source("srt/layers/quantization/fp8.py")
-    return any(isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "register_parameter" and n.args
-               and isinstance(n.args[0], ast.Constant) and n.args[0].value == "weight_scale_inv" for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.Call)
+        and getattr(n.func, "attr", "") == "register_parameter"
+        and n.args
+        and isinstance(n.args[0], ast.Constant)
+        and n.args[0].value == "weight_scale_inv"
+        for n in ast.walk(tree)
+    )
 
 
 def _has(relpath, cls, *attrs):
@@ -58,7 +64,14 @@ def target_params(cfg, fp8: bool) -> set[str]:
     if cfg.family == "llama":
         _has("srt/models/llama.py", "LlamaForCausalLM", "model", "lm_head")
         _has("srt/models/llama.py", "LlamaModel", "embed_tokens", "layers", "norm")
-        _has("srt/models/llama.py", "LlamaDecoderLayer", "self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+        _has(
+            "srt/models/llama.py",
+            "LlamaDecoderLayer",
+            "self_attn",
+            "mlp",
+            "input_layernorm",
+            "post_attention_layernorm",
+        )
         _has("srt/models/llama.py", "LlamaAttention", "qkv_proj", "o_proj")
         _has("srt/models/llama.py", "LlamaMLP", "gate_up_proj", "down_proj")
     else:
@@ -90,7 +103,9 @@ def draft_params() -> set[str]:
     _has("srt/models/llama_eagle3.py", "LlamaForCausalLMEagle3", "model", "lm_head")
     _has("srt/models/llama_eagle3.py", "LlamaModel", "embed_tokens", "fc", "layers", "norm")
     _has("srt/models/llama_eagle3.py", "LlamaDecoderLayer", "hidden_norm", "mlp", "self_attn.qkv_proj")
-    _has("srt/models/llama.py", "LlamaDecoderLayer", "input_layernorm", "post_attention_layernorm", "self_attn")
+    _has(
+        "srt/models/llama.py", "LlamaDecoderLayer", "input_layernorm", "post_attention_layernorm", "self_attn"
+    )
     p = "model.layers.0"
     return {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
             f"{p}.hidden_norm.weight", f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight",
@@ -125,7 +140,9 @@ def _through_sglang(named, model, fn) -> None:
 def _hf(path):
     ck = HFCheckpoint(path)
     tied = ck.decoder_config.tie_word_embeddings
-    return ck.decoder_config, [(n, ck.get(n)) for n in sorted(ck.names()) if not (tied and n == "lm_head.weight")]
+    return ck.decoder_config, [
+        (n, ck.get(n)) for n in sorted(ck.names()) if not (tied and n == "lm_head.weight")
+    ]
 
 
 def _expected_store(named):
@@ -142,8 +159,17 @@ def _expected_store(named):
     return out
 
 
-@pytest.mark.parametrize("arch,dtype", [("qwen3", "fp32"), ("qwen3", "bf16"), ("qwen3", "fp8"), ("qwen2", "bf16"),
-                                        ("qwen2", "fp8"), ("llama", "bf16")])
+@pytest.mark.parametrize(
+    "arch,dtype",
+    [
+        ("qwen3", "fp32"),
+        ("qwen3", "bf16"),
+        ("qwen3", "fp8"),
+        ("qwen2", "bf16"),
+        ("qwen2", "fp8"),
+        ("llama", "bf16"),
+    ],
+)
 def test_target_loader_takes_every_tensor_exactly(ckpts, arch, dtype):
     path = {"qwen3": ckpts.qwen3, "qwen2": ckpts.qwen2, "llama": ckpts.llama_tied}[arch]
     cfg, named = _hf(path)
@@ -216,15 +242,23 @@ def _resolved(kw):
 def test_server_args_pass_sglangs_own_validation_and_are_lossless(ckpts):
     from megatron_spec.speculative import LossyConfigError, check_lossless
 
-    cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3, num_draft_tokens=3,
-                       dtype="bfloat16", context_length=256, max_batch_size=8)
+    cfg = EngineConfig(
+        model_path=ckpts.qwen3,
+        draft_kind="eagle3",
+        draft_path=ckpts.eagle3,
+        num_draft_tokens=3,
+        dtype="bfloat16",
+        context_length=256,
+        max_batch_size=8,
+    )
     args, view = _resolved(proto.server_kwargs(cfg, tp_size=2))
     check_lossless(args)
     assert (view.speculative_algorithm, view.speculative_num_steps, view.speculative_eagle_topk,
             view.speculative_num_draft_tokens) == ("EAGLE3", 3, 1, 4)
     assert view.speculative_use_rejection_sampling and view.enable_memory_saver and view.tp_size == 2
     assert view.speculative_accept_threshold_single == view.speculative_accept_threshold_acc == 1.0
-    with pytest.raises(ValueError, match="rejection sampling ignores the accept thresholds"):  # SGLang refuses
+    # SGLang refuses
+    with pytest.raises(ValueError, match="rejection sampling ignores the accept thresholds"):
         _resolved(proto.server_kwargs(cfg, overrides={"speculative_accept_threshold_acc": 0.5}))
     with pytest.raises(LossyConfigError, match="speculative_accept_threshold_acc = 0.5"):  # and so do we
         check_lossless(proto.server_kwargs(cfg, overrides={"speculative_accept_threshold_acc": 0.5}))
@@ -246,8 +280,15 @@ def test_draft_model_runs_sglangs_exact_point_mass_verify(ckpts):
     in ``_handle_eagle_family``); the backend launches it with SGLang's default verify (point-mass q)."""
     from megatron_spec.speculative import check_lossless
 
-    cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="model", draft_path=ckpts.qwen3_other, num_draft_tokens=3,
-                       dtype="bfloat16", context_length=256, max_batch_size=8)
+    cfg = EngineConfig(
+        model_path=ckpts.qwen3,
+        draft_kind="model",
+        draft_path=ckpts.qwen3_other,
+        num_draft_tokens=3,
+        dtype="bfloat16",
+        context_length=256,
+        max_batch_size=8,
+    )
     kw = proto.server_kwargs(cfg)
     with pytest.raises(NotImplementedError, match="only supported for EAGLE / EAGLE3 / NEXTN, not "
                                                   "speculative_algorithm=STANDALONE"):
@@ -271,9 +312,16 @@ def test_fp8_quantization_config_reaches_the_target_only(ckpts, tmp_path):
     assert (view.load_format, view.speculative_draft_load_format) == ("dummy", "auto")
     model_config = ss.srt()["sglang.srt.configs.model_config"].ModelConfig
     target = model_config.from_server_args(args)
-    assert target.quantization == "fp8" and target.hf_config.quantization_config["weight_block_size"] == [128, 128]
-    draft = model_config.from_server_args(args, model_path=view.speculative_draft_model_path,
-                                          model_revision=view.speculative_draft_model_revision, is_draft_model=True)
+    assert target.quantization == "fp8" and target.hf_config.quantization_config["weight_block_size"] == [
+        128,
+        128,
+    ]
+    draft = model_config.from_server_args(
+        args,
+        model_path=view.speculative_draft_model_path,
+        model_revision=view.speculative_draft_model_revision,
+        is_draft_model=True,
+    )
     assert draft.hf_config.architectures == ["LlamaForCausalLMEagle3"]
     assert draft.quantization is None and getattr(draft.hf_config, "quantization_config", None) is None
 
@@ -289,8 +337,13 @@ def test_request_objects_are_sglangs(io_struct):
     req = proto.update_request([b"p0", b"p1"], "draft", "v3", flush_cache=False)
     assert isinstance(req, io_struct.UpdateWeightsFromTensorReqInput)
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=io_struct.UpdateWeightsFromTensorReqInput)
-    assert (back.serialized_named_tensors, back.load_format, back.selector, back.weight_version, back.flush_cache) \
-        == ([b"p0", b"p1"], "flattened_bucket", "draft", "v3", False)
+    assert (
+        back.serialized_named_tensors,
+        back.load_format,
+        back.selector,
+        back.weight_version,
+        back.flush_cache,
+    ) == ([b"p0", b"p1"], "flattened_bucket", "draft", "v3", False)
     assert proto.session_request(True, "target").selector == "target"
     assert isinstance(proto.session_request(False), io_struct.EndWeightUpdateReqInput)
     assert proto.checksum_request("draft").skip_tensor_list == ["embed_tokens"]
@@ -308,18 +361,41 @@ def test_parse_output_counts_prefill_as_a_verify_step():
     assert s.num_verify_steps == 4 and sorted(s.accepted_per_step) == [0, 2, 2] and s.accept_length == 7 / 4
     assert s.logprobs == pytest.approx([-0.1 * i for i in range(7)]) and s.finish_reason == "length"
     plain = dict(meta, spec_verify_ct=0, spec_correct_drafts_histogram=None)
-    assert proto.parse_output({"output_ids": list(range(10, 17)), "meta_info": plain}, "r", 0, speculative=False,
-                              target_version="v1", draft_version=None).num_verify_steps == 7
+    assert (
+        proto.parse_output(
+            {"output_ids": list(range(10, 17)), "meta_info": plain},
+            "r",
+            0,
+            speculative=False,
+            target_version="v1",
+            draft_version=None,
+        ).num_verify_steps
+        == 7
+    )
     with pytest.raises(proto.SGLangOutputError, match="aborted"):
-        proto.parse_output({"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}},
-                           "r", 0, speculative=True, target_version="v1", draft_version="d1")
+        proto.parse_output(
+            {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "oom"}}},
+            "r",
+            0,
+            speculative=True,
+            target_version="v1",
+            draft_version="d1",
+        )
     with pytest.raises(proto.SGLangOutputError, match="logprob 1 is for token 99"):
-        bad = dict(meta, output_token_logprobs=[(0.0, 10, None), (0.0, 99, None)] + meta["output_token_logprobs"][2:])
+        bad = dict(
+            meta, output_token_logprobs=[(0.0, 10, None), (0.0, 99, None)] + meta["output_token_logprobs"][2:]
+        )
         proto.parse_output({"output_ids": list(range(10, 17)), "meta_info": bad}, "r", 0, speculative=True,
                            target_version="v1", draft_version="d1")
     with pytest.raises(proto.SGLangOutputError, match="weight_version 'v0'"):
-        proto.parse_output({"output_ids": list(range(10, 17)), "meta_info": dict(meta, weight_version="v0")}, "r", 0,
-                           speculative=True, target_version="v1", draft_version="d1")
+        proto.parse_output(
+            {"output_ids": list(range(10, 17)), "meta_info": dict(meta, weight_version="v0")},
+            "r",
+            0,
+            speculative=True,
+            target_version="v1",
+            draft_version="d1",
+        )
 
 
 # ------------------------------------------------------------------ SGLangEngine end to end (stand-in engine)
@@ -366,8 +442,9 @@ def test_sglang_engine_syncs_verifies_and_generates(sgl, ckpts):
     st.sync_draft(_draft(ckpts.eagle3_other, ckpts.cfg), "t1")
     h = sgl.health()
     assert (h["weight_version"], h["draft_weight_version"]) == ("t1", "t1")
-    samples, stats = sgl.generate([GenerateRequest("a", [5, 6, 7], SamplingParams(temperature=0.7, max_new_tokens=9),
-                                                   n=2)])
+    samples, stats = sgl.generate(
+        [GenerateRequest("a", [5, 6, 7], SamplingParams(temperature=0.7, max_new_tokens=9), n=2)]
+    )
     assert [s.sample_index for s in samples] == [0, 1] and stats.num_tokens == 18
     assert stats.mean_accept_length == pytest.approx(18 / sum(s.num_verify_steps for s in samples))
     assert fake.generated[-1]["sampling_params"][0]["top_k"] == -1
@@ -396,12 +473,18 @@ def test_release_resume_repushes_the_draft_and_refuses_a_stale_target(sgl, ckpts
         sgl.generate([GenerateRequest("a", [5], SamplingParams(max_new_tokens=2))])
     sgl.resume_memory()  # the last verified draft goes back in, verified against the digest ledger
     h = sgl.health()
-    assert h["draft_weight_version"] == "t1" and h["checksums"]["draft"] == before and h["weight_version"] is None
+    assert (
+        h["draft_weight_version"] == "t1"
+        and h["checksums"]["draft"] == before
+        and h["weight_version"] is None
+    )
     with pytest.raises(RuntimeError, match=r"no weights loaded for \['target'\]"):
         sgl.generate([GenerateRequest("a", [5], SamplingParams(max_new_tokens=2))])
     st.sync_target_tensors(named, "t2")
     with pytest.raises(LossyConfigError, match="min_p"):
-        sgl.generate([GenerateRequest("a", [5], SamplingParams(temperature=1.0, min_p=0.1, max_new_tokens=2))])
+        sgl.generate(
+            [GenerateRequest("a", [5], SamplingParams(temperature=1.0, min_p=0.1, max_new_tokens=2))]
+        )
     samples, _ = sgl.generate([GenerateRequest("a", [5], SamplingParams(max_new_tokens=2))])
     assert samples[0].weight_version == "t2"
 
@@ -438,9 +521,18 @@ def test_draft_and_its_token_map_are_read_at_launch_when_the_target_is_dummy(ckp
     tfn, _ = ss.loader(*LOADERS["qwen3"])
     dfn, _ = ss.loader(*DRAFT_LOADER)
     launch = functools.partial(ss.FakeSGLangEngine, tfn, target_params(cfg, False), dfn, draft_params())
-    with SGLangEngine(EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3,
-                                   num_draft_tokens=3, dtype="float32", load_weights=False, context_length=256),
-                      launch=launch) as eng:
+    with SGLangEngine(
+        EngineConfig(
+            model_path=ckpts.qwen3,
+            draft_kind="eagle3",
+            draft_path=ckpts.eagle3,
+            num_draft_tokens=3,
+            dtype="float32",
+            load_weights=False,
+            context_length=256,
+        ),
+        launch=launch,
+    ) as eng:
         fake = eng._engine
         assert fake.load_formats == {"target": "dummy", "draft": "auto"}  # SGLang's build_load_config
         head = load_eagle3(ckpts.eagle3, ckpts.cfg)
@@ -459,8 +551,15 @@ def test_real_sglang_engine(ckpts):
     """On a GPU with the full SGLang install: launch, sync target and draft, verify, generate."""
     from megatron_spec.rollout.sglang_backend import SGLangEngine
 
-    cfg = EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3, num_draft_tokens=3,
-                       dtype="bfloat16", context_length=256, max_batch_size=4)
+    cfg = EngineConfig(
+        model_path=ckpts.qwen3,
+        draft_kind="eagle3",
+        draft_path=ckpts.eagle3,
+        num_draft_tokens=3,
+        dtype="bfloat16",
+        context_length=256,
+        max_batch_size=4,
+    )
     with SGLangEngine(cfg, server_overrides={"mem_fraction_static": 0.3}) as eng:
         st = WeightStreamer(eng, weight_dtype="bf16", for_sglang=True)
         _, named = _hf(ckpts.qwen3_other)

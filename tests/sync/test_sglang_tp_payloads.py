@@ -65,7 +65,9 @@ def _sglang_gpu_ids(args) -> list[int]:
 
     publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
     _, tree = ss.source("srt/entrypoints/engine.py")
-    ranges = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_calculate_rank_ranges")
+    ranges = next(
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_calculate_rank_ranges"
+    )
     ns = {"get_parallel": get_parallel, "Tuple": tuple}
     exec(compile(ast.Module(body=[ranges], type_ignores=[]), "engine.py", "exec"), ns)
     pp_ranks, tp_ranks, pp_per_node, tp_per_node = ns["_calculate_rank_ranges"](get_parallel().node_rank)
@@ -74,9 +76,15 @@ def _sglang_gpu_ids(args) -> list[int]:
     expr = next(n.value for n in ast.walk(launch) if isinstance(n, ast.Assign)
                 and [ast.unparse(t) for t in n.targets] == ["gpu_id"])
     code = compile(ast.Expression(expr), "engine.py", "eval")
-    return [eval(code, {"get_device": get_device}, {"pp_rank": pp, "tp_rank": tp, "pp_size_per_node": pp_per_node,
-                                                    "tp_size_per_node": tp_per_node})
-            for pp in pp_ranks for tp in tp_ranks]
+    return [
+        eval(
+            code,
+            {"get_device": get_device},
+            {"pp_rank": pp, "tp_rank": tp, "pp_size_per_node": pp_per_node, "tp_size_per_node": tp_per_node},
+        )
+        for pp in pp_ranks
+        for tp in tp_ranks
+    ]
 
 
 @pytest.mark.parametrize("gpu_ids", [(0,), (5,), (0, 1), (2, 3), (4, 6), (4, 5, 6, 7)])
@@ -87,7 +95,9 @@ def test_sglang_places_tp_rank_i_on_gpu_ids_i(ckpts, gpu_ids):
     t = len(gpu_ids)
     args = _resolved(proto.server_kwargs(cfg, tp_size=t, gpu_ids=gpu_ids))
     assert _sglang_gpu_ids(args) == list(gpu_ids)
-    assert [compute_local_gpu_id(0, i, 1, t, args.base_gpu_id, args.gpu_id_step) for i in range(t)] == list(gpu_ids)
+    assert [compute_local_gpu_id(0, i, 1, t, args.base_gpu_id, args.gpu_id_step) for i in range(t)] == list(
+        gpu_ids
+    )
 
 
 @pytest.mark.parametrize("tp,gpu_ids,match", [
@@ -132,7 +142,8 @@ def _shard(full: dict[str, torch.Tensor], name: str, rank: int, tp: int, vocab_p
         return torch.cat([rows(full[p + "gate_proj.weight"]), rows(full[p + "up_proj.weight"])])
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return full[name].chunk(tp, dim=1)[rank]
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocab padded to a multiple of 64, then split
+    # vocab padded to a multiple of 64, then split
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
         t = full[name]
         return rows(torch.cat([t, t.new_zeros(vocab_padded - t.shape[0], t.shape[1])]))
     return full[name]  # norms: replicated
@@ -170,7 +181,8 @@ def test_each_tp_rank_loads_its_own_payload_and_narrows_full_tensors(ckpts, tp2_
             # its own entry, deserialised once; the other rank's entry is never opened here
             assert r.serializer.calls == [payloads[rank]]
             ptr = buffers[rank].untyped_storage().data_ptr()
-            assert all(t.untyped_storage().data_ptr() == ptr for _, t in r.model.received)  # views of its own buffer
+            # views of its own buffer
+            assert all(t.untyped_storage().data_ptr() == ptr for _, t in r.model.received)
             # full (unsharded) tensors reach the loader ...
             assert [n for n, _ in r.model.received] == [n for n, _ in sent[rank]]
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(r.model.received, sent[rank]))
@@ -178,8 +190,9 @@ def test_each_tp_rank_loads_its_own_payload_and_narrows_full_tensors(ckpts, tp2_
             full = dict(sent[rank])
             for name, param in r.model.named_parameters():
                 assert not param.isnan().any(), f"{name} never loaded on TP rank {rank}"
-                assert param.dtype == dtype and torch.equal(param, _shard(full, name, rank, 2, vocab_padded)), \
-                    (name, rank)
+                assert param.dtype == dtype and torch.equal(
+                    param, _shard(full, name, rank, 2, vocab_padded)
+                ), (name, rank)
             assert r.model.model.embed_tokens.weight.shape[0] == vocab_padded // 2
         finally:
             r.close()
@@ -208,12 +221,19 @@ def test_payload_count_other_than_tp_size(ckpts, tp2_args):
     with SGLangEngine(EngineConfig(model_path=ckpts.qwen3, dtype="float32", context_length=256), tp_size=2,
                       gpu_ids=(2, 3), launch=launch) as eng:
         fake = eng._engine
-        assert (fake.server_args.tp_size, fake.server_args.base_gpu_id, fake.server_args.gpu_id_step) == (2, 2, 1)
+        assert (fake.server_args.tp_size, fake.server_args.base_gpu_id, fake.server_args.gpu_id_step) == (
+            2,
+            2,
+            1,
+        )
         assert eng.info["gpu_ids"] == [2, 3]
         eng.begin_weight_update("target")
         for bad in (payloads[0], payloads[:1], payloads):
-            with pytest.raises(ValueError, match=r"runs TP=2 on GPUs \[2, 3\]: update_weights_from_tensor needs "
-                                                 r"exactly one payload per engine TP rank .* got [13]"):
+            with pytest.raises(
+                ValueError,
+                match=r"runs TP=2 on GPUs \[2, 3\]: update_weights_from_tensor needs "
+                r"exactly one payload per engine TP rank .* got [13]",
+            ):
                 eng.update_weights_from_tensor(bad, "target", "v1")
         assert not any(isinstance(q, fake.io.UpdateWeightsFromTensorReqInput) for q in fake.requests)
         assert eng.update_weights_from_tensor(payloads[:2], "target", "v1")["weight_version"] == "v1"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_spec.draft.modelopt_io import startup_draft_tensors
-from megatron_spec.models import HFCheckpoint
 from megatron_spec.interfaces import WeightReceiver
+from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.client import NativeEngine
 from megatron_spec.sync.bucket import BucketWriter, alloc_bucket_buffer
@@ -93,8 +93,9 @@ def test_failed_sync_is_aborted_and_the_engine_claims_no_version(engine, ckpts):
     named = ckpt_tensors(ckpts.qwen3_other)
     before = engine.health()
     with pytest.raises(RuntimeError, match="injected"):
-        WeightStreamer(FailingBucket(engine, 3), bucket_bytes=16 << 10, weight_dtype="fp32").sync_target_tensors(
-            named, "t-partial")
+        WeightStreamer(
+            FailingBucket(engine, 3), bucket_bytes=16 << 10, weight_dtype="fp32"
+        ).sync_target_tensors(named, "t-partial")
     mid = engine.health()
     assert mid["weight_version"] is None and "target" not in mid["checksums"]
     assert mid["draft_weight_version"] == before["draft_weight_version"]
@@ -129,7 +130,9 @@ def test_dropped_draft_update_is_detected_by_the_checksum(engine, ckpts):
     new = draft_tensors(ckpts.eagle3_other, ckpts.cfg)
     WeightStreamer(engine, weight_dtype="fp32").sync_draft(old, "d-old")
     st = WeightStreamer(StaleDraft(engine, old), weight_dtype="fp32")
-    with pytest.raises(WeightSyncError, match="draft weight sync failed: engine holds different values") as err:
+    with pytest.raises(
+        WeightSyncError, match="draft weight sync failed: engine holds different values"
+    ) as err:
         st.sync_draft(new, "d-new")
     assert err.value.group == "draft"
     assert engine.health()["draft_weight_version"] == "d-new"  # the version alone would not have told
@@ -137,7 +140,9 @@ def test_dropped_draft_update_is_detected_by_the_checksum(engine, ckpts):
 
 def test_bf16_streaming_is_verified_in_the_engine_dtype(engine, ckpts):
     named = ckpt_tensors(ckpts.qwen3)
-    rep = WeightStreamer(engine, bucket_bytes=16 << 10, weight_dtype="bf16").sync_target_tensors(named, "t-bf16")
+    rep = WeightStreamer(engine, bucket_bytes=16 << 10, weight_dtype="bf16").sync_target_tensors(
+        named, "t-bf16"
+    )
     held = Fingerprint.from_dict(engine.health()["checksums"]["target"])
     assert held == fingerprint_tensors((t.to(torch.bfloat16) for _, t in named), torch.float32)
     assert rep.bytes < sum(t.numel() * 4 for _, t in named) * 0.51
@@ -226,7 +231,9 @@ def test_packing_overlaps_sending():
 
 def test_peak_extra_memory_is_two_buckets():
     g = torch.Generator().manual_seed(0)
-    named = [(f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 512, generator=g)) for i in range(24)]
+    named = [
+        (f"model.layers.{i}.mlp.down_proj.weight", torch.randn(512, 512, generator=g)) for i in range(24)
+    ]
     st = WeightStreamer(DictEngine(), bucket_bytes=4 << 20, weight_dtype="fp32", measure_memory=True)
     st.sync_target_tensors(named[:2], "warm")  # first-use costs (thread, imports) are not the streamer's
     rep = st.sync_target_tensors(named, "v")
@@ -254,14 +261,20 @@ def test_stream_order_puts_the_large_outer_tensors_in_the_middle():
     names = [n for n, _ in _stream_order(params)]
     assert sorted(names) == sorted(n for n, _ in params)
     assert names[0] == "decoder.layers.0.w" and names[-1] == "decoder.layers.3.w"
-    assert names[2:5] == ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"]
+    assert names[2:5] == [
+        "embedding.word_embeddings.weight",
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    ]
 
 
 def test_engine_failure_mid_stream_is_named_and_does_not_hang():
     named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(64, 64)) for i in range(6)]
     eng = DictEngine(fail_at=2)
     st = WeightStreamer(eng, bucket_bytes=64 * 64 * 4 + 64, weight_dtype="fp32")
-    with pytest.raises(WeightSyncError, match="target weight sync failed: engine update failed: engine out of memory"):
+    with pytest.raises(
+        WeightSyncError, match="target weight sync failed: engine update failed: engine out of memory"
+    ):
         st.sync_target_tensors(named, "v")
     assert eng.session is None  # the session was closed (the native engine then refuses the partial update)
     assert threading.active_count() < 10
@@ -271,7 +284,9 @@ def test_crossed_update_is_detected():
     eng = DictEngine(cross=True)
     st = WeightStreamer(eng, weight_dtype="fp32")
     st.sync_draft([("layers.0.mlp.up_proj.weight", torch.randn(4, 4))], "d1")
-    with pytest.raises(WeightSyncError, match="draft weight sync failed: changed while the other group was updated"):
+    with pytest.raises(
+        WeightSyncError, match="draft weight sync failed: changed while the other group was updated"
+    ):
         st.sync_target_tensors([("model.norm.weight", torch.ones(4))], "t1")
 
 
@@ -283,7 +298,9 @@ def test_wrong_version_is_detected():
             return h
 
     with pytest.raises(WeightSyncError, match="engine reports version 't0', sent 't1'"):
-        WeightStreamer(Lagging(), weight_dtype="fp32").sync_target_tensors([("model.norm.weight", torch.ones(4))], "t1")
+        WeightStreamer(Lagging(), weight_dtype="fp32").sync_target_tensors(
+            [("model.norm.weight", torch.ones(4))], "t1"
+        )
 
 
 def test_fp8_fingerprint_of_tall_weights_matches_the_receivers_dequantisation():
@@ -293,7 +310,9 @@ def test_fp8_fingerprint_of_tall_weights_matches_the_receivers_dequantisation():
              ("model.norm.weight", torch.randn(300, generator=g))]
     eng = DictEngine(fp8=True)
     rep = WeightStreamer(eng, bucket_bytes=1 << 20, weight_dtype="fp8").sync_target_tensors(named, "v")
-    expected = fingerprint_tensors((t for _, t in dequantize_named(quantize_named(named), torch.float32)), torch.float32)
+    expected = fingerprint_tensors(
+        (t for _, t in dequantize_named(quantize_named(named), torch.float32)), torch.float32
+    )
     assert Fingerprint.from_dict(rep.checksums["sent"]) == expected
 
 
@@ -305,7 +324,9 @@ def test_engine_reports_and_lets_go_of_the_mapped_buckets(ckpts, keep):
     here the GPU policy is switched on for a CPU engine (the GPU run: tests/sync/test_streamer_cuda.py)."""
     from megatron_spec.rollout.native.server import EngineServer
 
-    server = EngineServer(EngineConfig(model_path=ckpts.qwen3, max_batch_size=2, context_length=32, num_threads=1))
+    server = EngineServer(
+        EngineConfig(model_path=ckpts.qwen3, max_batch_size=2, context_length=32, num_threads=1)
+    )
     assert server._keep_mapped  # the CPU default
     server._keep_mapped = keep
     WeightStreamer(server, bucket_bytes=16 << 10, weight_dtype="fp32").sync_target_tensors(
@@ -323,9 +344,17 @@ def test_sync_reports_its_pieces_and_checksums_only_what_changed(ckpts, monkeypa
     from megatron_spec.rollout.native import server as server_mod
     from megatron_spec.sync.streamer import SYNC_PIECES
 
-    server = server_mod.EngineServer(EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3",
-                                                  draft_path=ckpts.eagle3, max_batch_size=2, context_length=32,
-                                                  num_threads=1, warm_up=False))
+    server = server_mod.EngineServer(
+        EngineConfig(
+            model_path=ckpts.qwen3,
+            draft_kind="eagle3",
+            draft_path=ckpts.eagle3,
+            max_batch_size=2,
+            context_length=32,
+            num_threads=1,
+            warm_up=False,
+        )
+    )
     counted: list[int] = []
     real = server_mod.tensor_group_checksum
     monkeypatch.setattr(server_mod, "tensor_group_checksum", lambda ts: counted.append(1) or real(ts))

@@ -20,8 +20,15 @@ from tests.sync.test_streamer import ckpt_tensors, draft_tensors
 
 pytestmark = pytest.mark.gpu
 
-REQS = [GenerateRequest(f"r{i}", (5 + i, 6, 7, 8 + i), SamplingParams(temperature=0.0, max_new_tokens=24,
-                                                                      ignore_eos=True), n=2) for i in range(4)]
+REQS = [
+    GenerateRequest(
+        f"r{i}",
+        (5 + i, 6, 7, 8 + i),
+        SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+        n=2,
+    )
+    for i in range(4)
+]
 
 
 def _engine(ckpts, device: str, dtype: str, fp8: bool = False) -> NativeEngine:

@@ -24,7 +24,9 @@ def test_engine_logprobs_equal_megatron_after_sync(ckpts, tmp_path, tp):
     res = json.loads(out.read_text())
     assert res["fp32"]["max_abs"] < 1e-5
     for tag in ("bf16", "fp8"):
-        print(f"tp={tp} {tag} log-prob mismatch: max {res[tag]['max_abs']:.3e} mean {res[tag]['mean_abs']:.3e}")
+        print(
+            f"tp={tp} {tag} log-prob mismatch: max {res[tag]['max_abs']:.3e} mean {res[tag]['mean_abs']:.3e}"
+        )
         assert 0 < res[tag]["max_abs"] < 1.0
     assert res["fp8"]["mean_abs"] > res["bf16"]["mean_abs"]
     assert res["fp8"]["bytes"] < res["bf16"]["bytes"] < res["fp32"]["bytes"]

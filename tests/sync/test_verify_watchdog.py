@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
+from megatron_spec.rl.watchdog import AcceptanceWatchdog, Action
 from megatron_spec.sync.fingerprint import fingerprint_tensors
 from megatron_spec.sync.verify import DigestLedger, WeightSyncError, check_untouched
-from megatron_spec.rl.watchdog import AcceptanceWatchdog, Action
 
 A = fingerprint_tensors([torch.ones(3)])
 B = fingerprint_tensors([torch.zeros(3)])
@@ -26,7 +26,9 @@ def test_ledger_accepts_consistent_digests():
 def test_ledger_catches_a_dropped_update():
     led = DigestLedger()
     led.check("draft", A, before="d0", after="dA")
-    with pytest.raises(WeightSyncError, match="draft weight sync failed: .*older version \\(update dropped\\)"):
+    with pytest.raises(
+        WeightSyncError, match="draft weight sync failed: .*older version \\(update dropped\\)"
+    ):
         led.check("draft", B, before="dA", after="dA")
     with pytest.raises(WeightSyncError, match="draft weight sync failed: engine digest did not change"):
         DigestLedger().check("draft", B, before="d0", after="d0")  # start-up weights unknown
@@ -52,8 +54,13 @@ def test_unchanged_digest_on_first_sync_is_resolved_by_the_startup_weights():
 
 
 def test_untouched_group():
-    check_untouched("draft", ("d1", {"digest": "x"}), {"draft_weight_version": "d1", "checksums": {"draft": {"digest": "x"}}})
-    check_untouched("draft", ("d1", {"digest": "x"}), {"draft_weight_version": None, "checksums": {}})  # released
+    check_untouched(
+        "draft",
+        ("d1", {"digest": "x"}),
+        {"draft_weight_version": "d1", "checksums": {"draft": {"digest": "x"}}},
+    )
+    # released
+    check_untouched("draft", ("d1", {"digest": "x"}), {"draft_weight_version": None, "checksums": {}})
     with pytest.raises(WeightSyncError, match="draft weight sync failed: changed while the other group"):
         check_untouched("draft", ("d1", {"digest": "x"}),
                         {"draft_weight_version": "d1", "checksums": {"draft": {"digest": "y"}}})
@@ -139,6 +146,10 @@ def test_corrupted_draft_update_falls_back_within_one_step(setup, tmp_path):
     assert m[2]["spec/watchdog"] == "fallback"
     # step 4 decodes without drafts: no speculative verify step at all
     assert m[3]["spec/accept_length"] == 1.0 and m[3]["spec/tokens_per_verify"] == 1.0, m[3]
-    assert m[3]["spec/num_draft_tokens"] == 0 and "spec/accept_rate_pos0" not in m[3] and "spec/k_mean" not in m[3]
+    assert (
+        m[3]["spec/num_draft_tokens"] == 0
+        and "spec/accept_rate_pos0" not in m[3]
+        and "spec/k_mean" not in m[3]
+    )
     assert m[3]["spec/watchdog"] == "fallback"
     assert (tmp_path / "fired-corrupt_draft").exists()

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
+from megatron_spec.parallel import destroy_parallel, init_parallel
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.train.offload import KINDS, PHASES, PLAN, ColocateOffload
 from megatron_spec.train.optimizer import MixedPrecisionAdamW
-from megatron_spec.parallel import destroy_parallel, init_parallel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,9 @@ class Policy:
         ids = torch.randint(0, self.vocab, (2, 12), generator=g)
         zero_grads(self.ddp)
         logits = self.ddp(ids, torch.arange(12).expand(2, 12), attention_mask=None)
-        torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten()).backward()
+        torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten()
+        ).backward()
         finalize_grads(self.ddp)
         self.optimizer.grads()
         self.optimizer.step()
@@ -64,7 +66,9 @@ class Policy:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("level", ["optimizer", "all"])
-def test_each_phase_holds_what_the_plan_says_and_training_is_unchanged(parallel, hf_checkpoints, dtype, level):
+def test_each_phase_holds_what_the_plan_says_and_training_is_unchanged(
+    parallel, hf_checkpoints, dtype, level
+):
     path = hf_checkpoints["qwen3"]
     torch.manual_seed(0)
     plain = Policy(path, dtype, "none")

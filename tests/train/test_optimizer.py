@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights
-from megatron_spec.train.optimizer import MixedPrecisionAdamW
 from megatron_spec.parallel import destroy_parallel, init_parallel
+from megatron_spec.train.ddp import finalize_grads, wrap_ddp, zero_grads
+from megatron_spec.train.optimizer import MixedPrecisionAdamW
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""MixedPrecisionAdamW's parameter groups: weight decay on matrices, none on norms and biases (issue 17, item 5)."""
+"""MixedPrecisionAdamW's parameter groups: weight decay on matrices, none on norms and biases (issue 17, item
+5)."""
 
 from __future__ import annotations
 

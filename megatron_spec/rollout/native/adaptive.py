@@ -110,11 +110,15 @@ class DraftLengthController:
                  batch_decay: float = 0.98, k_main: int | None = None, k_tree: int = 0, tree: str = "auto",
                  tree_calibration_ema: float = 0.05, rate_calibration_ema: float = 0.1):
         if not 0 <= k_min <= k_max or k_max < 1:
-            raise ValueError(f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}")
+            raise ValueError(
+                f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}"
+            )
         k_main = k_max if k_main is None else k_main
         if not max(1, k_min) <= k_main <= k_max:
-            raise ValueError(f"k_main (the main drafter's longest proposal) must be in {max(1, k_min)}..{k_max}, "
-                             f"got {k_main}")
+            raise ValueError(
+                f"k_main (the main drafter's longest proposal) must be in {max(1, k_min)}..{k_max}, "
+                f"got {k_main}"
+            )
         if tree not in HISTORY_TREE_MODES:
             raise ValueError(f"tree must be one of {HISTORY_TREE_MODES}, got {tree!r}")
         if k_tree < 0:
@@ -136,20 +140,25 @@ class DraftLengthController:
         measured it (module docstring)."""
         self.rate_calibration_ema = rate_calibration_ema
         self._chosen: tuple[StepPlan, int, float] | None = None  # the last plan, its rows, its predicted rate
-        self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step: its plan, rows, the best rate
+        # an exploring step: its plan, rows, the best rate
+        self._explored: tuple[StepPlan, int, float] | None = None
         self._explore_wait: dict[tuple[StepPlan, int], tuple[int, int]] = {}
-        """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the first
+        """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the
+        first
         step it may be tried again (doubled each time a try gives less than the best plan's rate)."""
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.row_prior_weight = row_prior_weight
-        self.support, self.support_weight = SupportStats(decay=batch_decay), support_weight  # SupportStats.alpha
+        # SupportStats.alpha
+        self.support, self.support_weight = SupportStats(decay=batch_decay), support_weight
         self.batch_decay = batch_decay
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
         self.packed_ratio = 1.0
-        """A packed verify's seconds (rows drafting different lengths, ``Segment.pack``) over an unpacked one's
-        of as many tokens (EMA; 1 until measured): packed forwards run the Python layers, not the C++ stack."""
+        """A packed verify's seconds (rows drafting different lengths, ``Segment.pack``) over an unpacked
+        one's
+        of as many tokens (EMA; 1 until measured): packed forwards run the Python layers, not the C++
+        stack."""
         self.packed_ratio_ema = 0.2
         self.draft = CostTable()  # one draft pass (a proposal over k), keyed by rows B
         self.proposal: dict[int, CostTable] = {}  # a whole proposal of k tokens, per k, keyed by rows B
@@ -169,7 +178,9 @@ class DraftLengthController:
             self.batch[name] = AcceptanceStats(self.k_max, decay=self.batch_decay)
         return self.batch[name]
 
-    def row_alpha(self, source: str, row: AcceptanceStats | None, base: list[float] | None = None) -> list[float]:
+    def row_alpha(
+        self, source: str, row: AcceptanceStats | None, base: list[float] | None = None
+    ) -> list[float]:
         """Acceptance per position of one row's drafts from ``source``: the row's own counts
         shrunk towards the batch's (``row_prior_weight`` pseudo-steps); ``base``: the batch's rates
         (:meth:`batch_alpha`) when the caller has them for every row."""
@@ -347,11 +358,16 @@ class DraftLengthController:
         self._explored = (plan, b, rate) if plan != best else None
         return plan
 
-    def _explore(self, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]], b: int = 1) -> StepPlan:
-        """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last try
+    def _explore(
+        self, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]], b: int = 1
+    ) -> StepPlan:
+        """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last
+        try
         on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next one
         (up to the rare steps' period); one that did better is tried every ``explore_every``-th step again."""
-        lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[best.mode]
+        lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[
+            best.mode
+        ]
         if self.explore_every and self._steps % self.explore_every == 0:
             step = 1 if self._explore_up else -1
             self._explore_up = not self._explore_up
@@ -359,9 +375,13 @@ class DraftLengthController:
             same_mode = {p: r for r, p in cands}
             for cand in (best.k + step, best.k - step):
                 plan = best._replace(k=cand)
-                if lo <= cand <= hi and (rare or (same_mode.get(plan, 0.0) >= self.explore_margin * rate
-                                                  and self._steps >= self._explore_wait.get((plan, size_class(b)),
-                                                                                            (0, 0))[1])):
+                if lo <= cand <= hi and (
+                    rare
+                    or (
+                        same_mode.get(plan, 0.0) >= self.explore_margin * rate
+                        and self._steps >= self._explore_wait.get((plan, size_class(b)), (0, 0))[1]
+                    )
+                ):
                     return plan
         return best
 
@@ -388,7 +408,8 @@ class DraftLengthController:
         ratio = min(2.0, max(0.25, tokens / seconds / predicted))
         key = (plan, size_class(b))
         value, n = self.rate_calibration.get(key, (1.0, 0))
-        w = max(self.rate_calibration_ema, 1.0 / (n + 2))  # a running mean with the prior 1 as one step, then an EMA
+        # a running mean with the prior 1 as one step, then an EMA
+        w = max(self.rate_calibration_ema, 1.0 / (n + 2))
         self.rate_calibration[key] = (value + w * (ratio - value), n + 1)
 
     def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool, m: int = 0,
@@ -406,7 +427,8 @@ class DraftLengthController:
         if tokens is None:
             self.verify.update(b * (k + 1 + m), step_s)
         else:  # priced as an unpacked forward of as many tokens times packed_ratio; not in the table once it
-            v = self.verify.estimate(tokens)  # has an unpacked measurement to compare with (before: its first)
+            # has an unpacked measurement to compare with (before: its first)
+            v = self.verify.estimate(tokens)
             if v:
                 ratio = min(4.0, max(0.5, step_s / v))
                 self.packed_ratio += self.packed_ratio_ema * (ratio - self.packed_ratio)

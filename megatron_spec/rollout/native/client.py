@@ -30,13 +30,19 @@ class NativeEngine(ProcessEngine):
     def __init__(self, config: EngineConfig):
         from megatron_spec.rollout.native.server import serve_process
 
-        config = config.resolved()  # auto/bfloat16 -> what the engine's device computes well (megatron_spec.isa)
+        # auto/bfloat16 -> what the engine's device computes well (megatron_spec.isa)
+        config = config.resolved()
         self.config = config
         ctx = mp.get_context("spawn")  # never fork a process that holds torch threads
         conn, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=serve_process, args=(config, child), name="megatron-spec-engine", daemon=True)
+        self._proc = ctx.Process(
+            target=serve_process, args=(config, child), name="megatron-spec-engine", daemon=True
+        )
         self._proc.start()
         child.close()
-        self._channel = EngineChannel(conn, self._proc, "native engine", timeout_flag="--rollout-call-timeout-s")
-        self.info: dict[str, Any] = self._channel.wait_ready(config.startup_timeout_s, "--rollout-startup-timeout-s")
-
+        self._channel = EngineChannel(
+            conn, self._proc, "native engine", timeout_flag="--rollout-call-timeout-s"
+        )
+        self.info: dict[str, Any] = self._channel.wait_ready(
+            config.startup_timeout_s, "--rollout-startup-timeout-s"
+        )

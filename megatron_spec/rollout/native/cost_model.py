@@ -20,7 +20,9 @@ def expected_tokens(alpha: Sequence[float], k: int, limit: int | None = None) ->
     return total
 
 
-def tree_expected_tokens(main: Sequence[float], k: int, hist: Sequence[float] | None, limit: int, m: int) -> float:
+def tree_expected_tokens(
+    main: Sequence[float], k: int, hist: Sequence[float] | None, limit: int, m: int
+) -> float:
     """``1 + sum_j (1 - (1 - PA_j)(1 - PB_j))`` for a tree row: PA_j the main branch's chance to accept
     j drafts (j <= k), PB_j the history branch's chance to match j tokens (j <= min(m, limit))."""
     if hist is None or not limit or not m:

@@ -85,7 +85,9 @@ class Drafter(abc.ABC):
     def copy_prefix(self, src: int, dsts: Sequence[int]) -> None:
         """Samples of one prompt share its prefill: copy slot ``src``'s prompt state into ``dsts``."""
 
-    def start(self, slot: int, prompt: Sequence[int], first_token: int, last_aux: torch.Tensor | None) -> None:
+    def start(
+        self, slot: int, prompt: Sequence[int], first_token: int, last_aux: torch.Tensor | None
+    ) -> None:
         """A sample in ``slot`` begins: ``first_token`` was sampled from the prefill of ``prompt``;
         ``last_aux [A]`` is the target's aux state at the prompt's last position."""
 
@@ -248,7 +250,9 @@ class _CachedDraftModel(Drafter):
         return (ids, torch.arange(m, device=dev).expand(p, m), lens.clamp(min=1),
                 torch.zeros(p, 1, dtype=torch.long, device=dev))
 
-    def _pad_pending(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _pad_pending(
+        self, batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Pending tokens/aux of slots ``0..B-1`` padded to ``[B, M]``; also their lengths ``[B]``."""
         dev = self.device
         n = [len(self.pending_tokens[b]) for b in range(batch)]
@@ -268,7 +272,9 @@ class _CachedDraftModel(Drafter):
         # a row with fewer pending pairs than the longest writes padding past its own: those entries
         # are never read, but must stay inside the cache (the longest may be many steps' worth, after
         # steps where this drafter sat out, while a short row is near the end of the context)
-        positions = (self.cache.lens[:batch].unsqueeze(1) + torch.arange(m, device=dev)).clamp(max=self.cache.max_len - 1)
+        positions = (self.cache.lens[:batch].unsqueeze(1) + torch.arange(m, device=dev)).clamp(
+            max=self.cache.max_len - 1
+        )
         return ids, lens, positions, aux
 
 
@@ -401,7 +407,8 @@ class Eagle3Drafter(_CachedDraftModel):
             n = len(em)
             if self._skipped:  # nothing was run: the new (token, aux) pairs join the pending ones
                 self.pending_tokens[b] = self.pending_tokens[b] + list(em)
-                # (kept as chunks, joined when the draft runs: a row sitting out many steps would otherwise copy
+                # (kept as chunks, joined when the draft runs: a row sitting out many steps would otherwise
+                # copy
                 # all its pending states again at every step)
                 self.pending_aux[b] = self.pending_aux[b] + [verify_aux[b, :n]]
             else:

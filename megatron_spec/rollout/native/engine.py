@@ -89,8 +89,9 @@ class EngineCore:
         self.controller = None
         if adaptive and drafter is not None:
             k_min = 0 if drafter.supports_skip else 1
-            self.controller = DraftLengthController(self.k_all, k_min=k_min, k_main=self.k, k_tree=self.k_tree,
-                                                    tree=history_tree)
+            self.controller = DraftLengthController(
+                self.k_all, k_min=k_min, k_main=self.k, k_tree=self.k_tree, tree=history_tree
+            )
         self.max_batch_size = max_batch_size
         self.context_length = context_length
         self.prefill_token_budget = prefill_token_budget
@@ -135,14 +136,20 @@ class EngineCore:
     def validate(self, req: GenerateRequest) -> None:
         need = len(req.input_ids) + req.sampling.max_new_tokens
         if need > self.context_length:
-            raise RequestError(f"request {req.request_id}: prompt of {len(req.input_ids)} tokens + max_new_tokens "
-                               f"{req.sampling.max_new_tokens} exceeds the engine context of {self.context_length}")
+            raise RequestError(
+                f"request {req.request_id}: prompt of {len(req.input_ids)} tokens + max_new_tokens "
+                f"{req.sampling.max_new_tokens} exceeds the engine context of {self.context_length}"
+            )
         if req.n > self.max_batch_size:
-            raise RequestError(f"request {req.request_id}: n={req.n} exceeds max_batch_size {self.max_batch_size}")
+            raise RequestError(
+                f"request {req.request_id}: n={req.n} exceeds max_batch_size {self.max_batch_size}"
+            )
         vocab = self.model.cfg.vocab_size
         bad = [t for t in req.input_ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"request {req.request_id}: token id {bad[0]} outside the vocabulary [0, {vocab})")
+            raise RequestError(
+                f"request {req.request_id}: token id {bad[0]} outside the vocabulary [0, {vocab})"
+            )
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[GenerateRequest],
@@ -244,7 +251,8 @@ class EngineCore:
         if adm is None:
             return self.model.forward_segments([seg], self.cache, aux_layers=aux_layers)[0], None
         step, pre = self.model.forward_segments([seg, adm.segment], self.cache,
-                                                aux_layers=self._aux_layers())  # the drafter's prefill reads them
+                                                # the drafter's prefill reads them
+                                                aux_layers=self._aux_layers())
         return step, pre
 
     def start(self, adm: Admission, rows: list[Row], logits: torch.Tensor, aux: torch.Tensor | None) -> None:
@@ -269,7 +277,8 @@ class EngineCore:
                 self.drafter.copy_prefix(starts[i], dsts)
         # first tokens, one per sample, from each prompt's last-position logits
         reps = torch.tensor([r.n for r in batch], device=self.device)
-        first_logits = logits[:, 0].repeat_interleave(reps, dim=0, output_size=sum(r.n for r in batch))  # [N, V]
+        # [N, V]
+        first_logits = logits[:, 0].repeat_interleave(reps, dim=0, output_size=sum(r.n for r in batch))
         new_rows = [Row(r, s, list(r.input_ids), self._stop_ids(r)) for r in batch for s in range(r.n)]
         sampling = self._sampling(new_rows)
         lp = process_logits(first_logits, sampling)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.rows import pad_rows
 
@@ -75,7 +74,11 @@ class HistoryDrafter(Drafter):
 
     def move(self, src, dst):
         self.prompts[dst] = self.prompts[src]
-        self.rows[dst], self.indexed[dst], self.sources[dst] = self.rows[src], self.indexed[src], self.sources[src]
+        self.rows[dst], self.indexed[dst], self.sources[dst] = (
+            self.rows[src],
+            self.indexed[src],
+            self.sources[src],
+        )
         self.support[dst] = self.support[src]
 
     @staticmethod
@@ -121,7 +124,8 @@ class HistoryDrafter(Drafter):
         return out
 
     def propose(self, tokens, k, sampling, generator):
-        return pad_rows(self.propose_lists(tokens, k), k, -1, "cpu"), None  # on the host: the engine moves it once
+        # on the host: the engine moves it once
+        return pad_rows(self.propose_lists(tokens, k), k, -1, "cpu"), None
 
     def stats(self) -> dict:
         out = self.index.stats()

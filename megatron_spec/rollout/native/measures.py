@@ -124,8 +124,11 @@ class SupportStats(AcceptanceStats):
     def __init__(self, decay: float = 1.0):
         super().__init__(SUPPORT_CLASSES, decay)  # tried / accepted per class instead of per position
 
-    def record_proposal(self, support: Sequence[tuple[int, int]], num_drafted: int, num_accepted: int) -> None:
-        """A proposal with ``support`` per token: ``num_drafted`` of its tokens were verified (or compared with
+    def record_proposal(
+        self, support: Sequence[tuple[int, int]], num_drafted: int, num_accepted: int
+    ) -> None:
+        """A proposal with ``support`` per token: ``num_drafted`` of its tokens were verified (or compared
+        with
         what the row emitted) and the first ``num_accepted`` passed."""
         for j in range(min(num_drafted, num_accepted + 1, len(support))):
             c = support_class(*support[j], j)
@@ -135,7 +138,8 @@ class SupportStats(AcceptanceStats):
 
     def alpha(self, base: Sequence[float], support: Sequence[tuple[int, int]], weight: float) -> list[float]:
         """Acceptance per position of a proposal with ``support``: each token's class rate, shrunk towards the
-        source's learned rate ``base[j]`` by ``weight`` pseudo-observations (positions past it keep ``base``)."""
+        source's learned rate ``base[j]`` by ``weight`` pseudo-observations (positions past it keep
+        ``base``)."""
         out = list(base)
         for j, (agree, total) in enumerate(support[:len(out)]):
             c = support_class(agree, total, j)

@@ -103,15 +103,19 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         self.tied_head = TiedLinear(self.embed_tokens) if cfg.tie_word_embeddings else None
-        """The tied LM head: the embedding table, packed for oneDNN like every Linear (no parameter of its own)."""
+        """The tied LM head: the embedding table, packed for oneDNN like every Linear (no parameter of its
+        own)."""
         self.rotary = Rotary(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                              cfg.rope_scaling_factor)
         self.compiled = None
         """:class:`~megatron_spec.layers.compiled.CompiledLayers` once :meth:`compile_layers` is called."""
         self._fused: tuple | None = None
-        """(key, ``layers.decoder.fused_stack``'s result) of the last forward that asked (:meth:`_run_fused`)."""
+        """(key, ``layers.decoder.fused_stack``'s result) of the last forward that asked
+        (:meth:`_run_fused`)."""
 
     @property
     def device(self) -> torch.device:
@@ -173,14 +177,26 @@ class CausalLM(nn.Module):
             if s.pack is not None:
                 pack = s.pack.reshape(-1).nonzero()[:, 0]
             plans.append(LayerPlan(*s.input_ids.shape, s.positions, s.kv_lens, read_len, s.slot_offset,
-                                   cache.write_index(write, s.slot_offset), mask, pack))  # shared by all layers
+                                   # shared by all layers
+                                   cache.write_index(write, s.slot_offset), mask, pack))
             # Only the rows whose logits are wanted need the last layer's output (unless it is an
             # aux layer): the others need its keys and values, not its attention output or MLP.
-            rows.append(s.logits_index if s.logits_index is not None and last not in aux_layers and pack is None
-                        else None)
+            rows.append(
+                s.logits_index
+                if s.logits_index is not None and last not in aux_layers and pack is None
+                else None
+            )
         h = self.cfg.hidden_size
-        x = cat_rows([self.embed_tokens(s.input_ids.reshape(-1) if p.pack is None else
-                                        s.input_ids.reshape(-1).index_select(0, p.pack)) for s, p in zip(segments, plans)])
+        x = cat_rows(
+            [
+                self.embed_tokens(
+                    s.input_ids.reshape(-1)
+                    if p.pack is None
+                    else s.input_ids.reshape(-1).index_select(0, p.pack)
+                )
+                for s, p in zip(segments, plans)
+            ]
+        )
         aux: list[list[torch.Tensor]] = [[] for _ in segments]
         no_rows = [None] * len(segments)
         seg_rows = [p.n for p in plans]
@@ -193,7 +209,9 @@ class CausalLM(nn.Module):
             x = self.compiled.run(x, plans[0], cos, sin, cache, range(done), weights, aux_layers, flat)
             aux[0].extend(_unpack(a, plans[0]) for a in flat)
         elif len(plans) == 1 and plans[0].pack is None:  # the layers in C++ where they can run there
-            done, x = self._run_fused(x, plans[0], cache, last if rows[0] is not None else last + 1, aux_layers, aux[0])
+            done, x = self._run_fused(
+                x, plans[0], cache, last if rows[0] is not None else last + 1, aux_layers, aux[0]
+            )
         with self.rotary.reuse_tables():
             for i, layer in enumerate(self.layers[done:], start=done):
                 x = layer.forward_flat(x, plans, self.rotary, cache, i, rows if i == last else no_rows)
@@ -215,17 +233,28 @@ class CausalLM(nn.Module):
         result = []
         for s, p, lg, a in zip(segments, plans, logits.split([o.shape[0] for o in outs]), aux):
             aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
-            result.append((_unpack(lg, p) if s.logits_index is None else lg.view(p.b, -1, lg.shape[-1]), aux_out))
+            result.append(
+                (_unpack(lg, p) if s.logits_index is None else lg.view(p.b, -1, lg.shape[-1]), aux_out)
+            )
         return result
 
-    def _run_fused(self, x: torch.Tensor, plan: LayerPlan, cache: KVCache, stop: int, aux_layers: Sequence[int],
-                   aux: list[torch.Tensor]) -> tuple[int, torch.Tensor]:
-        """Layers ``0..stop-1`` over ``x`` through ``megatron_spec::decoder_layers`` (``layers.decoder.fused_stack``
+    def _run_fused(
+        self,
+        x: torch.Tensor,
+        plan: LayerPlan,
+        cache: KVCache,
+        stop: int,
+        aux_layers: Sequence[int],
+        aux: list[torch.Tensor],
+    ) -> tuple[int, torch.Tensor]:
+        """Layers ``0..stop-1`` over ``x`` through ``megatron_spec::decoder_layers``
+        (``layers.decoder.fused_stack``
         says whether they may run there), the aux layers' outputs appended to ``aux``. Returns how many layers
         ran and their output (0 and ``x``: none ran)."""
         if cache.dtype != x.dtype or not fused_input(x):  # the C++ layer writes K/V as they are
             return 0, x
-        # the layers' part of the check and the argument lists (~0.3-0.5 ms for SmolLM2's 30 layers) hold until
+        # the layers' part of the check and the argument lists (~0.3-0.5 ms for SmolLM2's 30 layers) hold
+        # until
         # a Linear is packed again or the model changes dtype
         key = (stop, x.dtype, linear.PACK_EPOCH)
         if self._fused is None or self._fused[0] != key:
@@ -237,9 +266,27 @@ class CausalLM(nn.Module):
         c, attn = self.cfg, self.layers[0].self_attn
         cos, sin = self.rotary.tables(plan.positions, x.dtype)
         out, flat = torch.ops.megatron_spec.decoder_layers(
-            x, weights, biases, cache.k[:stop], cache.v[:stop], plan.write_index, cos, sin, plan.mask, plan.b, plan.t,
-            plan.read_len, plan.slot_offset, c.num_attention_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-            self.layers[0].input_layernorm.eps, attn.scale, sorted({i for i in aux_layers if i < stop}))
+            x,
+            weights,
+            biases,
+            cache.k[:stop],
+            cache.v[:stop],
+            plan.write_index,
+            cos,
+            sin,
+            plan.mask,
+            plan.b,
+            plan.t,
+            plan.read_len,
+            plan.slot_offset,
+            c.num_attention_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.intermediate_size,
+            self.layers[0].input_layernorm.eps,
+            attn.scale,
+            sorted({i for i in aux_layers if i < stop}),
+        )
         aux.extend(_unpack(a, plan) for a in flat)
         return stop, out
 
@@ -267,7 +314,9 @@ class CausalLM(nn.Module):
 
         return set(expected_hf_shapes(self.cfg))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True
+    ) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the names loaded.
 
         Raises:
@@ -282,7 +331,9 @@ class CausalLM(nn.Module):
         with torch.no_grad():
             for name, tensor in weights:
                 if name == "lm_head.weight" and self.lm_head is None:
-                    raise KeyError(f"lm_head.weight sent to a model with tied embeddings ({cfg.architecture})")
+                    raise KeyError(
+                        f"lm_head.weight sent to a model with tied embeddings ({cfg.architecture})"
+                    )
                 target, shard = self._target(name)
                 if target not in params:
                     raise KeyError(f"unknown weight {name} for {cfg.architecture} (no parameter {target})")
@@ -294,7 +345,9 @@ class CausalLM(nn.Module):
                     offset = sum(sizes[piece][:idx])
                     dst = param.narrow(0, offset, sizes[piece][idx])
                 if tuple(dst.shape) != tuple(tensor.shape):
-                    raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                    raise ValueError(
+                        f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                    )
                 dst.copy_(tensor)  # one copy, cast on the way: the parameters are stored as sent
                 loaded.add(name)
         if strict_complete:

@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_spec.rollout.native.drafters import Drafter, stack_probs, draw
+from megatron_spec.rollout.native.drafters import Drafter, draw, stack_probs
 from megatron_spec.rollout.native.rows import pad_rows
+
 
 class MtpDrafter(Drafter):
     """Multi-token-prediction heads (``megatron_spec.draft.mtp_head``: megatron-core's MTP layer math).
@@ -53,8 +54,15 @@ class MtpDrafter(Drafter):
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.target.head(h)
 
-    def _run(self, d: int, slot_offset: int, starts: torch.Tensor, hiddens: Sequence[torch.Tensor],
-             tokens: Sequence[Sequence[int]], want_logits: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    def _run(
+        self,
+        d: int,
+        slot_offset: int,
+        starts: torch.Tensor,
+        hiddens: Sequence[torch.Tensor],
+        tokens: Sequence[Sequence[int]],
+        want_logits: bool,
+    ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """Depth ``d`` (0-based) on rows ``starts[i] ..`` of slots ``slot_offset + i``; per slot the
         outputs ``[c_i, H]`` and, with ``want_logits``, the logits ``[B, V]`` of each slot's last row."""
         b, dev = len(tokens), self.device
@@ -136,10 +144,14 @@ class MtpDrafter(Drafter):
                 s0, n = start[i], last[i]
                 h_in = self.inputs[d][i] if prev_out is None else torch.cat([self.inputs[d][i], prev_out[i]])
                 if h_in.shape[0] != n - s0:
-                    raise RuntimeError(f"MTP depth {d + 1}: {h_in.shape[0]} pending states for rows {s0}..{n - 1} "
-                                       f"(engine bookkeeping bug)")
+                    raise RuntimeError(
+                        f"MTP depth {d + 1}: {h_in.shape[0]} pending states for rows {s0}..{n - 1} "
+                        f"(engine bookkeeping bug)"
+                    )
                 hiddens.append(h_in)
-                toks.append([tokens[i][r + d + 1] if r + d + 1 <= n else drafts[i][r + d - n] for r in range(s0, n)])
+                toks.append(
+                    [tokens[i][r + d + 1] if r + d + 1 <= n else drafts[i][r + d - n] for r in range(s0, n)]
+                )
             outs, logits = self._run(d, 0, starts, hiddens, toks, True)
             tok, q = draw(logits, sampling, generator)  # [B], [B, V]
             probs.append(q)
@@ -147,7 +159,9 @@ class MtpDrafter(Drafter):
                 drafts[i].append(t)
             kept = [max(0, n - d) for n in last]  # rows <= N-1-d hold verified tokens only
             if d + 1 < self.depth:
-                new_inputs[d + 1] = [outs[i][max(0, last[i] - d - 1) - start[i]:kept[i] - start[i]] for i in range(b)]
+                new_inputs[d + 1] = [
+                    outs[i][max(0, last[i] - d - 1) - start[i] : kept[i] - start[i]] for i in range(b)
+                ]
             cache.lens[:b] = torch.tensor(kept, device=self.device)
             chain_h = torch.stack([o[-1] for o in outs]).unsqueeze(1)  # [B, 1, H] output at row N-1
             prev_out = outs

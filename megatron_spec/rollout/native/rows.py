@@ -19,7 +19,9 @@ from megatron_spec.rollout.native.model import Segment
 from megatron_spec.rollout.types import FINISH_LENGTH, FINISH_STOP, GenerateRequest
 
 
-def pad_rows(rows: Sequence[Sequence[int]], width: int, fill: int, device: torch.device | str) -> torch.Tensor:
+def pad_rows(
+    rows: Sequence[Sequence[int]], width: int, fill: int, device: torch.device | str
+) -> torch.Tensor:
     """``[len(rows), width]`` int64: row i's ids, then ``fill`` (each row at most ``width`` long)."""
     out = torch.full((len(rows), width), fill, dtype=torch.long, device="cpu")  # filled on the host
     for i, row in enumerate(rows):
@@ -70,8 +72,10 @@ class Admission:
 
     @classmethod
     def of(cls, batch: list[GenerateRequest], base: int, device: torch.device) -> Admission:
-        """``batch``'s prompts as one prefill segment into slots ``base..``, padded to the longest; packed (the
-        prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside running rows
+        """``batch``'s prompts as one prefill segment into slots ``base..``, padded to the longest; packed
+        (the
+        prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside running
+        rows
         (``base > 0``), or too many rows for the C++ layers (``layers.decoder.fused_input``)."""
         p, n = len(batch), [len(r.input_ids) for r in batch]
         t = max(n)

@@ -26,16 +26,16 @@ import torch
 
 from megatron_spec.dtypes import torch_dtype
 from megatron_spec.exit import exit_now
+from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.layers.compiled import compiling_pays
 from megatron_spec.layers.decoder import use_fused_attention
 from megatron_spec.layers.linear import pack_linears, warm_linears
 from megatron_spec.models import HFCheckpoint
-from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, NgramDrafter
-from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
+from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
 from megatron_spec.rollout.types import GenerateRequest, check_ready_to_generate
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_repack_s", "engine_checksum_s")
 """Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters,
-re-packing the changed linear layers, computing the changed groups' checksums (``end_weight_update`` reports them)."""
+re-packing the changed linear layers, computing the changed groups' checksums (``end_weight_update`` reports
+them)."""
 
 
 def tensor_group_checksum(tensors) -> dict:
@@ -68,8 +69,11 @@ class EngineServer(WeightReceiver):
         self.device = torch.device(config.device)
         if self.device.type == "cuda":
             if not torch.cuda.is_available():
-                raise RuntimeError(f"engine device {config.device} but torch sees no CUDA device in the engine process")
-            torch.cuda.set_device(self.device)  # this process's CUDA context and allocator on the trainer's GPU
+                raise RuntimeError(
+                    f"engine device {config.device} but torch sees no CUDA device in the engine process"
+                )
+            # this process's CUDA context and allocator on the trainer's GPU
+            torch.cuda.set_device(self.device)
         self.dtype = torch_dtype(config.dtype)
         ckpt = HFCheckpoint(config.model_path)
         self.target_cfg = ckpt.decoder_config
@@ -111,15 +115,21 @@ class EngineServer(WeightReceiver):
             if config.warm_up:
                 t0 = time.perf_counter()
                 self._warm_compiled()
-                logger.info("engine warm-up: %d compiled layer graphs in %.1f s", self.target.compiled.compiles,
-                            time.perf_counter() - t0)
+                logger.info(
+                    "engine warm-up: %d compiled layer graphs in %.1f s",
+                    self.target.compiled.compiles,
+                    time.perf_counter() - t0,
+                )
         self._updating: dict[str, set[str]] | None = None
         self._session_groups: set[str] = set()  # the groups of the open (or last) weight-update session
         self._generate_calls = 0  # counts generate calls for the fault points (megatron_spec.faults)
-        self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received (see update_weights_from_tensor)
+        # the last two bucket buffers received (see update_weights_from_tensor)
+        self._mapped: list[torch.Tensor] = []
         self._keep_mapped = self.device.type == "cpu"
-        """Keep the two mapped buckets between updates (CPU: the sender reuses its two shared-memory buffers, and a
-        mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets after each
+        """Keep the two mapped buckets between updates (CPU: the sender reuses its two shared-memory buffers,
+        and a
+        mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets after
+        each
         sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine drops its
         mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free them."""
         self._released: set[str] = set()
@@ -143,9 +153,15 @@ class EngineServer(WeightReceiver):
             dck = HFCheckpoint(cfg.draft_path)
             dcfg = dck.decoder_config
             if dcfg.vocab_size != self.target_cfg.vocab_size:
-                raise ValueError(f"draft model {cfg.draft_path} has vocab_size {dcfg.vocab_size}, the target "
-                                 f"{self.target_cfg.vocab_size}: a draft model must share the target's tokenizer")
-            model = CausalLM(dcfg, max_positions=cfg.context_length + cfg.k + 1).to(self.device, self.dtype).eval()
+                raise ValueError(
+                    f"draft model {cfg.draft_path} has vocab_size {dcfg.vocab_size}, the target "
+                    f"{self.target_cfg.vocab_size}: a draft model must share the target's tokenizer"
+                )
+            model = (
+                CausalLM(dcfg, max_positions=cfg.context_length + cfg.k + 1)
+                .to(self.device, self.dtype)
+                .eval()
+            )
             model.load_weights((n, dck.get(n)) for n in dck.weight_names())
             self.versions["draft"] = "init"
             return ModelDrafter(model)
@@ -160,8 +176,13 @@ class EngineServer(WeightReceiver):
             from megatron_spec.draft.mtp_head import MtpHead
 
             if cfg.draft_path:
-                head = load_mtp_head(cfg.draft_path, self.target_cfg, dtype=self.dtype, num_layers=cfg.mtp_num_layers,
-                                     device=self.device)
+                head = load_mtp_head(
+                    cfg.draft_path,
+                    self.target_cfg,
+                    dtype=self.dtype,
+                    num_layers=cfg.mtp_num_layers,
+                    device=self.device,
+                )
                 self.versions["draft"] = "init"
             else:
                 head = MtpHead(self.target_cfg, cfg.mtp_num_layers).to(self.device, self.dtype).eval()
@@ -177,7 +198,8 @@ class EngineServer(WeightReceiver):
 
     def _warm_compiled(self) -> None:
         """Compile the decoder layer for every class of step shape an engine can meet: one row or several,
-        one token or several, and the attention kernel :func:`~megatron_spec.layers.decoder.use_fused_attention`
+        one token or several, and the attention kernel
+        :func:`~megatron_spec.layers.decoder.use_fused_attention`
         picks (dynamo makes one graph per class; the sizes within it stay symbolic), each from the first
         of a few representative shapes that falls in it. On the engine's own cache: its sizes are
         constants of the graphs (another cache's would compile them again); the entries written at the
@@ -199,13 +221,23 @@ class EngineServer(WeightReceiver):
 
     # ------------------------------------------------------------------ calls
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "architecture": self.target_cfg.architecture, "draft_kind": self.config.draft_kind,
-                "num_draft_tokens": self.config.k, "adaptive": self.config.adaptive,
-                "history": self.config.history, "dtype": self.config.dtype, "device": str(self.device),
-                "max_batch_size": self.config.max_batch_size, "context_length": self.config.context_length,
-                "torch_threads": torch.get_num_threads(),
-                "compiled_graphs": self.target.compiled.compiles if self.target.compiled else 0,
-                "compile_seconds": round(self.target.compiled.compile_seconds, 2) if self.target.compiled else 0.0}
+        return {
+            "pid": os.getpid(),
+            "architecture": self.target_cfg.architecture,
+            "draft_kind": self.config.draft_kind,
+            "num_draft_tokens": self.config.k,
+            "adaptive": self.config.adaptive,
+            "history": self.config.history,
+            "dtype": self.config.dtype,
+            "device": str(self.device),
+            "max_batch_size": self.config.max_batch_size,
+            "context_length": self.config.context_length,
+            "torch_threads": torch.get_num_threads(),
+            "compiled_graphs": self.target.compiled.compiles if self.target.compiled else 0,
+            "compile_seconds": round(self.target.compiled.compile_seconds, 2)
+            if self.target.compiled
+            else 0.0,
+        }
 
     def set_speculation(self, enabled: bool) -> bool:
         """Turn speculative decoding off (autoregressive fallback) or back on; returns the new state."""
@@ -218,8 +250,9 @@ class EngineServer(WeightReceiver):
         from megatron_spec import faults
 
         self._generate_calls += 1
-        if faults.should_fire("engine_exit_at_generate", self._generate_calls) or \
-                faults.should_fire(f"engine{self.config.engine_index}_exit_at_generate", self._generate_calls):
+        if faults.should_fire("engine_exit_at_generate", self._generate_calls) or faults.should_fire(
+            f"engine{self.config.engine_index}_exit_at_generate", self._generate_calls
+        ):
             os._exit(3)
         if faults.should_fire(f"engine{self.config.engine_index}_stall_at_generate", self._generate_calls):
             time.sleep(600)  # a generation that never ends (for the trainer's wait timeout)
@@ -242,24 +275,34 @@ class EngineServer(WeightReceiver):
         if self._updating is not None:
             raise RuntimeError("begin_weight_update called twice without end_weight_update")
         if selector not in ("target", "draft", "all"):
-            raise ValueError(f"begin_weight_update selector must be 'target', 'draft' or 'all', got {selector!r}")
+            raise ValueError(
+                f"begin_weight_update selector must be 'target', 'draft' or 'all', got {selector!r}"
+            )
         self._session_groups = {"target", "draft"} if selector == "all" else {selector}
         for group in self._session_groups:
             module = self.target if group == "target" else self._draft_module()
             if module is not None:
-                pack_linears(module, enable=False, keep=True)  # stale until the update ends, re-packed in place
+                # stale until the update ends, re-packed in place
+                pack_linears(module, enable=False, keep=True)
         self._updating = {}
         self._timings = dict.fromkeys(SYNC_TIMINGS, 0.0)
 
-    def update_weights_from_tensor(self, payloads: list[bytes], selector: str, weight_version: str | None = None,
-                                   flush_cache: bool = True) -> dict[str, Any]:
+    def update_weights_from_tensor(
+        self,
+        payloads: list[bytes],
+        selector: str,
+        weight_version: str | None = None,
+        flush_cache: bool = True,
+    ) -> dict[str, Any]:
         from megatron_spec.sync.transport import read_bucket_payload
 
         if self._updating is None:
             raise RuntimeError("update_weights_from_tensor outside begin_weight_update/end_weight_update")
         if selector not in ("target", "draft"):
-            raise ValueError(f"selector must be 'target' or 'draft' (never 'all': it overwrites the draft with "
-                             f"target tensors), got {selector!r}")
+            raise ValueError(
+                f"selector must be 'target' or 'draft' (never 'all': it overwrites the draft with "
+                f"target tensors), got {selector!r}"
+            )
         if selector not in self._session_groups:
             raise ValueError(f"update for {selector!r} in a weight-update session opened for "
                              f"{sorted(self._session_groups)}")
@@ -288,7 +331,8 @@ class EngineServer(WeightReceiver):
 
     def end_weight_update(self) -> dict[str, Any]:
         """Close the session: check it is complete, re-pack what changed, then report ``health()`` with the
-        checksums of the updated groups computed afresh and ``sync_timings`` (seconds spent in this process)."""
+        checksums of the updated groups computed afresh and ``sync_timings`` (seconds spent in this
+        process)."""
         if self._updating is None:
             raise RuntimeError("end_weight_update without begin_weight_update")
         updating, self._updating = self._updating, None
@@ -369,7 +413,9 @@ class EngineServer(WeightReceiver):
             for module in (self.target, self._draft_module()):
                 if module is not None:
                     for name, p in module.named_parameters():
-                        p.data = torch.zeros(self._param_shapes[id(module)][name], dtype=p.dtype, device=p.device)
+                        p.data = torch.zeros(
+                            self._param_shapes[id(module)][name], dtype=p.dtype, device=p.device
+                        )
         if "kv_cache" in tags and self.core.cache is None:
             self.core.allocate()
         self._released -= {"kv_cache"} & set(tags)

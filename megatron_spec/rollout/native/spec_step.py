@@ -102,7 +102,11 @@ def chain_segment(last: torch.Tensor, drafts: torch.Tensor, base: torch.Tensor) 
     dev = drafts.device
     inputs = torch.cat([last, drafts.clamp(min=0)], dim=1)
     valid = drafts >= 0
-    pack = None if bool(valid.all()) else torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), valid], dim=1)
+    pack = (
+        None
+        if bool(valid.all())
+        else torch.cat([torch.ones(b, 1, dtype=torch.bool, device=dev), valid], dim=1)
+    )
     return Segment(inputs, base.unsqueeze(1) + torch.arange(k + 1, device=dev), base + k + 1, pack=pack)
 
 
@@ -119,8 +123,13 @@ def tree_segment(inputs: torch.Tensor, base: torch.Tensor, k: int, m: int) -> Se
     visible[:k + 1, :k + 1] = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev).tril()
     visible[k + 1:, 0] = True
     visible[k + 1:, k + 1:] = torch.ones(m, m, dtype=torch.bool, device=dev).tril()
-    return Segment(inputs, base.unsqueeze(1) + rope, base + t,
-                   cache_positions=base.unsqueeze(1) + torch.arange(t, device=dev), visible=visible.expand(b, t, t))
+    return Segment(
+        inputs,
+        base.unsqueeze(1) + rope,
+        base + t,
+        cache_positions=base.unsqueeze(1) + torch.arange(t, device=dev),
+        visible=visible.expand(b, t, t),
+    )
 
 
 def merge_rows(parts: list[VerifyResult], idx: list[torch.Tensor], b: int, width: int) -> VerifyResult:
@@ -139,7 +148,9 @@ def verify_split(lp: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
     """``verify_chain``, split in two groups when some rows' drafts are point masses (``point [B]``:
     history) and the others carry the drafter's q: each group is verified exactly by its own rule."""
     if q is None or not bool(point.any()):
-        return verify_chain(lp, drafts, None if bool(point.all()) else q, d2t=d2t, greedy=greedy, generator=generator)
+        return verify_chain(
+            lp, drafts, None if bool(point.all()) else q, d2t=d2t, greedy=greedy, generator=generator
+        )
     own = (~point).nonzero()[:, 0]
     pm = point.nonzero()[:, 0]
     a = verify_chain(lp[own], drafts[own], q[own], d2t=d2t, greedy=greedy[own], generator=generator)

@@ -27,7 +27,13 @@ from megatron_spec.rollout.native.adaptive import DraftLengthController, StepPla
 from megatron_spec.rollout.native.cost_model import expected_tokens, tree_expected_tokens
 from megatron_spec.rollout.native.measures import AcceptanceStats, paying_prefix
 from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
-from megatron_spec.rollout.native.spec_step import Proposal, Verified, chain_segment, tree_segment, verify_split
+from megatron_spec.rollout.native.spec_step import (
+    Proposal,
+    Verified,
+    chain_segment,
+    tree_segment,
+    verify_split,
+)
 from megatron_spec.rollout.types import GenerateStats
 from megatron_spec.speculative import SamplingTensors, process_logits
 from megatron_spec.speculative.verify import verify_tree
@@ -62,7 +68,9 @@ class SpeculativeWorker:
         t0 = time.perf_counter()
         b, dev = len(rows), core.device
         tokens = [r.tokens for r in rows]
-        hist = hist_full = core.history.propose_lists(tokens, core.k_history) if core.history is not None else None
+        hist = hist_full = (
+            core.history.propose_lists(tokens, core.k_history) if core.history is not None else None
+        )
         support = None
         t_draft = time.perf_counter() - t0
         if core.controller is None:
@@ -71,8 +79,9 @@ class SpeculativeWorker:
             srcs = None
             if core.history is not None:  # per row: live index or finished responses (and support)
                 srcs, support = core.history.sources[:b] or None, core.history.support[:b] or None
-            plan, use_hist, options = plan_step(core.controller, core.drafter.kind, [r.acc for r in rows], hist,
-                                                srcs, support)
+            plan, use_hist, options = plan_step(
+                core.controller, core.drafter.kind, [r.acc for r in rows], hist, srcs, support
+            )
             if hist is not None:  # what the rows draft: the paying prefix of a supported live proposal
                 hist_full, hist = hist, [h[:o[1][1]] if len(o) > 1 else [] for h, o in zip(hist, options)]
         k = plan.k
@@ -93,8 +102,21 @@ class SpeculativeWorker:
         branch = None
         if plan.mode == "tree":  # the second branch: each row's history proposal
             branch = pad_rows([h[:plan.m] for h in hist], plan.m, -1, dev)
-        return Proposal(plan, use_hist, point, options, hist, drafts, q, branch, main_ran, t_draft + t_main, t_main,
-                        hist_full, support)
+        return Proposal(
+            plan,
+            use_hist,
+            point,
+            options,
+            hist,
+            drafts,
+            q,
+            branch,
+            main_ran,
+            t_draft + t_main,
+            t_main,
+            hist_full,
+            support,
+        )
 
     def _verify(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
                 adm: Admission | None) -> Verified:
@@ -107,12 +129,15 @@ class SpeculativeWorker:
         base = core.cache.lens[:b].clone()
         drafts = prop.drafts
         if prop.tree:
-            seg = tree_segment(torch.cat([last, drafts.clamp(min=0), prop.branch.clamp(min=0)], dim=1), base, k, m)
+            seg = tree_segment(
+                torch.cat([last, drafts.clamp(min=0), prop.branch.clamp(min=0)], dim=1), base, k, m
+            )
         else:
             seg = chain_segment(last, drafts, base)
         (logits, aux), pre = core.forward(seg, adm, core.drafter.aux_layers)
         lp = process_logits(logits, sampling)  # [B, k+1(+m), V]
-        d2t = core.drafter.d2t if prop.q is not None else None  # d2t maps q's vocabulary; drafts are target ids
+        # d2t maps q's vocabulary; drafts are target ids
+        d2t = core.drafter.d2t if prop.q is not None else None
         if prop.tree:
             res = verify_tree(lp[:, :k + 1], drafts, prop.q, lp[:, k + 1:], prop.branch, d2t=d2t,
                               greedy=sampling.greedy, generator=core.generator)
@@ -133,7 +158,9 @@ class SpeculativeWorker:
             tok_lp = core.token_logprobs(logits, lp, res.tokens, sampling.greedy)
         return Verified(res, tok_lp, aux, own, base, seg, pre)
 
-    def _commit(self, rows: list[Row], prop: Proposal, ver: Verified) -> tuple[list[list[int]], list[int], int]:
+    def _commit(
+        self, rows: list[Row], prop: Proposal, ver: Verified
+    ) -> tuple[list[list[int]], list[int], int]:
         """The kept path into the caches (a tree's winning history branch moves into the first's
         place), the drafter's state, and the emitted tokens to their rows. Returns what each row
         emitted, how many drafts it accepted, and how many tokens the rows kept (a row that reached a
@@ -142,12 +169,14 @@ class SpeculativeWorker:
         b, res = len(rows), ver.result
         if prop.tree:
             base_h, second_len = ver.base.tolist(), res.second_len.tolist()
-            for i in res.second.nonzero()[:, 0].tolist():  # the history branch won: its K/V take the first's place
+            # the history branch won: its K/V take the first's place
+            for i in res.second.nonzero()[:, 0].tolist():
                 core.cache.shift(i, base_h[i] + prop.k + 1, base_h[i] + 1, second_len[i])
         emitted = res.emitted()
         accepted = res.num_accepted.tolist()
         core.cache.lens[:b] = ver.base + res.num_accepted + 1  # last token + accepted drafts are cached
-        core.drafter.commit(emitted, ver.own, ver.aux)  # (a ModelDrafter keeps the entries of its accepted drafts)
+        # (a ModelDrafter keeps the entries of its accepted drafts)
+        core.drafter.commit(emitted, ver.own, ver.aux)
         kept = 0
         for r, em, l_ in zip(rows, emitted, ver.token_logprobs.tolist()):
             r.verify_steps += 1
@@ -171,13 +200,16 @@ class SpeculativeWorker:
                  accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool, kept: int) -> None:
         """Per row: draft length, source and acceptance (the request's and the step's statistics);
         what the adaptive controller learns (acceptance per source, a history proposal a row did not
-        use, the tree's predicted vs realized tokens, the step's and the draft's time, the tokens kept per second of
+        use, the tree's predicted vs realized tokens, the step's and the draft's time, the tokens kept per
+        second of
         the step against the rate predicted for its plan)."""
         core = self.core
         k, m, main, hist = prop.k, prop.m, core.drafter.kind, prop.hist
         second = ver.result.second.tolist() if prop.tree else None
         predicted = realized = 0.0
-        for i, (r, em, a, u, dr) in enumerate(zip(rows, emitted, accepted, prop.use_hist, prop.drafts.tolist())):
+        for i, (r, em, a, u, dr) in enumerate(
+            zip(rows, emitted, accepted, prop.use_hist, prop.drafts.tolist())
+        ):
             proposed = sum(1 for t_ in dr if t_ >= 0)
             two = prop.second_branch(i)
             src = "tree" if two else ("history" if u else main)
@@ -187,17 +219,20 @@ class SpeculativeWorker:
             r.draft_lengths.append(proposed)
             r.sources.append(label)
             stats.add_step_k(proposed)
-            if k > 0 and not (prop.hist_only and not u):  # a row that sat out a history-only step drafted nothing
+            # a row that sat out a history-only step drafted nothing
+            if k > 0 and not (prop.hist_only and not u):
                 r.accepted.append(a)
                 stats.add_spec_step(a, core.k_all, source=label)
                 if core.controller is not None:
                     if prop.tree:  # the first branch is verified as a chain: its own acceptance, unbiased
-                        core.controller.record_accept(main, r.acc.setdefault(main, AcceptanceStats(core.k_all)),
-                                                      k, ver.own[i])
+                        core.controller.record_accept(
+                            main, r.acc.setdefault(main, AcceptanceStats(core.k_all)), k, ver.own[i]
+                        )
                     elif proposed > 0:  # beside a drafter, the two indexes are judged apart
                         csrc = label if u and core.history is not None else src
-                        core.controller.record_accept(csrc, r.acc.setdefault(csrc, AcceptanceStats(core.k_all)),
-                                                      proposed, a)
+                        core.controller.record_accept(
+                            csrc, r.acc.setdefault(csrc, AcceptanceStats(core.k_all)), proposed, a
+                        )
                         if u and prop.support is not None and prop.support[i]:
                             core.controller.support.record_proposal(prop.support[i], proposed, a)
             if two:
@@ -206,7 +241,8 @@ class SpeculativeWorker:
                 predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
                 realized += a
             full = prop.hist_full[i] if prop.hist_full is not None else None
-            if full and not u:  # (the whole proposal: its acceptance is learned also where only a prefix paid)
+            # (the whole proposal: its acceptance is learned also where only a prefix paid)
+            if full and not u:
                 record_unused_history(core.controller, r.acc, core.k_all, hist[i][:m] if two else full, em,
                                       source=self._source_label(i, "history"),
                                       support=prop.support[i] if prop.support is not None else None)
@@ -222,9 +258,14 @@ class SpeculativeWorker:
             core.controller.record_outcome(kept, seconds, prefill)
 
 
-def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str, AcceptanceStats]],
-              hist: list[list[int]] | None, hist_sources: list[str | None] | None = None,
-              hist_support: list[list[tuple[int, int]] | None] | None = None) -> tuple[StepPlan, list[bool], list]:
+def plan_step(
+    controller: DraftLengthController,
+    main: str,
+    accs: list[dict[str, AcceptanceStats]],
+    hist: list[list[int]] | None,
+    hist_sources: list[str | None] | None = None,
+    hist_support: list[list[tuple[int, int]] | None] | None = None,
+) -> tuple[StepPlan, list[bool], list]:
     """The step's plan (:meth:`DraftLengthController.choose_step`: k, and whether every row drafts,
     only the rows with a history proposal, or a tree), per row whether it drafts from the history
     (in an ``all`` step: the source expected to emit more tokens at that k; ties go to the main
@@ -233,7 +274,8 @@ def plan_step(controller: DraftLengthController, main: str, accs: list[dict[str,
     (``live`` or ``history``, each judged on its own acceptance; default ``history``);
     ``hist_support``: per row, a live proposal's support per token (its acceptance is then what its
     tokens' support classes were worth, ``SupportStats.alpha``, and only its :func:`paying_prefix` at the
-    batch's :meth:`~DraftLengthController.token_threshold` is an option: ``options[b][1][1]``, what the engine drafts)."""
+    batch's :meth:`~DraftLengthController.token_threshold` is an option: ``options[b][1][1]``, what the
+    engine drafts)."""
     options = []
     bases: dict[str, list[float]] = {}  # the batch's rates per source, once per step
     cut = hist_support and any(hist_support) and not controller.force_history_rows  # (the hook: whole ones)
