@@ -5,7 +5,7 @@ then each group is replayed in lockstep: at every position every row's token ent
 ``LiveIndex``, and every row asks for a proposal of up to k tokens. A point-mass draft x is accepted with
 probability p(x), the probability that the target's own token is x, so "the proposal's first m tokens
 equal what the row wrote next" has the distribution of m accepted drafts (what the engine's
-``record_unused_history`` learns from). Printed:
+``unused_history_observation`` learns from). Printed:
 
 * tokens accepted per proposal, the continuation most sibling texts wrote (``LiveIndex.propose``, with
   ``max_candidates`` texts) against the newest occurrence's alone (``max_candidates`` 1: the index before
@@ -95,7 +95,7 @@ def replay(groups: list[list[list[int]]], k: int, candidates: int) -> dict:
                     while m < min(len(prop), len(truth)) and prop[m] == truth[m]:
                         m += 1
                     accepted[name].append(m)
-                    if name == "majority":  # as the engine's record_unused_history: positions 0..m observed
+                    if name == "majority":  # as the engine's unused_history_observation: positions 0..m observed
                         classes.record_proposal(support, min(len(prop), len(truth)), m)
     return {
         "proposals": {n: len(v) for n, v in accepted.items()},

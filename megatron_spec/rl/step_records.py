@@ -18,6 +18,7 @@ import torch
 
 from megatron_spec.rl.rollouts import Rollout
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats
+from megatron_spec.telemetry import current_rss_mb
 
 
 @dataclasses.dataclass
@@ -78,9 +79,8 @@ class Pending:
     sampler_state: dict[str, int]
 
 
-def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculative: bool,
-                 rss_mb: float) -> dict[str, Any]:
-    """Rewards, lengths, generation and speculation of a step (docs/metrics.md)."""
+def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculative: bool) -> dict[str, Any]:
+    """Rewards, lengths, generation and speculation of a step, and this process's memory (docs/metrics.md)."""
     st = batch.stats
     rewards = torch.tensor([ro.reward for ro in batch.rollouts])
     lengths = torch.tensor([len(ro.response_ids) for ro in batch.rollouts], dtype=torch.float32)
@@ -98,7 +98,7 @@ def step_metrics(batch: Batch, exposed: float, *, policy_version: int, speculati
         "spec/num_draft_tokens": st.num_draft_tokens if speculative else 0,
         "spec/accept_length": st.spec_accept_length if st.spec_steps else 1.0,
         "spec/tokens_per_verify": st.mean_accept_length,
-        "mem/rss_mb": rss_mb,
+        "mem/rss_mb": current_rss_mb(),
     }
     for i, rate in enumerate(st.accept_rate_per_position):
         out[f"spec/accept_rate_pos{i}"] = rate

@@ -30,7 +30,7 @@ from megatron_spec.rl.rollout_manager import RolloutManager, RolloutWaitTimeout 
 from megatron_spec.rl.rollouts import split
 from megatron_spec.rl.step_records import dump_rollouts, step_metrics
 from megatron_spec.rl.task import PromptTask
-from megatron_spec.telemetry import StageTimer, current_rss_mb, open_metrics, print_progress, progress_line
+from megatron_spec.telemetry import StageTimer, open_metrics, print_progress, progress_line
 
 logger = logging.getLogger(__name__)
 
@@ -39,24 +39,17 @@ class GRPOTrainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         m, r = cfg.model, cfg.rollout
-        self.info = init_parallel(
-            tp_size=m.tensor_model_parallel_size,
-            seed=m.seed,
-            timeout_s=r.dist_timeout_s,
-            wait_timeout_s=r.rollout_wait_timeout_s,
-        )
+        self.info = init_parallel(tp_size=m.tensor_model_parallel_size, seed=m.seed,
+                                  timeout_s=r.dist_timeout_s, wait_timeout_s=r.rollout_wait_timeout_s)
         self.rank0 = self.info.rank == 0
         self.timer = StageTimer()
-        # the engine layout (checks the flags first)
-        self.rollout = RolloutManager(cfg, self.info, self.timer)
+        self.rollout = RolloutManager(cfg, self.info, self.timer)  # the engine layout (checks the flags)
         ckpt = HFCheckpoint(m.hf_checkpoint)
         ckpt.decoder_config.check_tensor_parallel(m.tensor_model_parallel_size)
         self.task = PromptTask(cfg, self.timer)  # the tokenizer, prompt format and stop ids
-        self.actor = PolicyActor(
-            cfg, self.info, ckpt, renormalise_engine_logprobs=self.rollout.backend == "sglang"
-        )
-        # resumes a run started again (rl/checkpoint.py)
-        self.run_dir = ckpt_io.prepare_run_dir(cfg, self.info)
+        self.actor = PolicyActor(cfg, self.info, ckpt,
+                                 renormalise_engine_logprobs=self.rollout.backend == "sglang")
+        self.run_dir = ckpt_io.prepare_run_dir(cfg, self.info)  # resumes a stopped run (rl/checkpoint.py)
         self.task.load(self.run_dir)
         self.step = 0
         if cfg.spec.spec_online_draft_training:  # EAGLE-3 / MTP trained from the verifier's hidden states
@@ -110,9 +103,8 @@ class GRPOTrainer:
         self.last_batch = batch
         with timer("logprob"):
             actor.offload.enter("logprob")
-            microbatches, mismatch = actor.old_logprobs(
-                split(batch.rollouts, self.info.dp_size)[self.info.dp_rank], self.task.pad_id
-            )
+            mine = split(batch.rollouts, self.info.dp_size)[self.info.dp_rank]
+            microbatches, mismatch = actor.old_logprobs(mine, self.task.pad_id)
         with timer("train"):
             actor.offload.enter("train")
             metrics.update(actor.train(microbatches, self.step))
@@ -131,15 +123,8 @@ class GRPOTrainer:
                 actor.offload.enter("train")  # the checkpoint reads everything
             metrics.update({k.replace("eval/", "eval_final/"): v for k, v in final.items()})
         metrics.update(mismatch)
-        metrics.update(
-            step_metrics(
-                batch,
-                exposed,
-                policy_version=actor.policy_version,
-                rss_mb=current_rss_mb(),
-                speculative=self.cfg.spec.spec_draft_kind != "none",
-            )
-        )
+        spec = self.cfg.spec.spec_draft_kind != "none"
+        metrics.update(step_metrics(batch, exposed, policy_version=actor.policy_version, speculative=spec))
         if actor.draft is None:
             metrics["draft/loss"] = None
         metrics.update(rollout.engine_metrics(batch))
@@ -166,12 +151,9 @@ class GRPOTrainer:
 
     def _resume(self, root: str) -> None:
         path, saved = ckpt_io.latest_checkpoint(root)
-        self.actor.load_state(
-            ckpt_io.load_checkpoint(path, self.actor.sharded_state(saved=saved)),
-            path,
-            policy_version=saved["policy_version"],
-            draft_version=saved.get("draft_version", 0),
-        )
+        state = ckpt_io.load_checkpoint(path, self.actor.sharded_state(saved=saved))
+        versions = dict(policy_version=saved["policy_version"], draft_version=saved.get("draft_version", 0))
+        self.actor.load_state(state, path, **versions)
         self.step = saved["step"]
         self.task.sampler.load_state_dict(saved["sampler"])
         if self.rank0:
@@ -182,8 +164,7 @@ class GRPOTrainer:
     def run(self) -> list[dict[str, Any]]:
         cfg = self.cfg
         history = []
-        # the pace of this process's steps (a resumed run: since it)
-        start, first = time.monotonic(), self.step
+        start, first = time.monotonic(), self.step  # this process's pace (a resumed run: since it)
         try:
             while self.step < cfg.grpo.train_iters:
                 m = self.train_step()
@@ -195,10 +176,9 @@ class GRPOTrainer:
                                                                     f"step_{self.step:06d}.jsonl"))
                     interval = cfg.logging.log_interval  # 0: no progress line
                     if not cfg.logging.quiet and interval and self.step % interval == 0:
-                        pace = (time.monotonic() - start) / (self.step - first)
-                        print_progress(
-                            progress_line(m, cfg.grpo.train_iters, pace * (cfg.grpo.train_iters - self.step))
-                        )
+                        left = cfg.grpo.train_iters - self.step
+                        eta = (time.monotonic() - start) / (self.step - first) * left
+                        print_progress(progress_line(m, cfg.grpo.train_iters, eta))
                 history.append(m)
                 interval = cfg.checkpoint.save_interval
                 if (interval and self.step % interval == 0) or self.step == cfg.grpo.train_iters:

@@ -16,6 +16,7 @@ from megatron_spec.rollout.native.adaptive import (
     DraftLengthController,
     StepPlan,
 )
+from megatron_spec.rollout.native.cost_model import DraftOption as O
 from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
 from megatron_spec.rollout.native.measures import SupportStats, paying_prefix, support_class
 from megatron_spec.rollout.native.spec_worker import plan_step
@@ -75,7 +76,7 @@ def _choose_k(ctl: DraftLengthController, options) -> int:
 def _train(ctl: DraftLengthController, b: int, cost, accept: float, steps: int = 200) -> list[int]:
     chosen = []
     for _ in range(steps):
-        k = _choose_k(ctl, [[(ctl.row_alpha("d", None), None)]] * b)
+        k = _choose_k(ctl, [[O(ctl.row_alpha("d", None))]] * b)
         chosen.append(k)
         for _ in range(b):  # acceptance deterministic in expectation: accept `accept` of the positions
             ctl.record_accept("d", None, k, round(accept * k))
@@ -151,10 +152,10 @@ def test_a_packed_verify_is_priced_apart_from_unpacked_ones():
     assert ctl.verify.estimate(24) == pytest.approx(0.024) and ctl.packed_ratio == pytest.approx(
         1.5, rel=0.02
     )
-    options = [[([1.0] * 3, None), ([1.0] * 3, 2)]] * 4 + [[([1.0] * 3, None)]] * 12
+    options = [[O([1.0] * 3), O([1.0] * 3, 2)]] * 4 + [[O([1.0] * 3)]] * 12
     rates = ctl.history_rates(options)  # 4 rows draft 2 tokens at k >= 2: 24 tokens, packed
     assert rates[2] == pytest.approx((4 * 3 + 12) / (0.024 * ctl.packed_ratio))
-    full = [[([1.0] * 3, None), ([1.0] * 3, 3)]] * 16  # every row drafts k <= 3: unpacked, the table's price
+    full = [[O([1.0] * 3), O([1.0] * 3, 3)]] * 16  # every row drafts k <= 3: unpacked, the table's price
     assert ctl.history_rates(full)[3] == pytest.approx(16 * 4 / 0.064)
 
 
@@ -243,7 +244,7 @@ def _train_two(ctl: DraftLengthController, b: int, main_accept: float, hist_acce
     """Rows with both sources; verify costs 1 + 0.01 per token, a main-drafter pass ``draft_s``."""
     chosen = []
     for _ in range(steps):
-        opts = [[(ctl.row_alpha("d", None), None), (ctl.row_alpha("history", None), hist_len)]] * b
+        opts = [[O(ctl.row_alpha("d", None)), O(ctl.row_alpha("history", None), hist_len)]] * b
         plan = ctl.choose_step(opts)
         k, hist_only = plan.k, plan.mode == "history"
         chosen.append((k, hist_only))
@@ -330,7 +331,7 @@ def test_k_main_bounds():
     with pytest.raises(ValueError, match="k_main"):
         DraftLengthController(4, k_main=5)
     ctl = DraftLengthController(8, k_main=3)
-    assert _choose_k(ctl, [[([1.0] * 8, None)]]) == 3  # no history source: never past k_main
+    assert _choose_k(ctl, [[O([1.0] * 8)]]) == 3  # no history source: never past k_main
 
 
 def test_a_proposal_is_timed_per_k_not_as_k_equal_passes():
@@ -363,7 +364,7 @@ def _train_tree(ctl: DraftLengthController, b: int, per_token_s: float, realized
 
     plans = []
     for _ in range(steps):
-        opts = [[(ctl.row_alpha("d", None), None), (ctl.row_alpha("history", None), 8)]] * b
+        opts = [[O(ctl.row_alpha("d", None)), O(ctl.row_alpha("history", None), 8)]] * b
         plan = ctl.choose_step(opts)
         plans.append(plan)
         k = plan.k
@@ -465,7 +466,7 @@ def test_a_wider_batch_first_measures_k_max_then_chooses():
     c = DraftLengthController(5, explore_every=0)
     for k in range(6):
         c.record_step(1, k, 0.010 + 0.0002 * k, 0.003 * k, prefill=False)
-    one = [[([0.3] * 5, None)]]
+    one = [[O([0.3] * 5)]]
     sixteen = one * 16
 
     def best(options):
@@ -492,3 +493,34 @@ def test_proposal_cost_outside_its_rows_scales_with_one_draft_pass():
     assert c.proposal_seconds(16, 3) == pytest.approx(0.009 * 0.004 / 0.003)
     assert c.proposal_seconds(1, 3) == pytest.approx(0.009)  # measured
     assert c.proposal_seconds(16, 2) == pytest.approx(2 * 0.004)  # never measured at any row count: 2 passes
+
+
+def test_observe_is_the_step_s_records_in_order():
+    """One ``StepOutcome`` teaches what the separate records taught: acceptance per source (and a live
+    proposal's support), the tree's calibration, the step's and the proposal's time, the plan's rate."""
+    from megatron_spec.rollout.native.adaptive import AcceptObservation, StepOutcome
+
+    a, b = DraftLengthController(4, k_tree=2), DraftLengthController(4, k_tree=2)
+    rows_a = [AcceptanceStats(4), AcceptanceStats(4)]
+    rows_b = [AcceptanceStats(4), AcceptanceStats(4)]
+    for ctl in (a, b):
+        ctl.choose_step([[O([0.5] * 4)]] * 2)
+    a.record_accept("eagle3", rows_a[0], 3, 2)
+    a.record_accept("live", rows_a[1], 2, 1)
+    a.support.record_proposal([(2, 2), (1, 2)], 2, 1)
+    a.record_tree(1.5, 1.0)
+    a.record_step(2, 3, 0.02, 0.005, False, m=0, tokens=None)
+    a.record_outcome(5, 0.025, False)
+    b.observe(StepOutcome(
+        rows=2, k=3, m=0, seconds=0.025, verify_s=0.02, draft_s=0.005, kept=5, prefill=False,
+        packed_tokens=None, tree=(1.5, 1.0),
+        accepts=[AcceptObservation("eagle3", rows_b[0], 3, 2),
+                 AcceptObservation("live", rows_b[1], 2, 1, [(2, 2), (1, 2)])]))
+    for src in ("eagle3", "live"):
+        assert a.batch_alpha(src) == b.batch_alpha(src)
+    assert [r.rates(prior=[0.5] * 4) for r in rows_a] == [r.rates(prior=[0.5] * 4) for r in rows_b]
+    live = ([0.5, 0.5], [(2, 2), (1, 2)], 2.0)
+    assert a.support.alpha(*live) == b.support.alpha(*live)
+    assert a.tree_calibration == b.tree_calibration != 1.0
+    assert a.verify.sizes == b.verify.sizes and a.proposal_seconds(2, 3) == b.proposal_seconds(2, 3)
+    assert a.rate_calibration == b.rate_calibration

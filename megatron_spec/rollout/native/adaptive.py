@@ -1,94 +1,49 @@
-"""Adaptive draft length: the k of each verify step, chosen from what the engine measured.
+"""Adaptive draft length: the plan of each verify step, chosen from what the engine measured.
 
-Speculation pays ``E(k) / T(B, k)`` tokens per second for a batch of B rows drafting k tokens:
+:class:`DraftLengthController` picks the plan with the highest expected tokens per second
+(:mod:`megatron_spec.rollout.native.cost_model`: every row drafting k tokens, k in ``k_min..k_main``
+(the main drafter's longest proposal); with a history drafter beside it (its proposals cost no forward),
+only the rows with a history proposal drafting up to ``k_max`` tokens; with ``k_tree``, a two-branch
+tree). The costs are measured online, nothing is tuned to one machine
+(:mod:`megatron_spec.rollout.native.measures`): :class:`CostTable` per verify size and per proposal,
+:class:`AcceptanceStats` per source, per batch (slow decay) and per request (shrunk towards the batch's
+rate with ``row_prior_weight`` pseudo-steps). A proposal is not k equal passes (EAGLE-3's first pass
+also extends over the tokens accepted in the last step), so it is measured per k; a k not measured yet is
+k average passes, one measured only at other row counts its nearest measurement scaled by how a pass
+scales. A batch wider than any verify measured (``B (k_main+1)`` tokens) first runs one step at
+``k_main``, so its costs are interpolated rather than extrapolated from smaller batches.
 
-* ``E_b(k) = 1 + sum_{i=1..k} prod_{j<=i} alpha_b[j]`` expected tokens emitted by row b, with
-  ``alpha_b[j]`` the probability that draft j is accepted given drafts 1..j-1 were (acceptance per
-  position, Leviathan et al. 2023, sec. 3.1, generalised from one alpha to one per position);
-* ``T(B, k) = V(B * (k+1)) + P_k(B)``: the step's time, V the target forward + verification +
-  host work of ``B * (k+1)`` tokens, ``P_k`` the main drafter's proposal of k tokens over B rows
-  (k = 0: a plain step, ``V(B)``). A proposal is not k equal passes (EAGLE-3's first pass also
-  extends over the tokens accepted in the last step and fuses the target's hidden states), so it
-  is measured per k; a k not measured yet is estimated as k times the average pass, ``k * D(B)``,
-  and a k measured only at other row counts as its nearest measurement scaled by ``D``. A batch
-  wider than any verify measured so far (``B (k_main+1)`` tokens) first runs one step at
-  ``k_main``, so its costs are interpolated rather than extrapolated from smaller batches.
+Exploration: every ``explore_every``-th step the controller tries a neighbour of the best k
+(alternately above and below), so the costs and the deeper positions' acceptance keep being measured,
+but only a neighbour expected to give at least ``explore_margin`` of the best rate (or on every
+``explore_every * explore_rare``-th step): where speculation loses badly (a large batch on a
+compute-bound CPU) each try costs a step's worth of rate. A neighbour whose last try gave less than the
+best plan's rate waits twice as long for the next (up to the rare steps' period).
 
-Both are measured online by the engine, nothing is tuned to one machine (the two tables live in
-:mod:`megatron_spec.rollout.native.measures`):
+Calibration: what a plan really gave (tokens kept per second of the whole step) over the rate predicted
+when it was chosen, a running mean per plan and batch-size class (``rate_calibration``; then an EMA),
+multiplies that plan's predicted rate from then on. It catches what the model leaves out: the best of
+several noisy estimates is on average an optimistic one; EAGLE-3's first pass after plain steps extends
+over every token they emitted; a speculative step's host work grows with the drafts. Tree steps' drafted
+tokens are calibrated on their own (``tree_calibration``): the two sources are correlated and the
+independence estimate optimistic. The measurements behind these choices: docs/benchmark_log.md, "The
+adaptive controller's design, measured".
 
-* :class:`CostTable` keeps the median of the last ``window`` measurements per integer size (tokens
-  of a verify step; rows of a draft pass; the fastest of them while a size has fewer than
-  ``trust``, since the first call of a new shape also builds its kernels) and interpolates
-  linearly between sizes it has seen (extrapolating with the slope of the two nearest, never
-  below zero slope). A median shrugs off a slow outlier (interference from other processes, a
-  cold first call) and a lucky fast one alike, and it weighs a size measured in few steps the
-  same way as one measured in many (an average keeps the lucky lows of the sizes chosen rarely,
-  and then chooses them). Steps that carried a prompt's prefill are not recorded (their
-  time is not the step's).
-* :class:`AcceptanceStats` counts, per draft position, how often it was tried and accepted:
-  per batch with a slow decay (so it follows the draft and the policy as they train) and per
-  request (a row's own history, shrunk towards the batch's rate with ``prior_weight`` pseudo-steps:
-  a request with few steps gets the batch's rate, one with many its own). A source nobody has
-  tried yet starts optimistic (rate 1 with one pseudo-step), so it is tried and then judged.
-
-:class:`DraftLengthController` picks ``argmax_k sum_b E_b(k) / T(B, k)`` over ``k_min..k_main``
-(the main drafter's longest proposal). With a second source beside it (the history drafter,
-whose proposals cost no forward), it also weighs a step where only the rows with a history
-proposal draft, up to ``k_max`` tokens, and the main drafter does not run: ``T = V(B + sum_b
-min(k, n_b))`` (the verify forward runs packed: each row its last token and its own proposal of
-n_b tokens, ``Segment.pack``), the other rows emit one token; and, with ``k_tree``, a *tree*
-step: every row drafts k tokens from the main drafter and the rows with a history proposal also
-carry up to m of it as a second branch of the same verify (``megatron_spec.speculative.verify_tree``),
-``T = V(B * (1+k+m)) + P_k(B)``. A tree row emits ``1 + max(a, n)`` tokens, a the main branch's
-accepted drafts and n the history's matching ones; the controller estimates
-``E = 1 + sum_j P(a >= j or n >= j)`` as if the two were independent
-(``1 - (1 - PA_j)(1 - PB_j)``), then scales the drafted part by what tree steps
-really emitted over what it predicted for them (an online calibration: the two sources are
-correlated, both right on easy text, and the independence estimate is optimistic). Every
-``explore_every``-th step it tries a neighbour of the best k instead (alternately above and below),
-so the cost table and the deeper positions' acceptance keep being measured, but only a neighbour
-expected to give at least ``explore_margin`` of the best rate (or on every ``explore_every *
-explore_rare``-th step), since where speculation loses badly (a large batch on a compute-bound CPU,
-where a verify of B(k+1) tokens costs nearly k+1 plain steps) each try costs a step's worth of rate;
-and a neighbour whose last such try gave less than the best plan's rate waits twice as long for the
-next (up to the rare steps' period; a try that does better resets it). A packed verify (history rows
-drafting, the others not) runs the Python layers, not the C++ stack: it is priced as an unpacked
-forward of as many tokens times ``packed_ratio``, learned from the packed steps, and stays out of the
-verify table.
-The choice never changes any output distribution: verification is exact for every
-k, m and mode.
-
-What a plan really gave is checked against what the model predicted for it: each step's tokens
-kept per second of the whole step (its proposal, verify and host work) over the rate predicted
-when the plan was chosen, averaged per plan and batch-size class (``rate_calibration``; 1 until
-measured, then a running mean that becomes an EMA), multiplies that plan's predicted rate from then
-on. The model leaves things out that this catches: choosing the best of several noisy estimates
-picks the ones that happen to be high (a plan chosen because its acceptance or cost looked good
-this step gives less than predicted, on average); EAGLE-3's first pass after plain steps extends
-over every token they emitted; a speculative step's host work grows with the rows' drafts. Where a
-plan predicts within a few percent of plain decoding, this is what keeps the controller on plain
-decoding. The measurements behind these choices: docs/benchmark_log.md, "The adaptive controller's
-design, measured".
-
-This module knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and
-accepted counts.
+The choice never changes any output distribution: verification is exact for every plan. This module
+knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and accepted counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
-
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.config import HISTORY_TREE_MODES
-from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
+from megatron_spec.rollout.native import cost_model
+from megatron_spec.rollout.native.cost_model import DraftOption, size_class
 from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats
-
-Option = tuple[Sequence[float], "int | None"]
-"""One draft source of one row: acceptance per position, and its proposal length (None: any k)."""
 
 
 class StepPlan(NamedTuple):
@@ -100,6 +55,46 @@ class StepPlan(NamedTuple):
     k: int
     mode: str = "all"
     m: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptObservation:
+    """One row's drafts from one source, verified (or, for a history proposal the row did not use,
+    compared with what it emitted): what that source's acceptance per position learns."""
+
+    source: str
+    """The draft source judged: the main drafter's kind, ``history``, ``live``."""
+    row: AcceptanceStats | None
+    """The request's own counts for that source (None: the batch's only)."""
+    drafted: int
+    accepted: int
+    support: list[tuple[int, int]] | None = None
+    """A live proposal's sibling support per token: what its support classes are worth learns too."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What one verify step gave, handed to :meth:`DraftLengthController.observe` once per step."""
+
+    rows: int
+    k: int
+    m: int
+    """A tree step's second branch (its verify forward is ``B * (1+k+m)`` tokens wide); 0 otherwise."""
+    seconds: float
+    """The whole step: proposals, verify, host work."""
+    verify_s: float
+    """Everything but the drafters' proposals."""
+    draft_s: float
+    """The main drafter's proposal of k tokens (0: it did not run)."""
+    kept: int
+    """Tokens the rows kept."""
+    prefill: bool
+    """The step carried a prompt's prefill: its times are not the step's and are not learned."""
+    packed_tokens: int | None
+    """What a packed verify forward really ran (rows drafting fewer than k); None: unpacked."""
+    accepts: list[AcceptObservation]
+    tree: tuple[float, float] | None = None
+    """A tree step's rows with a second branch: drafted tokens accepted, predicted and emitted."""
 
 
 class DraftLengthController:
@@ -223,83 +218,27 @@ class DraftLengthController:
         return table.seconds[near] * d / d_near if d is not None and d_near else table.estimate(b)
 
     def token_threshold(self, b: int) -> float | None:
-        """The probability of being reached and accepted above which one more drafted token of a row pays at
-        ``b`` rows: what a verify of twice the tokens costs more, over a plain step (each extra token costs
-        ``(T(2b) - T(b)) / b``, each row's plain token ``T(b) / b``). Compute-bound (a large batch on a CPU)
-        it is near 1, memory-bound (few rows) near 0. None until the verify table has two sizes."""
+        """:func:`~megatron_spec.rollout.native.cost_model.token_threshold` at ``b`` rows; None until the
+        verify table has two sizes."""
         if len(self.verify) < 2:
             return None
-        t, t2 = self.verify.estimate(b), self.verify.estimate(2 * b)
-        if not t or t2 is None:
-            return None
-        return min(1.0, max(0.0, (t2 - t) / t))
+        return cost_model.token_threshold(self.verify.estimate(b), self.verify.estimate(2 * b))
 
-    def expected_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
-        """Expected tokens per second for every k in ``k_min..k_main`` with a cost estimate, every row
-        drafting: row b emits ``max over options[b]`` of ``expected_tokens`` (its best draft source
-        at that k) and the step pays the main drafter's proposal of k tokens."""
-        b = len(options)
-        out = {}
-        for k in range(self.k_min, self.k_main + 1):
-            t = self.step_seconds(b, k)
-            if t is not None:
-                out[k] = sum(max(expected_tokens(a, k, m) for a, m in opts) for opts in options) / t
-        return out
+    def expected_rates(self, options: Sequence[Sequence[DraftOption]]) -> dict[int, float]:
+        """Tokens per second of every k in ``k_min..k_main``, every row drafting
+        (:func:`~megatron_spec.rollout.native.cost_model.all_rows_rates`)."""
+        return cost_model.all_rows_rates(options, range(self.k_min, self.k_main + 1), self.step_seconds)
 
-    def history_rates(self, options: Sequence[Sequence[Option]]) -> dict[int, float]:
-        """Expected tokens per second for every k in ``1..k_max`` when only the rows with a second
-        source (``options[b][1]``, the history's proposal) draft and the main drafter does not run:
-        those rows emit ``expected_tokens`` of their proposal, the others one token, and the step
-        costs the verify forward alone (a proposal from the history costs no forward). Empty when
-        no row has a second source."""
-        if not any(len(opts) > 1 for opts in options):
-            return {}
-        b = len(options)
-        out = {}
-        for k in range(1, self.k_max + 1):  # packed: the rows without a proposal run their last token only
-            t = self.verify.estimate(b + sum(min(k, opts[1][1] or k) for opts in options if len(opts) > 1))
-            if t is not None and not all(len(opts) > 1 and (opts[1][1] or k) >= k for opts in options):
-                t *= self.packed_ratio
-            if t is not None:
-                out[k] = sum(expected_tokens(*opts[1], k) if len(opts) > 1 else 1.0 for opts in options) / t
-        return out
+    def history_rates(self, options: Sequence[Sequence[DraftOption]]) -> dict[int, float]:
+        """Tokens per second of every k in ``1..k_max``, only the rows with a history proposal drafting
+        (:func:`~megatron_spec.rollout.native.cost_model.history_rows_rates`)."""
+        return cost_model.history_rows_rates(options, self.k_max, self.verify.estimate, self.packed_ratio)
 
-    def tree_rates(self, options: Sequence[Sequence[Option]]) -> dict[tuple[int, int], float]:
-        """Expected tokens per second of a tree step for every (k, m), k in ``1..k_main``, m in
-        ``1..k_tree`` (vectorised: ``B x k x m x positions``). Empty without a tree or a history row."""
-        if not self.k_tree or not any(len(opts) > 1 for opts in options):
-            return {}
-        b, kk, mm = len(options), self.k_main, self.k_tree
-        depth = max(kk, mm)
-        pa = np.zeros((b, depth))  # P(the main branch accepts >= j + 1 drafts)
-        pb = np.zeros((b, depth))  # P(the history branch matches >= j + 1 tokens)
-        lim = np.zeros(b, dtype=np.int64)
-        for i, opts in enumerate(options):
-            pa[i, :kk] = np.cumprod(np.asarray(opts[0][0][:kk], dtype=np.float64))
-            if len(opts) > 1:
-                n = min(opts[1][1] or mm, mm)
-                pb[i, :n] = np.cumprod(np.asarray(opts[1][0][:n], dtype=np.float64))
-                lim[i] = n
-        j = np.arange(depth)
-        ka = (j[None, :] < np.arange(1, kk + 1)[:, None]).astype(np.float64)  # [k, depth]
-        mb = (j[None, :] < np.arange(1, mm + 1)[:, None]).astype(np.float64)  # [m, depth]
-        a = pa[:, None, None, :] * ka[None, :, None, :]  # [B, k, 1, depth]
-        h = pb[:, None, None, :] * mb[None, None, :, :]  # [B, 1, m, depth]
-        union = (a + h - a * h).sum(-1)  # [B, k, m]
-        main_only = (pa[:, None, :] * ka[None]).sum(-1)  # [B, k]
-        has = lim > 0
-        drafted = np.where(has[:, None, None], self.tree_calibration * union, main_only[:, :, None])
-        tokens = (1.0 + drafted).sum(0)  # [k, m]
-        out = {}
-        for k in range(1, kk + 1):
-            whole = self.proposal_seconds(b, k)
-            if whole is None:
-                continue
-            for m in range(1, mm + 1):
-                t = self.verify.estimate(b * (1 + k + m))
-                if t is not None:
-                    out[(k, m)] = float(tokens[k - 1, m - 1]) / (t + whole)
-        return out
+    def tree_rates(self, options: Sequence[Sequence[DraftOption]]) -> dict[tuple[int, int], float]:
+        """Tokens per second of a tree step for every (k, m)
+        (:func:`~megatron_spec.rollout.native.cost_model.tree_rows_rates`)."""
+        return cost_model.tree_rows_rates(options, self.k_main, self.k_tree, self.tree_calibration,
+                                          self.verify.estimate, self.proposal_seconds)
 
     def record_tree(self, predicted: float, emitted: float) -> None:
         """One tree step's rows with a second branch: tokens drafted and accepted, predicted (before the
@@ -308,13 +247,13 @@ class DraftLengthController:
             ratio = min(2.0, emitted / predicted)
             self.tree_calibration += self.tree_calibration_ema * (ratio - self.tree_calibration)
 
-    def choose_step(self, options: Sequence[Sequence[Option]]) -> StepPlan:
+    def choose_step(self, options: Sequence[Sequence[DraftOption]]) -> StepPlan:
         """The next step's :class:`StepPlan` (:meth:`_choose`), kept with its rows for the trace."""
         plan = self._choose(options)
         self.last_plan = (plan, len(options))
         return plan
 
-    def _choose(self, options: Sequence[Sequence[Option]]) -> StepPlan:
+    def _choose(self, options: Sequence[Sequence[DraftOption]]) -> StepPlan:
         """``options[b]``: row b's draft sources as (acceptance per
         position (``row_alpha``), proposal length or None for any k), the main drafter's first.
 
@@ -332,7 +271,7 @@ class DraftLengthController:
         trees = self.tree_rates(options)
         if self.force_tree and trees:  # the test hook: a tree whenever a row can have one, the whole
             # history proposal its second branch (exercised past the drafter's tokens); only k is chosen
-            m = max(min(o[1][1] or self.k_tree, self.k_tree) for o in options if len(o) > 1)
+            m = max(min(o[1].limit or self.k_tree, self.k_tree) for o in options if len(o) > 1)
             return self._pick({}, {}, {km: r for km, r in trees.items() if km[1] == m}, b)
         return self._pick(self.expected_rates(options), self.history_rates(options), trees, b)
 
@@ -384,6 +323,19 @@ class DraftLengthController:
                 ):
                     return plan
         return best
+
+    def observe(self, out: StepOutcome) -> None:
+        """Everything one verify step teaches: each row's acceptance per source, the tree's calibration,
+        the step's and the proposal's time, and what the plan gave against its prediction."""
+        for a in out.accepts:
+            self.record_accept(a.source, a.row, a.drafted, a.accepted)
+            if a.support:
+                self.support.record_proposal(a.support, a.drafted, a.accepted)
+        if out.tree is not None:
+            self.record_tree(*out.tree)
+        self.record_step(out.rows, out.k, out.verify_s, out.draft_s, out.prefill, m=out.m,
+                         tokens=out.packed_tokens)
+        self.record_outcome(out.kept, out.seconds, out.prefill)
 
     def record_outcome(self, tokens: int, seconds: float, prefill: bool) -> None:
         """What the last chosen step gave: ``tokens`` its rows kept in ``seconds`` (the whole step:

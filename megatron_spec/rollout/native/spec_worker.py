@@ -23,8 +23,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_spec.rollout.native.adaptive import DraftLengthController, StepPlan
-from megatron_spec.rollout.native.cost_model import expected_tokens, tree_expected_tokens
+from megatron_spec.rollout.native.adaptive import (
+    AcceptObservation,
+    DraftLengthController,
+    StepOutcome,
+    StepPlan,
+)
+from megatron_spec.rollout.native.cost_model import DraftOption, expected_tokens, tree_expected_tokens
 from megatron_spec.rollout.native.measures import AcceptanceStats, paying_prefix
 from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
 from megatron_spec.rollout.native.spec_step import (
@@ -198,23 +203,20 @@ class SpeculativeWorker:
 
     def _account(self, rows: list[Row], prop: Proposal, ver: Verified, emitted: list[list[int]],
                  accepted: list[int], stats: GenerateStats, t0: float, *, prefill: bool, kept: int) -> None:
-        """Per row: draft length, source and acceptance (the request's and the step's statistics);
-        what the adaptive controller learns (acceptance per source, a history proposal a row did not
-        use, the tree's predicted vs realized tokens, the step's and the draft's time, the tokens kept per
-        second of
-        the step against the rate predicted for its plan)."""
+        """Per row: draft length, source and acceptance into the request's and the step's statistics;
+        then one :class:`~megatron_spec.rollout.native.adaptive.StepOutcome` for the adaptive controller
+        (acceptance per source, a history proposal a row did not use, the tree's predicted vs realized
+        tokens, the step's and the draft's time, the tokens kept)."""
         core = self.core
-        k, m, main, hist = prop.k, prop.m, core.drafter.kind, prop.hist
+        k, m, hist = prop.k, prop.m, prop.hist
         second = ver.result.second.tolist() if prop.tree else None
+        observed: list[AcceptObservation] = []
         predicted = realized = 0.0
-        for i, (r, em, a, u, dr) in enumerate(
-            zip(rows, emitted, accepted, prop.use_hist, prop.drafts.tolist())
-        ):
-            proposed = sum(1 for t_ in dr if t_ >= 0)
+        drafts = prop.drafts.tolist()
+        for i, (r, em, a, u, dr) in enumerate(zip(rows, emitted, accepted, prop.use_hist, drafts)):
             two = prop.second_branch(i)
-            src = "tree" if two else ("history" if u else main)
-            if two:
-                proposed += min(m, len(hist[i]))
+            proposed = sum(1 for t_ in dr if t_ >= 0) + (min(m, len(hist[i])) if two else 0)
+            src = "tree" if two else ("history" if u else core.drafter.kind)
             label = self._source_label(i, src)  # history: the live group index or finished responses
             r.draft_lengths.append(proposed)
             r.sources.append(label)
@@ -223,39 +225,44 @@ class SpeculativeWorker:
             if k > 0 and not (prop.hist_only and not u):
                 r.accepted.append(a)
                 stats.add_spec_step(a, core.k_all, source=label)
-                if core.controller is not None:
-                    if prop.tree:  # the first branch is verified as a chain: its own acceptance, unbiased
-                        core.controller.record_accept(
-                            main, r.acc.setdefault(main, AcceptanceStats(core.k_all)), k, ver.own[i]
-                        )
-                    elif proposed > 0:  # beside a drafter, the two indexes are judged apart
-                        csrc = label if u and core.history is not None else src
-                        core.controller.record_accept(
-                            csrc, r.acc.setdefault(csrc, AcceptanceStats(core.k_all)), proposed, a
-                        )
-                        if u and prop.support is not None and prop.support[i]:
-                            core.controller.support.record_proposal(prop.support[i], proposed, a)
+                csrc = label if u and core.history is not None else src  # the two history indexes apart
+                observed.extend(self._own_observation(i, r, prop, ver, csrc, proposed, a))
             if two:
                 stats.tree_second += int(second[i])
                 opts = prop.options[i]
-                predicted += tree_expected_tokens(opts[0][0], k, opts[1][0], opts[1][1], m) - 1.0
+                predicted += tree_expected_tokens(opts[0].alpha, k, opts[1].alpha, opts[1].limit, m) - 1.0
                 realized += a
             full = prop.hist_full[i] if prop.hist_full is not None else None
-            # (the whole proposal: its acceptance is learned also where only a prefix paid)
-            if full and not u:
-                record_unused_history(core.controller, r.acc, core.k_all, hist[i][:m] if two else full, em,
-                                      source=self._source_label(i, "history"),
-                                      support=prop.support[i] if prop.support is not None else None)
+            if full and not u and core.controller is not None:  # learned also where only a prefix paid
+                support = prop.support[i] if prop.support is not None else None
+                proposal = hist[i][:m] if two else full
+                observed.append(unused_history_observation(r.acc, core.k_all, proposal, em,
+                                                           self._source_label(i, "history"), support))
         if core.controller is not None:
-            if prop.tree:
-                core.controller.record_tree(predicted, realized)
-            # the draft table is the main drafter's: a step where it did not run teaches it nothing
             pack = ver.segment.pack
             seconds = time.perf_counter() - t0
-            core.controller.record_step(len(rows), k, seconds - prop.t_draft,
-                                        prop.t_main if prop.main_ran else 0.0, prefill=prefill, m=m,
-                                        tokens=None if pack is None else int(pack.sum()))
-            core.controller.record_outcome(kept, seconds, prefill)
+            core.controller.observe(StepOutcome(
+                rows=len(rows), k=k, m=m, seconds=seconds, verify_s=seconds - prop.t_draft,
+                # the draft table is the main drafter's: a step where it did not run teaches it nothing
+                draft_s=prop.t_main if prop.main_ran else 0.0, kept=kept, prefill=prefill,
+                packed_tokens=None if pack is None else int(pack.sum()), accepts=observed,
+                tree=(predicted, realized) if prop.tree else None))
+
+    def _own_observation(self, i: int, r: Row, prop: Proposal, ver: Verified, source: str, proposed: int,
+                         accepted: int) -> list[AcceptObservation]:
+        """What row ``i``'s verified drafts teach ``source``, the one it drafted from; in a tree step the
+        main drafter, from the first branch (verified as a chain: its own acceptance, unbiased)."""
+        core = self.core
+        if core.controller is None or (not prop.tree and proposed <= 0):
+            return []
+        if prop.tree:
+            main = core.drafter.kind
+            return [AcceptObservation(main, r.acc.setdefault(main, AcceptanceStats(core.k_all)), prop.k,
+                                      ver.own[i])]
+        u = prop.use_hist[i]
+        support = prop.support[i] if u and prop.support is not None and prop.support[i] else None
+        row = r.acc.setdefault(source, AcceptanceStats(core.k_all))
+        return [AcceptObservation(source, row, proposed, accepted, support)]
 
 
 def plan_step(
@@ -287,7 +294,7 @@ def plan_step(
         return controller.row_alpha(src, row, bases[src])
 
     for i, acc in enumerate(accs):
-        opts = [(alpha(main, acc.get(main)), None)]
+        opts = [DraftOption(alpha(main, acc.get(main)))]
         if hist is not None and hist[i]:
             src = (hist_sources[i] if hist_sources else None) or "history"
             a, n = alpha(src, acc.get(src)), len(hist[i])
@@ -297,7 +304,7 @@ def plan_step(
                 if threshold is not None:
                     n = paying_prefix(a, threshold, n)
             if n:
-                opts.append((a, n))
+                opts.append(DraftOption(a, n))
         options.append(opts)
     plan = controller.choose_step(options)
     if plan.mode == "history":
@@ -308,13 +315,14 @@ def plan_step(
         plan = plan._replace(k=max(plan.k, 1))
         return plan, [len(o) > 1 for o in options], options
     k = plan.k
-    use = [len(o) > 1 and expected_tokens(o[1][0], k, o[1][1]) > expected_tokens(o[0][0], k) for o in options]
+    use = [len(o) > 1 and expected_tokens(o[1].alpha, k, o[1].limit) > expected_tokens(o[0].alpha, k)
+           for o in options]
     return plan, use, options
 
 
-def record_unused_history(controller: DraftLengthController, acc: dict[str, AcceptanceStats], k_all: int,
-                          proposal: list[int], emitted: list[int], source: str = "history",
-                          support: list[tuple[int, int]] | None = None) -> None:
+def unused_history_observation(acc: dict[str, AcceptanceStats], k_all: int, proposal: list[int],
+                               emitted: list[int], source: str = "history",
+                               support: list[tuple[int, int]] | None = None) -> AcceptObservation:
     """Acceptance of a history proposal a row did not use, from what the row emitted: a point-mass
     draft x is accepted with probability p(x), the probability that the target's own token is x,
     so "proposal token j equals emitted token j" (given the earlier ones did) has the distribution
@@ -326,6 +334,4 @@ def record_unused_history(controller: DraftLengthController, acc: dict[str, Acce
     m = 0
     while m < n and proposal[m] == emitted[m]:
         m += 1
-    controller.record_accept(source, acc.setdefault(source, AcceptanceStats(k_all)), n, m)
-    if support:
-        controller.support.record_proposal(support, n, m)
+    return AcceptObservation(source, acc.setdefault(source, AcceptanceStats(k_all)), n, m, support)
