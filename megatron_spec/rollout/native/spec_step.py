@@ -21,8 +21,26 @@ import dataclasses
 import torch
 
 from megatron_spec.rollout.native.adaptive import StepPlan
+from megatron_spec.rollout.native.cost_model import DraftOption
 from megatron_spec.rollout.native.model import Segment
 from megatron_spec.speculative.verify import VerifyResult, verify_chain
+
+
+@dataclasses.dataclass
+class RowPlan:
+    """One row's part of a speculative step's plan."""
+
+    use_hist: bool = False
+    """The row's drafts come from the history (verified against a point mass)."""
+    options: list[DraftOption] | None = None
+    """The (acceptance, proposal length) options the adaptive plan was chosen from (None: fixed k)."""
+    hist: list[int] | None = None
+    """What the row may draft of the history drafter's proposal (None without one)."""
+    hist_full: list[int] | None = None
+    """The history drafter's whole proposal, where ``hist`` holds what the row may draft of it (a
+    supported live proposal's paying prefix: ``spec_worker.plan_step``); what unused proposals teach."""
+    support: list[tuple[int, int]] | None = None
+    """A live proposal's sibling support per token (``LiveIndex.propose_with_support``), or None."""
 
 
 @dataclasses.dataclass
@@ -30,14 +48,8 @@ class Proposal:
     """The drafts of one speculative step."""
 
     plan: StepPlan
-    use_hist: list[bool]
-    """Per row: its drafts come from the history (verified against a point mass)."""
-    point: torch.Tensor
-    """``use_hist`` as a ``[B]`` bool tensor on the engine's device."""
-    options: list | None
-    """Per row, the (acceptance, proposal length) options the adaptive plan was chosen from."""
-    hist: list[list[int]] | None
-    """Per row, what the row may draft of the history drafter's proposal (None without one)."""
+    rows: list[RowPlan]
+    """Per row, its part of the plan."""
     drafts: torch.Tensor
     """``[B, k]`` target ids, -1 where a row drafts fewer than k."""
     q: torch.Tensor | None
@@ -48,11 +60,11 @@ class Proposal:
     """The main drafter proposed for some row (its time is what the controller learns)."""
     t_draft: float
     t_main: float
-    hist_full: list[list[int]] | None = None
-    """Per row, the history drafter's whole proposal, where ``hist`` holds what the row may draft of it (a
-    supported live proposal's paying prefix: ``spec_worker.plan_step``); what unused proposals teach."""
-    support: list[list[tuple[int, int]] | None] | None = None
-    """Per row, a live proposal's sibling support per token (``LiveIndex.propose_with_support``), or None."""
+    point: torch.Tensor = dataclasses.field(init=False)
+    """``[B]`` bool, on the drafts' device: the rows verified against a point mass (``RowPlan.use_hist``)."""
+
+    def __post_init__(self) -> None:
+        self.point = torch.tensor([r.use_hist for r in self.rows], device=self.drafts.device)
 
     @property
     def k(self) -> int:
@@ -72,7 +84,7 @@ class Proposal:
 
     def second_branch(self, i: int) -> bool:
         """Row ``i`` carried a second (history) branch in a tree step."""
-        return self.tree and bool(self.hist[i])
+        return self.tree and bool(self.rows[i].hist)
 
 
 @dataclasses.dataclass

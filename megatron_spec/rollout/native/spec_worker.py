@@ -34,6 +34,7 @@ from megatron_spec.rollout.native.measures import AcceptanceStats, paying_prefix
 from megatron_spec.rollout.native.rows import Admission, Row, pad_rows
 from megatron_spec.rollout.native.spec_step import (
     Proposal,
+    RowPlan,
     Verified,
     chain_segment,
     tree_segment,
@@ -79,7 +80,7 @@ class SpeculativeWorker:
         support = None
         t_draft = time.perf_counter() - t0
         if core.controller is None:
-            plan, use_hist, options = StepPlan(core.k), [False] * b, None
+            plan, use_hist, options = StepPlan(core.k), [False] * b, [None] * b
         else:
             srcs = None
             if core.history is not None:  # per row: live index or finished responses (and support)
@@ -88,7 +89,7 @@ class SpeculativeWorker:
                 core.controller, core.drafter.kind, [r.acc for r in rows], hist, srcs, support
             )
             if hist is not None:  # what the rows draft: the paying prefix of a supported live proposal
-                hist_full, hist = hist, [h[:o[1][1]] if len(o) > 1 else [] for h, o in zip(hist, options)]
+                hist_full, hist = hist, [h[:o[1].limit] if len(o) > 1 else [] for h, o in zip(hist, options)]
         k = plan.k
         t1 = time.perf_counter()
         main_ran = k > 0 and plan.mode != "history" and (not all(use_hist) or not core.drafter.supports_skip)
@@ -100,28 +101,23 @@ class SpeculativeWorker:
             drafts, q = torch.full((b, k), -1, dtype=torch.long, device=dev), None
         core.sync()  # the proposal's kernels are done: its time is what the controller learns
         t_main = time.perf_counter() - t1
-        point = torch.tensor(use_hist, device=dev)  # [B] rows verified against a point mass (history drafts)
-        if any(use_hist):
+        if any(use_hist):  # history drafts into the rows verified against a point mass
             hd = pad_rows([hist[i][:k] if u else [] for i, u in enumerate(use_hist)], k, -1, dev)
-            drafts = torch.where(point.view(-1, 1), hd, drafts)
+            drafts = torch.where(torch.tensor(use_hist, device=dev).view(-1, 1), hd, drafts)
         branch = None
         if plan.mode == "tree":  # the second branch: each row's history proposal
             branch = pad_rows([h[:plan.m] for h in hist], plan.m, -1, dev)
-        return Proposal(
-            plan,
-            use_hist,
-            point,
-            options,
-            hist,
-            drafts,
-            q,
-            branch,
-            main_ran,
-            t_draft + t_main,
-            t_main,
-            hist_full,
-            support,
-        )
+        per_row = [
+            RowPlan(
+                use_hist[i],
+                options[i],
+                hist[i] if hist is not None else None,
+                hist_full[i] if hist_full is not None else None,
+                support[i] if support and i < len(support) else None,
+            )
+            for i in range(b)
+        ]
+        return Proposal(plan, per_row, drafts, q, branch, main_ran, t_draft + t_main, t_main)
 
     def _verify(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
                 adm: Admission | None) -> Verified:
@@ -154,7 +150,7 @@ class SpeculativeWorker:
             res = verify_split(lp, drafts, prop.q, d2t, sampling.greedy, prop.point, core.generator)
             path = None
             # the main drafter's own drafts were accepted only on its rows
-            own = [0 if u else a for a, u in zip(res.num_accepted.tolist(), prop.use_hist)]
+            own = [0 if rp.use_hist else a for a, rp in zip(res.num_accepted.tolist(), prop.rows)]
         tok_lp = res.logprobs
         if bool(sampling.greedy.any()):
             if path is not None:
@@ -208,14 +204,14 @@ class SpeculativeWorker:
         (acceptance per source, a history proposal a row did not use, the tree's predicted vs realized
         tokens, the step's and the draft's time, the tokens kept)."""
         core = self.core
-        k, m, hist = prop.k, prop.m, prop.hist
+        k, m = prop.k, prop.m
         second = ver.result.second.tolist() if prop.tree else None
         observed: list[AcceptObservation] = []
         predicted = realized = 0.0
         drafts = prop.drafts.tolist()
-        for i, (r, em, a, u, dr) in enumerate(zip(rows, emitted, accepted, prop.use_hist, drafts)):
-            two = prop.second_branch(i)
-            proposed = sum(1 for t_ in dr if t_ >= 0) + (min(m, len(hist[i])) if two else 0)
+        for i, (r, em, a, rp, dr) in enumerate(zip(rows, emitted, accepted, prop.rows, drafts)):
+            two, u = prop.second_branch(i), rp.use_hist
+            proposed = sum(1 for t_ in dr if t_ >= 0) + (min(m, len(rp.hist)) if two else 0)
             src = "tree" if two else ("history" if u else core.drafter.kind)
             label = self._source_label(i, src)  # history: the live group index or finished responses
             r.draft_lengths.append(proposed)
@@ -229,15 +225,14 @@ class SpeculativeWorker:
                 observed.extend(self._own_observation(i, r, prop, ver, csrc, proposed, a))
             if two:
                 stats.tree_second += int(second[i])
-                opts = prop.options[i]
+                opts = rp.options
                 predicted += tree_expected_tokens(opts[0].alpha, k, opts[1].alpha, opts[1].limit, m) - 1.0
                 realized += a
-            full = prop.hist_full[i] if prop.hist_full is not None else None
+            full = rp.hist_full
             if full and not u and core.controller is not None:  # learned also where only a prefix paid
-                support = prop.support[i] if prop.support is not None else None
-                proposal = hist[i][:m] if two else full
+                proposal = rp.hist[:m] if two else full
                 observed.append(unused_history_observation(r.acc, core.k_all, proposal, em,
-                                                           self._source_label(i, "history"), support))
+                                                           self._source_label(i, "history"), rp.support))
         if core.controller is not None:
             pack = ver.segment.pack
             seconds = time.perf_counter() - t0
@@ -259,8 +254,8 @@ class SpeculativeWorker:
             main = core.drafter.kind
             return [AcceptObservation(main, r.acc.setdefault(main, AcceptanceStats(core.k_all)), prop.k,
                                       ver.own[i])]
-        u = prop.use_hist[i]
-        support = prop.support[i] if u and prop.support is not None and prop.support[i] else None
+        rp = prop.rows[i]
+        support = rp.support if rp.use_hist and rp.support else None
         row = r.acc.setdefault(source, AcceptanceStats(core.k_all))
         return [AcceptObservation(source, row, proposed, accepted, support)]
 
@@ -272,7 +267,7 @@ def plan_step(
     hist: list[list[int]] | None,
     hist_sources: list[str | None] | None = None,
     hist_support: list[list[tuple[int, int]] | None] | None = None,
-) -> tuple[StepPlan, list[bool], list]:
+) -> tuple[StepPlan, list[bool], list[list[DraftOption]]]:
     """The step's plan (:meth:`DraftLengthController.choose_step`: k, and whether every row drafts,
     only the rows with a history proposal, or a tree), per row whether it drafts from the history
     (in an ``all`` step: the source expected to emit more tokens at that k; ties go to the main
@@ -281,7 +276,7 @@ def plan_step(
     (``live`` or ``history``, each judged on its own acceptance; default ``history``);
     ``hist_support``: per row, a live proposal's support per token (its acceptance is then what its
     tokens' support classes were worth, ``SupportStats.alpha``, and only its :func:`paying_prefix` at the
-    batch's :meth:`~DraftLengthController.token_threshold` is an option: ``options[b][1][1]``, what the
+    batch's :meth:`~DraftLengthController.token_threshold` is an option: ``options[b][1].limit``, what the
     engine drafts)."""
     options = []
     bases: dict[str, list[float]] = {}  # the batch's rates per source, once per step
