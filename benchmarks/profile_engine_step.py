@@ -77,13 +77,13 @@ def python_layers():
     """Every decoder layer in Python for the block (not ``megatron_spec::decoder_layers``, whose ops the
     scopes
     below cannot see)."""
-    from megatron_spec.layers import decoder
+    from megatron_spec.layers import fused_layers
 
-    saved, decoder.FUSED_LAYERS = decoder.FUSED_LAYERS, False
+    saved, fused_layers.FUSED_LAYERS = fused_layers.FUSED_LAYERS, False
     try:
         yield
     finally:
-        decoder.FUSED_LAYERS = saved
+        fused_layers.FUSED_LAYERS = saved
 
 
 def forward_scopes():
@@ -170,7 +170,7 @@ def profile_forward(target, b: int, t: int, repeats: int, context: int = 128) ->
 
         for _ in range(3):
             step()
-        # the layers in C++ where they run there (decoder.fused_stack)
+        # the layers in C++ where they run there (fused_layers.fused_stack)
         wall_fused = median_time(step, repeats)
         with python_layers():  # the Python layers: their ops are split by scope below
             step()

@@ -11,7 +11,7 @@
 // The bits are those of the Python layer (megatron_spec.layers.decoder.DecoderLayer.forward_flat with one
 // plan, the extension's kernels and the 16-output panels of Linear.pack): every step below is the op the
 // Python layer calls, with the same arguments and layouts (a test compares the two bit for bit).
-// megatron_spec.layers.decoder.fused_stack says when the Python layers may hand over (CausalLM._run_fused).
+// megatron_spec.layers.fused_layers.fused_stack says when the Python layers may hand over (CausalLM._run_fused).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

@@ -275,7 +275,7 @@ void residual_tile(const float* __restrict lp, const QSource& s, int64_t t0, int
 }
 
 // Mass of one chunk of p (at most kC values): eight float64 lanes, lane l summing the values at
-// l, l+8, ... in order, combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) (verify_reference.
+// l, l+8, ... in order, combined as ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)) (ms_math_reference.
 // logprob_mass). Lane-wise so the compiler vectorises it: the input check costs little next to the draw.
 inline double chunk_mass(const float* __restrict p, int64_t n) {
   double l[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
@@ -289,7 +289,7 @@ inline double chunk_mass(const float* __restrict p, int64_t n) {
 
 // Inverse-CDF draw from the (unnormalised) residual, float64 sums in the fixed chunked order of
 // megatron_spec/ops/verify_reference.py. Returns -1 when the residual has no mass. The same pass sums
-// p itself into *mass, in the lane order of chunk_mass (the input check, verify_reference.logprob_mass).
+// p itself into *mass, in the lane order of chunk_mass (the input check, ms_math_reference.logprob_mass).
 template <QMode M>
 int64_t sample_residual(const float* __restrict lp, const QSource& s, int64_t V, double u, double* __restrict S,
                         double* __restrict rbuf, float* __restrict pbuf, double* __restrict mass) {

@@ -5,7 +5,7 @@ line per sample (with the decoded ``text`` when the checkpoint has a tokenizer),
 progress bar on stderr, and ends stdout with one JSON summary line (tokens/s, accept length,
 per-position acceptance, the compute ``dtype`` and the ``cpu_capability``). The engine and sampling
 flags are the launcher's (``--hf-checkpoint``, ``--spec-draft-kind``, ``--rollout-temperature``: one
-table, ``megatron_spec.rollout.config.SETTINGS``), each also under its older name here (``--model``,
+table, ``megatron_spec.rollout.settings.SETTINGS``), each also under its older name here (``--model``,
 ``--draft-kind``, ``--temperature``). ``--rollout-dtype auto`` (the default) is resolved through
 ``megatron_spec.isa.resolve_dtype``: bf16 only where the CPU does bf16 natively (or on a GPU), fp32
 elsewhere. Bad input (a missing model or draft directory, prompts, a
@@ -21,6 +21,11 @@ import dataclasses
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SamplingParams
 
 HELP = "generate samples with the rollout engine (optionally speculative) from a prompts JSONL file"
 
@@ -29,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The engine and sampling settings under the launcher's names (``--spec-draft-kind``,
     ``--rollout-dtype``),
     each also under its older name here (``--draft-kind``, ``--dtype``): one table,
-    ``megatron_spec.rollout.config.SETTINGS``; then what only a sampler on its own needs."""
-    from megatron_spec.rollout.config import add_generate_arguments
+    ``megatron_spec.rollout.settings.SETTINGS``; then what only a sampler on its own needs."""
+    from megatron_spec.rollout.settings import add_generate_arguments
 
     add_generate_arguments(p)
     p.add_argument("--prompts", required=True, help="JSONL: {'id', 'prompt'} or {'id', 'input_ids'} per line")
@@ -170,11 +175,101 @@ def read_prompts(path: str, tokenizer, encoding: dict | None = None) -> list[tup
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
-    from megatron_spec.isa import probe, resolve_dtype
-    from megatron_spec.rollout import make_engine
-    from megatron_spec.rollout.config import EngineConfig, check_speculation, engine_kwargs, sampling_kwargs
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What :func:`run` resolved from the flags before it starts an engine."""
+
+    dtype: str
+    """The compute dtype ``--rollout-dtype`` resolved to."""
+    sampling: SamplingParams
+    requests: list[GenerateRequest]
+    batch_size: int
+    """Samples an engine runs at once (``--rollout-max-batch-size``)."""
+    config: EngineConfig
+
+
+def _plan(args: argparse.Namespace, tokenizer) -> _Job:
+    """Resolve the dtype, check the speculation settings, read the prompts and build the requests and the
+    engine config; raises ``ValueError`` or ``FileNotFoundError`` for bad input."""
+    from megatron_spec.isa import resolve_dtype
+    from megatron_spec.rl.prompting import parse_template_kwargs
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.settings import check_speculation, engine_kwargs, sampling_kwargs
     from megatron_spec.rollout.types import SamplingParams
+
+    backend = args.rollout_backend
+    values = vars(args)
+    device_type = "cuda" if backend == "sglang" else args.device.partition(":")[0]
+    dtype = resolve_dtype(args.rollout_dtype, device_type)
+    check_speculation(values, backend)
+    encoding = {
+        "chat_template": args.apply_chat_template,
+        "system_prompt": args.system_prompt,
+        "template": args.prompt_template,
+        "template_kwargs": parse_template_kwargs(args.apply_chat_template_kwargs),
+    }
+    prompts = read_prompts(args.prompts, tokenizer, encoding)
+    sampling = SamplingParams(**sampling_kwargs(values), ignore_eos=args.ignore_eos)
+    batch_size = args.rollout_max_batch_size
+    requests = batched_requests(prompts, sampling, args.n, batch_size)
+    context = check_context(args, prompts)
+    config = EngineConfig(
+        **{**engine_kwargs(values), "dtype": dtype}, device=args.device, context_length=context
+    )
+    if backend == "vllm":
+        from megatron_spec.rollout.vllm_backend import vllm_python
+        from megatron_spec.rollout.vllm_protocol import check_supported
+
+        check_supported(config, [sampling.temperature])
+        vllm_python(config.vllm_python)
+    return _Job(dtype, sampling, requests, batch_size, config)
+
+
+def _generate(args: argparse.Namespace, job: _Job) -> tuple[list, GenerateStats]:
+    """Run the job's requests on a fresh engine, with a progress bar on stderr; the samples under their
+    prompts' ids."""
+    from tqdm import tqdm
+
+    from megatron_spec.rollout import make_engine
+
+    total = len(job.requests) * args.n
+    temperatures = (job.sampling.temperature,)
+    with make_engine(job.config, backend=args.rollout_backend, temperatures=temperatures) as engine:
+        bar = tqdm(total=total, desc="generate", unit="sample", disable=args.no_progress, file=sys.stderr)
+        seen = [0]
+
+        def on_progress(n: int) -> None:
+            bar.update(n - seen[0])
+            seen[0] = n
+
+        try:
+            samples, stats = engine.generate(job.requests, on_progress=on_progress)
+            samples = merge_batches(samples, job.batch_size)
+            bar.update(total - seen[0])
+        finally:
+            bar.close()
+    return samples, stats
+
+
+def write_samples(path: str, samples, tokenizer) -> None:
+    """One JSON line per sample (with the decoded ``text`` where there is a tokenizer), written to a
+    temporary file that replaces ``path`` once complete."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for s in samples:
+            row = s.to_json()
+            if tokenizer is not None:
+                row["text"] = tokenizer.decode(s.output_ids, skip_special_tokens=True)
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate; the exit status: 0, 2 for bad input or a request the engine refused, 1 for an engine that
+    died or timed out."""
+    from megatron_spec.interfaces import EngineCallError, EngineError
+    from megatron_spec.isa import probe
 
     try:
         check_paths(args)
@@ -182,76 +277,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(args.hf_checkpoint)
-    backend = args.rollout_backend
-    values = vars(args)
     try:
-        dtype = resolve_dtype(
-            args.rollout_dtype, "cuda" if backend == "sglang" else args.device.partition(":")[0]
-        )
-        check_speculation(values, backend)
-        from megatron_spec.rl.prompting import parse_template_kwargs
-
-        prompts = read_prompts(
-            args.prompts,
-            tokenizer,
-            {
-                "chat_template": args.apply_chat_template,
-                "system_prompt": args.system_prompt,
-                "template": args.prompt_template,
-                "template_kwargs": parse_template_kwargs(args.apply_chat_template_kwargs),
-            },
-        )
-        sampling = SamplingParams(**sampling_kwargs(values), ignore_eos=args.ignore_eos)
-        batch_size = args.rollout_max_batch_size
-        requests = batched_requests(prompts, sampling, args.n, batch_size)
-        context = check_context(args, prompts)
-        config = EngineConfig(
-            **{**engine_kwargs(values), "dtype": dtype}, device=args.device, context_length=context
-        )
-        if backend == "vllm":
-            from megatron_spec.rollout.vllm_backend import vllm_python
-            from megatron_spec.rollout.vllm_protocol import check_supported
-
-            check_supported(config, [sampling.temperature])
-            vllm_python(config.vllm_python)
+        job = _plan(args, tokenizer)
     except (ValueError, FileNotFoundError) as exc:
         print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
         return 2
-
-    from tqdm import tqdm
-
-    from megatron_spec.interfaces import EngineCallError, EngineError
-
-    total = len(requests) * args.n
     try:
-        with make_engine(config, backend=backend, temperatures=(sampling.temperature,)) as engine:
-            bar = tqdm(total=total, desc="generate", unit="sample", disable=args.no_progress, file=sys.stderr)
-            seen = [0]
-
-            def on_progress(n: int) -> None:
-                bar.update(n - seen[0])
-                seen[0] = n
-
-            try:
-                samples, stats = engine.generate(requests, on_progress=on_progress)
-                samples = merge_batches(samples, batch_size)
-                bar.update(total - seen[0])
-            finally:
-                bar.close()
+        samples, stats = _generate(args, job)
     except EngineCallError as exc:  # the engine refused the configuration or a request
         print(f"megatron-spec generate: error: {exc}", file=sys.stderr)
         return 2
     except EngineError as exc:  # died or timed out
         print(f"megatron-spec generate: engine failure: {exc}", file=sys.stderr)
         return 1
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    tmp = args.output + ".tmp"
-    with open(tmp, "w") as f:
-        for s in samples:
-            row = s.to_json()
-            if tokenizer is not None:
-                row["text"] = tokenizer.decode(s.output_ids, skip_special_tokens=True)
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, args.output)
-    print(json.dumps({**stats.summary(), "dtype": dtype, "cpu_capability": probe().capability}))
+    write_samples(args.output, samples, tokenizer)
+    print(json.dumps({**stats.summary(), "dtype": job.dtype, "cpu_capability": probe().capability}))
     return 0

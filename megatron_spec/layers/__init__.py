@@ -9,6 +9,8 @@
   cache through :func:`attend`: the extension's fp32 kernel on CPU, else torch's fused kernel or
   :func:`gqa_attention` as :func:`use_fused_attention` picks),
   :class:`MLP`, :class:`DecoderLayer` (one or several row segments per forward), :func:`gather_rows`.
+- :mod:`.fused_layers`: :func:`fused_stack` (when a stack of decoder layers may run as the extension's
+  ``megatron_spec::decoder_layers``, and that call's arguments).
 
 The target model (``megatron_spec.rollout.native.model``) and the drafters
 (``megatron_spec.draft``) import these; this package imports neither, nor anything about

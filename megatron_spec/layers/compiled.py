@@ -49,14 +49,14 @@ def compiling_pays(dtype: torch.dtype) -> bool:
     """Whether running the decoder layer compiled is worth it for a CPU engine in ``dtype``.
 
     Not where the extension's C++ decoder layers run for ``dtype`` (``megatron_spec::decoder_layers`` over its
-    attention, RMSNorm, RoPE and linear kernels: ``layers.decoder.fused_stack``): they call the same kernels
+    attention, RMSNorm, RoPE and linear kernels: ``fused_layers.fused_stack``): they call the same kernels
     without Python between them, while the compiled graph lets inductor fuse the norm and rotation and calls
     the linear through a Python custom op. Measured on SmolLM2-135M on a 2-core Zen 4 (greedy, 64 new tokens,
     ``benchmarks/bench_fused_layers.py``, tokens/s, C++ layers / compiled layer): fp32 78.6 / 64.6 at batch 1,
     295.5 / 283.7 at batch 16 (bf16 before the C++ layers: eager over the kernels 76.0-77.6, compiled
     59.7-61.2 at batch 1). Elsewhere (no extension, or bf16 without bf16 dot products) compiling gains
     1.1-1.2x at batch 1 (docs/benchmark_log.md)."""
-    from megatron_spec.layers.decoder import fused_layers_available
+    from megatron_spec.layers.fused_layers import fused_layers_available
     from megatron_spec.layers.linear import bf16_small_linear_available, small_linear_available
 
     panels = bf16_small_linear_available() if dtype == torch.bfloat16 else small_linear_available()

@@ -7,7 +7,8 @@ SGLang and vLLM use), attention over the slot cache of :class:`~megatron_spec.la
 A :class:`DecoderLayer` runs one or several segments of rows at once (:class:`LayerPlan`), so
 a forward can mix decode and prefill rows (``megatron_spec.rollout.native.model.CausalLM``).
 
-It does not know about whole models, weight names, requests, sampling or drafting.
+It does not know about whole models, weight names, requests, sampling or drafting, nor when a stack of
+layers may run as the extension's C++ layers (``megatron_spec.layers.fused_layers``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_spec.layers.kv_cache import KVCache, attention_mask
-from megatron_spec.layers.linear import SMALL_MAX_ROWS, SMALL_MAX_ROWS_BF16, Linear
+from megatron_spec.layers.linear import Linear
 from megatron_spec.models.hf_config import DecoderConfig
 
 
@@ -48,8 +49,7 @@ _KERNELS: dict[str, bool] = {}
 
 def kernel_available(op: str) -> bool:
     """Whether the extension's op ``megatron_spec::{op}`` runs here: ``megatron_spec._C`` built with it and
-    not
-    disabled (``MEGATRON_SPEC_FORCE_REFERENCE=1``); decided once per process and op (``_KERNELS``)."""
+    not disabled (``MEGATRON_SPEC_FORCE_REFERENCE=1``); decided once per process and op (``_KERNELS``)."""
     if op not in _KERNELS:
         from megatron_spec._ext import compiled_ops_available
 
@@ -57,27 +57,27 @@ def kernel_available(op: str) -> bool:
     return _KERNELS[op]
 
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+KERNEL_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+"""The dtypes the extension's norm, RoPE and attention kernels take, with the suffix of their op names."""
 
 
 def norm_rope_kernels_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the extension's RMSNorm and RoPE for ``dtype`` (fp32 or bf16, ``csrc/norm_rope_cpu.cpp``, built
     together) run here."""
-    return dtype in _SUFFIX and kernel_available(f"rope_{_SUFFIX[dtype]}")
+    return dtype in KERNEL_SUFFIX and kernel_available(f"rope_{KERNEL_SUFFIX[dtype]}")
 
 
 def _eager_cpu_kernel(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """The dtype suffix of the extension's norm/RoPE kernels (``"f32"``, ``"bf16"``) when ``x`` and ``w`` are
-    both
-    fp32 or both bf16 on the CPU, no gradient is asked for, torch.compile is not tracing (it fuses torch's own
-    arithmetic better than it could call an opaque op) and the kernels are built; else None."""
-    if x.dtype != w.dtype or x.dtype not in _SUFFIX or x.device.type != "cpu" or w.device.type != "cpu":
+    both fp32 or both bf16 on the CPU, no gradient is asked for, torch.compile is not tracing (it fuses
+    torch's own arithmetic better than it could call an opaque op) and the kernels are built; else None."""
+    if x.dtype != w.dtype or x.dtype not in KERNEL_SUFFIX or x.device.type != "cpu" or w.device.type != "cpu":
         return None
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return None
     if torch.compiler.is_compiling() or not norm_rope_kernels_available(x.dtype):
         return None
-    return _SUFFIX[x.dtype]
+    return KERNEL_SUFFIX[x.dtype]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -195,7 +195,7 @@ def gqa_attention(
 def attention_kernel_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether the extension's attention for ``dtype`` (fp32 or bf16, ``csrc/attention_cpu.cpp``) runs here
     (:func:`kernel_available`)."""
-    return dtype in _SUFFIX and kernel_available(f"attention_{_SUFFIX[dtype]}")
+    return dtype in KERNEL_SUFFIX and kernel_available(f"attention_{KERNEL_SUFFIX[dtype]}")
 
 
 def attend(
@@ -211,7 +211,7 @@ def attend(
     b, _, t, _ = q.shape
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if q.device.type == "cpu" and not grad and attention_kernel_available(q.dtype):
-        return getattr(torch.ops.megatron_spec, f"attention_{_SUFFIX[q.dtype]}")(q, k, v, mask, scale)
+        return getattr(torch.ops.megatron_spec, f"attention_{KERNEL_SUFFIX[q.dtype]}")(q, k, v, mask, scale)
     if use_fused_attention(q.dtype, b, t):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return gqa_attention(q, k, v, mask, scale)
@@ -369,66 +369,3 @@ class DecoderLayer(nn.Module):
             kept.append(xs if r is None else gather_rows(xs.view(p.b, p.t, -1), r).reshape(-1, xs.shape[-1]))
         x = cat_rows(kept) + self.self_attn.o_proj(cat_rows(outs))
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-FUSED_LAYERS = True
-"""Let :func:`fused_stack` hand eligible layer stacks to ``megatron_spec::decoder_layers``
-(``csrc/decoder_cpu.cpp``:
-the same ops in the same order, called from C++; the same bits). False keeps every layer in Python
-(benchmarks compare both)."""
-
-
-def fused_layers_available(dtype: torch.dtype) -> bool:
-    """Whether ``megatron_spec::decoder_layers`` and the kernels it calls for ``dtype`` (fp32 or bf16) run
-    here."""
-    return (attention_kernel_available(dtype) and norm_rope_kernels_available(dtype)
-            and kernel_available("decoder_layers"))
-
-
-def fused_input(x: torch.Tensor) -> bool:
-    """The part of :func:`fused_stack`'s conditions that depends on the call, not on the layers: the switch,
-    the
-    CPU, fp32 or bf16 with the extension's kernels, no gradient, not compiling, at most the panels' rows."""
-    dt = x.dtype
-    return (FUSED_LAYERS and x.device.type == "cpu" and dt in _SUFFIX and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling() and fused_layers_available(dt)
-            and x.shape[0] <= (SMALL_MAX_ROWS_BF16 if dt == torch.bfloat16 else SMALL_MAX_ROWS))
-
-
-def fused_stack(layers: Sequence[DecoderLayer], x: torch.Tensor) -> tuple[list[torch.Tensor], list] | None:
-    """The arguments of ``megatron_spec::decoder_layers`` for running ``layers`` over ``x [N, H]`` (weights,
-    6 a
-    layer, and each layer's q/k/v bias), or None where the Python layer must run them.
-
-    They may run there only where :meth:`DecoderLayer.forward_flat` would call exactly the ops the C++ layer
-    calls: no gradient, not under torch.compile, on the CPU in fp32 or bf16 with the extension's norm, RoPE
-    and
-    attention kernels; every projection packed into the extension's panels for ``x.dtype``
-    (:meth:`Linear.pack`)
-    and at most the rows they take (:data:`SMALL_MAX_ROWS`, :data:`SMALL_MAX_ROWS_BF16`: decode and verify
-    sizes, not prefills); no per-head q/k norms (Qwen3). The caller keeps to one segment with no packed or
-    dropped rows (:class:`LayerPlan`).
-
-    Why: ~45 ops a layer called from Python cost 3-4 ms of a SmolLM2 decode step between the ops (14 ms at
-    batch 1, bf16 on a 2-core Zen 4: ``benchmarks/profile_engine_step.py``)."""
-    if not layers or not fused_input(x):
-        return None
-    dt = x.dtype
-    dims = 4 if dt == torch.bfloat16 else 3  # linear_pack_bf16's panels, or linear_pack_f32 / _bf16w's
-    weights: list[torch.Tensor] = []
-    biases: list[torch.Tensor | None] = []
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if attn.q_norm is not None:
-            return None
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(m._packed is None or m._small is None or m._small.dim() != dims or m.weight.dtype != dt
-               for m in linears):
-            return None
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(w.dtype != dt or w.device.type != "cpu" for w in norms):
-            return None
-        weights += [norms[0], attn.qkv_proj._small, attn.o_proj._small, norms[1], mlp.gate_up_proj._small,
-                    mlp.down_proj._small]
-        biases.append(attn.qkv_proj.bias)
-    return weights, biases

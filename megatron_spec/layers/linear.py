@@ -83,7 +83,8 @@ def bf16_small_linear_available() -> bool:
 
 PACK_EPOCH = 0
 """Counts :meth:`Linear.pack` and :meth:`Linear.unpack` calls in this process: what was read from the packed
-copies (``layers.decoder.fused_stack``'s lists, cached by ``CausalLM``) is current while it has not moved."""
+copies (``layers.fused_layers.fused_stack``'s lists, cached by ``CausalLM``) is current while it has not
+moved."""
 
 
 def packed_matmul(

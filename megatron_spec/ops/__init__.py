@@ -2,10 +2,11 @@
 
 Each public function runs ``torch.ops.megatron_spec.<op>`` when ``megatron_spec._C`` is built and
 has a kernel for the tensors' device, and otherwise the reference in this package, which computes
-the same bits (``fp8_reference``, ``verify_reference``). ``MEGATRON_SPEC_FORCE_REFERENCE=1`` forces
-the references. Fake (meta) kernels for the compiled ops are registered in ``_fake`` so the ops
-trace under ``torch.compile`` and pass ``torch.library.opcheck``. At the op level FP8 data is raw
-e4m3 bytes (uint8); the functions here take and return ``float8_e4m3fn`` views of them.
+the same bits (``fp8_reference``, ``verify_reference`` over ``ms_math_reference``).
+``MEGATRON_SPEC_FORCE_REFERENCE=1`` forces the references. Fake (meta) kernels for the compiled ops are
+registered in ``_fake`` so the ops trace under ``torch.compile`` and pass ``torch.library.opcheck``. At the
+op level FP8 data is raw e4m3 bytes (uint8); the functions here take and return ``float8_e4m3fn`` views of
+them.
 
 This package holds kernels and their references only; the sampling API the engine and the GRPO side
 call is ``megatron_spec.speculative``.
@@ -22,12 +23,8 @@ from megatron_spec.ops.fp8_reference import (
     fp8_block_dequantize_reference,
     fp8_block_quantize_reference,
 )
-from megatron_spec.ops.verify_reference import (
-    SAMPLE_CHUNK,
-    inverse_cdf_chunked,
-    spec_exp_reference,
-    verify_chain_reference,
-)
+from megatron_spec.ops.ms_math_reference import SAMPLE_CHUNK, inverse_cdf_chunked, spec_exp_reference
+from megatron_spec.ops.verify_reference import verify_chain_reference
 
 if compiled_ops_available():
     from megatron_spec.ops import _fake  # noqa: F401  (registers fake kernels)

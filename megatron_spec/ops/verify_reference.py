@@ -42,7 +42,9 @@ Point masses (log-prob 0 at one id, -inf elsewhere: greedy rows of ``process_log
 -inf entries in general are legal. Positions the chain never reaches are not checked. The first
 offending row (lowest ``b``) is reported; within a row, the first offending position.
 
-This module knows nothing about models, engines or how the uniforms were drawn.
+``spec_exp``, the inverse CDF, the mass and its bounds are computed by
+:mod:`megatron_spec.ops.ms_math_reference` (the reference of ``csrc/ms_math.h``); this module is the chain
+walk and the input checks. It knows nothing about models, engines or how the uniforms were drawn.
 References: Leviathan et al. (2023), "Fast Inference from Transformers via Speculative Decoding";
 Chen et al. (2023), "Accelerating Large Language Model Decoding with Speculative Sampling".
 """
@@ -51,44 +53,16 @@ from __future__ import annotations
 
 import torch
 
-SAMPLE_CHUNK = 256  # csrc/ms_math.h kSampleChunk
-# csrc/ms_math.h kMassTol. process_logits' float32 log_softmax sums to 1 within ~1e-6 even at
-# V = 152k and low temperature (tests/ops/test_ops_verify.py measures it); raw logits sum to 1 within
-# 1e-3 only by accident.
-MASS_TOL = 1e-3
+from megatron_spec.ops.ms_math_reference import (
+    MASS_TOL,
+    greedy_max_ok,
+    inverse_cdf_chunked,
+    mass_ok,
+    probability_mass,
+    spec_exp_reference,
+)
 
-# float32 constants of spec_exp, written exactly (csrc/ms_math.h uses the same hex literals).
-_LOG2E = float.fromhex("0x1.715476p+0")
-_LN2_HI = float.fromhex("0x1.63p-1")
-_LN2_LO = -float.fromhex("0x1.bd0106p-13")
-_MAGIC = float.fromhex("0x1.8p+23")  # 1.5 * 2**23: x + magic - magic rounds x to nearest even
-_POLY = [float.fromhex(h) for h in ("0x1.a0d2cep-13", "0x1.6e879cp-10", "0x1.11121p-7",
-                                    "0x1.555382p-5", "0x1.555554p-3", "0x1p-1")]
-_FLT_MIN = float.fromhex("0x1p-126")
-
-
-def spec_exp_reference(x: torch.Tensor) -> torch.Tensor:
-    """float32 exp of log-probabilities: 0 below -86, inputs clamped at 88, NaN kept. About 1 ulp."""
-    if x.dtype != torch.float32:
-        raise ValueError(f"spec_exp expects float32, got {x.dtype}")
-
-    def c(v: float) -> torch.Tensor:  # 0-dim float32 constant: every op below stays in float32
-        return torch.tensor(v, dtype=torch.float32, device=x.device)
-
-    isnan = torch.isnan(x)
-    xc = torch.where(x > 88.0, c(88.0), x)
-    xc = torch.where((xc < -86.0) | isnan, c(-86.0), xc)
-    n = (xc * c(_LOG2E) + c(_MAGIC)) - c(_MAGIC)
-    r = (xc - n * c(_LN2_HI)) - n * c(_LN2_LO)
-    z = r * r
-    y = torch.full_like(r, _POLY[0])
-    for coef in _POLY[1:]:
-        y = y * r + c(coef)
-    y = (y * z + r) + c(1.0)
-    scale = torch.bitwise_left_shift(n.to(torch.int32) + 127, 23).view(torch.float32)
-    out = y * scale
-    out = torch.where(x < -86.0, c(0.0), out)
-    return torch.where(isnan, x, out)
+_FLT_MIN = float.fromhex("0x1p-126")  # draft probabilities below it count as 0
 
 
 def _clean_q(q: torch.Tensor) -> torch.Tensor:
@@ -99,67 +73,6 @@ def _residual(p: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
     """max(0, p - q) in float64 (NaN -> 0)."""
     d = p.double() if q is None else p.double() - q.double()
     return torch.where(d > 0, d, torch.zeros((), dtype=d.dtype, device=d.device))
-
-
-def inverse_cdf_chunked(r: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one index per row of the unnormalised float64 weights ``r [R, V]`` with ``u [R]``.
-
-    Returns ``(index [R] int64, has_mass [R] bool)``; the index of a row without mass is garbage.
-    """
-    R, V = r.shape
-    C = SAMPLE_CHUNK
-    nC = -(-V // C)
-    r3 = torch.nn.functional.pad(r, (0, nC * C - V)).view(R, nC, C)  # [R, nC, C]
-    L = torch.cumsum(r3, dim=-1)  # within-chunk sequential prefix
-    P = torch.cumsum(L[..., -1].contiguous(), dim=-1)  # [R, nC] prefix of chunk sums
-    total = P[:, -1]
-    has_mass = total > 0
-    theta = u * total  # [R]
-    cs = torch.searchsorted(P, theta[:, None], right=True)[:, 0].clamp(max=nC - 1)  # [R]
-    rows = torch.arange(R, device=r.device)
-    p_prev = torch.where(cs > 0, P[rows, (cs - 1).clamp(min=0)], torch.zeros_like(theta))
-    theta_local = theta - p_prev
-    Lc = L[rows, cs].contiguous()  # [R, C]
-    ti = torch.searchsorted(Lc, theta_local[:, None], right=True)[:, 0]
-    pos = torch.arange(C, device=r.device)
-    last = torch.where(r3[rows, cs] > 0, pos, torch.full_like(pos, -1)).amax(dim=-1)
-    ti = torch.where(ti < C, ti, last)
-    return cs * C + ti, has_mass
-
-
-def logprob_mass(lp: torch.Tensor) -> torch.Tensor:
-    """``[R]`` float64 mass ``sum_t spec_exp(lp[r, t])`` of ``lp [R, V]`` float32, in a fixed order.
-
-    Per ``SAMPLE_CHUNK``-token chunk, eight lanes: lane ``l`` sums the chunk's tokens ``l, l+8, ...``
-    sequentially from 0.0, and the chunk's mass is ``((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))`` (the order
-    the kernels vectorise); the chunk masses are then summed sequentially. NaN anywhere in a row makes
-    its mass NaN.
-    """
-    return _mass(spec_exp_reference(lp))
-
-
-def _mass(p: torch.Tensor) -> torch.Tensor:
-    """``logprob_mass`` of the probabilities ``p [R, V]`` (float32, already ``spec_exp``'d)."""
-    R, V = p.shape
-    C = SAMPLE_CHUNK
-    nC = -(-V // C)
-    if nC == 0:
-        return torch.zeros(R, dtype=torch.float64, device=p.device)
-    pd = torch.nn.functional.pad(p.double(), (0, nC * C - V))  # zeros add nothing
-    by_lane = pd.view(R, nC, C // 8, 8).transpose(2, 3).contiguous()  # [R, nC, 8, C/8]
-    lanes = torch.cumsum(by_lane, dim=-1)[..., -1]  # [R, nC, 8]: sequential per lane
-    pairs = lanes[..., 0::2] + lanes[..., 1::2]  # [R, nC, 4]
-    chunk = (pairs[..., 0] + pairs[..., 1]) + (pairs[..., 2] + pairs[..., 3])  # [R, nC]
-    return torch.cumsum(chunk.contiguous(), dim=-1)[:, -1]
-
-
-def _mass_ok(m: torch.Tensor) -> torch.Tensor:
-    return (m >= 1.0 - MASS_TOL) & (m <= 1.0 + MASS_TOL)  # False for NaN
-
-
-def _greedy_max_ok(p_max: torch.Tensor, V: int) -> torch.Tensor:
-    p = p_max.double()
-    return (p <= 1.0 + MASS_TOL) & (p * V >= 1.0 - MASS_TOL)  # False for NaN
 
 
 def _check_distributions(lp, x, valid, greedy, p_x, j, p_emit) -> None:
@@ -184,12 +97,12 @@ def _check_distributions(lp, x, valid, greedy, p_x, j, p_emit) -> None:
     bad_at_j = torch.zeros(B, dtype=torch.bool, device=lp.device)
     m = torch.zeros(B, dtype=torch.float64, device=lp.device)
     if s_rows.numel():
-        m[s_rows] = _mass(p_emit)  # [Bs]
-        bad_at_j[s_rows] = ~_mass_ok(m[s_rows])
+        m[s_rows] = probability_mass(p_emit)  # [Bs]
+        bad_at_j[s_rows] = ~mass_ok(m[s_rows])
     p_max = torch.zeros(B, dtype=torch.float32, device=lp.device)
     if g_rows.numel():
         p_max[g_rows] = spec_exp_reference(lp[g_rows, j[g_rows]].amax(dim=-1))  # NaN rows failed above
-        bad_at_j[g_rows] = ~_greedy_max_ok(p_max[g_rows], V)
+        bad_at_j[g_rows] = ~greedy_max_ok(p_max[g_rows], V)
     bad_row = (first < K1) | bad_at_j
     if not bool(bad_row.any()):
         return
@@ -248,7 +161,8 @@ def _t2d(d2t: torch.Tensor, V: int) -> torch.Tensor:
     return t2d
 
 
-def _check_inputs(target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_accept, u_sample) -> int:
+def _check_inputs(target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_accept, u_sample) -> None:
+    """Shapes and dtypes of the arguments (``Vd``: the draft vocabulary, ``V`` without ``d2t``)."""
     if target_logprobs.dim() != 3 or target_logprobs.dtype != torch.float32:
         raise ValueError(
             f"verify_chain: target_logprobs must be float32 [B, k+1, V], got {target_logprobs.dtype} "
@@ -280,7 +194,99 @@ def _check_inputs(target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_acc
             raise ValueError(
                 f"verify_chain: {name} must be {dtype} {list(shape)}, got {t.dtype} of shape {tuple(t.shape)}"
             )
-    return Vd
+
+
+def _check_values(x: torch.Tensor, V: int, u_accept: torch.Tensor, u_sample: torch.Tensor) -> None:
+    """Draft ids ``x [B, k]`` inside the target vocabulary of ``V`` tokens, uniforms in [0, 1) (B > 0)."""
+    if V == 0:
+        raise ValueError(f"verify_chain: empty vocabulary (V = 0) with {x.shape[0]} rows")
+    if bool((x >= V).any()):
+        b, i = (x >= V).nonzero()[0].tolist()
+        raise IndexError(
+            f"verify_chain: draft_tokens[{b}, {i}] = {int(x[b, i])} is outside the target vocabulary [0, {V})"
+        )
+    for name, u in (("u_accept", u_accept), ("u_sample", u_sample)):
+        bad = ~((u >= 0) & (u < 1))
+        if bool(bad.any()):
+            raise ValueError(f"verify_chain: {name} must lie in [0, 1), got {float(u[bad][0])}")
+
+
+def _accepted(lp: torch.Tensor, x: torch.Tensor, valid: torch.Tensor, draft_probs: torch.Tensor | None,
+              t2d: torch.Tensor | None, g_rows: torch.Tensor, u_accept: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The acceptance test at every drafted position, and where each row's chain stops.
+
+    A sampled row accepts ``x_i`` iff ``u_accept[b, i] * q_i(x_i) < p_i(x_i)`` in float64, i.e.
+    ``u < min(1, p/q)``, with ``p_i = spec_exp(lp[b, i])`` and ``q_i(x_i)`` the draft's probability of
+    ``x_i`` (read through ``t2d`` for a draft vocabulary, 0 outside it; 1 for a point-mass draft). A greedy
+    row (``g_rows``) accepts iff ``x_i == argmax p_i``; an empty slot (``x_i < 0``) never does.
+
+    Returns ``(p_x [B, k] float32, n_acc [B] int64)``: ``p_i(x_i)``, and ``n_acc = sum_i prod_{i'<=i}
+    accept_i'``, the accepted prefix (0 when k = 0).
+    """
+    k = x.shape[1]
+    xs = x.clamp(min=0)
+    p_x = spec_exp_reference(lp[:, :k].gather(-1, xs[..., None])[..., 0])  # [B, k]
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    elif t2d is None:
+        q_x = _clean_q(draft_probs.gather(-1, xs[..., None])[..., 0])
+    else:
+        d = t2d[xs]  # [B, k]
+        q_d = draft_probs.gather(-1, d.clamp(min=0)[..., None])[..., 0]
+        q_x = torch.where(d >= 0, _clean_q(q_d), torch.zeros_like(q_d))
+    accept = u_accept * q_x.double() < p_x.double()  # [B, k]
+    if g_rows.numel() and k:
+        accept[g_rows] = lp[g_rows, :k].argmax(dim=-1) == x[g_rows]
+    accept &= valid
+    # The chain stops at the first rejection or empty slot.
+    return p_x, torch.cumprod(accept.long(), dim=1).sum(dim=1)
+
+
+def _rejected_draft_q(p: torch.Tensor, x: torch.Tensor, draft_probs: torch.Tensor | None,
+                      d2t: torch.Tensor | None, dr: torch.Tensor, s_rows: torch.Tensor, js: torch.Tensor
+                      ) -> torch.Tensor | None:
+    """``q_j [Bs, V]``: the draft distribution, over the target vocabulary, at the emission position ``js``
+    of each sampled row ``s_rows`` whose ``j`` holds a rejected draft (``dr [Bs]``); zero in the other
+    rows (the bonus token and empty slots draw from ``p_j`` alone). None when no row has one.
+
+    ``q`` is ``draft_probs`` itself, or scattered through ``d2t`` (``target_id = draft_id + d2t[draft_id]``),
+    or a point mass at the rejected ``x_j`` (no ``draft_probs``: n-gram); below 2**-126 it counts as 0.
+    """
+    if not bool(dr.any()):
+        return None
+    q = torch.zeros_like(p)
+    dr_idx = dr.nonzero()[:, 0]
+    src_rows, src_pos = s_rows[dr_idx], js[dr_idx]
+    if draft_probs is None:
+        q[dr_idx, x[src_rows, src_pos]] = 1.0
+    elif d2t is None:
+        q[dr_idx] = draft_probs[src_rows, src_pos]
+    else:
+        tgt = torch.arange(d2t.shape[0], device=p.device) + d2t
+        q[dr_idx[:, None], tgt[None, :]] = draft_probs[src_rows, src_pos]
+    return _clean_q(q)
+
+
+def _draw_sampled(p: torch.Tensor, q: torch.Tensor | None, us: torch.Tensor, s_rows: torch.Tensor,
+                  j: torch.Tensor) -> torch.Tensor:
+    """The sampled rows' emitted tokens ``[Bs]``: the inverse CDF with ``us [Bs]`` of the residual
+    ``normalize(max(0, p_j - q_j))``, or of ``p_j [Bs, V]`` itself where there is no ``q_j`` or rounding
+    leaves the residual without mass (``p <= q`` everywhere). Raises for a row whose ``p_j`` has no mass."""
+    t_s, has = inverse_cdf_chunked(_residual(p, q), us)
+    if q is not None and not bool(has.all()):
+        # Residual without mass: sample p itself.
+        miss = (~has).nonzero()[:, 0]
+        t_p, has_p = inverse_cdf_chunked(_residual(p[miss], None), us[miss])
+        t_s[miss] = t_p
+        has[miss] = has_p
+    if not bool(has.all()):
+        b = int(s_rows[(~has).nonzero()[0, 0]])
+        raise ValueError(
+            f"verify_chain: target_logprobs[{b}, {int(j[b])}] has no probability mass "
+            f"(every log-prob is -inf or NaN)"
+        )
+    return t_s
 
 
 def verify_chain_reference(
@@ -306,7 +312,7 @@ def verify_chain_reference(
     Returns:
         ``(tokens [B, k+1] int64 padded with -1, num_accepted [B] int64)``.
     """
-    Vd = _check_inputs(target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_accept, u_sample)
+    _check_inputs(target_logprobs, draft_tokens, draft_probs, d2t, greedy, u_accept, u_sample)
     B, K1, V = target_logprobs.shape
     k = K1 - 1
     device = target_logprobs.device
@@ -314,41 +320,14 @@ def verify_chain_reference(
     num_accepted = torch.zeros(B, dtype=torch.int64, device=device)
     if B == 0:
         return tokens, num_accepted
-    if V == 0:
-        raise ValueError(f"verify_chain: empty vocabulary (V = 0) with {B} rows")
     x = draft_tokens  # [B, k]
-    if bool((x >= V).any()):
-        b, i = (x >= V).nonzero()[0].tolist()
-        raise IndexError(
-            f"verify_chain: draft_tokens[{b}, {i}] = {int(x[b, i])} is outside the target vocabulary [0, {V})"
-        )
-    for name, u in (("u_accept", u_accept), ("u_sample", u_sample)):
-        bad = ~((u >= 0) & (u < 1))
-        if bool(bad.any()):
-            raise ValueError(f"verify_chain: {name} must lie in [0, 1), got {float(u[bad][0])}")
+    _check_values(x, V, u_accept, u_sample)
     t2d = _t2d(d2t, V) if d2t is not None else None
     lp = target_logprobs
     valid = x >= 0
-    xs = x.clamp(min=0)
-
-    # Acceptance tests at every drafted position (cheap: k gathers per row).
-    p_x = spec_exp_reference(lp[:, :k].gather(-1, xs[..., None])[..., 0])  # [B, k]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    elif t2d is None:
-        q_x = _clean_q(draft_probs.gather(-1, xs[..., None])[..., 0])
-    else:
-        d = t2d[xs]  # [B, k]
-        q_d = draft_probs.gather(-1, d.clamp(min=0)[..., None])[..., 0]
-        q_x = torch.where(d >= 0, _clean_q(q_d), torch.zeros_like(q_d))
-    accept = u_accept * q_x.double() < p_x.double()  # [B, k]
     g_rows = greedy.nonzero()[:, 0]
-    if g_rows.numel() and k:
-        accept[g_rows] = lp[g_rows, :k].argmax(dim=-1) == x[g_rows]
-    accept &= valid
-    # The chain stops at the first rejection or empty slot: j = n_acc is where the emitted token goes.
-    n_acc = torch.cumprod(accept.long(), dim=1).sum(dim=1)  # [B] (0 when k = 0)
-    j = n_acc
+    p_x, n_acc = _accepted(lp, x, valid, draft_probs, t2d, g_rows, u_accept)
+    j = n_acc  # where the emitted token goes
     # drafted: position j holds a rejected draft (residual), not an empty slot or the bonus (plain p)
     drafted = torch.zeros(B, dtype=torch.bool, device=device)
     if k:
@@ -361,37 +340,8 @@ def verify_chain_reference(
     if g_rows.numel():
         tok[g_rows] = lp[g_rows, j[g_rows]].argmax(dim=-1)
     if s_rows.numel():
-        js = j[s_rows]
-        p = p_emit  # [Bs, V]
-        q = None
-        dr = drafted[s_rows]
-        if bool(dr.any()):
-            q = torch.zeros_like(p)
-            dr_idx = dr.nonzero()[:, 0]
-            src_rows, src_pos = s_rows[dr_idx], js[dr_idx]
-            if draft_probs is None:
-                q[dr_idx, x[src_rows, src_pos]] = 1.0
-            elif t2d is None:
-                q[dr_idx] = draft_probs[src_rows, src_pos]
-            else:
-                tgt = torch.arange(Vd, device=device) + d2t
-                q[dr_idx[:, None], tgt[None, :]] = draft_probs[src_rows, src_pos]
-            q = _clean_q(q)
-        us = u_sample[s_rows]
-        t_s, has = inverse_cdf_chunked(_residual(p, q), us)
-        if q is not None and not bool(has.all()):
-            # Residual without mass: sample p itself.
-            miss = (~has).nonzero()[:, 0]
-            t_p, has_p = inverse_cdf_chunked(_residual(p[miss], None), us[miss])
-            t_s[miss] = t_p
-            has[miss] = has_p
-        if not bool(has.all()):
-            b = int(s_rows[(~has).nonzero()[0, 0]])
-            raise ValueError(
-                f"verify_chain: target_logprobs[{b}, {int(j[b])}] has no probability mass "
-                f"(every log-prob is -inf or NaN)"
-            )
-        tok[s_rows] = t_s
+        q = _rejected_draft_q(p_emit, x, draft_probs, d2t, drafted[s_rows], s_rows, j[s_rows])
+        tok[s_rows] = _draw_sampled(p_emit, q, u_sample[s_rows], s_rows, j)
 
     pos = torch.arange(K1, device=device)[None, :]
     x_pad = torch.cat([x, torch.full((B, 1), -1, dtype=torch.int64, device=device)], dim=1)

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_spec.sim.capacity import LayoutError, split_gpus
 from megatron_spec.sim.hardware import HardwareProfile, get_hardware
 from megatron_spec.sim.models import ModelProfile, get_model
 from megatron_spec.sim.params import default_engine_settings
-from megatron_spec.sim.rl_step import LayoutError, SimConfig, SimResult, _split_gpus, simulate
+from megatron_spec.sim.rl_step import SimConfig, SimResult, simulate
 
 #: KV-cache headroom the dense rule asks for over the workload's concurrency (a practitioner
 #: leaves room for length spread and for the speculative draft's own cache).
@@ -165,7 +166,7 @@ def search_layouts(cfg: SimConfig) -> LayoutSearch:
     model = cfg.model if isinstance(cfg.model, ModelProfile) else get_model(cfg.model)
     hw = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else get_hardware(cfg.hardware)
     settings = cfg.engine or default_engine_settings(hw)
-    gen_gpus, _ = _split_gpus(cfg, 1)
+    gen_gpus, _ = split_gpus(cfg, 1)
     shapes = candidate_shapes(model, gen_gpus, cfg.tp, cfg.ep, cfg.num_engines)
     if not shapes:
         raise ValueError(f"no engine shape tp x ep fits {gen_gpus} generation GPUs for {model.name!r} "

@@ -15,8 +15,9 @@ needs the newest weights before starting the next batch), so ``gen`` includes th
 with L >= 2 it can admit the next step's prompts while the tail finishes, so ``gen`` is the
 steady-state (streaming) time.
 
-What it does not know: pipeline parallel bubbles, reward-model time, dynamic sampling, data
-loading beyond a constant, and failure/restart costs.
+Whether the layout holds the model, and how many sequences its engines run at once, is
+:mod:`megatron_spec.sim.capacity`. What it does not know: pipeline parallel bubbles, reward-model time,
+dynamic sampling, data loading beyond a constant, and failure/restart costs.
 """
 
 from __future__ import annotations
@@ -29,22 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from megatron_spec.sim.acceptance import AcceptanceProfile
+from megatron_spec.sim.capacity import EnginePlacement, check_parallelism, engine_memory, place_engines
 from megatron_spec.sim.hardware import HardwareProfile, get_hardware
 from megatron_spec.sim.models import ModelProfile, draft_profile, get_model
 from megatron_spec.sim.params import EfficiencyParams, EngineSettings, default_engine_settings, efficiency_for
-from megatron_spec.sim.rollout import simulate_engine, simulate_streaming
+from megatron_spec.sim.rollout import GenerationResult, simulate_engine, simulate_streaming
 from megatron_spec.sim.roofline import DRAFT_KINDS, ForwardModel, Parallelism, StepModel
 from megatron_spec.sim.workload import PRESETS, Workload
-
-#: bytes per parameter of Megatron training state: bf16 weights, fp32 grads, fp32 master
-#: weights, Adam m and v (Megatron distributed optimizer).
-TRAIN_BYTES_PER_PARAM = 18
-
-
-class LayoutError(ValueError):
-    """The engine layout (tp, ep, engines) cannot hold the model's weights or one sequence's KV
-    cache. The layout search (:mod:`megatron_spec.sim.layout`) skips such layouts; any other
-    ValueError is a problem with the configuration as a whole."""
 
 
 @dataclass(frozen=True)
@@ -108,29 +100,6 @@ def build_acceptance(cfg: SimConfig) -> AcceptanceProfile:
     return AcceptanceProfile.from_accept_length(cfg.accept_length, cfg.num_draft_tokens)
 
 
-def _split_gpus(cfg: SimConfig, engine_devices: int) -> tuple[int, int]:
-    """(generation GPUs, training GPUs)."""
-    if cfg.mode == "sync":
-        if cfg.train_gpus not in (None, cfg.num_gpus):
-            raise ValueError("--train-gpus applies to async mode only (sync mode colocates generation "
-                             "and training on all GPUs)")
-        return cfg.num_gpus, cfg.num_gpus
-    train = cfg.train_gpus if cfg.train_gpus is not None else max(1, cfg.num_gpus // 4)
-    if not 1 <= train < cfg.num_gpus:
-        raise ValueError(f"async mode needs 1 <= train_gpus < num_gpus, got train_gpus={train} of "
-                         f"num_gpus={cfg.num_gpus}")
-    return cfg.num_gpus - train, train
-
-
-def _check_parallelism(model: ModelProfile, par: Parallelism) -> None:
-    if model.heads % par.tp:
-        raise ValueError(f"tp={par.tp} does not divide the {model.heads} attention heads of {model.name!r}")
-    if par.ep > 1 and not model.is_moe:
-        raise ValueError(f"ep={par.ep} needs an MoE model; {model.name!r} is dense")
-    if model.is_moe and model.num_experts % par.ep:
-        raise ValueError(f"ep={par.ep} does not divide the {model.num_experts} experts of {model.name!r}")
-
-
 def _train_side(model: ModelProfile, draft: ModelProfile | None, hw: HardwareProfile, eff: EfficiencyParams,
                 wl: Workload, train_gpus: int, online_draft: bool, unroll: int) -> dict[str, float]:
     flops = hw.peak_flops("bf16") * eff.train_mfu * train_gpus
@@ -141,46 +110,6 @@ def _train_side(model: ModelProfile, draft: ModelProfile | None, hw: HardwarePro
         dfwd = 2.0 * draft.active_params * tokens + draft.attn_flops_per_ctx * wl.attention_token_pairs()
         out["draft_train"] = 3.0 * unroll * dfwd / flops
     return out
-
-
-def _memory(cfg: SimConfig, model: ModelProfile, hw: HardwareProfile, settings: EngineSettings,
-            target: ForwardModel, draft: ForwardModel | None, wl: Workload, train_gpus: int) -> dict:
-    usable = hw.memory_bytes * settings.mem_util - settings.workspace_bytes
-    w = target.weight_bytes_per_device()
-    if draft is not None:
-        dw = draft.weight_bytes_per_device()
-        if cfg.draft_kind == "mtp":  # the MTP module shares the target's LM head
-            dw -= draft.model.lm_head_params * draft.wbytes / draft.par.tp
-        w += dw
-    par = target.par
-    if w > usable:
-        raise LayoutError(
-            f"{model.name} does not fit: {w / 1e9:.1f} GB of {target.dtype} weights per device with "
-            f"tp={par.tp} ep={par.ep}, but one {hw.name} offers {usable / 1e9:.1f} GB "
-            f"({hw.memory_bytes / 1e9:.0f} GB x mem_util {settings.mem_util} - "
-            f"{settings.workspace_bytes / 1e9:.1f} GB workspace); raise --tp/--ep")
-    kv_tok = target.kv_bytes_per_token_per_device()
-    if draft is not None:
-        kv_tok += draft.kv_bytes_per_token_per_device()
-    group_tokens = (usable - w) / kv_tok  # tokens one attention group can cache
-    need = wl.prompt_len + wl.max_response_len + cfg.num_draft_tokens + 1
-    if group_tokens < need:
-        raise LayoutError(
-            f"{model.name} on {hw.name} with tp={par.tp} ep={par.ep}: the KV cache holds "
-            f"{group_tokens:.0f} tokens per engine group but one sequence needs prompt_len + "
-            f"max_response_len + k + 1 = {need}; raise --tp or shorten responses")
-    mean_seq = wl.prompt_len + wl.mean_response_len()
-    concurrency = int(min(settings.max_num_seqs * par.attn_groups,
-                          math.floor(group_tokens / mean_seq) * par.attn_groups))
-    train_need = TRAIN_BYTES_PER_PARAM * model.total_params / train_gpus
-    if train_need > hw.memory_bytes:
-        raise ValueError(
-            f"training {model.name} needs at least {train_need / 1e9:.0f} GB per device "
-            f"({TRAIN_BYTES_PER_PARAM} B/param of weights, grads and Adam states, fully sharded over "
-            f"{train_gpus} training devices) but one {hw.name} has {hw.memory_bytes / 1e9:.0f} GB; "
-            "use more GPUs")
-    return {"weights_gb_per_device": w / 1e9, "kv_capacity_tokens": group_tokens * par.attn_groups,
-            "concurrency": concurrency}
 
 
 def step_cost_breakdown(steps: StepModel, batch: float, ctx_per_seq: float, tau: float) -> dict:
@@ -250,13 +179,42 @@ def build_step_model(cfg: SimConfig, k: int | None = None) -> StepModel:
     eff = cfg.efficiency or efficiency_for(hw, cfg.calibration_path)
     settings = cfg.engine or default_engine_settings(hw)
     par = Parallelism(cfg.tp, cfg.ep or 1)
-    _check_parallelism(model, par)
+    check_parallelism(model, par)
     target, draft = _forward_models(cfg, model, hw, eff, settings, par)
     return StepModel(target, draft, cfg.draft_kind, cfg.num_draft_tokens if k is None else k)
 
 
-def simulate(cfg: SimConfig) -> SimResult:
-    """Simulate one RL step with autoregressive and with speculative rollouts."""
+@dataclass(frozen=True)
+class _Setup:
+    """What :func:`simulate` resolves from a :class:`SimConfig` before it times anything."""
+
+    model: ModelProfile
+    hw: HardwareProfile
+    acceptance: AcceptanceProfile
+    tau: float
+    """Mean tokens one verify step emits at cfg's k."""
+    eff: EfficiencyParams
+    settings: EngineSettings
+    par: Parallelism
+    place: EnginePlacement
+
+
+@dataclass(frozen=True)
+class _Generation:
+    """One engine's share of the rollouts, generated autoregressively (key ``"ar"``) and speculatively
+    (``"spec"``)."""
+
+    per_engine: int
+    """Rollouts each engine generates."""
+    concurrency: dict[str, int]
+    """Sequences an engine runs at once."""
+    runs: dict[str, GenerationResult]
+    prefill: dict[str, float]
+    """Seconds of the prompts' prefill."""
+
+
+def _resolve(cfg: SimConfig) -> _Setup:
+    """Check ``cfg`` and resolve its profiles, acceptance, efficiency, engine settings and layout."""
     model = cfg.model if isinstance(cfg.model, ModelProfile) else get_model(cfg.model)
     hw = cfg.hardware if isinstance(cfg.hardware, HardwareProfile) else get_hardware(cfg.hardware)
     if cfg.mode not in ("sync", "async"):
@@ -268,131 +226,129 @@ def simulate(cfg: SimConfig) -> SimResult:
     if cfg.draft_kind not in DRAFT_KINDS:
         raise ValueError(f"unknown draft kind {cfg.draft_kind!r}; expected one of {', '.join(DRAFT_KINDS)}")
     acceptance = build_acceptance(cfg)
-    k = cfg.num_draft_tokens
-    tau = acceptance.accept_length(k)
+    tau = acceptance.accept_length(cfg.num_draft_tokens)
     eff = cfg.efficiency or efficiency_for(hw, cfg.calibration_path)
     settings = cfg.engine or default_engine_settings(hw)
     if cfg.tp is None or (cfg.ep is None and model.is_moe):
         raise ValueError(f"simulate() needs tp and ep (got tp={cfg.tp}, ep={cfg.ep}); "
                          "megatron_spec.sim.layout.simulate_layout searches them")
     par = Parallelism(cfg.tp, cfg.ep or 1)
-    _check_parallelism(model, par)
-    gen_gpus, train_gpus = _split_gpus(cfg, par.engine_devices)
-    if gen_gpus % par.engine_devices and cfg.num_engines is None:
-        raise ValueError(f"{gen_gpus} generation GPUs are not a multiple of the {par.engine_devices} "
-                         f"devices per engine (max(tp={par.tp}, ep={par.ep})); pin --rollout-num-engines "
-                         "to leave the rest idle")
-    engines = gen_gpus // par.engine_devices
-    if cfg.num_engines is not None:
-        if not 1 <= cfg.num_engines <= engines:
-            raise ValueError(f"num_engines={cfg.num_engines} engines of {par.engine_devices} devices need "
-                             f"{cfg.num_engines * par.engine_devices} GPUs; {gen_gpus} generate "
-                             f"(at most {engines} engines)")
-        engines = cfg.num_engines
-        gen_gpus = engines * par.engine_devices
+    check_parallelism(model, par)
+    return _Setup(model, hw, acceptance, tau, eff, settings, par, place_engines(cfg, par))
+
+
+def _generate(cfg: SimConfig, s: _Setup, steps: StepModel, concurrency: int) -> _Generation:
+    """Generation on one engine, both ways: a batch drained to its last sequence (sync mode, or async with
+    lag 1), or the steady state of an engine that admits the next step's prompts (async, lag >= 2).
+    ``concurrency``: the sequences its memory holds, capped by the tokens a forward may batch."""
     wl = cfg.workload
-
-    target, draft = _forward_models(cfg, model, hw, eff, settings, par)
-    mem = _memory(cfg, model, hw, settings, target, draft, wl, train_gpus)
-    steps = StepModel(target, draft, cfg.draft_kind, k)
-
-    per_engine = math.ceil(wl.rollouts / engines)
-    concurrency = {"ar": mem["concurrency"], "spec": mem["concurrency"]}
-    if settings.max_batched_tokens:
-        for name, q in (("ar", 1), ("spec", k + 1)):
-            concurrency[name] = max(
-                1, min(concurrency[name], settings.max_batched_tokens * par.attn_groups // q)
-            )
+    per_engine = math.ceil(wl.rollouts / s.place.engines)
+    conc = {"ar": concurrency, "spec": concurrency}
+    if s.settings.max_batched_tokens:
+        for name, q in (("ar", 1), ("spec", cfg.num_draft_tokens + 1)):
+            conc[name] = max(1, min(conc[name], s.settings.max_batched_tokens * s.par.attn_groups // q))
     if cfg.mode == "async" and cfg.policy_lag >= 2:
-        gen = {}
-        for name, fn, t in (("ar", steps.ar_step, 1.0), ("spec", steps.spec_step, tau)):
-            gen[name] = simulate_streaming(per_engine * wl.mean_response_len(), wl.mean_response_len(),
-                                           wl.mean_sq_response_len(), wl.prompt_len,
-                                           min(concurrency[name], per_engine), t, fn)
+        runs = {}
+        for name, fn, t in (("ar", steps.ar_step, 1.0), ("spec", steps.spec_step, s.tau)):
+            runs[name] = simulate_streaming(per_engine * wl.mean_response_len(), wl.mean_response_len(),
+                                            wl.mean_sq_response_len(), wl.prompt_len,
+                                            min(conc[name], per_engine), t, fn)
     else:
         lengths = wl.engine_lengths(per_engine)
-        gen = {"ar": simulate_engine(lengths, wl.prompt_len, concurrency["ar"], 1.0, steps.ar_step),
-               "spec": simulate_engine(lengths, wl.prompt_len, concurrency["spec"], tau, steps.spec_step)}
+        runs = {"ar": simulate_engine(lengths, wl.prompt_len, conc["ar"], 1.0, steps.ar_step),
+                "spec": simulate_engine(lengths, wl.prompt_len, conc["spec"], s.tau, steps.spec_step)}
     prefill = {"ar": steps.prefill(per_engine, wl.prompt_len, with_draft=False),
                "spec": steps.prefill(per_engine, wl.prompt_len, with_draft=True)}
+    return _Generation(per_engine, conc, runs, prefill)
 
-    train = _train_side(
-        model,
-        None if draft is None else draft.model,
-        hw,
-        eff,
-        wl,
-        train_gpus,
-        cfg.online_draft_training,
-        cfg.draft_train_unroll,
-    )
+
+def _prepare_seconds(cfg: SimConfig, s: _Setup, target: ForwardModel, draft: ForwardModel | None) -> float:
+    """The weight sync into the engines: the target's (and an online-trained draft's) bytes per device."""
     sync_bytes = target.weight_bytes_per_device()
     if cfg.online_draft_training and draft is not None:
         sync_bytes += draft.weight_bytes_per_device()
     if cfg.mode == "sync":  # colocated: a device-local copy (read + write)
-        prepare = 2.0 * sync_bytes / (hw.mem_bw * eff.mem_eff)
-    else:  # disaggregated: each generation device receives its shard from the trainers
-        within = cfg.num_gpus <= hw.scaleup_domain
-        bw, lat = (hw.link_bw, hw.link_latency_s) if within else (hw.net_bw, hw.net_latency_s)
-        prepare = sync_bytes / bw + lat
+        return 2.0 * sync_bytes / (s.hw.mem_bw * s.eff.mem_eff)
+    # disaggregated: each generation device receives its shard from the trainers
+    within = cfg.num_gpus <= s.hw.scaleup_domain
+    bw, lat = (s.hw.link_bw, s.hw.link_latency_s) if within else (s.hw.net_bw, s.hw.net_latency_s)
+    return sync_bytes / bw + lat
 
-    stages = {}
-    for name in ("ar", "spec"):
-        g = prefill[name] + gen[name].decode_s
-        st = {"data": eff.step_fixed_s, "prepare": prepare, "gen": g, "logprob": train["logprob"],
-              "train": train["train"], "draft_train": train["draft_train"] if name == "spec" else 0.0}
-        if cfg.mode == "sync":
-            st["step"] = sum(st.values())
-        else:
-            train_side = st["logprob"] + st["train"] + st["draft_train"]
-            gen_side = st["prepare"] + st["gen"]
-            st["exposed_gen"] = max(0.0, gen_side - train_side)
-            st["step"] = st["data"] + max(train_side, gen_side)
-        stages[name] = st
 
-    b_full = float(max(1, min(concurrency["spec"], per_engine)))
+def _stage_times(cfg: SimConfig, data_s: float, prepare_s: float, gen_s: float, train: dict[str, float],
+                 spec: bool) -> dict[str, float]:
+    """Seconds of each stage of one step and of the ``step``: their sum (sync), or the longer of the
+    training and generation sides (async; ``exposed_gen``: generation not hidden behind training)."""
+    st = {"data": data_s, "prepare": prepare_s, "gen": gen_s, "logprob": train["logprob"],
+          "train": train["train"], "draft_train": train["draft_train"] if spec else 0.0}
+    if cfg.mode == "sync":
+        st["step"] = sum(st.values())
+    else:
+        train_side = st["logprob"] + st["train"] + st["draft_train"]
+        gen_side = st["prepare"] + st["gen"]
+        st["exposed_gen"] = max(0.0, gen_side - train_side)
+        st["step"] = st["data"] + max(train_side, gen_side)
+    return st
+
+
+def _detail(cfg: SimConfig, s: _Setup, steps: StepModel, gen: _Generation, mem: dict) -> dict:
+    """What :attr:`SimResult.detail` reports besides the stage times."""
+    k, wl, par, place = cfg.num_draft_tokens, cfg.workload, s.par, s.place
+    b_full = float(max(1, min(gen.concurrency["spec"], gen.per_engine)))
     ctx = wl.prompt_len + wl.mean_response_len() / 2.0
-    step_costs = [step_cost_breakdown(steps, b, ctx, tau) for b in sorted({1.0, b_full})]
-    detail = {
-        "model": model.name,
-        "hardware": hw.name,
+    return {
+        "model": s.model.name,
+        "hardware": s.hw.name,
         "num_gpus": cfg.num_gpus,
         "mode": cfg.mode,
         "policy_lag": cfg.policy_lag if cfg.mode == "async" else 0,
         "draft_kind": cfg.draft_kind,
         "num_draft_tokens": k,
-        **acceptance.describe(k),
-        "gen_ar": {**gen["ar"].as_dict(), "prefill_s": prefill["ar"], "concurrency": concurrency["ar"]},
-        "gen_spec": {
-            **gen["spec"].as_dict(),
-            "prefill_s": prefill["spec"],
-            "concurrency": concurrency["spec"],
-        },
+        **s.acceptance.describe(k),
+        **{f"gen_{name}": {**gen.runs[name].as_dict(), "prefill_s": gen.prefill[name],
+                           "concurrency": gen.concurrency[name]} for name in ("ar", "spec")},
         "engine": {
             "tp": par.tp,
             "ep": par.ep,
             "devices_per_engine": par.engine_devices,
-            "engines": engines,
-            "gen_gpus": gen_gpus,
-            "train_gpus": train_gpus,
-            "rollouts_per_engine": per_engine,
-            "rollout_dtype": target.dtype,
+            "engines": place.engines,
+            "gen_gpus": place.gen_gpus,
+            "train_gpus": place.train_gpus,
+            "rollouts_per_engine": gen.per_engine,
+            "rollout_dtype": steps.target.dtype,
             **mem,
         },
         "workload": wl.describe(),
-        "step_costs": step_costs,
-        "model_params": model.summary(),
-        "efficiency": eff.as_dict(),
+        "step_costs": [step_cost_breakdown(steps, b, ctx, s.tau) for b in sorted({1.0, b_full})],
+        "model_params": s.model.summary(),
+        "efficiency": s.eff.as_dict(),
         "measured_points": {
             name: (fm.measured.describe() if fm is not None and fm.measured is not None else None)
-            for name, fm in (("verify", target), ("draft", draft))
+            for name, fm in (("verify", steps.target), ("draft", steps.draft))
         },
+    }
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Simulate one RL step with autoregressive and with speculative rollouts."""
+    s = _resolve(cfg)
+    target, draft = _forward_models(cfg, s.model, s.hw, s.eff, s.settings, s.par)
+    mem = engine_memory(cfg, s.model, s.hw, s.settings, target, draft, cfg.workload, s.place.train_gpus)
+    steps = StepModel(target, draft, cfg.draft_kind, cfg.num_draft_tokens)
+    gen = _generate(cfg, s, steps, mem["concurrency"])
+    train = _train_side(s.model, None if draft is None else draft.model, s.hw, s.eff, cfg.workload,
+                        s.place.train_gpus, cfg.online_draft_training, cfg.draft_train_unroll)
+    prepare = _prepare_seconds(cfg, s, target, draft)
+    stages = {
+        name: _stage_times(cfg, s.eff.step_fixed_s, prepare, gen.prefill[name] + gen.runs[name].decode_s,
+                           train, spec=name == "spec")
+        for name in ("ar", "spec")
     }
     return SimResult(
         rollout_speedup=stages["ar"]["gen"] / stages["spec"]["gen"],
         e2e_speedup=stages["ar"]["step"] / stages["spec"]["step"],
         step_time_ar_s=stages["ar"]["step"], step_time_spec_s=stages["spec"]["step"],
-        stages_ar=stages["ar"], stages_spec=stages["spec"], detail=detail)
+        stages_ar=stages["ar"], stages_spec=stages["spec"], detail=_detail(cfg, s, steps, gen, mem))
 
 
 def speedup_by_k(cfg: SimConfig, k_values: range | list[int] = range(1, 11)) -> list[dict]:

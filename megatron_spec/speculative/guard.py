@@ -142,8 +142,23 @@ def check_lossless(
         found = {key: _find(flat, key, f"rollout_{key}")[1] for key in ("temperature", "min_p")}
         sampling = {key: v for key, v in found.items() if v is not _MISSING and v is not None} or None
     all_greedy, max_min_p = _sampling_stats(sampling)
-    problems: list[str] = []
+    problems = _acceptance_rule_problems(flat)
+    _, algo = _find(flat, "speculative_algorithm")
+    _, draft_kind = _find(flat, "spec_draft_kind", "draft_kind")
+    _, backend = _find(flat, "backend", "rollout_backend")
+    has_algo = algo is not _MISSING and algo is not None
+    speculative = has_algo or (draft_kind not in (_MISSING, None) and str(draft_kind).lower() != "none")
+    sglang = has_algo or backend == "sglang"
+    if sglang and speculative:
+        problems += _sglang_problems(flat, algo, env, rocm, all_greedy, max_min_p)
+    if problems:
+        raise LossyConfigError("lossy speculative-decoding settings:\n  - " + "\n  - ".join(problems))
 
+
+def _acceptance_rule_problems(flat: dict[str, Any]) -> list[str]:
+    """Any engine's settings that replace the rejection rule ``min(1, p/q)``: acceptance thresholds below
+    (or above) 1, typical or relaxed acceptance."""
+    problems: list[str] = []
     for path, value in flat.items():
         leaf = _leaf(path)
         if leaf.endswith("accept_threshold_single") or leaf.endswith("accept_threshold_acc"):
@@ -159,49 +174,48 @@ def check_lossless(
                 )
         elif leaf == "use_relaxed_acceptance_for_thinking" and value:
             problems.append(f"{path} = {value}: relaxed acceptance is lossy")
+    return problems
 
-    _, algo = _find(flat, "speculative_algorithm")
-    _, draft_kind = _find(flat, "spec_draft_kind", "draft_kind")
-    _, backend = _find(flat, "backend", "rollout_backend")
-    has_algo = algo is not _MISSING and algo is not None
-    speculative = has_algo or (draft_kind not in (_MISSING, None) and str(draft_kind).lower() != "none")
-    sglang = has_algo or backend == "sglang"
-    if sglang and speculative:
-        algo_name = None if algo is _MISSING or algo is None else str(algo).upper()
-        if algo_name is not None and algo_name not in SGLANG_EXACT_ALGORITHMS:
+
+def _sglang_problems(flat: dict[str, Any], algo: Any, env: Mapping[str, str], rocm: bool,
+                     all_greedy: bool | None, max_min_p: float | None) -> list[str]:
+    """What makes SGLang's speculative decoding lossy beyond the acceptance rule: an algorithm whose
+    verification is unreviewed, simulated acceptance, argmax verification where rows sample, ``min_p``."""
+    problems: list[str] = []
+    algo_name = None if algo is _MISSING or algo is None else str(algo).upper()
+    if algo_name is not None and algo_name not in SGLANG_EXACT_ALGORITHMS:
+        problems.append(
+            f"speculative_algorithm = {algo!r}: verification not reviewed as exact by megatron-spec "
+            f"(allowed: {', '.join(sorted(SGLANG_EXACT_ALGORITHMS))})"
+        )
+    sim = env.get("SGLANG_SIMULATE_ACC_LEN")
+    if sim is not None:
+        try:
+            simulated = float(sim) > 0
+        except ValueError:
+            simulated = True
+        if simulated:
             problems.append(
-                f"speculative_algorithm = {algo!r}: verification not reviewed as exact by megatron-spec "
-                f"(allowed: {', '.join(sorted(SGLANG_EXACT_ALGORITHMS))})"
+                f"SGLANG_SIMULATE_ACC_LEN = {sim!r}: simulated acceptance does not sample the target"
             )
-        sim = env.get("SGLANG_SIMULATE_ACC_LEN")
-        if sim is not None:
-            try:
-                simulated = float(sim) > 0
-            except ValueError:
-                simulated = True
-            if simulated:
-                problems.append(
-                    f"SGLANG_SIMULATE_ACC_LEN = {sim!r}: simulated acceptance does not sample the target"
-                )
-        _, device = _find(flat, "device")
-        _, rejection = _find(flat, "speculative_use_rejection_sampling")
-        greedy_verify_device = isinstance(device, str) and device.split(":")[0].lower() in ("cpu", "xpu")
-        greedy_verify_rocm = rocm and not (rejection is not _MISSING and bool(rejection))
-        if (greedy_verify_device or greedy_verify_rocm) and all_greedy is not True:
-            where = (
-                f"device {device!r}"
-                if greedy_verify_device
-                else "ROCm without speculative_use_rejection_sampling"
-            )
-            problems.append(
-                f"SGLang verifies drafts by argmax on {where}, ignoring temperature: only temperature-0 "
-                "sampling is exact there (sampling "
-                f"{'unknown' if all_greedy is None else 'is not all greedy'})"
-            )
-        if max_min_p is not None and max_min_p > 0:
-            problems.append(
-                f"min_p = {max_min_p}: SGLang's speculative verify does not apply min_p (only top-k/top-p), "
-                f"so rows with min_p > 0 are not sampled from the processed target"
-            )
-    if problems:
-        raise LossyConfigError("lossy speculative-decoding settings:\n  - " + "\n  - ".join(problems))
+    _, device = _find(flat, "device")
+    _, rejection = _find(flat, "speculative_use_rejection_sampling")
+    greedy_verify_device = isinstance(device, str) and device.split(":")[0].lower() in ("cpu", "xpu")
+    greedy_verify_rocm = rocm and not (rejection is not _MISSING and bool(rejection))
+    if (greedy_verify_device or greedy_verify_rocm) and all_greedy is not True:
+        where = (
+            f"device {device!r}"
+            if greedy_verify_device
+            else "ROCm without speculative_use_rejection_sampling"
+        )
+        problems.append(
+            f"SGLang verifies drafts by argmax on {where}, ignoring temperature: only temperature-0 "
+            "sampling is exact there (sampling "
+            f"{'unknown' if all_greedy is None else 'is not all greedy'})"
+        )
+    if max_min_p is not None and max_min_p > 0:
+        problems.append(
+            f"min_p = {max_min_p}: SGLang's speculative verify does not apply min_p (only top-k/top-p), "
+            f"so rows with min_p > 0 are not sampled from the processed target"
+        )
+    return problems

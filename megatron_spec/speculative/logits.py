@@ -217,20 +217,44 @@ def process_logits(
         temp = s.temperature.to(x.device)
         x = x.view(s.batch_size, -1, V) / temp[:, None, None]
         return torch.log_softmax(x.view(-1, V), dim=-1).reshape(shape)
+    return _process_mixed(x, s).reshape(shape)
 
+
+def _process_mixed(x: torch.Tensor, s: SamplingTensors) -> torch.Tensor:
+    """The general path of :func:`process_logits`: ``x [R, V]`` float32 masked logits, ``s`` one row of
+    parameters per row of ``x`` -> ``[R, V]`` log-probs. Each truncation acts on the renormalised result
+    of the one before; greedy rows skip them and become a one-hot at the argmax."""
     greedy = s.greedy.to(x.device)
     temp = torch.where(greedy, torch.ones_like(s.temperature), s.temperature).to(x.device)
     x = x / temp[:, None]
+    _top_k(x, s.top_k.to(x.device), greedy)
+    _top_p(x, s.top_p.to(x.device), greedy)
+    _min_p(x, s.min_p.to(x.device), greedy)
 
-    top_k = s.top_k.to(x.device)
-    rows = ((top_k > 0) & (top_k < V) & ~greedy).nonzero()[:, 0]
+    logprobs = torch.log_softmax(x, dim=-1)
+    rows = greedy.nonzero()[:, 0]
+    if rows.numel():
+        am = x[rows].argmax(dim=-1, keepdim=True)  # [g, 1], first index of the max
+        one_hot = torch.full((rows.numel(), x.shape[-1]), _NEG_INF, dtype=torch.float32, device=x.device)
+        logprobs[rows] = one_hot.scatter(1, am, 0.0)
+    return logprobs
+
+
+def _top_k(x: torch.Tensor, top_k: torch.Tensor, greedy: torch.Tensor) -> None:
+    """In place on ``x [R, V]``: keep ``x_t >= x_(k)``, the k-th largest of the row (ties at the boundary
+    stay), where ``0 < k < V`` and the row samples."""
+    rows = ((top_k > 0) & (top_k < x.shape[-1]) & ~greedy).nonzero()[:, 0]
     if rows.numel():
         xr = x[rows]  # [r, V]
         kr = top_k[rows]
         kth = torch.topk(xr, int(kr.max()), dim=-1).values.gather(1, (kr - 1)[:, None])  # [r, 1]
         x[rows] = _keep(xr, xr >= kth)
 
-    top_p = s.top_p.to(x.device)
+
+def _top_p(x: torch.Tensor, top_p: torch.Tensor, greedy: torch.Tensor) -> None:
+    """In place on ``x [R, V]``: keep the most likely tokens until their mass reaches ``top_p`` (token of
+    rank n is in iff ``sum_{m < n} p_(m) < top_p``, in float64), and every token tied with the last one
+    kept, where ``top_p < 1`` and the row samples."""
     rows = ((top_p < 1) & ~greedy).nonzero()[:, 0]
     if rows.numel():
         xr = x[rows]
@@ -242,18 +266,13 @@ def process_logits(
         thr = sp.gather(1, (n_keep - 1)[:, None])
         x[rows] = _keep(xr, probs >= thr)
 
-    min_p = s.min_p.to(x.device)
+
+def _min_p(x: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor) -> None:
+    """In place on ``x [R, V]``: keep ``p_t >= min_p * max_t p_t``, where ``min_p > 0`` and the row
+    samples."""
     rows = ((min_p > 0) & ~greedy).nonzero()[:, 0]
     if rows.numel():
         xr = x[rows]
         probs = torch.softmax(xr, dim=-1)
         thr = min_p[rows, None] * probs.amax(dim=-1, keepdim=True)
         x[rows] = _keep(xr, probs >= thr)
-
-    logprobs = torch.log_softmax(x, dim=-1)
-    rows = greedy.nonzero()[:, 0]
-    if rows.numel():
-        am = x[rows].argmax(dim=-1, keepdim=True)  # [g, 1], first index of the max
-        one_hot = torch.full((rows.numel(), V), _NEG_INF, dtype=torch.float32, device=x.device)
-        logprobs[rows] = one_hot.scatter(1, am, 0.0)
-    return logprobs.reshape(shape)

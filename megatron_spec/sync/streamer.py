@@ -23,16 +23,15 @@ engine. Every rank of its tensor-parallel group must call :meth:`sync_target` to
 ``engine=None``): the gathers are collective. Ranks of other data-parallel replicas return
 at once (their shards equal replica 0's). :meth:`sync_draft` is local to rank 0.
 
-This module does not know how engines load weights, only their update API and ``health()``.
+The double buffering itself (packing, the sender thread, fingerprinting what was sent) is
+:mod:`megatron_spec.sync.bucket_stream`; this module plans the buckets, opens, closes and verifies the update.
+It does not know how engines load weights, only their update API and ``health()``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -42,10 +41,10 @@ import torch.distributed as dist
 
 from megatron_spec.dtypes import torch_dtype
 from megatron_spec.sync import fp8 as fp8_names
-from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata, alloc_bucket_buffer
+from megatron_spec.sync.bucket import alloc_bucket_buffer
+from megatron_spec.sync.bucket_stream import STREAM_PIECES, BucketStream
 from megatron_spec.sync.fingerprint import Fingerprint
 from megatron_spec.sync.memory import PeakMemory
-from megatron_spec.sync.transport import make_bucket_payloads
 from megatron_spec.sync.verify import (
     DigestLedger,
     WeightSyncError,
@@ -60,12 +59,10 @@ logger = logging.getLogger(__name__)
 WEIGHT_DTYPES = ("fp32", "bf16", "fp8")
 _ALIGN_SLACK = 16  # worst-case alignment padding in front of one tensor
 
-SYNC_PIECES = ("gather_s", "pack_s", "wait_buffer_s", "fingerprint_s", "engine_call_s", "end_s")
+SYNC_PIECES = (*STREAM_PIECES, "end_s")
 """The trainer's side of a sync: gathering and converting to HF views, packing (cast or quantise) into the
-bucket,
-waiting for the engine to free a bucket, fingerprinting the sent buckets, waiting for the engine's update
-calls
-(sender thread), ``end_weight_update`` (the engine's re-pack and checksums)."""
+bucket, waiting for the engine to free a bucket, fingerprinting the sent buckets, waiting for the engine's
+update calls (sender thread), ``end_weight_update`` (the engine's re-pack and checksums)."""
 
 __all__ = ["SYNC_PIECES", "WEIGHT_DTYPES", "SyncReport", "WeightStreamer", "WeightSyncError"]
 
@@ -103,15 +100,6 @@ class SyncReport:
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.stream_seconds / 1e9 if self.stream_seconds > 0 else 0.0
-
-
-@dataclasses.dataclass
-class _Bucket:
-    index: int
-    flat: torch.Tensor
-    metadata: list[FlattenedTensorMetadata]
-    last: bool
-    ready: Any = None  # a CUDA event to wait for before the engine may read the buffer
 
 
 class WeightStreamer:
@@ -365,143 +353,13 @@ class WeightStreamer:
 
     def _stream(self, group: str, items: Iterator, version: str, rep: SyncReport, quantize: bool
                 ) -> Fingerprint | None:
-        """Pack ``items`` into double buffers while a sender thread ships full ones."""
-        buffers: list[torch.Tensor] | None = None
-        free = [threading.Semaphore(1), threading.Semaphore(1)]
-        todo: queue.Queue[_Bucket | None] = queue.Queue()
-        errors: list[BaseException] = []
-        sent = Fingerprint() if self.verify else None
-        stats = {"bytes": 0, "buckets": 0}
-        clock = dict.fromkeys(SYNC_PIECES[:-1], 0.0)
-
-        def call_engine(payloads, last: bool) -> None:
-            self.engine.update_weights_from_tensor(
-                payloads, selector=group, weight_version=version, flush_cache=last
-            )
-
-        def sender() -> None:
-            # The fingerprint of a bucket is taken while the engine loads it (both only read it).
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weight-call-{group}") as pool:
-                while True:
-                    b = todo.get()
-                    if b is None:
-                        return
-                    try:
-                        if not errors:
-                            if b.ready is not None:
-                                b.ready.synchronize()
-                            payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size,
-                                                            for_sglang=self.for_sglang)
-                            t0 = time.perf_counter()
-                            if sent is None:
-                                call_engine(payloads, b.last)
-                            else:
-                                call = pool.submit(call_engine, payloads, b.last)
-                                try:
-                                    self._fingerprint_bucket(b, sent)
-                                finally:
-                                    t1 = time.perf_counter()
-                                    clock["fingerprint_s"] += t1 - t0
-                                    t0 = t1
-                                    call.result()  # the engine has copied the bucket (or raised)
-                            clock["engine_call_s"] += time.perf_counter() - t0
-                            stats["bytes"] += b.flat.numel()
-                            stats["buckets"] += 1
-                    except BaseException as exc:  # reported by the producer
-                        errors.append(exc)
-                    finally:
-                        free[b.index].release()  # acknowledged (or failed): the buffer may be rewritten
-
-        thread = threading.Thread(target=sender, name=f"weight-sender-{group}", daemon=True)
-        writer: BucketWriter | None = None
-        index = 0
-        produce_error: BaseException | None = None
-
-        def flush(last: bool) -> None:
-            nonlocal index
-            flat, meta = writer.finish()
-            ready = None
-            if flat.is_cuda:
-                ready = torch.cuda.Event()
-                ready.record()
-            todo.put(_Bucket(index, flat, meta, last, ready))
-            index ^= 1
-            t0 = time.perf_counter()
-            free[index].acquire()  # wait until the engine acknowledged the bucket that used it
-            clock["wait_buffer_s"] += time.perf_counter() - t0
-            writer.reset(buffers[index])
-
-        thread.start()
-        t_item = time.perf_counter()
-        try:
-            for name, src, shape in items:
-                t_got = time.perf_counter()
-                clock["gather_s"] += t_got - t_item
-                if produce_error is not None or errors:
-                    t_item = time.perf_counter()
-                    continue  # keep iterating: the TP peers are inside the same gathers
-                try:
-                    entries = self._entries(name, tuple(shape), src.dtype, quantize)
-                    if buffers is None:
-                        buffers = self._alloc(rep.bucket_capacity, src.device)
-                        free[0].acquire()
-                        writer = BucketWriter(buffers[0], limit=self.bucket_bytes)
-                    if len(writer) and not writer.fits([(s, d) for _, s, d in entries]):
-                        flush(last=False)
-                    t_pack = time.perf_counter()
-                    self._pack(writer, entries, src)
-                    clock["pack_s"] += time.perf_counter() - t_pack
-                    rep.num_tensors += 1
-                except Exception as exc:
-                    produce_error = exc
-                t_item = time.perf_counter()
-            if produce_error is None and not errors:
-                if writer is None or not len(writer):
-                    raise WeightSyncError(group, "nothing to send")
-                flush(last=True)
-        finally:
-            todo.put(None)
-            thread.join()
-        if produce_error is not None:
-            raise WeightSyncError(group, f"packing failed: {produce_error}") from produce_error
-        if errors:
-            raise WeightSyncError(group, f"engine update failed: {errors[0]}") from errors[0]
-        rep.bytes, rep.num_buckets = stats["bytes"], stats["buckets"]
-        rep.timings.update(clock)
-        return sent
-
-    @staticmethod
-    def _pack(writer: BucketWriter, entries, src: torch.Tensor) -> None:
-        (name, shape, dtype), *rest = entries
-        if dtype == torch.float8_e4m3fn:
-            from megatron_spec.ops import fp8_block_quantize
-
-            w = writer.reserve(name, shape, dtype)
-            s = writer.reserve(rest[0][0], rest[0][1], rest[0][2])
-            fp8_block_quantize(src.reshape(shape), fp8_names.BLOCK, out=(w, s))
-        else:
-            writer.add(name, src, shape, dtype)
-
-    def _fingerprint_bucket(self, b: _Bucket, fp: Fingerprint) -> None:
-        """Fingerprint of the bucket's tensors as the engine will hold them (engine dtype;
-        FP8 pairs dequantised exactly as the receiving side does)."""
-        by_name = {m.name: m for m in b.metadata}
-        for m in b.metadata:
-            view = b.flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
-            if m.name.endswith(fp8_names.SCALE_SUFFIX) and m.dtype == torch.float32 \
-                    and m.name[: -len(fp8_names.SCALE_SUFFIX)] in by_name:
-                continue
-            if m.dtype == torch.float8_e4m3fn:
-                from megatron_spec.ops import fp8_block_dequantize
-
-                sm = by_name[fp8_names.scale_name(m.name)]
-                scale = b.flat[sm.start_idx:sm.end_idx].view(sm.dtype).view(sm.shape)
-                rows = fp8_names.BLOCK[0] * 8  # dequantise a few row blocks at a time: a small temporary
-                for r in range(0, view.shape[0], rows):
-                    fp.add(fp8_block_dequantize(view[r:r + rows], scale[r // fp8_names.BLOCK[0]:
-                                                                       -(-(r + rows) // fp8_names.BLOCK[0])],
-                                                self.engine_dtype, fp8_names.BLOCK))
-            elif view.dtype.is_floating_point:
-                fp.add(view, self.engine_dtype)
-            else:
-                fp.add(view)
+        """Pack ``items`` into double buffers while a sender thread ships full ones (:class:`BucketStream`);
+        fills ``rep``'s counts and stream timings."""
+        stream = BucketStream(self.engine, group, version, engine_tp_size=self.engine_tp_size,
+                              for_sglang=self.for_sglang, engine_dtype=self.engine_dtype,
+                              fingerprint=self.verify)
+        done = stream.run(items, self._entries, quantize, lambda dev: self._alloc(rep.bucket_capacity, dev),
+                          self.bucket_bytes)
+        rep.bytes, rep.num_buckets, rep.num_tensors = done.bytes, done.num_buckets, done.num_tensors
+        rep.timings.update(done.timings)
+        return done.sent

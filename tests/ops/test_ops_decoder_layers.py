@@ -9,7 +9,7 @@ import torch
 
 import megatron_spec.ops  # noqa: F401  (the fake kernels)
 from megatron_spec.isa import probe
-from megatron_spec.layers import decoder, linear
+from megatron_spec.layers import fused_layers, linear
 from megatron_spec.layers.linear import pack_linears
 from megatron_spec.models.hf_config import DecoderConfig
 from megatron_spec.rollout.native.model import CausalLM
@@ -54,7 +54,7 @@ def run(m: CausalLM, fused: bool, monkeypatch, aux_layers=(0, 1)):
     row (every position's logits), a segment at a slot offset, then a prefill of 142 rows (over the kernels'
     row limit), all with aux layers; returns every output, the caches, and how many layers each forward ran
     in C++."""
-    monkeypatch.setattr(decoder, "FUSED_LAYERS", fused)
+    monkeypatch.setattr(fused_layers, "FUSED_LAYERS", fused)
     ran = []
 
     def counting(self, *a, **kw):
@@ -89,7 +89,7 @@ def run(m: CausalLM, fused: bool, monkeypatch, aux_layers=(0, 1)):
 @pytest.mark.parametrize("dtype,family", [(torch.float32, "llama"), (torch.float32, "qwen2"),
                                           (torch.bfloat16, "llama"), (torch.bfloat16, "qwen2")])
 def test_same_bits_as_the_python_layers(dtype, family, monkeypatch, kernel_variant):
-    if not decoder.fused_layers_available(dtype):
+    if not fused_layers.fused_layers_available(dtype):
         pytest.skip(f"the extension's {dtype} kernels do not all run here")
     if dtype == torch.bfloat16 and not probe().native_bf16:  # oneDNN cannot pack bf16: no bf16 engine here
         pytest.skip("no native bf16 on this CPU (or MEGATRON_SPEC_NO_NATIVE_BF16=1)")
@@ -112,32 +112,32 @@ def test_same_bits_as_the_python_layers(dtype, family, monkeypatch, kernel_varia
 def test_not_where_the_python_layer_calls_other_ops(monkeypatch):
     """Under autograd, with unpacked weights, with Qwen3's q/k norms, or for more rows than the panels serve,
     the model keeps its Python layers."""
-    if not decoder.fused_layers_available(torch.float32):
+    if not fused_layers.fused_layers_available(torch.float32):
         pytest.skip("the extension's fp32 kernels do not all run here")
     m = make_model(torch.float32)
     x = torch.zeros(4, 64)
     with torch.inference_mode():
-        assert decoder.fused_stack(m.layers, x) is not None
-        assert decoder.fused_stack(m.layers, torch.zeros(linear.SMALL_MAX_ROWS + 1, 64)) is None
-        assert decoder.fused_stack([], x) is None
-        monkeypatch.setattr(decoder, "FUSED_LAYERS", False)
-        assert decoder.fused_stack(m.layers, x) is None
-        monkeypatch.setattr(decoder, "FUSED_LAYERS", True)
+        assert fused_layers.fused_stack(m.layers, x) is not None
+        assert fused_layers.fused_stack(m.layers, torch.zeros(linear.SMALL_MAX_ROWS + 1, 64)) is None
+        assert fused_layers.fused_stack([], x) is None
+        monkeypatch.setattr(fused_layers, "FUSED_LAYERS", False)
+        assert fused_layers.fused_stack(m.layers, x) is None
+        monkeypatch.setattr(fused_layers, "FUSED_LAYERS", True)
     with torch.enable_grad():
-        assert decoder.fused_stack(m.layers, x) is None
+        assert fused_layers.fused_stack(m.layers, x) is None
     with torch.inference_mode():
-        assert decoder.fused_stack(m.layers, x.bfloat16()) is None  # fp32 weights, bf16 input
+        assert fused_layers.fused_stack(m.layers, x.bfloat16()) is None  # fp32 weights, bf16 input
         pack_linears(m, enable=False)
-        assert decoder.fused_stack(m.layers, x) is None
-        assert decoder.fused_stack(make_model(torch.float32, "qwen3", qk_norm=True).layers, x) is None
+        assert fused_layers.fused_stack(m.layers, x) is None
+        assert fused_layers.fused_stack(make_model(torch.float32, "qwen3", qk_norm=True).layers, x) is None
 
 
 def test_refuses_inconsistent_arguments():
-    if not decoder.fused_layers_available(torch.float32):
+    if not fused_layers.fused_layers_available(torch.float32):
         pytest.skip("the extension's fp32 kernels do not all run here")
     m = make_model(torch.float32, layers=2)
     with torch.inference_mode():
-        weights, biases = decoder.fused_stack(m.layers, torch.zeros(2, 64))
+        weights, biases = fused_layers.fused_stack(m.layers, torch.zeros(2, 64))
     cache = m.new_cache(2, 8)
     cos, sin = m.rotary.tables(torch.zeros(2, 1, dtype=torch.long), torch.float32)
     args = {"write_index": cache.write_index(torch.zeros(2, 1, dtype=torch.long)), "cos": cos, "sin": sin,
@@ -156,7 +156,7 @@ def test_repacked_weights_reach_the_cpp_layers(monkeypatch):
     """The model keeps the C++ layers' argument lists between forwards; new weights packed after a load (as
     the
     engine does after every update) are what the next forward runs."""
-    if not decoder.fused_layers_available(torch.float32):
+    if not fused_layers.fused_layers_available(torch.float32):
         pytest.skip("the extension's fp32 kernels do not all run here")
     m = make_model(torch.float32)
     ids = torch.randint(0, m.cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -172,5 +172,5 @@ def test_repacked_weights_reach_the_cpp_layers(monkeypatch):
             layer.mlp.down_proj.weight.mul_(0.5)  # still bf16 numbers
     pack_linears(m)
     after = forward()
-    monkeypatch.setattr(decoder, "FUSED_LAYERS", False)
+    monkeypatch.setattr(fused_layers, "FUSED_LAYERS", False)
     assert torch.equal(after, forward()) and not torch.equal(after, before)

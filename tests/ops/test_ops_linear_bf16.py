@@ -147,11 +147,11 @@ def test_compiling_is_skipped_where_the_cpp_layers_run(monkeypatch):
     """``--rollout-compile`` compiles the layer only where the extension's C++ decoder layers do not run for
     the
     dtype (they were faster than the compiled layer in fp32 and bf16: layers.compiled.compiling_pays)."""
-    from megatron_spec.layers import decoder
+    from megatron_spec.layers import decoder, fused_layers
     from megatron_spec.layers.compiled import compiling_pays
 
-    assert compiling_pays(torch.float32) != decoder.fused_layers_available(torch.float32)
-    if _ext.bf16_dot_available() and decoder.fused_layers_available(torch.bfloat16):
+    assert compiling_pays(torch.float32) != fused_layers.fused_layers_available(torch.float32)
+    if _ext.bf16_dot_available() and fused_layers.fused_layers_available(torch.bfloat16):
         assert not compiling_pays(torch.bfloat16)
     monkeypatch.setattr(_ext, "bf16_dot_available", lambda: False)
     assert compiling_pays(torch.bfloat16)

@@ -341,7 +341,7 @@ def test_point_masses_and_neg_inf_stay_legal(kernel_variant):
 
 def test_process_logits_output_is_well_inside_the_tolerance():
     """The tolerance's margin: process_logits' float32 output at V = 152k, low and high temperature."""
-    from megatron_spec.ops.verify_reference import MASS_TOL, logprob_mass
+    from megatron_spec.ops.ms_math_reference import MASS_TOL, logprob_mass
     from megatron_spec.speculative.logits import SamplingTensors, process_logits
 
     g = torch.Generator().manual_seed(16)
@@ -356,7 +356,7 @@ def test_process_logits_output_is_well_inside_the_tolerance():
 
 def test_logprob_mass_order_is_the_kernels_lane_order():
     """The mass the kernels sum (csrc/cpu/kernels_impl.h chunk_mass), written out in plain Python."""
-    from megatron_spec.ops.verify_reference import logprob_mass
+    from megatron_spec.ops.ms_math_reference import logprob_mass
 
     g = torch.Generator().manual_seed(17)
     for V in [1, 7, 8, 255, 256, 257, 1000]:

@@ -7,9 +7,10 @@ import math
 import numpy as np
 import pytest
 
+from megatron_spec.sim.capacity import LayoutError
 from megatron_spec.sim.layout import HEADROOM, candidate_shapes, search_layouts, simulate_layout
 from megatron_spec.sim.models import get_model
-from megatron_spec.sim.rl_step import LayoutError, SimConfig, build_step_model, simulate, step_cost_breakdown
+from megatron_spec.sim.rl_step import SimConfig, build_step_model, simulate, step_cost_breakdown
 from megatron_spec.sim.roofline import expected_distinct_experts
 from megatron_spec.sim.workload import PRESETS
 

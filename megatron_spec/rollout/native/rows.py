@@ -76,7 +76,7 @@ class Admission:
         (the
         prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside running
         rows
-        (``base > 0``), or too many rows for the C++ layers (``layers.decoder.fused_input``)."""
+        (``base > 0``), or too many rows for the C++ layers (``layers.fused_layers.fused_input``)."""
         p, n = len(batch), [len(r.input_ids) for r in batch]
         t = max(n)
         ids = pad_rows([r.input_ids for r in batch], t, 0, device)

@@ -1,0 +1,241 @@
+"""The double-buffered bucket stream of one weight sync.
+
+The producer (the caller's thread) packs tensors into one of two bucket buffers, cast to the dtype they
+travel in or block-FP8 quantised on the way; a full bucket goes to a sender thread, which hands it to the
+engine's ``update_weights_from_tensor`` and, while the engine loads it, fingerprints it as the engine will
+hold it. A buffer is rewritten only after the engine acknowledged the update that referenced it, so the
+engine never reads a buffer being rewritten. The producer keeps iterating after a failure (the tensor-parallel
+peers are inside the same gathers) and raises once the items are done.
+
+It does not know where the tensors come from (Megatron gathers, a checkpoint), which dtype each travels in
+(the caller plans the entries), how large the buffers are, or how the engine is checked after the sync
+(``megatron_spec.sync.streamer``, ``megatron_spec.sync.verify``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from megatron_spec.sync import fp8 as fp8_names
+from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata
+from megatron_spec.sync.fingerprint import Fingerprint
+from megatron_spec.sync.transport import make_bucket_payloads
+from megatron_spec.sync.verify import WeightSyncError
+
+STREAM_PIECES = ("gather_s", "pack_s", "wait_buffer_s", "fingerprint_s", "engine_call_s")
+"""The seconds :class:`BucketStream` clocks: waiting for the next item (gathering it), packing it, waiting for
+the engine to free a buffer, and on the sender thread fingerprinting a bucket and waiting for the engine."""
+
+Entry = tuple[str, tuple[int, ...], torch.dtype]
+"""One tensor of a bucket as the engine will receive it: name, shape, dtype."""
+
+
+@dataclasses.dataclass
+class _Bucket:
+    index: int
+    flat: torch.Tensor
+    metadata: list[FlattenedTensorMetadata]
+    last: bool
+    ready: Any = None  # a CUDA event to wait for before the engine may read the buffer
+
+
+@dataclasses.dataclass
+class Streamed:
+    """What one stream moved."""
+
+    sent: Fingerprint | None
+    """Fingerprint of what the engine received, in its dtype (None: not asked for)."""
+    bytes: int
+    """Bucket bytes sent (once, however many engine TP ranks read them)."""
+    num_buckets: int
+    num_tensors: int
+    timings: dict[str, float]
+    """Seconds per piece (:data:`STREAM_PIECES`)."""
+
+
+class BucketStream:
+    """One sync's stream into ``engine``: :meth:`run` once.
+
+    Args:
+        engine: the rollout engine handle (``update_weights_from_tensor``), inside an open weight update.
+        group, version: the ``selector`` and ``weight_version`` of the update calls.
+        engine_tp_size: payloads per bucket (one per engine TP rank).
+        for_sglang: build payloads SGLang's loader reads.
+        engine_dtype: the dtype the engine holds floating tensors in (what the fingerprint hashes).
+        fingerprint: fingerprint the sent buckets (:attr:`Streamed.sent`).
+    """
+
+    def __init__(self, engine: Any, group: str, version: str, *, engine_tp_size: int, for_sglang: bool,
+                 engine_dtype: torch.dtype, fingerprint: bool):
+        self.engine, self.group, self.version = engine, group, version
+        self.engine_tp_size, self.for_sglang, self.engine_dtype = engine_tp_size, for_sglang, engine_dtype
+        self.free = [threading.Semaphore(1), threading.Semaphore(1)]
+        self.todo: queue.Queue[_Bucket | None] = queue.Queue()
+        self.errors: list[BaseException] = []  # the sender's, reported by the producer
+        self.sent = Fingerprint() if fingerprint else None
+        self.clock = dict.fromkeys(STREAM_PIECES, 0.0)
+        self.bytes = self.buckets = 0
+        self.buffers: list[torch.Tensor] = []
+        self.writer: BucketWriter | None = None
+        self.index = 0
+
+    def run(self, items: Iterator, entries: Callable[[str, tuple[int, ...], torch.dtype, bool], list[Entry]],
+            quantize: bool, alloc: Callable[[torch.device], list[torch.Tensor]], limit: int) -> Streamed:
+        """Pack ``items`` (``(name, tensor, shape)``) into double buffers while a sender thread ships full
+        ones.
+
+        ``entries(name, shape, dtype, quantize)``: what one tensor travels as (two entries: FP8 data and its
+        scales); ``alloc(device)``: the two buffers, allocated once the first tensor shows the device; a
+        bucket closes once the next tensor would take it past ``limit`` bytes."""
+        thread = threading.Thread(target=self._send_loop, name=f"weight-sender-{self.group}", daemon=True)
+        clock, errors = self.clock, self.errors
+        writer: BucketWriter | None = None
+        produce_error: BaseException | None = None
+        tensors = 0
+        thread.start()
+        t_item = time.perf_counter()
+        try:
+            for name, src, shape in items:
+                t_got = time.perf_counter()
+                clock["gather_s"] += t_got - t_item
+                if produce_error is not None or errors:
+                    t_item = time.perf_counter()
+                    continue  # keep iterating: the TP peers are inside the same gathers
+                try:
+                    planned = entries(name, tuple(shape), src.dtype, quantize)
+                    if writer is None:
+                        writer = self._open(alloc(src.device), limit)
+                    if len(writer) and not writer.fits([(s, d) for _, s, d in planned]):
+                        self._flush(last=False)
+                    t_pack = time.perf_counter()
+                    pack(writer, planned, src)
+                    clock["pack_s"] += time.perf_counter() - t_pack
+                    tensors += 1
+                except Exception as exc:
+                    produce_error = exc
+                t_item = time.perf_counter()
+            if produce_error is None and not errors:
+                if writer is None or not len(writer):
+                    raise WeightSyncError(self.group, "nothing to send")
+                self._flush(last=True)
+        finally:
+            self.todo.put(None)
+            thread.join()
+        if produce_error is not None:
+            raise WeightSyncError(self.group, f"packing failed: {produce_error}") from produce_error
+        if errors:
+            raise WeightSyncError(self.group, f"engine update failed: {errors[0]}") from errors[0]
+        return Streamed(self.sent, self.bytes, self.buckets, tensors, clock)
+
+    # ------------------------------------------------------------------ producer side
+    def _open(self, buffers: list[torch.Tensor], limit: int) -> BucketWriter:
+        """Start writing into the first of the two ``buffers``."""
+        self.buffers = buffers
+        self.free[0].acquire()
+        self.writer = BucketWriter(buffers[0], limit=limit)
+        return self.writer
+
+    def _flush(self, last: bool) -> None:
+        """Hand the written bucket to the sender; go on in the other buffer once the engine let go of it."""
+        flat, meta = self.writer.finish()
+        ready = None
+        if flat.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self.todo.put(_Bucket(self.index, flat, meta, last, ready))
+        self.index ^= 1
+        t0 = time.perf_counter()
+        self.free[self.index].acquire()  # wait until the engine acknowledged the bucket that used it
+        self.clock["wait_buffer_s"] += time.perf_counter() - t0
+        self.writer.reset(self.buffers[self.index])
+
+    # ------------------------------------------------------------------ sender thread
+    def _send_loop(self) -> None:
+        """The sender thread: ships buckets until the producer's None, releasing each buffer once the engine
+        acknowledged it (or failed: then the rest are skipped and the error is left for the producer)."""
+        # The fingerprint of a bucket is taken while the engine loads it (both only read it).
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"weight-call-{self.group}") as pool:
+            while True:
+                b = self.todo.get()
+                if b is None:
+                    return
+                try:
+                    if not self.errors:
+                        self._send(b, pool)
+                except BaseException as exc:  # reported by the producer
+                    self.errors.append(exc)
+                finally:
+                    self.free[b.index].release()  # acknowledged (or failed): the buffer may be rewritten
+
+    def _send(self, b: _Bucket, pool: concurrent.futures.ThreadPoolExecutor) -> None:
+        """One bucket to the engine, fingerprinted meanwhile; returns once the engine has copied it."""
+        if b.ready is not None:
+            b.ready.synchronize()
+        payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size, for_sglang=self.for_sglang)
+        t0 = time.perf_counter()
+        if self.sent is None:
+            self._call_engine(payloads, b.last)
+        else:
+            call = pool.submit(self._call_engine, payloads, b.last)
+            try:
+                fingerprint_bucket(b.flat, b.metadata, self.sent, self.engine_dtype)
+            finally:
+                t1 = time.perf_counter()
+                self.clock["fingerprint_s"] += t1 - t0
+                t0 = t1
+                call.result()  # the engine has copied the bucket (or raised)
+        self.clock["engine_call_s"] += time.perf_counter() - t0
+        self.bytes += b.flat.numel()
+        self.buckets += 1
+
+    def _call_engine(self, payloads, last: bool) -> None:
+        self.engine.update_weights_from_tensor(
+            payloads, selector=self.group, weight_version=self.version, flush_cache=last
+        )
+
+
+def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor) -> None:
+    """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales."""
+    (name, shape, dtype), *rest = entries
+    if dtype == torch.float8_e4m3fn:
+        from megatron_spec.ops import fp8_block_quantize
+
+        w = writer.reserve(name, shape, dtype)
+        s = writer.reserve(rest[0][0], rest[0][1], rest[0][2])
+        fp8_block_quantize(src.reshape(shape), fp8_names.BLOCK, out=(w, s))
+    else:
+        writer.add(name, src, shape, dtype)
+
+
+def fingerprint_bucket(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata], fp: Fingerprint,
+                       engine_dtype: torch.dtype) -> None:
+    """Add the bucket's tensors to ``fp`` as the engine will hold them (``engine_dtype``; FP8 pairs
+    dequantised exactly as the receiving side does)."""
+    by_name = {m.name: m for m in metadata}
+    for m in metadata:
+        view = flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
+        if m.name.endswith(fp8_names.SCALE_SUFFIX) and m.dtype == torch.float32 \
+                and m.name[: -len(fp8_names.SCALE_SUFFIX)] in by_name:
+            continue
+        if m.dtype == torch.float8_e4m3fn:
+            from megatron_spec.ops import fp8_block_dequantize
+
+            sm = by_name[fp8_names.scale_name(m.name)]
+            scale = flat[sm.start_idx:sm.end_idx].view(sm.dtype).view(sm.shape)
+            rows = fp8_names.BLOCK[0] * 8  # dequantise a few row blocks at a time: a small temporary
+            for r in range(0, view.shape[0], rows):
+                fp.add(fp8_block_dequantize(view[r:r + rows], scale[r // fp8_names.BLOCK[0]:
+                                                                   -(-(r + rows) // fp8_names.BLOCK[0])],
+                                            engine_dtype, fp8_names.BLOCK))
+        elif view.dtype.is_floating_point:
+            fp.add(view, engine_dtype)
+        else:
+            fp.add(view)
