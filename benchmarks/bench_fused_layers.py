@@ -4,7 +4,7 @@ against the same layers in Python (issue 30).
     python benchmarks/bench_fused_layers.py [--dtypes auto,float32] [--batch-sizes 1,16] [--rounds 4]
 
 On the real model (SmolLM2-135M-Instruct): the native engine, greedy, 64 new tokens, 2B held-out chat prompts
-at max batch B, with the C++ layers on and off (``layers.decoder.FUSED_LAYERS``) in alternating order round by
+at max batch B, with the C++ layers on and off (``fused_layers.FUSED_LAYERS``) in alternating order round by
 round in one process, and in fp32 (where ``--rollout-compile`` compiles) also the compiled layer, a second
 engine in the same rounds. tokens/s is each side's best round, a ratio the median of the paired per-round
 ratios (``bench_rollout.paired_ratio``); the greedy outputs are compared (the C++ layers must give the same
@@ -29,19 +29,19 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 def compare(dtype: str, batch: int, path: str, requests, rounds: int, threads: int, context: int) -> dict:
     from bench_rollout import paired_ratio
     from megatron_spec.rollout.config import EngineConfig
-    from megatron_spec.rollout.native import server as server_mod
+    from megatron_spec.rollout.native import warm_up
     from megatron_spec.rollout.native.server import EngineServer
     from profile_engine_step import python_layers
 
     def server(compile_: bool) -> EngineServer:
-        saved = server_mod.compiling_pays
+        saved = warm_up.compiling_pays
         # compiled even where the C++ layers run (to compare them)
-        server_mod.compiling_pays = lambda _dtype: True
+        warm_up.compiling_pays = lambda _dtype: True
         try:
             return EngineServer(EngineConfig(model_path=path, dtype=dtype, max_batch_size=batch,
                                              context_length=context, num_threads=threads, compile=compile_))
         finally:
-            server_mod.compiling_pays = saved
+            warm_up.compiling_pays = saved
 
     eager = server(False)
     sides = {"cpp": (eager, True), "python": (eager, False)}
@@ -92,7 +92,7 @@ def main() -> int:
 
     from _real_model import chat_prompts
     from megatron_spec.isa import resolve_dtype
-    from megatron_spec.layers.decoder import fused_layers_available
+    from megatron_spec.layers.fused_layers import fused_layers_available
     from megatron_spec.models.fetch import resolve_model
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 

@@ -28,6 +28,10 @@ takes exactly T payloads, one per engine TP rank, each the full bucket packed on
 (SGLang's loaders narrow full tensors to the rank's shard). Who packs them is the caller's
 business (``megatron_spec.sync``); this handle checks the count and passes them on in order.
 
+The checks and files before launch live in ``sglang_launch``, one ``generate`` call in ``sglang_generate``,
+the request objects and output parsing in ``sglang_protocol``; this module holds the handle's state
+(sessions, versions, released memory, the draft backup).
+
 It needs a GPU and the full SGLang install; on CPU everything up to ``sglang.Engine`` is
 tested against SGLang's own classes (tests/sync/test_sglang_backend.py, and
 tests/sync/test_sglang_tp_payloads.py for TP > 1).
@@ -36,7 +40,6 @@ tests/sync/test_sglang_tp_payloads.py for TP > 1).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -46,13 +49,14 @@ from megatron_spec.dtypes import torch_dtype
 from megatron_spec.interfaces import MEMORY_TAGS, RolloutEngine
 from megatron_spec.rollout import sglang_protocol as proto
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.types import (
-    GenerateRequest,
-    GenerateStats,
-    SampleOutput,
-    check_ready_to_generate,
-    stats_from_samples,
+from megatron_spec.rollout.sglang_generate import generate_batch
+from megatron_spec.rollout.sglang_launch import (
+    check_fp8_target,
+    checked_server_args,
+    engine_gpu_ids,
+    write_fp8_config,
 )
+from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput, check_ready_to_generate
 
 if TYPE_CHECKING:
     from megatron_spec.sync.fingerprint import Fingerprint
@@ -60,10 +64,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _GROUPS = ("target", "draft")
-# Targets whose SGLang 0.5.23 loader takes block-FP8 ``*.weight_scale_inv`` (checked by running the
-# loaders in tests/sync/test_sglang_backend.py). LlamaForCausalLM's loaders rename it to
-# ``*.weight_scale``, which a block-FP8 layer does not have, and go on after a log warning.
-FP8_TARGETS = frozenset({"Qwen3ForCausalLM", "Qwen2ForCausalLM"})
 
 
 class SGLangCallError(RuntimeError):
@@ -102,24 +102,16 @@ class SGLangEngine(RolloutEngine):
         if isinstance(tp_size, bool) or int(tp_size) != tp_size or tp_size < 1:
             raise ValueError(f"SGLang tp_size must be an integer >= 1, got {tp_size!r}")
         self.tp_size = int(tp_size)
-        self.gpu_ids = self._gpu_ids(gpu_ids)
+        self.gpu_ids = engine_gpu_ids(gpu_ids, self.tp_size)
         self._overrides = dict(server_overrides or {})
         self._launch = launch or _launch_sglang
         self.dtype = torch_dtype(config.dtype)
         if config.fp8_weights:
-            from megatron_spec.models import HFCheckpoint
-
-            arch = HFCheckpoint(config.model_path).decoder_config.architecture
-            if arch not in FP8_TARGETS:
-                raise ValueError(
-                    f"FP8 rollout weights on SGLang need a target whose loader reads *.weight_scale_inv; "
-                    f"{arch}'s loader (SGLang 0.5.23) renames it to *.weight_scale and drops it. "
-                    f"Supported: {sorted(FP8_TARGETS)}; use --rollout-weight-dtype bf16"
-                )
+            check_fp8_target(config.model_path)
         self._speculation = config.draft_kind != "none"
-        self._fp8_config_file = self._write_fp8_config() if config.fp8_weights else None
+        self._fp8_config_file = write_fp8_config(self, config.model_path) if config.fp8_weights else None
         self.server_kwargs = self._server_kwargs(self._speculation)
-        self.server_args = self._checked_server_args(self.server_kwargs)
+        self.server_args = checked_server_args(self.server_kwargs)
         self._engine = self._launch(**self.server_kwargs)
         self._closed = False
         has_draft = self._speculation
@@ -141,49 +133,10 @@ class SGLangEngine(RolloutEngine):
             self._push_checkpoint_fp8()
 
     # ------------------------------------------------------------------ plumbing
-    def _gpu_ids(self, gpu_ids: Sequence[int] | None) -> tuple[int, ...]:
-        if gpu_ids is None:
-            base = torch.cuda.current_device() if torch.cuda.is_available() else 0
-            gpu_ids = range(base, base + self.tp_size)
-        ids = tuple(int(g) for g in gpu_ids)
-        proto.gpu_placement(ids, self.tp_size)  # raises for ids SGLang cannot place
-        if torch.cuda.is_available() and max(ids) >= torch.cuda.device_count():
-            raise ValueError(
-                f"SGLang engine GPUs {list(ids)}: only {torch.cuda.device_count()} CUDA devices are "
-                f"visible to this process"
-            )
-        return ids
-
     def _server_kwargs(self, speculation: bool) -> dict[str, Any]:
         return proto.server_kwargs(self.config, tp_size=self.tp_size, speculation=speculation,
                                    overrides=self._overrides, fp8_config_file=self._fp8_config_file,
                                    gpu_ids=self.gpu_ids)
-
-    def _write_fp8_config(self) -> str:
-        """The target's block-FP8 ``config.json`` in a directory that lives as long as this handle."""
-        import json
-        import os
-        import shutil
-        import tempfile
-        import weakref
-
-        tmp = tempfile.mkdtemp(prefix="megatron-spec-sglang-")
-        weakref.finalize(self, shutil.rmtree, tmp, True)
-        path = os.path.join(tmp, "config.json")
-        with open(path, "w") as f:
-            json.dump(proto.fp8_target_config(self.config.model_path), f, indent=2)
-        return path
-
-    @staticmethod
-    def _checked_server_args(kwargs: dict[str, Any]):
-        """Construct SGLang's ``ServerArgs`` (unknown fields raise) and run the lossless guard on it."""
-        from sglang.srt.server_args import ServerArgs
-
-        from megatron_spec.speculative import check_lossless
-
-        args = ServerArgs(**kwargs)
-        check_lossless(args)
-        return args
 
     def _tm(self, method: str, obj) -> Any:
         """Run a tokenizer-manager coroutine on the engine's loop (as ``sglang.Engine`` does)."""
@@ -219,59 +172,11 @@ class SGLangEngine(RolloutEngine):
         otherwise sampling follows the launch-time ``random_seed``. ``timeout`` is not
         enforced here (SGLang has no per-call deadline).
         """
-        from megatron_spec.speculative import check_lossless
-
         check_ready_to_generate(updating=self._session is not None, released=self._released,
                                 missing=[g for g in self._groups() if self._versions[g] is None])
-        expanded = [(r, i) for r in requests for i in range(r.n)]
-        if not expanded:
-            return [], GenerateStats(num_draft_tokens=self._k())
-        check_lossless(
-            self.server_args,
-            sampling={
-                "temperature": [r.sampling.temperature for r, _ in expanded],
-                "min_p": [r.sampling.min_p for r, _ in expanded],
-            },
-        )
-        deterministic = bool(getattr(self.server_args, "enable_deterministic_inference", False))
-        params = []
-        for j, (r, _) in enumerate(expanded):
-            p = r.sampling.to_sglang()
-            if seed is not None and deterministic:
-                p["sampling_seed"] = (int(seed) * 1_000_003 + j) % (1 << 63)
-            params.append(p)
-        t0 = time.perf_counter()
-        try:
-            outs = self._engine.generate(
-                input_ids=[list(r.input_ids) for r, _ in expanded],
-                sampling_params=params,
-                return_logprob=True,
-            )
-        except Exception as exc:  # its scheduler died or hung up: the rollout manager restarts the engine
-            from megatron_spec.interfaces import EngineDiedError
-
-            raise EngineDiedError(
-                f"SGLang engine failed during generate: {type(exc).__name__}: {exc}"
-            ) from exc
-        wall = time.perf_counter() - t0
-        if isinstance(outs, dict):
-            outs = [outs]
-        if len(outs) != len(expanded):
-            raise proto.SGLangOutputError(f"SGLang returned {len(outs)} outputs for {len(expanded)} samples")
-        samples = [
-            proto.parse_output(
-                o,
-                r.request_id,
-                i,
-                speculative=self._speculation,
-                target_version=self._versions["target"],
-                draft_version=self._versions["draft"],
-            )
-            for o, (r, i) in zip(outs, expanded)
-        ]
-        if on_progress is not None:
-            on_progress(len(samples))
-        return samples, stats_from_samples(samples, wall, self._k())
+        return generate_batch(self._engine, self.server_args, requests, num_draft_tokens=self._k(),
+                              speculative=self._speculation, target_version=self._versions["target"],
+                              draft_version=self._versions["draft"], seed=seed, on_progress=on_progress)
 
     def _k(self) -> int:
         return self.config.k if self._speculation else 0
@@ -291,7 +196,7 @@ class SGLangEngine(RolloutEngine):
         self.shutdown()
         self._speculation = enabled
         self.server_kwargs = self._server_kwargs(enabled)
-        self.server_args = self._checked_server_args(self.server_kwargs)
+        self.server_args = checked_server_args(self.server_kwargs)
         self._engine = self._launch(**self.server_kwargs)
         self._closed = False
         self._released, self._offloaded = set(), set()  # a new engine has released nothing

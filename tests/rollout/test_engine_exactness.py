@@ -78,10 +78,10 @@ def test_compiled_layers_greedy_identical_to_transformers(setup, greedy_referenc
     graph a
     second build, ``layers.kv_cache``)."""
     prompts, ref = greedy_reference
-    from megatron_spec.rollout.native import server as server_mod
+    from megatron_spec.rollout.native import warm_up
 
     # compiled even where the C++ layers run
-    monkeypatch.setattr(server_mod, "compiling_pays", lambda dtype: True)
+    monkeypatch.setattr(warm_up, "compiling_pays", lambda dtype: True)
     server = _server(setup, "eagle3", num_draft_tokens=3, max_batch_size=4, compile=True, context_length=60)
     warmed = server.info()["compiled_graphs"]
     assert server.target.compiled is not None and warmed >= 2  # warmed at start

@@ -19,13 +19,12 @@ target's distribution. Drafters only decide how often drafts are accepted and wh
 from __future__ import annotations
 
 import abc
-import contextlib
-import time
 from collections.abc import Sequence
 
 import torch
 
 from megatron_spec.rollout.native.rows import pad_rows
+from megatron_spec.rollout.native.thread_chooser import ThreadChooser
 from megatron_spec.speculative import SamplingTensors, process_logits
 from megatron_spec.speculative.verify import sample_from_logprobs
 
@@ -144,57 +143,6 @@ class NgramDrafter(Drafter):
                     break
             conts.append(cont)
         return pad_rows(conts, k, -1, "cpu"), None  # on the host: the engine moves it once
-
-
-class ThreadChooser:
-    """Runs a draft's proposal with 1 intra-op thread or with the engine's, whichever it measured faster
-    (per batch size, an EMA per choice; the other choice is re-tried every ``retry_every`` calls).
-
-    Why: a small draft's matrix products are too small to split, and with several threads every
-    one of its many small kernels waits at an OpenMP barrier; when other processes share the cores a
-    descheduled thread holds that barrier for a time slice. Measured here (0.8M-parameter draft model,
-    batch 1, 2 threads on a loaded 2-core host): 2.3-3.4 s per proposal of 3 tokens with 2 threads,
-    29-56 ms with 1. Which is faster depends on the draft, the batch and the machine's load, so it
-    is measured, not configured."""
-
-    def __init__(self, retry_every: int = 32, ema: float = 0.3):
-        self.retry_every, self.ema = retry_every, ema
-        self.seconds: dict[tuple[int, int], float] = {}
-        self.calls = 0
-        self.enabled = True
-        """False on a GPU: the host's threads only launch its kernels (``allocate`` sets it)."""
-
-    def choose(self, batch: int) -> int:
-        n = torch.get_num_threads()
-        if n == 1:
-            return 1
-        self.calls += 1
-        for t in (1, n):
-            if (batch, t) not in self.seconds:
-                return t
-        best = min((1, n), key=lambda t: self.seconds[(batch, t)])
-        if self.calls % self.retry_every == 0:
-            return n if best == 1 else 1
-        return best
-
-    @contextlib.contextmanager
-    def run(self, batch: int):
-        if not self.enabled:
-            yield
-            return
-        n = torch.get_num_threads()
-        t = self.choose(batch)
-        if t != n:
-            torch.set_num_threads(t)
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            dt = time.perf_counter() - t0
-            if t != n:
-                torch.set_num_threads(n)
-            old = self.seconds.get((batch, t))
-            self.seconds[(batch, t)] = dt if old is None else old + self.ema * (dt - old)
 
 
 class _CachedDraftModel(Drafter):
@@ -408,8 +356,7 @@ class Eagle3Drafter(_CachedDraftModel):
             if self._skipped:  # nothing was run: the new (token, aux) pairs join the pending ones
                 self.pending_tokens[b] = self.pending_tokens[b] + list(em)
                 # (kept as chunks, joined when the draft runs: a row sitting out many steps would otherwise
-                # copy
-                # all its pending states again at every step)
+                # copy all its pending states again at every step)
                 self.pending_aux[b] = self.pending_aux[b] + [verify_aux[b, :n]]
             else:
                 self.pending_tokens[b] = list(em)

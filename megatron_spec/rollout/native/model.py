@@ -30,10 +30,9 @@ from megatron_spec.layers.decoder import (
     RMSNorm,
     Rotary,
     cat_rows,
-    fused_input,
-    fused_stack,
     gather_rows,
 )
+from megatron_spec.layers.fused_layers import fused_input, fused_stack
 from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
 from megatron_spec.layers.linear import Linear, TiedLinear
 from megatron_spec.models.hf_config import DecoderConfig
@@ -114,7 +113,7 @@ class CausalLM(nn.Module):
         self.compiled = None
         """:class:`~megatron_spec.layers.compiled.CompiledLayers` once :meth:`compile_layers` is called."""
         self._fused: tuple | None = None
-        """(key, ``layers.decoder.fused_stack``'s result) of the last forward that asked
+        """(key, ``layers.fused_layers.fused_stack``'s result) of the last forward that asked
         (:meth:`_run_fused`)."""
 
     @property
@@ -165,29 +164,13 @@ class CausalLM(nn.Module):
         on its own pays a whole pass over them, while riding along with a decode step it costs
         little more than its own arithmetic (SGLang's and vLLM's mixed prefill/decode batches).
         """
+        plans = [self._plan(s, cache) for s in segments]
+        # Only the rows whose logits are wanted need the last layer's output (unless it is an
+        # aux layer): the others need its keys and values, not its attention output or MLP.
         last = len(self.layers) - 1
-        plans, rows = [], []
-        for s in segments:
-            read_len = read_length(s.kv_lens, cache.max_len)
-            if s.cache_positions is None:
-                write, mask = s.positions, attention_mask(s.positions, s.kv_lens, read_len)
-            else:
-                write, mask = s.cache_positions, tree_attention_mask(s.cache_positions, s.visible, read_len)
-            pack = None
-            if s.pack is not None:
-                pack = s.pack.reshape(-1).nonzero()[:, 0]
-            plans.append(LayerPlan(*s.input_ids.shape, s.positions, s.kv_lens, read_len, s.slot_offset,
-                                   # shared by all layers
-                                   cache.write_index(write, s.slot_offset), mask, pack))
-            # Only the rows whose logits are wanted need the last layer's output (unless it is an
-            # aux layer): the others need its keys and values, not its attention output or MLP.
-            rows.append(
-                s.logits_index
-                if s.logits_index is not None and last not in aux_layers and pack is None
-                else None
-            )
-        h = self.cfg.hidden_size
-        x = cat_rows(
+        rows = [s.logits_index if s.logits_index is not None and last not in aux_layers and p.pack is None
+                else None for s, p in zip(segments, plans)]
+        x = cat_rows(  # the segments' flat rows [sum n, H], a packed segment's running tokens only
             [
                 self.embed_tokens(
                     s.input_ids.reshape(-1)
@@ -198,7 +181,41 @@ class CausalLM(nn.Module):
             ]
         )
         aux: list[list[torch.Tensor]] = [[] for _ in segments]
-        no_rows = [None] * len(segments)
+        x = self._run_layers(x, plans, rows, cache, aux_layers, aux)
+        outs = self._wanted_rows(x, segments, plans, rows)
+        logits = self.head(self.norm(cat_rows(outs)))
+        order = sorted(aux_layers)
+        result = []
+        for s, p, lg, a in zip(segments, plans, logits.split([o.shape[0] for o in outs]), aux):
+            aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
+            result.append(
+                (_unpack(lg, p) if s.logits_index is None else lg.view(p.b, -1, lg.shape[-1]), aux_out)
+            )
+        return result
+
+    @staticmethod
+    def _plan(s: Segment, cache: KVCache) -> LayerPlan:
+        """What every layer needs to know about segment ``s``: its cache write rows and attention mask
+        (shared by all layers) and, when packed, the flat indices of the tokens it runs."""
+        read_len = read_length(s.kv_lens, cache.max_len)
+        if s.cache_positions is None:
+            write, mask = s.positions, attention_mask(s.positions, s.kv_lens, read_len)
+        else:
+            write, mask = s.cache_positions, tree_attention_mask(s.cache_positions, s.visible, read_len)
+        pack = None
+        if s.pack is not None:
+            pack = s.pack.reshape(-1).nonzero()[:, 0]
+        return LayerPlan(*s.input_ids.shape, s.positions, s.kv_lens, read_len, s.slot_offset,
+                         cache.write_index(write, s.slot_offset), mask, pack)
+
+    def _run_layers(self, x: torch.Tensor, plans: list[LayerPlan], rows: list[torch.Tensor | None],
+                    cache: KVCache, aux_layers: Sequence[int], aux: list[list[torch.Tensor]]) -> torch.Tensor:
+        """Every decoder layer over the segments' flat rows ``x [sum n, H]``: the compiled layers or the C++
+        stack where one plain segment allows, the Python layers for the rest. The last layer keeps only
+        ``rows[j]`` of segment j where that is not None. Appends segment j's aux layer outputs to
+        ``aux[j]`` (in layer order); returns the last layer's output."""
+        last = len(self.layers) - 1
+        no_rows = [None] * len(plans)
         seg_rows = [p.n for p in plans]
         weights = self._compiled_weights(plans)
         done = 0
@@ -218,6 +235,12 @@ class CausalLM(nn.Module):
                 if i in aux_layers:
                     for j, part in enumerate(x.split(seg_rows)):
                         aux[j].append(_unpack(part, plans[j]))
+        return x
+
+    def _wanted_rows(self, x: torch.Tensor, segments: Sequence[Segment], plans: list[LayerPlan],
+                     rows: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Per segment, the rows of the last layer's output ``x`` whose logits are wanted, ``[n', H]``."""
+        h = self.cfg.hidden_size
         outs = []
         for p, s, r, part in zip(plans, segments, rows, x.split([p.n if r is None else p.b * r.shape[1]
                                                                   for p, r in zip(plans, rows)])):
@@ -227,16 +250,7 @@ class CausalLM(nn.Module):
             part = part.view(p.b, -1, h)
             outs.append((gather_rows(part, s.logits_index) if s.logits_index is not None and r is None
                          else part).reshape(-1, h))
-        normed = self.norm(cat_rows(outs))
-        logits = self.head(normed)
-        order = sorted(aux_layers)
-        result = []
-        for s, p, lg, a in zip(segments, plans, logits.split([o.shape[0] for o in outs]), aux):
-            aux_out = torch.cat([a[order.index(i)] for i in aux_layers], -1) if aux_layers else None
-            result.append(
-                (_unpack(lg, p) if s.logits_index is None else lg.view(p.b, -1, lg.shape[-1]), aux_out)
-            )
-        return result
+        return outs
 
     def _run_fused(
         self,
@@ -248,7 +262,7 @@ class CausalLM(nn.Module):
         aux: list[torch.Tensor],
     ) -> tuple[int, torch.Tensor]:
         """Layers ``0..stop-1`` over ``x`` through ``megatron_spec::decoder_layers``
-        (``layers.decoder.fused_stack``
+        (``layers.fused_layers.fused_stack``
         says whether they may run there), the aux layers' outputs appended to ``aux``. Returns how many layers
         ran and their output (0 and ``x``: none ran)."""
         if cache.dtype != x.dtype or not fused_input(x):  # the C++ layer writes K/V as they are

@@ -27,19 +27,16 @@ import torch
 from megatron_spec.dtypes import torch_dtype
 from megatron_spec.exit import exit_now
 from megatron_spec.interfaces import WeightReceiver
-from megatron_spec.layers.compiled import compiling_pays
-from megatron_spec.layers.decoder import use_fused_attention
-from megatron_spec.layers.linear import pack_linears, warm_linears
+from megatron_spec.layers.linear import pack_linears
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
-from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, NgramDrafter
+from megatron_spec.rollout.native.drafter_factory import build_drafter, draft_module
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
-from megatron_spec.rollout.native.mtp_drafter import MtpDrafter
+from megatron_spec.rollout.native.warm_up import prepare_for_inference
 from megatron_spec.rollout.types import GenerateRequest, check_ready_to_generate
 
 logger = logging.getLogger(__name__)
-
 
 
 SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_repack_s", "engine_checksum_s")
@@ -57,6 +54,22 @@ def tensor_group_checksum(tensors) -> dict:
     return fingerprint_dict(tensors)
 
 
+def _engine_device(config: EngineConfig) -> torch.device:
+    """The engine's device (this process's current CUDA device when it is one), after setting the
+    process's torch threads where ``config`` fixes them."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"engine device {config.device} but torch sees no CUDA device in the engine process"
+            )
+        # this process's CUDA context and allocator on the trainer's GPU
+        torch.cuda.set_device(device)
+    return device
+
+
 class EngineServer(WeightReceiver):
     """Engine state and the calls the handle makes; in-process, a
     :class:`~megatron_spec.interfaces.WeightReceiver` itself (tests stream into it directly)."""
@@ -64,16 +77,7 @@ class EngineServer(WeightReceiver):
     def __init__(self, config: EngineConfig):
         config = config.resolved()  # already resolved by the handle; direct users get the same choice
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
-        if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError(
-                    f"engine device {config.device} but torch sees no CUDA device in the engine process"
-                )
-            # this process's CUDA context and allocator on the trainer's GPU
-            torch.cuda.set_device(self.device)
+        self.device = _engine_device(config)
         self.dtype = torch_dtype(config.dtype)
         ckpt = HFCheckpoint(config.model_path)
         self.target_cfg = ckpt.decoder_config
@@ -83,43 +87,13 @@ class EngineServer(WeightReceiver):
         if config.load_weights:
             self.target.load_weights((n, ckpt.get(n)) for n in ckpt.weight_names())
             self.versions["target"] = "init"
-        self.drafter = self._build_drafter()
-        history = None
-        if config.history:
-            from megatron_spec.rollout.native.history_drafter import HistoryDrafter
-
-            history = HistoryDrafter(live=config.history_live)
-        self.core = EngineCore(self.target, self.drafter, num_draft_tokens=config.k, adaptive=config.adaptive,
-                               history=history, history_max_draft_tokens=config.history_max_draft_tokens,
-                               history_tree=config.history_tree,
-                               max_batch_size=config.max_batch_size, context_length=config.context_length,
-                               seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
-        if config.spec_trace and self.core.controller is not None:
-            from megatron_spec.rollout.native.decision_trace import DecisionTrace
-
-            self.core.controller.trace = DecisionTrace(config.spec_trace)
+        built = build_drafter(config, self.target, self.device, self.dtype)
+        self.drafter = built.drafter
+        self.versions["draft"] = built.version
+        self.core = self._build_core()
         self.core.allocate()
-        for module in (self.target, self._draft_module()):
-            if module is not None:
-                pack_linears(module)  # oneDNN-prepacked weights for inference (model.Linear)
-        if config.warm_up:
-            t0 = time.perf_counter()
-            calls = warm_linears([m for m in (self.target, self._draft_module()) if m is not None],
-                                 config.max_batch_size * (config.k_verify + 1))
-            logger.info("engine warm-up: %d linear calls in %.2f s", calls, time.perf_counter() - t0)
-        if config.compile and self.device.type == "cpu" and not compiling_pays(self.dtype):
-            logger.info("--rollout-compile: not in %s here, where the extension's C++ decoder layers are "
-                        "faster (layers.compiled.compiling_pays)", self.dtype)
-        elif config.compile and self.device.type == "cpu":
-            self.target.compile_layers()
-            if config.warm_up:
-                t0 = time.perf_counter()
-                self._warm_compiled()
-                logger.info(
-                    "engine warm-up: %d compiled layer graphs in %.1f s",
-                    self.target.compiled.compiles,
-                    time.perf_counter() - t0,
-                )
+        prepare_for_inference(self.target, self._draft_module(), self.core.cache, config, self.device,
+                              self.dtype)
         self._updating: dict[str, set[str]] | None = None
         self._session_groups: set[str] = set()  # the groups of the open (or last) weight-update session
         self._generate_calls = 0  # counts generate calls for the fault points (megatron_spec.faults)
@@ -127,11 +101,10 @@ class EngineServer(WeightReceiver):
         self._mapped: list[torch.Tensor] = []
         self._keep_mapped = self.device.type == "cpu"
         """Keep the two mapped buckets between updates (CPU: the sender reuses its two shared-memory buffers,
-        and a
-        mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets after
-        each
-        sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine drops its
-        mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free them."""
+        and a mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets
+        after each sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine
+        drops its mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free
+        them."""
         self._released: set[str] = set()
         self._checksums: dict[str, dict] = {}
         """Each group's checksum, computed once after the group's weights changed (dropped on every write)."""
@@ -139,85 +112,28 @@ class EngineServer(WeightReceiver):
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
                               for m in (self.target, self._draft_module()) if m is not None}
 
-    def _build_drafter(self) -> Drafter | None:
-        cfg = self.config
-        if cfg.draft_kind == "none":
-            return None
-        if cfg.draft_kind == "ngram":
-            return NgramDrafter(cfg.ngram_min, cfg.ngram_max)
-        if cfg.draft_kind == "history":
+    def _build_core(self) -> EngineCore:
+        """The scheduler over the target and the drafter, with the history drafter beside it if asked for
+        and the adaptive controller's decision trace."""
+        config = self.config
+        history = None
+        if config.history:
             from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 
-            return HistoryDrafter(live=cfg.history_live)
-        if cfg.draft_kind == "model":
-            dck = HFCheckpoint(cfg.draft_path)
-            dcfg = dck.decoder_config
-            if dcfg.vocab_size != self.target_cfg.vocab_size:
-                raise ValueError(
-                    f"draft model {cfg.draft_path} has vocab_size {dcfg.vocab_size}, the target "
-                    f"{self.target_cfg.vocab_size}: a draft model must share the target's tokenizer"
-                )
-            model = (
-                CausalLM(dcfg, max_positions=cfg.context_length + cfg.k + 1)
-                .to(self.device, self.dtype)
-                .eval()
-            )
-            model.load_weights((n, dck.get(n)) for n in dck.weight_names())
-            self.versions["draft"] = "init"
-            return ModelDrafter(model)
-        if cfg.draft_kind == "eagle3":
-            from megatron_spec.draft.modelopt_io import load_eagle3
+            history = HistoryDrafter(live=config.history_live)
+        core = EngineCore(self.target, self.drafter, num_draft_tokens=config.k, adaptive=config.adaptive,
+                          history=history, history_max_draft_tokens=config.history_max_draft_tokens,
+                          history_tree=config.history_tree,
+                          max_batch_size=config.max_batch_size, context_length=config.context_length,
+                          seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
+        if config.spec_trace and core.controller is not None:
+            from megatron_spec.rollout.native.decision_trace import DecisionTrace
 
-            head = load_eagle3(cfg.draft_path, self.target_cfg, dtype=self.dtype, device=self.device).eval()
-            self.versions["draft"] = "init"
-            return Eagle3Drafter(head, self.target.embed_tokens)
-        if cfg.draft_kind == "mtp":  # heads streamed by the trainer; an MTP export dir optionally
-            from megatron_spec.draft.mtp import load_mtp_head
-            from megatron_spec.draft.mtp_head import MtpHead
-
-            if cfg.draft_path:
-                head = load_mtp_head(
-                    cfg.draft_path,
-                    self.target_cfg,
-                    dtype=self.dtype,
-                    num_layers=cfg.mtp_num_layers,
-                    device=self.device,
-                )
-                self.versions["draft"] = "init"
-            else:
-                head = MtpHead(self.target_cfg, cfg.mtp_num_layers).to(self.device, self.dtype).eval()
-            return MtpDrafter(head, self.target, cfg.k)
-        raise ValueError(f"draft_kind {cfg.draft_kind!r} is not available in the native engine")
+            core.controller.trace = DecisionTrace(config.spec_trace)
+        return core
 
     def _draft_module(self) -> torch.nn.Module | None:
-        if isinstance(self.drafter, ModelDrafter):
-            return self.drafter.model
-        if isinstance(self.drafter, (Eagle3Drafter, MtpDrafter)):
-            return self.drafter.head
-        return None
-
-    def _warm_compiled(self) -> None:
-        """Compile the decoder layer for every class of step shape an engine can meet: one row or several,
-        one token or several, and the attention kernel
-        :func:`~megatron_spec.layers.decoder.use_fused_attention`
-        picks (dynamo makes one graph per class; the sizes within it stay symbolic), each from the first
-        of a few representative shapes that falls in it. On the engine's own cache: its sizes are
-        constants of the graphs (another cache's would compile them again); the entries written at the
-        first positions of the first slots are overwritten by the next prefill there."""
-        cfg = self.config
-        cache = self.core.cache
-        t_max = cfg.k_verify + 1
-        seen = set()
-        with torch.inference_mode():
-            for b in sorted({1, 2, 4, 8, cfg.max_batch_size}):
-                for t in sorted({1, 2, 4, 8, t_max}):
-                    key = (b == 1, t == 1, use_fused_attention(self.dtype, b, t))
-                    if b > cfg.max_batch_size or t > t_max or key in seen:
-                        continue
-                    seen.add(key)
-                    ids = torch.zeros(b, t, dtype=torch.long, device=self.device)
-                    pos = torch.arange(t, device=self.device).expand(b, t)
-                    self.target(ids, pos, cache, torch.full((b,), t, device=self.device))
+        return draft_module(self.drafter)
 
     # ------------------------------------------------------------------ calls
     def info(self) -> dict[str, Any]:
