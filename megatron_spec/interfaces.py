@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from megatron_spec.capture.cache import DraftCache
-    from megatron_spec.capture.hooks import CaptureConfig
+    from megatron_spec.capture.config import CaptureConfig
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
     from megatron_spec.sync.fingerprint import Fingerprint

@@ -23,10 +23,11 @@ It knows no engine and no Megatron: HF checkpoints in and out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -107,7 +108,6 @@ def distill_draft_model(
     (:func:`evaluate_draft_model` on ``held_out``), ``curve`` (training loss every 10 steps) and the
     seconds of the teacher pass and of training."""
     import transformers
-    from tqdm.auto import tqdm
 
     if steps < 1:
         raise ValueError(f"distill_draft_model: steps must be >= 1, got {steps}")
@@ -128,21 +128,53 @@ def distill_draft_model(
     teacher = _teacher(target, rollouts, teacher_topk, batch_size, pad_id)
     teacher_s = time.perf_counter() - t0
     before = evaluate_draft_model(draft.eval(), target, held_out, batch_size=batch_size, pad_id=pad_id)
+    run = _train(draft, rollouts, teacher, steps=steps, lr=lr, batch_size=batch_size,
+                 warmup_steps=warmup_steps, seed=seed, pad_id=pad_id, progress=progress)
+    after = evaluate_draft_model(draft.eval(), target, held_out, batch_size=batch_size, pad_id=pad_id)
+    _save_atomically(draft, tok, target_dir, os.fspath(out_dir))
+    return {
+        "before": before,
+        "after": after,
+        "curve": run.curve,
+        "teacher_seconds": teacher_s,
+        "train_seconds": run.seconds,
+        "rows": sum(int(t[0].shape[0]) for t in teacher),
+    }
+
+
+def _warmup_cosine(steps: int, warmup_steps: int) -> Callable[[int], float]:
+    """LR multiplier at step s: linear warm-up over ``warmup_steps``, then a cosine from 1 down to 0.1
+    at ``steps``."""
+    return lambda s: (
+        min(1.0, (s + 1) / max(warmup_steps, 1))
+        * (
+            0.1
+            + 0.9
+            * 0.5
+            * (1 + math.cos(math.pi * min(1.0, max(0, s - warmup_steps) / max(1, steps - warmup_steps))))
+        )
+    )
+
+
+@dataclasses.dataclass
+class _Training:
+    curve: list[tuple[int, float]]
+    """``(step, loss)`` every 10 steps and at the last one."""
+    seconds: float
+    """Wall time of the optimizer steps."""
+
+
+def _train(
+    draft, rollouts: Sequence[Rollout], teacher: list[tuple[torch.Tensor, torch.Tensor]], *, steps: int,
+    lr: float, batch_size: int, warmup_steps: int, seed: int, pad_id: int, progress: bool,
+) -> _Training:
+    """``steps`` AdamW steps of ``draft``'s trainable parameters on random batches of ``rollouts``
+    against ``teacher`` (per rollout: top-k log-probs and ids ``[rows, k]``), soft cross-entropy."""
+    from tqdm.auto import tqdm
 
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            min(1.0, (s + 1) / max(warmup_steps, 1))
-            * (
-                0.1
-                + 0.9
-                * 0.5
-                * (1 + math.cos(math.pi * min(1.0, max(0, s - warmup_steps) / max(1, steps - warmup_steps))))
-            )
-        ),
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup_cosine(steps, warmup_steps))
     g = torch.Generator().manual_seed(seed)
     draft.train()
     curve, t1 = [], time.perf_counter()
@@ -163,10 +195,11 @@ def distill_draft_model(
         bar.set_postfix(loss=f"{loss_value:.3f}")
         if s % 10 == 0 or s == steps - 1:
             curve.append((s, loss_value))
-    train_s = time.perf_counter() - t1
-    after = evaluate_draft_model(draft.eval(), target, held_out, batch_size=batch_size, pad_id=pad_id)
+    return _Training(curve=curve, seconds=time.perf_counter() - t1)
 
-    out_dir = os.fspath(out_dir)
+
+def _save_atomically(draft, tok, target_dir: str, out_dir: str) -> None:
+    """The draft, the tokenizer and the target's generation config into ``out_dir`` (replaced whole)."""
     tmp = out_dir + ".tmp"
     draft.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -179,11 +212,3 @@ def distill_draft_model(
 
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
-    return {
-        "before": before,
-        "after": after,
-        "curve": curve,
-        "teacher_seconds": teacher_s,
-        "train_seconds": train_s,
-        "rows": sum(int(t[0].shape[0]) for t in teacher),
-    }

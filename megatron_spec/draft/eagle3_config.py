@@ -12,11 +12,12 @@ It knows no tensors other than ``d2t`` and no files.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
-from megatron_spec.capture.hooks import default_aux_layer_ids
+from megatron_spec.capture.config import default_aux_layer_ids
 from megatron_spec.draft.rope import rope_frequencies
 from megatron_spec.models.hf_config import DecoderConfig
 
@@ -148,65 +149,21 @@ class Eagle3Config:
                 f"{source}: architectures {archs} is not an EAGLE-3 draft (expected {ARCHITECTURE})"
             )
         eagle = dict(cfg.get("eagle_config") or {})
-
-        def need(key: str) -> Any:
-            if cfg.get(key) is None:
-                raise ValueError(f"{source}: missing required field {key!r}")
-            return cfg[key]
-
-        for key, what in _UNSUPPORTED_TRUE.items():
-            if cfg.get(key) or eagle.get(key):
-                raise ValueError(f"{source}: {key}=true ({what}) is not supported")
-        if int(cfg.get("num_hidden_layers", 1)) != 1:
-            raise ValueError(f"{source}: num_hidden_layers {cfg['num_hidden_layers']} is not supported "
-                             f"(EAGLE-3 drafts with one decoder layer only)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
-        if cfg.get("quantization_config"):
-            raise ValueError(f"{source}: quantized drafts (quantization_config) are not supported")
-        if eagle.get("use_aux_hidden_state") is False:
-            raise ValueError(f"{source}: eagle_config.use_aux_hidden_state=false is EAGLE-1/2, not EAGLE-3")
-        if eagle.get("use_input_layernorm_in_first_layer") is False:
-            raise ValueError(
-                f"{source}: eagle_config.use_input_layernorm_in_first_layer=false (no hidden_norm) "
-                f"is not supported"
-            )
-        if eagle.get("use_last_layernorm") is False:
-            raise ValueError(f"{source}: eagle_config.use_last_layernorm=false is not supported (ModelOpt's "
-                             f"exporter requires norm.weight and SGLang always applies it)")
-        hidden = int(need("hidden_size"))
+        _reject_unsupported(cfg, eagle, source)
+        hidden = int(_need(cfg, "hidden_size", source))
         if cfg.get("target_hidden_size") not in (None, hidden):
             raise ValueError(
                 f"{source}: target_hidden_size {cfg['target_hidden_size']} != hidden_size {hidden} "
                 f"is not supported"
             )
-        heads = int(need("num_attention_heads"))
-
-        ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-        if not ids:
-            if target_num_layers is None:
-                raise ValueError(f"{source}: no eagle_config.eagle_aux_hidden_state_layer_ids and no target "
-                                 f"layer count to derive ModelOpt's default from")
-            ids = default_aux_layer_ids(target_num_layers)
-
-        rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
-        rope = dict(rope) if rope else None
-        theta = cfg.get("rope_theta")
-        if theta is None and rope is not None:
-            theta = rope.get("rope_theta")
-        if rope is not None and rope.get("rope_theta") not in (None, theta):
-            raise ValueError(f"{source}: rope_scaling.rope_theta {rope['rope_theta']} != rope_theta {theta}")
-        vocab = int(need("vocab_size"))
-        known = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
-                 "rope_parameters", "max_position_embeddings", "torch_dtype", "dtype", "eagle_config"}
-        extra = {k: v for k, v in cfg.items() if k not in known}
-        extra["eagle_config"] = {
-            k: v for k, v in eagle.items() if k not in ("eagle_aux_hidden_state_layer_ids", "norm_output")
-        }
+        heads = int(_need(cfg, "num_attention_heads", source))
+        ids = _aux_layer_ids(eagle, source, target_num_layers)
+        rope = _rope(cfg, source)
+        vocab = int(_need(cfg, "vocab_size", source))
+        extra = _extra_fields(cfg, eagle)
         return cls(
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=int(_need(cfg, "intermediate_size", source)),
             num_attention_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
@@ -214,8 +171,8 @@ class Eagle3Config:
             draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab),
             aux_layer_ids=tuple(int(i) for i in ids),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(theta if theta is not None else 10000.0),
-            rope_scaling=rope,
+            rope_theta=float(rope.theta if rope.theta is not None else 10000.0),
+            rope_scaling=rope.scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             norm_output=bool(eagle.get("norm_output", cfg.get("norm_output", False))),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
@@ -272,6 +229,81 @@ class Eagle3Config:
                 f"a target with {target.num_layers} layers (valid 0..{target.num_layers - 1}) "
                 f"in {source}"
             )
+
+
+# ---------------------------------------------------------------------- config.json parsing steps
+_KNOWN_FIELDS = {"hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "vocab_size", "draft_vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+                 "rope_parameters", "max_position_embeddings", "torch_dtype", "dtype", "eagle_config"}
+"""config.json fields :class:`Eagle3Config` holds as its own; the rest travel in ``extra``."""
+
+
+def _need(cfg: dict[str, Any], key: str, source: str) -> Any:
+    if cfg.get(key) is None:
+        raise ValueError(f"{source}: missing required field {key!r}")
+    return cfg[key]
+
+
+def _reject_unsupported(cfg: dict[str, Any], eagle: dict[str, Any], source: str) -> None:
+    """Raise, naming the flag, for a config.json whose math the head does not implement."""
+    for key, what in _UNSUPPORTED_TRUE.items():
+        if cfg.get(key) or eagle.get(key):
+            raise ValueError(f"{source}: {key}=true ({what}) is not supported")
+    if int(cfg.get("num_hidden_layers", 1)) != 1:
+        raise ValueError(f"{source}: num_hidden_layers {cfg['num_hidden_layers']} is not supported "
+                         f"(EAGLE-3 drafts with one decoder layer only)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+    if cfg.get("quantization_config"):
+        raise ValueError(f"{source}: quantized drafts (quantization_config) are not supported")
+    if eagle.get("use_aux_hidden_state") is False:
+        raise ValueError(f"{source}: eagle_config.use_aux_hidden_state=false is EAGLE-1/2, not EAGLE-3")
+    if eagle.get("use_input_layernorm_in_first_layer") is False:
+        raise ValueError(
+            f"{source}: eagle_config.use_input_layernorm_in_first_layer=false (no hidden_norm) "
+            f"is not supported"
+        )
+    if eagle.get("use_last_layernorm") is False:
+        raise ValueError(f"{source}: eagle_config.use_last_layernorm=false is not supported (ModelOpt's "
+                         f"exporter requires norm.weight and SGLang always applies it)")
+
+
+def _aux_layer_ids(eagle: dict[str, Any], source: str, target_num_layers: int | None) -> Sequence[int]:
+    """The export's feature layers, or ModelOpt's default for a target of ``target_num_layers``."""
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        if target_num_layers is None:
+            raise ValueError(f"{source}: no eagle_config.eagle_aux_hidden_state_layer_ids and no target "
+                             f"layer count to derive ModelOpt's default from")
+        ids = default_aux_layer_ids(target_num_layers)
+    return ids
+
+
+class _Rope(NamedTuple):
+    theta: Any
+    """``rope_theta`` as exported (top level, else inside the scaling dict); None if neither has it."""
+    scaling: dict[str, Any] | None
+    """``rope_scaling`` (or ``rope_parameters``) as exported, copied; None if absent."""
+
+
+def _rope(cfg: dict[str, Any], source: str) -> _Rope:
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+    rope = dict(rope) if rope else None
+    theta = cfg.get("rope_theta")
+    if theta is None and rope is not None:
+        theta = rope.get("rope_theta")
+    if rope is not None and rope.get("rope_theta") not in (None, theta):
+        raise ValueError(f"{source}: rope_scaling.rope_theta {rope['rope_theta']} != rope_theta {theta}")
+    return _Rope(theta, rope)
+
+
+def _extra_fields(cfg: dict[str, Any], eagle: dict[str, Any]) -> dict[str, Any]:
+    """The rest of config.json (written back on save), ``eagle_config`` without what the head holds."""
+    extra = {k: v for k, v in cfg.items() if k not in _KNOWN_FIELDS}
+    extra["eagle_config"] = {
+        k: v for k, v in eagle.items() if k not in ("eagle_aux_hidden_state_layer_ids", "norm_output")
+    }
+    return extra
 
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, draft_vocab_size: int, *, source: str = "d2t") -> None:

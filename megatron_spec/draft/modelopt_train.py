@@ -182,34 +182,15 @@ def train_and_export_eagle3(
         :class:`Eagle3TrainResult`.
     """
     import modelopt.torch.speculative as mtsp
-    import transformers
-    from modelopt.torch.export import export_speculative_decoding
-    from tqdm.auto import tqdm
 
     t0 = time.perf_counter()
-    seqs = [[int(t) for t in s] for s in token_sequences]
-    if steps < 0:
-        raise ValueError(f"steps must be >= 0, got {steps}")
-    min_len = ttt_steps + 2  # the last TTT step compares positions 1 + ttt_steps .. T-1
-    seqs = [s for s in seqs if len(s) >= min_len]
-    if not seqs:
-        raise ValueError(
-            f"token_sequences has no sequence of at least {min_len} tokens (ttt_steps={ttt_steps})"
-        )
+    seqs = _training_sequences(token_sequences, steps, ttt_steps)
     seq_len = min(max_len, max(len(s) for s in seqs))
 
     torch.manual_seed(seed)  # the draft's initialisation
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.fspath(target_hf_dir), dtype=torch.float32)
-    model.to(device)
-    vocab = model.config.vocab_size
-    if draft_vocab_size is not None and not 0 < draft_vocab_size <= vocab:
-        raise ValueError(
-            f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab} (the target's vocab_size)"
-        )
-    if draft_vocab_size == vocab:
-        draft_vocab_size = None
+    model = _load_target(target_hf_dir, device)
+    draft_vocab_size = _reduced_vocab_size(draft_vocab_size, model.config.vocab_size)
     d2t = calibrate_d2t(seqs, draft_vocab_size) if draft_vocab_size is not None else None
-
     cfg = eagle3_modelopt_config(
         model.config,
         draft_vocab_size=draft_vocab_size,
@@ -224,13 +205,73 @@ def train_and_export_eagle3(
         eagle.d2t.copy_(d2t.to(eagle.d2t.device))
     if freeze_input_layernorm:
         eagle.layers[0].input_layernorm.weight.requires_grad_(False)
+    history = _train(model, seqs, seq_len, steps=steps, batch_size=batch_size, lr=lr, grad_clip=grad_clip,
+                     seed=seed, device=device, progress=progress)
+    out_dir = _export_atomically(model, out_dir)
+    return Eagle3TrainResult(
+        path=out_dir, losses=history.losses, accuracies=history.accuracies,
+        aux_layer_ids=tuple(int(i) for i in model.eagle_config.eagle_aux_hidden_state_layer_ids),
+        draft_vocab_size=int(model.eagle_config.draft_vocab_size), seconds=time.perf_counter() - t0,
+        model=model if keep_model else None)
+
+
+def _training_sequences(
+    token_sequences: Sequence[Sequence[int]], steps: int, ttt_steps: int
+) -> list[list[int]]:
+    """The sequences long enough for ``ttt_steps`` (as int lists); raises for bad ``steps`` or none left."""
+    seqs = [[int(t) for t in s] for s in token_sequences]
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    min_len = ttt_steps + 2  # the last TTT step compares positions 1 + ttt_steps .. T-1
+    seqs = [s for s in seqs if len(s) >= min_len]
+    if not seqs:
+        raise ValueError(
+            f"token_sequences has no sequence of at least {min_len} tokens (ttt_steps={ttt_steps})"
+        )
+    return seqs
+
+
+def _load_target(target_hf_dir: str | os.PathLike, device: str | torch.device) -> Any:
+    """The HF target in float32 on ``device``."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.fspath(target_hf_dir), dtype=torch.float32)
+    model.to(device)
+    return model
+
+
+def _reduced_vocab_size(draft_vocab_size: int | None, vocab: int) -> int | None:
+    """``draft_vocab_size`` checked against the target's ``vocab``; None when it is the full vocabulary."""
+    if draft_vocab_size is not None and not 0 < draft_vocab_size <= vocab:
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab} (the target's vocab_size)"
+        )
+    if draft_vocab_size == vocab:
+        draft_vocab_size = None
+    return draft_vocab_size
+
+
+@dataclasses.dataclass
+class _History:
+    losses: list[float]
+    """ModelOpt's EAGLE loss per optimiser step."""
+    accuracies: list[list[float]]
+    """Per step, the top-1 agreement at each TTT step."""
+
+
+def _train(
+    model: Any, seqs: list[list[int]], seq_len: int, *, steps: int, batch_size: int, lr: float,
+    grad_clip: float | None, seed: int, device: str | torch.device, progress: bool,
+) -> _History:
+    """``steps`` AdamW steps on the converted model's own EAGLE loss; leaves it in eval mode."""
+    from tqdm.auto import tqdm
+
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     batches = _batches(seqs, batch_size, seq_len, pad_id, torch.Generator().manual_seed(seed))
-    losses: list[float] = []
-    accuracies: list[list[float]] = []
+    history = _History(losses=[], accuracies=[])
     model.train()
     bar = tqdm(range(steps), desc="eagle3 draft (ModelOpt)", unit="step", disable=not progress)
     for _ in bar:
@@ -241,10 +282,16 @@ def train_and_export_eagle3(
         if grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, grad_clip)
         optimizer.step()
-        losses.append(float(out.loss.detach()))
-        accuracies.append([float(a) for a in out.train_acc[0]])
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc0=f"{accuracies[-1][0]:.2f}")
+        history.losses.append(float(out.loss.detach()))
+        history.accuracies.append([float(a) for a in out.train_acc[0]])
+        bar.set_postfix(loss=f"{history.losses[-1]:.3f}", acc0=f"{history.accuracies[-1][0]:.2f}")
     model.eval()
+    return history
+
+
+def _export_atomically(model: Any, out_dir: str | os.PathLike) -> str:
+    """``export_speculative_decoding`` into a temporary directory beside ``out_dir``, then swapped in."""
+    from modelopt.torch.export import export_speculative_decoding
 
     out_dir = os.fspath(out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
@@ -258,11 +305,7 @@ def train_and_export_eagle3(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Eagle3TrainResult(
-        path=out_dir, losses=losses, accuracies=accuracies,
-        aux_layer_ids=tuple(int(i) for i in model.eagle_config.eagle_aux_hidden_state_layer_ids),
-        draft_vocab_size=int(model.eagle_config.draft_vocab_size), seconds=time.perf_counter() - t0,
-        model=model if keep_model else None)
+    return out_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,29 +1,15 @@
-"""MTP heads trained online on the verifier's detached states, built from megatron-core's own modules.
+"""MTP heads trained online on the verifier's detached states, with their own optimizer.
 
-Why not ``GPTModel(mtp_block_spec=...)`` as is: in megatron-core 0.16.1 the MTP block runs inside
-``GPTModel._postprocess`` on the *live* decoder output, with the policy's embedding and output
-layer, and its loss is attached to the policy's hidden states by ``MTPLossAutoScaler``: its
-gradient reaches the backbone, the embedding and the output layer, and the forward fails
-without ``labels`` (``labels.clone()``), i.e. on the log-prob recompute. So the policy is built
-without MTP and :class:`MtpDraft` holds a ``MultiTokenPredictionBlock`` of its own (the spec from
-``get_gpt_mtp_block_spec`` with the policy's layer spec, sequence parallelism off), run by
-:meth:`MtpDraft.forward` on cached, detached inputs with the detach placed explicitly:
-
-* ``h_0`` = the captured final-normed decoder output (``capture`` hook on ``final_layernorm``);
-* the embeddings of ``x_{p+k}`` = the captured embedding rows (no lookup into the policy);
-* each depth is megatron-core's ``MultiTokenPredictionLayer._proj_and_transformer_layer``
-  (enorm/hnorm, ``eh_proj`` + TP gather, the transformer layer, ``final_layernorm``), skipping only
-  its ``roll``/embedding lookup, which the cache replaces (tests check it against the layer's
-  public ``forward``);
-* logits use the policy's output-layer weight *detached* (column-parallel,
-  ``copy_to_tensor_model_parallel_region`` so input gradients are reduced over TP), so no
-  gradient reaches the policy.
+:class:`MtpTrainer` owns an :class:`~megatron_spec.draft.mtp_draft.MtpDraft` (megatron-core's MTP
+layers beside the policy, run on cached, detached inputs: see that module for why and how) and a
+:class:`~megatron_spec.draft.optim.DraftOptimizer`; the policy never sees their loss.
 
 Depth k (0-based) at row q predicts ``x_{t+k+1}`` for the cache row of ``x_t``; its teacher is the
 teacher of cache row ``q + k``. Losses per depth are weighted ``loss_decay ** k``.
 
 Weights are streamed under DeepSeek-V3's HF names (``model.layers.{L+k}.*``, see
-``megatron_spec.draft.mtp_head``), gathered over TP one parameter at a time like the policy.
+``megatron_spec.draft.mtp_head`` and ``megatron_spec.draft.mtp_convert``), gathered over TP one
+parameter at a time like the policy.
 """
 
 from __future__ import annotations
@@ -36,7 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_spec.capture.cache import DraftCache, micro_batches
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
@@ -46,7 +31,8 @@ from megatron_spec.capture.teacher import (
     vocab_parallel_logprobs_at,
 )
 from megatron_spec.draft.losses import hard_cross_entropy_sum, soft_cross_entropy_sum, top1_agreement_sum
-from megatron_spec.draft.mtp_head import mtp_layer_prefix
+from megatron_spec.draft.mtp_convert import canonical_mtp_name, mtp_param_rules
+from megatron_spec.draft.mtp_draft import MtpDraft
 from megatron_spec.draft.mtp_io import load_mtp_head, load_mtp_tensors, read_mtp_config, save_mtp
 from megatron_spec.draft.optim import (
     HOST,
@@ -58,149 +44,9 @@ from megatron_spec.draft.optim import (
     scored_rows_per_step,
 )
 from megatron_spec.interfaces import DraftLearner
-from megatron_spec.models.convert import ParamRule, canonical_name, megatron_rules, shard
-from megatron_spec.models.hf_config import DecoderConfig
+from megatron_spec.models.convert import shard
 
 
-class MtpDraft(torch.nn.Module):
-    """``num_layers`` megatron-core MTP depths beside (not inside) a policy GPTModel."""
-
-    def __init__(self, policy: torch.nn.Module, num_layers: int, *, use_te: bool | None = None):
-        super().__init__()
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-        from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionBlock
-
-        from megatron_spec.compat import ensure_megatron_compat
-        from megatron_spec.models.gpt import te_available, unwrap
-
-        ensure_megatron_compat()
-        if num_layers < 1:
-            raise ValueError(f"mtp_num_layers must be >= 1, got {num_layers}")
-        gpt = unwrap(policy)
-        if getattr(gpt, "mtp_process", False):
-            raise ValueError(
-                "the policy was built with MTP layers inside it (build_gpt_model(mtp_num_layers=...)); "
-                "build it without and let MtpDraft hold them (their loss would reach the policy)"
-            )
-        tcfg = dataclasses.replace(gpt.config, mtp_num_layers=num_layers, sequence_parallel=False)
-        use_te = te_available() if use_te is None else use_te
-        spec = get_gpt_mtp_block_spec(tcfg, gpt.transformer_layer_spec, use_transformer_engine=use_te)
-        self.block = MultiTokenPredictionBlock(config=tcfg, spec=spec)
-        # megatron-core makes the local spec's norms on the CPU whatever the device: beside the policy
-        self.block.to(next(gpt.parameters()).device)
-        self.config = tcfg
-        self.__dict__["_policy"] = gpt  # referenced, not owned: its parameters are not ours
-        self.decoder_config: DecoderConfig = gpt.decoder_config
-        self.vocab_size = gpt.decoder_config.vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.block.layers)
-
-    @property
-    def policy(self) -> torch.nn.Module:
-        return self.__dict__["_policy"]
-
-    def rotary(self, seq_len: int) -> torch.Tensor:
-        with torch.no_grad():
-            return self.policy.rotary_pos_emb(seq_len)
-
-    def forward(self, hidden: torch.Tensor, embeds: torch.Tensor) -> list[torch.Tensor]:
-        """Run every depth on detached inputs.
-
-        Args:
-            hidden: ``[S, B, H]`` final-normed verifier hidden state of each row (``h_0``).
-            embeds: ``[S, B, H]`` embedding of each row's token ``x_t``; depth k reads row ``q + k``.
-        Returns:
-            per depth, ``h_k`` ``[S, B, H]`` (post ``final_layernorm``).
-        """
-        s = hidden.shape[0]
-        rope = self.rotary(s)
-        h, e = hidden.detach(), embeds.detach()
-        outs = []
-        for k, layer in enumerate(self.block.layers):
-            ek = e if k == 0 else torch.cat([e[k:], e.new_zeros(min(k, s), *e.shape[1:])])[:s]
-            h = layer._proj_and_transformer_layer(
-                hidden_states=h, decoder_input=ek, attention_mask=None, rotary_pos_emb=rope
-            )
-            outs.append(h)
-        return outs
-
-    def output_weight(self) -> torch.Tensor:
-        g = self.policy
-        w = (
-            g.shared_embedding_or_output_weight()
-            if g.share_embeddings_and_output_weights
-            else g.output_layer.weight
-        )
-        return w.detach()
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel logits ``[B, S, V/tp]`` of ``h [S, B, H]`` (the policy's output layer, detached)."""
-        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-        if self.config.tensor_model_parallel_size > 1:
-            h = copy_to_tensor_model_parallel_region(h)
-        return F.linear(h, self.output_weight()).transpose(0, 1)
-
-    def megatron_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """Parameters under GPTModel's naming (``mtp.layers.{k}.*``; a depth's transformer layer is
-        ``transformer_layer`` as megatron-core 0.16 names it, ``mtp_model_layer`` from 0.19 on)."""
-        for name, p in self.block.named_parameters():
-            yield "mtp." + name.replace(".mtp_model_layer.", ".transformer_layer."), p
-
-
-# ---------------------------------------------------------------------- HF naming
-def _to_decoder_name(name: str, num_target_layers: int) -> str | None:
-    parts = name.split(".", 4)  # mtp, layers, k, transformer_layer, rest
-    if len(parts) == 5 and parts[0] == "mtp" and parts[3] == "transformer_layer":
-        return f"decoder.layers.{num_target_layers + int(parts[2])}.{parts[4]}"
-    return None
-
-
-def mtp_param_rules(cfg: DecoderConfig, num_layers: int, tp_size: int) -> dict[str, ParamRule]:
-    """Megatron MTP parameter (``mtp.layers.{k}.*``, local-spec names) -> HF mapping.
-
-    The transformer layer of depth k maps like decoder layer ``L + k`` of the policy (the same
-    TP layouts), the MTP-only tensors are copies (``eh_proj`` split over TP by output rows).
-    """
-    h, big_l = cfg.hidden_size, cfg.num_layers
-    deep = megatron_rules(
-        dataclasses.replace(cfg, num_layers=big_l + num_layers),
-        tp_size,
-        padded_vocab=cfg.vocab_size * tp_size,
-    )  # vocabulary rules unused here
-    rules: dict[str, ParamRule] = {}
-    for k in range(num_layers):
-        src = f"decoder.layers.{big_l + k}."
-        for name, rule in deep.items():
-            if name.startswith(src):
-                meg = f"mtp.layers.{k}.transformer_layer.{name[len(src) :]}"
-                rules[meg] = dataclasses.replace(rule, megatron_name=meg)
-        p = mtp_layer_prefix(cfg, k)
-        for meg, hf, shape, dim in (
-            (f"mtp.layers.{k}.enorm.weight", f"{p}.enorm.weight", (h,), None),
-            (f"mtp.layers.{k}.hnorm.weight", f"{p}.hnorm.weight", (h,), None),
-            (f"mtp.layers.{k}.final_layernorm.weight", f"{p}.shared_head.norm.weight", (h,), None),
-            (f"mtp.layers.{k}.eh_proj.weight", f"{p}.eh_proj.weight", (h, 2 * h), 0),
-        ):
-            rules[meg] = ParamRule(
-                meg, (hf,), dim, shape, lambda full, hf=hf: {hf: full.contiguous()}, lambda t, hf=hf: t[hf]
-            )
-    return rules
-
-
-def _canonical_mtp(name: str, num_target_layers: int) -> str:
-    """TransformerEngine names of an MTP transformer layer -> local-spec names (via the decoder mapping)."""
-    dec = _to_decoder_name(name, num_target_layers)
-    if dec is None:
-        return name
-    canon = canonical_name(dec)
-    head, rest = canon.split(".", 3)[2], canon.split(".", 3)[3]
-    return f"mtp.layers.{int(head) - num_target_layers}.transformer_layer.{rest}"
-
-
-# ---------------------------------------------------------------------- trainer
 class MtpTrainer(DraftUpdate, DraftLearner):
     """MTP depths trained online with their own optimizer; the policy never sees their loss."""
 
@@ -243,7 +89,7 @@ class MtpTrainer(DraftUpdate, DraftLearner):
 
     def capture_config(self, base=None):
         """``base`` with what MTP needs: final hidden states, full-vocabulary teacher, no TP sharding."""
-        from megatron_spec.capture.hooks import CaptureConfig
+        from megatron_spec.capture.config import CaptureConfig
 
         base = base or CaptureConfig()
         return dataclasses.replace(
@@ -402,7 +248,7 @@ class MtpTrainer(DraftUpdate, DraftLearner):
         # No ``torch.no_grad()`` around the yields: a generator's grad mode leaks into its caller
         # (and stays off if the generator is abandoned); detached tensors build no graph anyway.
         for name, param in self.draft.megatron_named_parameters():
-            rule = self.rules.get(_canonical_mtp(name, big_l))
+            rule = self.rules.get(canonical_mtp_name(name, big_l))
             if rule is None:
                 raise KeyError(f"MTP parameter {name} has no HF counterpart")
             data = param.detach()
@@ -419,7 +265,7 @@ class MtpTrainer(DraftUpdate, DraftLearner):
         big_l = self.draft.decoder_config.num_layers
         with torch.no_grad():
             for name, param in self.draft.megatron_named_parameters():
-                rule = self.rules[_canonical_mtp(name, big_l)]
+                rule = self.rules[canonical_mtp_name(name, big_l)]
                 missing = [n for n in rule.hf_names if n not in tensors]
                 if missing:
                     raise KeyError(f"MTP tensor {missing[0]} missing (for {name})")
@@ -482,11 +328,9 @@ def _tp_sum(x: torch.Tensor, group, tp_size: int) -> torch.Tensor:
 
 
 __all__ = [
-    "MtpDraft",
     "MtpTrainer",
     "load_mtp_head",
     "load_mtp_tensors",
-    "mtp_param_rules",
     "read_mtp_config",
     "save_mtp",
 ]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_spec.capture import Capture, CaptureConfig
-from megatron_spec.capture.hooks import default_aux_layer_ids, response_mask_from_targets
+from megatron_spec.capture.config import default_aux_layer_ids
+from megatron_spec.capture.hooks import response_mask_from_targets
 from megatron_spec.draft.eagle3 import select_aux_hidden_states
 
 

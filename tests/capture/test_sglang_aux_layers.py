@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_spec.capture import Capture, CaptureConfig
-from megatron_spec.capture.hooks import default_aux_layer_ids
+from megatron_spec.capture.config import default_aux_layer_ids
 from tests.sync import sglang_support as ss
 
 pytestmark = pytest.mark.sglang

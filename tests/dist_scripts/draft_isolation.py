@@ -22,8 +22,8 @@ import sys
 import torch
 
 from megatron_spec.capture import Capture, CaptureConfig
-from megatron_spec.capture.hooks import _Recorder
 from megatron_spec.capture.logprobs import vocab_parallel_token_logprobs
+from megatron_spec.capture.recorder import Recorder
 from megatron_spec.draft.eagle3 import Eagle3Config, Eagle3Head
 from megatron_spec.draft.mtp import MtpTrainer
 from megatron_spec.draft.mtp_head import MtpHead
@@ -169,7 +169,7 @@ def run(info, ckpt, cfg, on: bool):
 
 
 def check_sp_gather(info, model) -> None:
-    rec = _Recorder(Capture(CaptureConfig()), model, torch.ones(2, 8, dtype=torch.bool))
+    rec = Recorder(Capture(CaptureConfig()), model, torch.ones(2, 8, dtype=torch.bool))
     full = torch.randn(8, 2, 5, generator=torch.Generator().manual_seed(3))  # [S, B, H], same on every rank
     index = (torch.tensor([0, 3, 7, 5]), torch.tensor([1, 0, 1, 0]))
     rec.sp = False

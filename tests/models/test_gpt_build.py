@@ -112,7 +112,7 @@ def test_policy_defaults_to_the_current_device(parallel, hf_checkpoints):
 
 def test_mtp_draft_follows_the_policys_device(parallel, hf_checkpoints):
     """The MTP head beside the policy: its norms are made on the CPU by megatron-core too."""
-    from megatron_spec.draft.mtp import MtpDraft
+    from megatron_spec.draft.mtp_draft import MtpDraft
 
     policy = build_gpt_model(HFCheckpoint(hf_checkpoints["qwen3"]).decoder_config, device="meta")
     draft = MtpDraft(policy, 1, use_te=False)
