@@ -66,7 +66,7 @@ def plot(path: str, runs: dict[str, list[dict]], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_spec.rl.report import compare_acceptance_figure
+    from megatron_spec.rl.report_figures import compare_acceptance_figure
 
     fig = compare_acceptance_figure(
         {name if " " in name else f"{name} draft": rows for name, rows in runs.items()}, title=title

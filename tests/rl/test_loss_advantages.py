@@ -84,7 +84,7 @@ def test_policy_lr_warms_up_linearly_and_depends_on_the_step_alone():
     """--lr-warmup-steps N: lr * (step + 1) / N for the first N steps, then lr (so a resumed run,
     which restores the step, continues the schedule exactly); 0 = constant; < 0 is refused."""
     from megatron_spec.config import RunConfig
-    from megatron_spec.rl.actor import policy_lr
+    from megatron_spec.rl.policy_optim import policy_lr
 
     cfg = RunConfig()
     cfg.grpo.lr, cfg.grpo.lr_warmup_steps = 1e-4, 4
@@ -170,7 +170,7 @@ def test_split_never_drops_and_select_for_training():
 ])
 def test_lr_schedule_after_the_warm_up(style, expected):
     from megatron_spec.config import ConfigError, RunConfig
-    from megatron_spec.rl.actor import policy_lr
+    from megatron_spec.rl.policy_optim import policy_lr
 
     cfg = RunConfig()
     cfg.grpo.lr, cfg.grpo.lr_min, cfg.grpo.lr_warmup_steps, cfg.grpo.train_iters = 1e-4, 1e-5, 2, 6

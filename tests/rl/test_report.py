@@ -76,7 +76,7 @@ def test_acceptance_axis_starts_at_one_and_the_legend_is_off_the_lines():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_spec.rl.report import acceptance_figure
+    from megatron_spec.rl.report_figures import acceptance_figure
 
     # accept length wanders in 3.50-3.66 (noise): the axis is 1 .. k+1 = 4, not zoomed to the data
     rows = [_row(s, **{"spec/accept_length": 3.5 + 0.16 * (s % 2), "spec/accept_rate_pos1": 0.8,
@@ -126,7 +126,7 @@ def test_compare_plots_two_speculative_runs_on_one_figure(tmp_path):
     assert f"| frozen draft | 100 | 3.590 | {frozen_last:.3f} |" in summary
     assert f"| {frozen_last / 3.681:.3f} |" in summary
     # the figure: both runs, the held-out tau, the fallback marker; full scale on top
-    from megatron_spec.rl.report import compare_acceptance_figure
+    from megatron_spec.rl.report_figures import compare_acceptance_figure
 
     fig = compare_acceptance_figure({"online draft": online, "frozen draft": frozen}, zoom=True)
     top, zoom = fig.axes
