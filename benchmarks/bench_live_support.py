@@ -95,7 +95,8 @@ def replay(groups: list[list[list[int]]], k: int, candidates: int) -> dict:
                     while m < min(len(prop), len(truth)) and prop[m] == truth[m]:
                         m += 1
                     accepted[name].append(m)
-                    if name == "majority":  # as the engine's unused_history_observation: positions 0..m observed
+                    # as the engine's unused_history_observation: positions 0..m observed
+                    if name == "majority":
                         classes.record_proposal(support, min(len(prop), len(truth)), m)
     return {
         "proposals": {n: len(v) for n, v in accepted.items()},

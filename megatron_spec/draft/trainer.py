@@ -14,10 +14,13 @@ schedule, gradient-clipping group and checkpoint; nothing of it is shared with t
 3. gradients are summed over the draft's data-parallel group (losses are normalised by the
    *global* row count, so DP=N equals DP=1 on the concatenated rows), clipped, applied.
 
+The unroll of step 2 and the held-out acceptance (:meth:`Eagle3Trainer.evaluate`) are
+:mod:`megatron_spec.draft.eagle3_ttt`'s.
+
 :class:`DraftTrainerConfig` and :class:`DraftOptimizer` (optimizer, schedule, clipping, DP
 all-reduce) live in :mod:`megatron_spec.draft.optim`, shared with the MTP trainer
 (``megatron_spec.draft.mtp``), and are re-exported here. :func:`build_draft_trainer` builds the
-trainer a run's spec config asks for.
+trainer a run's draft section asks for.
 
 Initialisation is a ModelOpt export (:meth:`Eagle3Trainer.from_modelopt`); after each update the
 head can be exported back in the same format (``export_dir``) and streamed by export name
@@ -34,22 +37,25 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megatron_spec.capture.cache import DraftCache, micro_batches
-from megatron_spec.draft.eagle3 import Eagle3Head, ttt_attention_mask
+from megatron_spec.capture.cache import DraftCache
+from megatron_spec.draft.eagle3 import Eagle3Head
+from megatron_spec.draft.eagle3_ttt import (
+    RowAcceptance,
+    TttStep,
+    acceptance_metrics,
+    eagle3_acceptance,
+    ttt_unroll,
+)
 from megatron_spec.draft.losses import (
-    acceptance_rows,
-    chain_acceptance_rows,
     hard_cross_entropy_sum,
-    soft_cross_entropy_rows,
     soft_cross_entropy_sum,
     top1_agreement_sum,
     ttt_step_weights,
-    ttt_valid_rows,
     tv_loss_sum,
 )
 from megatron_spec.draft.optim import (
@@ -126,7 +132,7 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
     def capture_config(self, base=None):
         """``base`` (a :class:`~megatron_spec.capture.CaptureConfig`) with this head's feature
         layers and draft vocabulary filled in."""
-        from megatron_spec.capture.hooks import CaptureConfig
+        from megatron_spec.capture.config import CaptureConfig
 
         base = base or CaptureConfig()
         cfg = self.head.cfg
@@ -182,33 +188,9 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
             label_ok = (nxt >= 0) & (self._t2d.to(nxt.device)[nxt.clamp(min=0)] >= 0)
         return self._update(cache, segments, lens, weights, label_ok, self.group, "ttt", t0)
 
-    def _unroll(
-        self, cache: DraftCache, segs: list[int], steps: int
-    ) -> Iterator[tuple[int, Any, torch.Tensor]]:
-        """The training-time-test unroll over ``segs`` (right-padded): yields ``(s, out, valid)`` per
-        step, ``out`` the head's :class:`Eagle3Output` and ``valid [B, S]`` the rows scored at step s
-        (inside the segment, ``q >= s``, and a scored row of the cache: context rows never are)."""
-        head = self.head
-        dev = head.lm_head.weight.device
-        embeds = cache.padded("embeds", segs).to(dev, torch.float32)  # [B, S, H]
-        aux = cache.padded("aux", segs).to(dev, torch.float32)  # [B, S, n_aux H]
-        positions = cache.padded("positions", segs).to(dev)  # [B, S]
-        scored = cache.pad_rows(cache.scored_mask(), segs, False).to(dev)  # [B, S]
-        lens = torch.tensor([int(cache.seqlens[s]) for s in segs], device=dev)
-        t = positions.shape[1]
-        hidden = head.fuse(aux)  # h0 = fc(aux), [B, S, H]
-        past = None
-        for s_i in range(steps):
-            out = head.forward_full(
-                embeds, hidden, positions, attn_mask=ttt_attention_mask(t, s_i, dev), past_kv=past
-            )
-            yield s_i, out, ttt_valid_rows(lens, t, s_i) & scored
-            past = (
-                out.kv
-                if past is None
-                else (torch.cat([past[0], out.kv[0]], 2), torch.cat([past[1], out.kv[1]], 2))
-            )
-            hidden = out.hidden.roll(1, dims=1)  # row q of step s+1 continues the chain of row q-1
+    def _unroll(self, cache: DraftCache, segs: list[int], steps: int) -> Iterator[TttStep]:
+        """The training-time-test unroll of the head over ``segs`` (:func:`ttt_unroll`)."""
+        return ttt_unroll(self.head, cache, segs, steps)
 
     def _micro_batch(
         self,
@@ -248,72 +230,12 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
             a_sums[s_i] = float(top1_agreement_sum(out.logits.detach().argmax(-1), teacher_top1, valid))
         return loss, l_sums, a_sums
 
-    @torch.no_grad()
-    def acceptance(
-        self, cache: DraftCache, steps: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per-row expected acceptance of the current head on ``cache`` (no update, no collective).
-
-        Returns:
-            ``alpha [steps, N]``: ``sum_x min(p, q_s)`` (:func:`acceptance_rows`, p = the target's
-            distribution: the teacher scaled by its mass on a reduced draft vocabulary when the cache
-            holds it, ``teacher_log_mass``) of row n at unrolled step s, NaN where the row is not scored
-            at that step;
-            ``ce [steps, N]``: the soft cross-entropy, NaN likewise;
-            ``tau [N]``: expected tokens per verify step of the ``steps``-token chain that starts at
-            row n (:func:`chain_acceptance_rows`), NaN where no complete chain starts at a scored row.
-        ``steps`` defaults to the trainer's ``ttt_steps`` (use the engine's k).
-        """
+    def acceptance(self, cache: DraftCache, steps: int | None = None) -> RowAcceptance:
+        """Per-row expected acceptance of the current head on ``cache`` (no update, no collective):
+        ``alpha [steps, N]``, ``ce [steps, N]`` and ``tau [N]`` of :func:`eagle3_acceptance`.
+        ``steps`` defaults to the trainer's ``ttt_steps`` (use the engine's k)."""
         steps = steps or self.config.ttt_steps
-        head = self.head
-        was_training = head.training
-        head.eval()
-        dev = head.lm_head.weight.device
-        n_rows = cache.num_rows
-        # per-row results on the host (returned; one copy per micro-batch and step)
-        alpha = torch.full((steps, n_rows), float("nan"), dtype=torch.float64, device=HOST)
-        ce = torch.full((steps, n_rows), float("nan"), dtype=torch.float64, device=HOST)
-        tau = torch.full((n_rows,), float("nan"), dtype=torch.float64, device=HOST)
-        lens_all = [int(n) for n in cache.seqlens]
-        try:
-            for segs in micro_batches(lens_all, self.config.micro_batch_rows):
-                teacher_lp = cache.padded("teacher_logprobs", segs).to(dev)  # [B, S, k | Vd]
-                teacher_ids = (
-                    cache.padded("teacher_ids", segs).to(dev) if cache.teacher_ids is not None else None
-                )
-                log_mass = (
-                    cache.padded("teacher_log_mass", segs).to(dev)
-                    if cache.teacher_log_mass is not None
-                    else None
-                )  # [B, S]: the target's mass on a reduced draft vocabulary
-                lens = torch.tensor([lens_all[s] for s in segs], device=dev)
-                t = int(lens.max())
-                # row index into the cache of every padded row (-1: padding)
-                # indexes alpha, ce, tau
-                where = torch.full((len(segs), t), -1, dtype=torch.long, device=HOST)
-                for b, s in enumerate(segs):
-                    start = int(cache.cu_seqlens[s])
-                    where[b, : lens_all[s]] = torch.arange(start, start + lens_all[s], device=HOST)
-                alphas, start_ok = [], None
-                for s_i, out, valid in self._unroll(cache, segs, steps):
-                    logq = out.logits.log_softmax(-1)
-                    if teacher_ids is not None:
-                        logq = logq.gather(-1, teacher_ids)
-                    a = acceptance_rows(logq, teacher_lp, log_mass)  # [B, S]: against the target's own p
-                    rows = where[valid.cpu()]
-                    alpha[s_i, rows] = a[valid].double().cpu()
-                    ce[s_i, rows] = soft_cross_entropy_rows(logq, teacher_lp)[valid].double().cpu()
-                    alphas.append(a)
-                    if s_i == 0:
-                        start_ok = valid
-                chain = chain_acceptance_rows(torch.stack(alphas))  # [B, S - steps + 1]
-                # a chain starting at row r needs rows r .. r + steps - 1 in its segment
-                complete = torch.arange(t, device=dev).unsqueeze(0) + steps - 1 < lens.unsqueeze(1)
-                ok = (start_ok & complete)[:, : chain.shape[1]]
-                tau[where[:, : chain.shape[1]][ok.cpu()]] = chain[ok].cpu()
-        finally:
-            head.train(was_training)
-        return alpha, ce, tau
+        return eagle3_acceptance(self.head, cache, steps, self.config.micro_batch_rows)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -325,16 +247,7 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
         acceptance ``1 - TV`` at unrolled step s), ``draft/eval_ce{s}``, ``draft/eval_tau`` (expected
         tokens per verify step of the chains: what the engine's acceptance length estimates when it
         samples at the teacher's temperature) and ``draft/eval_rows``. Local to this rank."""
-        alpha, ce, tau = self.acceptance(cache, steps)
-        out = {}
-        for s in range(alpha.shape[0]):
-            ok = ~alpha[s].isnan()
-            out[f"draft/eval_accept{s}"] = float(alpha[s][ok].mean()) if ok.any() else float("nan")
-            out[f"draft/eval_ce{s}"] = float(ce[s][ok].mean()) if ok.any() else float("nan")
-        ok = ~tau.isnan()
-        out["draft/eval_tau"] = float(tau[ok].mean()) if ok.any() else float("nan")
-        out["draft/eval_rows"] = float((~alpha[0].isnan()).sum())
-        return out
+        return acceptance_metrics(self.acceptance(cache, steps))
 
     # ------------------------------------------------------------------ weights out
     def _export_dtype(self) -> torch.dtype | None:
@@ -388,8 +301,20 @@ class Eagle3Trainer(DraftUpdate, DraftLearner):
         self.load_state_dict(torch.load(os.path.join(os.fspath(path), STATE_FILE), weights_only=False))
 
 
+class DraftSettings(Protocol):
+    """The run's draft section (``megatron_spec.config.DraftConfig``): what :func:`build_draft_trainer`
+    reads."""
+
+    spec_draft_kind: str
+    spec_draft_path: str | None
+    spec_draft_ttt_steps: int
+    spec_draft_lr: float
+    spec_draft_tv_weight: float
+    spec_mtp_num_layers: int
+
+
 def build_draft_trainer(
-    cfg: Any,
+    draft: DraftSettings,
     policy: torch.nn.Module,
     target_cfg,
     info: Any = None,
@@ -397,35 +322,33 @@ def build_draft_trainer(
     export_dir: str | os.PathLike | None = None,
     config: DraftTrainerConfig | None = None,
 ):
-    """The online draft trainer a run's spec config asks for.
+    """The online draft trainer a run's draft section asks for.
 
     Args:
-        cfg: the run config (its ``spec`` group) or the ``SpecConfig`` itself: ``spec_draft_kind``
-            (``eagle3`` | ``mtp``), ``spec_draft_path`` (ModelOpt export / MTP export to start from),
-            ``spec_draft_ttt_steps``, ``spec_draft_lr``, ``spec_draft_tv_weight`` and, for MTP,
-            ``spec_mtp_num_layers`` (default 1).
+        draft: the run's ``DraftConfig``: ``spec_draft_kind`` (``eagle3`` | ``mtp``), ``spec_draft_path``
+            (ModelOpt export / MTP export to start from), ``spec_draft_ttt_steps``, ``spec_draft_lr``,
+            ``spec_draft_tv_weight`` and, for MTP, ``spec_mtp_num_layers``.
         policy: the policy GPTModel (MTP layers are built beside it; an EAGLE-3 head is put on
             its device, where capture leaves the cache).
         info: ``megatron_spec.parallel.ParallelInfo`` (groups); None = megatron-core's current groups.
-        config: full trainer settings; the spec fields above override its ``ttt_steps``, ``lr`` and
+        config: full trainer settings; the draft fields above override its ``ttt_steps``, ``lr`` and
             ``tv_weight``.
         export_dir: exported to at once (the initial weights) and after every update.
 
     Collective (MTP gathers its TP shards to export): call it on every rank.
     """
-    spec = getattr(cfg, "spec", cfg)
-    kind = spec.spec_draft_kind
+    kind = draft.spec_draft_kind
     # 5 steps of warm-up: Adam's first steps move every weight by ~lr whatever the gradient, which
     # shakes a converged draft (docs/draft_training.md, "Why online training lowered acceptance")
     tc = dataclasses.replace(
-        config or DraftTrainerConfig(warmup_steps=5), ttt_steps=int(spec.spec_draft_ttt_steps),
-        lr=float(spec.spec_draft_lr), tv_weight=float(getattr(spec, "spec_draft_tv_weight", 0.0))
+        config or DraftTrainerConfig(warmup_steps=5), ttt_steps=int(draft.spec_draft_ttt_steps),
+        lr=float(draft.spec_draft_lr), tv_weight=float(draft.spec_draft_tv_weight)
     )
     if kind == "eagle3":
-        if not spec.spec_draft_path:
+        if not draft.spec_draft_path:
             raise ValueError("online EAGLE-3 training starts from a ModelOpt export: set --spec-draft-path")
         device = next(policy.parameters()).device
-        trainer = Eagle3Trainer.from_modelopt(spec.spec_draft_path, target_cfg, tc, export_dir=export_dir,
+        trainer = Eagle3Trainer.from_modelopt(draft.spec_draft_path, target_cfg, tc, export_dir=export_dir,
                                               device=device)
         if export_dir is not None:  # the engine can start from export_dir before the first update
             trainer.export(export_dir)
@@ -433,13 +356,13 @@ def build_draft_trainer(
     if kind == "mtp":
         from megatron_spec.draft.mtp import MtpTrainer, load_mtp_tensors, read_mtp_config
 
-        layers = int(getattr(spec, "spec_mtp_num_layers", 1) or 1)
+        layers = int(draft.spec_mtp_num_layers)
         groups = {} if info is None else {"dp_group": info.dp_group, "tp_group": info.tp_group}
         trainer = MtpTrainer(policy, layers, tc, export_dir=export_dir, **groups)
-        if spec.spec_draft_path:
-            if read_mtp_config(spec.spec_draft_path, target_cfg) != layers:
-                raise ValueError(f"MTP export {spec.spec_draft_path} does not have {layers} layers")
-            trainer.load_hf(load_mtp_tensors(spec.spec_draft_path))
+        if draft.spec_draft_path:
+            if read_mtp_config(draft.spec_draft_path, target_cfg) != layers:
+                raise ValueError(f"MTP export {draft.spec_draft_path} does not have {layers} layers")
+            trainer.load_hf(load_mtp_tensors(draft.spec_draft_path))
         if export_dir is not None:
             trainer.export(export_dir)  # collective over TP: build_draft_trainer runs on every rank
         return trainer

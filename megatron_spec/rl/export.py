@@ -90,7 +90,7 @@ def export_trained(cfg, info, actor, run_dir: str, step: int) -> None:
 
     from megatron_spec.models.gpt import unwrap
 
-    s = cfg.spec
+    s = cfg.draft
     draft_dir = None
     if actor.draft is not None:
         draft_dir = os.path.join(run_dir, "draft_export")  # exported after every update
@@ -157,12 +157,13 @@ def checkpoint_plan(iter_dir: str) -> dict[str, Any]:
         raise ExportError(
             f"the run started from {source}, which is gone: its config and tokenizer are the export's"
         )
-    kind = cfg["spec"]["spec_draft_kind"]
+    saved = cfg.get("draft") or cfg["spec"]  # runs saved before the draft had a section of its own
+    kind = saved["spec_draft_kind"]
     draft = None
     if os.path.isdir(os.path.join(iter_dir, "draft")):
         draft = os.path.join(iter_dir, "draft")  # the online-trained draft of this step
-    elif kind in DRAFT_FOLDERS and cfg["spec"].get("spec_draft_path"):
-        draft = cfg["spec"]["spec_draft_path"]  # a draft the run served unchanged
+    elif kind in DRAFT_FOLDERS and saved.get("spec_draft_path"):
+        draft = saved["spec_draft_path"]  # a draft the run served unchanged
     return {"state": state, "config": cfg, "source": source, "tp_size": int(state["tp_size"]),
             "draft_kind": kind, "draft_dir": draft}
 

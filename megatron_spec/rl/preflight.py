@@ -30,7 +30,7 @@ def check_inputs(cfg: RunConfig, world_size: int = 1) -> None:
     """
     from megatron_spec.models.hf_config import DecoderConfig
 
-    m, d, s = cfg.model, cfg.data, cfg.spec
+    m, d, s = cfg.model, cfg.data, cfg.draft
     from megatron_spec.models.fetch import ModelNotFoundError, is_model_name, resolve_model
 
     if is_model_name(m.hf_checkpoint):  # smollm2, or a Hub id (Org/Name) read from huggingface_hub's cache

@@ -25,7 +25,7 @@ from megatron_spec.rl.prompting import (
 from megatron_spec.rl.rewards import get_reward, score
 from megatron_spec.rl.rollouts import Rollout
 from megatron_spec.rl.step_records import Round
-from megatron_spec.rollout.config import sampling_kwargs
+from megatron_spec.rollout.settings import sampling_kwargs
 from megatron_spec.rollout.types import GenerateRequest, SampleOutput, SamplingParams
 from megatron_spec.telemetry import StageTimer
 

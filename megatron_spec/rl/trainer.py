@@ -52,7 +52,7 @@ class GRPOTrainer:
         self.run_dir = ckpt_io.prepare_run_dir(cfg, self.info)  # resumes a stopped run (rl/checkpoint.py)
         self.task.load(self.run_dir)
         self.step = 0
-        if cfg.spec.spec_online_draft_training:  # EAGLE-3 / MTP trained from the verifier's hidden states
+        if cfg.draft.spec_online_draft_training:  # EAGLE-3 / MTP trained from the verifier's hidden states
             self.actor.init_online_draft(os.path.join(self.run_dir, "draft_export"))
         if cfg.checkpoint.load:
             self._resume(cfg.checkpoint.load)
@@ -123,7 +123,7 @@ class GRPOTrainer:
                 actor.offload.enter("train")  # the checkpoint reads everything
             metrics.update({k.replace("eval/", "eval_final/"): v for k, v in final.items()})
         metrics.update(mismatch)
-        spec = self.cfg.spec.spec_draft_kind != "none"
+        spec = self.cfg.draft.spec_draft_kind != "none"
         metrics.update(step_metrics(batch, exposed, policy_version=actor.policy_version, speculative=spec))
         if actor.draft is None:
             metrics["draft/loss"] = None

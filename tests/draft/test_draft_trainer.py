@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
 
 from megatron_spec.capture import Capture, CaptureConfig
+from megatron_spec.config import DraftConfig
 from megatron_spec.draft.modelopt_io import load_eagle3
 from megatron_spec.draft.trainer import DraftOptimizer, DraftTrainerConfig, Eagle3Trainer, build_draft_trainer
 
@@ -207,16 +207,15 @@ def test_gradient_clipping_group():
 
 
 def test_build_draft_trainer_from_spec(drafts, policy, tmp_path):
-    spec = types.SimpleNamespace(
+    draft = DraftConfig(
         spec_draft_kind="eagle3",
         spec_draft_path=drafts.reduced.path,
+        spec_online_draft_training=True,
         spec_draft_ttt_steps=2,
         spec_draft_lr=5e-4,
         spec_draft_tv_weight=2.0,
     )
-    tr = build_draft_trainer(
-        types.SimpleNamespace(spec=spec), policy, drafts.target_cfg, export_dir=tmp_path / "e"
-    )
+    tr = build_draft_trainer(draft, policy, drafts.target_cfg, export_dir=tmp_path / "e")
     assert isinstance(tr, Eagle3Trainer) and tr.config.ttt_steps == 2 and tr.config.lr == 5e-4
     assert tr.config.tv_weight == 2.0
     assert tr.export_dir == str(tmp_path / "e")
@@ -224,29 +223,17 @@ def test_build_draft_trainer_from_spec(drafts, policy, tmp_path):
     cap_cfg = tr.capture_config()
     assert cap_cfg.aux_layer_ids == tr.head.cfg.aux_layer_ids and cap_cfg.draft_target_ids.numel() == 32
     with pytest.raises(ValueError, match="spec-draft-path"):
-        build_draft_trainer(
-            types.SimpleNamespace(
-                spec_draft_kind="eagle3", spec_draft_path=None, spec_draft_ttt_steps=3, spec_draft_lr=1e-3
-            ),
-            policy,
-            drafts.target_cfg,
-        )
+        build_draft_trainer(DraftConfig(spec_draft_kind="eagle3"), policy, drafts.target_cfg)
     with pytest.raises(ValueError, match="eagle3 or mtp"):
-        build_draft_trainer(
-            types.SimpleNamespace(
-                spec_draft_kind="ngram", spec_draft_path=None, spec_draft_ttt_steps=3, spec_draft_lr=1e-3
-            ),
-            policy,
-            drafts.target_cfg,
-        )
+        build_draft_trainer(DraftConfig(spec_draft_kind="ngram"), policy, drafts.target_cfg)
 
 
 def test_build_draft_trainer_puts_the_head_on_the_policys_device(drafts):
     """The EAGLE-3 head trains where capture leaves the cache, on the policy's device (issue 15,
     defect 7): a policy on ``meta`` stands in for one on a GPU, which this machine lacks."""
-    spec = types.SimpleNamespace(spec_draft_kind="eagle3", spec_draft_path=drafts.reduced.path,
-                                 spec_draft_ttt_steps=2, spec_draft_lr=5e-4)
+    draft = DraftConfig(spec_draft_kind="eagle3", spec_draft_path=drafts.reduced.path, spec_draft_ttt_steps=2,
+                        spec_draft_lr=5e-4)
     policy = torch.nn.Linear(1, 1, device="meta")
-    tr = build_draft_trainer(spec, policy, drafts.target_cfg)
+    tr = build_draft_trainer(draft, policy, drafts.target_cfg)
     devices = {t.device.type for t in [*tr.head.parameters(), *tr.head.buffers(), tr._t2d]}
     assert devices == {"meta"}, f"draft tensors on {devices}, the policy is on meta"

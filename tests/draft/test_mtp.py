@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from megatron_spec.capture import Capture, CaptureConfig
-from megatron_spec.draft.mtp import MtpDraft, MtpTrainer, load_mtp_head, save_mtp
+from megatron_spec.config import DraftConfig
+from megatron_spec.draft.mtp import MtpTrainer, load_mtp_head, save_mtp
+from megatron_spec.draft.mtp_draft import MtpDraft
 from megatron_spec.draft.mtp_head import MtpHead
 from megatron_spec.draft.trainer import DraftTrainerConfig
 from megatron_spec.models import HFCheckpoint
@@ -304,7 +306,6 @@ def test_mtp_state_round_trip(policies, tmp_path):
 
 
 def test_build_draft_trainer_for_mtp(policies, tmp_path):
-    import types
 
     from megatron_spec.draft.trainer import build_draft_trainer
 
@@ -312,20 +313,20 @@ def test_build_draft_trainer_for_mtp(policies, tmp_path):
     cfg = policy.decoder_config
     source = MtpTrainer(policy, 2)
     save_mtp(tmp_path / "init", dict(source.named_update_tensors()), cfg, 2)
-    spec = types.SimpleNamespace(
+    draft = DraftConfig(
         spec_draft_kind="mtp",
         spec_draft_path=str(tmp_path / "init"),
         spec_draft_ttt_steps=3,
         spec_draft_lr=2e-4,
         spec_mtp_num_layers=2,
     )
-    trainer = build_draft_trainer(spec, policy, cfg, export_dir=tmp_path / "export")
+    trainer = build_draft_trainer(draft, policy, cfg, export_dir=tmp_path / "export")
     assert isinstance(trainer, MtpTrainer) and trainer.config.lr == 2e-4
     assert trainer.capture_config().draft_kind == "mtp"
     for (n, t), (_, u) in zip(source.named_update_tensors(), trainer.named_update_tensors()):
         assert torch.equal(t, u), n
     assert torch.is_grad_enabled()  # iterating (and abandoning) the stream leaves grad mode alone
     assert load_mtp_head(tmp_path / "export", cfg).num_layers == 2  # exported before any update
-    spec.spec_mtp_num_layers = 1
+    draft.spec_mtp_num_layers = 1
     with pytest.raises(ValueError, match="does not have 1 layers"):
-        build_draft_trainer(spec, policy, cfg)
+        build_draft_trainer(draft, policy, cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -248,6 +249,55 @@ def test_a_config_written_the_usual_way(tmp_path):
     kw = '{"chunked_prefill_size": 8}'
     assert _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--rollout-backend", "sglang",
                    "--rollout-engine-kwargs", kw]).rollout.rollout_engine_kwargs == kw
+
+
+def test_the_draft_has_a_section_of_its_own_and_spec_keys_still_find_it(tmp_path):
+    """``draft:`` holds the draft's fields (keys without ``spec_draft_`` / ``spec_``); files written when they
+    were ``spec``'s still load, into the draft section; an unknown key in either names the closest ones."""
+    new = tmp_path / "new.yaml"
+    new.write_text("draft:\n  kind: eagle3\n  path: /d\n  online_draft_training: true\n  lr: 1e-4\n"
+                   "spec:\n  num_draft_tokens: 2\n")
+    old = tmp_path / "old.yaml"
+    old.write_text("spec:\n  spec_draft_kind: eagle3\n  draft_path: /d\n  spec_online_draft_training: true\n"
+                   "  draft_lr: 1e-4\n  num_draft_tokens: 2\n")
+    for y in (new, old):
+        cfg = _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "--config", str(y)])
+        d = cfg.draft
+        assert (d.spec_draft_kind, d.spec_draft_path, d.spec_online_draft_training, d.spec_draft_lr) == (
+            "eagle3", "/d", True, 1e-4)
+        assert cfg.spec.spec_num_draft_tokens == 2 and "spec_draft_kind" not in dataclasses.asdict(cfg.spec)
+    overridden = _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "spec.draft_kind=ngram"])
+    assert overridden.draft.spec_draft_kind == "ngram"
+    with pytest.raises(ConfigError, match=re.escape("unknown key draft.knd; did you mean spec_draft_kind?")):
+        _parse(["--hf-checkpoint", "m", "--prompt-data", "x", "draft.knd=ngram"])
+
+
+def test_a_section_checks_itself_when_made_and_the_run_across_sections():
+    """A section's own rule fires when the section is made (and again in ``validate``, after a change); a
+    rule between sections fires in ``validate`` only."""
+    from megatron_spec.config import DraftConfig, GRPOConfig, LoggingConfig, RolloutConfig, SpecConfig
+
+    with pytest.raises(ConfigError, match="--grpo-num-minibatches 3 does not divide the 64 rollouts"):
+        GRPOConfig(grpo_num_minibatches=3)
+    with pytest.raises(ConfigError, match="--spec-online-draft-training needs --spec-draft-kind eagle3"):
+        DraftConfig(spec_online_draft_training=True)
+    with pytest.raises(ConfigError, match=re.escape("--logger jsonl,mlflow: unknown ['mlflow']")):
+        LoggingConfig(logger="jsonl,mlflow")
+    assert RolloutConfig(rollout_top_k=-1).rollout_top_k == 0  # -1 = off, made one spelling when made
+    assert SpecConfig(spec_num_draft_tokens="4").spec_k_max == 4
+    cfg = RunConfig()
+    cfg.model.hf_checkpoint, cfg.data.prompt_data = "m", "x"
+    cfg.grpo.micro_batch_size = 0  # changed after the section was made: validate checks it again
+    with pytest.raises(ConfigError, match="--micro-batch-size must be >= 1"):
+        cfg.validate()
+    cfg.grpo.micro_batch_size = 8
+    cfg.draft.spec_draft_kind = "eagle3"  # fine alone; the rule needing a path for it spans draft and spec
+    DraftConfig(spec_draft_kind="eagle3")
+    with pytest.raises(ConfigError, match="--spec-draft-kind eagle3 needs --spec-draft-path"):
+        cfg.validate()
+    cfg.draft.spec_draft_kind, cfg.logging.eval_interval = "none", 2
+    with pytest.raises(ConfigError, match="--eval-interval with a file prompt set needs --eval-data"):
+        cfg.validate()
 
 
 def test_engine_sizes_default_by_device(monkeypatch):

@@ -55,14 +55,15 @@ def _cfg(models, **changes) -> RunConfig:
 
 
 def test_good_inputs_pass(models):
-    check_inputs(_cfg(models, spec__spec_draft_kind="eagle3", spec__spec_draft_path=models["eagle3_target"]))
+    eagle3 = {"draft__spec_draft_kind": "eagle3", "draft__spec_draft_path": models["eagle3_target"]}
+    check_inputs(_cfg(models, **eagle3))
 
 
 @pytest.mark.parametrize("changes, world, message", [
     ({"model__hf_checkpoint": "/nonexistent"}, 1, "--hf-checkpoint /nonexistent: no such directory"),
-    ({"spec__spec_draft_kind": "eagle3", "spec__spec_draft_path": "OTHER"}, 1,
+    ({"draft__spec_draft_kind": "eagle3", "draft__spec_draft_path": "OTHER"}, 1,
      "draft hidden_size 48 != target hidden_size 32"),
-    ({"spec__spec_draft_kind": "eagle3", "spec__spec_draft_path": "/nonexistent"}, 1,
+    ({"draft__spec_draft_kind": "eagle3", "draft__spec_draft_path": "/nonexistent"}, 1,
      "--spec-draft-path /nonexistent: no such directory"),
     ({"data__prompt_data": "/nonexistent.jsonl"}, 1, "--prompt-data /nonexistent.jsonl: no such file"),
     ({"data__prompt_data": "synthetic:nope"}, 1, "unknown synthetic task"),
@@ -78,15 +79,15 @@ def test_bad_inputs_are_named(models, changes, world, message):
 
 def test_tv_weight_is_checked_where_the_flags_are(models):
     """--spec-draft-tv-weight: refused negative or NaN, and without the online EAGLE-3 training it weights."""
-    online = {"spec__spec_draft_kind": "eagle3", "spec__spec_draft_path": models["eagle3_target"],
-              "spec__spec_online_draft_training": True}
-    assert _cfg(models, spec__spec_draft_tv_weight=5.0, **online).spec.spec_draft_tv_weight == 5.0
+    online = {"draft__spec_draft_kind": "eagle3", "draft__spec_draft_path": models["eagle3_target"],
+              "draft__spec_online_draft_training": True}
+    assert _cfg(models, draft__spec_draft_tv_weight=5.0, **online).draft.spec_draft_tv_weight == 5.0
     for bad in (-1.0, float("nan")):
         with pytest.raises(ConfigError, match="--spec-draft-tv-weight .* must be >= 0 and finite"):
-            _cfg(models, spec__spec_draft_tv_weight=bad, **online)
+            _cfg(models, draft__spec_draft_tv_weight=bad, **online)
     with pytest.raises(ConfigError, match="needs --spec-draft-kind eagle3 and --spec-online-draft-training"):
-        _cfg(models, spec__spec_draft_tv_weight=5.0, spec__spec_draft_kind="eagle3",
-             spec__spec_draft_path=models["eagle3_target"])
+        _cfg(models, draft__spec_draft_tv_weight=5.0, draft__spec_draft_kind="eagle3",
+             draft__spec_draft_path=models["eagle3_target"])
 
 
 # the four errors a newcomer met: the flags, and the one line each must print

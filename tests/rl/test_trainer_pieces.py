@@ -29,6 +29,7 @@ import torch
 from megatron_spec.config import (
     CheckpointConfig,
     DataConfig,
+    DraftConfig,
     GRPOConfig,
     LoggingConfig,
     ModelConfig,
@@ -50,11 +51,12 @@ def make_trainer(setup, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setattr(RolloutManager, "_start_engine", lambda self: None)  # no rollouts are generated here
 
-    def make(*, bf16: bool = False, lr: float = 1e-3, spec: SpecConfig | None = None,
-             rollout: RolloutConfig | None = None, **grpo) -> GRPOTrainer:
+    def make(*, bf16: bool = False, lr: float = 1e-3, draft: DraftConfig | None = None,
+             spec: SpecConfig | None = None, rollout: RolloutConfig | None = None, **grpo) -> GRPOTrainer:
         cfg = RunConfig(
             model=ModelConfig(hf_checkpoint=setup.target, make_vocab_size_divisible_by=8, bf16=bf16),
             data=DataConfig(prompt_data="synthetic:sum", num_synthetic_prompts=8),
+            draft=draft or DraftConfig(),
             spec=spec or SpecConfig(),
             rollout=rollout or RolloutConfig(),
             grpo=GRPOConfig(
@@ -109,9 +111,9 @@ def test_online_draft_training_makes_every_tensor_on_the_models_device(make_trai
     """The same check with online draft training on: the capture hooks on the logprob forward,
     the teacher, the DraftCache, the draft's held-out evaluation and its update (EAGLE-3: the
     head's training-time-test unroll, hard and soft losses; MTP: its layers beside the policy)."""
-    spec = SpecConfig(spec_draft_kind=kind, spec_online_draft_training=True, spec_draft_ttt_steps=2,
-                      spec_draft_path=setup.eagle3 if kind == "eagle3" else None)
-    trainer = make_trainer(spec=spec)
+    draft = DraftConfig(spec_draft_kind=kind, spec_online_draft_training=True, spec_draft_ttt_steps=2,
+                        spec_draft_path=setup.eagle3 if kind == "eagle3" else None)
+    trainer = make_trainer(draft=draft)
     device = trainer.actor.device
     draft = trainer.actor.draft.module
     assert {p.device for p in draft.parameters()} == {device}, "the draft is not on the policy's device"

@@ -198,7 +198,7 @@ def test_flags(tmp_path):
         c = RunConfig()
         c.model.hf_checkpoint, c.data.prompt_data = str(tmp_path), "synthetic:sum"
         for k, v in spec.items():
-            setattr(c.spec, k, v)
+            setattr(c.draft if hasattr(c.draft, k) else c.spec, k, v)
         return c
 
     c = cfg(spec_draft_kind="eagle3", spec_draft_path=str(tmp_path), spec_num_draft_tokens="auto").validate()
@@ -220,7 +220,7 @@ def test_flags(tmp_path):
 def test_thread_chooser_measures_both_then_keeps_the_faster():
     import torch
 
-    from megatron_spec.rollout.native.drafters import ThreadChooser
+    from megatron_spec.rollout.native.thread_chooser import ThreadChooser
 
     n = torch.get_num_threads()
     torch.set_num_threads(2)

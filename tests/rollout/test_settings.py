@@ -1,5 +1,5 @@
 """One source of engine settings (issue 29): the launcher's fields and flags, ``generate``'s flags and the
-engine's record all come from ``megatron_spec.rollout.config.SETTINGS``; ``generate``'s older flag names
+engine's record all come from ``megatron_spec.rollout.settings.SETTINGS``; ``generate``'s older flag names
 keep working."""
 
 from __future__ import annotations
@@ -11,13 +11,8 @@ import pytest
 
 from megatron_spec import config as run_config
 from megatron_spec.cli import build_parser
-from megatron_spec.rollout.config import (
-    SETTINGS,
-    EngineConfig,
-    check_speculation,
-    engine_kwargs,
-    sampling_kwargs,
-)
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.settings import SETTINGS, check_speculation, engine_kwargs, sampling_kwargs
 from megatron_spec.rollout.types import SamplingParams
 
 REQUIRED = ["--prompts", "p.jsonl", "--output", "o.jsonl"]
@@ -29,7 +24,7 @@ def _generate_args(*argv: str) -> argparse.Namespace:
 
 def test_every_setting_is_a_launcher_field_with_the_same_default_help_and_choices():
     for s in SETTINGS:
-        cls = run_config.GROUPS[s.group]
+        cls = run_config.SECTIONS[s.group]
         f = {f.name: f for f in dataclasses.fields(cls)}[s.name]
         assert f.default == s.default and f.metadata["help"] == s.help, s.name
         assert f.metadata.get("choices") == s.choices, s.name
@@ -112,6 +107,7 @@ def test_the_launcher_and_generate_build_the_same_engine_record(setup):
     launcher = {
         **dataclasses.asdict(cfg.model),
         **dataclasses.asdict(cfg.rollout),
+        **dataclasses.asdict(cfg.draft),
         **dataclasses.asdict(cfg.spec),
     }
     launcher.pop("spec_mtp_num_layers")  # a launcher-only setting (the heads trained beside the policy)

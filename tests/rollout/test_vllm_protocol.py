@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_spec.rollout import vllm_protocol as proto
-from megatron_spec.rollout.config import EngineConfig, check_speculation
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.settings import check_speculation
 from megatron_spec.rollout.types import SamplingParams, stats_from_samples
 
 

@@ -71,7 +71,7 @@ def test_our_nested_dataclass_config():
 
 
 def test_run_config_shape_with_sampling_inside():
-    """Our RunConfig layout: rollout.rollout_* sampling fields, spec.spec_draft_kind."""
+    """Our RunConfig layout: rollout.rollout_* sampling fields, draft.spec_draft_kind."""
 
     @dataclasses.dataclass
     class Rollout:

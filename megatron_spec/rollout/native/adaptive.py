@@ -40,10 +40,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from megatron_spec.faults import test_hook
-from megatron_spec.rollout.config import HISTORY_TREE_MODES
 from megatron_spec.rollout.native import cost_model
 from megatron_spec.rollout.native.cost_model import DraftOption, size_class
 from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats
+from megatron_spec.rollout.settings import HISTORY_TREE_MODES
 
 
 class StepPlan(NamedTuple):
