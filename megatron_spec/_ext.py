@@ -60,8 +60,8 @@ def supported_kernel_isas() -> list[str]:
 
 def bf16_dot_available() -> bool:
     """Whether ``megatron_spec::linear_small_bf16`` runs its AVX512-BF16 tiles here (a CPU with bf16 dot
-    products,
-    the AVX-512 kernel variant active); else it runs scalar loops, and the layers keep oneDNN for bf16."""
+    products, the AVX-512 kernel variant active); else it runs scalar loops, and the layers keep oneDNN for
+    bf16."""
     if not compiled_ops_available():
         return False
     from megatron_spec import _C

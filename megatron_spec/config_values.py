@@ -1,7 +1,6 @@
 """A value from a ``--config`` YAML file or a ``section.key=value`` override as its field's type
 (``megatron_spec.config``): what PyYAML reads as text (``1e-5``, a quoted ``"512"``) becomes the number it
-says;
-what is not one is a ``ConfigError`` naming the key."""
+says; what is not one is a ``ConfigError`` naming the key."""
 
 from __future__ import annotations
 
@@ -19,10 +18,9 @@ class ConfigError(ValueError):
 
 def coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) -> Any:
     """A value from a YAML file or an override as the field's type: what PyYAML reads as text (``1e-5``, a
-    quoted
-    ``"512"``) becomes the number it says, and what is not one is a :class:`ConfigError` naming the key.
-    (OmegaConf's structured configs would do this if every field that defaults to None were declared Optional;
-    this is the part of it these fields need.)"""
+    quoted ``"512"``) becomes the number it says, and what is not one is a :class:`ConfigError` naming the
+    key. (OmegaConf's structured configs would do this if every field that defaults to None were declared
+    Optional; this is the part of it these fields need.)"""
 
     name = f"{group}.{f.name}"
     if value is None:
@@ -70,8 +68,7 @@ def coerce(group: str, f: dataclasses.Field, kind: Any, value: Any, where: str) 
 
 def json_object(flag: str, value) -> dict:
     """A flag whose value is a JSON object (a YAML ``--config`` may give the mapping itself): ``{}`` when
-    unset;
-    ``ValueError`` naming the flag for text that is not JSON or not an object."""
+    unset; ``ValueError`` naming the flag for text that is not JSON or not an object."""
     from collections.abc import Mapping
 
     if value is None or value == "":

@@ -17,9 +17,8 @@ Three declared interfaces, so no caller probes an object with ``getattr``/``hasa
   (``megatron_spec.draft.trainer.Eagle3Trainer``, ``megatron_spec.draft.mtp.MtpTrainer``).
 
 :class:`EngineError` and its subclasses are what every :class:`RolloutEngine` raises for an engine that is
-gone
-(:class:`EngineDiedError`), stuck (:class:`EngineTimeoutError`) or failing a call (:class:`EngineCallError`),
-whatever its backend: the rollout manager restarts an engine on the first two.
+gone (:class:`EngineDiedError`), stuck (:class:`EngineTimeoutError`) or failing a call
+(:class:`EngineCallError`), whatever its backend: the rollout manager restarts an engine on the first two.
 
 A class that subclasses :class:`WeightReceiver` explicitly inherits the defaults written here for
 the members whose meaning is "nothing to do" for most receivers (no digest ledger, no start-up

@@ -75,17 +75,15 @@ class CpuInfo:
     @property
     def amx_bf16(self) -> bool:
         """The CPU has AMX bf16 tiles (``amx_tile`` and ``amx_bf16``: Intel Sapphire Rapids and later), and
-        bf16 is
-        native here: the bf16 engine's linear layers then run on AMX tiles (``megatron_spec._ext.amx_active``
-        says whether they do: the OS must grant the tile state, ``MEGATRON_SPEC_NO_AMX=1`` keeps
-        AVX512-BF16)."""
+        bf16 is native here: the bf16 engine's linear layers then run on AMX tiles
+        (``megatron_spec._ext.amx_active`` says whether they do: the OS must grant the tile state,
+        ``MEGATRON_SPEC_NO_AMX=1`` keeps AVX512-BF16)."""
         return self.native_bf16 and "amx_tile" in self.flags and "amx_bf16" in self.flags
 
     @property
     def kind(self) -> str:
         """The CPU kind benchmarks name (docs/benchmarks.md): ``AMX``, ``AVX-512-BF16``, ``AVX-512`` or
-        ``AVX2``
-        (what the engines run here, so ``AVX2`` with ``MEGATRON_SPEC_NO_NATIVE_BF16=1``)."""
+        ``AVX2`` (what the engines run here, so ``AVX2`` with ``MEGATRON_SPEC_NO_NATIVE_BF16=1``)."""
         if self.amx_bf16:
             return "AMX"
         if self.native_bf16:

@@ -61,8 +61,7 @@ class MetricsWriter:
     def __init__(self, path: str, tensorboard_dir: str | None = None, resume_step: int | None = None,
                  wandb_init: Mapping[str, Any] | None = None):
         """``resume_step``: a run resumed from the checkpoint of that step continues the files, dropping what
-        the
-        run before it wrote after that step (rows it will write again; TensorBoard's ``purge_step``).
+        the run before it wrote after that step (rows it will write again; TensorBoard's ``purge_step``).
         ``wandb_init``: ``wandb.init``'s arguments (W&B is imported only then)."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
@@ -111,8 +110,7 @@ class MetricsWriter:
 
 def open_metrics(cfg, run_dir: str, resume_step: int | None) -> MetricsWriter:
     """The run's :class:`MetricsWriter` from ``--logger`` and the logging settings (rank 0). The W&B run's id
-    is
-    the run folder's, so the same command started again continues the same W&B run."""
+    is the run folder's, so the same command started again continues the same W&B run."""
     import hashlib
 
     lg = cfg.logging

@@ -155,8 +155,7 @@ def log_mass_and_token_logprobs(
 def _exp_sums(logits: torch.Tensor, vocab_size: int, target_ids: torch.Tensor, tokens: torch.Tensor | None,
               tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """``sums [2 or 3, N]``, with ``m`` the row max of the unpadded logits over the TP group and summed over
-    it:
-    ``sums[0] = sum_{v < Vd} exp(z_tid(v) - m)``, ``sums[1] = sum_all exp(z - m)`` and, with ``tokens``,
+    it: ``sums[0] = sum_{v < Vd} exp(z_tid(v) - m)``, ``sums[1] = sum_all exp(z - m)`` and, with ``tokens``,
     ``sums[2] = z_token - m`` (from the rank that owns the token). One float copy of this rank's logits."""
     tp_rank, tp_size = _tp_info(tp_group)
     n, v_local = logits.shape

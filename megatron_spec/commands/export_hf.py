@@ -1,6 +1,5 @@
 """``megatron-spec export-hf CHECKPOINT --out DIR``: a GRPO checkpoint's policy as an HF folder beside its
-draft
-(``megatron_spec.rl.export``): what transformers, vLLM, SGLang and lm-eval load."""
+draft (``megatron_spec.rl.export``): what transformers, vLLM, SGLang and lm-eval load."""
 
 from __future__ import annotations
 

@@ -32,8 +32,7 @@ HELP = "generate samples with the rollout engine (optionally speculative) from a
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The engine and sampling settings under the launcher's names (``--spec-draft-kind``,
-    ``--rollout-dtype``),
-    each also under its older name here (``--draft-kind``, ``--dtype``): one table,
+    ``--rollout-dtype``), each also under its older name here (``--draft-kind``, ``--dtype``): one table,
     ``megatron_spec.rollout.settings.SETTINGS``; then what only a sampler on its own needs."""
     from megatron_spec.rollout.settings import add_generate_arguments
 

@@ -3,9 +3,8 @@
 megatron-core warns in every process, once per module, that TransformerEngine or Apex is missing and which
 local implementation it takes instead ("Apex is not installed. Falling back to Torch Norm", ...), and that
 ``CUDA_DEVICE_MAX_CONNECTIONS`` is unset. Eight ranks print forty such lines and a user cannot tell which
-matter.
-:func:`quiet_fallback_warnings` silences exactly these warnings (by their text, from megatron-core's modules),
-and :func:`fallback_line` is the one line the launcher's rank 0 prints in their place.
+matter. :func:`quiet_fallback_warnings` silences exactly these warnings (by their text, from megatron-core's
+modules), and :func:`fallback_line` is the one line the launcher's rank 0 prints in their place.
 """
 
 from __future__ import annotations

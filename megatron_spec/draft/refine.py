@@ -96,11 +96,10 @@ def refine_eagle3(
     cross-entropy (``DraftTrainerConfig.tv_weight``). Needs megatron-core's parallel state
     (``megatron_spec.parallel.init_parallel``; a world of one is enough).
 
-    Returns ``before`` and ``after`` (:meth:`Eagle3Trainer.evaluate` on ``held_out``: expected
-    acceptance per unrolled step and ``draft/eval_tau``), ``train_after`` (the same on as many rows of
-    the training rollouts: :func:`training_sample_segments`, captured exactly), ``curve`` (``(step,
-    eval_tau)`` every
-    ``eval_every`` steps), ``rows`` / ``held_out_rows`` and the seconds of capture and training.
+    Returns ``before`` and ``after`` (:meth:`Eagle3Trainer.evaluate` on ``held_out``: expected acceptance per
+    unrolled step and ``draft/eval_tau``), ``train_after`` (the same on as many rows of the training rollouts:
+    :func:`training_sample_segments`, captured exactly), ``curve`` (``(step, eval_tau)`` every ``eval_every``
+    steps), ``rows`` / ``held_out_rows`` and the seconds of capture and training.
     """
     from megatron_spec.capture import Capture, CaptureConfig
     from megatron_spec.draft.trainer import DraftTrainerConfig, Eagle3Trainer

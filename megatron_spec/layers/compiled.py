@@ -90,12 +90,11 @@ norms may be None (the model has none)."""
 def layer_step(x: torch.Tensor, weights: LayerWeights, dims: tuple, cos: torch.Tensor, sin: torch.Tensor,
                k_cache: torch.Tensor, v_cache: torch.Tensor, write_index: torch.Tensor, mask: torch.Tensor
                ) -> torch.Tensor:
-    """One decoder layer over ``x [b * t, H]`` (one rectangular segment of ``b`` rows of ``t`` tokens in
-    slots ``0..b-1``, every row's output kept): :meth:`DecoderLayer.forward_flat` for one :class:`LayerPlan`
-    without ``pack``, ``rows`` or a slot offset, with the layer's K/V written into ``k_cache, v_cache`` (this
-    layer's
-    ``[slots, nkv, max_len, d]`` tensors) at ``write_index``. ``dims``: ``(nq, nkv, head_dim,
-    intermediate, eps)``; ``cos, sin [b, 1, t, d]``; ``mask [b, 1, t, read_len]``."""
+    """One decoder layer over ``x [b * t, H]`` (one rectangular segment of ``b`` rows of ``t`` tokens in slots
+    ``0..b-1``, every row's output kept): :meth:`DecoderLayer.forward_flat` for one :class:`LayerPlan` without
+    ``pack``, ``rows`` or a slot offset, with the layer's K/V written into ``k_cache, v_cache`` (this layer's
+    ``[slots, nkv, max_len, d]`` tensors) at ``write_index``. ``dims``: ``(nq, nkv, head_dim, intermediate,
+    eps)``; ``cos, sin [b, 1, t, d]``; ``mask [b, 1, t, read_len]``."""
     ln1, ln2, qkv_w, qkv_b, o_w, gate_up_w, down_w, q_norm, k_norm = weights
     nq, nkv, d, inter, eps = dims
     b, _, t, _ = cos.shape
@@ -189,8 +188,7 @@ class CompiledLayers:
         aux: list | None = None,
     ) -> torch.Tensor:
         """Layers ``layers`` over ``x [b * t, H]`` of ``plan`` (no ``pack``, slot offset 0); the outputs of
-        the
-        layers in ``aux_layers`` are appended to ``aux``."""
+        the layers in ``aux_layers`` are appended to ``aux``."""
         if not getattr(cache, "_static_for_compile", False):
             # the cache's sizes are fixed for the engine's life: static, so that dynamo neither makes them
             # symbols nor ties them to a batch size that happens to equal the slot count (a recompile)

@@ -1,9 +1,8 @@
 """The linear layer of the native engine's decoder and its draft heads, with oneDNN prepacking.
 
 :class:`Linear` stores its weight ``[out, in]`` as a weight sync writes it and can keep oneDNN-packed and
-kernel-panel copies for inference;
-:func:`pack_linears` (re)packs every one in a module after its weights change and
-:func:`warm_linears` builds oneDNN's primitives for every row count a speculative engine meets.
+kernel-panel copies for inference; :func:`pack_linears` (re)packs every one in a module after its weights
+change and :func:`warm_linears` builds oneDNN's primitives for every row count a speculative engine meets.
 
 It does not know about models, caches, requests or sampling.
 """
@@ -59,18 +58,15 @@ def small_linear_available() -> bool:
 
 SMALL_MAX_ROWS_BF16 = 128
 """bf16 inputs of at most this many rows run through ``megatron_spec::linear_small_bf16`` (CPUs with
-AVX512-BF16
-dot products): decode and verify batches; prefills go to oneDNN. Measured over SmolLM2-135M's 211 matrices
-on a 2-core Zen 4, kernel vs oneDNN's packed bf16 matmul (ms, best of 5; ``benchmarks/bench_linear_rows.py``,
-with the kernel's panel prefetch): 9.5 vs 16.1 at 1 row, 10.1 vs 14.9 at 4, 14.8 vs 24.4 at 16, 42.5 vs 50.4
-at 64, 82.8 vs 90.8 at 128. The kernel's rows do not depend on the batch (oneDNN's do), so it is used up to
-here, where it is still faster. On a CPU with AMX the same op runs on AMX tiles (``csrc/linear_amx_cpu.cpp``,
-``megatron_spec._ext.amx_active``), over a 2-core Xeon with AMX (ms, kernel on tiles / on AVX512-BF16 dot
-products / oneDNN's packed bf16 matmul, itself on AMX tiles): 15.3 / 16.5 / 20.7 at 1 row, 15.0 / 30.1 / 21.2
-at
-16, 24.8 / 91.9 / 28.2 at 64, 42.1 / 174.8 / 39.4 at 128: the limit stays (a verify of up to 128 rows keeps
-the
-batch invariance, at oneDNN's speed where it stops paying)."""
+AVX512-BF16 dot products): decode and verify batches; prefills go to oneDNN. Measured over SmolLM2-135M's 211
+matrices on a 2-core Zen 4, kernel vs oneDNN's packed bf16 matmul (ms, best of 5;
+``benchmarks/bench_linear_rows.py``, with the kernel's panel prefetch): 9.5 vs 16.1 at 1 row, 10.1 vs 14.9 at
+4, 14.8 vs 24.4 at 16, 42.5 vs 50.4 at 64, 82.8 vs 90.8 at 128. The kernel's rows do not depend on the batch
+(oneDNN's do), so it is used up to here, where it is still faster. On a CPU with AMX the same op runs on AMX
+tiles (``csrc/linear_amx_cpu.cpp``, ``megatron_spec._ext.amx_active``), over a 2-core Xeon with AMX (ms,
+kernel on tiles / on AVX512-BF16 dot products / oneDNN's packed bf16 matmul, itself on AMX tiles): 15.3 / 16.5
+/ 20.7 at 1 row, 15.0 / 30.1 / 21.2 at 16, 24.8 / 91.9 / 28.2 at 64, 42.1 / 174.8 / 39.4 at 128: the limit
+stays (a verify of up to 128 rows keeps the batch invariance, at oneDNN's speed where it stops paying)."""
 
 
 def bf16_small_linear_available() -> bool:
@@ -111,19 +107,17 @@ class Linear(nn.Module):
     syncs carry: a loaded tensor is one straight copy, and packing reads it as it is), and optional
     prepacked copies for inference.
 
-    Why: at decode sizes (1-64 rows) a plain ``F.linear`` on CPU re-lays-out the weight on every
-    call (bf16, oneDNN) or takes MKL's slow small-M path (fp32 on this AMD CPU); a weight packed
-    once into oneDNN's blocked format runs 2-12x faster and gives the same fp32 result as
-    ``x @ W^T`` (measured: benchmarks/bench_rollout.py). In fp32 a second copy in 16-output panels
-    serves inputs of up to :data:`SMALL_MAX_ROWS` rows through the extension's kernel, 1.4-1.9x faster
-    than oneDNN at 1-16 rows and 1.2x at 64 on a 2-core AVX2 EPYC (``csrc/linear_cpu.cpp``); it costs
-    the weights' size once more in memory, half of it where the weights are all bf16 numbers
-    (:data:`BF16_WEIGHT_PANELS`: bf16 panels, the same results, up to 1.9x faster again). :meth:`pack` builds
-    them after weights
-    change (the engine calls it after every load); it is used only when autograd is off, so
-    training the same module (the EAGLE-3 head) takes the plain path. (The weight was stored transposed,
-    ``weight_t [in, out]``, until a weight sync measured the transposing copies as its slowest piece; state
-    dicts with ``weight_t`` still load.)
+    Why: at decode sizes (1-64 rows) a plain ``F.linear`` on CPU re-lays-out the weight on every call (bf16,
+    oneDNN) or takes MKL's slow small-M path (fp32 on this AMD CPU); a weight packed once into oneDNN's
+    blocked format runs 2-12x faster and gives the same fp32 result as ``x @ W^T`` (measured:
+    benchmarks/bench_rollout.py). In fp32 a second copy in 16-output panels serves inputs of up to
+    :data:`SMALL_MAX_ROWS` rows through the extension's kernel, 1.4-1.9x faster than oneDNN at 1-16 rows and
+    1.2x at 64 on a 2-core AVX2 EPYC (``csrc/linear_cpu.cpp``); it costs the weights' size once more in
+    memory, half of it where the weights are all bf16 numbers (:data:`BF16_WEIGHT_PANELS`: bf16 panels, the
+    same results, up to 1.9x faster again). :meth:`pack` builds them after weights change (the engine calls it
+    after every load); it is used only when autograd is off, so training the same module (the EAGLE-3 head)
+    takes the plain path. (The weight was stored transposed, ``weight_t [in, out]``, until a weight sync
+    measured the transposing copies as its slowest piece; state dicts with ``weight_t`` still load.)
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
@@ -186,8 +180,7 @@ class Linear(nn.Module):
 
     def unpack(self, keep: bool = False) -> None:
         """Drop the packed copies (the weights are about to change, or are released); ``keep``: keep the
-        panels'
-        memory, unused, for the next :meth:`pack` to write into."""
+        panels' memory, unused, for the next :meth:`pack` to write into."""
         global PACK_EPOCH
         PACK_EPOCH += 1
         if not keep:
@@ -232,8 +225,7 @@ class TiedLinear(Linear):
 
 def pack_linears(module: nn.Module, enable: bool = True, keep: bool = False) -> int:
     """(Re)pack every :class:`Linear` in ``module`` (or drop the packed copies, with ``keep``: keeping the
-    panels'
-    memory for the next pack, as a weight update does); returns how many."""
+    panels' memory for the next pack, as a weight update does); returns how many."""
     n = 0
     for m in module.modules():
         if isinstance(m, Linear):

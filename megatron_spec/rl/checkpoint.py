@@ -278,8 +278,7 @@ def check_run_folder_free(save: str | None) -> None:
     """``ConfigError`` when a live run holds ``save``'s lock: a second run there would write into the same
     checkpoints and metrics (a run whose launcher was killed alone leaves its workers running, each in a
     process group of its own). Rank 0 tests it (a shared lock, let go at once) before the folder is judged,
-    then
-    holds it (:func:`hold_run_folder`); the other ranks do not test it: they would find their own rank 0
+    then holds it (:func:`hold_run_folder`); the other ranks do not test it: they would find their own rank 0
     there."""
     if not save or not os.path.isfile(os.path.join(save, LOCK)):
         return
@@ -298,8 +297,7 @@ def check_run_folder_free(save: str | None) -> None:
 def hold_run_folder(save: str, wait_s: float = 10.0) -> int:
     """Take ``save``'s lock for the life of this process (rank 0; the fd is returned, kept open, and not
     inherited by the engines' processes). A test by another launcher (:func:`check_run_folder_free`) may hold
-    it
-    shared for a moment: waited for up to ``wait_s``, then ``ConfigError``."""
+    it shared for a moment: waited for up to ``wait_s``, then ``ConfigError``."""
     import fcntl
     import socket
     import time
@@ -345,9 +343,8 @@ def prune(root: str, keep: int) -> list[str]:
 
 def prepare_run_dir(cfg, info) -> str:
     """The run's folder, ready (collective): ``--save``, or ``runs/grpo-<date>-<time>`` by rank 0's clock;
-    where
-    it resumes from (:func:`plan_resume`: ``cfg.checkpoint.load`` is set), the previous run's files removed
-    first under ``--no-resume``."""
+    where it resumes from (:func:`plan_resume`: ``cfg.checkpoint.load`` is set), the previous run's files
+    removed first under ``--no-resume``."""
     import logging
     import time
 

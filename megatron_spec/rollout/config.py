@@ -50,14 +50,12 @@ ENGINE_KWARGS_SET_HERE = {
     },
 }
 """The engine arguments megatron-spec sets itself (what ``--rollout-engine-kwargs`` may not: the flag that
-sets
-each, or None where the weight sync, the log-probs or the exactness proofs depend on our value)."""
+sets each, or None where the weight sync, the log-probs or the exactness proofs depend on our value)."""
 
 
 def parse_engine_kwargs(text: str | None, backend: str) -> dict:
     """``--rollout-engine-kwargs``: a JSON object of the engine's own arguments (SGLang's ``ServerArgs``
-    fields,
-    vLLM's ``LLM(...)`` keywords), passed through; raises ``ValueError`` naming what is wrong."""
+    fields, vLLM's ``LLM(...)`` keywords), passed through; raises ``ValueError`` naming what is wrong."""
     from megatron_spec.config_values import json_object
 
     value = json_object("--rollout-engine-kwargs", text)

@@ -188,8 +188,7 @@ class GenerateStats:
     @property
     def drafted_tokens(self) -> int:
         """Draft tokens proposed over the spec steps (vLLM's ``num_draft_tokens`` counter): from the
-        per-row-step
-        draft lengths where the engine reports them, else k per spec step."""
+        per-row-step draft lengths where the engine reports them, else k per spec step."""
         if self.k_counts:
             return sum(k * c for k, c in enumerate(self.k_counts))
         return self.spec_steps * self.num_draft_tokens

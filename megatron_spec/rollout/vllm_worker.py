@@ -14,10 +14,9 @@ pre-packed GEMM weights, as soon as all its tensors arrived), ``finalize_layerwi
 
 What it adds to vLLM's session: the layers each session must deliver (a session that leaves one of them
 waiting for its tensors fails at its end, naming it: :func:`unloaded`), and the fingerprint of the values it
-loaded, in the model's
-dtype (``megatron_spec.sync.fingerprint``), which the trainer compares exactly with what it sent. The
-fingerprint proves the bytes arrived whole; that the kernels compute with them is what the backend's
-greedy health probe and its tests show (the CPU build's packed weights cannot be read back).
+loaded, in the model's dtype (``megatron_spec.sync.fingerprint``), which the trainer compares exactly with
+what it sent. The fingerprint proves the bytes arrived whole; that the kernels compute with them is what the
+backend's greedy health probe and its tests show (the CPU build's packed weights cannot be read back).
 
 It knows nothing of the trainer, the server's protocol or our engine.
 """

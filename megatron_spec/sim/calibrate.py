@@ -8,15 +8,13 @@ acceptance per k), to the targets of docs/design.md, "Reference measurements", b
 log(predicted / measured). It prints the fitted parameters and each target's error, and writes
 ``data/calibration.json``, which every simulation then reads.
 
-Scenarios (Qwen3-8B, 32 GB200, TP=1, bf16 rollouts, EAGLE-3 chain drafts, synchronous GRPO):
-the two workload presets of :mod:`megatron_spec.sim.workload` at k = 3, 5, 7; n-gram drafting
-at the measured acceptance (2.47 RL-Zero, 2.05 RL-Think) with k = 5 (assumed: the paper does not
-say; accounts of the paper attribute n-gram's loss to verification overhead, which k = 3
-cannot produce here);
-async with policy lag 1 on 12 + 4 GB200 nodes (48 generation + 16 training GPUs): its batch size
-is not reported, so the measured AR split (train side 64.6 s, generation side 75.0 s) is taken
-as given and only the simulated generation speedup of that deployment is predicted (see
-``_async_split``). ``step_fixed_s`` is held at 5 s (the paper's stage shares leave a few
+Scenarios (Qwen3-8B, 32 GB200, TP=1, bf16 rollouts, EAGLE-3 chain drafts, synchronous GRPO): the two workload
+presets of :mod:`megatron_spec.sim.workload` at k = 3, 5, 7; n-gram drafting at the measured acceptance (2.47
+RL-Zero, 2.05 RL-Think) with k = 5 (assumed: the paper does not say; accounts of the paper attribute n-gram's
+loss to verification overhead, which k = 3 cannot produce here); async with policy lag 1 on 12 + 4 GB200 nodes
+(48 generation + 16 training GPUs): its batch size is not reported, so the measured AR split (train side 64.6
+s, generation side 75.0 s) is taken as given and only the simulated generation speedup of that deployment is
+predicted (see ``_async_split``). ``step_fixed_s`` is held at 5 s (the paper's stage shares leave a few
 seconds per step outside generation, log-prob and training).
 
 What it does not know: anything the paper does not report (batch sizes, lengths, k for

@@ -1,12 +1,11 @@
 """The simulator's free parameters (fitted) and engine settings (chosen, not fitted).
 
-:class:`EfficiencyParams` are the few numbers no datasheet gives: the fraction of peak an
-engine achieves and its fixed overheads. For GPUs they are fitted to the measured 8B numbers
-of the reference paper (docs/design.md, "Reference measurements") by
-``python -m megatron_spec.sim.calibrate``, which writes ``data/calibration.json``; every simulation reads
-that file, so results are
-reproducible without refitting. For the ``cpu`` profile they come from the measured profile
-(achieved figures, so the efficiencies are 1) and are never fitted to engine runs.
+:class:`EfficiencyParams` are the few numbers no datasheet gives: the fraction of peak an engine achieves and
+its fixed overheads. For GPUs they are fitted to the measured 8B numbers of the reference paper
+(docs/design.md, "Reference measurements") by ``python -m megatron_spec.sim.calibrate``, which writes
+``data/calibration.json``; every simulation reads that file, so results are reproducible without refitting.
+For the ``cpu`` profile they come from the measured profile (achieved figures, so the efficiencies are 1) and
+are never fitted to engine runs.
 
 :class:`EngineSettings` are knobs of the rollout engine (CUDA-graph capture size, max running
 sequences, memory fraction) with the defaults of vLLM, which the paper used.

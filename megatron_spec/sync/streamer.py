@@ -93,9 +93,8 @@ class SyncReport:
     """This rank took no part (another data-parallel replica)."""
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     """Seconds per piece (:data:`SYNC_PIECES`; the engine's, where it reports them, from its
-    ``sync_timings``).
-    The trainer's pieces overlap: the sender thread fingerprints and calls the engine while the next bucket is
-    packed."""
+    ``sync_timings``). The trainer's pieces overlap: the sender thread fingerprints and calls the engine while
+    the next bucket is packed."""
 
     @property
     def gb_per_s(self) -> float:

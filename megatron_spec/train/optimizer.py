@@ -140,8 +140,7 @@ class MixedPrecisionAdamW:
     def _fill_state(self) -> None:
         """AdamW's per-weight state, made where a weight has none yet (before the first step, or a weight that
         never got a gradient): zeros and step 0, what AdamW itself starts from, so that a sharded state dict
-        has
-        every tensor to save or load into."""
+        has every tensor to save or load into."""
         for group in self.optimizer.param_groups:
             for m in group["params"]:
                 if not self.optimizer.state[m]:

@@ -139,8 +139,7 @@ class DraftLengthController:
         self._explored: tuple[StepPlan, int, float] | None = None
         self._explore_wait: dict[tuple[StepPlan, int], tuple[int, int]] = {}
         """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the
-        first
-        step it may be tried again (doubled each time a try gives less than the best plan's rate)."""
+        first step it may be tried again (doubled each time a try gives less than the best plan's rate)."""
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.row_prior_weight = row_prior_weight
@@ -151,8 +150,7 @@ class DraftLengthController:
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
         self.packed_ratio = 1.0
         """A packed verify's seconds (rows drafting different lengths, ``Segment.pack``) over an unpacked
-        one's
-        of as many tokens (EMA; 1 until measured): packed forwards run the Python layers, not the C++
+        one's of as many tokens (EMA; 1 until measured): packed forwards run the Python layers, not the C++
         stack."""
         self.packed_ratio_ema = 0.2
         self.draft = CostTable()  # one draft pass (a proposal over k), keyed by rows B
@@ -301,9 +299,9 @@ class DraftLengthController:
         self, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]], b: int = 1
     ) -> StepPlan:
         """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last
-        try
-        on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next one
-        (up to the rare steps' period); one that did better is tried every ``explore_every``-th step again."""
+        try on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next
+        one (up to the rare steps' period); one that did better is tried every ``explore_every``-th step
+        again."""
         lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[
             best.mode
         ]

@@ -5,16 +5,14 @@ regression of adaptive speculation (a plan chosen where plain decoding would hav
 seen step by step rather than only in a benchmark's ratio::
 
     {"step": 41, "rows": 16, "plan": "all", "k": 0, "m": 0, "predicted_tps": 512.3, "calibration": 0.97,
-     "explored": false, "best_tps": 497.0, "tokens": 16, "seconds": 0.0312, "draft_s": 0.0, "realized_tps":
-     512.8,
-     "prefill": false, "pid": 4242}
+     "explored": false, "best_tps": 497.0, "tokens": 16, "seconds": 0.0312, "draft_s": 0.0,
+     "realized_tps": 512.8, "prefill": false, "pid": 4242}
 
-``predicted_tps`` is the cost model's rate for the plan (None for the steps it did not choose by rate:
-the first, the widest-batch measurement, a forced tree), ``calibration`` the realised-over-predicted
-factor it was multiplied by when chosen, ``best_tps`` the calibrated rate of the best plan (an exploring
-step ran another), ``tokens`` / ``seconds`` what the step kept and took (proposal, verify, host work),
-``draft_s``
-the main drafter's proposal within it (0 where it did not run).
+``predicted_tps`` is the cost model's rate for the plan (None for the steps it did not choose by rate: the
+first, the widest-batch measurement, a forced tree), ``calibration`` the realised-over-predicted factor it was
+multiplied by when chosen, ``best_tps`` the calibrated rate of the best plan (an exploring step ran another),
+``tokens`` / ``seconds`` what the step kept and took (proposal, verify, host work), ``draft_s`` the main
+drafter's proposal within it (0 where it did not run).
 Read it with ``pandas.read_json(path, lines=True)`` or line by line with ``json.loads``.
 """
 

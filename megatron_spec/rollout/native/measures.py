@@ -128,8 +128,7 @@ class SupportStats(AcceptanceStats):
         self, support: Sequence[tuple[int, int]], num_drafted: int, num_accepted: int
     ) -> None:
         """A proposal with ``support`` per token: ``num_drafted`` of its tokens were verified (or compared
-        with
-        what the row emitted) and the first ``num_accepted`` passed."""
+        with what the row emitted) and the first ``num_accepted`` passed."""
         for j in range(min(num_drafted, num_accepted + 1, len(support))):
             c = support_class(*support[j], j)
             self.tried[c] += 1.0

@@ -73,10 +73,9 @@ class Admission:
     @classmethod
     def of(cls, batch: list[GenerateRequest], base: int, device: torch.device) -> Admission:
         """``batch``'s prompts as one prefill segment into slots ``base..``, padded to the longest; packed
-        (the
-        prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside running
-        rows
-        (``base > 0``), or too many rows for the C++ layers (``layers.fused_layers.fused_input``)."""
+        (the prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside
+        running rows (``base > 0``), or too many rows for the C++ layers
+        (``layers.fused_layers.fused_input``)."""
         p, n = len(batch), [len(r.input_ids) for r in batch]
         t = max(n)
         ids = pad_rows([r.input_ids for r in batch], t, 0, device)
