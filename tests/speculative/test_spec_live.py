@@ -163,23 +163,24 @@ def test_history_drafter_runs_the_live_index_beside_the_finished_responses():
     d.start(0, prompt, 1, None)
     d.start(1, prompt, 1, None)
     seqs = [prompt + [1, 2, 3, 4, 8, 9], prompt + [1, 2, 3]]
-    assert d.propose_lists(seqs, 2) == [[], [4, 8]]  # row 1 follows row 0's text
+    assert [p.tokens for p in d.propose_rows(seqs, 2)] == [[], [4, 8]]  # row 1 follows row 0's text
     assert d.sources[:2] == [None, "live"]
     d.finish(0, prompt, [1, 2, 3, 4, 8, 9])  # slot 0 retires, slot 1 moves into it
     d.move(1, 0)
-    assert d.propose_lists([prompt + [1, 2, 3, 4]], 2) == [[8, 9]] and d.sources[0] == "live"
+    assert d.propose_rows([prompt + [1, 2, 3, 4]], 2)[0][:2] == ([8, 9], "live") and d.sources[0] == "live"
     d.finish(0, prompt, [1, 2, 3, 4])
     assert d.live.groups == {}  # the prompt's last row is done
     # the finished response is in the history; a later row of the prompt draws from it
     d.begin_call()
     d.start(0, prompt, 1, None)
-    assert d.propose_lists([prompt + [1, 2]], 3) == [[3, 4, 8]] and d.sources[0] == "history"
+    assert d.propose_rows([prompt + [1, 2]], 3) == [([3, 4, 8], "history", None)]  # no support: finished text
+    assert d.sources[0] == "history"
     off = HistoryDrafter(live=False)
     off.allocate(2, 64)
     off.begin_call()
     off.start(0, prompt, 1, None)
     off.start(1, prompt, 1, None)
-    assert off.propose_lists(seqs, 2) == [[], []] and off.live is None
+    assert [p.tokens for p in off.propose_rows(seqs, 2)] == [[], []] and off.live is None
 
 
 def test_the_support_benchmark_replays_sibling_answers():

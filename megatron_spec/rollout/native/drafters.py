@@ -59,9 +59,6 @@ class Drafter(abc.ABC):
     sources: Sequence[str | None] = ()
     """Per slot: which index drafted its last proposal (``"live"``, ``"history"``, None: none); empty for a
     drafter with one source (the history drafter fills it)."""
-    support: Sequence[list[tuple[int, int]] | None] = ()
-    """Per slot: a live proposal's sibling support per token (``LiveIndex.propose_with_support``); empty for a
-    drafter with no live index."""
 
     def begin_call(self) -> None:
         """A new ``generate`` call starts (history drafters age their index)."""

@@ -14,11 +14,12 @@ target exactly. The drafter has no model and no cache; ``propose`` may return fe
 per row (-1 padding ends the chain).
 
 Beside the finished responses, the *live group index* (``megatron_spec.speculative.live``, on by default)
-holds what the running rows of each prompt have emitted so far: every call to ``propose_lists``
+holds what the running rows of each prompt have emitted so far: every call to ``propose_rows``
 first appends each row's newly emitted tokens to its group's index (``O(new tokens)``), then a row
 gets the proposal of whichever of the two matched the longer suffix of its text (the live one on a
-tie: it is this step's own text). ``sources[b]`` says which (``"live"`` or ``"history"``; ``None``:
-no proposal), for the engine's per-source statistics.
+tie: it is this step's own text). Each row's :class:`HistoryProposal` says which (``"live"`` or
+``"history"``; ``None``: no proposal) and, for a live one, its sibling support per token; ``sources[b]``
+keeps the last one's source, for the engine's per-source statistics.
 
 This module does not know about the engine's batch beyond slot numbers, nor about the other
 drafter it may run beside (the engine chooses per row, ``engine.py``).
@@ -27,9 +28,21 @@ drafter it may run beside (the engine chooses per row, ``engine.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.rows import pad_rows
+
+
+class HistoryProposal(NamedTuple):
+    """One row's proposal from the history."""
+
+    tokens: list[int]
+    """Up to k drafts (possibly none)."""
+    source: str | None
+    """``"live"`` (the running siblings' text), ``"history"`` (the finished responses), None: no proposal."""
+    support: list[tuple[int, int]] | None
+    """A live proposal's sibling support per token (``LiveIndex.propose_with_support``), else None."""
 
 
 class HistoryDrafter(Drafter):
@@ -44,9 +57,6 @@ class HistoryDrafter(Drafter):
         self.rows: list[int | None] = []  # per slot: its row's id in the live index
         self.indexed: list[int] = []  # per slot: tokens of its sequence already in the live index
         self.sources: list[str | None] = []  # per slot: what drafted its last proposal
-        self.support: list[list[tuple[int, int]] | None] = []
-        """Per slot: the live proposal's support per token (``LiveIndex.propose_with_support``); None for a
-        proposal from the finished responses, or none."""
         self._next_row = 0
         self.reset()
 
@@ -64,7 +74,6 @@ class HistoryDrafter(Drafter):
         self.rows = [None] * num_slots
         self.indexed = [0] * num_slots
         self.sources = [None] * num_slots
-        self.support = [None] * num_slots
 
     def begin_call(self):
         self.step += 1
@@ -79,7 +88,6 @@ class HistoryDrafter(Drafter):
             self.indexed[src],
             self.sources[src],
         )
-        self.support[dst] = self.support[src]
 
     @staticmethod
     def key(prompt: Sequence[int]) -> str:
@@ -101,8 +109,9 @@ class HistoryDrafter(Drafter):
             self.live.finish(key, self.rows[slot])
             self.rows[slot] = None
 
-    def propose_lists(self, tokens: Sequence[Sequence[int]], k: int) -> list[list[int]]:
-        """Up to ``k`` drafts per row of slots ``0..B-1`` (possibly none); ``sources`` says whence."""
+    def propose_rows(self, tokens: Sequence[Sequence[int]], k: int) -> list[HistoryProposal]:
+        """Per row of slots ``0..B-1``: up to ``k`` drafts (possibly none), whence, and a live proposal's
+        support."""
         out = []
         for b, seq in enumerate(tokens):
             # the context is the whole sequence: its suffix is matched against the stored responses
@@ -119,13 +128,12 @@ class HistoryDrafter(Drafter):
                     if live and (not hist or n >= matched):
                         hist, src, support = live, "live", sup
             self.sources[b] = src
-            self.support[b] = support
-            out.append(hist)
+            out.append(HistoryProposal(hist, src, support))
         return out
 
     def propose(self, tokens, k, sampling, generator):
         # on the host: the engine moves it once
-        return pad_rows(self.propose_lists(tokens, k), k, -1, "cpu"), None
+        return pad_rows([p.tokens for p in self.propose_rows(tokens, k)], k, -1, "cpu"), None
 
     def stats(self) -> dict:
         out = self.index.stats()

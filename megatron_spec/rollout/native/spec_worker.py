@@ -74,17 +74,15 @@ class SpeculativeWorker:
         t0 = time.perf_counter()
         b, dev = len(rows), core.device
         tokens = [r.tokens for r in rows]
-        hist = hist_full = (
-            core.history.propose_lists(tokens, core.k_history) if core.history is not None else None
-        )
-        support = None
+        hist = hist_full = srcs = support = None
+        if core.history is not None:  # per row: the drafts, live index or finished responses, support
+            props = core.history.propose_rows(tokens, core.k_history)
+            hist = hist_full = [p.tokens for p in props]
+            srcs, support = [p.source for p in props], [p.support for p in props]
         t_draft = time.perf_counter() - t0
         if core.controller is None:
             plan, use_hist, options = StepPlan(core.k), [False] * b, [None] * b
         else:
-            srcs = None
-            if core.history is not None:  # per row: live index or finished responses (and support)
-                srcs, support = core.history.sources[:b] or None, core.history.support[:b] or None
             plan, use_hist, options = plan_step(
                 core.controller, core.drafter.kind, [r.acc for r in rows], hist, srcs, support
             )
@@ -113,7 +111,7 @@ class SpeculativeWorker:
                 options[i],
                 hist[i] if hist is not None else None,
                 hist_full[i] if hist_full is not None else None,
-                support[i] if support and i < len(support) else None,
+                support[i] if support else None,
             )
             for i in range(b)
         ]
