@@ -231,6 +231,11 @@ def test_native_drafter_is_megatron_math_and_verifier_exact(policies, family):
     )
     plain, _ = EngineCore(native, None, max_batch_size=4, context_length=32).generate(greedy)
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    # one slot: p1's second sample starts later from its parked prefill (the heads' prompt state copied)
+    split, _ = EngineCore(native, drafter, num_draft_tokens=k, max_batch_size=1, context_length=32).generate(
+        greedy
+    )
+    assert [s.output_ids for s in split] == [s.output_ids for s in plain]
 
 
 def test_engine_serves_mtp_from_export_and_from_a_weight_update(policies, tmp_path):

@@ -223,8 +223,6 @@ def test_request_errors_are_named(setup):
         server.generate([too_long])
     with pytest.raises(ValueError, match="token id 999 outside the vocabulary"):
         server.generate([GenerateRequest("bad", [5, 999], SamplingParams(max_new_tokens=2))])
-    with pytest.raises(ValueError, match="n=3 exceeds max_batch_size 2"):
-        server.generate([GenerateRequest("n", [5, 6], SamplingParams(max_new_tokens=2), n=3)])
 
 
 @pytest.mark.parametrize("kind", ["none", "eagle3"])
@@ -247,6 +245,45 @@ def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
         ref, _ = alone.generate([r])
         mine = [s for s in got if s.request_id == r.request_id]
         assert len(mine) == r.n
+        for s, t in zip(mine, ref):
+            assert s.output_ids == t.output_ids
+            torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["none", "eagle3", "model", "ngram"])
+def test_a_prompt_split_over_free_slots_starts_the_rest_from_its_parked_prefill(setup, kind):
+    """A request with more samples than the batch has slots (r1: 5 on 3) starts those that fit and parks its
+    prompt's prefill; the others start from it as slots free up, without a second prefill. A request that
+    fits waits for its slots. Every sample (tokens and log-probs) equals running its request alone, with
+    adaptive k too."""
+    kw = dict(num_draft_tokens="auto", max_draft_tokens=3) if kind == "eagle3" else {}
+    batched = _server(setup, kind, max_batch_size=3, **kw)
+    alone = _server(setup, kind, max_batch_size=8)
+    prompts = _prompts(setup.cfg, 4, seed=33)
+    sp = [SamplingParams(temperature=0.0, max_new_tokens=3 + 4 * i, ignore_eos=True) for i in range(4)]
+    reqs = [GenerateRequest(f"r{i}", p, sp[i], n=(2, 5, 1, 3)[i]) for i, p in enumerate(prompts)]
+    prefilled = []
+    start = batched.core.start
+    batched.core.start = lambda adm, *a: prefilled.extend(r.request_id for r in adm.batch) or start(adm, *a)
+    parked = set()  # the requests whose samples started from the parking slot
+    unpark = batched.core._unpark
+
+    def recording(rows):
+        waiting = batched.core._parked
+        started = unpark(rows)
+        if started:
+            parked.add(waiting.req.request_id)
+        return started
+
+    batched.core._unpark = recording
+    got, _ = batched.generate(reqs)
+    assert sorted(prefilled) == ["r0", "r1", "r2", "r3"]  # each prompt prefilled once
+    assert parked == {"r1"}
+    assert batched.core._parked is None
+    for r in reqs:
+        ref, _ = alone.generate([r])
+        mine = [s for s in got if s.request_id == r.request_id]
+        assert [s.sample_index for s in mine] == list(range(r.n))
         for s, t in zip(mine, ref):
             assert s.output_ids == t.output_ids
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(t.logprobs), atol=1e-5, rtol=0)

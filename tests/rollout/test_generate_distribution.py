@@ -45,14 +45,17 @@ def exact_joint(model_dir: str, temperature: float, top_k: int, top_p: float) ->
     return joint
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, draft", [
-    (1.0, 10, 0.95, ("--num-draft-tokens", "3")), (0.7, 20, 0.9, ("--num-draft-tokens", "3")),
+@pytest.mark.parametrize("temperature, top_k, top_p, draft, batch_size", [
+    (1.0, 10, 0.95, ("--num-draft-tokens", "3"), 64), (0.7, 20, 0.9, ("--num-draft-tokens", "3"), 64),
     # adaptive k: one engine runs the 96 prompts' waves one after the other, so the k that drafts the
     # second token moves from wave to wave (0 = a plain step included); the joint must not move
-    (1.0, 10, 0.95, ("--num-draft-tokens", "auto", "--max-draft-tokens", "3")),
-], ids=["k3-t1", "k3-t0.7", "auto-t1"])
-def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k, top_p, draft):
-    check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, N, "cpu")
+    (1.0, 10, 0.95, ("--num-draft-tokens", "auto", "--max-draft-tokens", "3"), 64),
+    # 40 slots for requests of 64 samples: every prompt is split over free slots, its other samples
+    # starting later from its parked prefill (their first tokens drawn then from its stored logits)
+    (1.0, 10, 0.95, ("--num-draft-tokens", "3"), 40),
+], ids=["k3-t1", "k3-t0.7", "auto-t1", "k3-t1-split"])
+def test_first_two_tokens_follow_the_target(setup, tmp_path, temperature, top_k, top_p, draft, batch_size):
+    check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, N, "cpu", batch_size)
 
 
 @pytest.mark.gpu
@@ -67,7 +70,8 @@ def test_first_two_tokens_follow_the_target_on_cuda(setup, tmp_path, draft):
     check_first_two_tokens(setup, tmp_path, 1.0, 10, 0.95, draft, 2048, "cuda")
 
 
-def check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, n_samples: int, device: str):
+def check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, n_samples: int, device: str,
+                           batch_size: int = 64):
     prompts = tmp_path / "prompts.jsonl"
     per_request = 64
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "input_ids": PROMPT}) + "\n"
@@ -101,7 +105,7 @@ def check_first_two_tokens(setup, tmp_path, temperature, top_k, top_p, draft, n_
         "--seed",
         "1234",
         "--batch-size",
-        "64",
+        str(batch_size),
         "--num-threads",
         "2",
         "--output",

@@ -4,8 +4,10 @@ One :meth:`EngineCore.generate` call runs a list of requests to completion:
 
 * **Admission.** Waiting prompts join whenever enough slots are free. Their prompts are
   prefilled together (padded batch), then each prompt's cache is copied into the slots of its
-  ``n`` samples, whose first tokens are sampled from the shared prefill logits. While other
-  rows are running, the prefill rides along with their next step: one target forward over
+  ``n`` samples, whose first tokens are sampled from the shared prefill logits. A prompt with more
+  samples than the batch has slots starts as many as are free; its prefill waits in a parking slot
+  beyond the batch's for the others, which start from it as slots free up (``admission.py``). While
+  other rows are running, the prefill rides along with their next step: one target forward over
   both (``CausalLM.forward_segments``) reads the weights once for the step and the prompts.
 * **Steps.** Every step advances all running rows at once: a plain step decodes one token;
   a speculative step asks the drafter for k tokens per row, runs the target once over the
@@ -44,6 +46,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_spec.rollout.native.adaptive import DraftLengthController
+from megatron_spec.rollout.native.admission import ParkedPrompt, plan_admission
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
@@ -101,6 +104,9 @@ class EngineCore:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         """Draws every uniform of sampling and verification, on the engine's device."""
         self.cache = None
+        self.park_slot = max_batch_size
+        """The cache slot beyond the batch's holding a parked prompt's prefill (``admission.py``)."""
+        self._parked: ParkedPrompt | None = None
         self.spec_enabled = drafter is not None
         """The acceptance-collapse watchdog may turn speculation off (see ``sync``/``rl``)."""
         self.spec = SpeculativeWorker(self) if drafter is not None else None
@@ -117,11 +123,12 @@ class EngineCore:
     def allocate(self) -> None:
         # spare positions: a verify step writes up to k+1 entries past a row's length (1+k+m: a tree)
         max_len = self.context_length + max(self.k_all, self.k + self.k_tree) + 1
-        self.cache = self.model.new_cache(self.max_batch_size, max_len)
+        slots = self.max_batch_size + 1  # the batch's and the parking slot
+        self.cache = self.model.new_cache(slots, max_len)
         if self.drafter is not None:
-            self.drafter.allocate(self.max_batch_size, max_len)
+            self.drafter.allocate(slots, max_len)
         if self.history is not None:
-            self.history.allocate(self.max_batch_size, max_len)
+            self.history.allocate(slots, max_len)
 
     def release(self) -> None:
         self.cache = None
@@ -139,10 +146,6 @@ class EngineCore:
             raise RequestError(
                 f"request {req.request_id}: prompt of {len(req.input_ids)} tokens + max_new_tokens "
                 f"{req.sampling.max_new_tokens} exceeds the engine context of {self.context_length}"
-            )
-        if req.n > self.max_batch_size:
-            raise RequestError(
-                f"request {req.request_id}: n={req.n} exceeds max_batch_size {self.max_batch_size}"
             )
         vocab = self.model.cfg.vocab_size
         bad = [t for t in req.input_ids if not 0 <= t < vocab]
@@ -175,7 +178,12 @@ class EngineCore:
         rows: list[Row] = []
         done: list[SampleOutput] = []
         sampling = None
-        while waiting or rows:
+        self._parked = None
+        while waiting or rows or self._parked is not None:
+            if self._unpark(rows):  # a first token may end a sample: retired before any step
+                self._retire(rows, on_sample_done, done)
+                sampling = None  # the batch changed
+                continue
             if not rows:  # nothing running: the prompts are prefilled on their own
                 adm = self._take(waiting, rows)
                 if adm is not None:
@@ -233,17 +241,11 @@ class EngineCore:
         return self.drafter.aux_layers if self.drafter is not None else ()
 
     def _take(self, waiting: deque, rows: list[Row]) -> Admission | None:
-        """Take the waiting requests that fit the free slots (and the prefill token budget)."""
-        free = self.max_batch_size - len(rows)
-        batch: list[GenerateRequest] = []
-        tokens = 0
-        while waiting and waiting[0].n <= free - sum(r.n for r in batch):
-            nxt = waiting[0]
-            if batch and tokens + len(nxt.input_ids) > self.prefill_token_budget:
-                break
-            batch.append(waiting.popleft())
-            tokens += len(nxt.input_ids)
-        return Admission.of(batch, len(rows), self.device) if batch else None
+        """Take the waiting requests for the free slots (``admission.plan_admission``): one with more
+        samples than the batch has slots may start some of them, the others parked."""
+        batch, counts = plan_admission(waiting, self.max_batch_size - len(rows), self.prefill_token_budget,
+                                       may_split=self._parked is None, slots=self.max_batch_size)
+        return Admission.of(batch, len(rows), self.device, counts) if batch else None
 
     def forward(self, seg: Segment, adm: Admission | None, aux_layers: Sequence[int]):
         """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,
@@ -259,40 +261,71 @@ class EngineCore:
         """After ``adm``'s prefill forward (``logits [P, 1, V]`` at each prompt's last position,
         ``aux [P, T, A]``): fill the draft's cache, spread each prompt to the slots of its
         samples, sample their first tokens and append them to ``rows``."""
-        batch, base, lens, n = adm.batch, adm.segment.slot_offset, adm.segment.kv_lens, adm.lens
+        batch, base, lens, n, counts = (adm.batch, adm.segment.slot_offset, adm.segment.kv_lens, adm.lens,
+                                         adm.counts)
         p = len(batch)
         self.cache.lens[base:base + p] = lens  # the sampled first token is the next step's input
         if self.drafter is not None:
             self.drafter.prefill(base, [r.input_ids for r in batch], aux)
+        last_aux = [aux[i, n[i] - 1] if aux is not None else None for i in range(p)]  # [A] per prompt
         # spread each prompt to the slots of its samples (backwards: targets lie at or after sources)
-        starts = [base + sum(r.n for r in batch[:i]) for i in range(p)]
+        starts = [base + sum(counts[:i]) for i in range(p)]
         for i in reversed(range(p)):
-            dsts = list(range(starts[i], starts[i] + batch[i].n))
+            dsts = list(range(starts[i], starts[i] + counts[i]))
             if starts[i] != base + i:
                 self.cache.move(base + i, starts[i])
                 if self.drafter is not None:
                     self.drafter.move(base + i, starts[i])
-            self.cache.copy_prefix(starts[i], dsts, n[i])
-            if self.drafter is not None:
-                self.drafter.copy_prefix(starts[i], dsts)
+            if counts[i] < batch[i].n:  # the other samples start from the parked prefill later
+                self._copy_prompt(starts[i], [self.park_slot], n[i])
+                self._parked = ParkedPrompt(batch[i], counts[i], logits[i, 0].clone(),
+                                            None if last_aux[i] is None else last_aux[i].clone(), n[i])
+            self._copy_prompt(starts[i], dsts, n[i])
         # first tokens, one per sample, from each prompt's last-position logits
-        reps = torch.tensor([r.n for r in batch], device=self.device)
-        # [N, V]
-        first_logits = logits[:, 0].repeat_interleave(reps, dim=0, output_size=sum(r.n for r in batch))
-        new_rows = [Row(r, s, list(r.input_ids), self._stop_ids(r)) for r in batch for s in range(r.n)]
+        reps = torch.tensor(counts, device=self.device)
+        first_logits = logits[:, 0].repeat_interleave(reps, dim=0, output_size=sum(counts))  # [N, V]
+        new_rows = [Row(r, s, list(r.input_ids), self._stop_ids(r)) for r, c in zip(batch, counts)
+                    for s in range(c)]
+        self._begin(rows, new_rows, first_logits, [a for a, c in zip(last_aux, counts) for _ in range(c)])
+
+    def _copy_prompt(self, src: int, dsts: list[int], length: int) -> None:
+        """Slot ``src``'s prompt (``length`` positions; the drafter's prompt state) into ``dsts``."""
+        self.cache.copy_prefix(src, dsts, length)
+        if self.drafter is not None:
+            self.drafter.copy_prefix(src, dsts)
+
+    def _unpark(self, rows: list[Row]) -> bool:
+        """Start as many of the parked prompt's other samples as slots are free (no prefill: its cache is
+        copied from the parking slot); returns whether any started."""
+        parked, free = self._parked, self.max_batch_size - len(rows)
+        if parked is None or free <= 0:
+            return False
+        count = min(free, parked.remaining)
+        self._copy_prompt(self.park_slot, list(range(len(rows), len(rows) + count)), parked.length)
+        req = parked.req
+        new_rows = [Row(req, parked.next_sample + s, list(req.input_ids), self._stop_ids(req))
+                    for s in range(count)]
+        self._begin(rows, new_rows, parked.logits.expand(count, -1), [parked.last_aux] * count)
+        parked.next_sample += count
+        if not parked.remaining:
+            self._parked = None
+        return True
+
+    def _begin(self, rows: list[Row], new_rows: list[Row], first_logits: torch.Tensor,
+               last_aux: list[torch.Tensor | None]) -> None:
+        """Samples whose prompts are in slots ``len(rows)..``: each one's first token drawn from its prompt's
+        last-position logits (``first_logits [N, V]``), the drafters told (``last_aux``: each one's ``[A]``);
+        appended to ``rows``."""
+        base = len(rows)
         sampling = self._sampling(new_rows)
         lp = process_logits(first_logits, sampling)
         tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
         tok_lp = self.token_logprobs(first_logits, lp, tok, sampling.greedy)
-        prompt_of_row = [i for i, r in enumerate(batch) for _ in range(r.n)]
         for j, (row, t_, l_) in enumerate(zip(new_rows, tok.tolist(), tok_lp.tolist())):
-            slot = base + j
             if self.drafter is not None:
-                prompt_idx = prompt_of_row[j]
-                last_aux = aux[prompt_idx, n[prompt_idx] - 1] if aux is not None else None
-                self.drafter.start(slot, row.req.input_ids, t_, last_aux)
+                self.drafter.start(base + j, row.req.input_ids, t_, last_aux[j])
                 if self.history is not None:
-                    self.history.start(slot, row.req.input_ids, t_, None)
+                    self.history.start(base + j, row.req.input_ids, t_, None)
             row.emit(t_, l_)
         rows.extend(new_rows)
 

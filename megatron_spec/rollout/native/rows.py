@@ -69,9 +69,13 @@ class Admission:
     segment: Segment
     lens: list[int]
     """Prompt lengths (on the host: read per prompt while spreading the prefill)."""
+    counts: list[int]
+    """The samples each prompt starts now: its ``n``, but for a last one whose other samples park
+    (``admission.plan_admission``)."""
 
     @classmethod
-    def of(cls, batch: list[GenerateRequest], base: int, device: torch.device) -> Admission:
+    def of(cls, batch: list[GenerateRequest], base: int, device: torch.device,
+           counts: list[int] | None = None) -> Admission:
         """``batch``'s prompts as one prefill segment into slots ``base..``, padded to the longest; packed
         (the prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside
         running rows (``base > 0``), or too many rows for the C++ layers
@@ -82,4 +86,5 @@ class Admission:
         lens = torch.tensor(n, device=device)
         pos = torch.arange(t, device=device).expand(p, t)
         pack = pos < lens.unsqueeze(1) if sum(n) < p * t and (base or p * t > SMALL_MAX_ROWS) else None
-        return cls(batch, Segment(ids, pos, lens, base, (lens - 1).unsqueeze(1), pack=pack), n)
+        segment = Segment(ids, pos, lens, base, (lens - 1).unsqueeze(1), pack=pack)
+        return cls(batch, segment, n, counts if counts is not None else [r.n for r in batch])
