@@ -62,9 +62,10 @@ round by round: AR, EAGLE-3 k=2, 3, 4 and 5, EAGLE-3 auto, history alone (auto, 
 history (auto; EAGLE-3 up to 5, history up to 10 tokens in steps where it drafts alone; tree steps
 where the controller expects them to pay), and the same without tree steps (``--history-tree off``). Keys:
 ``adaptive_over_k3_grpo``, ``best_fixed_grpo`` (the fastest of AR and k=2..5, median tokens/s) and
-``adaptive_over_best_fixed_grpo``, ``length_oracle_over_k3_grpo`` (the ceiling of any draft-length
-choice over fixed k=3 at batch 16, from EAGLE-3 k=5's acceptance per position and the adaptive
-engine's measured costs: ``length_policy_ceiling``; ``..._by_batch`` at 16, 8, 4),
+``adaptive_over_best_fixed_grpo`` (with ``..._interval``, a 90% bootstrap interval over the rounds, and
+``grpo_round_ratios``, every config over AR round by round), ``length_oracle_over_k3_grpo`` (the
+ceiling of any draft-length choice over fixed k=3 at batch 16, from EAGLE-3 k=5's acceptance per position
+and the adaptive engine's measured costs: ``length_policy_ceiling``; ``..._by_batch`` at 16, 8, 4),
 ``history_accept_length_grpo`` (1 + drafts accepted per history-drafted request-step, in the
 combined run), ``combined_over_eagle3_grpo`` (over EAGLE-3 auto), ``tree_over_no_tree_grpo``
 (combined over combined without trees), ``tail_speedup_grpo`` (time from the 90th-percentile
@@ -395,6 +396,14 @@ def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, 
         "adaptive_over_k3_grpo": ratio("eagle3_auto", "eagle3_k3"),
         "best_fixed_grpo": best_fixed,
         "adaptive_over_best_fixed_grpo": ratio("eagle3_auto", best_fixed),
+        "adaptive_over_best_fixed_grpo_interval": (
+            paired_ratio_interval(stats["eagle3_auto"], stats[best_fixed])
+            if "eagle3_auto" in stats and best_fixed else None
+        ),
+        "grpo_round_ratios": {
+            n: [round(r, 3) for r in round_ratios(stats[n], stats["ar"])]
+            for n in stats if n != "ar" and "ar" in stats
+        },
         "length_oracle_over_k3_grpo": ceiling.get(16),
         "length_oracle_over_k3_grpo_by_batch": ceiling,
         "history_accept_length_grpo": statistics.median(hist_al) if hist_al else None,
@@ -552,9 +561,26 @@ def draft_kinds(paths, dtype: str, prompts, batch: int, new_tokens: int, rounds:
     return out
 
 
+def round_ratios(num, den) -> list[float]:
+    """``num[r] / den[r]`` per round (tokens/s of two configs in the same round)."""
+    return [a.tokens_per_s / b.tokens_per_s for a, b in zip(num, den)]
+
+
 def paired_ratio(num, den) -> float:
-    """Median over rounds of ``num[r] / den[r]`` (tokens/s of two configs in the same round)."""
-    return statistics.median(a.tokens_per_s / b.tokens_per_s for a, b in zip(num, den))
+    """Median over rounds of :func:`round_ratios`."""
+    return statistics.median(round_ratios(num, den))
+
+
+def paired_ratio_interval(num, den, level: float = 0.9, draws: int = 4000) -> list[float] | None:
+    """A percentile-bootstrap interval (``level``, fixed seed) of :func:`paired_ratio`'s median, resampling
+    the rounds: whether a target a few percent from 1 is resolved by this many rounds. None under 3 rounds."""
+    ratios = np.array(round_ratios(num, den))
+    if len(ratios) < 3:
+        return None
+    rng = np.random.default_rng(0)
+    medians = np.median(ratios[rng.integers(0, len(ratios), (draws, len(ratios)))], axis=1)
+    lo, hi = np.quantile(medians, [(1 - level) / 2, (1 + level) / 2])
+    return [round(float(lo), 3), round(float(hi), 3)]
 
 
 def steady_state(paths, dtype: str, batch_sizes, ks, new_tokens: int, tok) -> dict:
@@ -1003,6 +1029,8 @@ def main() -> int:
         "adaptive_over_k3_grpo": rnd(grpo.get("adaptive_over_k3_grpo")),
         "best_fixed_grpo": grpo.get("best_fixed_grpo"),
         "adaptive_over_best_fixed_grpo": rnd(grpo.get("adaptive_over_best_fixed_grpo")),
+        "adaptive_over_best_fixed_grpo_interval": grpo.get("adaptive_over_best_fixed_grpo_interval"),
+        "grpo_round_ratios": grpo.get("grpo_round_ratios", {}),
         "length_oracle_over_k3_grpo": rnd(grpo.get("length_oracle_over_k3_grpo")),
         "length_oracle_over_k3_grpo_by_batch": {
             b: rnd(v) for b, v in grpo.get("length_oracle_over_k3_grpo_by_batch", {}).items()

@@ -430,10 +430,8 @@ def test_history_rows_hook_makes_rows_with_a_proposal_draft_from_it(monkeypatch)
     assert plan(DraftLengthController(3)) == (StepPlan(1), [True, False, True, False])
 
 
-def test_length_policy_ceiling_is_the_oracle_over_fixed_k():
-    """benchmarks/bench_rollout.py's ceiling of any draft-length choice: an oracle verifying exactly
-    each row's accepted drafts, at its best longest chain K, over fixed k=3, under the controller's
-    measured costs (a line through the verify table). Checked against the rates computed by hand."""
+def _bench_rollout():
+    """benchmarks/bench_rollout.py as a module (the benchmarks are scripts, not a package)."""
     import importlib.util
     import os
 
@@ -441,6 +439,14 @@ def test_length_policy_ceiling_is_the_oracle_over_fixed_k():
     spec = importlib.util.spec_from_file_location("bench_rollout_for_test", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_length_policy_ceiling_is_the_oracle_over_fixed_k():
+    """benchmarks/bench_rollout.py's ceiling of any draft-length choice: an oracle verifying exactly
+    each row's accepted drafts, at its best longest chain K, over fixed k=3, under the controller's
+    measured costs (a line through the verify table). Checked against the rates computed by hand."""
+    bench = _bench_rollout()
     c = DraftLengthController(5)
     for n in range(16, 97, 8):
         c.verify.update(n, 0.010 + 0.0005 * n)
@@ -457,6 +463,25 @@ def test_length_policy_ceiling_is_the_oracle_over_fixed_k():
     assert got == pytest.approx(oracle / ref, rel=1e-9)
     assert got > 1.0  # the oracle can always verify fewer tokens than fixed k=3 does
     assert bench.length_policy_ceiling(at_least, DraftLengthController(5), 16) is None  # no costs yet
+
+
+def test_paired_ratio_interval_brackets_the_median_and_narrows_with_rounds():
+    """benchmarks/bench_rollout.py's bootstrap interval of the paired median: equal ratios give a point,
+    the interval holds the median, more rounds of the same spread give a narrower one, under 3 rounds none."""
+    from types import SimpleNamespace as NS
+
+    bench = _bench_rollout()
+
+    def runs(ratios):
+        return [NS(tokens_per_s=100.0 * r) for r in ratios], [NS(tokens_per_s=100.0)] * len(ratios)
+
+    assert bench.paired_ratio_interval(*runs([0.95] * 5)) == [0.95, 0.95]
+    assert bench.paired_ratio_interval(*runs([0.9, 1.0])) is None
+    few = [0.85, 0.9, 0.95, 1.0, 1.05]
+    lo, hi = bench.paired_ratio_interval(*runs(few))
+    assert bench.paired_ratio(*runs(few)) == pytest.approx(0.95) and lo < 0.95 < hi
+    lo4, hi4 = bench.paired_ratio_interval(*runs(few * 4))
+    assert lo <= lo4 <= 0.95 <= hi4 <= hi and hi4 - lo4 < hi - lo
 
 
 def test_a_wider_batch_first_measures_k_max_then_chooses():
