@@ -49,7 +49,7 @@ _TASKS = {"train-easy": ("math_task", "train-easy,interpolate", 256, 128),
 def problems(work: str, split: str) -> tuple[tuple[str, str], ...]:
     """``(question, answer)`` pairs of ``split`` (see :func:`questions`)."""
     folder, splits, num_train, num_test = _TASKS[split]
-    task = os.path.join(work, folder)
+    task = os.path.abspath(os.path.join(work, folder))  # the script runs from the repository root
     env = dict(os.environ, MATH_TASK_DIR=task, MATH_MODULES=MODULES, MATH_SPLITS=splits,
                MATH_NUM_TRAIN=str(num_train), MATH_NUM_TEST=str(num_test))
     subprocess.run(
