@@ -156,10 +156,11 @@ class GenerateStats:
             self.source_steps[source] = self.source_steps.get(source, 0) + 1
             self.source_accepted[source] = self.source_accepted.get(source, 0) + num_accepted
 
-    def add_step_k(self, k: int) -> None:
+    def add_step_k(self, k: int, rows: int = 1) -> None:
+        """``rows`` row-steps that drafted ``k`` tokens each."""
         if len(self.k_counts) <= k:
             self.k_counts.extend([0] * (k + 1 - len(self.k_counts)))
-        self.k_counts[k] += 1
+        self.k_counts[k] += rows
 
     @property
     def k_mean(self) -> float | None:

@@ -225,6 +225,64 @@ def test_request_errors_are_named(setup):
         server.generate([GenerateRequest("bad", [5, 999], SamplingParams(max_new_tokens=2))])
 
 
+def _plans(server, ks):
+    """The adaptive controller's plans replaced by ``ks`` step by step, the last one kept (its planning still
+    runs); returns the list the main drafter's proposals are recorded in."""
+    from megatron_spec.rollout.native.adaptive import StepPlan
+
+    ctl, drafter = server.core.controller, server.core.drafter
+    plan, propose, drafts = ctl.choose_step, drafter.propose, []
+    step = iter(ks)
+
+    def forced(options):
+        plan(options)
+        k = next(step, ks[-1])
+        ctl.last_plan = (StepPlan(k), len(options))
+        return StepPlan(k)
+
+    def recorded(tokens, k, *a):
+        out = propose(tokens, k, *a)
+        if k:
+            drafts.append(out[0].tolist())
+        return out
+
+    ctl.choose_step, drafter.propose = forced, recorded
+    return drafts
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "model"])
+def test_a_step_planned_at_k0_is_plain_decoding_and_feeds_the_drafter(setup, kind):
+    """A step the adaptive controller plans at k = 0 is a plain step (``SpeculativeWorker._decode``): at T=1
+    the same tokens and log-probs as plain decoding with the same seed. The drafter is fed what it sat out
+    (EAGLE-3: each token with the target's states at the one before it), so after 5 steps at k = 0 its
+    first proposal is the one a drafter that never sat out makes: a fresh engine prefilled with the same
+    context."""
+    prompts = _prompts(setup.cfg, 3, seed=31)
+
+    def adaptive():
+        return _server(setup, kind, num_draft_tokens="auto", max_draft_tokens=3, max_batch_size=3)
+
+    held, plain = adaptive(), _server(setup, "none", max_batch_size=3)
+    _plans(held, [0])
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    reqs = [GenerateRequest(f"r{i}", p, sp) for i, p in enumerate(prompts)]
+    (got, st), (ref, _) = held.core.generate(reqs, seed=5), plain.core.generate(reqs, seed=5)
+    assert st.k_counts == [3 * 11]
+    for a, b in zip(got, ref):
+        assert a.output_ids == b.output_ids and a.draft_lengths == [0] * 11
+        assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+    # greedy, 5 steps at k = 0, then k = 2: the first drafts against a fresh engine's from the same context
+    late, fresh = adaptive(), adaptive()
+    drafts, fresh_drafts = _plans(late, [0] * 5 + [2]), _plans(fresh, [2])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    out, _ = late.core.generate([GenerateRequest(f"r{i}", p, greedy) for i, p in enumerate(prompts)])
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    # the prefill draws the 6th token: the first step drafts after it, as the held engine's 6th step did
+    fresh.core.generate([GenerateRequest(f"r{i}", p + s.output_ids[:5], greedy)
+                         for i, (p, s) in enumerate(zip(prompts, out))])
+    assert len(drafts[0]) == 3 and drafts[0] == fresh_drafts[0]
+
+
 @pytest.mark.parametrize("kind", ["none", "eagle3"])
 def test_prefill_riding_along_a_step_changes_nothing(setup, kind):
     """Prompts admitted while rows run are prefilled in the running rows' step forward; every

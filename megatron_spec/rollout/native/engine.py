@@ -358,16 +358,25 @@ class EngineCore:
 
     def _plain_step(self, rows: list[Row], sampling: SamplingTensors, stats: GenerateStats,
                     adm: Admission | None = None) -> None:
+        _, _, pre = self.decode(rows, sampling, adm, ())
+        if adm is not None:
+            self.start(adm, rows, *pre)
+
+    def decode(self, rows: list[Row], sampling: SamplingTensors, adm: Admission | None,
+               aux_layers: Sequence[int]) -> tuple[list[int], torch.Tensor | None, tuple | None]:
+        """One token per row (``adm``'s prefill riding along), emitted to the rows; returns the tokens, the
+        target's ``aux_layers`` states at the rows' last tokens (``[B, 1, A]``, or None) and the prefill's
+        (logits, aux). A speculative step at k = 0 is this step, its drafter fed the states."""
         b = len(rows)
         ids = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
         pos = self.cache.lens[:b].unsqueeze(1).clone()  # [B, 1]
-        (logits, _), pre = self.forward(Segment(ids, pos, pos.squeeze(1) + 1), adm, ())
+        (logits, aux), pre = self.forward(Segment(ids, pos, pos.squeeze(1) + 1), adm, aux_layers)
         lp = process_logits(logits[:, 0], sampling)
         tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
         tok_lp = self.token_logprobs(logits[:, 0], lp, tok, sampling.greedy)
         self.cache.lens[:b] += 1
-        for r, t_, l_ in zip(rows, tok.tolist(), tok_lp.tolist()):
+        tokens = tok.tolist()
+        for r, t_, l_ in zip(rows, tokens, tok_lp.tolist()):
             r.verify_steps += 1
             r.emit(t_, l_)
-        if adm is not None:
-            self.start(adm, rows, *pre)
+        return tokens, aux, pre

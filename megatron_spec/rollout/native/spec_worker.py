@@ -60,6 +60,9 @@ class SpeculativeWorker:
         core = self.core
         t0 = time.perf_counter()
         prop = self._propose(rows, sampling)
+        if prop.k == 0:  # no row drafts: a plain step, its states fed to the drafter
+            self._decode(rows, prop, sampling, stats, t0, adm)
+            return
         ver = self._verify(rows, sampling, prop, adm)
         emitted, accepted, kept = self._commit(rows, prop, ver)
         self._account(rows, prop, ver, emitted, accepted, stats, t0, prefill=adm is not None, kept=kept)
@@ -116,6 +119,34 @@ class SpeculativeWorker:
             for i in range(b)
         ]
         return Proposal(plan, per_row, drafts, q, branch, main_ran, t_draft + t_main, t_main)
+
+    def _decode(self, rows: list[Row], prop: Proposal, sampling: SamplingTensors, stats: GenerateStats,
+                t0: float, adm: Admission | None) -> None:
+        """A step at k = 0 (every row's plan): one token per row by the engine's plain step
+        (``EngineCore.decode``: the same draws, the same tokens), the target's states at them to the drafter,
+        and the step's accounting without the verify's per-row work (nothing was drafted, so nothing was
+        accepted); a history proposal a row did not use still teaches its source."""
+        core = self.core
+        tokens, aux, pre = core.decode(rows, sampling, adm, core.drafter.aux_layers)
+        b = len(rows)
+        emitted = [[t] for t in tokens]
+        core.drafter.commit(emitted, [0] * b, aux)
+        kind = core.drafter.kind
+        stats.add_step_k(0, b)
+        observed: list[AcceptObservation] = []
+        for i, (r, rp, em) in enumerate(zip(rows, prop.rows, emitted)):
+            r.draft_lengths.append(0)
+            r.sources.append(kind)
+            if rp.hist_full and core.controller is not None:
+                observed.append(unused_history_observation(r.acc, core.k_all, rp.hist_full, em,
+                                                           self._source_label(i, "history"), rp.support))
+        if core.controller is not None:
+            seconds = time.perf_counter() - t0
+            core.controller.observe(StepOutcome(
+                rows=b, k=0, m=0, seconds=seconds, verify_s=seconds - prop.t_draft, draft_s=0.0, kept=b,
+                prefill=adm is not None, packed_tokens=None, accepts=observed))
+        if adm is not None:
+            core.start(adm, rows, *pre)
 
     def _verify(self, rows: list[Row], sampling: SamplingTensors, prop: Proposal,
                 adm: Admission | None) -> Verified:
