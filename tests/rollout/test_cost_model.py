@@ -7,6 +7,8 @@ import pytest
 from megatron_spec.rollout.native.cost_model import (
     DraftOption,
     all_rows_rates,
+    expected_tokens,
+    expected_tokens_upto,
     history_rows_rates,
     token_threshold,
     tree_expected_tokens,
@@ -27,6 +29,31 @@ def test_all_rows_take_the_better_source_at_each_k():
 def test_a_k_without_a_cost_is_left_out():
     rates = all_rows_rates([[DraftOption([0.5])]], range(0, 2), lambda b, k: None if k else 0.1)
     assert rates == pytest.approx({0: 10.0})
+
+
+def test_all_rows_rates_is_the_per_k_sum_bit_for_bit():
+    """One pass per option (``expected_tokens_upto``) gives exactly the floats of the definition, k by k:
+    ``sum_b max_o expected_tokens(o, k) / T(B, k)`` (random rows, proposals, limits, missing costs)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        depth = rng.randint(1, 8)
+        options = [
+            [DraftOption([rng.random() for _ in range(depth)])]
+            + ([DraftOption([rng.random() for _ in range(depth)], rng.choice([None, rng.randint(1, depth)]))]
+               if rng.random() < 0.5 else [])
+            for _ in range(rng.randint(1, 16))
+        ]
+        lo = rng.randint(0, depth)
+        ks = range(lo, rng.randint(lo, depth) + 1)
+        costs = {k: None if rng.random() < 0.2 else 0.01 + 0.002 * k for k in ks}
+        want = {k: sum(max(expected_tokens(o.alpha, k, o.limit) for o in opts) for opts in options) / t
+                for k, t in costs.items() if t is not None}
+        assert all_rows_rates(options, ks, lambda b, k, costs=costs: costs[k]) == want
+        o = options[0][-1]
+        assert expected_tokens_upto(o.alpha, depth, o.limit) == [expected_tokens(o.alpha, k, o.limit)
+                                                                 for k in range(depth + 1)]
 
 
 def test_history_rows_rates_pack_the_rows_without_a_proposal():

@@ -82,12 +82,29 @@ def all_rows_rates(
     """Tokens per second for every k in ``ks`` with a cost, every row drafting from its best source at
     that k: ``sum_b max_o E_o(k) / T(B, k)``, ``step_seconds(B, k)`` the step's time."""
     b = len(options)
-    out = {}
-    for k in ks:
-        t = step_seconds(b, k)
-        if t is not None:
-            out[k] = sum(max(expected_tokens(o.alpha, k, o.limit) for o in opts) for opts in options) / t
-    return out
+    seconds = {k: t for k in ks if (t := step_seconds(b, k)) is not None}
+    if not seconds:
+        return {}
+    top = max(seconds)
+    totals = dict.fromkeys(seconds, 0.0)
+    for opts in options:  # each option's E(0..top) in one pass: the same sums as expected_tokens, in order
+        best = expected_tokens_upto(opts[0].alpha, top, opts[0].limit)
+        for o in opts[1:]:
+            best = [max(x, y) for x, y in zip(best, expected_tokens_upto(o.alpha, top, o.limit))]
+        for k in totals:
+            totals[k] += best[k]
+    return {k: totals[k] / seconds[k] for k in seconds}
+
+
+def expected_tokens_upto(alpha: Sequence[float], k_max: int, limit: int | None = None) -> list[float]:
+    """``[expected_tokens(alpha, k, limit) for k in 0..k_max]`` in one pass (the same floating-point sums)."""
+    n = k_max if limit is None else min(k_max, limit)
+    out, total, run = [1.0], 1.0, 1.0
+    for i in range(n):
+        run *= alpha[i]
+        total += run
+        out.append(total)
+    return out + [total] * (k_max - n)
 
 
 def history_rows_rates(
