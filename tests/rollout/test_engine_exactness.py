@@ -276,9 +276,9 @@ def test_a_step_planned_at_k0_is_plain_decoding_and_feeds_the_drafter(setup, kin
     drafts, fresh_drafts = _plans(late, [0] * 5 + [2]), _plans(fresh, [2])
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     out, _ = late.core.generate([GenerateRequest(f"r{i}", p, greedy) for i, p in enumerate(prompts)])
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     # the prefill draws the 6th token: the first step drafts after it, as the held engine's 6th step did
-    fresh.core.generate([GenerateRequest(f"r{i}", p + s.output_ids[:5], greedy)
+    fresh.core.generate([GenerateRequest(f"r{i}", p + s.output_ids[:5], short)
                          for i, (p, s) in enumerate(zip(prompts, out))])
     assert len(drafts[0]) == 3 and drafts[0] == fresh_drafts[0]
 

@@ -140,11 +140,7 @@ class SpeculativeWorker:
             if rp.hist_full and core.controller is not None:
                 observed.append(unused_history_observation(r.acc, core.k_all, rp.hist_full, em,
                                                            self._source_label(i, "history"), rp.support))
-        if core.controller is not None:
-            seconds = time.perf_counter() - t0
-            core.controller.observe(StepOutcome(
-                rows=b, k=0, m=0, seconds=seconds, verify_s=seconds - prop.t_draft, draft_s=0.0, kept=b,
-                prefill=adm is not None, packed_tokens=None, accepts=observed))
+        self._observe(prop, b, t0, kept=b, prefill=adm is not None, accepts=observed)
         if adm is not None:
             core.start(adm, rows, *pre)
 
@@ -246,8 +242,8 @@ class SpeculativeWorker:
             r.draft_lengths.append(proposed)
             r.sources.append(label)
             stats.add_step_k(proposed)
-            # a row that sat out a history-only step drafted nothing
-            if k > 0 and not (prop.hist_only and not u):
+            # a row that sat out a history-only step drafted nothing (k >= 1 here: k = 0 steps are _decode's)
+            if not (prop.hist_only and not u):
                 r.accepted.append(a)
                 stats.add_spec_step(a, core.k_all, source=label)
                 csrc = label if u and core.history is not None else src  # the two history indexes apart
@@ -262,15 +258,25 @@ class SpeculativeWorker:
                 proposal = rp.hist[:m] if two else full
                 observed.append(unused_history_observation(r.acc, core.k_all, proposal, em,
                                                            self._source_label(i, "history"), rp.support))
-        if core.controller is not None:
-            pack = ver.segment.pack
-            seconds = time.perf_counter() - t0
-            core.controller.observe(StepOutcome(
-                rows=len(rows), k=k, m=m, seconds=seconds, verify_s=seconds - prop.t_draft,
-                # the draft table is the main drafter's: a step where it did not run teaches it nothing
-                draft_s=prop.t_main if prop.main_ran else 0.0, kept=kept, prefill=prefill,
-                packed_tokens=None if pack is None else int(pack.sum()), accepts=observed,
-                tree=(predicted, realized) if prop.tree else None))
+        pack = ver.segment.pack
+        self._observe(prop, len(rows), t0, kept=kept, prefill=prefill, accepts=observed,
+                      packed_tokens=None if pack is None else int(pack.sum()),
+                      tree=(predicted, realized) if prop.tree else None)
+
+    def _observe(self, prop: Proposal, rows: int, t0: float, *, kept: int, prefill: bool,
+                 accepts: list[AcceptObservation], packed_tokens: int | None = None,
+                 tree: tuple[float, float] | None = None) -> None:
+        """The step's :class:`~megatron_spec.rollout.native.adaptive.StepOutcome` to the adaptive controller
+        (none without one): its time since ``t0``, the verify's (all but the proposal) and the main
+        drafter's proposal's."""
+        if self.core.controller is None:
+            return
+        seconds = time.perf_counter() - t0
+        self.core.controller.observe(StepOutcome(
+            rows=rows, k=prop.k, m=prop.m, seconds=seconds, verify_s=seconds - prop.t_draft,
+            # the draft table is the main drafter's: a step where it did not run teaches it nothing
+            draft_s=prop.t_main if prop.main_ran else 0.0, kept=kept, prefill=prefill,
+            packed_tokens=packed_tokens, accepts=accepts, tree=tree))
 
     def _own_observation(self, i: int, r: Row, prop: Proposal, ver: Verified, source: str, proposed: int,
                          accepted: int) -> list[AcceptObservation]:
