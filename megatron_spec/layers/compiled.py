@@ -83,7 +83,7 @@ def _packed_linear_fake(x, packed, small, bias, out_features):
 
 LayerWeights = tuple
 """Per layer: ``(input norm, post-attention norm, qkv, qkv bias, o, gate_up, down, q norm, k norm)``, each
-projection a pair ``(oneDNN packed, few-row panels or None)`` (:meth:`Linear.pack`); the bias and the q/k
+projection a pair ``(oneDNN packed or the plain fp32 weight, few-row panels or None)`` (:meth:`Linear.pack`); the bias and the q/k
 norms may be None (the model has none)."""
 
 
@@ -119,7 +119,7 @@ def layer_step(x: torch.Tensor, weights: LayerWeights, dims: tuple, cos: torch.T
 
 
 def layer_weights(layer: DecoderLayer) -> LayerWeights | None:
-    """``layer``'s weights for :func:`layer_step`, or None when a projection is not packed for oneDNN
+    """``layer``'s weights for :func:`layer_step`, or None when a projection is not packed for inference
     (a GPU, a dtype oneDNN does not pack, or weights being updated)."""
     a, m = layer.self_attn, layer.mlp
     lins = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)

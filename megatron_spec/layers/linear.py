@@ -1,4 +1,4 @@
-"""The linear layer of the native engine's decoder and its draft heads, with oneDNN prepacking.
+"""The linear layer of the native engine's decoder and its draft heads, with prepacked copies for inference.
 
 :class:`Linear` stores its weight ``[out, in]`` as a weight sync writes it and can keep oneDNN-packed and
 kernel-panel copies for inference; :func:`pack_linears` (re)packs every one in a module after its weights
@@ -69,6 +69,17 @@ kernel on tiles / on AVX512-BF16 dot products / oneDNN's packed bf16 matmul, its
 stays (a verify of up to 128 rows keeps the batch invariance, at oneDNN's speed where it stops paying)."""
 
 
+ONEDNN_COPY_F32 = False
+"""Keep oneDNN's blocked copy of an fp32 weight that has the kernel's panels. Without it (the default) inputs
+of more than :data:`SMALL_MAX_ROWS` rows (prefills, verifies of many rows) run ``F.linear`` on the
+``[out, in]`` weight itself, and a weight sync re-packs the panels only. Measured on a 2-core AVX2 EPYC over
+SmolLM2-135M's 30 layers of projections and its head (ms, best of 5, oneDNN's copy / the plain weight):
+240 / 270 at 129 rows, 474 / 471 at 256, 928 / 992 at 512, 1902 / 2070 at 1024; a whole engine prefill of
+16 chat prompts took 0.92x the time (median of 6 alternated calls), 64-token calls 1.03x (noise: 0.90-1.14);
+building the copy took 0.23 s of every SmolLM2 sync (the panels 0.05 s) and held the weights' size once more
+in memory. bf16 weights keep oneDNN's copy (``F.linear`` re-lays a bf16 weight out on every call)."""
+
+
 def bf16_small_linear_available() -> bool:
     """Whether the bf16 decode/verify kernel of ``csrc/linear_bf16_cpu.cpp`` runs its bf16 dot products
     here."""
@@ -92,13 +103,16 @@ def packed_matmul(
 ) -> torch.Tensor:
     """``x [M, in] -> [M, out_features]`` through the prepacked weights of a :class:`Linear`: the
     extension kernel's panels ``small`` for ``M <= SMALL_MAX_ROWS`` (fp32; bf16 panels of pairs, 4-D:
-    ``SMALL_MAX_ROWS_BF16``) when there are some, oneDNN's ``packed`` else."""
+    ``SMALL_MAX_ROWS_BF16``) when there are some, else ``packed``: oneDNN's blocked copy, or the ``[out, in]``
+    weight itself (a dense tensor: :data:`ONEDNN_COPY_F32`)."""
     if small is not None:
         if small.dim() == 4:
             if x.shape[0] <= SMALL_MAX_ROWS_BF16:
                 return torch.ops.megatron_spec.linear_small_bf16(x, small, bias, out_features)
         elif x.shape[0] <= SMALL_MAX_ROWS:
             return torch.ops.megatron_spec.linear_small_f32(x, small, bias, out_features)
+    if not packed.is_mkldnn:
+        return F.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -110,8 +124,9 @@ class Linear(nn.Module):
     Why: at decode sizes (1-64 rows) a plain ``F.linear`` on CPU re-lays-out the weight on every call (bf16,
     oneDNN) or takes MKL's slow small-M path (fp32 on this AMD CPU); a weight packed once into oneDNN's
     blocked format runs 2-12x faster and gives the same fp32 result as ``x @ W^T`` (measured:
-    benchmarks/bench_rollout.py). In fp32 a second copy in 16-output panels serves inputs of up to
-    :data:`SMALL_MAX_ROWS` rows through the extension's kernel, 1.4-1.9x faster than oneDNN at 1-16 rows and
+    benchmarks/bench_rollout.py). In fp32 a copy in 16-output panels serves inputs of up to
+    :data:`SMALL_MAX_ROWS` rows through the extension's kernel (larger ones run ``F.linear`` on the weight,
+    with no oneDNN copy: :data:`ONEDNN_COPY_F32`), 1.4-1.9x faster than oneDNN at 1-16 rows and
     1.2x at 64 on a 2-core AVX2 EPYC (``csrc/linear_cpu.cpp``); it costs the weights' size once more in
     memory, half of it where the weights are all bf16 numbers (:data:`BF16_WEIGHT_PANELS`: bf16 panels, the
     same results, up to 1.9x faster again). :meth:`pack` builds them after weights change (the engine calls it
@@ -138,7 +153,9 @@ class Linear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def pack(self, batch_hint: int = 16) -> bool:
-        """Prepack the weight for oneDNN (CPU, fp32/bf16); returns whether it is packed."""
+        """Prepack the weight for inference (CPU, fp32/bf16): the kernel's panels where the kernel runs, and
+        oneDNN's blocked copy for more rows (an fp32 weight with panels keeps none: :data:`ONEDNN_COPY_F32`);
+        returns whether it is packed."""
         global PACK_EPOCH
         PACK_EPOCH += 1
         w = self.weight
@@ -149,9 +166,10 @@ class Linear(nn.Module):
         with torch.no_grad():
             w = w.detach().contiguous()  # a view already (a tied table too): no copy
             self._packed = None  # freed first: the new copy can take its place in the heap
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
             old = self._small if self._small is not None else self._spare
             self._small, self._spare = self._pack_panels(w, old), None
+            plain = w.dtype == torch.float32 and self._small is not None and not ONEDNN_COPY_F32
+            self._packed = w if plain else torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
         return True
 
     @staticmethod
@@ -248,7 +266,7 @@ def warm_linears(modules: Iterable[nn.Module], max_rows: int, max_primitives: in
     shapes: dict[tuple, Linear] = {}
     for module in modules:
         for m in module.modules():
-            if isinstance(m, Linear) and m._packed is not None:
+            if isinstance(m, Linear) and m._packed is not None and m._packed.is_mkldnn:
                 shapes.setdefault((m.in_features, m.out_features, m.weight.dtype, m.bias is None), m)
     if not shapes:
         return 0

@@ -9,9 +9,15 @@ from megatron_spec.layers.kv_cache import read_length
 from megatron_spec.layers.linear import Linear, pack_linears, warm_linears
 
 
-def test_warm_linears_calls_each_distinct_packed_shape_per_row_count():
-    # two layers of one shape, one of another, one left unpacked: 2 distinct packed shapes
+def test_warm_linears_calls_each_distinct_packed_shape_per_row_count(monkeypatch):
+    from megatron_spec.layers import linear
+
     net = torch.nn.Sequential(Linear(8, 16, bias=False), Linear(8, 16, bias=False), Linear(16, 4))
+    pack_linears(net)
+    if net[0]._small is not None:  # fp32 with the kernel's panels: no oneDNN copy, no primitive to build
+        assert not net[0]._packed.is_mkldnn and warm_linears([net], 5) == 0
+    monkeypatch.setattr(linear, "ONEDNN_COPY_F32", True)
+    # two layers of one shape, one of another, one left unpacked: 2 distinct packed shapes
     pack_linears(net)
     if net[0]._packed is None:  # no oneDNN in this torch build: nothing to warm
         assert warm_linears([net], 5) == 0

@@ -75,24 +75,42 @@ def test_opcheck():
                           (x, torch.ops.megatron_spec.linear_pack_f32(w), torch.randn(20), 20))
 
 
-def test_linear_layer_uses_it_up_to_the_cut_and_onednn_above():
-    from megatron_spec.layers.linear import SMALL_MAX_ROWS, Linear
+@pytest.mark.parametrize("onednn_copy", [False, True])
+def test_linear_layer_uses_it_up_to_the_cut_and_the_plain_weight_or_onednn_above(monkeypatch, onednn_copy):
+    """fp32 with panels: more rows than the cut run ``F.linear`` on the weight itself (no oneDNN copy is made,
+    so a weight sync re-packs the panels only), or oneDNN's blocked copy where ``ONEDNN_COPY_F32`` asks."""
+    from megatron_spec.layers import linear
 
+    monkeypatch.setattr(linear, "ONEDNN_COPY_F32", onednn_copy)
     torch.manual_seed(0)
-    lin = Linear(40, 70).eval()
+    lin = linear.Linear(40, 70).eval()
     with torch.no_grad():
         lin.bias.normal_()
     assert lin.pack() and lin._small is not None
-    for m in (1, 16, SMALL_MAX_ROWS, SMALL_MAX_ROWS + 1):
+    assert lin._packed.is_mkldnn == onednn_copy
+    if not onednn_copy:
+        assert lin._packed.data_ptr() == lin.weight.data_ptr()  # the weight itself, not a copy
+    for m in (1, 16, linear.SMALL_MAX_ROWS, linear.SMALL_MAX_ROWS + 1, 300):
         x = torch.randn(m, 40)
         with torch.inference_mode():
             y = lin(x)
             few = torch.ops.megatron_spec.linear_small_f32(x, lin._small, lin.bias, 70)
-            onednn = torch.ops.mkldnn._linear_pointwise(x, lin._packed, lin.bias, "none", [], "")
-        assert torch.equal(y, few if m <= SMALL_MAX_ROWS else onednn)
+            if onednn_copy:
+                many = torch.ops.mkldnn._linear_pointwise(x, lin._packed, lin.bias, "none", [], "")
+            else:
+                many = torch.nn.functional.linear(x, lin.weight, lin.bias)
+        assert torch.equal(y, few if m <= linear.SMALL_MAX_ROWS else many)
         assert torch.allclose(y, (x @ lin.weight.t() + lin.bias).detach(), rtol=1e-5, atol=1e-5)
     lin.unpack()
     assert lin._packed is None and lin._small is None
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="oneDNN has no bf16 on this CPU")
+def test_a_bf16_weight_keeps_onednn_copy():
+    from megatron_spec.layers.linear import Linear
+
+    lin = Linear(40, 70).to(torch.bfloat16).eval()
+    assert lin.pack() and lin._packed.is_mkldnn
 
 
 @pytest.mark.parametrize("n,k", [(50, 37), (576, 576), (3, 64), (96, 17)])
