@@ -83,8 +83,8 @@ def _packed_linear_fake(x, packed, small, bias, out_features):
 
 LayerWeights = tuple
 """Per layer: ``(input norm, post-attention norm, qkv, qkv bias, o, gate_up, down, q norm, k norm)``, each
-projection a pair ``(oneDNN packed or the plain fp32 weight, few-row panels or None)`` (:meth:`Linear.pack`); the bias and the q/k
-norms may be None (the model has none)."""
+projection a pair ``(oneDNN packed or the plain fp32 weight, few-row panels or None)`` (:meth:`Linear.pack`);
+the bias and the q/k norms may be None (the model has none)."""
 
 
 def layer_step(x: torch.Tensor, weights: LayerWeights, dims: tuple, cos: torch.Tensor, sin: torch.Tensor,
