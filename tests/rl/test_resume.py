@@ -125,31 +125,36 @@ def test_step_line_eta_and_logging(capsys):
         log.handlers[:], log.level, log.propagate = saved
 
 
-def test_wandb_logger_offline(tmp_path, monkeypatch):
+def test_wandb_logger_offline(tmp_path):
     """``--logger jsonl,wandb``: W&B (offline, no network) gets every numeric metric by step, in the run
-    folder,
-    under an id fixed by the run folder (the same command started again continues the same W&B run)."""
-    from megatron_spec.config import RunConfig
-    from megatron_spec.telemetry import open_metrics
-
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = RunConfig()
-    cfg.logging.logger = "jsonl,wandb"
-    cfg.logging.wandb_project = "bar"
+    folder, under an id fixed by the run folder (the same command started again continues the same W&B run). Each
+    start is its own process, as a resumed run is: two W&B runs of one id in one process share W&B's service
+    stream, and the second can start before the first's has closed its file."""
     run = tmp_path / "run"
     run.mkdir()
+    script = (
+        "import sys\n"
+        "from megatron_spec.config import RunConfig\n"
+        "from megatron_spec.telemetry import open_metrics\n"
+        "cfg = RunConfig()\n"
+        "cfg.logging.logger = 'jsonl,wandb'\n"
+        "cfg.logging.wandb_project = 'bar'\n"
+        "start = None if sys.argv[2] == 'none' else int(sys.argv[2])\n"
+        "w = open_metrics(cfg, sys.argv[1], start)\n"
+        "print(w._wandb.id)\n"
+        "w.write({'step': 1 if start is None else 2, 'reward/mean': 0.25, 'spec/accept_length': 2.5, 'note': 'x'})\n"
+        "w.close()\n"
+    )
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=str(ROOT))
     ids = []
-    for start in (None, 1):
-        w = open_metrics(cfg, str(run), start)
-        ids.append(w._wandb.id)
-        w.write(
-            {"step": 1 if start is None else 2, "reward/mean": 0.25, "spec/accept_length": 2.5, "note": "x"}
-        )
-        w.close()
+    for start in ("none", "1"):
+        proc = subprocess.run([sys.executable, "-c", script, str(run), start], env=env, cwd=str(tmp_path),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        ids.append(proc.stdout.split()[-1])
     assert ids[0] == ids[1] and not (run / "tensorboard").exists()
     logs = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
-    assert logs and all(
+    assert len(logs) == 2 and all(
         b"reward/mean" in p.read_bytes() and b"spec/accept_length" in p.read_bytes() for p in logs
     )
     assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
