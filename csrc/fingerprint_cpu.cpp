@@ -53,8 +53,54 @@ at::Tensor bits_sums_cpu(const at::Tensor& bits) {
   return out;
 }
 
+// The same sums while copying the bits to dst: a sync writes each tensor once (the trainer into its bucket,
+// the engine into its parameters) and the fingerprint of what was written costs no second pass over it.
+template <typename T>
+void sums_copy(const T* b, T* dst, int64_t n, cpu::BitsSumsCopyFn<T> run, uint64_t* out) {
+  const int64_t grain = 1 << 18;
+  const int64_t chunks = (n + grain - 1) / grain;
+  std::vector<uint64_t> part(2 * chunks, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t begin = c * grain, end = std::min(n, begin + grain);
+      run(b + begin, dst + begin, end - begin, &part[2 * c]);
+    }
+  });
+  out[0] = out[1] = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    out[0] += part[2 * c];
+    out[1] += part[2 * c + 1];
+  }
+}
+
+at::Tensor bits_sums_copy_cpu(const at::Tensor& bits, at::Tensor& dst) {
+  TORCH_CHECK_VALUE(bits.dim() == 1 && dst.dim() == 1, "bits_sums_copy expects 1-D tensors, got ", bits.dim(),
+                    " and ", dst.dim(), " dimensions");
+  TORCH_CHECK_VALUE(bits.scalar_type() == dst.scalar_type() && bits.numel() == dst.numel(),
+                    "bits_sums_copy: dst must match bits (", bits.scalar_type(), " [", bits.numel(), "]), got ",
+                    dst.scalar_type(), " [", dst.numel(), "]");
+  TORCH_CHECK_VALUE(dst.is_contiguous(), "bits_sums_copy: dst must be contiguous");
+  const at::Tensor b = bits.contiguous();
+  at::Tensor out = at::empty({2}, b.options().dtype(at::kLong));
+  auto* o = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
+  const int64_t n = b.numel();
+  const cpu::KernelTable& k = cpu::kernels();
+  switch (b.scalar_type()) {
+    case at::kChar: sums_copy(b.data_ptr<int8_t>(), dst.data_ptr<int8_t>(), n, k.bits_sums_copy_i8, o); break;
+    case at::kShort: sums_copy(b.data_ptr<int16_t>(), dst.data_ptr<int16_t>(), n, k.bits_sums_copy_i16, o); break;
+    case at::kInt: sums_copy(b.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), n, k.bits_sums_copy_i32, o); break;
+    case at::kLong: sums_copy(b.data_ptr<int64_t>(), dst.data_ptr<int64_t>(), n, k.bits_sums_copy_i64, o); break;
+    default:
+      TORCH_CHECK_VALUE(false, "bits_sums_copy expects int8, int16, int32 or int64 bits, got ", b.scalar_type());
+  }
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_spec, CPU, m) { m.impl("bits_sums", &bits_sums_cpu); }
+TORCH_LIBRARY_IMPL(megatron_spec, CPU, m) {
+  m.impl("bits_sums", &bits_sums_cpu);
+  m.impl("bits_sums_copy", &bits_sums_copy_cpu);
+}
 
 }  // namespace megatron_spec

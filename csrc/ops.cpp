@@ -110,6 +110,8 @@ TORCH_LIBRARY(megatron_spec, m) {
   // The weight-sync fingerprint's sums (csrc/fingerprint_cpu.cpp): bits [n] int8/16/32/64 -> [2] int64,
   // sum(b) and sum(b * b) mod 2**64
   m.def("bits_sums(Tensor bits) -> Tensor", {at::Tag::pt2_compliant_tag});
+  //   the same sums while copying bits into dst [n] (same dtype, contiguous): one pass for a copy and its sums
+  m.def("bits_sums_copy(Tensor bits, Tensor(a!) dst) -> Tensor", {at::Tag::pt2_compliant_tag});
   // The verifier's float32 exp of log-probabilities (exposed so tests can compare it bit for bit).
   m.def("spec_exp(Tensor x) -> Tensor", {at::Tag::pt2_compliant_tag});
   // The fp32 linear layer of the native engine at decode and verify sizes (csrc/linear_cpu.cpp):

@@ -52,6 +52,8 @@ using SampleResidualFn = int64_t (*)(const float* lp, const QSource& s, int64_t 
 
 template <typename T>
 using BitsSumsFn = void (*)(const T* b, int64_t n, uint64_t* out);
+template <typename T>
+using BitsSumsCopyFn = void (*)(const T* b, T* dst, int64_t n, uint64_t* out);  // also dst[i] = b[i]
 
 struct KernelTable {
   const char* name;  // "default", "avx2", "avx512" (ATEN_CPU_CAPABILITY's words)
@@ -72,6 +74,11 @@ struct KernelTable {
   BitsSumsFn<int16_t> bits_sums_i16;
   BitsSumsFn<int32_t> bits_sums_i32;
   BitsSumsFn<int64_t> bits_sums_i64;
+  // the same sums while copying the bits to dst (one pass: a sync's load or pack and its fingerprint)
+  BitsSumsCopyFn<int8_t> bits_sums_copy_i8;
+  BitsSumsCopyFn<int16_t> bits_sums_copy_i16;
+  BitsSumsCopyFn<int32_t> bits_sums_copy_i32;
+  BitsSumsCopyFn<int64_t> bits_sums_copy_i64;
 };
 
 extern const KernelTable kDefaultKernels;

@@ -431,30 +431,46 @@ void spec_exp_n(const float* __restrict x, float* __restrict out, int64_t n) {
 // The fingerprint's sums over n bit patterns read as signed integers: out[0] += sum(b), out[1] += sum(b * b),
 // mod 2**64. A square of 8 or 16 bits fits 32 (it is at most 2**30), one of 32 bits 64 (at most 2**62): the
 // products are exact in those widths and only the sums wrap, so every variant gives the reference's bits.
-template <typename T>
-void bits_sums(const T* __restrict b, int64_t n, uint64_t* out) {
+template <typename T, bool Copy>
+inline void bits_sums_impl(const T* __restrict b, T* __restrict dst, int64_t n, uint64_t* out) {
   uint64_t s1 = 0, s2 = 0;
   if constexpr (sizeof(T) <= 2) {
     for (int64_t i = 0; i < n; ++i) {
-      const int32_t v = b[i];
+      const T x = b[i];
+      if constexpr (Copy) dst[i] = x;
+      const int32_t v = x;
       s1 += static_cast<uint64_t>(static_cast<int64_t>(v));
       s2 += static_cast<uint32_t>(v * v);
     }
   } else if constexpr (sizeof(T) == 4) {
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t v = b[i];
+      const T x = b[i];
+      if constexpr (Copy) dst[i] = x;
+      const int64_t v = x;
       s1 += static_cast<uint64_t>(v);
       s2 += static_cast<uint64_t>(v * v);
     }
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      const uint64_t v = static_cast<uint64_t>(b[i]);
+      const T x = b[i];
+      if constexpr (Copy) dst[i] = x;
+      const uint64_t v = static_cast<uint64_t>(x);
       s1 += v;
       s2 += v * v;
     }
   }
   out[0] += s1;
   out[1] += s2;
+}
+
+template <typename T>
+void bits_sums(const T* __restrict b, int64_t n, uint64_t* out) {
+  bits_sums_impl<T, false>(b, nullptr, n, out);
+}
+
+template <typename T>
+void bits_sums_copy(const T* __restrict b, T* __restrict dst, int64_t n, uint64_t* out) {
+  bits_sums_impl<T, true>(b, dst, n, out);
 }
 
 }  // namespace MS_CPU_NS
@@ -478,6 +494,10 @@ const KernelTable MS_CPU_TABLE = {
     &MS_CPU_NS::bits_sums<int16_t>,
     &MS_CPU_NS::bits_sums<int32_t>,
     &MS_CPU_NS::bits_sums<int64_t>,
+    &MS_CPU_NS::bits_sums_copy<int8_t>,
+    &MS_CPU_NS::bits_sums_copy<int16_t>,
+    &MS_CPU_NS::bits_sums_copy<int32_t>,
+    &MS_CPU_NS::bits_sums_copy<int64_t>,
 };
 
 }  // namespace cpu

@@ -34,7 +34,7 @@ This module does not know files (see :mod:`megatron_spec.draft.modelopt_io`; the
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,9 @@ from megatron_spec.draft.rope import ScaledRotary
 from megatron_spec.layers.decoder import MLP, Attention, RMSNorm, gather_rows
 from megatron_spec.layers.kv_cache import KVCache, read_length
 from megatron_spec.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from megatron_spec.sync.fingerprint import Fingerprint
 
 
 class Eagle3Output(NamedTuple):
@@ -271,11 +274,13 @@ class Eagle3Head(nn.Module):
         return {name: tuple(t.shape) for name, t in self.named_export_tensors()}
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True,
+        fingerprint: Fingerprint | None = None,
     ) -> set[str]:
         """Copy export-named tensors (``layers.0.*`` or legacy ``midlayer.*``) into the head.
 
-        Returns the (canonical) names loaded.
+        Returns the (canonical) names loaded. ``fingerprint``: accumulate the floating tensors as written (the
+        parameters; ``d2t`` is a buffer), in the same pass as the copy (:meth:`Fingerprint.copy_in`).
 
         Raises:
             ValueError: an unknown name, a shape mismatch, an invalid ``d2t`` or (with
@@ -302,7 +307,10 @@ class Eagle3Head(nn.Module):
                 else:
                     if not tensor.is_floating_point():
                         raise ValueError(f"tensor {name} has dtype {tensor.dtype}, expected a floating type")
-                    dst.copy_(tensor.to(dst.dtype))
+                    if fingerprint is None:
+                        dst.copy_(tensor.to(dst.dtype))
+                    else:
+                        fingerprint.copy_in(dst, tensor)
                 loaded.add(canon)
         if strict_complete:
             missing = sorted(set(targets) - loaded)

@@ -23,6 +23,7 @@ and no scheduling (``MtpDrafter`` in the native engine's ``drafters.py``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from megatron_spec.layers.decoder import DecoderLayer, RMSNorm, Rotary
 from megatron_spec.layers.kv_cache import KVCache, read_length
 from megatron_spec.layers.linear import Linear
 from megatron_spec.models.hf_config import DecoderConfig
+
+if TYPE_CHECKING:
+    from megatron_spec.sync.fingerprint import Fingerprint
 
 ARCHITECTURE = "MegatronSpecMTP"
 """``architectures`` entry of an MTP export's config.json (see ``megatron_spec.draft.mtp.save_mtp``)."""
@@ -138,9 +142,11 @@ class MtpHead(nn.Module):
         return {name: tuple(t.shape) for name, t in self._views()}
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True,
+        fingerprint: Fingerprint | None = None,
     ) -> set[str]:
-        """Copy HF-named MTP tensors in; returns the names loaded.
+        """Copy HF-named MTP tensors in; returns the names loaded. ``fingerprint``: accumulate what was
+        written, in the same pass as the copy (:meth:`Fingerprint.copy_in`).
 
         Raises:
             KeyError: a name this head does not have (never skipped silently).
@@ -162,7 +168,10 @@ class MtpHead(nn.Module):
                     raise ValueError(
                         f"MTP weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                     )
-                dst.copy_(tensor.to(dst.dtype))
+                if fingerprint is None:
+                    dst.copy_(tensor.to(dst.dtype))
+                else:
+                    fingerprint.copy_in(dst, tensor)
                 loaded.add(name)
         if strict_complete:
             missing = sorted(set(views) - loaded)

@@ -50,6 +50,11 @@ def _bits_sums_fake(bits):
     return bits.new_empty(2, dtype=torch.int64)
 
 
+@torch.library.register_fake("megatron_spec::bits_sums_copy")
+def _bits_sums_copy_fake(bits, dst):
+    return bits.new_empty(2, dtype=torch.int64)
+
+
 @torch.library.register_fake("megatron_spec::spec_exp")
 def _spec_exp_fake(x):
     return torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -45,6 +45,8 @@ class _Bucket:
     metadata: list[FlattenedTensorMetadata]
     last: bool
     ready: Any = None  # a CUDA event to wait for before the engine may read the buffer
+    packed_sums: Fingerprint | None = None  # of the tensors fingerprinted while packed (their names below)
+    packed_names: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass
@@ -86,6 +88,7 @@ class BucketStream:
         self.buffers: list[torch.Tensor] = []
         self.writer: BucketWriter | None = None
         self.index = 0
+        self.packed_sums, self.packed_names = Fingerprint(), set()  # the open bucket's (see :func:`pack`)
 
     def run(self, items: Iterator, entries: Callable[[str, tuple[int, ...], torch.dtype, bool], list[Entry]],
             quantize: bool, alloc: Callable[[torch.device], list[torch.Tensor]], limit: int) -> Streamed:
@@ -116,7 +119,9 @@ class BucketStream:
                     if len(writer) and not writer.fits([(s, d) for _, s, d in planned]):
                         self._flush(last=False)
                     t_pack = time.perf_counter()
-                    pack(writer, planned, src)
+                    if pack(writer, planned, src, self.packed_sums if self.sent is not None else None,
+                            self.engine_dtype):
+                        self.packed_names.add(planned[0][0])
                     clock["pack_s"] += time.perf_counter() - t_pack
                     tensors += 1
                 except Exception as exc:
@@ -150,7 +155,8 @@ class BucketStream:
         if flat.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self.todo.put(_Bucket(self.index, flat, meta, last, ready))
+        self.todo.put(_Bucket(self.index, flat, meta, last, ready, self.packed_sums, frozenset(self.packed_names)))
+        self.packed_sums, self.packed_names = Fingerprint(), set()
         self.index ^= 1
         t0 = time.perf_counter()
         self.free[self.index].acquire()  # wait until the engine acknowledged the bucket that used it
@@ -186,7 +192,9 @@ class BucketStream:
         else:
             call = pool.submit(self._call_engine, payloads, b.last)
             try:
-                fingerprint_bucket(b.flat, b.metadata, self.sent, self.engine_dtype)
+                fingerprint_bucket(b.flat, b.metadata, self.sent, self.engine_dtype, skip=b.packed_names)
+                if b.packed_sums is not None:
+                    self.sent.merge(b.packed_sums)
             finally:
                 t1 = time.perf_counter()
                 self.clock["fingerprint_s"] += t1 - t0
@@ -202,9 +210,19 @@ class BucketStream:
         )
 
 
-def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor) -> None:
-    """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales."""
+def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor, sums: Fingerprint | None = None,
+         engine_dtype: torch.dtype | None = None) -> bool:
+    """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales.
+
+    With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's, contiguous)
+    is fingerprinted while it is copied, one pass over its bytes instead of two (:meth:`Fingerprint.copy_in`);
+    returns whether it was (the sender's :func:`fingerprint_bucket` skips it then)."""
     (name, shape, dtype), *rest = entries
+    if sums is not None and dtype == src.dtype == engine_dtype and src.is_contiguous() and src.device.type == "cpu":
+        dst = writer.reserve(name, shape, dtype)
+        if dst.numel():
+            sums.copy_in(dst.view(src.shape), src)
+        return True
     if dtype == torch.float8_e4m3fn:
         from megatron_spec.ops import fp8_block_quantize
 
@@ -213,14 +231,17 @@ def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor) -> None:
         fp8_block_quantize(src.reshape(shape), fp8_names.BLOCK, out=(w, s))
     else:
         writer.add(name, src, shape, dtype)
+    return False
 
 
 def fingerprint_bucket(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata], fp: Fingerprint,
-                       engine_dtype: torch.dtype) -> None:
+                       engine_dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> None:
     """Add the bucket's tensors to ``fp`` as the engine will hold them (``engine_dtype``; FP8 pairs
-    dequantised exactly as the receiving side does)."""
+    dequantised exactly as the receiving side does), but those named in ``skip`` (fingerprinted as packed)."""
     by_name = {m.name: m for m in metadata}
     for m in metadata:
+        if m.name in skip:
+            continue
         view = flat[m.start_idx:m.end_idx].view(m.dtype).view(m.shape)
         if m.name.endswith(fp8_names.SCALE_SUFFIX) and m.dtype == torch.float32 \
                 and m.name[: -len(fp8_names.SCALE_SUFFIX)] in by_name:

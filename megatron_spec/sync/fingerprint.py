@@ -59,6 +59,22 @@ class Fingerprint:
             self._add_sums(dtype, *_bits_sums(flat[i:i + _CAST_CHUNK].to(dtype)))
         return self
 
+    def copy_in(self, dst: torch.Tensor, src: torch.Tensor) -> Fingerprint:
+        """``dst.copy_(src)`` and accumulate ``dst`` as written (its dtype), in one pass over the bytes where
+        the compiled op can (both on the CPU, one dtype, ``dst`` contiguous: a sync's pack into its bucket and
+        the engine's load into its parameters); otherwise the copy, then :meth:`add`. Returns self."""
+        if dst.shape != src.shape:
+            raise ValueError(f"copy_in: shapes differ, {tuple(dst.shape)} and {tuple(src.shape)}")
+        width = dst.element_size()
+        if (src.dtype == dst.dtype and dst.device.type == src.device.type == "cpu" and dst.is_contiguous()
+                and dst.dtype != torch.bool and width in _INT_VIEW and dst.numel() and _compiled_copy_sums()):
+            bits = _INT_VIEW[width]
+            s1, s2 = torch.ops.megatron_spec.bits_sums_copy(
+                src.detach().contiguous().reshape(-1).view(bits), dst.detach().reshape(-1).view(bits)).tolist()
+            return self._add_sums(dst.dtype, dst.numel(), s1 % _MOD, s2 % _MOD)
+        dst.copy_(src)
+        return self.add(dst)
+
     def _add_sums(self, dtype: torch.dtype, n: int, s1: int, s2: int) -> Fingerprint:
         part = self.parts.setdefault(str(dtype).removeprefix("torch."), [0, 0, 0])
         part[0] += n
@@ -117,6 +133,12 @@ def _compiled_sums() -> bool:
     from megatron_spec.ops import compiled_kernel_for
 
     return compiled_kernel_for("bits_sums", torch.device("cpu"))
+
+
+def _compiled_copy_sums() -> bool:
+    from megatron_spec.ops import compiled_kernel_for
+
+    return compiled_kernel_for("bits_sums_copy", torch.device("cpu"))
 
 
 def _numpy_sums(a: np.ndarray) -> tuple[int, int]:

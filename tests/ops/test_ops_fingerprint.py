@@ -52,3 +52,48 @@ def test_fingerprint_is_the_same_with_and_without_the_kernel(monkeypatch):
 def test_refuses_other_dtypes():
     with pytest.raises(ValueError, match="bits_sums expects int8, int16, int32 or int64 bits"):
         torch.ops.megatron_spec.bits_sums(torch.zeros(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("n", [0, 1, 7, (1 << 18) + 3, 3 * (1 << 18)])
+def test_sums_while_copying_equal_the_reference_and_copy_every_bit(kernel_variant, dtype, n):
+    info = torch.iinfo(dtype)
+    g = torch.Generator().manual_seed(n + 1)
+    bits = torch.randint(info.min, info.max, (n,), dtype=dtype, generator=g)
+    if n:
+        bits[0], bits[-1] = info.min, info.max
+    dst = torch.full((n,), 7, dtype=dtype)
+    s1, s2 = torch.ops.megatron_spec.bits_sums_copy(bits, dst).tolist()
+    assert (s1 % MOD, s2 % MOD) == fpm._numpy_sums(bits.numpy())
+    assert torch.equal(dst, bits)
+
+
+def test_sums_while_copying_refuse_a_destination_that_does_not_match():
+    src = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dst must match bits"):
+        torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(8, dtype=torch.int16))
+    with pytest.raises(ValueError, match="dst must match bits"):
+        torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(9, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dst must be contiguous"):
+        torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(16, dtype=torch.int32)[::2])
+
+
+@pytest.mark.parametrize("compiled_copy", [True, False])
+def test_copy_in_writes_dst_and_fingerprints_it_as_written(monkeypatch, compiled_copy):
+    """``Fingerprint.copy_in``: the destination equals the source after it, and the fingerprint equals one taken
+    of the destination afterwards: fused (same dtype, contiguous), cast on the way, or into a strided view."""
+    monkeypatch.setattr(fpm, "_compiled_copy_sums", lambda: compiled_copy)
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(300, 70, generator=g)
+    cases = [
+        (torch.empty(300, 70), src),  # one dtype: the fused pass
+        (torch.empty(300, 70, dtype=torch.bfloat16), src),  # cast on the way
+        (torch.empty(70, 300).t(), src),  # a strided destination
+        (torch.empty(300, 70), src.t().contiguous().t()),  # a strided source
+    ]
+    for dst, s in cases:
+        fp = fpm.Fingerprint().copy_in(dst, s)
+        assert torch.equal(dst, s.to(dst.dtype))
+        assert fp == fpm.fingerprint_tensors([dst])
+    with pytest.raises(ValueError, match="shapes differ"):
+        fpm.Fingerprint().copy_in(torch.empty(3), torch.empty(4))

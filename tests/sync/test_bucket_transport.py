@@ -153,3 +153,32 @@ def test_sglang_reads_our_payloads_into_its_bucket():
         assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8))
     with pytest.raises(RuntimeError, match="Blocked unsafe global"):  # and it refuses what we refuse
         MultiprocessingSerializer.deserialize(serialize({"flattened_tensor": flat, "x": Evil()}))
+
+
+def test_pack_fingerprints_what_travels_as_held_while_copying_it():
+    """A tensor that travels in its own dtype, the engine's, is fingerprinted as it is packed (the sender then
+    skips it); a cast on the way (fp32 into a bf16 bucket), a strided source or no sums leave it to the
+    sender's pass over the bucket. Either way the fingerprint is of what the engine will hold."""
+    from megatron_spec.sync.bucket_stream import fingerprint_bucket, pack
+    from megatron_spec.sync.fingerprint import Fingerprint, fingerprint_tensors
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g)
+    cases = [  # (travel dtype, engine dtype, source, sums given) -> fingerprinted while packed
+        ((torch.float32, torch.float32, w, True), True),
+        ((torch.bfloat16, torch.bfloat16, w, True), False),  # cast while packing
+        ((torch.float32, torch.float32, w.t().contiguous().t(), True), False),  # strided source
+        ((torch.float32, torch.float32, w, False), False),
+    ]
+    for (dtype, engine_dtype, src, give), fused in cases:
+        writer = BucketWriter(alloc_bucket_buffer(1 << 14, torch.device("cpu")))
+        sums = Fingerprint() if give else None
+        assert pack(writer, [("w", tuple(src.shape), dtype)], src, sums, engine_dtype) is fused
+        flat, meta = writer.finish()
+        assert torch.equal(flat[meta[0].start_idx:meta[0].end_idx].view(dtype).view(src.shape), src.to(dtype))
+        sent = Fingerprint()
+        fingerprint_bucket(flat, meta, sent, engine_dtype, skip=frozenset({"w"}) if fused else frozenset())
+        if fused:
+            assert sent.numel == 0 and sums == fingerprint_tensors([src], engine_dtype)
+        else:
+            assert sent == fingerprint_tensors([src], engine_dtype)

@@ -338,9 +338,11 @@ def test_engine_reports_and_lets_go_of_the_mapped_buckets(ckpts, keep):
 
 
 def test_sync_reports_its_pieces_and_checksums_only_what_changed(ckpts, monkeypatch):
-    """Issue 55: every sync says where its seconds went, the engine's side included; a group's checksum
-    is computed once after it changed, so a draft sync does not read the target again (and the other
-    group's check still compares what the engine reports)."""
+    """Issue 55: every sync says where its seconds went, the engine's side included; a group's checksum is
+    taken while its tensors are copied in (no second pass over them), so a draft sync does not read the target
+    again and a target sync reads nothing twice, and the other group's check still compares what the engine
+    reports. A tensor written twice in one update leaves the sums of its first values behind: then the checksum
+    is counted afresh from the parameters."""
     from megatron_spec.rollout.native import server as server_mod
     from megatron_spec.sync.streamer import SYNC_PIECES
 
@@ -365,11 +367,27 @@ def test_sync_reports_its_pieces_and_checksums_only_what_changed(ckpts, monkeypa
     assert rep.timings["end_s"] >= rep.timings["engine_repack_s"] + rep.timings["engine_checksum_s"]
     calls = len(counted)
     st.sync_draft(draft_tensors(ckpts.eagle3_other, ckpts.cfg), "d1")
-    assert len(counted) - calls == 1  # the draft's; the target's was kept
-    held = Fingerprint.from_dict(server.health()["checksums"]["target"])
+    assert len(counted) == calls  # the draft's taken while loading; the target's was kept
+    health = server.health()
+    held = Fingerprint.from_dict(health["checksums"]["target"])
     assert held == fingerprint_tensors(t for _, t in ckpt_tensors(ckpts.qwen3_other))
-    calls = len(counted)
-    st.sync_target_tensors(ckpt_tensors(ckpts.qwen3), "t2")  # written again: computed afresh
-    assert len(counted) - calls == 1
+    assert held == Fingerprint.from_dict(real(server.target.parameters()))
+    assert health["checksums"]["draft"] == real(server._draft_module().parameters())
+    st.sync_target_tensors(ckpt_tensors(ckpts.qwen3), "t2")  # written again: summed again while loading
+    assert len(counted) == calls
     assert Fingerprint.from_dict(server.health()["checksums"]["target"]) == fingerprint_tensors(
         t for _, t in ckpt_tensors(ckpts.qwen3))
+    # one tensor sent twice in an update (its last values are held): the checksum is counted afresh
+    named = ckpt_tensors(ckpts.qwen3_other)
+    twice = named + [(named[0][0], named[0][1] + 1)]
+    server.begin_weight_update("target")
+    for name, tensor in twice:
+        buf = alloc_bucket_buffer(tensor.numel() * tensor.element_size() + 64, torch.device("cpu"))
+        w = BucketWriter(buf)
+        w.add(name, tensor)
+        server.update_weights_from_tensor(make_bucket_payloads(*w.finish(), 1), "target", "t3")
+    out = server.end_weight_update()
+    assert len(counted) == calls + 1
+    assert out["checksums"]["target"] == real(server.target.parameters())
+    assert Fingerprint.from_dict(out["checksums"]["target"]) == fingerprint_tensors(
+        [named[0][1] + 1] + [t for _, t in named[1:]])

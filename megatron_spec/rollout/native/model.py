@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from megatron_spec.layers.fused_layers import fused_input, fused_stack
 from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
 from megatron_spec.layers.linear import Linear, TiedLinear
 from megatron_spec.models.hf_config import DecoderConfig
+
+if TYPE_CHECKING:
+    from megatron_spec.sync.fingerprint import Fingerprint
 
 
 @dataclasses.dataclass
@@ -328,9 +332,11 @@ class CausalLM(nn.Module):
         return set(expected_hf_shapes(self.cfg))
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True,
+        fingerprint: Fingerprint | None = None,
     ) -> set[str]:
-        """Copy HF-named tensors into the (fused) parameters; returns the names loaded.
+        """Copy HF-named tensors into the (fused) parameters; returns the names loaded. ``fingerprint``:
+        accumulate what was written, in the same pass as the copy (:meth:`Fingerprint.copy_in`).
 
         Raises:
             KeyError: a name this model does not have (never skipped silently).
@@ -361,7 +367,10 @@ class CausalLM(nn.Module):
                     raise ValueError(
                         f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
                     )
-                dst.copy_(tensor)  # one copy, cast on the way: the parameters are stored as sent
+                if fingerprint is None:
+                    dst.copy_(tensor)  # one copy, cast on the way: the parameters are stored as sent
+                else:
+                    fingerprint.copy_in(dst, tensor)
                 loaded.add(name)
         if strict_complete:
             missing = self.expected_hf_names() - loaded

@@ -35,6 +35,7 @@ from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.native.warm_up import prepare_for_inference
 from megatron_spec.rollout.types import GenerateRequest, check_ready_to_generate
+from megatron_spec.sync.fingerprint import Fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class EngineServer(WeightReceiver):
         them."""
         self._released: set[str] = set()
         self._checksums: dict[str, dict] = {}
+        self._load_fingerprints: dict[str, Fingerprint | None] = {}  # a weight update's, while it loads
         """Each group's checksum, computed once after the group's weights changed (dropped on every write)."""
         self._timings: dict[str, float] = dict.fromkeys(SYNC_TIMINGS, 0.0)
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
@@ -201,6 +203,7 @@ class EngineServer(WeightReceiver):
                 # stale until the update ends, re-packed in place
                 pack_linears(module, enable=False, keep=True)
         self._updating = {}
+        self._load_fingerprints = {}
         self._timings = dict.fromkeys(SYNC_TIMINGS, 0.0)
 
     def update_weights_from_tensor(
@@ -238,10 +241,15 @@ class EngineServer(WeightReceiver):
 
             named = dequantize_named(named, self.dtype)
         self._checksums.pop(selector, None)
-        loaded = module.load_weights(named, strict_complete=False)
+        # what is written is fingerprinted in the same pass (the checksum end_weight_update reports)
+        fp = self._load_fingerprints.setdefault(selector, Fingerprint())
+        loaded = module.load_weights(named, strict_complete=False, fingerprint=fp)
         self._timings["engine_map_s"] += t1 - t0
         self._timings["engine_load_s"] += time.perf_counter() - t1
-        self._updating.setdefault(selector, set()).update(loaded)
+        seen = self._updating.setdefault(selector, set())
+        if seen & loaded:  # a tensor written twice: its first values are in the sums; count afresh at the end
+            self._load_fingerprints[selector] = None
+        seen.update(loaded)
         self._updating.setdefault(f"{selector}:version", set()).add(str(weight_version))
         return {"loaded": len(loaded)}
 
@@ -271,6 +279,11 @@ class EngineServer(WeightReceiver):
                 raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")
             self.versions[group] = versions.pop()
             pack_linears(module)
+            fp = self._load_fingerprints.get(group)
+            # every parameter written once (names complete, none twice, every element): the sums taken while
+            # loading are the checksum of what the group holds; otherwise health() counts them afresh
+            if fp is not None and fp.numel == sum(p.numel() for p in module.parameters()):
+                self._checksums[group] = fp.to_dict()
         for group in self._session_groups:  # groups opened but not sent keep their weights
             module = self.target if group == "target" else self._draft_module()
             if module is not None and group not in updating and self.versions[group] is not None:
