@@ -40,6 +40,13 @@ from megatron_spec.sync.fingerprint import Fingerprint
 logger = logging.getLogger(__name__)
 
 
+LOAD_THREADS = 1
+"""torch threads of the CPU engine while it copies a bucket into its parameters. The trainer packs the next bucket
+on one thread meanwhile (``WeightStreamer(cpu_threads=1)``); the copies are memory-bound, and two OpenMP threads
+here beside it stall each other: SmolLM2's fp32 sync on a 2-core AVX2 EPYC took 0.22 / 0.22 / 0.27 s with one
+against 0.23 / 0.25 / 0.28 s with two, alternated (docs/weight_sync.md). The re-pack after the last bucket, with
+the trainer idle, keeps the engine's threads."""
+
 SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_repack_s", "engine_checksum_s")
 """Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters,
 re-packing the changed linear layers, computing the changed groups' checksums (``end_weight_update`` reports
@@ -243,7 +250,13 @@ class EngineServer(WeightReceiver):
         self._checksums.pop(selector, None)
         # what is written is fingerprinted in the same pass (the checksum end_weight_update reports)
         fp = self._load_fingerprints.setdefault(selector, Fingerprint())
-        loaded = module.load_weights(named, strict_complete=False, fingerprint=fp)
+        threads = torch.get_num_threads()
+        if self.device.type == "cpu":
+            torch.set_num_threads(LOAD_THREADS)
+        try:
+            loaded = module.load_weights(named, strict_complete=False, fingerprint=fp)
+        finally:
+            torch.set_num_threads(threads)
         self._timings["engine_map_s"] += t1 - t0
         self._timings["engine_load_s"] += time.perf_counter() - t1
         seen = self._updating.setdefault(selector, set())
