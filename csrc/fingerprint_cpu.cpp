@@ -18,15 +18,17 @@
 namespace megatron_spec {
 namespace {
 
-template <typename T>
-void sums(const T* b, int64_t n, cpu::BitsSumsFn<T> run, uint64_t* out) {
+// The sums of n elements a chunk at a time on torch's threads: run(begin, end, part) adds the sums of elements
+// [begin, end) into part[0..1]; the chunks' partial sums are added in order (integer sums: any order is the same).
+template <typename Run>
+void chunked_sums(int64_t n, Run run, uint64_t* out) {
   const int64_t grain = 1 << 18;
   const int64_t chunks = (n + grain - 1) / grain;
   std::vector<uint64_t> part(2 * chunks, 0);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t begin = c * grain, end = std::min(n, begin + grain);
-      run(b + begin, end - begin, &part[2 * c]);
+      const int64_t begin = c * grain;
+      run(begin, std::min(n, begin + grain), &part[2 * c]);
     }
   });
   out[0] = out[1] = 0;
@@ -36,41 +38,41 @@ void sums(const T* b, int64_t n, cpu::BitsSumsFn<T> run, uint64_t* out) {
   }
 }
 
-at::Tensor bits_sums_cpu(const at::Tensor& bits) {
-  TORCH_CHECK_VALUE(bits.dim() == 1, "bits_sums expects a 1-D tensor, got ", bits.dim(), " dimensions");
+// One dtype's sums, copying the bits into dst on the way when it is given (a sync writes each tensor once: the
+// trainer into its bucket, the engine into its parameters; the sums of what was written then cost no second pass).
+template <typename T>
+void sums(const at::Tensor& b, at::Tensor* dst, cpu::BitsSumsFn<T> run, cpu::BitsSumsCopyFn<T> run_copy,
+          uint64_t* out) {
+  const T* x = b.data_ptr<T>();
+  if (dst == nullptr) {
+    chunked_sums(b.numel(), [&](int64_t begin, int64_t end, uint64_t* part) { run(x + begin, end - begin, part); },
+                 out);
+  } else {
+    T* y = dst->data_ptr<T>();
+    chunked_sums(
+        b.numel(),
+        [&](int64_t begin, int64_t end, uint64_t* part) { run_copy(x + begin, y + begin, end - begin, part); }, out);
+  }
+}
+
+at::Tensor sums_of(const at::Tensor& bits, at::Tensor* dst, const char* op) {
   const at::Tensor b = bits.contiguous();
   at::Tensor out = at::empty({2}, b.options().dtype(at::kLong));
   auto* o = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
-  const int64_t n = b.numel();
   const cpu::KernelTable& k = cpu::kernels();
   switch (b.scalar_type()) {
-    case at::kChar: sums(b.data_ptr<int8_t>(), n, k.bits_sums_i8, o); break;
-    case at::kShort: sums(b.data_ptr<int16_t>(), n, k.bits_sums_i16, o); break;
-    case at::kInt: sums(b.data_ptr<int32_t>(), n, k.bits_sums_i32, o); break;
-    case at::kLong: sums(b.data_ptr<int64_t>(), n, k.bits_sums_i64, o); break;
-    default: TORCH_CHECK_VALUE(false, "bits_sums expects int8, int16, int32 or int64 bits, got ", b.scalar_type());
+    case at::kChar: sums<int8_t>(b, dst, k.bits_sums_i8, k.bits_sums_copy_i8, o); break;
+    case at::kShort: sums<int16_t>(b, dst, k.bits_sums_i16, k.bits_sums_copy_i16, o); break;
+    case at::kInt: sums<int32_t>(b, dst, k.bits_sums_i32, k.bits_sums_copy_i32, o); break;
+    case at::kLong: sums<int64_t>(b, dst, k.bits_sums_i64, k.bits_sums_copy_i64, o); break;
+    default: TORCH_CHECK_VALUE(false, op, " expects int8, int16, int32 or int64 bits, got ", b.scalar_type());
   }
   return out;
 }
 
-// The same sums while copying the bits to dst: a sync writes each tensor once (the trainer into its bucket,
-// the engine into its parameters) and the fingerprint of what was written costs no second pass over it.
-template <typename T>
-void sums_copy(const T* b, T* dst, int64_t n, cpu::BitsSumsCopyFn<T> run, uint64_t* out) {
-  const int64_t grain = 1 << 18;
-  const int64_t chunks = (n + grain - 1) / grain;
-  std::vector<uint64_t> part(2 * chunks, 0);
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t begin = c * grain, end = std::min(n, begin + grain);
-      run(b + begin, dst + begin, end - begin, &part[2 * c]);
-    }
-  });
-  out[0] = out[1] = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    out[0] += part[2 * c];
-    out[1] += part[2 * c + 1];
-  }
+at::Tensor bits_sums_cpu(const at::Tensor& bits) {
+  TORCH_CHECK_VALUE(bits.dim() == 1, "bits_sums expects a 1-D tensor, got ", bits.dim(), " dimensions");
+  return sums_of(bits, nullptr, "bits_sums");
 }
 
 at::Tensor bits_sums_copy_cpu(const at::Tensor& bits, at::Tensor& dst) {
@@ -80,20 +82,7 @@ at::Tensor bits_sums_copy_cpu(const at::Tensor& bits, at::Tensor& dst) {
                     "bits_sums_copy: dst must match bits (", bits.scalar_type(), " [", bits.numel(), "]), got ",
                     dst.scalar_type(), " [", dst.numel(), "]");
   TORCH_CHECK_VALUE(dst.is_contiguous(), "bits_sums_copy: dst must be contiguous");
-  const at::Tensor b = bits.contiguous();
-  at::Tensor out = at::empty({2}, b.options().dtype(at::kLong));
-  auto* o = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
-  const int64_t n = b.numel();
-  const cpu::KernelTable& k = cpu::kernels();
-  switch (b.scalar_type()) {
-    case at::kChar: sums_copy(b.data_ptr<int8_t>(), dst.data_ptr<int8_t>(), n, k.bits_sums_copy_i8, o); break;
-    case at::kShort: sums_copy(b.data_ptr<int16_t>(), dst.data_ptr<int16_t>(), n, k.bits_sums_copy_i16, o); break;
-    case at::kInt: sums_copy(b.data_ptr<int32_t>(), dst.data_ptr<int32_t>(), n, k.bits_sums_copy_i32, o); break;
-    case at::kLong: sums_copy(b.data_ptr<int64_t>(), dst.data_ptr<int64_t>(), n, k.bits_sums_copy_i64, o); break;
-    default:
-      TORCH_CHECK_VALUE(false, "bits_sums_copy expects int8, int16, int32 or int64 bits, got ", b.scalar_type());
-  }
-  return out;
+  return sums_of(bits, &dst, "bits_sums_copy");
 }
 
 }  // namespace
