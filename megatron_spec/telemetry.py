@@ -98,8 +98,9 @@ class MetricsWriter:
                 self._tb.add_scalar(key, value, step)
             self._tb.flush()
         if self._wandb is not None:
-            # A step's row is whole when written: commit it now. With ``step=`` W&B otherwise holds the row open
-            # until a later step or ``finish`` (``commit=False`` by default), and a crash loses the last step.
+            # A step's row is whole when written: commit it now. With ``step=`` W&B otherwise holds the row
+            # open until a later step or ``finish`` (``commit=False`` by default), and a crash loses the last
+            # step.
             self._wandb.log(scalars, step=step, commit=True)
 
     def close(self) -> None:

@@ -155,7 +155,8 @@ class BucketStream:
         if flat.is_cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self.todo.put(_Bucket(self.index, flat, meta, last, ready, self.packed_sums, frozenset(self.packed_names)))
+        self.todo.put(_Bucket(self.index, flat, meta, last, ready, self.packed_sums,
+                              frozenset(self.packed_names)))
         self.packed_sums, self.packed_names = Fingerprint(), set()
         self.index ^= 1
         t0 = time.perf_counter()
@@ -214,11 +215,13 @@ def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor, sums: Fi
          engine_dtype: torch.dtype | None = None) -> bool:
     """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales.
 
-    With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's, contiguous)
-    is fingerprinted while it is copied, one pass over its bytes instead of two (:meth:`Fingerprint.copy_in`);
-    returns whether it was (the sender's :func:`fingerprint_bucket` skips it then)."""
+    With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's,
+    contiguous) is fingerprinted while it is copied, one pass over its bytes instead of two
+    (:meth:`Fingerprint.copy_in`); returns whether it was (the sender's :func:`fingerprint_bucket` skips it
+    then)."""
     (name, shape, dtype), *rest = entries
-    if sums is not None and dtype == src.dtype == engine_dtype and src.is_contiguous() and src.device.type == "cpu":
+    if sums is not None and dtype == src.dtype == engine_dtype and src.is_contiguous() \
+            and src.device.type == "cpu":
         dst = writer.reserve(name, shape, dtype)
         if dst.numel():
             sums.copy_in(dst.view(src.shape), src)

@@ -70,7 +70,8 @@ class Fingerprint:
                 and dst.dtype != torch.bool and width in _INT_VIEW and dst.numel() and _compiled_copy_sums()):
             bits = _INT_VIEW[width]
             s1, s2 = torch.ops.megatron_spec.bits_sums_copy(
-                src.detach().contiguous().reshape(-1).view(bits), dst.detach().reshape(-1).view(bits)).tolist()
+                src.detach().contiguous().reshape(-1).view(bits), dst.detach().reshape(-1).view(bits)
+            ).tolist()
             return self._add_sums(dst.dtype, dst.numel(), s1 % _MOD, s2 % _MOD)
         dst.copy_(src)
         return self.add(dst)

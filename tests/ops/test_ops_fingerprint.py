@@ -80,8 +80,9 @@ def test_sums_while_copying_refuse_a_destination_that_does_not_match():
 
 @pytest.mark.parametrize("compiled_copy", [True, False])
 def test_copy_in_writes_dst_and_fingerprints_it_as_written(monkeypatch, compiled_copy):
-    """``Fingerprint.copy_in``: the destination equals the source after it, and the fingerprint equals one taken
-    of the destination afterwards: fused (same dtype, contiguous), cast on the way, or into a strided view."""
+    """``Fingerprint.copy_in``: the destination equals the source after it, and the fingerprint equals one
+    taken of the destination afterwards: fused (same dtype, contiguous), cast on the way, or into a strided
+    view."""
     monkeypatch.setattr(fpm, "_compiled_copy_sums", lambda: compiled_copy)
     g = torch.Generator().manual_seed(5)
     src = torch.randn(300, 70, generator=g)

@@ -127,9 +127,9 @@ def test_step_line_eta_and_logging(capsys):
 
 def test_wandb_logger_offline(tmp_path):
     """``--logger jsonl,wandb``: W&B (offline, no network) gets every numeric metric by step, in the run
-    folder, under an id fixed by the run folder (the same command started again continues the same W&B run). Each
-    start is its own process, as a resumed run is: two W&B runs of one id in one process share W&B's service
-    stream, and the second can start before the first's has closed its file."""
+    folder, under an id fixed by the run folder (the same command started again continues the same W&B
+    run). Each start is its own process, as a resumed run is: two W&B runs of one id in one process share
+    W&B's service stream, and the second can start before the first's has closed its file."""
     run = tmp_path / "run"
     run.mkdir()
     script = (
@@ -142,7 +142,8 @@ def test_wandb_logger_offline(tmp_path):
         "start = None if sys.argv[2] == 'none' else int(sys.argv[2])\n"
         "w = open_metrics(cfg, sys.argv[1], start)\n"
         "print(w._wandb.id)\n"
-        "w.write({'step': 1 if start is None else 2, 'reward/mean': 0.25, 'spec/accept_length': 2.5, 'note': 'x'})\n"
+        "row = {'reward/mean': 0.25, 'spec/accept_length': 2.5, 'note': 'x'}\n"
+        "w.write({'step': 1 if start is None else 2, **row})\n"
         "w.close()\n"
     )
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=str(ROOT))

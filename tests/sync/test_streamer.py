@@ -338,11 +338,11 @@ def test_engine_reports_and_lets_go_of_the_mapped_buckets(ckpts, keep):
 
 
 def test_sync_reports_its_pieces_and_checksums_only_what_changed(ckpts, monkeypatch):
-    """Issue 55: every sync says where its seconds went, the engine's side included; a group's checksum is
-    taken while its tensors are copied in (no second pass over them), so a draft sync does not read the target
-    again and a target sync reads nothing twice, and the other group's check still compares what the engine
-    reports. A tensor written twice in one update leaves the sums of its first values behind: then the checksum
-    is counted afresh from the parameters."""
+    """Issue 55: every sync says where its seconds went, the engine's side included; a group's checksum
+    is taken while its tensors are copied in (no second pass over them), so a draft sync does not read the
+    target again and a target sync reads nothing twice, and the other group's check still compares what the
+    engine reports. A tensor written twice in one update leaves the sums of its first values behind: then the
+    checksum is counted afresh from the parameters."""
     from megatron_spec.rollout.native import server as server_mod
     from megatron_spec.sync.streamer import SYNC_PIECES
 
