@@ -77,24 +77,3 @@ def test_sums_while_copying_refuse_a_destination_that_does_not_match():
     with pytest.raises(ValueError, match="dst must be contiguous"):
         torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(16, dtype=torch.int32)[::2])
 
-
-@pytest.mark.parametrize("compiled_copy", [True, False])
-def test_copy_in_writes_dst_and_fingerprints_it_as_written(monkeypatch, compiled_copy):
-    """``Fingerprint.copy_in``: the destination equals the source after it, and the fingerprint equals one
-    taken of the destination afterwards: fused (same dtype, contiguous), cast on the way, or into a strided
-    view."""
-    monkeypatch.setattr(fpm, "_compiled_copy_sums", lambda: compiled_copy)
-    g = torch.Generator().manual_seed(5)
-    src = torch.randn(300, 70, generator=g)
-    cases = [
-        (torch.empty(300, 70), src),  # one dtype: the fused pass
-        (torch.empty(300, 70, dtype=torch.bfloat16), src),  # cast on the way
-        (torch.empty(70, 300).t(), src),  # a strided destination
-        (torch.empty(300, 70), src.t().contiguous().t()),  # a strided source
-    ]
-    for dst, s in cases:
-        fp = fpm.Fingerprint().copy_in(dst, s)
-        assert torch.equal(dst, s.to(dst.dtype))
-        assert fp == fpm.fingerprint_tensors([dst])
-    with pytest.raises(ValueError, match="shapes differ"):
-        fpm.Fingerprint().copy_in(torch.empty(3), torch.empty(4))

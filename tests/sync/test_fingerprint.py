@@ -90,3 +90,29 @@ def test_dict_round_trip_and_merge():
     merged = Fingerprint(a.parts).merge(b)
     assert Fingerprint.from_dict(merged.to_dict()) == merged
     assert merged.numel == 5 and set(merged.parts) == {"float32", "bfloat16"}
+
+
+@pytest.mark.parametrize("compiled_copy", [
+    pytest.param(True, marks=pytest.mark.skipif(not fingerprint._compiled_copy_sums(),
+                                                reason="megatron_spec._C not built (bits_sums_copy)")),
+    False,
+])
+def test_copy_in_writes_dst_and_fingerprints_it_as_written(monkeypatch, compiled_copy):
+    """``Fingerprint.copy_in``: the destination equals the source after it, and the fingerprint equals one
+    taken of the destination afterwards: fused (same dtype, contiguous), cast on the way, or into a strided
+    view."""
+    monkeypatch.setattr(fingerprint, "_compiled_copy_sums", lambda: compiled_copy)
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(300, 70, generator=g)
+    cases = [
+        (torch.empty(300, 70), src),  # one dtype: the fused pass
+        (torch.empty(300, 70, dtype=torch.bfloat16), src),  # cast on the way
+        (torch.empty(70, 300).t(), src),  # a strided destination
+        (torch.empty(300, 70), src.t().contiguous().t()),  # a strided source
+    ]
+    for dst, s in cases:
+        fp = fingerprint.Fingerprint().copy_in(dst, s)
+        assert torch.equal(dst, s.to(dst.dtype))
+        assert fp == fingerprint.fingerprint_tensors([dst])
+    with pytest.raises(ValueError, match="shapes differ"):
+        fingerprint.Fingerprint().copy_in(torch.empty(3), torch.empty(4))
