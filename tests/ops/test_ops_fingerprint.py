@@ -76,4 +76,3 @@ def test_sums_while_copying_refuse_a_destination_that_does_not_match():
         torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(9, dtype=torch.int32))
     with pytest.raises(ValueError, match="dst must be contiguous"):
         torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(16, dtype=torch.int32)[::2])
-

@@ -115,8 +115,9 @@ class EngineServer(WeightReceiver):
         them."""
         self._released: set[str] = set()
         self._checksums: dict[str, dict] = {}
-        self._load_fingerprints: dict[str, Fingerprint | None] = {}  # a weight update's, while it loads
         """Each group's checksum, computed once after the group's weights changed (dropped on every write)."""
+        self._load_fingerprints: dict[str, Fingerprint | None] = {}
+        """A weight update's sums of what each group's loads wrote (None: a tensor was written twice)."""
         self._timings: dict[str, float] = dict.fromkeys(SYNC_TIMINGS, 0.0)
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
                               for m in (self.target, self._draft_module()) if m is not None}
