@@ -15,6 +15,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__SSE2__)
+#include <xmmintrin.h>
+#include <emmintrin.h>
+#endif
+
 namespace megatron_spec {
 namespace cpu {
 
@@ -43,8 +48,47 @@ Src pack_panels_words(const Src* w, int64_t N, int64_t C, Dst* out, Conv conv, S
   return seen;
 }
 
+#if defined(__SSE2__)
+// A whole panel of 32-bit words, 4 rows x 4 columns at a time through SSE2's 4 x 4 transpose (bit moves only:
+// unpack and move, no arithmetic, so every word, NaN payloads included, lands as it was). Baseline x86-64, so the
+// generic build has it. The scalar loop above spent ~3 cycles a word here (SmolLM2's fp32 panels: 0.13 s a sync on
+// one AVX2 EPYC core).
+template <int64_t P>
+inline void pack_full_panel_u32(const uint32_t* src, int64_t C, uint32_t* dst) {
+  static_assert(P % 4 == 0, "panel rows in fours");
+  int64_t c = 0;
+  for (; c + 4 <= C; c += 4)
+    for (int64_t j = 0; j < P; j += 4) {
+      __m128 r0 = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 0) * C + c)));
+      __m128 r1 = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 1) * C + c)));
+      __m128 r2 = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 2) * C + c)));
+      __m128 r3 = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 3) * C + c)));
+      _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 0) * P + j), _mm_castps_si128(r0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 1) * P + j), _mm_castps_si128(r1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 2) * P + j), _mm_castps_si128(r2));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 3) * P + j), _mm_castps_si128(r3));
+    }
+  for (; c < C; ++c)
+    for (int64_t j = 0; j < P; ++j) dst[c * P + j] = src[j * C + c];
+}
+#endif
+
 template <int64_t P, typename Word>
 void pack_panels_words(const Word* w, int64_t N, int64_t C, Word* out) {
+#if defined(__SSE2__)
+  if constexpr (sizeof(Word) == 4 && P % 4 == 0) {
+    const auto* src = reinterpret_cast<const uint32_t*>(w);
+    auto* dst = reinterpret_cast<uint32_t*>(out);
+    const int64_t full = N / P;  // the last, partial panel goes through the scalar loop (zero-filled)
+    at::parallel_for(0, full, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) pack_full_panel_u32<P>(src + p * P * C, C, dst + p * C * P);
+    });
+    if (full * P < N)
+      pack_panels_words<P>(w + full * P * C, N - full * P, C, out + full * C * P, [](Word v) { return v; });
+    return;
+  }
+#endif
   pack_panels_words<P>(w, N, C, out, [](Word v) { return v; });
 }
 
