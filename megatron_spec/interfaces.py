@@ -89,6 +89,10 @@ class WeightReceiver(Protocol):
     digest_ledger: DigestLedger | None = None
     """The book of digests every streamer of a ``digest`` engine checks against (None: each
     streamer keeps its own)."""
+    keeps_lent_buckets: bool = False
+    """The receiver may compute with a CPU bucket the sender lends it (``"lent"`` in the payload) instead of
+    copying it: its parameters become views of the bucket. The sender then gives every bucket of a group a
+    buffer of its own and rewrites it only with the next complete update of that group."""
 
     def begin_weight_update(self, selector: str = "all") -> None:
         """Open a session for ``target``, ``draft`` or ``all``."""

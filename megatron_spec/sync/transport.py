@@ -130,8 +130,12 @@ def make_bucket_payload(flat: torch.Tensor, metadata: Sequence, *, for_sglang: b
 
 
 def make_bucket_payloads(flat: torch.Tensor, metadata: Sequence, num_ranks: int, *,
-                         for_sglang: bool = False) -> list[bytes]:
+                         for_sglang: bool = False, lent: bool = False) -> list[bytes]:
     """One payload per engine TP rank, each referencing the same buffer.
+
+    ``lent``: the sender lends the buffer to the receiver for good: it rewrites it only with the next
+    complete update of the same group (:attr:`~megatron_spec.interfaces.WeightReceiver.keeps_lent_buckets`);
+    the payload then carries ``"lent": True`` beside SGLang's two keys (never with ``for_sglang``).
 
     Each engine rank must deserialise its own payload exactly once (a shared-memory handle
     is handed over once; SGLang's CUDA IPC refcounting expects one consumer per payload).
@@ -151,7 +155,11 @@ def make_bucket_payloads(flat: torch.Tensor, metadata: Sequence, num_ranks: int,
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
             monkey_patch_torch_reductions()
+    if lent and for_sglang:
+        raise ValueError("a lent bucket is the native engine's; SGLang's loader copies every bucket")
     obj = {"flattened_tensor": flat, "metadata": list(metadata)}
+    if lent:
+        obj["lent"] = True
     return [serialize(obj) for _ in range(num_ranks)]
 
 
@@ -167,17 +175,27 @@ def _check_record(m: FlattenedTensorMetadata) -> None:
 
 
 def read_bucket_payload(data: bytes) -> list[tuple[str, torch.Tensor]]:
-    """Deserialise a bucket payload into ``(name, tensor view)`` pairs.
+    """Deserialise a bucket payload into ``(name, tensor view)`` pairs (:func:`read_bucket`, whether the
+    bucket is lent left aside: for receivers that copy every tensor)."""
+    return read_bucket(data)[0]
+
+
+def read_bucket(data: bytes) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """Deserialise a bucket payload into ``(name, tensor view)`` pairs and whether the sender lent the buffer
+    (:func:`make_bucket_payloads`).
 
     Raises:
         UnsafePayloadError: a global outside the allowlist, or a payload that is not exactly
-            ``{"flattened_tensor": uint8 tensor, "metadata": [records]}`` with well-typed records.
+            ``{"flattened_tensor": uint8 tensor, "metadata": [records]}`` (and ``"lent": True``) with
+            well-typed records.
         ValueError: records that do not fit the bucket (misaligned, out of bounds).
     """
     obj = deserialize(data)
-    if not isinstance(obj, dict) or set(obj) != {"flattened_tensor", "metadata"}:
-        keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-        raise UnsafePayloadError(f"payload is not a flattened bucket (got {keys})")
+    keys = set(obj) if isinstance(obj, dict) else None
+    if keys not in ({"flattened_tensor", "metadata"}, {"flattened_tensor", "metadata", "lent"}) \
+            or obj.get("lent", True) is not True:
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise UnsafePayloadError(f"payload is not a flattened bucket (got {got})")
     flat, meta = obj["flattened_tensor"], obj["metadata"]
     if not isinstance(flat, torch.Tensor) or not isinstance(meta, list) \
             or not all(isinstance(m, FlattenedTensorMetadata) for m in meta):
@@ -186,4 +204,4 @@ def read_bucket_payload(data: bytes) -> list[tuple[str, torch.Tensor]]:
         )
     for m in meta:
         _check_record(m)
-    return unpack_bucket(flat, meta)
+    return unpack_bucket(flat, meta), "lent" in obj

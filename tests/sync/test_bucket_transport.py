@@ -14,6 +14,7 @@ from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata, all
 from megatron_spec.sync.transport import (
     UnsafePayloadError,
     make_bucket_payloads,
+    read_bucket,
     read_bucket_payload,
     serialize,
 )
@@ -134,6 +135,22 @@ def test_payload_with_a_non_tensor_object_is_refused():
     with pytest.raises(ValueError, match="do not match"):  # well-typed but out of bounds
         oob = FlattenedTensorMetadata("x", torch.Size([4]), torch.float32, 0, 16, 16)
         read_bucket_payload(serialize({"flattened_tensor": flat, "metadata": [oob]}))
+
+
+def test_a_lent_bucket_says_so_and_nothing_else_rides_on_the_flag():
+    flat = torch.arange(8, dtype=torch.uint8)
+    meta = [FlattenedTensorMetadata("x", torch.Size([2]), torch.float32, 0, 8, 8)]
+    (lent,) = make_bucket_payloads(flat, meta, 1, lent=True)
+    (plain,) = make_bucket_payloads(flat, meta, 1)
+    named, is_lent = read_bucket(lent)
+    assert is_lent and not read_bucket(plain)[1]
+    assert named[0][0] == "x" and torch.equal(named[0][1].view(torch.uint8), flat)
+    assert torch.equal(read_bucket_payload(lent)[0][1], named[0][1])  # a copying receiver reads it the same
+    with pytest.raises(ValueError, match="SGLang"):
+        make_bucket_payloads(flat, meta, 1, for_sglang=True, lent=True)
+    for odd in (1, False, "yes"):
+        with pytest.raises(UnsafePayloadError, match="not a flattened bucket"):
+            read_bucket(serialize({"flattened_tensor": flat, "metadata": meta, "lent": odd}))
 
 
 @pytest.mark.sglang
