@@ -26,6 +26,7 @@ class NativeEngine(ProcessEngine):
     the trainer pushes both again."""
 
     backend = "native"
+    keeps_lent_buckets = True  # its target computes with lent CPU buckets (EngineServer)
 
     def __init__(self, config: EngineConfig):
         from megatron_spec.rollout.native.server import serve_process

@@ -18,8 +18,7 @@ This module does not know about requests, sampling or drafting.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -37,9 +36,7 @@ from megatron_spec.layers.fused_layers import fused_input, fused_stack
 from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
 from megatron_spec.layers.linear import Linear, TiedLinear
 from megatron_spec.models.hf_config import DecoderConfig
-
-if TYPE_CHECKING:
-    from megatron_spec.sync.fingerprint import Fingerprint
+from megatron_spec.rollout.native.hf_weights import HFWeights
 
 
 @dataclasses.dataclass
@@ -70,12 +67,6 @@ class Segment:
     pack: torch.Tensor | None = None
 
 
-# HF name pieces that load into a fused parameter: (hf piece, fused piece, shard index)
-STACKED = (
-    ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
-    ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
-)
-
 
 def _unpack(rows: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
     """A segment's flat rows -> ``[b, t', ...]``; a packed segment's rows scattered back into its
@@ -97,7 +88,7 @@ def _packed_rows(seg: Segment) -> torch.Tensor:
     return (runs.cumsum(0) - 1)[flat]
 
 
-class CausalLM(nn.Module):
+class CausalLM(HFWeights, nn.Module):
     """The target model of the native engine."""
 
     def __init__(self, cfg: DecoderConfig, max_positions: int | None = None):
@@ -324,65 +315,3 @@ class CausalLM(nn.Module):
                 or torch.is_grad_enabled() or self.device.type != "cpu"):
             return None
         return self.compiled.weights()
-
-    # ---------------------------------------------------------------- weights
-    def expected_hf_names(self) -> set[str]:
-        from megatron_spec.models.convert import expected_hf_shapes
-
-        return set(expected_hf_shapes(self.cfg))
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True,
-        fingerprint: Fingerprint | None = None,
-    ) -> set[str]:
-        """Copy HF-named tensors into the (fused) parameters; returns the names loaded. ``fingerprint``:
-        accumulate what was written, in the same pass as the copy (:meth:`Fingerprint.copy_in`).
-
-        Raises:
-            KeyError: a name this model does not have (never skipped silently).
-            ValueError: a shape that does not fit; with ``strict_complete``, names missing.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        cfg = self.cfg
-        sizes = {"qkv_proj": (cfg.q_size, cfg.kv_size, cfg.kv_size),
-                 "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
-        with torch.no_grad():
-            for name, tensor in weights:
-                if name == "lm_head.weight" and self.lm_head is None:
-                    raise KeyError(
-                        f"lm_head.weight sent to a model with tied embeddings ({cfg.architecture})"
-                    )
-                target, shard = self._target(name)
-                if target not in params:
-                    raise KeyError(f"unknown weight {name} for {cfg.architecture} (no parameter {target})")
-                param = params[target]
-                if shard is None:
-                    dst = param
-                else:
-                    piece, idx = shard
-                    offset = sum(sizes[piece][:idx])
-                    dst = param.narrow(0, offset, sizes[piece][idx])
-                if tuple(dst.shape) != tuple(tensor.shape):
-                    raise ValueError(
-                        f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
-                    )
-                if fingerprint is None:
-                    dst.copy_(tensor)  # one copy, cast on the way: the parameters are stored as sent
-                else:
-                    fingerprint.copy_in(dst, tensor)
-                loaded.add(name)
-        if strict_complete:
-            missing = self.expected_hf_names() - loaded
-            if missing:
-                raise ValueError(f"weights missing after load: {sorted(missing)[:3]} ({len(missing)} in all)")
-        return loaded
-
-    @staticmethod
-    def _target(hf_name: str) -> tuple[str, tuple[str, int] | None]:
-        name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
-        for piece, fused, idx in STACKED:
-            token = f".{piece}."
-            if token in name:
-                return name.replace(token, f".{fused}."), (fused, idx)
-        return name, None

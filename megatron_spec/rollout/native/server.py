@@ -39,7 +39,6 @@ from megatron_spec.sync.fingerprint import Fingerprint
 
 logger = logging.getLogger(__name__)
 
-
 LOAD_THREADS = 1
 """torch threads of the CPU engine while it copies a bucket into its parameters. The trainer packs the next
 bucket on one thread meanwhile (``WeightStreamer(cpu_threads=1)``); the copies are memory-bound, and two
@@ -48,9 +47,8 @@ OpenMP threads here beside it stall each other: SmolLM2's fp32 sync on a 2-core 
 the last bucket, with the trainer idle, keeps the engine's threads."""
 
 SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_repack_s", "engine_checksum_s")
-"""Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters,
-re-packing the changed linear layers, computing the changed groups' checksums (``end_weight_update`` reports
-them)."""
+"""Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters
+(or taking lent ones as views), re-packing the changed linears, the changed groups' checksums."""
 
 
 def tensor_group_checksum(tensors) -> dict:
@@ -82,6 +80,8 @@ class EngineServer(WeightReceiver):
     """Engine state and the calls the handle makes; in-process, a
     :class:`~megatron_spec.interfaces.WeightReceiver` itself (tests stream into it directly)."""
 
+    keeps_lent_buckets = True  # the target's parameters become views of lent CPU buckets (load_weights)
+
     def __init__(self, config: EngineConfig):
         config = config.resolved()  # already resolved by the handle; direct users get the same choice
         self.config = config
@@ -105,14 +105,12 @@ class EngineServer(WeightReceiver):
         self._updating: dict[str, set[str]] | None = None
         self._session_groups: set[str] = set()  # the groups of the open (or last) weight-update session
         self._generate_calls = 0  # counts generate calls for the fault points (megatron_spec.faults)
-        # the last two bucket buffers received (see update_weights_from_tensor)
-        self._mapped: list[torch.Tensor] = []
+        self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received
         self._keep_mapped = self.device.type == "cpu"
-        """Keep the two mapped buckets between updates (CPU: the sender reuses its two shared-memory buffers,
-        and a mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets
-        after each sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine
-        drops its mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free
-        them."""
+        """Keep the two mapped buckets between updates (CPU: the sender reuses its shared-memory buffers, and
+        a mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets after
+        each sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine drops its
+        mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free them."""
         self._released: set[str] = set()
         self._checksums: dict[str, dict] = {}
         """Each group's checksum, computed once after the group's weights changed (dropped on every write)."""
@@ -221,7 +219,7 @@ class EngineServer(WeightReceiver):
         weight_version: str | None = None,
         flush_cache: bool = True,
     ) -> dict[str, Any]:
-        from megatron_spec.sync.transport import read_bucket_payload
+        from megatron_spec.sync.transport import read_bucket
 
         if self._updating is None:
             raise RuntimeError("update_weights_from_tensor outside begin_weight_update/end_weight_update")
@@ -240,14 +238,16 @@ class EngineServer(WeightReceiver):
             raise ValueError(f"selector 'draft' but the engine has no draft weights (draft_kind "
                              f"{self.config.draft_kind!r})")
         t0 = time.perf_counter()
-        named = read_bucket_payload(payloads[0])
+        named, lent = read_bucket(payloads[0])
         t1 = time.perf_counter()
         if named:  # keep the sender's two bucket buffers mapped: its next payloads name the same
             self._mapped = (self._mapped + [named[0][1]])[-2:]  # buffers, found in torch's cache
         if self.config.fp8_weights and selector == "target":
             from megatron_spec.sync.fp8 import dequantize_named
 
-            named = dequantize_named(named, self.dtype)
+            named, lent = dequantize_named(named, self.dtype), False  # fresh tensors, not views of the bucket
+        # a lent bucket of the target: its parameters become views of it (HFWeights.load_weights)
+        lent_kw = {"lent": True} if lent and selector == "target" and self.device.type == "cpu" else {}
         self._checksums.pop(selector, None)
         # what is written is fingerprinted in the same pass (the checksum end_weight_update reports)
         fp = self._load_fingerprints.setdefault(selector, Fingerprint())
@@ -255,7 +255,7 @@ class EngineServer(WeightReceiver):
         if self.device.type == "cpu":
             torch.set_num_threads(LOAD_THREADS)
         try:
-            loaded = module.load_weights(named, strict_complete=False, fingerprint=fp)
+            loaded = module.load_weights(named, strict_complete=False, fingerprint=fp, **lent_kw)
         finally:
             torch.set_num_threads(threads)
         self._timings["engine_map_s"] += t1 - t0
