@@ -145,10 +145,10 @@ class BucketWriter:
             offset = _align(offset, dtype.itemsize) + torch.Size(shape).numel() * dtype.itemsize
         return offset - self.offset
 
-    def fits(self, entries: Sequence[tuple[Sequence[int], torch.dtype]]) -> bool:
+    def fits(self, entries: Sequence[tuple[Sequence[int], torch.dtype]], past_limit: bool = False) -> bool:
         """Whether ``entries`` fit after the current offset: within ``limit`` (the bucket size
-        to aim for) when one was given, else within the buffer."""
-        end = self.capacity if self.limit is None else min(self.capacity, self.limit)
+        to aim for) when one was given and not ``past_limit``, else within the buffer."""
+        end = self.capacity if self.limit is None or past_limit else min(self.capacity, self.limit)
         return self.offset + self.bytes_needed(entries) <= end
 
     def reserve(self, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

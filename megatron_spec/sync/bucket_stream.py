@@ -4,8 +4,10 @@ The producer (the caller's thread) packs tensors into one of two bucket buffers,
 travel in or block-FP8 quantised on the way; a full bucket goes to a sender thread, which hands it to the
 engine's ``update_weights_from_tensor`` and, while the engine loads it, fingerprints it as the engine will
 hold it. A buffer is rewritten only after the engine acknowledged the update that referenced it, so the
-engine never reads a buffer being rewritten. The producer keeps iterating after a failure (the tensor-parallel
-peers are inside the same gathers) and raises once the items are done.
+engine never reads a buffer being rewritten. A stream that lends its buckets (an engine that computes
+with them, :attr:`~megatron_spec.interfaces.WeightReceiver.keeps_lent_buckets`) writes every bucket into a
+buffer of its own instead, and never waits for the engine. The producer keeps iterating after a failure
+(the tensor-parallel peers are inside the same gathers) and raises once the items are done.
 
 It does not know where the tensors come from (Megatron gathers, a checkpoint), which dtype each travels in
 (the caller plans the entries), how large the buffers are, or how the engine is checked after the sync
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -36,6 +39,7 @@ the engine to free a buffer, and on the sender thread fingerprinting a bucket an
 
 Entry = tuple[str, tuple[int, ...], torch.dtype]
 """One tensor of a bucket as the engine will receive it: name, shape, dtype."""
+
 
 
 @dataclasses.dataclass
@@ -73,11 +77,12 @@ class BucketStream:
         for_sglang: build payloads SGLang's loader reads.
         engine_dtype: the dtype the engine holds floating tensors in (what the fingerprint hashes).
         fingerprint: fingerprint the sent buckets (:attr:`Streamed.sent`).
+        lend: lend the buckets (payloads marked ``lent``): bucket ``i`` in buffer ``i`` of ``alloc``'s.
     """
 
     def __init__(self, engine: Any, group: str, version: str, *, engine_tp_size: int, for_sglang: bool,
-                 engine_dtype: torch.dtype, fingerprint: bool):
-        self.engine, self.group, self.version = engine, group, version
+                 engine_dtype: torch.dtype, fingerprint: bool, lend: bool = False):
+        self.engine, self.group, self.version, self.lend = engine, group, version, lend
         self.engine_tp_size, self.for_sglang, self.engine_dtype = engine_tp_size, for_sglang, engine_dtype
         self.free = [threading.Semaphore(1), threading.Semaphore(1)]
         self.todo: queue.Queue[_Bucket | None] = queue.Queue()
@@ -88,21 +93,27 @@ class BucketStream:
         self.buffers: list[torch.Tensor] = []
         self.writer: BucketWriter | None = None
         self.index = 0
+        self.alloc: Callable[[int], list[torch.Tensor]] | None = None
         self.packed_sums, self.packed_names = Fingerprint(), set()  # the open bucket's (see :func:`pack`)
 
     def run(self, items: Iterator, entries: Callable[[str, tuple[int, ...], torch.dtype, bool], list[Entry]],
-            quantize: bool, alloc: Callable[[torch.device], list[torch.Tensor]], limit: int) -> Streamed:
-        """Pack ``items`` (``(name, tensor, shape)``) into double buffers while a sender thread ships full
-        ones.
+            quantize: bool, alloc: Callable[[torch.device, int], list[torch.Tensor]], limit: int,
+            followers: Callable[[str, torch.dtype], list[Entry]] | None = None) -> Streamed:
+        """Pack ``items`` (``(name, tensor, shape)``) into double buffers (or, lending, a buffer a bucket)
+        while a sender thread ships full ones.
 
         ``entries(name, shape, dtype, quantize)``: what one tensor travels as (two entries: FP8 data and its
-        scales); ``alloc(device)``: the two buffers, allocated once the first tensor shows the device; a
-        bucket closes once the next tensor would take it past ``limit`` bytes."""
+        scales); ``alloc(device, count)``: at least ``count`` buffers (two, or lending one more a bucket),
+        asked for once the first tensor shows the device; a bucket closes once the next tensor would take it
+        past ``limit`` bytes, or, lending, the next tensor and its ``followers(name, dtype)`` (the other
+        pieces of its fused parameter, :mod:`~megatron_spec.sync.fused_pieces`, as they will travel): those
+        then join it in the bucket, past ``limit`` if they must (the buffers hold the largest such group)."""
         thread = threading.Thread(target=self._send_loop, name=f"weight-sender-{self.group}", daemon=True)
         clock, errors = self.clock, self.errors
         writer: BucketWriter | None = None
         produce_error: BaseException | None = None
         tensors = 0
+        together: set[str] = set()  # the followers still to come into the open bucket
         thread.start()
         t_item = time.perf_counter()
         try:
@@ -115,9 +126,18 @@ class BucketStream:
                 try:
                     planned = entries(name, tuple(shape), src.dtype, quantize)
                     if writer is None:
-                        writer = self._open(alloc(src.device), limit)
-                    if len(writer) and not writer.fits([(s, d) for _, s, d in planned]):
-                        self._flush(last=False)
+                        self.alloc = functools.partial(alloc, src.device)
+                        writer = self._open(limit)
+                    need = [(s, d) for _, s, d in planned]
+                    if name in together:  # a fused parameter's later piece: in its first piece's bucket
+                        together.discard(name)
+                        if not writer.fits(need, past_limit=True):
+                            self._flush(last=False)
+                    else:
+                        after = followers(name, src.dtype) if self.lend and followers is not None else []
+                        together = {n for n, _, _ in after}
+                        if len(writer) and not writer.fits(need + [(s, d) for _, s, d in after]):
+                            self._flush(last=False)
                     t_pack = time.perf_counter()
                     if pack(writer, planned, src, self.packed_sums if self.sent is not None else None,
                             self.engine_dtype):
@@ -141,11 +161,12 @@ class BucketStream:
         return Streamed(self.sent, self.bytes, self.buckets, tensors, clock)
 
     # ------------------------------------------------------------------ producer side
-    def _open(self, buffers: list[torch.Tensor], limit: int) -> BucketWriter:
-        """Start writing into the first of the two ``buffers``."""
-        self.buffers = buffers
-        self.free[0].acquire()
-        self.writer = BucketWriter(buffers[0], limit=limit)
+    def _open(self, limit: int) -> BucketWriter:
+        """Start writing into the first buffer."""
+        self.buffers = self.alloc(1 if self.lend else 2)
+        if not self.lend:
+            self.free[0].acquire()
+        self.writer = BucketWriter(self.buffers[0], limit=limit)
         return self.writer
 
     def _flush(self, last: bool) -> None:
@@ -158,6 +179,12 @@ class BucketStream:
         self.todo.put(_Bucket(self.index, flat, meta, last, ready, self.packed_sums,
                               frozenset(self.packed_names)))
         self.packed_sums, self.packed_names = Fingerprint(), set()
+        if self.lend:  # the next buffer of the group's own: the engine keeps computing with this one
+            if not last:
+                self.index += 1
+                self.buffers = self.alloc(self.index + 1)
+                self.writer.reset(self.buffers[self.index])
+            return
         self.index ^= 1
         t0 = time.perf_counter()
         self.free[self.index].acquire()  # wait until the engine acknowledged the bucket that used it
@@ -180,13 +207,15 @@ class BucketStream:
                 except BaseException as exc:  # reported by the producer
                     self.errors.append(exc)
                 finally:
-                    self.free[b.index].release()  # acknowledged (or failed): the buffer may be rewritten
+                    if not self.lend:
+                        self.free[b.index].release()  # acknowledged (or failed): the buffer may be rewritten
 
     def _send(self, b: _Bucket, pool: concurrent.futures.ThreadPoolExecutor) -> None:
         """One bucket to the engine, fingerprinted meanwhile; returns once the engine has copied it."""
         if b.ready is not None:
             b.ready.synchronize()
-        payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size, for_sglang=self.for_sglang)
+        payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size, for_sglang=self.for_sglang,
+                                        lent=self.lend)
         t0 = time.perf_counter()
         if self.sent is None:
             self._call_engine(payloads, b.last)

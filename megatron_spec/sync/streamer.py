@@ -44,6 +44,7 @@ from megatron_spec.sync import fp8 as fp8_names
 from megatron_spec.sync.bucket import alloc_bucket_buffer
 from megatron_spec.sync.bucket_stream import STREAM_PIECES, BucketStream
 from megatron_spec.sync.fingerprint import Fingerprint
+from megatron_spec.sync.fused_pieces import fused_order, later_pieces
 from megatron_spec.sync.memory import PeakMemory
 from megatron_spec.sync.verify import (
     DigestLedger,
@@ -120,6 +121,12 @@ class WeightStreamer:
         keep_buffers: keep the two bucket buffers between syncs. Default (None): keep CPU buffers
             (shared memory: a fresh one costs page faults on every sync, ~30% of a CPU sync here),
             free GPU buffers (the caching allocator makes them cheap to get back; training wants the memory).
+        lend_buckets: lend CPU buckets to an engine that computes with them
+            (:attr:`~megatron_spec.interfaces.WeightReceiver.keeps_lent_buckets`): each bucket of a group gets
+            a buffer of its own, kept and rewritten only by that group's next sync, and the engine's
+            parameters become views of them (no copy on its side; the buffers hold the weights once, for both
+            processes). Default (None): where the engine keeps them and the payloads are the native engine's
+            (not SGLang's, one engine TP rank); False: the two buffers taking turns.
         measure_memory: record :attr:`SyncReport.peak_extra_bytes`.
         cpu_threads: torch intra-op threads while packing CPU buckets (restored afterwards; None:
             leave torch's setting). Packing is memory-bound and one thread saturates it, while two
@@ -138,6 +145,7 @@ class WeightStreamer:
         engine_dtype: str | torch.dtype | None = None,
         engine_tp_size: int | None = None,
         keep_buffers: bool | None = None,
+        lend_buckets: bool | None = None,
         measure_memory: bool = False,
         cpu_threads: int | None = 1,
     ):
@@ -159,7 +167,14 @@ class WeightStreamer:
             )
         self.engine_dtype = torch_dtype(engine_dtype, "engine_dtype")
         self.engine_tp_size = int(engine_tp_size or (engine.tp_size if engine is not None else 1))
-        self._buffers: list[torch.Tensor] = []
+        if lend_buckets is None:
+            lend_buckets = (not for_sglang and self.engine_tp_size == 1 and engine is not None
+                            and engine.keeps_lent_buckets)
+        elif lend_buckets and (for_sglang or self.engine_tp_size != 1):
+            raise ValueError("lend_buckets: only to the native engine (for_sglang False, one engine TP rank)")
+        self.lend_buckets = lend_buckets
+        self._pools: dict[str, list[torch.Tensor]] = {}
+        """Kept buffers: ``"turns"``, the two that take turns; a group's name, the buffers lent for it."""
         self._told_capacity = 0  # the largest grown capacity logged so far
         self._verified: dict[str, tuple[str, dict]] = {}
         self._ledger = DigestLedger()
@@ -207,7 +222,7 @@ class WeightStreamer:
                 raise ValueError("sync_target_tensors got no tensors")
             shapes = {n: tuple(t.shape) for n, t in named}
             device = named[0][1].device
-            named_tensors = named
+            named_tensors = fused_order(named)  # a checkpoint's order (sorted: k before q) kept apart
         items = ((n, t.detach(), tuple(t.shape)) for n, t in named_tensors)
         return self._sync("target", items, str(version), [(n, tuple(s)) for n, s in shapes.items()],
                           torch.device(device or "cpu"), quantize=self.weight_dtype == "fp8")
@@ -231,8 +246,8 @@ class WeightStreamer:
         return rep
 
     def close(self) -> None:
-        """Free kept bucket buffers."""
-        self._buffers = []
+        """Free kept bucket buffers (an engine computing with lent ones keeps them mapped)."""
+        self._pools = {}
 
     # ------------------------------------------------------------------ planning
     def _send_dtype(self, t_dtype: torch.dtype) -> torch.dtype:
@@ -249,11 +264,15 @@ class WeightStreamer:
                     (fp8_names.scale_name(name), fp8_names.scale_shape(shape), torch.float32)]
         return [(name, shape, self._send_dtype(dtype))]
 
-    def _capacity(self, shapes: Iterable[tuple[str, tuple[int, ...]]], quantize: bool) -> int:
+    def _capacity(self, shapes: Iterable[tuple[str, tuple[int, ...]]], quantize: bool, followers=None) -> int:
+        """Bytes a buffer needs: ``bucket_bytes``, or the largest tensor (with ``followers``, the largest
+        fused group: :meth:`_followers`) in float32."""
         largest = 0
         for name, shape in shapes:
-            need = sum(torch.Size(s).numel() * d.itemsize + _ALIGN_SLACK
-                       for _, s, d in self._entries(name, tuple(shape), torch.float32, quantize))
+            entries = self._entries(name, tuple(shape), torch.float32, quantize)
+            if followers is not None:
+                entries += followers(name, torch.float32)
+            need = sum(torch.Size(s).numel() * d.itemsize + _ALIGN_SLACK for _, s, d in entries)
             largest = max(largest, need)
         # buckets still close at bucket_bytes, that tensor travels alone; said once per size (every sync of a
         # run has the same largest tensor, so a message per sync says nothing new)
@@ -263,15 +282,28 @@ class WeightStreamer:
                         self.bucket_bytes, largest)
         return max(self.bucket_bytes, largest)
 
-    def _alloc(self, capacity: int, device: torch.device) -> list[torch.Tensor]:
-        bufs = self._buffers
-        if len(bufs) == 2 and bufs[0].numel() >= capacity and bufs[0].device == device:
-            return bufs
-        self._buffers = []  # free the old pair before allocating the new one
-        bufs = [alloc_bucket_buffer(capacity, device) for _ in range(2)]
+    def _followers(self, shapes: dict[str, tuple[int, ...]], quantize: bool):
+        """``followers(name, dtype)`` of :meth:`BucketStream.run`: the entries of the fused pieces that come
+        after ``name`` (k and v after q, up after gate), as they will travel."""
+        def followers(name: str, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+            return [e for n in later_pieces(name) if n in shapes
+                    for e in self._entries(n, shapes[n], dtype, quantize)]
+        return followers
+
+    def _lends(self, device: torch.device) -> bool:
+        return self.lend_buckets and device.type == "cpu"
+
+    def _alloc(self, group: str, capacity: int, device: torch.device, count: int) -> list[torch.Tensor]:
+        """At least ``count`` buffers of ``capacity`` bytes: the two taking turns, or the group's lent ones
+        (always kept: the engine computes with them)."""
+        key = group if self._lends(device) else "turns"
+        bufs = self._pools.pop(key, [])
+        if bufs and (bufs[0].numel() < capacity or bufs[0].device != device):
+            bufs = []  # free the old ones before allocating new
+        bufs += [alloc_bucket_buffer(capacity, device) for _ in range(count - len(bufs))]
         keep = self.keep_buffers if self.keep_buffers is not None else device.type == "cpu"
-        if keep:
-            self._buffers = bufs
+        if keep or key != "turns":
+            self._pools[key] = bufs
         return bufs
 
     # ------------------------------------------------------------------ the sync
@@ -280,7 +312,8 @@ class WeightStreamer:
         rep = SyncReport(group, version)
         t0 = time.perf_counter()
         mem = PeakMemory(device) if self.measure_memory else None
-        held = sum(b.numel() for b in self._buffers)  # kept buffers are resident before the sync starts
+        # kept buffers are resident before the sync starts
+        held = sum(b.numel() for bufs in self._pools.values() for b in bufs)
         digest_before = None
         if self.verify and self.engine.checksum_kind == "digest":
             ck = reported_checksum(self.engine.health(), group)
@@ -291,10 +324,12 @@ class WeightStreamer:
         if self.cpu_threads is not None and device.type == "cpu":
             torch.set_num_threads(self.cpu_threads)
         try:
-            rep.bucket_capacity = self._capacity(shapes, quantize)
+            shapes = {n: tuple(s) for n, s in shapes}
+            followers = self._followers(shapes, quantize) if self._lends(device) else None
+            rep.bucket_capacity = self._capacity(shapes.items(), quantize, followers)
             self.engine.begin_weight_update(selector=group)
             try:
-                sent = self._stream(group, items, version, rep, quantize)
+                sent = self._stream(group, items, version, rep, quantize, device, followers)
             except BaseException:
                 try:  # close the session so the engine does not claim the partial update
                     self.engine.abort_weight_update()
@@ -350,15 +385,16 @@ class WeightStreamer:
         check_untouched(other, self._verified.get(other), health)
         self._verified[group] = (version, dict(held) if held is not None else {})
 
-    def _stream(self, group: str, items: Iterator, version: str, rep: SyncReport, quantize: bool
-                ) -> Fingerprint | None:
-        """Pack ``items`` into double buffers while a sender thread ships full ones (:class:`BucketStream`);
-        fills ``rep``'s counts and stream timings."""
+    def _stream(self, group: str, items: Iterator, version: str, rep: SyncReport, quantize: bool,
+                device: torch.device, followers) -> Fingerprint | None:
+        """Pack ``items`` into double buffers (or buffers lent, one a bucket) while a sender thread ships full
+        ones (:class:`BucketStream`); fills ``rep``'s counts and stream timings."""
         stream = BucketStream(self.engine, group, version, engine_tp_size=self.engine_tp_size,
                               for_sglang=self.for_sglang, engine_dtype=self.engine_dtype,
-                              fingerprint=self.verify)
-        done = stream.run(items, self._entries, quantize, lambda dev: self._alloc(rep.bucket_capacity, dev),
-                          self.bucket_bytes)
+                              fingerprint=self.verify, lend=self._lends(device))
+        done = stream.run(items, self._entries, quantize,
+                          lambda dev, count: self._alloc(group, rep.bucket_capacity, dev, count),
+                          self.bucket_bytes, followers)
         rep.bytes, rep.num_buckets, rep.num_tensors = done.bytes, done.num_buckets, done.num_tensors
         rep.timings.update(done.timings)
         return done.sent

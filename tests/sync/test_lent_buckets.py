@@ -1,0 +1,101 @@
+"""Lent buckets (issue 55): the native engine computes with the trainer's bucket buffers, not copies of them.
+
+A lent sync gives each bucket of a group a buffer of its own, kept by the streamer and rewritten only by that
+group's next sync; the engine's target parameters become views of those buffers (fused q/k/v and gate/up
+included: the stream keeps their pieces in one bucket), and everything it holds and computes must equal an
+engine that copied the same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_spec.models import HFCheckpoint
+from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.native.server import EngineServer
+from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+from megatron_spec.sync.fingerprint import Fingerprint, fingerprint_tensors
+from megatron_spec.sync.streamer import WeightStreamer
+
+
+def ckpt_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
+    ck = HFCheckpoint(path)
+    return [(n, ck.get(n)) for n in ck.weight_names()]
+
+
+def server(ckpts) -> EngineServer:
+    return EngineServer(EngineConfig(model_path=ckpts.qwen3, draft_kind="eagle3", draft_path=ckpts.eagle3,
+                                     max_batch_size=2, context_length=32, num_threads=1, warm_up=False))
+
+
+def greedy(engine: EngineServer) -> list[list[int]]:
+    reqs = [GenerateRequest(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=12))
+            for i, p in enumerate(([5, 6, 7], [9, 3]))]
+    samples, _ = engine.generate(reqs, seed=3)
+    return [s.output_ids for s in sorted(samples, key=lambda s: s.request_id)]
+
+
+def in_buffers(t: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
+    return any(b.data_ptr() <= t.data_ptr() and t.data_ptr() + t.nbytes <= b.data_ptr() + b.nbytes
+               for b in buffers)
+
+
+def held(engine: EngineServer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in engine.target.named_parameters()}
+
+
+def test_a_lent_sync_makes_the_targets_parameters_views_of_the_senders_buckets(ckpts):
+    lent, copied = server(ckpts), server(ckpts)
+    st = WeightStreamer(lent, bucket_bytes=96 << 10, weight_dtype="fp32")
+    ref = WeightStreamer(copied, bucket_bytes=96 << 10, weight_dtype="fp32", lend_buckets=False)
+    assert st.lend_buckets and not ref.lend_buckets
+    for version, path in (("t1", ckpts.qwen3_other), ("t2", ckpts.qwen3)):
+        named = ckpt_tensors(path)
+        rep = st.sync_target_tensors(named, version)  # verified: the engine's sums equal the sent ones
+        ref.sync_target_tensors(named, version)
+        assert rep.num_buckets > 2 and len(st._pools["target"]) == rep.num_buckets
+        buffers = st._pools["target"]
+        for name, p in lent.target.named_parameters():
+            assert p.is_shared() and in_buffers(p, buffers), f"{name} is not a view of a lent bucket"
+        assert not any(p.is_shared() for p in copied.target.parameters())
+        assert all(not p.is_shared() for p in lent._draft_module().parameters())  # the draft copies
+        want, got = held(copied), held(lent)
+        assert want.keys() == got.keys() and all(torch.equal(want[n], got[n]) for n in want)
+        assert Fingerprint.from_dict(lent.health()["checksums"]["target"]) == fingerprint_tensors(
+            t for _, t in named)
+        assert greedy(lent) == greedy(copied)  # the linears packed from the views compute the same
+
+
+def test_a_lent_bucket_keeps_the_pieces_of_a_fused_parameter_together(ckpts):
+    """40 KiB buckets: q, k and v (16 + 8 + 8 KiB) and gate and up (32 + 32 KiB) would be split between two
+    buckets here and there by size alone; lent, each fused parameter is still one view."""
+    engine = server(ckpts)
+    st = WeightStreamer(engine, bucket_bytes=40 << 10, weight_dtype="fp32")
+    st.sync_target_tensors(ckpt_tensors(ckpts.qwen3_other), "t1")
+    fused = {n: p for n, p in engine.target.named_parameters() if "qkv_proj" in n or "gate_up_proj" in n}
+    assert len(fused) == 4 and all(p.is_shared() for p in fused.values())
+
+
+def test_a_parameter_leaves_a_lent_bucket_before_it_is_written_by_copy(ckpts):
+    """After a lent sync, a sync that copies (another streamer, not lending) gives every parameter its own
+    memory again: what the first streamer writes into its buffers later no longer reaches the engine."""
+    engine, copied = server(ckpts), server(ckpts)
+    st = WeightStreamer(engine, bucket_bytes=96 << 10, weight_dtype="fp32")
+    st.sync_target_tensors(ckpt_tensors(ckpts.qwen3_other), "t1")
+    named = ckpt_tensors(ckpts.qwen3)
+    copying = WeightStreamer(engine, bucket_bytes=64 << 10, weight_dtype="fp32", lend_buckets=False)
+    copying.sync_target_tensors(named, "t2")
+    WeightStreamer(copied, bucket_bytes=64 << 10, weight_dtype="fp32").sync_target_tensors(named, "t2")
+    assert not any(p.is_shared() for p in engine.target.parameters())
+    for b in st._pools["target"]:
+        b.fill_(7)  # the first streamer reuses its buffers
+    want, got = held(copied), held(engine)
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    assert greedy(engine) == greedy(copied)
+
+
+def test_lending_is_refused_where_the_engine_would_not_read_lent_buckets():
+    with pytest.raises(ValueError, match="lend_buckets"):
+        WeightStreamer(None, engine_dtype="float32", for_sglang=True, lend_buckets=True)
+    assert not WeightStreamer(None, engine_dtype="float32").lend_buckets
