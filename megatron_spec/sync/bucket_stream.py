@@ -41,7 +41,6 @@ Entry = tuple[str, tuple[int, ...], torch.dtype]
 """One tensor of a bucket as the engine will receive it: name, shape, dtype."""
 
 
-
 @dataclasses.dataclass
 class _Bucket:
     index: int

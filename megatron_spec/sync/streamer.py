@@ -222,7 +222,7 @@ class WeightStreamer:
                 raise ValueError("sync_target_tensors got no tensors")
             shapes = {n: tuple(t.shape) for n, t in named}
             device = named[0][1].device
-            named_tensors = fused_order(named)  # a checkpoint's order (sorted: k before q) kept apart
+            named_tensors = fused_order(named)  # fused pieces side by side (a checkpoint sorts k before q)
         items = ((n, t.detach(), tuple(t.shape)) for n, t in named_tensors)
         return self._sync("target", items, str(version), [(n, tuple(s)) for n, s in shapes.items()],
                           torch.device(device or "cpu"), quantize=self.weight_dtype == "fp8")
@@ -278,8 +278,8 @@ class WeightStreamer:
         # run has the same largest tensor, so a message per sync says nothing new)
         if largest > self.bucket_bytes and largest > self._told_capacity:
             self._told_capacity = largest
-            logger.info("bucket buffers grown from %d to %d bytes to hold the largest tensor",
-                        self.bucket_bytes, largest)
+            logger.info("bucket buffers grown from %d to %d bytes to hold the largest tensor (or fused "
+                        "group)", self.bucket_bytes, largest)
         return max(self.bucket_bytes, largest)
 
     def _followers(self, shapes: dict[str, tuple[int, ...]], quantize: bool):
