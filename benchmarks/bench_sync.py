@@ -336,8 +336,7 @@ def real_model(args) -> dict:
     for label in measured:
         res[f"{label}_fraction_of_memcpy"] = round(res[f"{label}_gbps"] / memcpy, 4)
     res["sync_fraction_of_memcpy"] = res["fp32_fraction_of_memcpy"]
-    res["lent_over_turns_fp32"] = round(res["fp32_seconds_median"] and
-                                        res["fp32_turns_seconds_median"] / res["fp32_seconds_median"], 3)
+    res["lent_over_turns_fp32"] = round(res["fp32_turns_seconds_median"] / res["fp32_seconds_median"], 3)
     destroy_parallel()
     return res
 

@@ -1,7 +1,7 @@
 """The pieces of a fused parameter, kept side by side on both sides of a lent weight sync.
 
 Engines hold q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` (vLLM's and SGLang's
-``stacked_params_mapping``, the native engine's ``STACKED``). A trainer that lends its buckets
+``stacked_params_mapping``; the native engine's loader reads :data:`FUSED`). A trainer that lends its buckets
 (:class:`~megatron_spec.sync.streamer.WeightStreamer`'s ``lend_buckets``) sends the pieces one after the other
 into one bucket, so that the receiving engine's fused parameter can be a view of the bucket
 (:func:`joined_view`) instead of a copy.
@@ -13,18 +13,24 @@ from collections.abc import Sequence
 
 import torch
 
-FUSED_PIECES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""HF pieces an engine holds side by side as one parameter, in shard order."""
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""An engine's fused parameter -> the HF pieces it holds side by side, in shard order."""
+
+
+def siblings(name: str) -> list[str]:
+    """The HF names of ``name``'s fused parameter in shard order (``name`` among them), or ``[name]``."""
+    for pieces in FUSED.values():
+        token = next((f".{p}." for p in pieces if f".{p}." in name), None)
+        if token is not None:
+            return [name.replace(token, f".{p}.") for p in pieces]
+    return [name]
 
 
 def later_pieces(name: str) -> list[str]:
-    """The HF names that follow ``name`` in its fused parameter (k and v after q, up after gate; none after
-    the others)."""
-    for pieces in FUSED_PIECES:
-        token = f".{pieces[0]}."
-        if token in name:
-            return [name.replace(token, f".{p}.") for p in pieces[1:]]
-    return []
+    """The HF names that follow ``name`` in its fused parameter when it is the first piece (k and v after q,
+    up after gate; none after the others)."""
+    group = siblings(name)
+    return group[1:] if group[0] == name else []
 
 
 def fused_order(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -36,16 +42,10 @@ def fused_order(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.
         return named
     out, done = [], set()
     for name, _ in named:
-        if name in done:
-            continue
-        group = [name]
-        for pieces in FUSED_PIECES:
-            token = next((f".{p}." for p in pieces if f".{p}." in name), None)
-            if token is not None:
-                group = [n for n in (name.replace(token, f".{p}.") for p in pieces) if n in by_name]
-                break
-        out += [(n, by_name[n]) for n in group]
-        done.update(group)
+        if name not in done:
+            group = [n for n in siblings(name) if n in by_name]
+            out += [(n, by_name[n]) for n in group]
+            done.update(group)
     return out
 
 

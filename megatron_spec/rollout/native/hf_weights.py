@@ -16,17 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron_spec.sync.fused_pieces import joined_view
+from megatron_spec.sync.fused_pieces import FUSED, joined_view
 
 if TYPE_CHECKING:
     from megatron_spec.models.hf_config import DecoderConfig
     from megatron_spec.sync.fingerprint import Fingerprint
 
 # HF name pieces that load into a fused parameter: (hf piece, fused piece, shard index)
-STACKED = (
-    ("q_proj", "qkv_proj", 0), ("k_proj", "qkv_proj", 1), ("v_proj", "qkv_proj", 2),
-    ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1),
-)
+STACKED = tuple((piece, fused, idx) for fused, pieces in FUSED.items() for idx, piece in enumerate(pieces))
 
 
 class HFWeights:
@@ -78,6 +75,9 @@ class HFWeights:
                 if target not in params:
                     raise KeyError(f"unknown weight {name} for {cfg.architecture} (no parameter {target})")
                 param = params[target]
+                # a view of a buffer lent before, which its sender will rewrite: own memory before a copy
+                if target not in views and param.is_shared():
+                    param.data = param.data.clone()
                 if shard is None:
                     dst = param
                 else:
@@ -93,9 +93,6 @@ class HFWeights:
                     if fingerprint is not None:
                         fingerprint.add(tensor)
                     continue
-                if param.is_shared():  # a view of a buffer lent before, which its sender will rewrite
-                    param.data = param.data.clone()
-                    dst = param if shard is None else param.narrow(0, offset, sizes[piece][idx])
                 if fingerprint is None:
                     dst.copy_(tensor)  # one copy, cast on the way: the parameters are stored as sent
                 else:
@@ -111,16 +108,19 @@ class HFWeights:
         """The parameters that ``weights`` (views of one lent buffer) cover whole, each as a view of the
         buffer (:func:`~megatron_spec.sync.fused_pieces.joined_view`: every piece there once)."""
         pieces: dict[str, dict[int, torch.Tensor | None]] = {}
+        fused_of: dict[str, str] = {}
         for name, tensor in weights:
             target, shard = self._target(name)
             got = pieces.setdefault(target, {})
             idx = 0 if shard is None else shard[1]
             got[idx] = None if idx in got else tensor  # sent twice: copied, in order
+            if shard is not None:
+                fused_of[target] = shard[0]
         out = {}
         for target, got in pieces.items():
             param = params.get(target)
             if param is not None and param.dim():
-                rows = sizes.get(target.split(".")[-2], (param.shape[0],))
+                rows = sizes[fused_of[target]] if target in fused_of else (param.shape[0],)
                 view = joined_view([got.get(i) for i in range(len(rows))], param, rows) \
                     if len(got) == len(rows) else None
                 if view is not None:

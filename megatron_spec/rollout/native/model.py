@@ -67,7 +67,6 @@ class Segment:
     pack: torch.Tensor | None = None
 
 
-
 def _unpack(rows: torch.Tensor, plan: LayerPlan) -> torch.Tensor:
     """A segment's flat rows -> ``[b, t', ...]``; a packed segment's rows scattered back into its
     ``[b, t]`` layout, zeros elsewhere."""
