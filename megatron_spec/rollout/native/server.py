@@ -34,21 +34,11 @@ from megatron_spec.rollout.native.drafter_factory import build_drafter, draft_mo
 from megatron_spec.rollout.native.engine import EngineCore
 from megatron_spec.rollout.native.model import CausalLM
 from megatron_spec.rollout.native.warm_up import prepare_for_inference
+from megatron_spec.rollout.native.weight_session import SYNC_TIMINGS, WeightSession
 from megatron_spec.rollout.types import GenerateRequest, check_ready_to_generate
 from megatron_spec.sync.fingerprint import Fingerprint
 
 logger = logging.getLogger(__name__)
-
-LOAD_THREADS = 1
-"""torch threads of the CPU engine while it copies a bucket into its parameters. The trainer packs the next
-bucket on one thread meanwhile (``WeightStreamer(cpu_threads=1)``); the copies are memory-bound, and two
-OpenMP threads here beside it stall each other: SmolLM2's fp32 sync on a 2-core AVX2 EPYC took 0.22 / 0.22 /
-0.27 s with one against 0.23 / 0.25 / 0.28 s with two, alternated (docs/weight_sync.md). The re-pack after
-the last bucket, with the trainer idle, keeps the engine's threads."""
-
-SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_repack_s", "engine_checksum_s")
-"""Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters
-(or taking lent ones as views), re-packing the changed linears, the changed groups' checksums."""
 
 
 def tensor_group_checksum(tensors) -> dict:
@@ -76,7 +66,7 @@ def _engine_device(config: EngineConfig) -> torch.device:
     return device
 
 
-class EngineServer(WeightReceiver):
+class EngineServer(WeightSession, WeightReceiver):
     """Engine state and the calls the handle makes; in-process, a
     :class:`~megatron_spec.interfaces.WeightReceiver` itself (tests stream into it directly)."""
 
@@ -105,12 +95,14 @@ class EngineServer(WeightReceiver):
         self._updating: dict[str, set[str]] | None = None
         self._session_groups: set[str] = set()  # the groups of the open (or last) weight-update session
         self._generate_calls = 0  # counts generate calls for the fault points (megatron_spec.faults)
-        self._mapped: list[torch.Tensor] = []  # the last two bucket buffers received
+        # the last two bucket buffers received (see update_weights_from_tensor)
+        self._mapped: list[torch.Tensor] = []
         self._keep_mapped = self.device.type == "cpu"
-        """Keep the two mapped buckets between updates (CPU: the sender reuses its shared-memory buffers, and
-        a mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets after
-        each sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine drops its
-        mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free them."""
+        """Keep the two mapped buckets between updates (CPU: the sender reuses its shared-memory buffers,
+        and a mapping found in torch's cache costs no page faults). On a GPU the trainer frees its buckets
+        after each sync, and torch keeps a sent CUDA block alive until every receiver lets go: the engine
+        drops its mappings at the end of each update so the trainer's ``torch.cuda.ipc_collect()`` can free
+        them."""
         self._released: set[str] = set()
         self._checksums: dict[str, dict] = {}
         """Each group's checksum, computed once after the group's weights changed (dropped on every write)."""
@@ -189,145 +181,6 @@ class EngineServer(WeightReceiver):
                 progress(done[0])
 
         return self.core.generate(requests, on_done, seed=seed)
-
-    def _has_group(self, group: str) -> bool:
-        return group == "target" or self._draft_module() is not None
-
-    def begin_weight_update(self, selector: str = "all") -> None:
-        """Open an update session for ``selector`` (``target``, ``draft`` or both: ``all``); updates
-        to a group outside it are refused (SGLang's session semantics)."""
-        if self._updating is not None:
-            raise RuntimeError("begin_weight_update called twice without end_weight_update")
-        if selector not in ("target", "draft", "all"):
-            raise ValueError(
-                f"begin_weight_update selector must be 'target', 'draft' or 'all', got {selector!r}"
-            )
-        self._session_groups = {"target", "draft"} if selector == "all" else {selector}
-        for group in self._session_groups:
-            module = self.target if group == "target" else self._draft_module()
-            if module is not None:
-                # stale until the update ends, re-packed in place
-                pack_linears(module, enable=False, keep=True)
-        self._updating = {}
-        self._load_fingerprints = {}
-        self._timings = dict.fromkeys(SYNC_TIMINGS, 0.0)
-
-    def update_weights_from_tensor(
-        self,
-        payloads: list[bytes],
-        selector: str,
-        weight_version: str | None = None,
-        flush_cache: bool = True,
-    ) -> dict[str, Any]:
-        from megatron_spec.sync.transport import read_bucket
-
-        if self._updating is None:
-            raise RuntimeError("update_weights_from_tensor outside begin_weight_update/end_weight_update")
-        if selector not in ("target", "draft"):
-            raise ValueError(
-                f"selector must be 'target' or 'draft' (never 'all': it overwrites the draft with "
-                f"target tensors), got {selector!r}"
-            )
-        if selector not in self._session_groups:
-            raise ValueError(f"update for {selector!r} in a weight-update session opened for "
-                             f"{sorted(self._session_groups)}")
-        if len(payloads) != 1:
-            raise ValueError(f"the native engine has one TP rank; got {len(payloads)} payloads")
-        module = self.target if selector == "target" else self._draft_module()
-        if module is None:
-            raise ValueError(f"selector 'draft' but the engine has no draft weights (draft_kind "
-                             f"{self.config.draft_kind!r})")
-        t0 = time.perf_counter()
-        named, lent = read_bucket(payloads[0])
-        t1 = time.perf_counter()
-        if named:  # keep the sender's two bucket buffers mapped: its next payloads name the same
-            self._mapped = (self._mapped + [named[0][1]])[-2:]  # buffers, found in torch's cache
-        if self.config.fp8_weights and selector == "target":
-            from megatron_spec.sync.fp8 import dequantize_named
-
-            named, lent = dequantize_named(named, self.dtype), False  # fresh tensors, not views of the bucket
-        # a lent bucket of the target: its parameters become views of it (HFWeights.load_weights)
-        lent_kw = {"lent": True} if lent and selector == "target" and self.device.type == "cpu" else {}
-        self._checksums.pop(selector, None)
-        # what is written is fingerprinted in the same pass (the checksum end_weight_update reports)
-        fp = self._load_fingerprints.setdefault(selector, Fingerprint())
-        threads = torch.get_num_threads()
-        if self.device.type == "cpu":
-            torch.set_num_threads(LOAD_THREADS)
-        try:
-            loaded = module.load_weights(named, strict_complete=False, fingerprint=fp, **lent_kw)
-        finally:
-            torch.set_num_threads(threads)
-        self._timings["engine_map_s"] += t1 - t0
-        self._timings["engine_load_s"] += time.perf_counter() - t1
-        seen = self._updating.setdefault(selector, set())
-        if seen & loaded:  # a tensor written twice: its first values are in the sums; count afresh at the end
-            self._load_fingerprints[selector] = None
-        seen.update(loaded)
-        self._updating.setdefault(f"{selector}:version", set()).add(str(weight_version))
-        return {"loaded": len(loaded)}
-
-    def end_weight_update(self) -> dict[str, Any]:
-        """Close the session: check it is complete, re-pack what changed, then report ``health()`` with the
-        checksums of the updated groups computed afresh and ``sync_timings`` (seconds spent in this
-        process)."""
-        if self._updating is None:
-            raise RuntimeError("end_weight_update without begin_weight_update")
-        updating, self._updating = self._updating, None
-        timings = self._timings
-        if not self._keep_mapped:
-            self._mapped = []
-        t0 = time.perf_counter()
-        for group in ("target", "draft"):
-            names = updating.get(group)
-            if names is None:
-                continue
-            module = self.target if group == "target" else self._draft_module()
-            missing = module.expected_hf_names() - names
-            if missing:
-                self.versions[group] = None
-                raise RuntimeError(f"{group} weight update incomplete: {len(missing)} tensors never arrived, "
-                                   f"e.g. {sorted(missing)[:3]}")
-            versions = updating[f"{group}:version"]
-            if len(versions) != 1:
-                raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")
-            self.versions[group] = versions.pop()
-            pack_linears(module)
-            fp = self._load_fingerprints.get(group)
-            # every parameter written once (names complete, none twice, every element): the sums taken while
-            # loading are the checksum of what the group holds; otherwise health() counts them afresh
-            if fp is not None and fp.numel == sum(p.numel() for p in module.parameters()):
-                self._checksums[group] = fp.to_dict()
-        for group in self._session_groups:  # groups opened but not sent keep their weights
-            module = self.target if group == "target" else self._draft_module()
-            if module is not None and group not in updating and self.versions[group] is not None:
-                pack_linears(module)
-        if "weights" in self._released and all(self.versions[g] is not None for g in ("target", "draft")
-                                               if self._has_group(g)):
-            self._released.discard("weights")
-        t1 = time.perf_counter()
-        out = self.health()  # the updated groups' checksums are computed here, the others' were kept
-        timings["engine_repack_s"] = t1 - t0
-        timings["engine_checksum_s"] = time.perf_counter() - t1
-        out["sync_timings"] = timings
-        return out
-
-    def abort_weight_update(self) -> None:
-        """Close a session whose update failed part-way: every group it touched is left without a
-        version (``generate`` refuses until it is pushed again); groups it did not touch keep theirs."""
-        if self._updating is None:
-            return
-        updating, self._updating = self._updating, None
-        if not self._keep_mapped:
-            self._mapped = []
-        for group in self._session_groups:
-            module = self.target if group == "target" else self._draft_module()
-            if module is None:
-                continue
-            if group in updating:
-                self.versions[group] = None
-            elif self.versions[group] is not None:
-                pack_linears(module)
 
     def release_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
         for tag in tags:
