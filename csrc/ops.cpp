@@ -121,6 +121,8 @@ TORCH_LIBRARY(megatron_spec, m) {
   m.def("linear_pack_bf16w(Tensor w) -> Tensor", {at::Tag::pt2_compliant_tag});
   //   w, packed from one of the three packs above or linear_pack_bf16 -> packed rewritten with w's panels
   m.def("linear_pack_into(Tensor w, Tensor(a!) packed) -> ()", {at::Tag::pt2_compliant_tag});
+  //   the same, returning the fingerprint's sums of w's bits ([2] int64, as bits_sums) taken in the same pass
+  m.def("linear_pack_into_sums(Tensor w, Tensor(a!) packed) -> Tensor", {at::Tag::pt2_compliant_tag});
   //   x [M, K] f32, packed from linear_pack_f32 or linear_pack_bf16w, bias [N] f32 or None -> y [M, N] = x W^T + bias
   m.def("linear_small_f32(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor",
         {at::Tag::pt2_compliant_tag});

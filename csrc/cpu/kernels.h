@@ -79,6 +79,10 @@ struct KernelTable {
   BitsSumsCopyFn<int16_t> bits_sums_copy_i16;
   BitsSumsCopyFn<int32_t> bits_sums_copy_i32;
   BitsSumsCopyFn<int64_t> bits_sums_copy_i64;
+  // ---- The linear kernels' 16-row panels of 32-bit words (csrc/cpu/panels.h's layout: out[p, c, j] = w[16 p + j, c],
+  // zero past N) written from w [N, C] with the fingerprint's sums of w's words added to out_sums, in one pass
+  // (linear_cpu.cpp's linear_pack_into_sums: an engine's re-pack of lent weights and their checksum)
+  void (*pack_panels16_sums_u32)(const uint32_t* w, int64_t N, int64_t C, uint32_t* out, uint64_t* out_sums);
 };
 
 extern const KernelTable kDefaultKernels;

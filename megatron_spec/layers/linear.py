@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from megatron_spec.sync.fingerprint import Fingerprint
 
 
 def _mkldnn_packing_available() -> bool:
@@ -37,15 +41,15 @@ matrices on a 2-core AVX2 EPYC (``benchmarks/bench_linear_rows.py``): 1.8x the f
 4, 1.2x at 16, 1.1x at 64, 1.06x at 128. False keeps fp32 panels (benchmarks compare both)."""
 
 
-def bf16_exact(w: torch.Tensor) -> bool:
-    """Whether every value of the fp32 tensor ``w`` is a bfloat16 number (its low 16 bits are zero).
-
-    The first values are looked at alone first: an fp32 trainer's weights (streamed after every update) fail
-    there, without a pass over the whole matrix (~0.2 s a sync for SmolLM2's)."""
-    if w.dtype != torch.float32:
+def bf16_candidate(w: torch.Tensor) -> bool:
+    """Whether the fp32 tensor ``w`` may hold bfloat16 numbers only (its first values' low 16 bits are
+    zero): a checkpoint stored in bf16, weights streamed in bf16. An fp32 trainer's weights (streamed after
+    every update) fail here in ~3 us; the bf16 panels' pack checks every value in its own pass
+    (``linear_pack_bf16w``), where a separate scan cost 0.12 s of SmolLM2's bf16 re-pack (0.19 s) on a 2-core
+    AVX2 EPYC."""
+    if w.dtype != torch.float32 or w.numel() == 0:
         return False
-    bits = w.contiguous().view(-1).view(torch.int32)
-    return not bool((bits[:4096] & 0xFFFF).any()) and not bool((bits & 0xFFFF).any())
+    return not any(v & 0xFFFF for v in w.detach().reshape(-1)[:8].view(torch.int32).tolist())
 
 
 def small_linear_available() -> bool:
@@ -152,49 +156,74 @@ class Linear(nn.Module):
             state_dict[prefix + "weight"] = old.t()  # a state dict of the transposed storage
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def pack(self, batch_hint: int = 16) -> bool:
+    def pack(self, batch_hint: int = 16, sums: Fingerprint | None = None) -> bool:
         """Prepack the weight for inference (CPU, fp32/bf16): the kernel's panels where the kernel runs, and
         oneDNN's blocked copy for more rows (an fp32 weight with panels keeps none: :data:`ONEDNN_COPY_F32`);
-        returns whether it is packed."""
+        returns whether it is packed. ``sums``: add the weight's fingerprint sums to it, taken while
+        re-packing the panels where the compiled op can (one pass over the weight: a weight sync's checksum of
+        what the engine computes with), else in a pass of their own."""
         global PACK_EPOCH
         PACK_EPOCH += 1
         w = self.weight
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.numel() == 0
                 or not _mkldnn_packing_available()):
             self._packed = self._small = self._spare = None
+            if sums is not None:
+                sums.add(w.detach())
             return False
         with torch.no_grad():
             w = w.detach().contiguous()  # a view already (a tied table too): no copy
             self._packed = None  # freed first: the new copy can take its place in the heap
             old = self._small if self._small is not None else self._spare
-            self._small, self._spare = self._pack_panels(w, old), None
+            self._small, summed = self._pack_panels(w, old, sums)
+            self._spare = None
+            if sums is not None and not summed:
+                sums.add(w)
             plain = w.dtype == torch.float32 and self._small is not None and not ONEDNN_COPY_F32
             self._packed = w if plain else torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
         return True
 
     @staticmethod
-    def _pack_panels(w: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor | None:
-        """The kernel's panels of ``w`` for its dtype (None where the kernel cannot run), written into ``old``
-        where it has their layout (a weight sync: no allocation, no page faults)."""
+    def _pack_panels(w: torch.Tensor, old: torch.Tensor | None, sums: Fingerprint | None
+                     ) -> tuple[torch.Tensor | None, bool]:
+        """The kernel's panels of ``w`` for its dtype (None where the kernel cannot run), written into
+        ``old`` where it has their layout (a weight sync: no allocation, no page faults), and whether ``w``'s
+        sums were added to ``sums`` on the way."""
         ops = torch.ops.megatron_spec
-        if w.dtype == torch.bfloat16:
-            pack, dtype = (
-                (ops.linear_pack_bf16, torch.bfloat16) if bf16_small_linear_available() else (None, None)
-            )
-        elif not small_linear_available():
-            pack, dtype = None, None
-        elif BF16_WEIGHT_PANELS and bf16_exact(w):
-            pack, dtype = ops.linear_pack_bf16w, torch.bfloat16
-        else:
-            pack, dtype = ops.linear_pack_f32, torch.float32
-        if pack is None:
-            return None
         n, k = w.shape
-        layout = (-(-n // 16), -(-k // 2), 16, 2) if w.dtype == torch.bfloat16 else (-(-n // 16), k, 16)
+        if w.dtype == torch.bfloat16:
+            if not bf16_small_linear_available():
+                return None, False
+            return Linear._pack_as(w, old, sums, ops.linear_pack_bf16, torch.bfloat16,
+                                   (-(-n // 16), -(-k // 2), 16, 2))
+        if not small_linear_available():
+            return None, False
+        layout = (-(-n // 16), k, 16)
+        if BF16_WEIGHT_PANELS and bf16_candidate(w):
+            try:
+                return Linear._pack_as(w, old, sums, ops.linear_pack_bf16w, torch.bfloat16, layout)
+            except RuntimeError as exc:  # a value that is not a bf16 number, found by the pack's own pass
+                if "not bfloat16 numbers" not in str(exc):
+                    raise
+        return Linear._pack_as(w, old, sums, ops.linear_pack_f32, torch.float32, layout)
+
+    @staticmethod
+    def _pack_as(w: torch.Tensor, old: torch.Tensor | None, sums: Fingerprint | None, pack,
+                 dtype: torch.dtype, layout: tuple) -> tuple[torch.Tensor, bool]:
+        """``pack(w)``, or ``w``'s panels written into ``old`` where it has that pack's ``dtype`` and
+        ``layout`` (with ``sums``: summed in the same pass); and whether ``sums`` got ``w``'s sums."""
         if old is not None and old.dtype == dtype and tuple(old.shape) == layout:
-            ops.linear_pack_into(w, old)
-            return old
-        return pack(w)
+            if sums is not None and hasattr(torch.ops.megatron_spec, "linear_pack_into_sums"):
+                sums.add_sums(w.dtype, w.numel(), torch.ops.megatron_spec.linear_pack_into_sums(w, old))
+                return old, True
+            torch.ops.megatron_spec.linear_pack_into(w, old)
+            return old, False
+        return pack(w), False
+
+    @property
+    def is_packed(self) -> bool:
+        """Whether :meth:`pack` ran since the last :meth:`unpack` (and could pack)."""
+        return self._packed is not None
 
     def unpack(self, keep: bool = False) -> None:
         """Drop the packed copies (the weights are about to change, or are released); ``keep``: keep the
@@ -249,6 +278,13 @@ def pack_linears(module: nn.Module, enable: bool = True, keep: bool = False) -> 
         if isinstance(m, Linear):
             n += m.pack() if enable else (m.unpack(keep) or 0)
     return n
+
+
+def linear_layers(module: nn.Module) -> list[tuple[Linear, str | None]]:
+    """Every :class:`Linear` in ``module`` with the name of its weight among ``module``'s parameters (a tied
+    head: its table's; None for a weight from outside ``module``)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [(m, names.get(id(m.weight))) for m in module.modules() if isinstance(m, Linear)]
 
 
 def warm_linears(modules: Iterable[nn.Module], max_rows: int, max_primitives: int | None = None) -> int:

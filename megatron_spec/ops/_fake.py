@@ -126,6 +126,12 @@ def _linear_pack_into_fake(w, packed):
     torch._check(w.dim() == 2, lambda: f"linear_pack_into expects a 2-D weight, got {w.dim()}-D")
 
 
+@torch.library.register_fake("megatron_spec::linear_pack_into_sums")
+def _linear_pack_into_sums_fake(w, packed):
+    torch._check(w.dim() == 2, lambda: f"linear_pack_into_sums expects a 2-D weight, got {w.dim()}-D")
+    return w.new_empty((2,), dtype=torch.int64)
+
+
 @torch.library.register_fake("megatron_spec::linear_pack_bf16")
 def _linear_pack_bf16_fake(w):
     torch._check(w.dim() == 2, lambda: f"linear_pack_bf16 expects a 2-D weight, got {w.dim()}-D")

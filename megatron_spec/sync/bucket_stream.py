@@ -243,16 +243,18 @@ def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor, sums: Fi
          engine_dtype: torch.dtype | None = None) -> bool:
     """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales.
 
-    With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's,
-    contiguous) is fingerprinted while it is copied, one pass over its bytes instead of two
-    (:meth:`Fingerprint.copy_in`); returns whether it was (the sender's :func:`fingerprint_bucket` skips it
-    then)."""
+    With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's; contiguous,
+    or in contiguous blocks of rows: Megatron's q, k and v, a block a query group) is fingerprinted while it is
+    copied, one pass over its bytes instead of two (:meth:`Fingerprint.copy_in`); returns whether it was (the
+    sender's :func:`fingerprint_bucket` skips it then)."""
     (name, shape, dtype), *rest = entries
-    if sums is not None and dtype == src.dtype == engine_dtype and src.is_contiguous() \
-            and src.device.type == "cpu":
-        dst = writer.reserve(name, shape, dtype)
-        if dst.numel():
-            sums.copy_in(dst.view(src.shape), src)
+    blocks = _contiguous_blocks(src) if sums is not None and dtype == src.dtype == engine_dtype \
+        and src.device.type == "cpu" else None
+    if blocks is not None:
+        dst = writer.reserve(name, shape, dtype).view(src.shape)
+        for i in blocks:
+            if dst[i].numel():
+                sums.copy_in(dst[i], src[i])
         return True
     if dtype == torch.float8_e4m3fn:
         from megatron_spec.ops import fp8_block_quantize
@@ -263,6 +265,21 @@ def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor, sums: Fi
     else:
         writer.add(name, src, shape, dtype)
     return False
+
+
+_MAX_BLOCKS = 64
+
+
+def _contiguous_blocks(src: torch.Tensor) -> list | None:
+    """Indices of ``src`` that split it into contiguous pieces, in order: the whole tensor, or its rows along
+    the first dimension (a Megatron q/k/v view: one block of rows per query group), at most
+    :data:`_MAX_BLOCKS`; None otherwise."""
+    if src.is_contiguous():
+        return [slice(None)]
+    rows = range(src.shape[0]) if src.dim() > 1 and src.shape[0] <= _MAX_BLOCKS else None
+    if rows is not None and all(src[i].is_contiguous() for i in rows):
+        return list(rows)
+    return None
 
 
 def fingerprint_bucket(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata], fp: Fingerprint,

@@ -33,6 +33,8 @@ _MOD = 1 << 64
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 15  # elements per step of the s2 pass (bounds its temporary to 256 KiB)
 _CAST_CHUNK = 1 << 20  # elements cast to the engine dtype at a time
+_CPU = torch.device("cpu")
+_KEYS: dict[torch.dtype, str] = {}  # a dtype's name in :attr:`Fingerprint.parts`
 _DEVICE_CHUNK = 1 << 22  # elements widened to int64 at a time on a GPU (a 32 MiB temporary)
 
 
@@ -65,19 +67,31 @@ class Fingerprint:
         the engine's load into its parameters); otherwise the copy, then :meth:`add`. Returns self."""
         if dst.shape != src.shape:
             raise ValueError(f"copy_in: shapes differ, {tuple(dst.shape)} and {tuple(src.shape)}")
-        width = dst.element_size()
-        if (src.dtype == dst.dtype and dst.device.type == src.device.type == "cpu" and dst.is_contiguous()
-                and dst.dtype != torch.bool and width in _INT_VIEW and dst.numel() and _compiled_copy_sums()):
-            bits = _INT_VIEW[width]
-            s1, s2 = torch.ops.megatron_spec.bits_sums_copy(
-                src.detach().contiguous().reshape(-1).view(bits), dst.detach().reshape(-1).view(bits)
-            ).tolist()
-            return self._add_sums(dst.dtype, dst.numel(), s1 % _MOD, s2 % _MOD)
+        # the checks in the order that rejects cheaply; a sync makes hundreds of these calls, so the fast path
+        # stays a few attribute reads from the op (each of which costs ~1 us in Python)
+        dtype = dst.dtype
+        bits = _INT_VIEW.get(dst.element_size()) if dtype == src.dtype and dtype != torch.bool else None
+        if (bits is not None and dst.is_cpu and src.is_cpu and dst.is_contiguous() and dst.numel()
+                and _compiled_copy_sums()):
+            sums = torch.ops.megatron_spec.bits_sums_copy.default(
+                src.detach().reshape(-1).view(bits), dst.detach().view(-1).view(bits))
+            s1, s2 = sums.tolist()
+            return self._add_sums(dtype, dst.numel(), s1 % _MOD, s2 % _MOD)
         dst.copy_(src)
         return self.add(dst)
 
+    def add_sums(self, dtype: torch.dtype, numel: int, sums: torch.Tensor) -> Fingerprint:
+        """Accumulate the sums a compiled op took of ``numel`` elements of ``dtype`` in a pass of its own
+        (``[2]`` int64, as ``megatron_spec::bits_sums`` returns them: e.g. an engine's re-pack of a linear
+        layer, ``linear_pack_into_sums``). Returns self."""
+        s1, s2 = sums.tolist()
+        return self._add_sums(dtype, int(numel), s1 % _MOD, s2 % _MOD)
+
     def _add_sums(self, dtype: torch.dtype, n: int, s1: int, s2: int) -> Fingerprint:
-        part = self.parts.setdefault(str(dtype).removeprefix("torch."), [0, 0, 0])
+        key = _KEYS.get(dtype)
+        if key is None:
+            key = _KEYS[dtype] = str(dtype).removeprefix("torch.")
+        part = self.parts.setdefault(key, [0, 0, 0])
         part[0] += n
         part[1] = (part[1] + s1) % _MOD
         part[2] = (part[2] + s2) % _MOD
@@ -133,13 +147,13 @@ def _bits_sums(x: torch.Tensor) -> tuple[int, int, int]:
 def _compiled_sums() -> bool:
     from megatron_spec.ops import compiled_kernel_for
 
-    return compiled_kernel_for("bits_sums", torch.device("cpu"))
+    return compiled_kernel_for("bits_sums", _CPU)
 
 
 def _compiled_copy_sums() -> bool:
     from megatron_spec.ops import compiled_kernel_for
 
-    return compiled_kernel_for("bits_sums_copy", torch.device("cpu"))
+    return compiled_kernel_for("bits_sums_copy", _CPU)
 
 
 def _numpy_sums(a: np.ndarray) -> tuple[int, int]:

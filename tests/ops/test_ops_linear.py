@@ -176,6 +176,34 @@ def test_pack_into_writes_what_a_fresh_pack_makes(n, k):
         assert packed.data_ptr() == ptr and torch.equal(packed, pack(src)), pack
 
 
+@pytest.mark.parametrize("n,k", [(50, 37), (33, 64), (20, 576), (16, 3), (1, 1), (4096, 8)])
+def test_pack_into_with_sums_writes_the_panels_and_sums_the_weight(kernel_variant, n, k):
+    """linear_pack_into_sums (the engine's re-pack of lent weights and their checksum, one pass): the bits of
+    linear_pack_into, and the fingerprint's sums of the weight's bits (NaN, infinities and -0 among them),
+    in every layout and kernel variant: fp32 panels packed and summed from the same registers (AVX2), or
+    packed then summed from cache."""
+    from megatron_spec.sync.fingerprint import Fingerprint
+
+    ops = torch.ops.megatron_spec
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    edges = torch.tensor([float("nan"), -0.0, float("-inf"), float("inf")])
+    w.view(-1)[: min(4, w.numel())] = edges[: w.numel()]
+    cases = [(ops.linear_pack_f32, w), (ops.linear_pack_bf16w, w.bfloat16().float()),
+             (ops.linear_pack_bf16, w.bfloat16())]
+    for pack, src in cases:
+        packed = pack(torch.randn(src.shape, generator=g).bfloat16().to(src.dtype))
+        ptr = packed.data_ptr()
+        sums = ops.linear_pack_into_sums(src, packed)
+        assert packed.data_ptr() == ptr, pack
+        assert torch.equal(packed.view(torch.int16), pack(src).view(torch.int16)), pack
+        assert Fingerprint().add_sums(src.dtype, src.numel(), sums) == Fingerprint().add(src), pack
+    strided = torch.randn(8, 20, generator=g).t()
+    with pytest.raises(RuntimeError, match="contiguous 2-D"):
+        ops.linear_pack_into_sums(strided, ops.linear_pack_f32(strided))
+    torch.library.opcheck(ops.linear_pack_into_sums, (w, ops.linear_pack_f32(w)))
+
+
 def test_pack_into_refuses_other_layouts():
     ops = torch.ops.megatron_spec
     w = torch.randn(20, 8)
@@ -211,3 +239,32 @@ def test_layer_repacks_into_the_panels_it_kept():
         assert torch.equal(lin(x), fresh(x))
     lin.unpack()
     assert lin._small is None and lin._spare is None
+
+
+def test_layer_keeps_bf16_panels_only_where_every_weight_is_a_bf16_number():
+    """The layer takes bf16 panels when its weight's first values are bf16 numbers and lets the pack check the
+    rest in its own pass: one value below bf16's precision deep in the matrix, and the panels are fp32 (fresh,
+    and in a re-pack into bf16 panels kept from before), with the sums of what is held either way."""
+    from megatron_spec.layers.linear import Linear
+    from megatron_spec.sync.fingerprint import Fingerprint
+
+    torch.manual_seed(1)
+    lin = Linear(64, 40).eval()
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    lin.pack()
+    assert lin._small.dtype == torch.bfloat16
+    lin.unpack(keep=True)
+    with torch.no_grad():
+        lin.weight[37, 5] += 1e-6  # no longer a bf16 number; the first values still are
+    sums = Fingerprint()
+    lin.pack(sums=sums)
+    assert lin._small.dtype == torch.float32
+    assert torch.equal(lin._small, torch.ops.megatron_spec.linear_pack_f32(lin.weight.detach()))
+    assert sums == Fingerprint().add(lin.weight.detach())
+    lin.unpack(keep=True)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+    sums = Fingerprint()
+    lin.pack(sums=sums)  # bf16 panels again, fresh: the fp32 ones have another layout
+    assert lin._small.dtype == torch.bfloat16 and sums == Fingerprint().add(lin.weight.detach())

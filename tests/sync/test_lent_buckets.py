@@ -11,12 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_spec.layers.linear import Linear, linear_layers
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.server import EngineServer
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+from megatron_spec.sync.bucket import BucketWriter, alloc_bucket_buffer
 from megatron_spec.sync.fingerprint import Fingerprint, fingerprint_tensors
+from megatron_spec.sync.fused_pieces import fused_order
 from megatron_spec.sync.streamer import WeightStreamer
+from megatron_spec.sync.transport import make_bucket_payloads
 
 
 def ckpt_tensors(path: str) -> list[tuple[str, torch.Tensor]]:
@@ -93,6 +97,47 @@ def test_a_parameter_leaves_a_lent_bucket_before_it_is_written_by_copy(ckpts):
     want, got = held(copied), held(engine)
     assert all(torch.equal(want[n], got[n]) for n in want)
     assert greedy(engine) == greedy(copied)
+
+
+def fresh_panels(engine: EngineServer) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each target linear layer's panels and a fresh pack of its weight now."""
+    return {name: (layer._small, Linear._pack_panels(layer.weight.detach(), None, None)[0])
+            for layer, name in linear_layers(engine.target)}
+
+
+def test_a_lent_sync_packs_each_layer_as_its_bucket_arrives_and_sums_what_it_packed(ckpts):
+    """The engine packs a layer whose weight a lent bucket held whole while the sender fills the next one, and
+    its checksum is summed in that pass, from the weights it packs (none summed twice, none left out)."""
+    engine = server(ckpts)
+    st = WeightStreamer(engine, bucket_bytes=64 << 10, weight_dtype="fp32")
+    for version, path in (("t1", ckpts.qwen3_other), ("t2", ckpts.qwen3)):
+        named = ckpt_tensors(path)
+        rep = st.sync_target_tensors(named, version)
+        assert rep.timings["engine_pack_s"] > 0 and rep.num_buckets > 2
+        assert not engine._owed and all(torch.equal(*pair) for pair in fresh_panels(engine).values())
+        assert Fingerprint.from_dict(rep.checksums["engine"]) == fingerprint_tensors(t for _, t in named)
+
+
+def test_a_layer_packed_early_is_packed_again_when_its_weight_is_written_again(ckpts):
+    """A weight sent again later in the same update, by copy, after its layer was packed from a lent bucket:
+    the end of the update packs every layer from what it holds then, and counts the checksum afresh."""
+    engine = server(ckpts)
+    named = ckpt_tensors(ckpts.qwen3_other)
+    again = next(n for n, _ in named if "q_proj" in n)
+    engine.begin_weight_update("target")
+    writer = BucketWriter(alloc_bucket_buffer(sum(t.nbytes + 16 for _, t in named), torch.device("cpu")))
+    for name, tensor in fused_order(named):
+        writer.add(name, tensor)
+    engine.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1, lent=True), "target", "t1")
+    assert all(layer.is_packed for layer, _ in linear_layers(engine.target))  # packed as the bucket arrived
+    final = dict(named)
+    final[again] = final[again] + 1
+    writer = BucketWriter(alloc_bucket_buffer(final[again].nbytes + 16, torch.device("cpu")))
+    writer.add(again, final[again])
+    engine.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1), "target", "t1")
+    out = engine.end_weight_update()
+    assert all(torch.equal(*pair) for pair in fresh_panels(engine).values())
+    assert Fingerprint.from_dict(out["checksums"]["target"]) == fingerprint_tensors(final.values())
 
 
 def test_lending_is_refused_where_the_engine_would_not_read_lent_buckets():

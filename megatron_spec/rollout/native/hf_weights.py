@@ -40,7 +40,7 @@ class HFWeights:
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True,
-        fingerprint: Fingerprint | None = None, lent: bool = False,
+        fingerprint: Fingerprint | None = None, lent: bool = False, owed: set[str] | None = None,
     ) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the names loaded. ``fingerprint``:
         accumulate what was written, in the same pass as the copy (:meth:`Fingerprint.copy_in`).
@@ -48,7 +48,10 @@ class HFWeights:
         ``lent``: the tensors are views of a buffer lent for good (a weight update's bucket, rewritten only
         by the next complete update of these weights): a parameter whose pieces all lie in it side by side, in
         its own dtype and device, becomes a view of the buffer instead of a copy (:meth:`_lent_views`). A
-        parameter in shared memory (such a view) that is written by copy gets its own memory first.
+        parameter in shared memory (such a view) that is written by copy gets its own memory first. ``owed``:
+        the names of parameters that became views are added to it instead of their sums to ``fingerprint``
+        (the caller sums them in a pass it makes anyway: the engine's re-pack of the layers, from the weights
+        it computes with; ``weight_session.WeightSession._repack``).
 
         Raises:
             KeyError: a name this model does not have (never skipped silently).
@@ -90,7 +93,9 @@ class HFWeights:
                     )
                 loaded.add(name)
                 if target in views:  # held as sent, where it was sent
-                    if fingerprint is not None:
+                    if owed is not None:
+                        owed.add(target)
+                    elif fingerprint is not None:
                         fingerprint.add(tensor)
                     continue
                 if fingerprint is None:

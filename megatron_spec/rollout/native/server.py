@@ -108,6 +108,8 @@ class EngineServer(WeightSession, WeightReceiver):
         """Each group's checksum, computed once after the group's weights changed (dropped on every write)."""
         self._load_fingerprints: dict[str, Fingerprint | None] = {}
         """A weight update's sums of what each group's loads wrote (None: a tensor was written twice)."""
+        self._owed: dict[str, set[str]] = {}
+        self._linears: dict[str, list] = {}
         self._timings: dict[str, float] = dict.fromkeys(SYNC_TIMINGS, 0.0)
         self._param_shapes = {id(m): {n: tuple(p.shape) for n, p in m.named_parameters()}
                               for m in (self.target, self._draft_module()) if m is not None}

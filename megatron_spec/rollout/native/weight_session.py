@@ -14,20 +14,21 @@ from typing import Any
 
 import torch
 
-from megatron_spec.layers.linear import pack_linears
+from megatron_spec.layers.linear import linear_layers, pack_linears
 from megatron_spec.sync.fingerprint import Fingerprint
 
 LOAD_THREADS = 1
-"""torch threads of the CPU engine while it copies a bucket into its parameters. The trainer packs the next
-bucket on one thread meanwhile (``WeightStreamer(cpu_threads=1)``); the copies are memory-bound, and two
-OpenMP threads here beside it stall each other: SmolLM2's fp32 sync on a 2-core AVX2 EPYC took 0.22 / 0.22 /
-0.27 s with one against 0.23 / 0.25 / 0.28 s with two, alternated (docs/weight_sync.md). The re-pack after
-the last bucket, with the trainer idle, keeps the engine's threads."""
+"""torch threads of the CPU engine while it copies a bucket into its parameters, or packs the layers a lent
+bucket holds. The trainer packs the next bucket on one thread meanwhile (``WeightStreamer(cpu_threads=1)``);
+the copies are memory-bound, and two OpenMP threads here beside it stall each other: SmolLM2's fp32 sync on a
+2-core AVX2 EPYC took 0.22 / 0.22 / 0.27 s with one against 0.23 / 0.25 / 0.28 s with two, alternated
+(docs/weight_sync.md). The re-pack after the last bucket, with the trainer idle, keeps the engine's threads."""
 
-SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_repack_s", "engine_checksum_s")
+SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_pack_s", "engine_repack_s", "engine_checksum_s")
 """Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters
-(or taking lent ones as views), re-packing the changed linear layers, computing the changed groups' checksums
-(``end_weight_update`` reports them)."""
+(or taking lent ones as views), packing the layers whose weights a lent bucket held whole as it arrives
+(during the stream), re-packing the other changed linear layers at the end, computing the changed groups'
+checksums (``end_weight_update`` reports them)."""
 
 
 class WeightSession:
@@ -42,6 +43,10 @@ class WeightSession:
     _released: set[str]
     _checksums: dict[str, dict]
     _load_fingerprints: dict[str, Fingerprint | None]
+    _linears: dict[str, list]
+    """Per group, its linear layers and their weights' names (``linear_layers``), found once a session."""
+    _owed: dict[str, set[str]]
+    """Per group, the parameters taken as views of lent buckets this session: the re-pack adds their sums."""
     _timings: dict[str, float]
 
     def _has_group(self, group: str) -> bool:
@@ -64,6 +69,8 @@ class WeightSession:
                 pack_linears(module, enable=False, keep=True)
         self._updating = {}
         self._load_fingerprints = {}
+        self._owed = {}
+        self._linears = {}
         self._timings = dict.fromkeys(SYNC_TIMINGS, 0.0)
 
     def update_weights_from_tensor(
@@ -109,14 +116,23 @@ class WeightSession:
         if self.device.type == "cpu":
             torch.set_num_threads(LOAD_THREADS)
         try:
+            owed = self._owed.setdefault(selector, set())
+            if lent_kw:  # the views' sums are taken while they are re-packed
+                lent_kw["owed"] = owed
+            before = set(owed)
             loaded = module.load_weights(named, strict_complete=False, fingerprint=fp, **lent_kw)
+            t2 = time.perf_counter()
+            seen = self._updating.setdefault(selector, set())
+            if seen & loaded:  # a tensor written twice: its first values are in the sums, and layers packed
+                self._load_fingerprints[selector] = fp = None  # early may hold them: all afresh at the end
+                pack_linears(module, enable=False, keep=True)
+            elif owed - before:  # whole parameters lent: packed now, while the sender fills the next bucket
+                self._repack(selector, module, fp, owed, only=owed - before)
         finally:
             torch.set_num_threads(threads)
         self._timings["engine_map_s"] += t1 - t0
-        self._timings["engine_load_s"] += time.perf_counter() - t1
-        seen = self._updating.setdefault(selector, set())
-        if seen & loaded:  # a tensor written twice: its first values are in the sums; count afresh at the end
-            self._load_fingerprints[selector] = None
+        self._timings["engine_load_s"] += t2 - t1
+        self._timings["engine_pack_s"] += time.perf_counter() - t2
         seen.update(loaded)
         self._updating.setdefault(f"{selector}:version", set()).add(str(weight_version))
         return {"loaded": len(loaded)}
@@ -146,8 +162,8 @@ class WeightSession:
             if len(versions) != 1:
                 raise RuntimeError(f"{group} weight update mixed versions {sorted(versions)}")
             self.versions[group] = versions.pop()
-            pack_linears(module)
             fp = self._load_fingerprints.get(group)
+            self._repack(group, module, fp, self._owed.pop(group, set()))
             # every parameter written once (names complete, none twice, every element): the sums taken while
             # loading are the checksum of what the group holds; otherwise health() counts them afresh
             if fp is not None and fp.numel == sum(p.numel() for p in module.parameters()):
@@ -165,6 +181,28 @@ class WeightSession:
         timings["engine_checksum_s"] = time.perf_counter() - t1
         out["sync_timings"] = timings
         return out
+
+    def _repack(self, group: str, module: torch.nn.Module, fp: Fingerprint | None, owed: set[str],
+                only: set[str] | None = None) -> None:
+        """Pack ``module``'s linear layers not packed yet in this session (with ``only``: those whose weight
+        is named there). A layer whose weight is ``owed`` (a view of a lent bucket, not summed while loading)
+        adds its sums to ``fp`` on the way and leaves ``owed``; at the end of the session (``only`` None) what
+        is still owed is summed in a pass of its own (a norm, a table no layer packs)."""
+        layers = self._linears.get(group)
+        if layers is None:
+            layers = self._linears[group] = linear_layers(module)
+        for layer, name in layers:
+            if layer.is_packed or (only is not None and name not in only):
+                continue
+            if fp is not None and name in owed:
+                owed.discard(name)
+                layer.pack(sums=fp)
+            else:
+                layer.pack()
+        if only is None and fp is not None and owed:
+            for name, p in module.named_parameters():
+                if name in owed:
+                    fp.add(p.detach())
 
     def abort_weight_update(self) -> None:
         """Close a session whose update failed part-way: every group it touched is left without a
