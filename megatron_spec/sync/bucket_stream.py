@@ -243,10 +243,10 @@ def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor, sums: Fi
          engine_dtype: torch.dtype | None = None) -> bool:
     """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales.
 
-    With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's; contiguous,
-    or in contiguous blocks of rows: Megatron's q, k and v, a block a query group) is fingerprinted while it is
-    copied, one pass over its bytes instead of two (:meth:`Fingerprint.copy_in`); returns whether it was (the
-    sender's :func:`fingerprint_bucket` skips it then)."""
+    With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's;
+    contiguous, or in contiguous blocks of rows: Megatron's q, k and v, a block a query group) is
+    fingerprinted while it is copied, one pass over its bytes instead of two (:meth:`Fingerprint.copy_in`);
+    returns whether it was (the sender's :func:`fingerprint_bucket` skips it then)."""
     (name, shape, dtype), *rest = entries
     blocks = _contiguous_blocks(src) if sums is not None and dtype == src.dtype == engine_dtype \
         and src.device.type == "cpu" else None

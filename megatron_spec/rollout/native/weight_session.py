@@ -20,9 +20,10 @@ from megatron_spec.sync.fingerprint import Fingerprint
 LOAD_THREADS = 1
 """torch threads of the CPU engine while it copies a bucket into its parameters, or packs the layers a lent
 bucket holds. The trainer packs the next bucket on one thread meanwhile (``WeightStreamer(cpu_threads=1)``);
-the copies are memory-bound, and two OpenMP threads here beside it stall each other: SmolLM2's fp32 sync on a
-2-core AVX2 EPYC took 0.22 / 0.22 / 0.27 s with one against 0.23 / 0.25 / 0.28 s with two, alternated
-(docs/weight_sync.md). The re-pack after the last bucket, with the trainer idle, keeps the engine's threads."""
+the copies are memory-bound, and two OpenMP threads here beside it stall each other: SmolLM2's fp32 sync on
+a 2-core AVX2 EPYC took 0.22 / 0.22 / 0.27 s with one against 0.23 / 0.25 / 0.28 s with two, alternated
+(docs/weight_sync.md). The re-pack after the last bucket, with the trainer idle, keeps the engine's
+threads."""
 
 SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_pack_s", "engine_repack_s", "engine_checksum_s")
 """Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters
