@@ -478,15 +478,25 @@ inline void add_word_sums(int32_t x, uint64_t* out) {
 #endif
 
 #if MS_ISA_LEVEL == 1
+// Copying, the stores stream past the caches (a sync's bucket or parameters are read next by another core, or
+// after the whole sync): no read of each destination line before it is written, a third of the memory traffic;
+// the words before the first 32-byte boundary of dst are copied one by one.
 template <bool Copy>
 inline void bits_sums_i32_avx2(const int32_t* __restrict b, int32_t* __restrict dst, int64_t n, uint64_t* out) {
   Sums32 acc;
   int64_t i = 0;
+  if constexpr (Copy) {
+    for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31) != 0; ++i) {
+      dst[i] = b[i];
+      add_word_sums(b[i], out);
+    }
+  }
   for (; i + 8 <= n; i += 8) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + i));
-    if constexpr (Copy) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), x);
+    if constexpr (Copy) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), x);
     acc.add(x);
   }
+  if constexpr (Copy) _mm_sfence();
   acc.finish(out);
   for (; i < n; ++i) {
     if constexpr (Copy) dst[i] = b[i];
@@ -558,6 +568,7 @@ void pack_panels16_sums_u32(const uint32_t* w, int64_t N, int64_t C, uint32_t* o
 #if MS_ISA_LEVEL >= 1
     if (rows == P) {
       Sums32 acc;
+      const bool aligned = (reinterpret_cast<uintptr_t>(dst) & 15) == 0;
       for (; c + 4 <= C; c += 4)
         for (int64_t j = 0; j < P; j += 4) {
           const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 0) * C + c));
@@ -569,10 +580,17 @@ void pack_panels16_sums_u32(const uint32_t* w, int64_t N, int64_t C, uint32_t* o
           __m128 f0 = _mm_castsi128_ps(r0), f1 = _mm_castsi128_ps(r1), f2 = _mm_castsi128_ps(r2),
                  f3 = _mm_castsi128_ps(r3);
           _MM_TRANSPOSE4_PS(f0, f1, f2, f3);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 0) * P + j), _mm_castps_si128(f0));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 1) * P + j), _mm_castps_si128(f1));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 2) * P + j), _mm_castps_si128(f2));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 3) * P + j), _mm_castps_si128(f3));
+          if (aligned) {
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + (c + 0) * P + j), _mm_castps_si128(f0));
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + (c + 1) * P + j), _mm_castps_si128(f1));
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + (c + 2) * P + j), _mm_castps_si128(f2));
+            _mm_stream_si128(reinterpret_cast<__m128i*>(dst + (c + 3) * P + j), _mm_castps_si128(f3));
+          } else {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 0) * P + j), _mm_castps_si128(f0));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 1) * P + j), _mm_castps_si128(f1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 2) * P + j), _mm_castps_si128(f2));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 3) * P + j), _mm_castps_si128(f3));
+          }
         }
       acc.finish(sums);
       for (int64_t cc = c; cc < C; ++cc)
@@ -589,6 +607,9 @@ void pack_panels16_sums_u32(const uint32_t* w, int64_t N, int64_t C, uint32_t* o
       for (int64_t j = 0; j < rows; ++j) dst[c * P + j] = src[j * C + c];
     bits_sums_impl<int32_t, false>(reinterpret_cast<const int32_t*>(src), nullptr, rows * C, sums);
   }
+#if MS_ISA_LEVEL >= 1
+  _mm_sfence();  // the streaming stores reach memory before the panels are read (by any thread)
+#endif
   out_sums[0] += sums[0];
   out_sums[1] += sums[1];
 }

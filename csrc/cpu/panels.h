@@ -53,9 +53,14 @@ Src pack_panels_words(const Src* w, int64_t N, int64_t C, Dst* out, Conv conv, S
 // unpack and move, no arithmetic, so every word, NaN payloads included, lands as it was). Baseline x86-64, so the
 // generic build has it. The scalar loop above spent ~3 cycles a word here (SmolLM2's fp32 panels: 0.13 s a sync on
 // one AVX2 EPYC core).
+// Where the panel is 16-byte aligned (a fresh or kept tensor's always is) the stores stream past the caches: the
+// panels are read at the next decode step, after the whole re-pack, and a streaming store does not read the line
+// it writes first (SmolLM2's fp32 panels, packed and summed on one AVX2 EPYC core: 0.075 -> 0.051 s). The caller
+// fences (pack_panels_words).
 template <int64_t P>
 inline void pack_full_panel_u32(const uint32_t* src, int64_t C, uint32_t* dst) {
   static_assert(P % 4 == 0, "panel rows in fours");
+  const bool aligned = (reinterpret_cast<uintptr_t>(dst) & 15) == 0;
   int64_t c = 0;
   for (; c + 4 <= C; c += 4)
     for (int64_t j = 0; j < P; j += 4) {
@@ -64,10 +69,18 @@ inline void pack_full_panel_u32(const uint32_t* src, int64_t C, uint32_t* dst) {
       __m128 r2 = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 2) * C + c)));
       __m128 r3 = _mm_castsi128_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + (j + 3) * C + c)));
       _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 0) * P + j), _mm_castps_si128(r0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 1) * P + j), _mm_castps_si128(r1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 2) * P + j), _mm_castps_si128(r2));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (c + 3) * P + j), _mm_castps_si128(r3));
+      __m128i* out = reinterpret_cast<__m128i*>(dst + c * P + j);
+      if (aligned) {
+        _mm_stream_si128(out, _mm_castps_si128(r0));
+        _mm_stream_si128(out + P / 4, _mm_castps_si128(r1));
+        _mm_stream_si128(out + P / 2, _mm_castps_si128(r2));
+        _mm_stream_si128(out + 3 * P / 4, _mm_castps_si128(r3));
+      } else {
+        _mm_storeu_si128(out, _mm_castps_si128(r0));
+        _mm_storeu_si128(out + P / 4, _mm_castps_si128(r1));
+        _mm_storeu_si128(out + P / 2, _mm_castps_si128(r2));
+        _mm_storeu_si128(out + 3 * P / 4, _mm_castps_si128(r3));
+      }
     }
   for (; c < C; ++c)
     for (int64_t j = 0; j < P; ++j) dst[c * P + j] = src[j * C + c];
@@ -83,6 +96,7 @@ void pack_panels_words(const Word* w, int64_t N, int64_t C, Word* out) {
     const int64_t full = N / P;  // the last, partial panel goes through the scalar loop (zero-filled)
     at::parallel_for(0, full, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) pack_full_panel_u32<P>(src + p * P * C, C, dst + p * C * P);
+      _mm_sfence();  // this thread's streaming stores are visible before the panels are used
     });
     if (full * P < N)
       pack_panels_words<P>(w + full * P * C, N - full * P, C, out + full * C * P, [](Word v) { return v; });

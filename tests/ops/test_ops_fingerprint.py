@@ -76,3 +76,16 @@ def test_sums_while_copying_refuse_a_destination_that_does_not_match():
         torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(9, dtype=torch.int32))
     with pytest.raises(ValueError, match="dst must be contiguous"):
         torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(16, dtype=torch.int32)[::2])
+
+
+@pytest.mark.parametrize("offset", range(9))
+def test_sums_while_copying_into_any_alignment(kernel_variant, offset):
+    """The AVX2 copy streams its stores from the first 32-byte boundary of the destination on: a bucket's
+    tensors start wherever the one before ended (4-byte alignment for fp32), so every offset is met."""
+    g = torch.Generator().manual_seed(offset)
+    n = 1000 + offset
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)
+    dst = torch.full((n + 16,), 7, dtype=torch.int32)[offset:offset + n]
+    s1, s2 = torch.ops.megatron_spec.bits_sums_copy(bits, dst).tolist()
+    assert (s1 % MOD, s2 % MOD) == fpm._numpy_sums(bits.numpy())
+    assert torch.equal(dst, bits)

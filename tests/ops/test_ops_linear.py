@@ -204,6 +204,26 @@ def test_pack_into_with_sums_writes_the_panels_and_sums_the_weight(kernel_varian
     torch.library.opcheck(ops.linear_pack_into_sums, (w, ops.linear_pack_f32(w)))
 
 
+@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+def test_pack_into_panels_at_any_alignment(kernel_variant, offset):
+    """Panels 16-byte aligned (every tensor torch allocates) are written by streaming stores, others by plain
+    ones: the same bits either way, with and without the sums."""
+    from megatron_spec.sync.fingerprint import Fingerprint
+
+    ops = torch.ops.megatron_spec
+    g = torch.Generator().manual_seed(offset)
+    w = torch.randn(40, 24, generator=g)
+    want = ops.linear_pack_f32(w)
+    for with_sums in (False, True):
+        packed = torch.zeros(want.numel() + 8)[offset:offset + want.numel()].view(want.shape)
+        if with_sums:
+            sums = ops.linear_pack_into_sums(w, packed)
+            assert Fingerprint().add_sums(w.dtype, w.numel(), sums) == Fingerprint().add(w)
+        else:
+            ops.linear_pack_into(w, packed)
+        assert torch.equal(packed, want)
+
+
 def test_pack_into_refuses_other_layouts():
     ops = torch.ops.megatron_spec
     w = torch.randn(20, 8)
