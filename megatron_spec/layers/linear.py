@@ -211,9 +211,14 @@ class Linear(nn.Module):
     def _pack_as(w: torch.Tensor, old: torch.Tensor | None, sums: Fingerprint | None, pack,
                  dtype: torch.dtype, layout: tuple) -> tuple[torch.Tensor, bool]:
         """``pack(w)``, or ``w``'s panels written into ``old`` where it has that pack's ``dtype`` and
-        ``layout`` (with ``sums``: summed in the same pass); and whether ``sums`` got ``w``'s sums."""
+        ``layout`` (with ``sums``: summed in the same pass, into fresh panels where ``old`` does not fit: the
+        main job releases the engine's weights while it trains, panels included, so every sync packs afresh);
+        and whether ``sums`` got ``w``'s sums."""
+        fused = sums is not None and hasattr(torch.ops.megatron_spec, "linear_pack_into_sums")
+        if fused and not (old is not None and old.dtype == dtype and tuple(old.shape) == layout):
+            old = torch.empty(layout, dtype=dtype, device=w.device)
         if old is not None and old.dtype == dtype and tuple(old.shape) == layout:
-            if sums is not None and hasattr(torch.ops.megatron_spec, "linear_pack_into_sums"):
+            if fused:
                 sums.add_sums(w.dtype, w.numel(), torch.ops.megatron_spec.linear_pack_into_sums(w, old))
                 return old, True
             torch.ops.megatron_spec.linear_pack_into(w, old)
