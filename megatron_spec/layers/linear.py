@@ -215,15 +215,15 @@ class Linear(nn.Module):
         main job releases the engine's weights while it trains, panels included, so every sync packs afresh);
         and whether ``sums`` got ``w``'s sums."""
         fused = sums is not None and hasattr(torch.ops.megatron_spec, "linear_pack_into_sums")
-        if fused and not (old is not None and old.dtype == dtype and tuple(old.shape) == layout):
+        if old is None or old.dtype != dtype or tuple(old.shape) != layout:
+            if not fused:
+                return pack(w), False
             old = torch.empty(layout, dtype=dtype, device=w.device)
-        if old is not None and old.dtype == dtype and tuple(old.shape) == layout:
-            if fused:
-                sums.add_sums(w.dtype, w.numel(), torch.ops.megatron_spec.linear_pack_into_sums(w, old))
-                return old, True
-            torch.ops.megatron_spec.linear_pack_into(w, old)
-            return old, False
-        return pack(w), False
+        if fused:
+            sums.add_sums(w.dtype, w.numel(), torch.ops.megatron_spec.linear_pack_into_sums(w, old))
+            return old, True
+        torch.ops.megatron_spec.linear_pack_into(w, old)
+        return old, False
 
     @property
     def is_packed(self) -> bool:

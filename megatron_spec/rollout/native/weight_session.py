@@ -127,7 +127,7 @@ class WeightSession:
             if seen & loaded:  # a tensor written twice: its first values are in the sums, and layers packed
                 self._load_fingerprints[selector] = fp = None  # early may hold them: all afresh at the end
                 pack_linears(module, enable=False, keep=True)
-            elif owed - before:  # whole parameters lent: packed now, while the sender fills the next bucket
+            elif owed != before:  # whole parameters lent: packed now, while the sender fills the next bucket
                 self._repack(selector, module, fp, owed, only=owed - before)
         finally:
             torch.set_num_threads(threads)
