@@ -279,8 +279,10 @@ def real_model(args) -> dict:
                  "engine_threads": args.engine_threads}
     memcpy_before, _ = memcpy_gbps(n_params * 4)
     # (label, engine dtype, weight dtype, FP8 engine, labels of the streamers compared in alternation: the
-    # default, which lends its buckets to the engine, and for fp32 the two buffers taking turns beside it)
-    configs = (("fp32", "float32", "fp32", False, ("fp32", "fp32_turns")),
+    # default, which lends its buckets to the engine (fp32: in the kernel's panel layout), and for fp32 beside
+    # it the lent buckets in rows (the engine packs them) and the two buffers taking turns)
+    kwargs = {"fp32_rows": {"lend_panels": False}, "fp32_turns": {"lend_buckets": False}}
+    configs = (("fp32", "float32", "fp32", False, ("fp32", "fp32_rows", "fp32_turns")),
                ("bf16", "bfloat16", "bf16", False, ("bf16",)),
                ("fp8", "bfloat16", "fp8", True, ("fp8",)))
     header = f"{'':>10} {'MB':>6} {'total s':>8} {'GB/s':>6} " + " ".join(f"{p[:-2]:>9}" for p in names)
@@ -300,7 +302,7 @@ def real_model(args) -> dict:
         engines = [NativeEngine(ecfg) for _ in labels]  # one each: a lent engine's parameters are the buckets
         try:
             streamers = [WeightStreamer(eng, bucket_bytes=args.bucket_mb << 20, weight_dtype=weight_dtype,
-                                        lend_buckets=None if label == labels[0] else False)
+                                        **kwargs.get(label, {}))
                          for eng, label in zip(engines, labels)]
             for st, label in zip(streamers, labels):
                 st.sync_target(model, f"{label}-warm")  # first use: buffers, mappings, allocator
@@ -337,6 +339,7 @@ def real_model(args) -> dict:
         res[f"{label}_fraction_of_memcpy"] = round(res[f"{label}_gbps"] / memcpy, 4)
     res["sync_fraction_of_memcpy"] = res["fp32_fraction_of_memcpy"]
     res["lent_over_turns_fp32"] = round(res["fp32_turns_seconds_median"] / res["fp32_seconds_median"], 3)
+    res["panels_over_rows_fp32"] = round(res["fp32_rows_seconds_median"] / res["fp32_seconds_median"], 3)
     destroy_parallel()
     return res
 

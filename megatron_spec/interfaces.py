@@ -31,7 +31,7 @@ annotations are imported for type checkers alone.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -128,6 +128,12 @@ class WeightReceiver(Protocol):
         """Fingerprint of the weights ``group`` held at start-up (``digest`` receivers: used once,
         when a first sync leaves a digest unchanged). Default: None (not known)."""
         return None
+
+    def lent_panel_names(self, shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
+        """Of the target's fp32 tensors in ``shapes`` (HF name -> shape), those this receiver takes, in a lent
+        bucket (:attr:`keeps_lent_buckets`), written in its linear kernel's panel layout (``out[p, c, j] =
+        w[16 p + j, c]``) and computes with as they are, packing nothing. Default: none."""
+        return frozenset()
 
     def health(self, timeout: float = 60.0) -> dict[str, Any]:
         """``weight_version``, ``draft_weight_version``, ``checksums`` per group, ``released``, ..."""

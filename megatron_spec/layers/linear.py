@@ -108,7 +108,10 @@ def packed_matmul(
     """``x [M, in] -> [M, out_features]`` through the prepacked weights of a :class:`Linear`: the
     extension kernel's panels ``small`` for ``M <= SMALL_MAX_ROWS`` (fp32; bf16 panels of pairs, 4-D:
     ``SMALL_MAX_ROWS_BF16``) when there are some, else ``packed``: oneDNN's blocked copy, or the ``[out, in]``
-    weight itself (a dense tensor: :data:`ONEDNN_COPY_F32`)."""
+    weight itself (a dense tensor: :data:`ONEDNN_COPY_F32`). A 3-D ``packed`` is the panels themselves (a
+    weight that lives only as panels, :meth:`Linear.hold_panels`): the kernel at every row count."""
+    if packed.dim() == 3:  # the weight held as the kernel's panels (Linear.hold_panels): every row count
+        return torch.ops.megatron_spec.linear_small_f32(x, packed, bias, out_features)
     if small is not None:
         if small.dim() == 4:
             if x.shape[0] <= SMALL_MAX_ROWS_BF16:
@@ -149,6 +152,7 @@ class Linear(nn.Module):
         self._packed: torch.Tensor | None = None
         self._small: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None  # the panels' memory kept between an unpack and the next pack
+        self._panels_at: int | None = None  # the weight's address while its memory holds panels (hold_panels)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         old = state_dict.pop(prefix + "weight_t", None)
@@ -165,6 +169,12 @@ class Linear(nn.Module):
         global PACK_EPOCH
         PACK_EPOCH += 1
         w = self.weight
+        if self.holds_panels:  # nothing to pack: the weight's memory is the panels (a lent bucket's)
+            self._small = self._packed = w.detach().view(-(-w.shape[0] // 16), w.shape[1], 16)
+            self._spare = None
+            if sums is not None:
+                sums.add(w.detach())
+            return True
         if (w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.numel() == 0
                 or not _mkldnn_packing_available()):
             self._packed = self._small = self._spare = None
@@ -225,6 +235,28 @@ class Linear(nn.Module):
         torch.ops.megatron_spec.linear_pack_into(w, old)
         return old, False
 
+    def hold_panels(self, panels: bool) -> None:
+        """Whether the weight's memory, as it is now, holds the kernel's fp32 panels instead of rows (a lent
+        bucket the trainer wrote in that layout: ``megatron_spec.sync.bucket_stream.pack``; the ``[out, in]``
+        parameter then holds the same values in another order, so its fingerprint is unchanged). Such a weight
+        runs through the kernel at every row count, is never packed (the panels are used as they are) and
+        never read as rows; a weight given other memory (a copy, a release) is rows again.
+
+        Why: the engine's own pack of SmolLM2's linear weights, one more pass over 400 MB beside the trainer's
+        slowed both by a third on a 2-core AVX2 EPYC (docs/weight_sync.md). The kernel is also faster than
+        oneDNN at every prefill size measured there (``bench_linear_rows.py``: 1.17x at 256-1024 rows)."""
+        w = self.weight
+        if panels and not (w.dtype == torch.float32 and w.dim() == 2 and w.shape[0] % 16 == 0
+                           and w.is_contiguous() and small_linear_available()):
+            raise ValueError(f"a weight {tuple(w.shape)} {w.dtype} cannot be held as fp32 panels of 16 rows")
+        self._panels_at = w.data_ptr() if panels else None
+
+    @property
+    def holds_panels(self) -> bool:
+        """Whether the weight's memory holds panels (:meth:`hold_panels`, and the memory is still that)."""
+        return self._panels_at is not None and self._panels_at == self.weight.data_ptr() \
+            and self.weight.numel() > 0
+
     @property
     def is_packed(self) -> bool:
         """Whether :meth:`pack` ran since the last :meth:`unpack` (and could pack)."""
@@ -235,7 +267,7 @@ class Linear(nn.Module):
         panels' memory, unused, for the next :meth:`pack` to write into."""
         global PACK_EPOCH
         PACK_EPOCH += 1
-        if not keep:
+        if not keep or (self._small is not None and self._small is self._packed):  # held panels: not spare
             self._spare = None
         elif self._small is not None:
             self._spare = self._small
@@ -248,6 +280,8 @@ class Linear(nn.Module):
                 x.reshape(-1, x.shape[-1]), self._packed, self._small, self.bias, self.out_features
             )
             return y.view(*x.shape[:-1], self.out_features)
+        if self.holds_panels:
+            raise RuntimeError("this layer's weight is held as panels: pack() it before calling it")
         y = F.linear(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
@@ -268,7 +302,7 @@ class TiedLinear(Linear):
         self._name = name
         self.out_features, self.in_features = getattr(owner, name).shape
         self.bias = None
-        self._packed = self._small = self._spare = None
+        self._packed = self._small = self._spare = self._panels_at = None
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]

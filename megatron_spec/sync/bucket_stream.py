@@ -50,6 +50,7 @@ class _Bucket:
     ready: Any = None  # a CUDA event to wait for before the engine may read the buffer
     packed_sums: Fingerprint | None = None  # of the tensors fingerprinted while packed (their names below)
     packed_names: frozenset[str] = frozenset()
+    panels: frozenset[str] = frozenset()  # the tensors written in the engine's panel layout
 
 
 @dataclasses.dataclass
@@ -77,11 +78,15 @@ class BucketStream:
         engine_dtype: the dtype the engine holds floating tensors in (what the fingerprint hashes).
         fingerprint: fingerprint the sent buckets (:attr:`Streamed.sent`).
         lend: lend the buckets (payloads marked ``lent``): bucket ``i`` in buffer ``i`` of ``alloc``'s.
+        panels: names of fp32 tensors to write, lending, in the engine's panel layout (:func:`pack`).
     """
 
     def __init__(self, engine: Any, group: str, version: str, *, engine_tp_size: int, for_sglang: bool,
-                 engine_dtype: torch.dtype, fingerprint: bool, lend: bool = False):
+                 engine_dtype: torch.dtype, fingerprint: bool, lend: bool = False,
+                 panels: frozenset[str] = frozenset()):
         self.engine, self.group, self.version, self.lend = engine, group, version, lend
+        self.panels = panels if lend else frozenset()
+        self.open_panels: set[str] = set()  # the open bucket's tensors in the panel layout
         self.engine_tp_size, self.for_sglang, self.engine_dtype = engine_tp_size, for_sglang, engine_dtype
         self.free = [threading.Semaphore(1), threading.Semaphore(1)]
         self.todo: queue.Queue[_Bucket | None] = queue.Queue()
@@ -138,9 +143,13 @@ class BucketStream:
                         if len(writer) and not writer.fits(need + [(s, d) for _, s, d in after]):
                             self._flush(last=False)
                     t_pack = time.perf_counter()
+                    as_panels = name in self.panels and src.dtype == planned[0][2] == torch.float32 \
+                        and len(planned) == 1 and len(planned[0][1]) == 2 and src.device.type == "cpu"
                     if pack(writer, planned, src, self.packed_sums if self.sent is not None else None,
-                            self.engine_dtype):
+                            self.engine_dtype, panels=as_panels):
                         self.packed_names.add(planned[0][0])
+                    if as_panels:
+                        self.open_panels.add(name)
                     clock["pack_s"] += time.perf_counter() - t_pack
                     tensors += 1
                 except Exception as exc:
@@ -176,8 +185,8 @@ class BucketStream:
             ready = torch.cuda.Event()
             ready.record()
         self.todo.put(_Bucket(self.index, flat, meta, last, ready, self.packed_sums,
-                              frozenset(self.packed_names)))
-        self.packed_sums, self.packed_names = Fingerprint(), set()
+                              frozenset(self.packed_names), frozenset(self.open_panels)))
+        self.packed_sums, self.packed_names, self.open_panels = Fingerprint(), set(), set()
         if self.lend:  # the next buffer of the group's own: the engine keeps computing with this one
             if not last:
                 self.index += 1
@@ -214,7 +223,7 @@ class BucketStream:
         if b.ready is not None:
             b.ready.synchronize()
         payloads = make_bucket_payloads(b.flat, b.metadata, self.engine_tp_size, for_sglang=self.for_sglang,
-                                        lent=self.lend)
+                                        lent=self.lend, panels=b.panels)
         t0 = time.perf_counter()
         if self.sent is None:
             self._call_engine(payloads, b.last)
@@ -240,14 +249,19 @@ class BucketStream:
 
 
 def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor, sums: Fingerprint | None = None,
-         engine_dtype: torch.dtype | None = None) -> bool:
-    """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales.
+         engine_dtype: torch.dtype | None = None, panels: bool = False) -> bool:
+    """Write ``src`` into the bucket as ``entries`` say: cast, or block-FP8 quantised into data and scales;
+    ``panels``: an fp32 ``[out, in]`` weight (a multiple of 16 rows) in the linear kernel's panel layout
+    (:func:`_write_panels`).
 
     With ``sums``, a tensor that travels as it is held on both sides (``src``'s dtype, the engine's;
     contiguous, or in contiguous blocks of rows: Megatron's q, k and v, a block a query group) is
     fingerprinted while it is copied, one pass over its bytes instead of two (:meth:`Fingerprint.copy_in`);
     returns whether it was (the sender's :func:`fingerprint_bucket` skips it then)."""
     (name, shape, dtype), *rest = entries
+    if panels:
+        _write_panels(writer.reserve(name, shape, dtype), src, shape, sums)
+        return sums is not None
     blocks = _contiguous_blocks(src) if sums is not None and dtype == src.dtype == engine_dtype \
         and src.device.type == "cpu" else None
     if blocks is not None:
@@ -268,6 +282,28 @@ def pack(writer: BucketWriter, entries: list[Entry], src: torch.Tensor, sums: Fi
 
 
 _MAX_BLOCKS = 64
+
+
+def _write_panels(dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, ...], sums: Fingerprint | None
+                  ) -> None:
+    """``src`` (``shape`` ``[n, k]`` fp32, ``n`` a multiple of 16) into ``dst``'s memory as the kernel's
+    panels, ``out[p, c, j] = w[16 p + j, c]`` (``megatron_spec::linear_pack_into``), with ``sums`` taken in
+    the same pass; a block of rows at a time where ``src`` lies in blocks of whole panels (Megatron's q, k
+    and v, a block a query group), else from a contiguous copy."""
+    n, k = shape
+    out = dst.view(n // 16, k, 16)
+    blocks = _contiguous_blocks(src)
+    parts = None if blocks is None else [src[i].reshape(-1, k) for i in blocks]
+    if parts is None or any(p.shape[0] % 16 for p in parts):
+        parts = [src.reshape(n, k).contiguous()]
+    ops, row = torch.ops.megatron_spec, 0
+    for part in parts:
+        piece = out[row:row + part.shape[0] // 16]
+        if sums is None:
+            ops.linear_pack_into(part, piece)
+        else:
+            sums.add_sums(part.dtype, part.numel(), ops.linear_pack_into_sums(part, piece))
+        row += part.shape[0] // 16
 
 
 def _contiguous_blocks(src: torch.Tensor) -> list | None:

@@ -30,7 +30,6 @@ It does not know how engines load weights, only their update API and ``health()`
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -46,6 +45,7 @@ from megatron_spec.sync.bucket_stream import STREAM_PIECES, BucketStream
 from megatron_spec.sync.fingerprint import Fingerprint
 from megatron_spec.sync.fused_pieces import fused_order, later_pieces
 from megatron_spec.sync.memory import PeakMemory
+from megatron_spec.sync.report import SyncReport
 from megatron_spec.sync.verify import (
     DigestLedger,
     WeightSyncError,
@@ -66,40 +66,6 @@ bucket, waiting for the engine to free a bucket, fingerprinting the sent buckets
 update calls (sender thread), ``end_weight_update`` (the engine's re-pack and checksums)."""
 
 __all__ = ["SYNC_PIECES", "WEIGHT_DTYPES", "SyncReport", "WeightStreamer", "WeightSyncError"]
-
-
-@dataclasses.dataclass
-class SyncReport:
-    """What one sync moved and how long it took (``bytes``/``seconds`` go to the step metrics)."""
-
-    group: str
-    version: str
-    bytes: int = 0
-    """Bucket bytes sent (once, however many engine TP ranks read them)."""
-    seconds: float = 0.0
-    """The whole sync: begin_weight_update .. verified."""
-    num_buckets: int = 0
-    num_tensors: int = 0
-    checksums: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """``{"sent": fingerprint of what was sent (engine dtype), "engine": what the engine reported}``."""
-    stream_seconds: float = 0.0
-    """begin_weight_update .. last bucket acknowledged (the data movement)."""
-    verify_seconds: float = 0.0
-    """end_weight_update (engine-side checksum) + comparison."""
-    bucket_capacity: int = 0
-    peak_extra_bytes: int | None = None
-    """Peak memory this process held for the sync (with ``measure_memory``): the rise during the
-    sync plus bucket buffers kept from an earlier one."""
-    skipped: bool = False
-    """This rank took no part (another data-parallel replica)."""
-    timings: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds per piece (:data:`SYNC_PIECES`; the engine's, where it reports them, from its
-    ``sync_timings``). The trainer's pieces overlap: the sender thread fingerprints and calls the engine while
-    the next bucket is packed."""
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.stream_seconds / 1e9 if self.stream_seconds > 0 else 0.0
 
 
 class WeightStreamer:
@@ -127,6 +93,10 @@ class WeightStreamer:
             parameters become views of them (no copy on its side; the buffers hold the weights once, for both
             processes). Default (None): where the engine keeps them and the payloads are the native engine's
             (not SGLang's, one engine TP rank); False: the two buffers taking turns.
+        lend_panels: in a lent target sync, write the weights the engine takes in its linear kernel's panel
+            layout (:meth:`~megatron_spec.interfaces.WeightReceiver.lent_panel_names`; fp32 weights into an
+            fp32 engine) that way, so that the engine computes with them as they are instead of packing them
+            in a second pass; False: rows (benchmarks compare both).
         measure_memory: record :attr:`SyncReport.peak_extra_bytes`.
         cpu_threads: torch intra-op threads while packing CPU buckets (restored afterwards; None:
             leave torch's setting). Packing is memory-bound and one thread saturates it, while two
@@ -146,6 +116,7 @@ class WeightStreamer:
         engine_tp_size: int | None = None,
         keep_buffers: bool | None = None,
         lend_buckets: bool | None = None,
+        lend_panels: bool = True,
         measure_memory: bool = False,
         cpu_threads: int | None = 1,
     ):
@@ -172,7 +143,7 @@ class WeightStreamer:
                             and engine.keeps_lent_buckets)
         elif lend_buckets and (for_sglang or self.engine_tp_size != 1):
             raise ValueError("lend_buckets: only to the native engine (for_sglang False, one engine TP rank)")
-        self.lend_buckets = lend_buckets
+        self.lend_buckets, self.lend_panels = lend_buckets, lend_panels
         self._pools: dict[str, list[torch.Tensor]] = {}
         """Kept buffers: ``"turns"``, the two that take turns; a group's name, the buffers lent for it."""
         self._told_capacity = 0  # the largest grown capacity logged so far
@@ -329,7 +300,8 @@ class WeightStreamer:
             rep.bucket_capacity = self._capacity(shapes.items(), quantize, followers)
             self.engine.begin_weight_update(selector=group)
             try:
-                sent = self._stream(group, items, version, rep, quantize, device, followers)
+                panels = self._panels(group, shapes, device)
+                sent = self._stream(group, items, version, rep, quantize, device, followers, panels)
             except BaseException:
                 try:  # close the session so the engine does not claim the partial update
                     self.engine.abort_weight_update()
@@ -385,13 +357,23 @@ class WeightStreamer:
         check_untouched(other, self._verified.get(other), health)
         self._verified[group] = (version, dict(held) if held is not None else {})
 
+    def _panels(self, group: str, shapes: dict[str, tuple[int, ...]], device: torch.device) -> frozenset[str]:
+        """The names to write in the engine's panel layout this sync (``lend_panels``)."""
+        from megatron_spec._ext import compiled_ops_available
+
+        if not (self.lend_panels and group == "target" and self._lends(device)
+                and self.weight_dtype == "fp32" and self.engine_dtype == torch.float32
+                and compiled_ops_available() and hasattr(torch.ops.megatron_spec, "linear_pack_into_sums")):
+            return frozenset()
+        return frozenset(self.engine.lent_panel_names(shapes))
+
     def _stream(self, group: str, items: Iterator, version: str, rep: SyncReport, quantize: bool,
-                device: torch.device, followers) -> Fingerprint | None:
+                device: torch.device, followers, panels: frozenset[str] = frozenset()) -> Fingerprint | None:
         """Pack ``items`` into double buffers (or buffers lent, one a bucket) while a sender thread ships full
         ones (:class:`BucketStream`); fills ``rep``'s counts and stream timings."""
         stream = BucketStream(self.engine, group, version, engine_tp_size=self.engine_tp_size,
                               for_sglang=self.for_sglang, engine_dtype=self.engine_dtype,
-                              fingerprint=self.verify, lend=self._lends(device))
+                              fingerprint=self.verify, lend=self._lends(device), panels=panels)
         done = stream.run(items, self._entries, quantize,
                           lambda dev, count: self._alloc(group, rep.bucket_capacity, dev, count),
                           self.bucket_bytes, followers)

@@ -130,12 +130,15 @@ def make_bucket_payload(flat: torch.Tensor, metadata: Sequence, *, for_sglang: b
 
 
 def make_bucket_payloads(flat: torch.Tensor, metadata: Sequence, num_ranks: int, *,
-                         for_sglang: bool = False, lent: bool = False) -> list[bytes]:
+                         for_sglang: bool = False, lent: bool = False, panels: Sequence[str] = ()
+                         ) -> list[bytes]:
     """One payload per engine TP rank, each referencing the same buffer.
 
     ``lent``: the sender lends the buffer to the receiver for good: it rewrites it only with the next
     complete update of the same group (:attr:`~megatron_spec.interfaces.WeightReceiver.keeps_lent_buckets`);
     the payload then carries ``"lent": True`` beside SGLang's two keys (never with ``for_sglang``).
+    ``panels``: names of the lent bucket's tensors written in the linear kernel's panel layout instead of rows
+    (:meth:`~megatron_spec.interfaces.WeightReceiver.lent_panel_names`), carried as ``"panels"``.
 
     Each engine rank must deserialise its own payload exactly once (a shared-memory handle
     is handed over once; SGLang's CUDA IPC refcounting expects one consumer per payload).
@@ -157,9 +160,13 @@ def make_bucket_payloads(flat: torch.Tensor, metadata: Sequence, num_ranks: int,
             monkey_patch_torch_reductions()
     if lent and for_sglang:
         raise ValueError("a lent bucket is the native engine's; SGLang's loader copies every bucket")
+    if panels and not lent:
+        raise ValueError("tensors in the panel layout travel only in a lent bucket")
     obj = {"flattened_tensor": flat, "metadata": list(metadata)}
     if lent:
         obj["lent"] = True
+    if panels:
+        obj["panels"] = sorted(panels)
     return [serialize(obj) for _ in range(num_ranks)]
 
 
@@ -176,24 +183,28 @@ def _check_record(m: FlattenedTensorMetadata) -> None:
 
 def read_bucket_payload(data: bytes) -> list[tuple[str, torch.Tensor]]:
     """Deserialise a bucket payload into ``(name, tensor view)`` pairs (:func:`read_bucket`, whether the
-    bucket is lent left aside: for receivers that copy every tensor)."""
-    return read_bucket(data)[0]
+    bucket is lent left aside: for receivers that copy every tensor; a lent bucket with tensors in the panel
+    layout is refused there)."""
+    named, _, panels = read_bucket(data)
+    if panels:
+        raise UnsafePayloadError(f"{len(panels)} tensors in the panel layout sent to a receiver that copies")
+    return named
 
 
-def read_bucket(data: bytes) -> tuple[list[tuple[str, torch.Tensor]], bool]:
-    """Deserialise a bucket payload into ``(name, tensor view)`` pairs and whether the sender lent the buffer
-    (:func:`make_bucket_payloads`).
+def read_bucket(data: bytes) -> tuple[list[tuple[str, torch.Tensor]], bool, frozenset[str]]:
+    """Deserialise a bucket payload into ``(name, tensor view)`` pairs, whether the sender lent the buffer,
+    and the names written in the panel layout (:func:`make_bucket_payloads`).
 
     Raises:
         UnsafePayloadError: a global outside the allowlist, or a payload that is not exactly
-            ``{"flattened_tensor": uint8 tensor, "metadata": [records]}`` (and ``"lent": True``) with
-            well-typed records.
+            ``{"flattened_tensor": uint8 tensor, "metadata": [records]}`` (and ``"lent": True``, then
+            optionally ``"panels": [names of its records]``) with well-typed records.
         ValueError: records that do not fit the bucket (misaligned, out of bounds).
     """
     obj = deserialize(data)
     keys = set(obj) if isinstance(obj, dict) else None
-    if keys not in ({"flattened_tensor", "metadata"}, {"flattened_tensor", "metadata", "lent"}) \
-            or obj.get("lent", True) is not True:
+    base = {"flattened_tensor", "metadata"}
+    if keys not in (base, base | {"lent"}, base | {"lent", "panels"}) or obj.get("lent", True) is not True:
         got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise UnsafePayloadError(f"payload is not a flattened bucket (got {got})")
     flat, meta = obj["flattened_tensor"], obj["metadata"]
@@ -204,4 +215,8 @@ def read_bucket(data: bytes) -> tuple[list[tuple[str, torch.Tensor]], bool]:
         )
     for m in meta:
         _check_record(m)
-    return unpack_bucket(flat, meta), "lent" in obj
+    panels = obj.get("panels", [])
+    if not isinstance(panels, list) or not all(isinstance(n, str) for n in panels) \
+            or not set(panels) <= {m.name for m in meta}:
+        raise UnsafePayloadError("payload 'panels' must list names of the bucket's own tensors")
+    return unpack_bucket(flat, meta), "lent" in obj, frozenset(panels)

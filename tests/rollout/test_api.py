@@ -45,7 +45,7 @@ def test_protocol_methods_reads_the_declared_members():
     names = set(protocol_methods(RolloutEngine))
     assert {"generate", "set_speculation", "release_memory", "resume_memory", "shutdown", "is_alive",
             "begin_weight_update", "update_weights_from_tensor", "end_weight_update", "abort_weight_update",
-            "remember_draft", "startup_fingerprint", "health"} == names
+            "remember_draft", "startup_fingerprint", "lent_panel_names", "health"} == names
     assert {"backend", "config", "info", "checksum_kind", "tp_size", "digest_ledger"} <= protocol_attributes(
         RolloutEngine)
     assert {"module", "capture_config", "train_step", "evaluate", "named_update_tensors", "export",

@@ -10,6 +10,7 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 
+from megatron_spec._ext import compiled_ops_available
 from megatron_spec.sync.bucket import BucketWriter, FlattenedTensorMetadata, alloc_bucket_buffer
 from megatron_spec.sync.transport import (
     UnsafePayloadError,
@@ -142,8 +143,8 @@ def test_a_lent_bucket_says_so_and_nothing_else_rides_on_the_flag():
     meta = [FlattenedTensorMetadata("x", torch.Size([2]), torch.float32, 0, 8, 8)]
     (lent,) = make_bucket_payloads(flat, meta, 1, lent=True)
     (plain,) = make_bucket_payloads(flat, meta, 1)
-    named, is_lent = read_bucket(lent)
-    assert is_lent and not read_bucket(plain)[1]
+    named, is_lent, panels = read_bucket(lent)
+    assert is_lent and not read_bucket(plain)[1] and panels == frozenset()
     assert named[0][0] == "x" and torch.equal(named[0][1].view(torch.uint8), flat)
     assert torch.equal(read_bucket_payload(lent)[0][1], named[0][1])  # a copying receiver reads it the same
     with pytest.raises(ValueError, match="SGLang"):
@@ -151,6 +152,26 @@ def test_a_lent_bucket_says_so_and_nothing_else_rides_on_the_flag():
     for odd in (1, False, "yes"):
         with pytest.raises(UnsafePayloadError, match="not a flattened bucket"):
             read_bucket(serialize({"flattened_tensor": flat, "metadata": meta, "lent": odd}))
+
+
+def test_tensors_in_the_panel_layout_are_named_in_a_lent_bucket_and_nowhere_else():
+    """A lent bucket may name tensors written in the engine's panel layout; only its own, only lent, and a
+    receiver that copies (vLLM's worker, a forwarder) refuses them rather than reading panels as rows."""
+    flat = torch.arange(16, dtype=torch.uint8)
+    meta = [FlattenedTensorMetadata(n, torch.Size([2]), torch.float32, 8 * i, 8 * i + 8, 8)
+            for i, n in enumerate("xy")]
+    (lent,) = make_bucket_payloads(flat, meta, 1, lent=True, panels=["y"])
+    named, is_lent, panels = read_bucket(lent)
+    assert is_lent and panels == {"y"} and [n for n, _ in named] == ["x", "y"]
+    with pytest.raises(UnsafePayloadError, match="copies"):
+        read_bucket_payload(lent)
+    with pytest.raises(ValueError, match="only in a lent bucket"):
+        make_bucket_payloads(flat, meta, 1, panels=["y"])
+    for odd in (["z"], "y", [1], ("y",)):
+        with pytest.raises(UnsafePayloadError, match="panels"):
+            read_bucket(serialize({"flattened_tensor": flat, "metadata": meta, "lent": True, "panels": odd}))
+    with pytest.raises(UnsafePayloadError, match="not a flattened bucket"):
+        read_bucket(serialize({"flattened_tensor": flat, "metadata": meta, "panels": ["y"]}))
 
 
 @pytest.mark.sglang
@@ -199,3 +220,33 @@ def test_pack_fingerprints_what_travels_as_held_while_copying_it():
             assert sent.numel == 0 and sums == fingerprint_tensors([src], engine_dtype)
         else:
             assert sent == fingerprint_tensors([src], engine_dtype)
+
+
+@pytest.mark.skipif(not compiled_ops_available(), reason="needs megatron_spec._C (the panel pack)")
+def test_pack_writes_the_panel_layout_from_rows_or_blocks_of_whole_panels():
+    """``panels=True``: an fp32 ``[out, in]`` weight lands as the kernel's panels (what ``linear_pack_f32``
+    makes of its rows), from a contiguous source, from Megatron-like blocks of rows (q of each query group: a
+    3-D view, one block a group, packed block by block) and from blocks that split panels (copied first);
+    with sums, the fingerprint is the rows' (the sender skips it), without, the sender's pass over the bucket
+    finds the same."""
+    from megatron_spec.sync.bucket_stream import fingerprint_bucket, pack
+    from megatron_spec.sync.fingerprint import Fingerprint, fingerprint_tensors
+
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(3, 48 + 16, 40, generator=g)  # 3 groups of 48 q rows then 16 k rows
+    odd = torch.randn(4, 8 + 4, 40, generator=g)  # 4 groups of 8 rows: blocks of half a panel
+    cases = [torch.randn(64, 40, generator=g), fused[:, :48], fused[:, 48:], odd[:, :8]]
+    for src in cases:
+        rows = src.reshape(-1, 40)
+        for give in (True, False):
+            writer = BucketWriter(alloc_bucket_buffer(1 << 15, torch.device("cpu")))
+            sums = Fingerprint() if give else None
+            assert pack(writer, [("w", tuple(rows.shape), torch.float32)], src, sums, torch.float32,
+                        panels=True) is give
+            flat, meta = writer.finish()
+            got = flat[meta[0].start_idx:meta[0].end_idx].view(torch.float32)
+            assert torch.equal(got, torch.ops.megatron_spec.linear_pack_f32(rows.contiguous()).reshape(-1))
+            sent = Fingerprint()
+            skip = frozenset({"w"}) if give else frozenset()
+            fingerprint_bucket(flat, meta, sent, torch.float32, skip=skip)
+            assert (sums if give else sent) == fingerprint_tensors([rows])

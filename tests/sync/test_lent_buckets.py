@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_spec.layers.linear import Linear, linear_layers
+from megatron_spec.layers.linear import Linear, TiedLinear, linear_layers
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
+from megatron_spec.rollout.native.hf_weights import rows_of_panels
 from megatron_spec.rollout.native.server import EngineServer
 from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 from megatron_spec.sync.bucket import BucketWriter, alloc_bucket_buffer
@@ -46,7 +47,10 @@ def in_buffers(t: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
 
 
 def held(engine: EngineServer) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in engine.target.named_parameters()}
+    """The target's parameters as rows (a layer holding its weight as panels: their rows)."""
+    panels = {name for layer, name in linear_layers(engine.target) if layer.holds_panels}
+    return {n: (rows_of_panels(p) if n in panels else p).detach().clone()
+            for n, p in engine.target.named_parameters()}
 
 
 def test_a_lent_sync_makes_the_targets_parameters_views_of_the_senders_buckets(ckpts):
@@ -100,8 +104,10 @@ def test_a_parameter_leaves_a_lent_bucket_before_it_is_written_by_copy(ckpts):
 
 
 def fresh_panels(engine: EngineServer) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Each target linear layer's panels and a fresh pack of its weight now."""
-    return {name: (layer._small, Linear._pack_panels(layer.weight.detach(), None, None)[0])
+    """Each target linear layer's panels and a fresh pack of its weight's rows now."""
+    rows = held(engine)
+    return {name: (layer._small, Linear._pack_panels(rows[name] if name in rows else layer.weight.detach(),
+                                                     None, None)[0])
             for layer, name in linear_layers(engine.target)}
 
 
@@ -118,17 +124,26 @@ def test_a_lent_sync_packs_each_layer_as_its_bucket_arrives_and_sums_what_it_pac
         assert Fingerprint.from_dict(rep.checksums["engine"]) == fingerprint_tensors(t for _, t in named)
 
 
-def test_a_layer_packed_early_is_packed_again_when_its_weight_is_written_again(ckpts):
-    """A weight sent again later in the same update, by copy, after its layer was packed from a lent bucket:
-    the end of the update packs every layer from what it holds then, and counts the checksum afresh."""
+@pytest.mark.parametrize("in_panels", [False, True])
+def test_a_layer_packed_early_is_packed_again_when_its_weight_is_written_again(ckpts, in_panels):
+    """A weight sent again later in the same update, by copy, after its layer was packed from a lent bucket
+    (or held as the panels it came in: its other pieces are turned back into rows): the end of the update
+    packs every layer from what it holds then, and counts the checksum afresh."""
     engine = server(ckpts)
     named = ckpt_tensors(ckpts.qwen3_other)
     again = next(n for n, _ in named if "q_proj" in n)
+    panels = engine.lent_panel_names({n: tuple(t.shape) for n, t in named}) if in_panels else frozenset()
     engine.begin_weight_update("target")
     writer = BucketWriter(alloc_bucket_buffer(sum(t.nbytes + 16 for _, t in named), torch.device("cpu")))
     for name, tensor in fused_order(named):
-        writer.add(name, tensor)
-    engine.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1, lent=True), "target", "t1")
+        if name in panels:
+            out = writer.reserve(name, tuple(tensor.shape), tensor.dtype)
+            torch.ops.megatron_spec.linear_pack_into(tensor, out.view(-1, tensor.shape[1], 16))
+        else:
+            writer.add(name, tensor)
+    engine.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1, lent=True, panels=panels),
+                                      "target", "t1")
+    assert any(layer.holds_panels for layer, _ in linear_layers(engine.target)) is in_panels
     assert all(layer.is_packed for layer, _ in linear_layers(engine.target))  # packed as the bucket arrived
     final = dict(named)
     final[again] = final[again] + 1
@@ -138,9 +153,75 @@ def test_a_layer_packed_early_is_packed_again_when_its_weight_is_written_again(c
     out = engine.end_weight_update()
     assert all(torch.equal(*pair) for pair in fresh_panels(engine).values())
     assert Fingerprint.from_dict(out["checksums"]["target"]) == fingerprint_tensors(final.values())
+    ref = server(ckpts)
+    ref.target.load_weights(final.items())  # by copy: the rows the engine must hold
+    want, got = held(ref), held(engine)
+    assert all(torch.equal(want[n], got[n]) for n in want)
 
 
 def test_lending_is_refused_where_the_engine_would_not_read_lent_buckets():
     with pytest.raises(ValueError, match="lend_buckets"):
         WeightStreamer(None, engine_dtype="float32", for_sglang=True, lend_buckets=True)
     assert not WeightStreamer(None, engine_dtype="float32").lend_buckets
+
+
+def test_a_lent_sync_writes_the_linear_weights_as_the_kernels_panels(ckpts):
+    """fp32 into an fp32 engine: the trainer writes each projection in the kernel's panel layout and the
+    engine computes with those panels as they are (no pack of its own, none of its memory), at every row
+    count; the same weights sent as rows (``lend_panels=False``) give the same panels and the same tokens."""
+    engine, rows_engine = server(ckpts), server(ckpts)
+    st = WeightStreamer(engine, bucket_bytes=64 << 10, weight_dtype="fp32")
+    rows = WeightStreamer(rows_engine, bucket_bytes=64 << 10, weight_dtype="fp32", lend_panels=False)
+    for version, path in (("t1", ckpts.qwen3_other), ("t2", ckpts.qwen3)):
+        named = ckpt_tensors(path)
+        rep = st.sync_target_tensors(named, version)  # verified: the engine's sums of its panels
+        rows.sync_target_tensors(named, version)
+        layers = [(layer, name) for layer, name in linear_layers(engine.target)
+                  if not isinstance(layer, TiedLinear) and layer.out_features % 16 == 0]
+        assert not engine.target.lm_head.holds_panels  # 84 rows: not whole panels, sent as rows
+        assert len(layers) == 8 and all(layer.holds_panels
+                                        and layer._small.data_ptr() == layer.weight.data_ptr()
+                              and in_buffers(layer._small, st._pools["target"]) for layer, _ in layers)
+        assert not any(layer.holds_panels for layer, _ in linear_layers(rows_engine.target))
+        want, got = held(rows_engine), held(engine)
+        assert all(torch.equal(want[n], got[n]) for n in want)
+        assert all(torch.equal(*pair) for pair in fresh_panels(engine).values())
+        assert Fingerprint.from_dict(rep.checksums["engine"]) == fingerprint_tensors(t for _, t in named)
+        assert greedy(engine) == greedy(rows_engine)
+    layer = layers[0][0]
+    x = torch.randn(300, layer.in_features)  # a prefill's rows: the kernel, on the lent panels
+    with torch.no_grad():
+        want = torch.ops.megatron_spec.linear_small_f32(x, layer._small.clone(), layer.bias,
+                                                        layer.out_features)
+        assert torch.equal(layer(x), want)
+        bias = 0 if layer.bias is None else layer.bias
+        torch.testing.assert_close(want, x @ held(engine)[layers[0][1]].t() + bias)
+    layer.unpack()
+    with pytest.raises(RuntimeError, match="held as panels"):
+        layer(x)
+    with pytest.raises(ValueError, match="cannot be held as fp32 panels"):
+        engine.target.lm_head.hold_panels(True)  # 84 rows: not whole panels
+
+
+def test_pieces_of_one_parameter_in_both_layouts_are_copied_as_rows(ckpts):
+    """A lent bucket whose q comes as panels and k, v as rows (never sent so; a receiver must not view them as
+    one parameter): the engine copies all three, q's panels turned back into rows."""
+    engine, ref = server(ckpts), server(ckpts)
+    named = fused_order(ckpt_tensors(ckpts.qwen3_other))
+    q = next(n for n, _ in named if "q_proj" in n)
+    for eng, panels in ((engine, [q]), (ref, [])):
+        eng.begin_weight_update("target")
+        writer = BucketWriter(alloc_bucket_buffer(sum(t.nbytes + 16 for _, t in named), torch.device("cpu")))
+        for name, tensor in named:
+            if name in panels:
+                out = writer.reserve(name, tuple(tensor.shape), tensor.dtype)
+                torch.ops.megatron_spec.linear_pack_into(tensor, out.view(-1, tensor.shape[1], 16))
+            else:
+                writer.add(name, tensor)
+        eng.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1, lent=True, panels=panels),
+                                       "target", "t1")
+        eng.end_weight_update()  # its checksum is of the rows it holds
+    qkv = q.replace("model.", "").replace("q_proj", "qkv_proj")
+    assert not dict(engine.target.named_parameters())[qkv].is_shared()
+    want, got = held(ref), held(engine)
+    assert all(torch.equal(want[n], got[n]) for n in want)

@@ -10,6 +10,7 @@ engine's traceback).
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Mapping
 from typing import Any
 
 from megatron_spec.rollout.config import EngineConfig
@@ -47,3 +48,8 @@ class NativeEngine(ProcessEngine):
         self.info: dict[str, Any] = self._channel.wait_ready(
             config.startup_timeout_s, "--rollout-startup-timeout-s"
         )
+
+    def lent_panel_names(self, shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
+        from megatron_spec.rollout.native.hf_weights import lent_panel_names
+
+        return lent_panel_names(self.config, shapes)

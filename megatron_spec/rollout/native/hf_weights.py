@@ -10,20 +10,50 @@ trainer's shared memory until the next update of the same weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from megatron_spec.sync.fused_pieces import FUSED, joined_view
+from megatron_spec.sync.fused_pieces import FUSED, joined_view, siblings
 
 if TYPE_CHECKING:
     from megatron_spec.models.hf_config import DecoderConfig
+    from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.sync.fingerprint import Fingerprint
 
 # HF name pieces that load into a fused parameter: (hf piece, fused piece, shard index)
 STACKED = tuple((piece, fused, idx) for fused, pieces in FUSED.items() for idx, piece in enumerate(pieces))
+_LINEAR_WEIGHTS = tuple(f".{p}.weight" for p in
+                        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+
+
+def panel_names(shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
+    """The HF names of ``shapes`` whose tensors the decoder's linear layers can hold as the kernel's panels
+    (:meth:`~megatron_spec.layers.linear.Linear.hold_panels`): the projections' and an untied head's 2-D
+    weights of whole panels (rows a multiple of 16), a fused parameter's pieces all or none (its panels are
+    its pieces' panels side by side only then)."""
+    ok = {n for n, s in shapes.items() if len(s) == 2 and s[0] % 16 == 0
+          and (n.endswith(_LINEAR_WEIGHTS) or n == "lm_head.weight")}
+    return frozenset(n for n in ok if all(p in ok for p in siblings(n)))
+
+
+def lent_panel_names(config: EngineConfig, shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
+    """:meth:`~megatron_spec.interfaces.WeightReceiver.lent_panel_names` of a native engine with ``config``:
+    :func:`panel_names` where it computes in fp32 on the CPU through the panel kernel, without FP8 weights."""
+    from megatron_spec.layers.linear import small_linear_available
+
+    if config.dtype != "float32" or config.device_type != "cpu" or config.fp8_weights \
+            or not small_linear_available():
+        return frozenset()
+    return panel_names(dict(shapes))
+
+
+def rows_of_panels(t: torch.Tensor) -> torch.Tensor:
+    """The ``[out, in]`` rows of a tensor whose memory holds their panels (``[out / 16, in, 16]``)."""
+    n, k = t.shape
+    return t.reshape(n // 16, k, 16).permute(0, 2, 1).reshape(n, k)
 
 
 class HFWeights:
@@ -41,6 +71,7 @@ class HFWeights:
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], *, strict_complete: bool = True,
         fingerprint: Fingerprint | None = None, lent: bool = False, owed: set[str] | None = None,
+        panels: frozenset[str] = frozenset(),
     ) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the names loaded. ``fingerprint``:
         accumulate what was written, in the same pass as the copy (:meth:`Fingerprint.copy_in`).
@@ -51,7 +82,10 @@ class HFWeights:
         parameter in shared memory (such a view) that is written by copy gets its own memory first. ``owed``:
         the names of parameters that became views are added to it instead of their sums to ``fingerprint``
         (the caller sums them in a pass it makes anyway: the engine's re-pack of the layers, from the weights
-        it computes with; ``weight_session.WeightSession._repack``).
+        it computes with; ``weight_session.WeightSession._repack``). ``panels``: names of lent tensors written
+        in the linear kernel's panel layout (:func:`panel_names`): a linear layer whose parameter is a view of
+        such pieces holds its weight as panels (:meth:`~megatron_spec.layers.linear.Linear.hold_panels`); one
+        copied instead gets their rows.
 
         Raises:
             KeyError: a name this model does not have (never skipped silently).
@@ -66,8 +100,10 @@ class HFWeights:
         if lent:
             weights = list(weights)
             views = self._lent_views(weights, params, sizes)
-            for target, view in views.items():
-                params[target].data = view
+            in_panels = {self._target(n)[0] for n in panels}
+            for target in in_panels & {self._target(n)[0] for n, _ in weights if n not in panels}:
+                views.pop(target, None)  # pieces in both layouts: copied, as rows
+            self._hold_panels(views, in_panels, params)
         with torch.no_grad():
             for name, tensor in weights:
                 if name == "lm_head.weight" and self.lm_head is None:
@@ -78,9 +114,12 @@ class HFWeights:
                 if target not in params:
                     raise KeyError(f"unknown weight {name} for {cfg.architecture} (no parameter {target})")
                 param = params[target]
-                # a view of a buffer lent before, which its sender will rewrite: own memory before a copy
+                # a view of a buffer lent before, which its sender will rewrite: own memory before a copy (as
+                # rows: the pieces not written again must be rows too)
                 if target not in views and param.is_shared():
-                    param.data = param.data.clone()
+                    held = getattr(self, "_panel_layers", {}).get(target)
+                    param.data = rows_of_panels(param.data) if held is not None and held.holds_panels \
+                        else param.data.clone()
                 if shard is None:
                     dst = param
                 else:
@@ -98,6 +137,8 @@ class HFWeights:
                     elif fingerprint is not None:
                         fingerprint.add(tensor)
                     continue
+                if name in panels:
+                    tensor = rows_of_panels(tensor)
                 if fingerprint is None:
                     dst.copy_(tensor)  # one copy, cast on the way: the parameters are stored as sent
                 else:
@@ -107,6 +148,25 @@ class HFWeights:
             if missing:
                 raise ValueError(f"weights missing after load: {sorted(missing)[:3]} ({len(missing)} in all)")
         return loaded
+
+    def _hold_panels(self, views: dict[str, torch.Tensor], in_panels: set[str],
+                     params: dict[str, nn.Parameter]) -> None:
+        """Make the parameters views of the lent bucket; each linear layer among them holds its weight as
+        panels or rows as sent (a parameter whose pieces came in both is copied, not viewed)."""
+        from megatron_spec.layers.linear import TiedLinear, linear_layers
+
+        layers = getattr(self, "_panel_layers", None)  # found once: the modules and their parameters stay
+        if layers is None:
+            layers = self._panel_layers = {
+                name: layer for layer, name in linear_layers(self)
+                if name is not None and not isinstance(layer, TiedLinear)}  # a tied table is read as rows
+        for target, view in views.items():
+            params[target].data = view
+            layer = layers.get(target)
+            if layer is not None:
+                layer.hold_panels(target in in_panels)
+            elif target in in_panels:
+                raise ValueError(f"{target} arrived in the panel layout; no linear layer computes with it")
 
     def _lent_views(self, weights: list[tuple[str, torch.Tensor]], params: dict[str, nn.Parameter],
                     sizes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -71,6 +72,11 @@ class EngineServer(WeightSession, WeightReceiver):
     :class:`~megatron_spec.interfaces.WeightReceiver` itself (tests stream into it directly)."""
 
     keeps_lent_buckets = True  # the target's parameters become views of lent CPU buckets (load_weights)
+
+    def lent_panel_names(self, shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
+        from megatron_spec.rollout.native.hf_weights import lent_panel_names
+
+        return lent_panel_names(self.config, shapes)
 
     def __init__(self, config: EngineConfig):
         config = config.resolved()  # already resolved by the handle; direct users get the same choice

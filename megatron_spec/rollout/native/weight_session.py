@@ -100,7 +100,10 @@ class WeightSession:
             raise ValueError(f"selector 'draft' but the engine has no draft weights (draft_kind "
                              f"{self.config.draft_kind!r})")
         t0 = time.perf_counter()
-        named, lent = read_bucket(payloads[0])
+        named, lent, panels = read_bucket(payloads[0])
+        if panels and (selector != "target" or self.config.fp8_weights or self.device.type != "cpu"):
+            raise ValueError(f"tensors in the panel layout for {selector!r}: only the target of a CPU engine "
+                             f"without FP8 weights takes them")
         t1 = time.perf_counter()
         if named:  # keep the sender's two bucket buffers mapped: its next payloads name the same
             self._mapped = (self._mapped + [named[0][1]])[-2:]  # buffers, found in torch's cache
@@ -118,8 +121,10 @@ class WeightSession:
             torch.set_num_threads(LOAD_THREADS)
         try:
             owed = self._owed.setdefault(selector, set())
-            if lent_kw:  # the views' sums are taken while they are re-packed
-                lent_kw["owed"] = owed
+            if lent_kw:  # the views' sums are taken while they are re-packed (or, held as panels, read)
+                lent_kw.update(owed=owed, panels=panels)
+            elif panels:
+                lent_kw["panels"] = panels  # copied as rows
             before = set(owed)
             loaded = module.load_weights(named, strict_complete=False, fingerprint=fp, **lent_kw)
             t2 = time.perf_counter()
