@@ -130,6 +130,7 @@ class BucketWriter:
         self.limit = limit
         self.offset = 0
         self.metadata: list[FlattenedTensorMetadata] = []
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the buffer as each dtype (reserve)
 
     @property
     def capacity(self) -> int:
@@ -161,7 +162,13 @@ class BucketWriter:
                              f"({self.capacity - start} of {self.capacity} bytes left)")
         self.metadata.append(FlattenedTensorMetadata(name, shape, dtype, start, start + nbytes, nbytes))
         self.offset = start + nbytes
-        return self.buffer[start:start + nbytes].view(dtype).view(shape)
+        size = dtype.itemsize
+        typed = self._typed.get(dtype)
+        if typed is None and self.capacity % size == 0 and self.buffer.data_ptr() % size == 0:
+            typed = self._typed[dtype] = self.buffer.view(dtype)  # one view a buffer, not one a tensor
+        if typed is None:
+            return self.buffer[start:start + nbytes].view(dtype).view(shape)
+        return typed[start // size:(start + nbytes) // size].view(shape)
 
     def add(self, name: str, src: torch.Tensor, shape: Sequence[int] | None = None,
             dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -182,6 +189,6 @@ class BucketWriter:
 
     def reset(self, buffer: torch.Tensor | None = None) -> None:
         if buffer is not None:
-            self.buffer = buffer
+            self.buffer, self._typed = buffer, {}
         self.offset = 0
         self.metadata = []

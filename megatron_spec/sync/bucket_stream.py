@@ -289,21 +289,21 @@ def _write_panels(dst: torch.Tensor, src: torch.Tensor, shape: tuple[int, ...], 
     """``src`` (``shape`` ``[n, k]`` fp32, ``n`` a multiple of 16) into ``dst``'s memory as the kernel's
     panels, ``out[p, c, j] = w[16 p + j, c]`` (``megatron_spec::linear_pack_into``), with ``sums`` taken in
     the same pass; a block of rows at a time where ``src`` lies in blocks of whole panels (Megatron's q, k
-    and v, a block a query group), else from a contiguous copy."""
+    and v, ``[groups, rows, k]``: a block a query group), else from a contiguous copy."""
     n, k = shape
-    out = dst.view(n // 16, k, 16)
-    blocks = _contiguous_blocks(src)
-    parts = None if blocks is None else [src[i].reshape(-1, k) for i in blocks]
-    if parts is None or any(p.shape[0] % 16 for p in parts):
-        parts = [src.reshape(n, k).contiguous()]
-    ops, row = torch.ops.megatron_spec, 0
-    for part in parts:
-        piece = out[row:row + part.shape[0] // 16]
+    if src.is_contiguous():
+        parts: tuple[torch.Tensor, ...] = (src.view(n, k),)
+    elif src.dim() == 3 and src.shape[1] % 16 == 0 and src.stride(2) == 1 and src.stride(1) == k:
+        parts = src.unbind(0)
+    else:
+        parts = (src.reshape(n, k).contiguous(),)
+    outs = dst.view(len(parts), n // 16 // len(parts), k, 16).unbind(0)
+    ops = torch.ops.megatron_spec
+    for part, out in zip(parts, outs):
         if sums is None:
-            ops.linear_pack_into(part, piece)
+            ops.linear_pack_into(part, out)
         else:
-            sums.add_sums(part.dtype, part.numel(), ops.linear_pack_into_sums(part, piece))
-        row += part.shape[0] // 16
+            sums.add_sums(torch.float32, part.numel(), ops.linear_pack_into_sums(part, out))
 
 
 def _contiguous_blocks(src: torch.Tensor) -> list | None:

@@ -9,6 +9,7 @@ into one bucket, so that the receiving engine's fused parameter can be a view of
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -19,18 +20,23 @@ FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj
 
 def siblings(name: str) -> list[str]:
     """The HF names of ``name``'s fused parameter in shard order (``name`` among them), or ``[name]``."""
+    return list(_siblings(name))
+
+
+@functools.lru_cache(maxsize=1 << 14)  # asked for every tensor of every sync: the same few hundred names
+def _siblings(name: str) -> tuple[str, ...]:
     for pieces in FUSED.values():
         token = next((f".{p}." for p in pieces if f".{p}." in name), None)
         if token is not None:
-            return [name.replace(token, f".{p}.") for p in pieces]
-    return [name]
+            return tuple(name.replace(token, f".{p}.") for p in pieces)
+    return (name,)
 
 
 def later_pieces(name: str) -> list[str]:
     """The HF names that follow ``name`` in its fused parameter when it is the first piece (k and v after q,
     up after gate; none after the others)."""
-    group = siblings(name)
-    return group[1:] if group[0] == name else []
+    group = _siblings(name)
+    return list(group[1:]) if group[0] == name else []
 
 
 def fused_order(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
