@@ -13,9 +13,9 @@ gather and HF views, packing into the bucket, waiting for a free bucket, fingerp
 engine's
 calls; in the engine mapping the payloads, loading them into its parameters, re-packing the linear layers into
 the kernels' layouts and the checksums (``end_weight_update``'s ``sync_timings``). Its JSON line has
-``sync_fraction_of_memcpy`` (the fp32 configuration's bytes per second end to end over memcpy's). The fp32 sync
-(lent buckets, the projections in the kernel's panel layout) is alternated with the same lent sync in rows
-(``fp32_rows``, the engine packing them: ``panels_over_rows_fp32``) and with two buffers taking turns
+``sync_fraction_of_memcpy`` (the fp32 configuration's bytes per second end to end over memcpy's). The fp32
+sync (lent buckets, the projections in the kernel's panel layout) is alternated with the same lent sync in
+rows (``fp32_rows``, the engine packing them: ``panels_over_rows_fp32``) and with two buffers taking turns
 (``fp32_turns``: ``lent_over_turns_fp32``).
 
 The synthetic mode (no ``--model``):

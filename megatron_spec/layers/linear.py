@@ -123,7 +123,51 @@ def packed_matmul(
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class Linear(nn.Module):
+class HeldPanels:
+    """A module whose ``weight`` ``[rows, cols]`` may live as the panel kernel's fp32 panels instead of rows:
+    memory a lent bucket holds, written by the trainer in that layout
+    (``megatron_spec.sync.bucket_stream.pack``; the parameter then holds the same values in another order, so
+    its fingerprint is unchanged).
+
+    Why: the engine's own pack of SmolLM2's linear weights, one more pass over 400 MB beside the trainer's,
+    slowed both by a third on a 2-core AVX2 EPYC; with the trainer writing the panels the engine packs nothing
+    (docs/weight_sync.md, 'Lent as panels')."""
+
+    weight: torch.Tensor
+    _panels_at: int | None = None  # the weight's address while its memory holds panels
+
+    def hold_panels(self, panels: bool) -> None:
+        """Whether the weight's memory, as it is now, holds panels (``out[p, c, j] = w[16 p + j, c]``); a
+        weight given other memory later (a copy, a release) is rows again."""
+        w = self.weight
+        if panels and not (w.dtype == torch.float32 and w.dim() == 2 and w.shape[0] % 16 == 0
+                           and w.is_contiguous() and small_linear_available()):
+            raise ValueError(f"a weight {tuple(w.shape)} {w.dtype} cannot be held as fp32 panels of 16 rows")
+        self._panels_at = w.data_ptr() if panels else None
+
+    @property
+    def holds_panels(self) -> bool:
+        """Whether the weight's memory holds panels (:meth:`hold_panels`, and the memory is still that)."""
+        return self._panels_at is not None and self._panels_at == self.weight.data_ptr() \
+            and self.weight.numel() > 0
+
+    def panels(self) -> torch.Tensor:
+        """The weight's memory as its ``[rows / 16, cols, 16]`` panels (where :attr:`holds_panels`)."""
+        w = self.weight.detach()
+        return w.view(w.shape[0] // 16, w.shape[1], 16)
+
+
+class PanelEmbedding(HeldPanels, nn.Embedding):
+    """The token table; where it holds panels (a tied table lent in the head's layout, so that the engine's
+    head computes with it as it lies: :class:`TiedLinear`) a lookup gathers each row from its panel."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.holds_panels:
+            return super().forward(ids)
+        return self.panels()[ids // 16, :, ids % 16]
+
+
+class Linear(HeldPanels, nn.Module):
     """``y = x W^T + b`` with W stored ``[out, in]``, contiguous (the layout HF checkpoints and weight
     syncs carry: a loaded tensor is one straight copy, and packing reads it as it is), and optional
     prepacked copies for inference.
@@ -152,7 +196,6 @@ class Linear(nn.Module):
         self._packed: torch.Tensor | None = None
         self._small: torch.Tensor | None = None
         self._spare: torch.Tensor | None = None  # the panels' memory kept between an unpack and the next pack
-        self._panels_at: int | None = None  # the weight's address while its memory holds panels (hold_panels)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         old = state_dict.pop(prefix + "weight_t", None)
@@ -169,8 +212,8 @@ class Linear(nn.Module):
         global PACK_EPOCH
         PACK_EPOCH += 1
         w = self.weight
-        if self.holds_panels:  # nothing to pack: the weight's memory is the panels (a lent bucket's)
-            self._small = self._packed = w.detach().view(-(-w.shape[0] // 16), w.shape[1], 16)
+        if self.holds_panels:  # nothing to pack: the weight's memory is the panels (a lent bucket's); every
+            self._small = self._packed = self.panels()  # row count runs through the kernel on them
             self._spare = None
             if sums is not None:
                 sums.add(w.detach())
@@ -235,28 +278,6 @@ class Linear(nn.Module):
         torch.ops.megatron_spec.linear_pack_into(w, old)
         return old, False
 
-    def hold_panels(self, panels: bool) -> None:
-        """Whether the weight's memory, as it is now, holds the kernel's fp32 panels instead of rows (a lent
-        bucket the trainer wrote in that layout: ``megatron_spec.sync.bucket_stream.pack``; the ``[out, in]``
-        parameter then holds the same values in another order, so its fingerprint is unchanged). Such a weight
-        runs through the kernel at every row count, is never packed (the panels are used as they are) and
-        never read as rows; a weight given other memory (a copy, a release) is rows again.
-
-        Why: the engine's own pack of SmolLM2's linear weights, one more pass over 400 MB beside the trainer's
-        slowed both by a third on a 2-core AVX2 EPYC (docs/weight_sync.md). The kernel is also faster than
-        oneDNN at every prefill size measured there (``bench_linear_rows.py``: 1.17x at 256-1024 rows)."""
-        w = self.weight
-        if panels and not (w.dtype == torch.float32 and w.dim() == 2 and w.shape[0] % 16 == 0
-                           and w.is_contiguous() and small_linear_available()):
-            raise ValueError(f"a weight {tuple(w.shape)} {w.dtype} cannot be held as fp32 panels of 16 rows")
-        self._panels_at = w.data_ptr() if panels else None
-
-    @property
-    def holds_panels(self) -> bool:
-        """Whether the weight's memory holds panels (:meth:`hold_panels`, and the memory is still that)."""
-        return self._panels_at is not None and self._panels_at == self.weight.data_ptr() \
-            and self.weight.numel() > 0
-
     @property
     def is_packed(self) -> bool:
         """Whether :meth:`pack` ran since the last :meth:`unpack` (and could pack)."""
@@ -302,11 +323,19 @@ class TiedLinear(Linear):
         self._name = name
         self.out_features, self.in_features = getattr(owner, name).shape
         self.bias = None
-        self._packed = self._small = self._spare = self._panels_at = None
+        self._packed = self._small = self._spare = None
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         return getattr(self._owner[0], self._name)
+
+    @property
+    def holds_panels(self) -> bool:  # type: ignore[override]
+        """Whether the table holds the head's panels (its owner, a :class:`PanelEmbedding`, says)."""
+        return getattr(self._owner[0], "holds_panels", False)
+
+    def hold_panels(self, panels: bool) -> None:
+        raise TypeError("a tied head's table is held as panels by its owner (PanelEmbedding.hold_panels)")
 
 
 def pack_linears(module: nn.Module, enable: bool = True, keep: bool = False) -> int:

@@ -103,6 +103,20 @@ def test_a_parameter_leaves_a_lent_bucket_before_it_is_written_by_copy(ckpts):
     assert greedy(engine) == greedy(copied)
 
 
+def send_lent(engine: EngineServer, named: list[tuple[str, torch.Tensor]], panels) -> None:
+    """``named`` to the target as one lent bucket (``panels``: those names in the kernel's panel layout), as
+    version t1, inside an open update."""
+    writer = BucketWriter(alloc_bucket_buffer(sum(t.nbytes + 16 for _, t in named), torch.device("cpu")))
+    for name, tensor in named:
+        if name in panels:
+            out = writer.reserve(name, tuple(tensor.shape), tensor.dtype)
+            torch.ops.megatron_spec.linear_pack_into(tensor, out.view(-1, tensor.shape[1], 16))
+        else:
+            writer.add(name, tensor)
+    engine.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1, lent=True, panels=panels),
+                                      "target", "t1")
+
+
 def fresh_panels(engine: EngineServer) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each target linear layer's panels and a fresh pack of its weight's rows now."""
     rows = held(engine)
@@ -134,15 +148,7 @@ def test_a_layer_packed_early_is_packed_again_when_its_weight_is_written_again(c
     again = next(n for n, _ in named if "q_proj" in n)
     panels = engine.lent_panel_names({n: tuple(t.shape) for n, t in named}) if in_panels else frozenset()
     engine.begin_weight_update("target")
-    writer = BucketWriter(alloc_bucket_buffer(sum(t.nbytes + 16 for _, t in named), torch.device("cpu")))
-    for name, tensor in fused_order(named):
-        if name in panels:
-            out = writer.reserve(name, tuple(tensor.shape), tensor.dtype)
-            torch.ops.megatron_spec.linear_pack_into(tensor, out.view(-1, tensor.shape[1], 16))
-        else:
-            writer.add(name, tensor)
-    engine.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1, lent=True, panels=panels),
-                                      "target", "t1")
+    send_lent(engine, fused_order(named), panels)
     assert any(layer.holds_panels for layer, _ in linear_layers(engine.target)) is in_panels
     assert all(layer.is_packed for layer, _ in linear_layers(engine.target))  # packed as the bucket arrived
     final = dict(named)
@@ -211,17 +217,38 @@ def test_pieces_of_one_parameter_in_both_layouts_are_copied_as_rows(ckpts):
     q = next(n for n, _ in named if "q_proj" in n)
     for eng, panels in ((engine, [q]), (ref, [])):
         eng.begin_weight_update("target")
-        writer = BucketWriter(alloc_bucket_buffer(sum(t.nbytes + 16 for _, t in named), torch.device("cpu")))
-        for name, tensor in named:
-            if name in panels:
-                out = writer.reserve(name, tuple(tensor.shape), tensor.dtype)
-                torch.ops.megatron_spec.linear_pack_into(tensor, out.view(-1, tensor.shape[1], 16))
-            else:
-                writer.add(name, tensor)
-        eng.update_weights_from_tensor(make_bucket_payloads(*writer.finish(), 1, lent=True, panels=panels),
-                                       "target", "t1")
+        send_lent(eng, named, panels)
         eng.end_weight_update()  # its checksum is of the rows it holds
     qkv = q.replace("model.", "").replace("q_proj", "qkv_proj")
     assert not dict(engine.target.named_parameters())[qkv].is_shared()
     want, got = held(ref), held(engine)
     assert all(torch.equal(want[n], got[n]) for n in want)
+
+
+def test_a_tied_table_lent_as_the_heads_panels_serves_lookups_and_the_head(tmp_path):
+    """A tied embedding of whole panels (96 tokens) travels in the head's panel layout: the head computes with
+    it as it lies, a lookup gathers each row from its panel, and the engine holds and generates what one fed
+    rows does."""
+    from megatron_spec.models.tiny import make_hf_checkpoint
+
+    path = make_hf_checkpoint(tmp_path / "tied", family="llama", num_layers=1, hidden_size=64,
+                              intermediate_size=128, num_attention_heads=4, num_kv_heads=2,
+                              tie_word_embeddings=True, vocab_size=96, seed=5)
+    cfg = EngineConfig(model_path=str(path), max_batch_size=2, context_length=32, num_threads=1,
+                       warm_up=False)
+    engine, rows_engine = EngineServer(cfg), EngineServer(cfg)
+    named = ckpt_tensors(str(path))
+    WeightStreamer(engine, bucket_bytes=32 << 10, weight_dtype="fp32").sync_target_tensors(named, "t1")
+    WeightStreamer(rows_engine, bucket_bytes=32 << 10, weight_dtype="fp32",
+                   lend_panels=False).sync_target_tensors(named, "t1")
+    table, head = engine.target.embed_tokens, engine.target.tied_head
+    assert table.holds_panels and head.holds_panels and head._small.data_ptr() == table.weight.data_ptr()
+    assert not rows_engine.target.embed_tokens.holds_panels
+    ids = torch.tensor([[0, 17, 95], [16, 15, 31]])
+    with torch.no_grad():
+        assert torch.equal(table(ids), rows_engine.target.embed_tokens(ids))
+    want, got = held(rows_engine), held(engine)
+    assert all(torch.equal(want[n], got[n]) for n in want)
+    assert greedy(engine) == greedy(rows_engine)
+    with pytest.raises(TypeError, match="owner"):
+        head.hold_panels(True)

@@ -30,12 +30,14 @@ _LINEAR_WEIGHTS = tuple(f".{p}.weight" for p in
 
 
 def panel_names(shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
-    """The HF names of ``shapes`` whose tensors the decoder's linear layers can hold as the kernel's panels
-    (:meth:`~megatron_spec.layers.linear.Linear.hold_panels`): the projections' and an untied head's 2-D
-    weights of whole panels (rows a multiple of 16), a fused parameter's pieces all or none (its panels are
-    its pieces' panels side by side only then)."""
+    """The HF names of ``shapes`` whose tensors the decoder can hold as the kernel's panels
+    (:class:`~megatron_spec.layers.linear.HeldPanels`): the projections' and the head's 2-D weights of whole
+    panels (rows a multiple of 16; a tied head's: the embedding table, whose lookups then gather from them), a
+    fused parameter's pieces all or none (its panels are its pieces' panels side by side only then)."""
+    tied = "lm_head.weight" not in shapes  # the table is the head too: lent in its layout
     ok = {n for n, s in shapes.items() if len(s) == 2 and s[0] % 16 == 0
-          and (n.endswith(_LINEAR_WEIGHTS) or n == "lm_head.weight")}
+          and (n.endswith(_LINEAR_WEIGHTS) or n == "lm_head.weight"
+               or (tied and n.endswith("embed_tokens.weight")))}
     return frozenset(n for n in ok if all(p in ok for p in siblings(n)))
 
 
@@ -117,7 +119,7 @@ class HFWeights:
                 # a view of a buffer lent before, which its sender will rewrite: own memory before a copy (as
                 # rows: the pieces not written again must be rows too)
                 if target not in views and param.is_shared():
-                    held = getattr(self, "_panel_layers", {}).get(target)
+                    held = getattr(self, "_panel_holders", {}).get(target)
                     param.data = rows_of_panels(param.data) if held is not None and held.holds_panels \
                         else param.data.clone()
                 if shard is None:
@@ -153,20 +155,20 @@ class HFWeights:
                      params: dict[str, nn.Parameter]) -> None:
         """Make the parameters views of the lent bucket; each linear layer among them holds its weight as
         panels or rows as sent (a parameter whose pieces came in both is copied, not viewed)."""
-        from megatron_spec.layers.linear import TiedLinear, linear_layers
+        from megatron_spec.layers.linear import HeldPanels, TiedLinear
 
-        layers = getattr(self, "_panel_layers", None)  # found once: the modules and their parameters stay
-        if layers is None:
-            layers = self._panel_layers = {
-                name: layer for layer, name in linear_layers(self)
-                if name is not None and not isinstance(layer, TiedLinear)}  # a tied table is read as rows
+        holders = getattr(self, "_panel_holders", None)  # found once: the modules and their parameters stay
+        if holders is None:
+            holders = self._panel_holders = {
+                f"{name}.weight" if name else "weight": m for name, m in self.named_modules()
+                if isinstance(m, HeldPanels) and not isinstance(m, TiedLinear)}  # a tied head: its table's
         for target, view in views.items():
             params[target].data = view
-            layer = layers.get(target)
-            if layer is not None:
-                layer.hold_panels(target in in_panels)
+            holder = holders.get(target)
+            if holder is not None:
+                holder.hold_panels(target in in_panels)
             elif target in in_panels:
-                raise ValueError(f"{target} arrived in the panel layout; no linear layer computes with it")
+                raise ValueError(f"{target} arrived in the panel layout; nothing here computes with it so")
 
     def _lent_views(self, weights: list[tuple[str, torch.Tensor]], params: dict[str, nn.Parameter],
                     sizes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:

@@ -34,7 +34,7 @@ from megatron_spec.layers.decoder import (
 )
 from megatron_spec.layers.fused_layers import fused_input, fused_stack
 from megatron_spec.layers.kv_cache import KVCache, attention_mask, read_length, tree_attention_mask
-from megatron_spec.layers.linear import Linear, TiedLinear
+from megatron_spec.layers.linear import Linear, PanelEmbedding, TiedLinear
 from megatron_spec.models.hf_config import DecoderConfig
 from megatron_spec.rollout.native.hf_weights import HFWeights
 
@@ -93,7 +93,7 @@ class CausalLM(HFWeights, nn.Module):
     def __init__(self, cfg: DecoderConfig, max_positions: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = PanelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
