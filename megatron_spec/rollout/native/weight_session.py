@@ -28,8 +28,8 @@ threads."""
 SYNC_TIMINGS = ("engine_map_s", "engine_load_s", "engine_pack_s", "engine_repack_s", "engine_checksum_s")
 """Seconds of one weight-update session in the engine: mapping the payloads, copying them into the parameters
 (or taking lent ones as views), packing the layers whose weights a lent bucket held whole as it arrives
-(during the stream), re-packing the other changed linear layers at the end, computing the changed groups'
-checksums (``end_weight_update`` reports them)."""
+(during the stream; a layer lent as panels is only read, for its checksum), re-packing the other changed
+linear layers at the end, computing the changed groups' checksums (``end_weight_update`` reports them)."""
 
 
 class WeightSession:
