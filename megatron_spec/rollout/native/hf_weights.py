@@ -49,7 +49,7 @@ def lent_panel_names(config: EngineConfig, shapes: Mapping[str, tuple[int, ...]]
     if config.dtype != "float32" or config.device_type != "cpu" or config.fp8_weights \
             or not small_linear_available():
         return frozenset()
-    return panel_names(dict(shapes))
+    return panel_names(shapes)
 
 
 def rows_of_panels(t: torch.Tensor) -> torch.Tensor:
