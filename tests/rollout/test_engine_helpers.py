@@ -226,3 +226,29 @@ def test_packed_prefill_gives_the_padded_prefills_tokens(setup, monkeypatch, dra
     assert runs[0][0] == runs[1][0]
     for got, want in zip(runs[1][1], runs[0][1]):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+
+
+def test_load_weights_names_what_it_cannot_place(setup):
+    """A bucket's tensors are placed by looking up only the parameters it names: a name this model does not
+    have is still a KeyError that says which, a wrong shape a ValueError, and pieces of a fused parameter
+    land where the whole load put them."""
+    from megatron_spec.models import HFCheckpoint
+    from tests.conftest import load_native
+
+    model = load_native(setup.target)
+    ck = HFCheckpoint(setup.target)
+    with pytest.raises(KeyError, match="model.layers.99.mlp.up_proj.weight"):
+        model.load_weights([("model.layers.99.mlp.up_proj.weight", torch.zeros(1))], strict_complete=False)
+    with pytest.raises(KeyError, match="model.layers.0.mlp.nope.weight"):
+        model.load_weights([("model.layers.0.mlp.nope.weight", torch.zeros(1))], strict_complete=False)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    with pytest.raises(ValueError, match="k_proj"):
+        model.load_weights([(name, torch.zeros(3, 3))], strict_complete=False)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    new = ck.get(name) + 1
+    assert model.load_weights([(name, new)], strict_complete=False) == {name}
+    qkv = dict(model.named_parameters())["layers.1.self_attn.qkv_proj.weight"]
+    q = model.cfg.q_size
+    assert torch.equal(qkv[q:q + model.cfg.kv_size], new)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed == {"layers.1.self_attn.qkv_proj.weight"}
