@@ -49,7 +49,9 @@ small batch.
 Adaptive draft length (issue 18): ``eagle3_auto`` (``num_draft_tokens auto``, k_max the largest k
 measured) runs in the same rounds; ``adaptive_over_best_fixed`` is its paired ratio over the best
 fixed k in 0..k_max at that batch size (k = 0 is AR), ``adaptive_over_best_fixed_min`` the minimum
-over batch sizes.
+over batch sizes, ``adaptive_over_best_fixed_interval`` (per dtype and batch size, from 3 rounds) a 90%
+bootstrap interval of that median and ``per_config``'s ``adaptive_round_ratios`` the rounds' ratios: whether
+the rounds resolve a target a few percent from 1.
 
 GRPO-shaped workload (``--sections grpo``): the demo task with 2..12 terms (``--grpo-task
 sum_long``; one response step per term, so lengths vary 4x and the batch has a long tail as an RL
@@ -925,6 +927,11 @@ def main() -> int:
             fixed = ["ar", *[f"eagle3_k{k}" for k in ks]]
             best_fixed = max(fixed, key=lambda n, r=runs: max(x.tokens_per_s for x in r[n]))
             row["adaptive_over_best_fixed"] = paired_ratio(runs["eagle3_auto"], runs[best_fixed])
+            adaptive = (runs["eagle3_auto"], runs[best_fixed])
+            row["adaptive_round_ratios"] = [round(r, 3) for r in round_ratios(*adaptive)]
+            interval = paired_ratio_interval(*adaptive)
+            if interval is not None:  # (3 rounds or more)
+                row["adaptive_over_best_fixed_interval"] = interval
             row["k_mean_auto"] = runs["eagle3_auto"][-1].k_mean
             best_fixed_name[f"{dtype}_b{b}"] = best_fixed
             if "model" in runs:
@@ -1026,6 +1033,10 @@ def main() -> int:
         if mine
         else None,
         "best_fixed": best_fixed_name,
+        "adaptive_over_best_fixed_interval": {
+            k: r["adaptive_over_best_fixed_interval"] for k, r in results.items()
+            if "adaptive_over_best_fixed_interval" in r
+        },
         "adaptive_over_k3_grpo": rnd(grpo.get("adaptive_over_k3_grpo")),
         "best_fixed_grpo": grpo.get("best_fixed_grpo"),
         "adaptive_over_best_fixed_grpo": rnd(grpo.get("adaptive_over_best_fixed_grpo")),

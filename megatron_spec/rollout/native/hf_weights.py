@@ -152,9 +152,9 @@ class HFWeights:
         return loaded
 
     def _params_named(self, weights: list[tuple[str, torch.Tensor]]) -> dict[str, nn.Parameter]:
-        """The parameters ``weights`` name (by :meth:`_target`), found one by one: a bucket names a few dozen of
-        a model's hundreds, and walking every module for each of a sync's buckets cost ~1 ms a bucket (SmolLM2,
-        30 layers) on the engine's side of the stream."""
+        """The parameters ``weights`` name (by :meth:`_target`), found one by one: a bucket names a few dozen
+        of a model's hundreds, and walking every module for each bucket of a sync cost 0.2-0.6 ms a bucket
+        (SmolLM2, 30 layers, 64 MiB buckets) on the engine's side of the stream."""
         params: dict[str, nn.Parameter] = {}
         for name, _ in weights:
             target = self._target(name)[0]
