@@ -926,8 +926,8 @@ def main() -> int:
             k3_over_ar = paired_ratio(runs["eagle3_k3"], runs["ar"])
             fixed = ["ar", *[f"eagle3_k{k}" for k in ks]]
             best_fixed = max(fixed, key=lambda n, r=runs: max(x.tokens_per_s for x in r[n]))
-            row["adaptive_over_best_fixed"] = paired_ratio(runs["eagle3_auto"], runs[best_fixed])
             adaptive = (runs["eagle3_auto"], runs[best_fixed])
+            row["adaptive_over_best_fixed"] = paired_ratio(*adaptive)
             row["adaptive_round_ratios"] = [round(r, 3) for r in round_ratios(*adaptive)]
             interval = paired_ratio_interval(*adaptive)
             if interval is not None:  # (3 rounds or more)
