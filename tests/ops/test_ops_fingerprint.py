@@ -78,10 +78,11 @@ def test_sums_while_copying_refuse_a_destination_that_does_not_match():
         torch.ops.megatron_spec.bits_sums_copy(src, torch.zeros(16, dtype=torch.int32)[::2])
 
 
-@pytest.mark.parametrize("offset", range(9))
+@pytest.mark.parametrize("offset", range(17))
 def test_sums_while_copying_into_any_alignment(kernel_variant, offset):
-    """The AVX2 copy streams its stores from the first 32-byte boundary of the destination on: a bucket's
-    tensors start wherever the one before ended (4-byte alignment for fp32), so every offset is met."""
+    """The AVX2 copy streams its stores from the first 32-byte boundary of the destination on, the AVX-512 one
+    from the first 64-byte boundary: a bucket's tensors start wherever the one before ended (4-byte alignment
+    for fp32), so every offset is met."""
     g = torch.Generator().manual_seed(offset)
     n = 1000 + offset
     bits = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, generator=g)

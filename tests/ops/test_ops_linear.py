@@ -204,10 +204,11 @@ def test_pack_into_with_sums_writes_the_panels_and_sums_the_weight(kernel_varian
     torch.library.opcheck(ops.linear_pack_into_sums, (w, ops.linear_pack_f32(w)))
 
 
-@pytest.mark.parametrize("offset", [0, 1, 2, 3])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3, 4, 8])
 def test_pack_into_panels_at_any_alignment(kernel_variant, offset):
     """Panels 16-byte aligned (every tensor torch allocates) are written by streaming stores, others by plain
-    ones: the same bits either way, with and without the sums."""
+    ones, and with the sums on AVX-512 panels on a 64-byte boundary 16 columns at a time (offset 0; 4 and 8
+    words are 16- but not 64-byte aligned): the same bits either way, with and without the sums."""
     from megatron_spec.sync.fingerprint import Fingerprint
 
     ops = torch.ops.megatron_spec
