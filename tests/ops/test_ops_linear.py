@@ -1,9 +1,9 @@
 """The fp32 decode/verify linear kernel (csrc/linear_cpu.cpp) and its use by the engine's Linear layer.
 
-Each kernel variant (the scalar loop of the default variant, the AVX2 + FMA tile above it) is compared
-with a float64 matmul on shapes that leave partial 16-output panels and every tile split (1-6 rows a
-tile, balanced: 8 rows as 4 + 4, 16 as 6 + 5 + 5); the layer
-sends at most SMALL_MAX_ROWS rows to it and the rest to oneDNN, with the same results within fp32
+Each kernel variant (the scalar loop of the default variant, the AVX2 + FMA tile above it, the AVX-512
+tile above that) is compared with a float64 matmul on shapes that leave partial 16-output panels and every
+tile split (1-6 rows a tile, balanced: 8 rows as 4 + 4, 16 as 6 + 5 + 5; AVX-512 1-16: 20 as 10 + 10); the
+layer sends at most SMALL_MAX_ROWS rows to it and the rest to oneDNN, with the same results within fp32
 rounding."""
 
 from __future__ import annotations
@@ -128,6 +128,32 @@ def test_bf16_panels_give_the_bits_of_fp32_panels(kernel_variant, n, k):
                 torch.ops.megatron_spec.linear_small_f32(x, p16, bias, n),
                 torch.ops.megatron_spec.linear_small_f32(x, p32, bias, n),
             ), (m, bias is not None)
+
+
+@pytest.mark.skipif("avx512" not in _ext.supported_kernel_isas(), reason="no AVX-512 on this CPU")
+@pytest.mark.parametrize("n,k", [(50, 37), (576, 576), (3, 64), (1536, 20)])
+def test_avx512_tile_gives_the_bits_of_the_avx2_tile(n, k):
+    """One zmm accumulator a row (tiles of up to 16 rows) against two ymm (up to 6): each output is the same
+    fused multiply-add chain over k in order, so every row count and every tile split gives the same bits,
+    from fp32 and bf16 panels; and a row's outputs do not depend on how many rows came with it."""
+    g = torch.Generator().manual_seed(7 * n + k)
+    w = torch.randn(n, k, generator=g).bfloat16().float()
+    before = _ext.kernel_isa()
+    try:
+        ops = torch.ops.megatron_spec
+        for packed in (ops.linear_pack_f32(w), ops.linear_pack_bf16w(w)):
+            x = torch.randn(130, k, generator=g)
+            for m in list(range(1, 26)) + [31, 32, 33, 48, 64, 96, 128, 130]:
+                bias = torch.randn(n, generator=g) if m % 2 else None
+                out = {}
+                for isa in ("avx2", "avx512"):
+                    _ext.set_kernel_isa(isa)
+                    out[isa] = ops.linear_small_f32(x[:m], packed, bias, n)
+                assert torch.equal(out["avx512"], out["avx2"]), (m, packed.dtype)
+                one = ops.linear_small_f32(x[m - 1:m], packed, bias, n)
+                assert torch.equal(out["avx512"][m - 1:], one), (m, packed.dtype)
+    finally:
+        _ext.set_kernel_isa(before)
 
 
 def test_bf16_panels_refuse_weights_they_would_round():
