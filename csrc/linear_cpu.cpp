@@ -6,7 +6,8 @@
 // (benchmarks/profile_engine_step.py); with 4 rows oneDNN falls to ~7 GB/s. Here each thread streams
 // whole panels of W (16 outputs x K, contiguous) once, keeping a tile of up to 6 rows x 16 outputs of
 // the result in twelve AVX registers and broadcasting x from L1/L2; every further row tile of a panel
-// finds it in L2 (on AVX-512 a tile is up to 16 rows x 16 outputs, one zmm register a row: tile_avx512).
+// finds it in L2 (on AVX-512 a tile is up to 12 rows x 32 outputs of two panels, one zmm register a row and
+// panel: tile_avx512).
 // Over SmolLM2-135M's 121 projections and its head (fp32, same machine), against
 // oneDNN: 1.4-1.9x faster at 1-10 rows, 1.6x at 16, 1.2-1.3x at 32-64, 1.07x at 128, even at 256, so the
 // caller (megatron_spec/layers/linear.py, SMALL_MAX_ROWS) sends up to 128 rows here and prefills to
@@ -102,36 +103,61 @@ __attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t K, co
   }
 }
 
-// The same tile on AVX-512: one zmm accumulator holds a row's 16 outputs (two ymm above), so a tile takes up to 12
-// rows and a panel is read from L1/L2 by half as many tiles; each output is still one fused multiply-add chain over
-// k in order, lane for lane the AVX2 tile's: the same bits (tests/ops/test_ops_linear.py). Why: a core with two
-// 512-bit FMA units (Intel Xeon: Ice Lake, Sapphire Rapids) does twice the AVX2 tile's multiply-adds a cycle, and
-// 16 rows and more of fp32 (a batch's decode, a verify) wait for them more than for the weights. On a 2-core Ice
-// Lake Xeon, SmolLM2's matrices (bench_linear_rows.py; paired medians of 20): 1.07 / 1.16 / 1.21-1.29 / 1.10-1.17x
-// the AVX2 tile at 1 / 4 / 16 / 64 rows from bf16 panels, 1.0 / 0.97 / 1.19-1.24 / 1.07-1.18x from fp32 panels.
+// The same tile on AVX-512: one zmm accumulator holds a row's 16 outputs of a panel (two ymm above), and a tile
+// computes NP = 2 consecutive panels at a time, so each broadcast of x feeds two multiply-adds and each row of x is
+// read once for 32 outputs; each output is still one fused multiply-add chain over k in order, lane for lane the
+// AVX2 tile's: the same bits (tests/ops/test_ops_linear.py). Why: a core with two 512-bit FMA units (Intel Xeon:
+// Ice Lake, Sapphire Rapids; 163 against 67-100 GFLOP/s for 256-bit FMAs on one core of the Ice Lake measured)
+// does twice the AVX2 tile's multiply-adds a cycle, and 16 rows and more of fp32 (a batch's decode, a verify)
+// wait for them more than for the weights; one panel at a time, 17 loads a k for 16 multiply-adds kept the tile
+// at ~1/3 of that. SmolLM2's 211 matrices on a 2-core Ice Lake Xeon, time of the AVX2 tile over this one
+// (bench_linear_rows.py; paired medians of 14, alternated): 1.31 / 1.12 / 1.39 / 1.50 / 1.50x at 1 / 4 / 16 / 64
+// / 128 rows from bf16 panels, 1.03 / 0.97 / 1.16 / 1.27 / 1.36x from fp32 panels (one panel at a time:
+// 1.07-1.29x at 1-64 rows, 0.94x at 128).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline __m512 load16(const float* p) {
   return _mm512_loadu_ps(p);
 }
+// GCC 12's avx512fintrin.h starts these intrinsics from _mm512_undefined_epi32() and then warns
+// (-Wmaybe-uninitialized, a false positive: every lane is written) in every tile the function is inlined into.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) inline __m512 load16(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+#pragma GCC diagnostic pop
 
-template <int MR, typename WT>
+// NP panels side by side (consecutive in memory, NP x 16 outputs): each x broadcast feeds NP multiply-adds.
+template <int MR, int NP, typename WT>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma"))) void tile_avx512(
     const float* x, int64_t K, const WT* panel, float* y, int64_t N, int64_t cols, const WT* next) {
-  __m512 acc[MR];
+  __m512 acc[NP][MR];
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) acc[m] = _mm512_setzero_ps();
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) acc[q][m] = _mm512_setzero_ps();
+  const int64_t stride = K * kPanel;
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 w = load16(panel + k * kPanel);
-    if (MR >= 2 && next) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
+    __m512 w[NP];
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q) {
+      w[q] = load16(panel + q * stride + k * kPanel);
+      if ((MR >= 2 || NP > 1) && next)
+        _mm_prefetch(reinterpret_cast<const char*>(next + q * stride + k * kPanel), _MM_HINT_T1);
+    }
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * K + k]), w, acc[m]);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(x[m * K + k]);
+#pragma GCC unroll 2
+      for (int q = 0; q < NP; ++q) acc[q][m] = _mm512_fmadd_ps(xb, w[q], acc[q][m]);
+    }
   }
   const __mmask16 keep = cols == kPanel ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * N, keep, acc[m]);
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 2
+    for (int q = 0; q < NP; ++q)
+      _mm512_mask_storeu_ps(y + m * N + q * kPanel, q + 1 < NP ? __mmask16(0xFFFF) : keep, acc[q][m]);
 }
 #endif
 
@@ -146,15 +172,15 @@ Tile tile_kind() {
   return cpu::avx2_fma_active() ? Tile::kAvx2 : Tile::kScalar;
 }
 
-// The AVX-512 tile's most rows (the AVX2 and scalar tiles take up to 6): 16 accumulators and the panel's load in 17 of
-// the 32 zmm registers. Against 12 rows, SmolLM2's matrices at 16 / 64 rows (paired medians, 2-core Ice Lake Xeon):
-// 1.24-1.29 / 1.17-1.18x the AVX2 tile against 1.00-1.18 / 0.96-0.99x.
+// The AVX-512 tile's most rows over one panel (a thread's last panel when it has an odd number; the AVX2 and scalar
+// tiles take up to 6): 16 accumulators and the panel's load in 17 of the 32 zmm registers (at 16 / 64 rows 1.24-1.29
+// / 1.17-1.18x the AVX2 tile against 1.00-1.18 / 0.96-0.99x with 12, one panel at a time, on the Ice Lake Xeon).
 constexpr int kMaxRows = 16;
 
 template <int MR, typename WT>
 TileFn<WT> tile_for(Tile kind) {
 #ifdef MS_LINEAR_X86
-  if (kind == Tile::kAvx512) return tile_avx512<MR, WT>;
+  if (kind == Tile::kAvx512) return tile_avx512<MR, 1, WT>;
   if constexpr (MR <= 6) {
     if (kind == Tile::kAvx2) return tile_avx2<MR, WT>;
   }
@@ -167,6 +193,26 @@ TileFn<WT> tile_for(Tile kind) {
 template <typename WT, int... MR>
 void tile_table(Tile kind, TileFn<WT>* out, std::integer_sequence<int, MR...>) {
   ((out[MR] = MR == 0 ? nullptr : tile_for<(MR == 0 ? 1 : MR), WT>(kind)), ...);
+}
+
+constexpr int kMaxRowsPair = 12;  // the two-panel AVX-512 tile's: 24 accumulators and two panel loads in registers
+
+template <typename WT, int... MR>
+void pair_table(TileFn<WT>* out, std::integer_sequence<int, MR...>) {
+#ifdef MS_LINEAR_X86
+  ((out[MR] = MR == 0 ? nullptr : tile_avx512<(MR == 0 ? 1 : MR), 2, WT>), ...);
+#else
+  ((out[MR] = nullptr), ...);
+#endif
+}
+
+std::vector<int64_t> row_tiles(int64_t M, int64_t max_rows) {  // balanced: 8 rows at most 6 a tile as 4 + 4
+  std::vector<int64_t> starts{0};
+  for (int64_t m = 0; m < M;) {
+    const int64_t rest = M - m, left = (rest + max_rows - 1) / max_rows;
+    starts.push_back(m += (rest + left - 1) / left);
+  }
+  return starts;
 }
 
 // packed[p, k, j] = w[16 p + j, k] into `out` [ceil(N / 16), K, 16] (contiguous), zero past N, from an fp32 w: into
@@ -296,22 +342,24 @@ void run_tiles(const float* xp, const WT* wp, float* yp, int64_t M, int64_t K, i
   const int64_t max_rows = kind == Tile::kAvx512 ? kMaxRows : 6;
   TileFn<WT> tiles[kMaxRows + 1];
   tile_table<WT>(kind, tiles, std::make_integer_sequence<int, kMaxRows + 1>{});
-  std::vector<int64_t> starts{0};  // the row tiles, balanced
-  for (int64_t m = 0; m < M;) {
-    const int64_t rest = M - m, left = (rest + max_rows - 1) / max_rows;
-    starts.push_back(m += (rest + left - 1) / left);
-  }
+  const std::vector<int64_t> starts = row_tiles(M, max_rows);
+  TileFn<WT> pairs[kMaxRowsPair + 1];
+  const bool paired = kind == Tile::kAvx512;
+  if (paired) pair_table<WT>(pairs, std::make_integer_sequence<int, kMaxRowsPair + 1>{});
+  const std::vector<int64_t> pair_starts = paired ? row_tiles(M, kMaxRowsPair) : std::vector<int64_t>{};
   // Threads split the panels: each panel (the weights of 16 outputs) is read from memory once, and
-  // every row tile of it after the first finds it in L2.
+  // every row tile of it after the first finds it in L2. On AVX-512 two panels at a time.
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t cols = std::min(kPanel, N - p * kPanel);
+    for (int64_t p = p0; p < p1;) {
+      const int64_t np = paired && p + 1 < p1 ? 2 : 1, cols = std::min(kPanel, N - (p + np - 1) * kPanel);
       const WT* panel = wp + p * K * kPanel;
-      for (size_t t = 0; t + 1 < starts.size(); ++t) {
-        const int64_t m = starts[t];
-        tiles[starts[t + 1] - m](xp + m * K, K, panel, yp + m * N + p * kPanel, N, cols,
-                                 p + 1 < p1 ? panel + K * kPanel : nullptr);
+      const WT* next = p + np < p1 ? panel + np * K * kPanel : nullptr;
+      const auto& st = np == 2 ? pair_starts : starts;
+      for (size_t t = 0; t + 1 < st.size(); ++t) {
+        const int64_t m = st[t];
+        (np == 2 ? pairs : tiles)[st[t + 1] - m](xp + m * K, K, panel, yp + m * N + p * kPanel, N, cols, next);
       }
+      p += np;
     }
   });
 }

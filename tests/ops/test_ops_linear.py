@@ -2,9 +2,9 @@
 
 Each kernel variant (the scalar loop of the default variant, the AVX2 + FMA tile above it, the AVX-512
 tile above that) is compared with a float64 matmul on shapes that leave partial 16-output panels and every
-tile split (1-6 rows a tile, balanced: 8 rows as 4 + 4, 16 as 6 + 5 + 5; AVX-512 1-16: 20 as 10 + 10); the
-layer sends at most SMALL_MAX_ROWS rows to it and the rest to oneDNN, with the same results within fp32
-rounding."""
+tile split (1-6 rows a tile, balanced: 8 rows as 4 + 4, 16 as 6 + 5 + 5; AVX-512 1-12 over two panels,
+1-16 over one); the layer sends at most SMALL_MAX_ROWS rows to it and the rest to oneDNN, with the same
+results within fp32 rounding."""
 
 from __future__ import annotations
 
@@ -131,9 +131,10 @@ def test_bf16_panels_give_the_bits_of_fp32_panels(kernel_variant, n, k):
 
 
 @pytest.mark.skipif("avx512" not in _ext.supported_kernel_isas(), reason="no AVX-512 on this CPU")
-@pytest.mark.parametrize("n,k", [(50, 37), (576, 576), (3, 64), (1536, 20)])
+@pytest.mark.parametrize("n,k", [(50, 37), (576, 576), (3, 64), (1536, 20), (80, 33), (112, 24)])
 def test_avx512_tile_gives_the_bits_of_the_avx2_tile(n, k):
-    """One zmm accumulator a row (tiles of up to 16 rows) against two ymm (up to 6): each output is the same
+    """One zmm accumulator a row and panel (two panels at a time, tiles of up to 12 rows; a thread's last odd
+    panel alone, up to 16 rows: 5 and 7 panels here) against two ymm (up to 6 rows): each output is the same
     fused multiply-add chain over k in order, so every row count and every tile split gives the same bits,
     from fp32 and bf16 panels; and a row's outputs do not depend on how many rows came with it."""
     g = torch.Generator().manual_seed(7 * n + k)
