@@ -123,8 +123,8 @@ def set_kernel_isa(name: str) -> None:
 
 def cpu_facts() -> dict[str, object]:
     """What a benchmark's JSON line says of the machine and the kernels that ran: the CPU kind (``AVX2``,
-    ``AVX-512-BF16``, ``AMX``), its model and torch's capability, and the linear kernel of each engine
-    dtype."""
+    ``AVX-512``, ``AVX-512-BF16``, ``AMX``), its model and torch's capability, and the linear kernel of each
+    engine dtype (fp32: the panels' kernel variant, ``avx512`` its AVX-512 tiles)."""
     from megatron_spec.isa import probe
 
     info = probe()

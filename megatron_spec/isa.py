@@ -17,7 +17,8 @@ own bf16 check. ``MEGATRON_SPEC_NO_NATIVE_BF16=1`` makes it report "no native bf
 compiled kernels at AVX2, see ``megatron_spec._ext``), so a machine with AVX-512 runs the path an
 AVX2 machine runs. ``megatron-spec info`` prints what the probe found.
 
-:attr:`CpuInfo.kind` names the three CPU kinds the benchmarks report (``AVX2``, ``AVX-512-BF16``, ``AMX``):
+:attr:`CpuInfo.kind` names the CPU kinds the benchmarks report (``AVX2``, ``AVX-512`` without bf16,
+``AVX-512-BF16``, ``AMX``):
 on an AMX CPU the bf16 engine's linear layers run on AMX tiles (``csrc/linear_amx_cpu.cpp``;
 ``MEGATRON_SPEC_NO_AMX=1`` keeps the AVX512-BF16 kernel, as the tests do to compare both).
 
