@@ -274,25 +274,18 @@ def engine_makers(args, model: str, dtype, b: int, max_len: int, tag: str) -> di
     ``--draft none`` (no trained EAGLE-3 export at hand) ours speculate without one: prompt lookup k=3
     (``ours_ngram_k3``, vLLM's ``ngram``'s counterpart) and the adaptive history drafter
     (``ours_history_auto``); vLLM's ``eagle3`` is left out."""
-    ours = dict(compile=args.compile)
-    ar = lambda: OurEngine(model, dtype, b, max_len, "none", None, args.threads, **ours)
+
+    def ours(kind: str, draft: str | None = None, **kw):
+        return lambda: OurEngine(model, dtype, b, max_len, kind, draft, args.threads, compile=args.compile,
+                                 **kw)
+
+    makers = {"ours_ar": ours("none")}
     if args.draft == "none":
-        makers = {
-            "ours_ar": ar,
-            "ours_ngram_k3": lambda: OurEngine(model, dtype, b, max_len, "ngram", None, args.threads,
-                                               num_draft_tokens=args.k, **ours),
-            "ours_history_auto": lambda: OurEngine(model, dtype, b, max_len, "history", None, args.threads,
-                                                   num_draft_tokens="auto", **ours),
-        }
+        makers["ours_ngram_k3"] = ours("ngram", num_draft_tokens=args.k)
+        makers["ours_history_auto"] = ours("history", num_draft_tokens="auto")
     else:
-        makers = {
-            "ours_ar": ar,
-            "ours_eagle3_k3": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft, args.threads,
-                                                num_draft_tokens=args.k, **ours),
-            "ours_eagle3_auto_history": lambda: OurEngine(model, dtype, b, max_len, "eagle3", args.draft,
-                                                          args.threads, num_draft_tokens="auto", history=True,
-                                                          **ours),
-        }
+        makers["ours_eagle3_k3"] = ours("eagle3", args.draft, num_draft_tokens=args.k)
+        makers["ours_eagle3_auto_history"] = ours("eagle3", args.draft, num_draft_tokens="auto", history=True)
     makers["vllm_ar"] = lambda: VllmEngine(args.vllm_python, model, dtype, b, max_len, None, args.threads,
                                            os.path.join(args.work_dir, "vllm_logs", f"{tag}_ar.log"))
     for name in filter(None, args.vllm_spec.split(",")):
