@@ -177,34 +177,26 @@ Tile tile_kind() {
 // / 1.17-1.18x the AVX2 tile against 1.00-1.18 / 0.96-0.99x with 12, one panel at a time, on the Ice Lake Xeon).
 constexpr int kMaxRows = 16;
 
-template <int MR, typename WT>
+// The tile of MR rows over NP panels for `kind`: two panels only on AVX-512 (nullptr elsewhere).
+template <int MR, int NP, typename WT>
 TileFn<WT> tile_for(Tile kind) {
 #ifdef MS_LINEAR_X86
-  if (kind == Tile::kAvx512) return tile_avx512<MR, 1, WT>;
-  if constexpr (MR <= 6) {
+  if (kind == Tile::kAvx512) return tile_avx512<MR, NP, WT>;
+  if constexpr (MR <= 6 && NP == 1) {
     if (kind == Tile::kAvx2) return tile_avx2<MR, WT>;
   }
 #endif
   (void)kind;
-  if constexpr (MR <= 6) return tile_scalar<MR, WT>;
+  if constexpr (MR <= 6 && NP == 1) return tile_scalar<MR, WT>;
   return nullptr;
 }
 
-template <typename WT, int... MR>
+template <int NP, typename WT, int... MR>
 void tile_table(Tile kind, TileFn<WT>* out, std::integer_sequence<int, MR...>) {
-  ((out[MR] = MR == 0 ? nullptr : tile_for<(MR == 0 ? 1 : MR), WT>(kind)), ...);
+  ((out[MR] = MR == 0 ? nullptr : tile_for<(MR == 0 ? 1 : MR), NP, WT>(kind)), ...);
 }
 
 constexpr int kMaxRowsPair = 12;  // the two-panel AVX-512 tile's: 24 accumulators and two panel loads in registers
-
-template <typename WT, int... MR>
-void pair_table(TileFn<WT>* out, std::integer_sequence<int, MR...>) {
-#ifdef MS_LINEAR_X86
-  ((out[MR] = MR == 0 ? nullptr : tile_avx512<(MR == 0 ? 1 : MR), 2, WT>), ...);
-#else
-  ((out[MR] = nullptr), ...);
-#endif
-}
 
 std::vector<int64_t> row_tiles(int64_t M, int64_t max_rows) {  // balanced: 8 rows at most 6 a tile as 4 + 4
   std::vector<int64_t> starts{0};
@@ -341,11 +333,11 @@ void run_tiles(const float* xp, const WT* wp, float* yp, int64_t M, int64_t K, i
   const Tile kind = tile_kind();
   const int64_t max_rows = kind == Tile::kAvx512 ? kMaxRows : 6;
   TileFn<WT> tiles[kMaxRows + 1];
-  tile_table<WT>(kind, tiles, std::make_integer_sequence<int, kMaxRows + 1>{});
+  tile_table<1, WT>(kind, tiles, std::make_integer_sequence<int, kMaxRows + 1>{});
   const std::vector<int64_t> starts = row_tiles(M, max_rows);
   TileFn<WT> pairs[kMaxRowsPair + 1];
   const bool paired = kind == Tile::kAvx512;
-  if (paired) pair_table<WT>(pairs, std::make_integer_sequence<int, kMaxRowsPair + 1>{});
+  if (paired) tile_table<2, WT>(kind, pairs, std::make_integer_sequence<int, kMaxRowsPair + 1>{});
   const std::vector<int64_t> pair_starts = paired ? row_tiles(M, kMaxRowsPair) : std::vector<int64_t>{};
   // Threads split the panels: each panel (the weights of 16 outputs) is read from memory once, and
   // every row tile of it after the first finds it in L2. On AVX-512 two panels at a time.
