@@ -297,10 +297,12 @@ def oracle_over(at_least, line, proposal, b: int, k_ref: int) -> tuple[float, in
 def timed_rounds(
     servers: dict, reqs, rounds: int, tag: str, seed: int, prime_seed: int | None = None
 ) -> dict:
-    """Each round runs every server once on ``reqs``, in turn, its history emptied first (and, with
+    """Each round runs every server once on ``reqs``, its history emptied first (and, with
     ``prime_seed``, primed by one call on the same prompts: their earlier rollouts); per server the
     rounds' ``(GenerateStats, tail seconds, response lengths)``. A warm-up call per server first (oneDNN
-    primitives, the adaptive controllers' tables)."""
+    primitives, the adaptive controllers' tables). The measured calls run in turn, one after the other,
+    or (``INTERLEAVE`` ``steps``, the default) step by step together, each on its own clock
+    (``_lockstep.run_in_turn``); the order turns by one server each round."""
     # the warm-up: 2 requests, at most 64 tokens (the long-tail workload's 1024 would cost minutes)
     warm = [dataclasses.replace(q, sampling=dataclasses.replace(q.sampling, max_new_tokens=min(
         64, q.sampling.max_new_tokens))) for q in reqs[:2]]
@@ -309,23 +311,36 @@ def timed_rounds(
         srv.core.generate(warm, seed=99)
     runs: dict = {name: [] for name in servers}
     for r in range(rounds):
-        for name, srv in servers.items():
+        for srv in servers.values():
             _reset_history(srv)
-            if prime_seed is not None:
-                srv.core.generate(reqs, seed=prime_seed + r)  # the step before: the prompts' earlier rollouts
-            t0 = time.perf_counter()
-            finish: list[float] = []
-            lengths: list[int] = []
-
-            def done(sample, finish=finish, lengths=lengths, t0=t0):
-                finish.append(time.perf_counter() - t0)
-                lengths.append(len(sample.output_ids))
-
-            _, st = srv.core.generate(reqs, done, seed=seed + r)
-            runs[name].append((st, tail_seconds(finish), lengths))
+            if prime_seed is not None:  # the step before: the prompts' earlier rollouts
+                srv.core.generate(reqs, seed=prime_seed + r)
+        calls = {name: (lambda done, c=srv.core, s=seed + r: c.generate_steps(reqs, done, seed=s))
+                 for name, srv in servers.items()}
+        for name, (samples, st, finish) in run_calls(calls, r).items():
+            runs[name].append((st, tail_seconds(finish), [len(x.output_ids) for x in samples]))
             print(f"[{tag}] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail_seconds(finish):.2f}s, "
                   f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
     return runs
+
+
+INTERLEAVE = "steps"  # --interleave: how the configs of a round share the machine
+
+
+def run_calls(calls: dict, turn: int) -> dict:
+    """``calls`` (name -> a function of ``on_sample_done`` starting ``generate_steps``) run step by step in
+    turn (``INTERLEAVE`` ``steps``) or one whole call after the other (``calls``), the order turned by
+    ``turn`` (a round's number: each config leads in turn); per name ``(samples, stats, finish times)``,
+    each call's time its own."""
+    from _lockstep import run_in_turn
+
+    names = list(calls)
+    names = names[turn % len(names):] + names[:turn % len(names)]
+    if INTERLEAVE == "steps":
+        out = run_in_turn({name: calls[name] for name in names})
+    else:
+        out = {name: run_in_turn({name: calls[name]})[name] for name in names}
+    return {name: out[name] for name in calls}
 
 
 def grpo_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int, rounds: int,
@@ -499,10 +514,11 @@ def fresh_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int,
 
 
 def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -> dict:
-    """``configs``: name -> (server, temperature). Each round runs every config once, in turn;
-    returns each config's runs (``GenerateStats``), round by round.
+    """``configs``: name -> (server, temperature). Each round runs every config once (``run_calls``:
+    step by step together by default, the order turning by one config each round); returns each
+    config's runs (``GenerateStats``), round by round.
 
-    Why round-robin: this VM's speed drifts by 10-25% over a minute. Measured one after the
+    Why interleaved: this VM's speed drifts by 10-25% over a minute. Measured one after the
     other, a config that happens to run in a slow minute looks slower than it is, and the
     ratios between configs (what the targets are about) carry that drift. Interleaved, every
     config meets the same drift, and runs of the same round can be compared pairwise.
@@ -514,9 +530,11 @@ def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -
     for server, t in configs.values():
         server.generate(reqs[t][:1])  # warm-up: oneDNN primitives for these shapes
     runs: dict = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, (server, t) in configs.items():
-            runs[name].append(server.generate(reqs[t], seed=0)[1])
+    calls = {name: (lambda done, c=srv.core, q=reqs[t]: c.generate_steps(q, done, seed=0))
+             for name, (srv, t) in configs.items()}
+    for r in range(repeats):
+        for name, (_, st, _) in run_calls(calls, r).items():
+            runs[name].append(st)
     return runs
 
 
@@ -812,7 +830,12 @@ def main() -> int:
         default=None,
         help="round-robin rounds of the batch-size table (default 5, --model: 3)",
     )
+    ap.add_argument("--interleave", choices=("steps", "calls"), default="steps",
+                    help="how a round's configs share the machine: step by step in turn, each timed by "
+                    "its own steps (default), or one whole call after the other")
     args = ap.parse_args()
+    global INTERLEAVE
+    INTERLEAVE = args.interleave
     real = args.model is not None
     for name, small, big in (
         ("batch_sizes", "1,4,16", "1,16"),
@@ -1078,6 +1101,7 @@ def main() -> int:
             for n, r in drafts.items()
         },
         "dtype": main_dtype,
+        "interleave": INTERLEAVE,
         **cpu_facts(),
         "per_config": {
             k: {a: v if isinstance(v, list) else round(v, 3) for a, v in r.items() if v is not None}

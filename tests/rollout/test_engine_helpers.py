@@ -252,3 +252,47 @@ def test_load_weights_names_what_it_cannot_place(setup):
     assert torch.equal(qkv[q:q + model.cfg.kv_size], new)
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed == {"layers.1.self_attn.qkv_proj.weight"}
+
+
+def test_generate_steps_run_in_turn_give_each_engines_own_call(setup):
+    """Two engines' calls run step by step in turn (``generate_steps`` driven by benchmarks/_lockstep.py, the
+    rollout benchmark's timing) give what each engine's own ``generate`` gives: the same samples, log-probs
+    and statistics, at T=1, plain and speculative (a fixed k: the adaptive plan hangs on measured times);
+    each call's clock is its own steps' time, within the pair's wall time, its samples finishing on it."""
+    import importlib.util
+    import os
+    import time
+
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "_lockstep.py")
+    spec = importlib.util.spec_from_file_location("lockstep_for_test", path)
+    lockstep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lockstep)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, setup.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    reqs = [GenerateRequest(str(i), p, sp, n=2) for i, p in enumerate(prompts)]
+
+    def engines():
+        return {kind: EngineServer(EngineConfig(model_path=setup.target, draft_kind=kind,
+                                                draft_path=setup.eagle3 if kind == "eagle3" else None,
+                                                num_draft_tokens=k, context_length=32, max_batch_size=4)).core
+                for kind, k in (("none", 1), ("eagle3", 2))}
+
+    def outcome(samples, stats):
+        return ([s.output_ids for s in samples], [s.logprobs for s in samples],
+                (stats.num_tokens, stats.num_verify_steps, stats.spec_steps, stats.k_mean))
+
+    alone = {kind: outcome(*core.generate(reqs, seed=3)) for kind, core in engines().items()}
+    t0 = time.perf_counter()
+    together = lockstep.run_in_turn({kind: (lambda done, c=core: c.generate_steps(reqs, done, seed=3))
+                                     for kind, core in engines().items()})
+    wall = time.perf_counter() - t0
+    assert {kind: outcome(samples, st) for kind, (samples, st, _) in together.items()} == alone
+    clocks = [st.wall_s for _, st, _ in together.values()]
+    assert all(c > 0 for c in clocks) and sum(clocks) <= wall
+    for samples, st, finish in together.values():
+        assert len(finish) == len(samples) == 6 and finish == sorted(finish) and finish[-1] <= st.wall_s

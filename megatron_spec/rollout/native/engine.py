@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 
 import torch
 
@@ -154,7 +154,6 @@ class EngineCore:
                 f"request {req.request_id}: token id {bad[0]} outside the vocabulary [0, {vocab})"
             )
 
-    @torch.inference_mode()
     def generate(self, requests: Sequence[GenerateRequest],
                  on_sample_done: Callable[[SampleOutput], None] | None = None, seed: int | None = None
                  ) -> tuple[list[SampleOutput], GenerateStats]:
@@ -163,6 +162,22 @@ class EngineCore:
         ``seed`` re-seeds the sampling generator first, so a call's samples depend only on
         its requests and seed (what makes a resumed RL run reproduce its rollouts).
         """
+        steps = self.generate_steps(requests, on_sample_done, seed)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+    @torch.inference_mode()
+    def generate_steps(self, requests: Sequence[GenerateRequest],
+                       on_sample_done: Callable[[SampleOutput], None] | None = None, seed: int | None = None
+                       ) -> Generator[None, None, tuple[list[SampleOutput], GenerateStats]]:
+        """:meth:`generate` one scheduler step at a time: yields after every step (a prefill on its own
+        counts as one) and returns ``generate``'s result. What lets a benchmark run two engines' calls
+        step by step in turn, so that both meet the same moments of a drifting machine; the steps are
+        ``generate``'s own (the same draws, the same tokens). ``stats.wall_s`` spans the whole call,
+        time spent between the steps included."""
         for r in requests:
             self.validate(r)
         if seed is not None:
@@ -191,6 +206,7 @@ class EngineCore:
                                                                          aux_layers=self._aux_layers())[0])
                 self._retire(rows, on_sample_done, done)
                 sampling = None
+                yield
                 continue
             if sampling is None:
                 sampling = self._sampling(rows)
@@ -201,6 +217,7 @@ class EngineCore:
                 self._plain_step(rows, sampling, stats, adm)
             if self._retire(rows, on_sample_done, done) or adm is not None:
                 sampling = None  # the batch changed
+            yield
         stats.wall_s = time.perf_counter() - t0
         order = {r.request_id: i for i, r in enumerate(requests)}
         done.sort(key=lambda s: (order[s.request_id], s.sample_index))
