@@ -549,3 +549,27 @@ def test_observe_is_the_step_s_records_in_order():
     assert a.tree_calibration == b.tree_calibration != 1.0
     assert a.verify.sizes == b.verify.sizes and a.proposal_seconds(2, 3) == b.proposal_seconds(2, 3)
     assert a.rate_calibration == b.rate_calibration
+
+
+def test_the_rare_steps_try_a_neighbour_that_loses_badly_less_and_less_often():
+    # k = 1 predicted and realised at half plain decoding's rate (a compute-bound batch): only the rare steps
+    # try it, and each try that gives less than explore_margin of the best rate doubles its wait past the rare
+    # steps' period, up to explore_rare_longest periods (512 steps), where every 64th step tried it before; a
+    # try that gives the best rate again brings it back to every 8th step
+    ctl = DraftLengthController(3)
+    ctl.record_step(16, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
+    tries = []
+    for step in range(3000):
+        k = ctl._pick({0: 1.0, 1: 0.5}, {}, {}, 16).k
+        if k == 1:
+            tries.append(step)
+        ctl.record_outcome(16, 16 / (0.5 if k == 1 else 1.0), prefill=False)
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:6] == [64, 64, 64, 128, 256, 512] and set(gaps[6:]) == {512}, gaps
+    assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == 512
+    while ctl._pick({0: 1.0, 1: 0.5}, {}, {}, 16).k != 1:  # the next try does as well as plain decoding
+        ctl.record_outcome(16, 16, prefill=False)
+    ctl.record_outcome(16, 16, prefill=False)
+    assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == ctl.explore_every
+    # a batch-size class keeps its own record
+    assert ctl._explore_wait.get((StepPlan(1), size_class(2))) is None

@@ -18,7 +18,9 @@ Exploration: every ``explore_every``-th step the controller tries a neighbour of
 but only a neighbour expected to give at least ``explore_margin`` of the best rate (or on every
 ``explore_every * explore_rare``-th step): where speculation loses badly (a large batch on a
 compute-bound CPU) each try costs a step's worth of rate. A neighbour whose last try gave less than the
-best plan's rate waits twice as long for the next (up to the rare steps' period).
+best plan's rate waits twice as long for the next (up to the rare steps' period; where it gave less than
+``explore_margin`` of it, up to ``explore_rare_longest`` rare periods, and the rare steps wait too: a k = 1
+step at 16 rows on 2 cores costs ~2 plain steps, and tried every 64th step it cost ~2%).
 
 Calibration: what a plan really gave (tokens kept per second of the whole step) over the rate predicted
 when it was chosen, a running mean per plan and batch-size class (``rate_calibration``; then an EMA),
@@ -101,9 +103,10 @@ class DraftLengthController:
     """Chooses k per verify step (see the module docstring)."""
 
     def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, explore_margin: float = 0.85,
-                 explore_rare: int = 8, row_prior_weight: float = 4.0, support_weight: float = 2.0,
-                 batch_decay: float = 0.98, k_main: int | None = None, k_tree: int = 0, tree: str = "auto",
-                 tree_calibration_ema: float = 0.05, rate_calibration_ema: float = 0.1):
+                 explore_rare: int = 8, explore_rare_longest: int = 8, row_prior_weight: float = 4.0,
+                 support_weight: float = 2.0, batch_decay: float = 0.98, k_main: int | None = None,
+                 k_tree: int = 0, tree: str = "auto", tree_calibration_ema: float = 0.05,
+                 rate_calibration_ema: float = 0.1):
         if not 0 <= k_min <= k_max or k_max < 1:
             raise ValueError(
                 f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}"
@@ -139,9 +142,12 @@ class DraftLengthController:
         self._explored: tuple[StepPlan, int, float] | None = None
         self._explore_wait: dict[tuple[StepPlan, int], tuple[int, int]] = {}
         """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the
-        first step it may be tried again (doubled each time a try gives less than the best plan's rate)."""
+        first step it may be tried again (doubled each time a try gives less than the best plan's rate, up to
+        the rare steps' period, or ``explore_rare_longest`` of them where it gave less than ``explore_margin``
+        of it; the rare steps wait only for the longer waits)."""
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
+        self.explore_rare_longest = explore_rare_longest
         self.row_prior_weight = row_prior_weight
         # SupportStats.alpha
         self.support, self.support_weight = SupportStats(decay=batch_decay), support_weight
@@ -300,23 +306,25 @@ class DraftLengthController:
     ) -> StepPlan:
         """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last
         try on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next
-        one (up to the rare steps' period); one that did better is tried every ``explore_every``-th step
-        again."""
+        one (up to the rare steps' period, or longer where it lost badly: then the rare steps wait too); one
+        that did better is tried every ``explore_every``-th step again."""
         lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[
             best.mode
         ]
         if self.explore_every and self._steps % self.explore_every == 0:
             step = 1 if self._explore_up else -1
             self._explore_up = not self._explore_up
-            rare = self._steps % (self.explore_every * max(1, self.explore_rare)) == 0
+            period = self.explore_every * max(1, self.explore_rare)
+            rare = self._steps % period == 0
             same_mode = {p: r for r, p in cands}
             for cand in (best.k + step, best.k - step):
                 plan = best._replace(k=cand)
+                wait, after = self._explore_wait.get((plan, size_class(b)), (0, 0))
                 if lo <= cand <= hi and (
-                    rare
+                    (rare and (wait <= period or self._steps >= after))
                     or (
                         same_mode.get(plan, 0.0) >= self.explore_margin * rate
-                        and self._steps >= self._explore_wait.get((plan, size_class(b)), (0, 0))[1]
+                        and self._steps >= after
                     )
                 ):
                     return plan
@@ -347,8 +355,10 @@ class DraftLengthController:
             plan, b, best_rate = explored
             key = (plan, size_class(b))
             wait = self._explore_wait.get(key, (self.explore_every, 0))[0]
-            longest = self.explore_every * max(1, self.explore_rare)
-            wait = min(2 * wait, longest) if tokens / seconds < best_rate else self.explore_every
+            rare = self.explore_every * max(1, self.explore_rare)
+            rate = tokens / seconds
+            longest = rare * (self.explore_rare_longest if rate < self.explore_margin * best_rate else 1)
+            wait = min(2 * wait, longest) if rate < best_rate else self.explore_every
             self._explore_wait[key] = (wait, self._steps + wait)
         if chosen is None or prefill or seconds <= 0 or tokens <= 0:
             return
