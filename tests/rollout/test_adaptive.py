@@ -573,3 +573,21 @@ def test_the_rare_steps_try_a_neighbour_that_loses_badly_less_and_less_often():
     assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == ctl.explore_every
     # a batch-size class keeps its own record
     assert ctl._explore_wait.get((StepPlan(1), size_class(2))) is None
+
+
+def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
+    # a k = 1 step at 16 rows cost 2x the plain step measured just before it; then plain steps slow down by
+    # half again (longer caches, a slower minute) while k = 1 is not tried: its price moves with them, in
+    # units of the current plain step, rather than staying at its stale absolute time
+    ctl = DraftLengthController(3)
+    for _ in range(9):
+        ctl.record_step(16, 0, 0.040, 0.0, prefill=False)
+    ctl.record_step(16, 1, 0.080, 0.004, prefill=False)
+    assert ctl.step_seconds(16, 1) == pytest.approx(0.080 + 0.004)
+    for _ in range(9):
+        ctl.record_step(16, 0, 0.060, 0.0, prefill=False)
+    assert ctl.verify.estimate(32) == pytest.approx(0.080)  # the absolute table still says 0.08
+    assert ctl.step_seconds(16, 1) == pytest.approx(2 * 0.060 + 0.004)
+    # a k not measured at this batch-size class is priced from the table, as before
+    assert ctl.step_seconds(16, 2) == pytest.approx(ctl.verify.estimate(48) + ctl.proposal_seconds(16, 2))
+    assert 2 not in ctl.verify_over_plain[size_class(16)].seconds

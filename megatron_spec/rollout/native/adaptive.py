@@ -44,7 +44,7 @@ from typing import NamedTuple
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.native import cost_model
 from megatron_spec.rollout.native.cost_model import DraftOption, size_class
-from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats
+from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats, proposal_seconds
 from megatron_spec.rollout.settings import HISTORY_TREE_MODES
 
 
@@ -154,6 +154,10 @@ class DraftLengthController:
         self.batch_decay = batch_decay
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
+        self.verify_over_plain: dict[int, CostTable] = {}
+        """Per :func:`size_class`: a drafting step's verify over the plain step's at its rows measured just
+        before it, keyed by k: the price of k in units of the current plain step, which the step's
+        cache length and the machine's drift move alike (an absolute price of a rare k goes stale)."""
         self.packed_ratio = 1.0
         """A packed verify's seconds (rows drafting different lengths, ``Segment.pack``) over an unpacked
         one's of as many tokens (EMA; 1 until measured): packed forwards run the Python layers, not the C++
@@ -202,24 +206,15 @@ class DraftLengthController:
             return None
         if k == 0:
             return v
+        ratios, plain = self.verify_over_plain.get(size_class(b)), self.verify.seconds.get(b)
+        if ratios is not None and plain and k in ratios.seconds:
+            v = plain * ratios.seconds[k]
         p = self.proposal_seconds(b, k)
         return None if p is None else v + p
 
     def proposal_seconds(self, b: int, k: int) -> float | None:
-        """Seconds of the main drafter's proposal of k tokens over b rows: its table for k, within the
-        rows it was measured at; outside them, its nearest measurement scaled by how one draft pass
-        scales from those rows to b (a table measured at one row count alone would otherwise price b
-        rows b times as high: a draft pass over 16 rows costs about what one over 1 row does on a
-        CPU); a k never measured: k average passes."""
-        table = self.proposal.get(k) or None  # (an empty table is falsy)
-        if table is not None and table.sizes[0] <= b <= table.sizes[-1]:
-            return table.estimate(b)
-        d = self.draft.estimate(b)
-        if table is None:
-            return None if d is None else k * d
-        near = min(table.sizes, key=lambda s: abs(s - b))
-        d_near = self.draft.estimate(near)
-        return table.seconds[near] * d / d_near if d is not None and d_near else table.estimate(b)
+        """The main drafter's proposal of k tokens over b rows, seconds (``measures.proposal_seconds``)."""
+        return proposal_seconds(self.proposal, self.draft, b, k)
 
     def token_threshold(self, b: int) -> float | None:
         """:func:`~megatron_spec.rollout.native.cost_model.token_threshold` at ``b`` rows; None until the
@@ -385,6 +380,9 @@ class DraftLengthController:
         if prefill:
             return
         if tokens is None:
+            plain = self.verify.seconds.get(b)
+            if k > 0 and m == 0 and plain:
+                self.verify_over_plain.setdefault(size_class(b), CostTable()).update(k, step_s / plain)
             self.verify.update(b * (k + 1 + m), step_s)
         else:  # priced as an unpacked forward of as many tokens times packed_ratio; not in the table once it
             # has an unpacked measurement to compare with (before: its first)

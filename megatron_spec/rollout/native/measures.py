@@ -69,6 +69,23 @@ class CostTable:
         return max(t_lo + slope * (size - s_lo), min(t_lo, t_hi) * 0.05)
 
 
+
+def proposal_seconds(proposal: dict[int, CostTable], draft: CostTable, b: int, k: int) -> float | None:
+    """Seconds of a drafter's proposal of k tokens over b rows: ``proposal[k]`` (whole proposals, keyed by
+    rows) within the rows it was measured at; outside them, its nearest measurement scaled by how one draft
+    pass (``draft``, keyed by rows) scales from those rows to b (a table measured at one row count alone
+    would otherwise price b rows b times as high: a draft pass over 16 rows costs about what one over 1 row
+    does on a CPU); a k never measured: k average passes."""
+    table = proposal.get(k) or None  # (an empty table is falsy)
+    if table is not None and table.sizes[0] <= b <= table.sizes[-1]:
+        return table.estimate(b)
+    d = draft.estimate(b)
+    if table is None:
+        return None if d is None else k * d
+    near = min(table.sizes, key=lambda s: abs(s - b))
+    d_near = draft.estimate(near)
+    return table.seconds[near] * d / d_near if d is not None and d_near else table.estimate(b)
+
 class AcceptanceStats:
     """Tried / accepted counts per draft position (1-based positions stored 0-based)."""
 
