@@ -30,8 +30,10 @@ run has ``accept_pos_k3`` / ``accept_pos_k3_t1`` per batch size in ``per_config`
 verify steps accepting at least 1, 2, 3 drafts).
 
 Measured per dtype and batch size B (tokens/s, all through the same engine code; the engine
-configurations run round-robin, 5 rounds, so the machine's drift hits them alike; tokens/s is a
-config's best round, and the speed-up over AR is the median of the rounds' paired ratios):
+configurations of a round run step by step in turn, each on its own clock (``--interleave steps``,
+``_lockstep.py``; ``calls``: one whole call after the other), 5 rounds, so the machine's drift hits them
+alike; tokens/s is a config's best round, and the speed-up over AR is the median of the rounds' paired
+ratios):
   * this engine, plain decoding (greedy, and sampling at T=1 for the transformers comparison);
   * EAGLE-3 with k = 1..5, the draft model and n-gram prompt lookup (k=3), with acceptance lengths;
   * transformers ``generate`` sampling at T=1; transformers assisted generation with the same
@@ -317,7 +319,8 @@ def timed_rounds(
                 srv.core.generate(reqs, seed=prime_seed + r)
         calls = {name: (lambda done, c=srv.core, s=seed + r: c.generate_steps(reqs, done, seed=s))
                  for name, srv in servers.items()}
-        for name, (samples, st, finish) in run_calls(calls, r).items():
+        engines = {name: srv.core for name, srv in servers.items()}
+        for name, (samples, st, finish) in run_calls(calls, r, engines).items():
             runs[name].append((st, tail_seconds(finish), [len(x.output_ids) for x in samples]))
             print(f"[{tag}] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail_seconds(finish):.2f}s, "
                   f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
@@ -327,19 +330,25 @@ def timed_rounds(
 INTERLEAVE = "steps"  # --interleave: how the configs of a round share the machine
 
 
-def run_calls(calls: dict, turn: int) -> dict:
-    """``calls`` (name -> a function of ``on_sample_done`` starting ``generate_steps``) run step by step in
-    turn (``INTERLEAVE`` ``steps``) or one whole call after the other (``calls``), the order turned by
-    ``turn`` (a round's number: each config leads in turn); per name ``(samples, stats, finish times)``,
-    each call's time its own."""
+def run_calls(calls: dict, turn: int, engines: dict) -> dict:
+    """``calls`` (name -> a function of ``on_sample_done`` starting ``generate_steps`` on ``engines[name]``)
+    run step by step in turn (``INTERLEAVE`` ``steps``) or one whole call after the other (``calls``), the
+    order turned by ``turn`` (a round's number: each config leads in turn); calls on one engine (a config at
+    two temperatures) never run at once: they go in successive waves. Per name ``(samples, stats, finish
+    times)``, each call's time its own."""
     from _lockstep import run_in_turn
 
     names = list(calls)
     names = names[turn % len(names):] + names[:turn % len(names)]
-    if INTERLEAVE == "steps":
-        out = run_in_turn({name: calls[name] for name in names})
-    else:
-        out = {name: run_in_turn({name: calls[name]})[name] for name in names}
+    waves: list[dict] = []
+    for name in names:
+        wave = next((w for w in waves if all(engines[n] is not engines[name] for n in w)), None)
+        if wave is None or INTERLEAVE != "steps":
+            waves.append(wave := {})
+        wave[name] = calls[name]
+    out = {}
+    for wave in waves:
+        out.update(run_in_turn(wave))
     return {name: out[name] for name in calls}
 
 
@@ -532,8 +541,9 @@ def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -
     runs: dict = {name: [] for name in configs}
     calls = {name: (lambda done, c=srv.core, q=reqs[t]: c.generate_steps(q, done, seed=0))
              for name, (srv, t) in configs.items()}
+    engines = {name: srv.core for name, (srv, _) in configs.items()}
     for r in range(repeats):
-        for name, (_, st, _) in run_calls(calls, r).items():
+        for name, (_, st, _) in run_calls(calls, r, engines).items():
             runs[name].append(st)
     return runs
 

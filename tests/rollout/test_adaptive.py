@@ -484,6 +484,43 @@ def test_paired_ratio_interval_brackets_the_median_and_narrows_with_rounds():
     assert lo <= lo4 <= 0.95 <= hi4 <= hi and hi4 - lo4 < hi - lo
 
 
+def test_the_benchmarks_calls_run_step_by_step_one_engine_at_a_time():
+    """benchmarks/bench_rollout.py's rounds: calls on different engines run one step each in turn, the
+    order turned by the round; two calls on one engine (a config at two temperatures) go in successive
+    waves, never at once; ``--interleave calls`` runs each call whole; each result comes back by name."""
+    from megatron_spec.rollout.types import GenerateStats
+
+    bench = _bench_rollout()
+    log = []
+
+    def call(name):
+        def start(done):
+            def steps():
+                for _ in range(2):
+                    log.append(name)
+                    yield
+                return name, GenerateStats()
+            return steps()
+        return start
+
+    a, b = object(), object()
+    calls = {n: call(n) for n in ("ar", "k3", "ar_t1", "k3_t1")}
+    engines = {"ar": a, "k3": b, "ar_t1": a, "k3_t1": b}
+    out = bench.run_calls(calls, 0, engines)
+    assert log == ["ar", "k3"] * 2 + ["ar_t1", "k3_t1"] * 2
+    assert list(out) == list(calls) and all(out[n][0] == n for n in calls)
+    log.clear()
+    bench.run_calls(calls, 1, engines)
+    assert log == ["k3", "ar_t1"] * 2 + ["k3_t1", "ar"] * 2
+    log.clear()
+    try:
+        bench.INTERLEAVE = "calls"
+        bench.run_calls(calls, 0, engines)
+    finally:
+        bench.INTERLEAVE = "steps"
+    assert log == ["ar", "ar", "k3", "k3", "ar_t1", "ar_t1", "k3_t1", "k3_t1"]
+
+
 def test_a_wider_batch_first_measures_k_max_then_chooses():
     """Measured at one row only, a batch of 16 would be priced by extrapolation (a verify's cost per
     token at 1 row says little about 16 rows): its first step runs k_max, after that the choice is
