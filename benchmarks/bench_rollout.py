@@ -334,21 +334,21 @@ def run_calls(calls: dict, turn: int, engines: dict) -> dict:
     """``calls`` (name -> a function of ``on_sample_done`` starting ``generate_steps`` on ``engines[name]``)
     run step by step in turn (``INTERLEAVE`` ``steps``) or one whole call after the other (``calls``), the
     order turned by ``turn`` (a round's number: each config leads in turn); calls on one engine (a config at
-    two temperatures) never run at once: they go in successive waves. Per name ``(samples, stats, finish
-    times)``, each call's time its own."""
+    two temperatures) never run at once: they go in successive waves, made in the configs' own order (every
+    engine's first config together, whatever the round) and each turned by ``turn``. Per name ``(samples,
+    stats, finish times)``, each call's time its own."""
     from _lockstep import run_in_turn
 
-    names = list(calls)
-    names = names[turn % len(names):] + names[:turn % len(names)]
-    waves: list[dict] = []
-    for name in names:
+    waves: list[list[str]] = []
+    for name in calls:
         wave = next((w for w in waves if all(engines[n] is not engines[name] for n in w)), None)
         if wave is None or INTERLEAVE != "steps":
-            waves.append(wave := {})
-        wave[name] = calls[name]
+            waves.append(wave := [])
+        wave.append(name)
     out = {}
     for wave in waves:
-        out.update(run_in_turn(wave))
+        wave = wave[turn % len(wave):] + wave[:turn % len(wave)]
+        out.update(run_in_turn({name: calls[name] for name in wave}))
     return {name: out[name] for name in calls}
 
 

@@ -487,7 +487,8 @@ def test_paired_ratio_interval_brackets_the_median_and_narrows_with_rounds():
 def test_the_benchmarks_calls_run_step_by_step_one_engine_at_a_time():
     """benchmarks/bench_rollout.py's rounds: calls on different engines run one step each in turn, the
     order turned by the round; two calls on one engine (a config at two temperatures) go in successive
-    waves, never at once; ``--interleave calls`` runs each call whole; each result comes back by name."""
+    waves, never at once, every engine's first config in the first whatever the round (the pairs a ratio
+    compares stay together); ``--interleave calls`` runs each call whole; each result comes back by name."""
     from megatron_spec.rollout.types import GenerateStats
 
     bench = _bench_rollout()
@@ -511,7 +512,7 @@ def test_the_benchmarks_calls_run_step_by_step_one_engine_at_a_time():
     assert list(out) == list(calls) and all(out[n][0] == n for n in calls)
     log.clear()
     bench.run_calls(calls, 1, engines)
-    assert log == ["k3", "ar_t1"] * 2 + ["k3_t1", "ar"] * 2
+    assert log == ["k3", "ar"] * 2 + ["k3_t1", "ar_t1"] * 2
     log.clear()
     try:
         bench.INTERLEAVE = "calls"
