@@ -615,15 +615,22 @@ def test_the_rare_steps_try_a_neighbour_that_loses_badly_less_and_less_often():
 
 def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
     # a k = 1 step at 16 rows cost 2x the plain step measured just before it; then plain steps slow down by
-    # half again (longer caches, a slower minute) while k = 1 is not tried: its price moves with them, in
-    # units of the current plain step, rather than staying at its stale absolute time
+    # half again (longer caches, a slower minute) while k = 1 is not tried: once its own measurement is over
+    # a rare period (64 steps) older than the plain step's, its price moves with them, in units of the
+    # current plain step, not its stale absolute time; a k measured as recently is priced as measured
     ctl = DraftLengthController(3)
-    for _ in range(9):
-        ctl.record_step(16, 0, 0.040, 0.0, prefill=False)
-    ctl.record_step(16, 1, 0.080, 0.004, prefill=False)
+
+    def steps(n, k, seconds, draft_s=0.0):
+        for _ in range(n):
+            ctl._pick({0: 1.0}, {}, {}, 16)
+            ctl.record_step(16, k, seconds, draft_s, prefill=False)
+
+    steps(9, 0, 0.040)
+    steps(1, 1, 0.080, 0.004)
     assert ctl.step_seconds(16, 1) == pytest.approx(0.080 + 0.004)
-    for _ in range(9):
-        ctl.record_step(16, 0, 0.060, 0.0, prefill=False)
+    steps(9, 0, 0.060)
+    assert ctl.step_seconds(16, 1) == pytest.approx(0.080 + 0.004)  # measured 9 steps ago: as measured
+    steps(60, 0, 0.060)
     assert ctl.verify.estimate(32) == pytest.approx(0.080)  # the absolute table still says 0.08
     assert ctl.step_seconds(16, 1) == pytest.approx(2 * 0.060 + 0.004)
     # a k not measured at this batch-size class is priced from the table, as before

@@ -155,9 +155,10 @@ class DraftLengthController:
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
         self.verify_over_plain: dict[int, CostTable] = {}
-        """Per :func:`size_class`: a drafting step's verify over the plain step's at its rows measured just
-        before it, keyed by k: the price of k in units of the current plain step, which the step's
-        cache length and the machine's drift move alike (an absolute price of a rare k goes stale)."""
+        """Per :func:`size_class`: a drafting step's verify over the plain step's at its rows, keyed by k: the
+        price of a k whose own measurement is over a rare period older than the plain step's, in units of
+        the current plain step (which the caches' length and the machine's drift move alike)."""
+        self._measured_at: dict[int, int] = {}  # the verify table's sizes: the step of their last measurement
         self.packed_ratio = 1.0
         """A packed verify's seconds (rows drafting different lengths, ``Segment.pack``) over an unpacked
         one's of as many tokens (EMA; 1 until measured): packed forwards run the Python layers, not the C++
@@ -207,7 +208,8 @@ class DraftLengthController:
         if k == 0:
             return v
         ratios, plain = self.verify_over_plain.get(size_class(b)), self.verify.seconds.get(b)
-        if ratios is not None and plain and k in ratios.seconds:
+        age = self._measured_at.get(b, 0) - self._measured_at.get(b * (k + 1), 0)  # k's price's, in steps
+        if ratios and plain and k in ratios.seconds and age > self.explore_every * self.explore_rare:
             v = plain * ratios.seconds[k]
         p = self.proposal_seconds(b, k)
         return None if p is None else v + p
@@ -384,6 +386,7 @@ class DraftLengthController:
             if k > 0 and m == 0 and plain:
                 self.verify_over_plain.setdefault(size_class(b), CostTable()).update(k, step_s / plain)
             self.verify.update(b * (k + 1 + m), step_s)
+            self._measured_at[b * (k + 1 + m)] = self._steps
         else:  # priced as an unpacked forward of as many tokens times packed_ratio; not in the table once it
             # has an unpacked measurement to compare with (before: its first)
             v = self.verify.estimate(tokens)
