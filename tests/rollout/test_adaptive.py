@@ -116,19 +116,25 @@ def test_exploration_skips_a_neighbour_that_loses_badly():
     assert picks.count(1) == 8 and picks.count(2) == 0
 
 
+def _k1_tries(ctl: DraftLengthController, rate: float, steps: int) -> tuple[list[int], list[int]]:
+    """``steps`` steps at 16 rows where k = 1 is predicted and realised at ``rate`` of plain decoding's rate
+    (1): the steps that tried k = 1, and the gaps between them."""
+    ctl.record_step(16, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
+    tries = []
+    for step in range(steps):
+        k = ctl._pick({0: 1.0, 1: rate}, {}, {}, 16).k
+        if k == 1:
+            tries.append(step)
+        ctl.record_outcome(16, 16 / (rate if k == 1 else 1.0), prefill=False)
+    return tries, [b - a for a, b in zip(tries, tries[1:])]
+
+
 def test_a_neighbour_that_keeps_losing_is_explored_less_often():
     # k = 1 is predicted at 0.9 of plain decoding (inside explore_margin) and realises that (its calibration
     # stays 1), below plain's rate: the wait between its tries doubles up to the rare steps' period (64),
     # where every 8th step tried it before; a try that beats the best plan brings it back to every 8th step
     ctl = DraftLengthController(3)
-    ctl.record_step(16, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
-    tries = []
-    for step in range(400):
-        k = ctl._pick({0: 1.0, 1: 0.9}, {}, {}, 16).k
-        if k == 1:
-            tries.append(step)
-        ctl.record_outcome(16, 16 / (0.9 if k == 1 else 1.0), prefill=False)
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    tries, gaps = _k1_tries(ctl, 0.9, 400)
     assert gaps[:2] == [16, 32] and max(gaps) == 64, gaps
     assert sum(1 for t in tries if t >= 144) == 4, tries  # steps 144..399: the rare steps' 4 (was 32)
     wait, _ = ctl._explore_wait[(StepPlan(1), size_class(16))]
@@ -595,14 +601,7 @@ def test_the_rare_steps_try_a_neighbour_that_loses_badly_less_and_less_often():
     # steps' period, up to explore_rare_longest periods (512 steps), where every 64th step tried it before; a
     # try that gives the best rate again brings it back to every 8th step
     ctl = DraftLengthController(3)
-    ctl.record_step(16, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
-    tries = []
-    for step in range(3000):
-        k = ctl._pick({0: 1.0, 1: 0.5}, {}, {}, 16).k
-        if k == 1:
-            tries.append(step)
-        ctl.record_outcome(16, 16 / (0.5 if k == 1 else 1.0), prefill=False)
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    _, gaps = _k1_tries(ctl, 0.5, 3000)
     assert gaps[:6] == [64, 64, 64, 128, 256, 512] and set(gaps[6:]) == {512}, gaps
     assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == 512
     while ctl._pick({0: 1.0, 1: 0.5}, {}, {}, 16).k != 1:  # the next try does as well as plain decoding
