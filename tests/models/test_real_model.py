@@ -156,16 +156,12 @@ def test_draft_model_of_its_first_layers_is_exact(smollm2, chat_prompts, tmp_pat
     (benchmarks/_real_model.py), same tokenizer, proposing k=3; greedy speculative output equals plain
     decoding token for token. (Undistilled, the truncated model is a poor drafter: the benchmark
     measured an acceptance length of 1.04.)"""
-    import importlib.util
-
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+    from tests.benchmark_modules import load_benchmark
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "_real_model.py")
-    spec = importlib.util.spec_from_file_location("real_model_for_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("_real_model")
     draft = mod.truncated_draft_model(smollm2, str(tmp_path / "draft"), 4)
     assert json.load(open(os.path.join(draft, "config.json")))["num_hidden_layers"] == 4
     sp = SamplingParams(temperature=0.0, max_new_tokens=32)

@@ -437,15 +437,10 @@ def test_history_rows_hook_makes_rows_with_a_proposal_draft_from_it(monkeypatch)
 
 
 def _bench_rollout():
-    """benchmarks/bench_rollout.py as a module (the benchmarks are scripts, not a package)."""
-    import importlib.util
-    import os
+    """benchmarks/bench_rollout.py as a module."""
+    from tests.benchmark_modules import load_benchmark
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_rollout.py")
-    spec = importlib.util.spec_from_file_location("bench_rollout_for_test", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("bench_rollout")
 
 
 def test_length_policy_ceiling_is_the_oracle_over_fixed_k():

@@ -259,18 +259,14 @@ def test_generate_steps_run_in_turn_give_each_engines_own_call(setup):
     rollout benchmark's timing) give what each engine's own ``generate`` gives: the same samples, log-probs
     and statistics, at T=1, plain and speculative (a fixed k: the adaptive plan hangs on measured times);
     each call's clock is its own steps' time, within the pair's wall time, its samples finishing on it."""
-    import importlib.util
-    import os
     import time
 
     from megatron_spec.rollout.config import EngineConfig
     from megatron_spec.rollout.native.server import EngineServer
     from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+    from tests.benchmark_modules import load_benchmark
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "_lockstep.py")
-    spec = importlib.util.spec_from_file_location("lockstep_for_test", path)
-    lockstep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lockstep)
+    lockstep = load_benchmark("_lockstep")
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(4, setup.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7)]
     sp = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)

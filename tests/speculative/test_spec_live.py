@@ -188,13 +188,9 @@ def test_the_support_benchmark_replays_sibling_answers():
     known: three siblings write "5 6 7 0" twice, the fourth "5 6 8 0" then "5 6 7 0". At the second "5 6" (all
     rows next write 7) the newest earlier occurrence is the fourth row's (8: rejected by every row), the
     majority's is 7 (3 of 4 texts: accepted by every row)."""
-    import importlib.util
-    import os
+    from tests.benchmark_modules import load_benchmark
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_live_support.py")
-    spec = importlib.util.spec_from_file_location("bench_live_support_for_test", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("bench_live_support")
     rows = [[5, 6, 7, 0, 5, 6, 7, 0]] * 3 + [[5, 6, 8, 0, 5, 6, 7, 0]]
     res = bench.replay([[PROMPT] + rows], k=3, candidates=16)
     assert res["proposals"]["majority"] == res["proposals"]["newest"] > 0
