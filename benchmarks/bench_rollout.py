@@ -302,9 +302,7 @@ def timed_rounds(
     """Each round runs every server once on ``reqs``, its history emptied first (and, with
     ``prime_seed``, primed by one call on the same prompts: their earlier rollouts); per server the
     rounds' ``(GenerateStats, tail seconds, response lengths)``. A warm-up call per server first (oneDNN
-    primitives, the adaptive controllers' tables). The measured calls run in turn, one after the other,
-    or (``INTERLEAVE`` ``steps``, the default) step by step together, each on its own clock
-    (``_lockstep.run_in_turn``); the order turns by one server each round."""
+    primitives, the adaptive controllers' tables). The measured calls run as ``run_calls`` runs them."""
     # the warm-up: 2 requests, at most 64 tokens (the long-tail workload's 1024 would cost minutes)
     warm = [dataclasses.replace(q, sampling=dataclasses.replace(q.sampling, max_new_tokens=min(
         64, q.sampling.max_new_tokens))) for q in reqs[:2]]
@@ -312,6 +310,7 @@ def timed_rounds(
         _reset_history(srv)
         srv.core.generate(warm, seed=99)
     runs: dict = {name: [] for name in servers}
+    engines = {name: srv.core for name, srv in servers.items()}
     for r in range(rounds):
         for srv in servers.values():
             _reset_history(srv)
@@ -319,10 +318,10 @@ def timed_rounds(
                 srv.core.generate(reqs, seed=prime_seed + r)
         calls = {name: (lambda done, c=srv.core, s=seed + r: c.generate_steps(reqs, done, seed=s))
                  for name, srv in servers.items()}
-        engines = {name: srv.core for name, srv in servers.items()}
         for name, (samples, st, finish) in run_calls(calls, r, engines).items():
-            runs[name].append((st, tail_seconds(finish), [len(x.output_ids) for x in samples]))
-            print(f"[{tag}] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail_seconds(finish):.2f}s, "
+            tail = tail_seconds(finish)
+            runs[name].append((st, tail, [len(x.output_ids) for x in samples]))
+            print(f"[{tag}] round {r} {name}: {st.tokens_per_s:.1f} tok/s, tail {tail:.2f}s, "
                   f"k_mean {st.k_mean}, sources {st.source_steps}", file=sys.stderr, flush=True)
     return runs
 
@@ -332,11 +331,11 @@ INTERLEAVE = "steps"  # --interleave: how the configs of a round share the machi
 
 def run_calls(calls: dict, turn: int, engines: dict) -> dict:
     """``calls`` (name -> a function of ``on_sample_done`` starting ``generate_steps`` on ``engines[name]``)
-    run step by step in turn (``INTERLEAVE`` ``steps``) or one whole call after the other (``calls``), the
-    order turned by ``turn`` (a round's number: each config leads in turn); calls on one engine (a config at
-    two temperatures) never run at once: they go in successive waves, made in the configs' own order (every
-    engine's first config together, whatever the round) and each turned by ``turn``. Per name ``(samples,
-    stats, finish times)``, each call's time its own."""
+    run step by step in turn (``INTERLEAVE`` ``steps``), in waves: calls on one engine (a config at two
+    temperatures) never run at once, so they go in successive waves, made in the configs' own order (every
+    engine's first config together, whatever the round), each wave's order turned by ``turn`` (a round's
+    number: each config leads in turn). With ``calls``, one whole call after the other in the configs' own
+    order, as before. Per name ``(samples, stats, finish times)``, each call's time its own."""
     from _lockstep import run_in_turn
 
     waves: list[list[str]] = []
@@ -524,8 +523,7 @@ def fresh_workload(paths, dtype: str, prompts: list[list[int]], new_tokens: int,
 
 def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -> dict:
     """``configs``: name -> (server, temperature). Each round runs every config once (``run_calls``:
-    step by step together by default, the order turning by one config each round); returns each
-    config's runs (``GenerateStats``), round by round.
+    step by step together by default); returns each config's runs (``GenerateStats``), round by round.
 
     Why interleaved: this VM's speed drifts by 10-25% over a minute. Measured one after the
     other, a config that happens to run in a slow minute looks slower than it is, and the

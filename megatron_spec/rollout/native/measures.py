@@ -69,7 +69,6 @@ class CostTable:
         return max(t_lo + slope * (size - s_lo), min(t_lo, t_hi) * 0.05)
 
 
-
 def proposal_seconds(proposal: dict[int, CostTable], draft: CostTable, b: int, k: int) -> float | None:
     """Seconds of a drafter's proposal of k tokens over b rows: ``proposal[k]`` (whole proposals, keyed by
     rows) within the rows it was measured at; outside them, its nearest measurement scaled by how one draft
@@ -85,6 +84,7 @@ def proposal_seconds(proposal: dict[int, CostTable], draft: CostTable, b: int, k
     near = min(table.sizes, key=lambda s: abs(s - b))
     d_near = draft.estimate(near)
     return table.seconds[near] * d / d_near if d is not None and d_near else table.estimate(b)
+
 
 class AcceptanceStats:
     """Tried / accepted counts per draft position (1-based positions stored 0-based)."""
