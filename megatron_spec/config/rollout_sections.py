@@ -165,6 +165,7 @@ class DraftConfig(Section):
 
     spec_draft_kind: str = setting("spec_draft_kind")
     spec_draft_path: str = setting("spec_draft_path")
+    spec_draft_bf16: bool = setting("spec_draft_bf16")
     spec_online_draft_training: bool = flag(
         False, "train the EAGLE-3 draft online from the verifier's hidden states"
     )

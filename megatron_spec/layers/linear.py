@@ -190,6 +190,11 @@ class Linear(HeldPanels, nn.Module):
     measured the transposing copies as its slowest piece; state dicts with ``weight_t`` still load.)
     """
 
+    round_bf16 = False
+    """Compute with the fp32 weight rounded to bf16 (set per module: an engine's draft, whose precision the
+    samples do not depend on, verification being exact; its panels read half the bytes): :meth:`pack` rounds a
+    copy, the weight and its fingerprint stay as loaded."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -229,13 +234,15 @@ class Linear(HeldPanels, nn.Module):
                 sums.add(w.detach())
             return False
         with torch.no_grad():
-            w = w.detach().contiguous()  # a view already (a tied table too): no copy
+            w = exact = w.detach().contiguous()  # a view already (a tied table too): no copy
+            if self.round_bf16 and w.dtype == torch.float32 and not bf16_candidate(w):
+                w = w.to(torch.bfloat16).float()  # every row count computes with it (F.linear too)
             self._packed = None  # freed first: the new copy can take its place in the heap
             old = self._small if self._small is not None else self._spare
-            self._small, summed = self._pack_panels(w, old, sums)
+            self._small, summed = self._pack_panels(w, old, sums if w is exact else None)
             self._spare = None
             if sums is not None and not summed:
-                sums.add(w)
+                sums.add(exact)
             plain = w.dtype == torch.float32 and self._small is not None and not ONEDNN_COPY_F32
             self._packed = w if plain else torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
         return True

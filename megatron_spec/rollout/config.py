@@ -82,6 +82,9 @@ class EngineConfig:
     """none | eagle3 | model | mtp | ngram."""
     draft_path: str | None = None
     """EAGLE-3 export (ModelOpt) or draft-model HF checkpoint; MTP heads come from the trainer."""
+    draft_bf16: bool = True
+    """Native engine in fp32 on a CPU: the draft computes with its weights rounded to bf16 (half the bytes a
+    draft pass reads; the samples stay exactly the target's: verification does not depend on the draft)."""
     num_draft_tokens: int | str = 3
     """k: tokens drafted per verify step, or ``auto``: chosen per step in 0..``max_draft_tokens`` by the
     engine from measured acceptance and step cost (native engine; ``adaptive.py``)."""

@@ -234,6 +234,15 @@ SETTINGS: tuple[Setting, ...] = (
         alias="--draft-path",
     ),
     Setting(
+        "spec_draft_bf16",
+        "draft",
+        True,
+        "native engine in fp32 on a CPU: run the draft on its weights rounded to bf16 (half "
+        "the bytes a draft pass reads; samples stay exactly the policy's, verification does not depend on "
+        "the draft's precision)",
+        engine="draft_bf16",
+    ),
+    Setting(
         "spec_num_draft_tokens",
         "spec",
         3,

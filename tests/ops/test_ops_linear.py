@@ -316,3 +316,34 @@ def test_layer_keeps_bf16_panels_only_where_every_weight_is_a_bf16_number():
     sums = Fingerprint()
     lin.pack(sums=sums)  # bf16 panels again, fresh: the fp32 ones have another layout
     assert lin._small.dtype == torch.bfloat16 and sums == Fingerprint().add(lin.weight.detach())
+
+
+def test_a_layer_rounding_to_bf16_computes_with_the_rounded_weight_and_keeps_the_loaded_one():
+    """``round_bf16`` (an engine's draft): at every row count, panels (through a re-pack into the panels it
+    kept too) and above the kernel's cut, the layer gives the bits of a layer loaded with the rounded weight;
+    its weight and the sums of a weight sync stay those of the weight as loaded."""
+    from megatron_spec.layers.linear import SMALL_MAX_ROWS, Linear
+    from megatron_spec.sync.fingerprint import Fingerprint
+
+    torch.manual_seed(2)
+    lin = Linear(96, 40).eval()
+    lin.round_bf16 = True
+    exact = lin.weight.detach().clone()
+    rounded = Linear(96, 40).eval()
+    with torch.no_grad():
+        rounded.weight.copy_(exact.bfloat16().float())
+    assert not torch.equal(rounded.weight, exact)
+    rounded.pack()
+    for repack in (False, True):
+        if repack:
+            lin.unpack(keep=True)
+        sums = Fingerprint()
+        assert lin.pack(sums=sums) and lin._small.dtype == torch.bfloat16
+        assert sums == Fingerprint().add(exact) and torch.equal(lin.weight, exact)
+        with torch.inference_mode():
+            for rows in (1, 5, SMALL_MAX_ROWS + 3):
+                x = torch.randn(rows, 96)
+                assert torch.equal(lin(x), rounded(x)), rows
+    lin.round_bf16 = False
+    lin.pack()
+    assert lin._small.dtype == torch.float32  # as loaded again

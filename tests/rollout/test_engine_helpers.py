@@ -292,3 +292,32 @@ def test_generate_steps_run_in_turn_give_each_engines_own_call(setup):
     assert all(c > 0 for c in clocks) and sum(clocks) <= wall
     for samples, st, finish in together.values():
         assert len(finish) == len(samples) == 6 and finish == sorted(finish) and finish[-1] <= st.wall_s
+
+
+def test_the_fp32_engines_draft_computes_with_bf16_weights_and_the_samples_stay_the_targets(setup):
+    """``draft_bf16`` (the default): the EAGLE-3 head's layers compute with their weights rounded to bf16
+    (bf16 panels where the kernel runs), off: as loaded. Greedy outputs are the target's either way."""
+    from megatron_spec.layers.linear import Linear, bf16_candidate, small_linear_available
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(4, setup.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 9)]
+    reqs = [GenerateRequest(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    outputs = {}
+    for draft, flag in (("none", True), ("eagle3", True), ("eagle3", False)):
+        server = EngineServer(EngineConfig(model_path=setup.target, draft_kind=draft, draft_bf16=flag,
+                                           draft_path=setup.eagle3 if draft == "eagle3" else None,
+                                           num_draft_tokens=3, context_length=64, max_batch_size=2))
+        outputs[draft, flag] = [s.output_ids for s in server.core.generate(reqs, seed=0)[0]]
+        if draft == "none":
+            continue
+        layers = [m for m in server.core.drafter.head.modules() if isinstance(m, Linear)]
+        assert layers and all(m.round_bf16 == flag for m in layers)
+        assert not all(bf16_candidate(m.weight) for m in layers)  # a draft trained in fp32
+        if small_linear_available():
+            bf16 = [m._small.dtype == torch.bfloat16 for m in layers]
+            assert bf16 == [flag or bf16_candidate(m.weight) for m in layers]
+    assert outputs["eagle3", True] == outputs["none", True] == outputs["eagle3", False]

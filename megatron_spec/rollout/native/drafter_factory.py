@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from megatron_spec.layers.linear import Linear, TiedLinear
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafters import Drafter, Eagle3Drafter, ModelDrafter, NgramDrafter
@@ -34,7 +35,19 @@ class BuiltDrafter:
 
 def build_drafter(config: EngineConfig, target: CausalLM, device: torch.device, dtype: torch.dtype
                   ) -> BuiltDrafter:
-    """The drafter ``config.draft_kind`` names, on ``device`` in ``dtype``, beside ``target``."""
+    """The drafter ``config.draft_kind`` names, on ``device`` in ``dtype``, beside ``target``; in fp32 on a
+    CPU its linear layers compute with their weights rounded to bf16 (``config.draft_bf16``,
+    ``layers.linear.Linear.round_bf16``)."""
+    built = _build(config, target, device, dtype)
+    module = draft_module(built.drafter)
+    if module is not None and config.draft_bf16 and dtype == torch.float32 and device.type == "cpu":
+        for m in module.modules():  # (not a tied head: its table is the target's)
+            if isinstance(m, Linear) and not isinstance(m, TiedLinear):
+                m.round_bf16 = True
+    return built
+
+
+def _build(config: EngineConfig, target: CausalLM, device: torch.device, dtype: torch.dtype) -> BuiltDrafter:
     kind = config.draft_kind
     if kind == "none":
         return BuiltDrafter(None)
