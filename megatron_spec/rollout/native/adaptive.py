@@ -22,12 +22,13 @@ best plan's rate waits twice as long for the next (up to the rare steps' period;
 ``explore_margin`` of it, up to ``explore_rare_longest`` rare periods, and the rare steps wait too: a k = 1
 step at 16 rows on 2 cores costs ~2 plain steps, and tried every 64th step it cost ~2%).
 
-Calibration: what a plan really gave (tokens kept per second of the whole step) over the rate predicted
-when it was chosen, a running mean per plan and batch-size class (``rate_calibration``; then an EMA),
-multiplies that plan's predicted rate from then on. It catches what the model leaves out: the best of
-several noisy estimates is on average an optimistic one; EAGLE-3's first pass after plain steps extends
-over every token they emitted; a speculative step's host work grows with the drafts. Tree steps' drafted
-tokens are calibrated on their own (``tree_calibration``): the two sources are correlated and the
+Calibration: what a plan really gave (tokens kept per second of the whole step) over the rate predicted when
+it was chosen, a running mean per plan and batch-size class (``rate_calibration``; then an EMA), multiplies
+that plan's predicted rate from then on. A step weighs as many rows as it has: at one row the tokens a step
+keeps vary most (1 to k+1), and a few unlucky steps must not bury a plan. It catches what the model leaves
+out: the best of several noisy estimates is on average an optimistic one; EAGLE-3's first pass after plain
+steps extends over every token they emitted; a speculative step's host work grows with the drafts. Tree steps'
+drafted tokens are calibrated on their own (``tree_calibration``): the two sources are correlated and the
 independence estimate optimistic. The measurements behind these choices: docs/benchmark_log.md, "The
 adaptive controller's design, measured".
 
@@ -106,7 +107,7 @@ class DraftLengthController:
                  explore_rare: int = 8, explore_rare_longest: int = 8, row_prior_weight: float = 4.0,
                  support_weight: float = 2.0, batch_decay: float = 0.98, k_main: int | None = None,
                  k_tree: int = 0, tree: str = "auto", tree_calibration_ema: float = 0.05,
-                 rate_calibration_ema: float = 0.1):
+                 rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16):
         if not 0 <= k_min <= k_max or k_max < 1:
             raise ValueError(
                 f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}"
@@ -134,17 +135,14 @@ class DraftLengthController:
         steps get tried, and falls to what they really give."""
         self.tree_calibration_ema = tree_calibration_ema
         self.rate_calibration: dict[tuple[StepPlan, int], tuple[float, int]] = {}
-        """Per (plan, :func:`size_class`): realised over predicted tokens per second and how many steps
+        """Per (plan, :func:`size_class`): realised over predicted tokens per second and how many rows' steps
         measured it (module docstring)."""
-        self.rate_calibration_ema = rate_calibration_ema
+        self.rate_calibration_ema, self.rate_calibration_rows = rate_calibration_ema, rate_calibration_rows
         self._chosen: tuple[StepPlan, int, float] | None = None  # the last plan, its rows, its predicted rate
-        # an exploring step: its plan, rows, the best rate
-        self._explored: tuple[StepPlan, int, float] | None = None
+        self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step's plan, rows, best rate
         self._explore_wait: dict[tuple[StepPlan, int], tuple[int, int]] = {}
         """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the
-        first step it may be tried again (doubled each time a try gives less than the best plan's rate, up to
-        the rare steps' period, or ``explore_rare_longest`` of them where it gave less than ``explore_margin``
-        of it; the rare steps wait only for the longer waits)."""
+        first step it may be tried again (:meth:`_explore`, :meth:`record_outcome`)."""
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.explore_rare_longest = explore_rare_longest
@@ -364,10 +362,12 @@ class DraftLengthController:
             return
         ratio = min(2.0, max(0.25, tokens / seconds / predicted))
         key = (plan, size_class(b))
-        value, n = self.rate_calibration.get(key, (1.0, 0))
-        # a running mean with the prior 1 as one step, then an EMA
-        w = max(self.rate_calibration_ema, 1.0 / (n + 2))
-        self.rate_calibration[key] = (value + w * (ratio - value), n + 1)
+        value, rows = self.rate_calibration.get(key, (1.0, 0))
+        # a step weighs as its rows (each row's accepted count a draw of its own): a running mean with the
+        # prior 1 as ``rate_calibration_rows`` rows, then an EMA of ``rate_calibration_ema`` a step of as many
+        unit = self.rate_calibration_rows
+        w = b / (b + unit + min(rows, unit / self.rate_calibration_ema))
+        self.rate_calibration[key] = (value + w * (ratio - value), rows + b)
 
     def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool, m: int = 0,
                     tokens: int | None = None) -> None:
