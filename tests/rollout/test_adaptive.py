@@ -191,9 +191,10 @@ def test_a_plan_that_gives_less_than_predicted_is_calibrated_down():
 
 
 def test_at_one_row_a_few_unlucky_steps_do_not_bury_a_plan_and_many_calibrate_it():
-    """At one row a step keeps 1 to k+1 tokens, so its realised rate scatters around the prediction: three steps
-    at half of it leave k = 3's calibration near 1 (a step weighs as its rows), and it is still chosen over a
-    k = 1 predicted 10% lower; 300 steps at 0.8 of it bring the calibration to 0.8, as a few do at 16 rows."""
+    """At one row a step keeps 1 to k+1 tokens, so its realised rate scatters around the prediction: three
+    steps at half of it leave k = 3's calibration near 1 (a step weighs as its rows), and it is still chosen
+    over a k = 1 predicted 10% lower; 300 steps at 0.8 of it bring the calibration to 0.8, as a few do at 16
+    rows."""
     ctl = DraftLengthController(3, explore_every=0)
     ctl.record_step(1, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
     rates = {1: 0.9, 3: 1.0}
