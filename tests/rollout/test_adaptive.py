@@ -212,6 +212,7 @@ def test_at_one_row_a_few_unlucky_steps_do_not_bury_a_plan_and_many_calibrate_it
         ctl.record_outcome(50, 100.0, prefill=False)
     assert ctl.calibration(StepPlan(3), 16) < 0.6
 
+
 def test_row_history_outweighs_the_batch():
     ctl = DraftLengthController(3)
     row = AcceptanceStats(3)

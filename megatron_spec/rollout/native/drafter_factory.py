@@ -35,12 +35,12 @@ class BuiltDrafter:
 
 def build_drafter(config: EngineConfig, target: CausalLM, device: torch.device, dtype: torch.dtype
                   ) -> BuiltDrafter:
-    """The drafter ``config.draft_kind`` names, on ``device`` in ``dtype``, beside ``target``; in fp32 on a
-    CPU its linear layers compute with their weights rounded to bf16 (``config.draft_bf16``,
-    ``layers.linear.Linear.round_bf16``)."""
+    """The drafter ``config.draft_kind`` names, on ``device`` in ``dtype``, beside ``target``; its linear
+    layers compute with their weights rounded to bf16 where they are fp32 and packed on a CPU
+    (``config.draft_bf16``, ``layers.linear.Linear.round_bf16``)."""
     built = _build(config, target, device, dtype)
     module = draft_module(built.drafter)
-    if module is not None and config.draft_bf16 and dtype == torch.float32 and device.type == "cpu":
+    if module is not None and config.draft_bf16:
         for m in module.modules():  # (not a tied head: its table is the target's)
             if isinstance(m, Linear) and not isinstance(m, TiedLinear):
                 m.round_bf16 = True
