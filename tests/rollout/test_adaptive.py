@@ -18,7 +18,7 @@ from megatron_spec.rollout.native.adaptive import (
 )
 from megatron_spec.rollout.native.cost_model import DraftOption as O
 from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
-from megatron_spec.rollout.native.measures import SupportStats, paying_prefix, support_class
+from megatron_spec.rollout.native.measures import Pace, SupportStats, paying_prefix, support_class
 from megatron_spec.rollout.native.spec_worker import plan_step
 
 
@@ -634,8 +634,9 @@ def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
     # a k = 1 step at 16 rows cost 2x the plain step measured just before it; then plain steps slow down by
     # half again (longer caches, a slower minute) while k = 1 is not tried: once its own measurement is over
     # a rare period (64 steps) older than the plain step's, its price moves with them, in units of the
-    # current plain step, not its stale absolute time; a k measured as recently is priced as measured
-    ctl = DraftLengthController(3)
+    # current plain step, not its stale absolute time; a k measured as recently is priced as measured (the
+    # pace off: here the slowdown is the plain step's own, not the machine's)
+    ctl = DraftLengthController(3, pace_ema=0.0)
 
     def steps(n, k, seconds, draft_s=0.0):
         for _ in range(n):
@@ -653,3 +654,47 @@ def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
     # a k not measured at this batch-size class is priced from the table, as before
     assert ctl.step_seconds(16, 2) == pytest.approx(ctl.verify.estimate(48) + ctl.proposal_seconds(16, 2))
     assert 2 not in ctl.verify_over_plain[size_class(16)].seconds
+
+
+def test_a_slow_moment_is_the_machines_pace_not_the_price_of_the_size_measured_in_it():
+    # plain (16 tokens) and k = 1 (32 tokens) steps at 16 rows learned side by side: 0.040 and 0.060 s. Then
+    # the machine slows to 1.5x while only k = 1 runs (0.090 s): without the pace the table prices k = 1 at
+    # 2.25x the plain step; with it most of the slowdown is the pace's, and k = 1 stays near the 1.5x it costs
+    def run(pace_ema):
+        ctl = DraftLengthController(3, pace_ema=pace_ema)
+        for _ in range(5):
+            for k, sec in ((0, 0.040), (1, 0.060)):
+                ctl._pick({0: 1.0}, {}, {}, 16)
+                ctl.record_step(16, k, sec, 0.0, prefill=False)
+        assert ctl.pace.value == pytest.approx(1.0)  # the same machine: the pace did not move
+        for _ in range(20):
+            ctl._pick({1: 1.0}, {}, {}, 16)
+            ctl.record_step(16, 1, 0.090, 0.0, prefill=False)
+        return ctl, ctl.verify.estimate(32) / ctl.verify.estimate(16)
+
+    off, ratio_off = run(0.0)
+    on, ratio_on = run(0.2)
+    assert off.pace.value == 1.0 and ratio_off == pytest.approx(2.25)
+    assert on.pace.value > 1.25 and ratio_on < 1.8, (on.pace.value, ratio_on)
+    # the slow machine's plain step (0.060 s) is what the pace predicts: the plain step's price holds
+    before = on.verify.estimate(16)
+    on._pick({0: 1.0}, {}, {}, 16)
+    on.record_step(16, 0, 0.060, 0.0, prefill=False)
+    assert on.verify.estimate(16) == pytest.approx(before, rel=0.05)
+
+
+def test_the_pace_moves_only_on_sizes_it_knows_and_a_stall_moves_it_little():
+    table, pace = CostTable(), Pace(ema=0.5, clamp=2.0)
+    pace.observe(1.0, table, 4)  # size 4 unknown
+    table.update(4, 0.01)
+    table.update(4, 0.01)
+    pace.observe(1.0, table, 4)  # two measurements: not known yet (trust 3)
+    assert pace.value == 1.0
+    table.update(4, 0.01)
+    pace.observe(0.02, table, 4)  # twice as slow: half way there at ema 0.5
+    assert pace.value == pytest.approx(2 ** 0.5)
+    pace.observe(100.0, table, 4)  # a stall: clamped to 2x
+    assert pace.value == pytest.approx(2 ** 0.5 * 2 ** 0.5)
+    assert pace.units(0.04) == pytest.approx(0.02)
+    with pytest.raises(ValueError):
+        Pace(ema=1.5)
