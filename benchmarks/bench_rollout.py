@@ -589,6 +589,22 @@ def draft_kinds(paths, dtype: str, prompts, batch: int, new_tokens: int, rounds:
     return out
 
 
+def adaptive_keys(row: dict, runs: dict, fixed: list[str], sfx: str = "") -> str:
+    """The adaptive engine (``eagle3_auto`` + ``sfx``) against the best of the ``fixed`` configs (k = 0
+    and every fixed k, at one temperature) into ``row``: ``adaptive_over_best_fixed``, its 90% interval
+    (3 rounds or more), the rounds' ratios and the adaptive engine's k mean, each key with ``sfx``.
+    Returns the best fixed config's name."""
+    best = max(fixed, key=lambda n: max(x.tokens_per_s for x in runs[n]))
+    adaptive = (runs["eagle3_auto" + sfx], runs[best])
+    row["adaptive_over_best_fixed" + sfx] = paired_ratio(*adaptive)
+    row["adaptive_round_ratios" + sfx] = [round(r, 3) for r in round_ratios(*adaptive)]
+    interval = paired_ratio_interval(*adaptive)
+    if interval is not None:
+        row["adaptive_over_best_fixed_interval" + sfx] = interval
+    row["k_mean_auto" + sfx] = runs["eagle3_auto" + sfx][-1].k_mean
+    return best
+
+
 def round_ratios(num, den) -> list[float]:
     """``num[r] / den[r]`` per round (tokens/s of two configs in the same round)."""
     return [a.tokens_per_s / b.tokens_per_s for a, b in zip(num, den)]
@@ -832,6 +848,9 @@ def main() -> int:
     ap.add_argument("--fresh-configs", default=",".join(FRESH_CONFIGS),
                     help="configs of the fresh workload to run (keys needing a missing one are null)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers comparisons")
+    ap.add_argument("--adaptive-t1", action=argparse.BooleanOptionalAction, default=True,
+                    help="the batch-size table's adaptive engine at T=1 too, against every fixed k sampled "
+                    "(keys *_t1; default on)")
     ap.add_argument(
         "--rounds",
         type=int,
@@ -951,20 +970,19 @@ def main() -> int:
             )
             configs = {name: (srv, 0.0) for name, srv in servers.items()}
             configs["ar_sampling"] = (servers["ar"], 1.0)
-            if "eagle3_k3" in servers:  # acceptance at the RL sampling temperature
-                configs["eagle3_k3_t1"] = (servers["eagle3_k3"], 1.0)
+            sampled = [f"eagle3_k{k}" for k in ks] if args.adaptive_t1 else ["eagle3_k3"] * (3 in ks)
+            for name in sampled:  # acceptance at the RL sampling temperature
+                configs[f"{name}_t1"] = (servers[name], 1.0)
+            if args.adaptive_t1:  # its own engine: the controller learns T=1's acceptance, not greedy's
+                configs["eagle3_auto_t1"] = (_server(paths, dtype, "eagle3", "auto", b, args.new_tokens, plen,
+                                                     max_draft_tokens=max(ks)), 1.0)
             runs = run_interleaved(configs, prompts, args.new_tokens, repeats=args.rounds)
             k3_over_ar = paired_ratio(runs["eagle3_k3"], runs["ar"])
-            fixed = ["ar", *[f"eagle3_k{k}" for k in ks]]
-            best_fixed = max(fixed, key=lambda n, r=runs: max(x.tokens_per_s for x in r[n]))
-            adaptive = (runs["eagle3_auto"], runs[best_fixed])
-            row["adaptive_over_best_fixed"] = paired_ratio(*adaptive)
-            row["adaptive_round_ratios"] = [round(r, 3) for r in round_ratios(*adaptive)]
-            interval = paired_ratio_interval(*adaptive)
-            if interval is not None:  # (3 rounds or more)
-                row["adaptive_over_best_fixed_interval"] = interval
-            row["k_mean_auto"] = runs["eagle3_auto"][-1].k_mean
-            best_fixed_name[f"{dtype}_b{b}"] = best_fixed
+            best_fixed_name[f"{dtype}_b{b}"] = adaptive_keys(row, runs, ["ar", *[f"eagle3_k{k}" for k in ks]])
+            if args.adaptive_t1:
+                best_fixed_name[f"{dtype}_b{b}_t1"] = adaptive_keys(
+                    row, runs, ["ar_sampling", *[f"eagle3_k{k}_t1" for k in ks]], "_t1"
+                )
             if "model" in runs:
                 row["model_k3_over_ar"] = paired_ratio(runs["model"], runs["ar"])
             for name, rounds in runs.items():
@@ -1006,6 +1024,7 @@ def main() -> int:
         *[f"eagle3_k{k}" for k in ks],
         "eagle3_k3_t1",
         "eagle3_auto",
+        "eagle3_auto_t1",
         "model",
         "ngram",
         "hf_generate",
@@ -1060,13 +1079,19 @@ def main() -> int:
         "eagle3_k3_over_hf_assisted_b1": rnd(b1["eagle3_k3"] / b1["hf_assisted"])
         if b1 and "hf_assisted" in b1
         else None,
-        "adaptive_over_best_fixed_min": rnd(min(r["adaptive_over_best_fixed"] for r in mine))
-        if mine
-        else None,
+        **{
+            f"adaptive_over_best_fixed{sfx}_min": rnd(min(r[f"adaptive_over_best_fixed{sfx}"] for r in mine))
+            if any(f"adaptive_over_best_fixed{sfx}" in r for r in mine)
+            else None
+            for sfx in ("", "_t1")
+        },
         "best_fixed": best_fixed_name,
-        "adaptive_over_best_fixed_interval": {
-            k: r["adaptive_over_best_fixed_interval"] for k, r in results.items()
-            if "adaptive_over_best_fixed_interval" in r
+        **{
+            f"adaptive_over_best_fixed_interval{sfx}": {
+                k: r[f"adaptive_over_best_fixed_interval{sfx}"] for k, r in results.items()
+                if f"adaptive_over_best_fixed_interval{sfx}" in r
+            }
+            for sfx in ("", "_t1")
         },
         "adaptive_over_k3_grpo": rnd(grpo.get("adaptive_over_k3_grpo")),
         "best_fixed_grpo": grpo.get("best_fixed_grpo"),
