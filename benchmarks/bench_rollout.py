@@ -53,7 +53,9 @@ measured) runs in the same rounds; ``adaptive_over_best_fixed`` is its paired ra
 fixed k in 0..k_max at that batch size (k = 0 is AR), ``adaptive_over_best_fixed_min`` the minimum
 over batch sizes, ``adaptive_over_best_fixed_interval`` (per dtype and batch size, from 3 rounds) a 90%
 bootstrap interval of that median and ``per_config``'s ``adaptive_round_ratios`` the rounds' ratios: whether
-the rounds resolve a target a few percent from 1.
+the rounds resolve a target a few percent from 1. The same at T=1 (on unless ``--no-adaptive-t1``): a second
+adaptive engine ``eagle3_auto_t1`` (its controller learns T=1's acceptance) against plain decoding and every
+fixed k sampled (``eagle3_k{k}_t1``), keys with ``_t1`` (``adaptive_over_best_fixed_t1_min`` and so on).
 
 GRPO-shaped workload (``--sections grpo``): the demo task with 2..12 terms (``--grpo-task
 sum_long``; one response step per term, so lengths vary 4x and the batch has a long tail as an RL
@@ -537,10 +539,12 @@ def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -
     for server, t in configs.values():
         server.generate(reqs[t][:1])  # warm-up: oneDNN primitives for these shapes
     runs: dict = {name: [] for name in configs}
-    calls = {name: (lambda done, c=srv.core, q=reqs[t]: c.generate_steps(q, done, seed=0))
-             for name, (srv, t) in configs.items()}
     engines = {name: srv.core for name, (srv, _) in configs.items()}
     for r in range(repeats):
+        # a seed per round, the same for every config: at T=1 a config repeating one seed would time one draw
+        # of its sampled texts (their acceptance and lengths) every round, another config other draws
+        calls = {name: (lambda done, c=srv.core, q=reqs[t], s=r: c.generate_steps(q, done, seed=s))
+                 for name, (srv, t) in configs.items()}
         for name, (_, st, _) in run_calls(calls, r, engines).items():
             runs[name].append(st)
     return runs

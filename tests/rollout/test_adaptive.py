@@ -222,6 +222,19 @@ def test_row_history_outweighs_the_batch():
     assert ctl.row_alpha("d", row)[0] > 0.9 and abs(ctl.row_alpha("d", None)[0] - 0.5) < 0.02
 
 
+def test_a_draft_models_row_leans_on_the_batch_more_than_a_text_matching_sources_row():
+    # four steps of one row rejecting every draft: a history row's rate falls half way to 0 (4 pseudo-steps of
+    # the batch's), an EAGLE-3 row's a fifth of the way (16): its few steps are mostly the draws' noise
+    ctl = DraftLengthController(3)
+    for src in ("eagle3", "history"):
+        row = AcceptanceStats(3)
+        for _ in range(4):
+            ctl.record_accept(src, row, 3, 0)
+        base = ctl.batch_alpha(src)[0]  # (the batch's counts hold the row's steps too)
+        want = base * (16 if src == "eagle3" else 4) / (4 + (16 if src == "eagle3" else 4))
+        assert ctl.row_alpha(src, row)[0] == pytest.approx(want)
+
+
 def test_flags(tmp_path):
     def cfg(**spec):
         c = RunConfig()
@@ -698,3 +711,26 @@ def test_the_pace_moves_only_on_sizes_it_knows_and_a_stall_moves_it_little():
     assert pace.units(0.04) == pytest.approx(0.02)
     with pytest.raises(ValueError):
         Pace(ema=1.5)
+
+
+def test_at_one_row_a_lucky_try_does_not_bring_a_losing_neighbour_back():
+    # one row: k = 1 predicted at 0.9 of plain decoding's rate, and its tries give that on average, one draw
+    # each: 2 tokens (1.2 of plain's rate) and 1 token (0.6) in turn. Judged alone, every lucky draw "beat"
+    # plain decoding and brought k = 1 back to every 8th step; weighed as one row beside its calibrated
+    # prediction, the tries lose as they do on average and wait the rare steps' period (64)
+    def gaps(rate_calibration_rows):
+        ctl = DraftLengthController(3, rate_calibration_rows=rate_calibration_rows)
+        ctl.record_step(1, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
+        tries, lucky = [], True
+        for step in range(600):
+            if ctl._pick({0: 1.0, 1: 0.9}, {}, {}, 1).k == 1:
+                tries.append(step)
+                tokens, lucky = (2 if lucky else 1), not lucky
+                ctl.record_outcome(tokens, tokens / (1.2 if tokens == 2 else 0.6), prefill=False)
+            else:
+                ctl.record_outcome(1, 1.0, prefill=False)
+        return [b - a for a, b in zip(tries, tries[1:])]
+
+    weighed, alone = gaps(16), gaps(1)  # (at 1 the row is a whole unit: judged alone, as before)
+    assert weighed[:2] == [16, 32] and set(weighed[3:]) == {64}, weighed  # (the 3rd: a rare step came first)
+    assert alone.count(8) >= 10 and len(alone) > 2 * len(weighed), alone

@@ -7,7 +7,8 @@ only the rows with a history proposal drafting up to ``k_max`` tokens; with ``k_
 tree). The costs are measured online, nothing is tuned to one machine
 (:mod:`megatron_spec.rollout.native.measures`): :class:`CostTable` per verify size and per proposal,
 :class:`AcceptanceStats` per source, per batch (slow decay) and per request (shrunk towards the batch's
-rate with ``row_prior_weight`` pseudo-steps). A proposal is not k equal passes (EAGLE-3's first pass
+rate with ``row_prior_weight`` pseudo-steps; a draft model's with ``model_row_prior_weight``, see
+:meth:`~DraftLengthController.row_alpha`). A proposal is not k equal passes (EAGLE-3's first pass
 also extends over the tokens accepted in the last step), so it is measured per k; a k not measured yet is
 k average passes, one measured only at other row counts its nearest measurement scaled by how a pass
 scales. A batch wider than any verify measured (``B (k_main+1)`` tokens) first runs one step at
@@ -60,6 +61,9 @@ from megatron_spec.rollout.native.measures import (  # noqa: F401 (AcceptObserva
 )
 from megatron_spec.rollout.settings import HISTORY_TREE_MODES
 
+MODEL_SOURCES = frozenset({"eagle3", "mtp", "model"})
+"""Draft sources that are models (their acceptance a property of the model more than of the row)."""
+
 
 class StepPlan(NamedTuple):
     """What the next verify step drafts: ``k`` main-drafter tokens (or history tokens in ``history``
@@ -77,6 +81,7 @@ class DraftLengthController:
 
     def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, explore_margin: float = 0.85,
                  explore_rare: int = 8, explore_rare_longest: int = 8, row_prior_weight: float = 4.0,
+                 model_row_prior_weight: float = 16.0,
                  support_weight: float = 2.0, batch_decay: float = 0.98, k_main: int | None = None,
                  k_tree: int = 0, tree: str = "auto", tree_calibration_ema: float = 0.05,
                  rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16, pace_ema: float = 0.2):
@@ -118,7 +123,7 @@ class DraftLengthController:
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.explore_rare_longest = explore_rare_longest
-        self.row_prior_weight = row_prior_weight
+        self.row_prior_weight, self.model_row_prior_weight = row_prior_weight, model_row_prior_weight
         # SupportStats.alpha
         self.support, self.support_weight = SupportStats(decay=batch_decay), support_weight
         self.batch_decay = batch_decay
@@ -158,11 +163,18 @@ class DraftLengthController:
     def row_alpha(
         self, source: str, row: AcceptanceStats | None, base: list[float] | None = None
     ) -> list[float]:
-        """Acceptance per position of one row's drafts from ``source``: the row's own counts
-        shrunk towards the batch's (``row_prior_weight`` pseudo-steps); ``base``: the batch's rates
-        (:meth:`batch_alpha`) when the caller has them for every row."""
+        """Acceptance per position of one row's drafts from ``source``: the row's own counts shrunk towards
+        the batch's by ``row_prior_weight`` pseudo-steps, or ``model_row_prior_weight`` for a draft model's
+        (``MODEL_SOURCES``): a text-matching source's proposals are the row's own, but a draft model's
+        acceptance is mostly the model's, and a row's few steps mostly noise (SmolLM2, EAGLE-3, one row,
+        greedy: rows estimated at 0.44 and at 0.75 both accepted 0.56-0.59; the noise chose low k where
+        k = 3 was best, 0.913 of fixed k = 3 at 4 pseudo-steps against 1.002 at 16). ``base``: the batch's
+        rates (:meth:`batch_alpha`) when the caller has them for every row."""
         base = self.batch_alpha(source) if base is None else base
-        return base if row is None else row.rates(prior=base, prior_weight=self.row_prior_weight)
+        if row is None:
+            return base
+        weight = self.model_row_prior_weight if source in MODEL_SOURCES else self.row_prior_weight
+        return row.rates(prior=base, prior_weight=weight)
 
     def batch_alpha(self, source: str) -> list[float]:
         """The batch's acceptance per position for ``source``; optimistic for an untried one (rate 1 with
@@ -277,7 +289,9 @@ class DraftLengthController:
         """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last
         try on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next
         one (up to the rare steps' period, or longer where it lost badly: then the rare steps wait too); one
-        that did better is tried every ``explore_every``-th step again."""
+        that did better is tried every ``explore_every``-th step again. Under ``rate_calibration_rows`` rows a
+        try's rate is its rows' share beside the plan's calibrated prediction (:meth:`record_outcome`): at one
+        row a lucky draw made a neighbour "better" every few tries; its tries cost 3% of a call at T=1."""
         lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[
             best.mode
         ]
@@ -326,7 +340,10 @@ class DraftLengthController:
             key = (plan, size_class(b))
             wait = self._explore_wait.get(key, (self.explore_every, 0))[0]
             rare = self.explore_every * max(1, self.explore_rare)
-            rate = tokens / self.pace.units(seconds)
+            rate, unit = tokens / self.pace.units(seconds), self.rate_calibration_rows
+            if chosen is not None and b < unit:  # under 16 rows a step is a few noisy draws (1..k+1 tokens a
+                # row): judged as its rows' share beside the plan's calibrated prediction, not alone
+                rate = (b * rate + (unit - b) * chosen[2] * self.calibration(plan, b)) / unit
             longest = rare * (self.explore_rare_longest if rate < self.explore_margin * best_rate else 1)
             wait = min(2 * wait, longest) if rate < best_rate else self.explore_every
             self._explore_wait[key] = (wait, self._steps + wait)
