@@ -18,7 +18,7 @@ from megatron_spec.rollout.native.adaptive import (
 )
 from megatron_spec.rollout.native.cost_model import DraftOption as O
 from megatron_spec.rollout.native.cost_model import expected_tokens, size_class
-from megatron_spec.rollout.native.measures import Pace, SupportStats, paying_prefix, support_class
+from megatron_spec.rollout.native.measures import SupportStats, paying_prefix, support_class
 from megatron_spec.rollout.native.spec_worker import plan_step
 
 
@@ -220,19 +220,6 @@ def test_row_history_outweighs_the_batch():
         ctl.record_accept("d", None, 3, 0)  # the other requests reject everything
         ctl.record_accept("d", row, 3, 3)  # this one accepts everything (its steps count in the batch too)
     assert ctl.row_alpha("d", row)[0] > 0.9 and abs(ctl.row_alpha("d", None)[0] - 0.5) < 0.02
-
-
-def test_a_draft_models_row_leans_on_the_batch_more_than_a_text_matching_sources_row():
-    # four steps of one row rejecting every draft: a history row's rate falls half way to 0 (4 pseudo-steps of
-    # the batch's), an EAGLE-3 row's a fifth of the way (16): its few steps are mostly the draws' noise
-    ctl = DraftLengthController(3)
-    for src in ("eagle3", "history"):
-        row = AcceptanceStats(3)
-        for _ in range(4):
-            ctl.record_accept(src, row, 3, 0)
-        base = ctl.batch_alpha(src)[0]  # (the batch's counts hold the row's steps too)
-        want = base * (16 if src == "eagle3" else 4) / (4 + (16 if src == "eagle3" else 4))
-        assert ctl.row_alpha(src, row)[0] == pytest.approx(want)
 
 
 def test_flags(tmp_path):
@@ -559,6 +546,44 @@ def test_the_benchmarks_calls_run_step_by_step_one_engine_at_a_time():
     assert log == ["ar", "ar", "k3", "k3", "ar_t1", "ar_t1", "k3_t1", "k3_t1"]
 
 
+def test_the_benchmarks_rounds_sample_with_a_seed_each_and_adaptive_keys_at_each_temperature():
+    """``run_interleaved``: every config of a round samples with that round's seed (at T=1 a config repeating
+    one seed would time one draw of its texts every round); ``adaptive_keys``: the adaptive engine against
+    the fastest fixed config at one temperature, each key with that temperature's suffix."""
+    from types import SimpleNamespace as NS
+
+    from megatron_spec.rollout.types import GenerateStats
+
+    bench = _bench_rollout()
+    seeds = []
+
+    class Core:
+        def generate_steps(self, reqs, done, seed=None):
+            seeds.append((reqs[0].sampling.temperature, seed))
+            yield
+            return [], GenerateStats(num_tokens=10 + seed, wall_s=1.0)
+
+    class Server:
+        def __init__(self):
+            self.core = Core()
+
+        def generate(self, reqs):  # the warm-up
+            return [], GenerateStats()
+
+    ar, auto = Server(), Server()
+    runs = bench.run_interleaved({"ar": (ar, 0.0), "eagle3_auto": (auto, 0.0), "ar_t1": (ar, 1.0),
+                                  "eagle3_auto_t1": (Server(), 1.0)}, [[1, 2]], 4, repeats=3)
+    assert sorted(seeds) == sorted((t, r) for r in range(3) for t in (0.0, 0.0, 1.0, 1.0))
+    assert [st.num_tokens for st in runs["ar_t1"]] == [10, 11, 12]  # round r: seed r
+    row: dict = {}
+    fast = [NS(tokens_per_s=20.0, k_mean=1.0)] * 3
+    auto = [NS(tokens_per_s=19.0, k_mean=1.5)] * 3
+    runs = {"ar": [NS(tokens_per_s=10.0)] * 3, "k1": fast, "eagle3_auto_t1": auto}
+    assert bench.adaptive_keys(row, runs, ["ar", "k1"], "_t1") == "k1"
+    assert row == {"adaptive_over_best_fixed_t1": 0.95, "adaptive_round_ratios_t1": [0.95] * 3,
+                   "adaptive_over_best_fixed_interval_t1": [0.95, 0.95], "k_mean_auto_t1": 1.5}
+
+
 def test_a_wider_batch_first_measures_k_max_then_chooses():
     """Measured at one row only, a batch of 16 would be priced by extrapolation (a verify's cost per
     token at 1 row says little about 16 rows): its first step runs k_max, after that the choice is
@@ -647,9 +672,8 @@ def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
     # a k = 1 step at 16 rows cost 2x the plain step measured just before it; then plain steps slow down by
     # half again (longer caches, a slower minute) while k = 1 is not tried: once its own measurement is over
     # a rare period (64 steps) older than the plain step's, its price moves with them, in units of the
-    # current plain step, not its stale absolute time; a k measured as recently is priced as measured (the
-    # pace off: here the slowdown is the plain step's own, not the machine's)
-    ctl = DraftLengthController(3, pace_ema=0.0)
+    # current plain step, not its stale absolute time; a k measured as recently is priced as measured
+    ctl = DraftLengthController(3)
 
     def steps(n, k, seconds, draft_s=0.0):
         for _ in range(n):
@@ -667,70 +691,3 @@ def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
     # a k not measured at this batch-size class is priced from the table, as before
     assert ctl.step_seconds(16, 2) == pytest.approx(ctl.verify.estimate(48) + ctl.proposal_seconds(16, 2))
     assert 2 not in ctl.verify_over_plain[size_class(16)].seconds
-
-
-def test_a_slow_moment_is_the_machines_pace_not_the_price_of_the_size_measured_in_it():
-    # plain (16 tokens) and k = 1 (32 tokens) steps at 16 rows learned side by side: 0.040 and 0.060 s. Then
-    # the machine slows to 1.5x while only k = 1 runs (0.090 s): without the pace the table prices k = 1 at
-    # 2.25x the plain step; with it most of the slowdown is the pace's, and k = 1 stays near the 1.5x it costs
-    def run(pace_ema):
-        ctl = DraftLengthController(3, pace_ema=pace_ema)
-        for _ in range(5):
-            for k, sec in ((0, 0.040), (1, 0.060)):
-                ctl._pick({0: 1.0}, {}, {}, 16)
-                ctl.record_step(16, k, sec, 0.0, prefill=False)
-        assert ctl.pace.value == pytest.approx(1.0)  # the same machine: the pace did not move
-        for _ in range(20):
-            ctl._pick({1: 1.0}, {}, {}, 16)
-            ctl.record_step(16, 1, 0.090, 0.0, prefill=False)
-        return ctl, ctl.verify.estimate(32) / ctl.verify.estimate(16)
-
-    off, ratio_off = run(0.0)
-    on, ratio_on = run(0.2)
-    assert off.pace.value == 1.0 and ratio_off == pytest.approx(2.25)
-    assert on.pace.value > 1.25 and ratio_on < 1.8, (on.pace.value, ratio_on)
-    # the slow machine's plain step (0.060 s) is what the pace predicts: the plain step's price holds
-    before = on.verify.estimate(16)
-    on._pick({0: 1.0}, {}, {}, 16)
-    on.record_step(16, 0, 0.060, 0.0, prefill=False)
-    assert on.verify.estimate(16) == pytest.approx(before, rel=0.05)
-
-
-def test_the_pace_moves_only_on_sizes_it_knows_and_a_stall_moves_it_little():
-    table, pace = CostTable(), Pace(ema=0.5, clamp=2.0)
-    pace.observe(1.0, table, 4)  # size 4 unknown
-    table.update(4, 0.01)
-    table.update(4, 0.01)
-    pace.observe(1.0, table, 4)  # two measurements: not known yet (trust 3)
-    assert pace.value == 1.0
-    table.update(4, 0.01)
-    pace.observe(0.02, table, 4)  # twice as slow: half way there at ema 0.5
-    assert pace.value == pytest.approx(2 ** 0.5)
-    pace.observe(100.0, table, 4)  # a stall: clamped to 2x
-    assert pace.value == pytest.approx(2 ** 0.5 * 2 ** 0.5)
-    assert pace.units(0.04) == pytest.approx(0.02)
-    with pytest.raises(ValueError):
-        Pace(ema=1.5)
-
-
-def test_at_one_row_a_lucky_try_does_not_bring_a_losing_neighbour_back():
-    # one row: k = 1 predicted at 0.9 of plain decoding's rate, and its tries give that on average, one draw
-    # each: 2 tokens (1.2 of plain's rate) and 1 token (0.6) in turn. Judged alone, every lucky draw "beat"
-    # plain decoding and brought k = 1 back to every 8th step; weighed as one row beside its calibrated
-    # prediction, the tries lose as they do on average and wait the rare steps' period (64)
-    def gaps(rate_calibration_rows):
-        ctl = DraftLengthController(3, rate_calibration_rows=rate_calibration_rows)
-        ctl.record_step(1, 1, 1.0, 0.1, prefill=False)  # (past the first, measuring step)
-        tries, lucky = [], True
-        for step in range(600):
-            if ctl._pick({0: 1.0, 1: 0.9}, {}, {}, 1).k == 1:
-                tries.append(step)
-                tokens, lucky = (2 if lucky else 1), not lucky
-                ctl.record_outcome(tokens, tokens / (1.2 if tokens == 2 else 0.6), prefill=False)
-            else:
-                ctl.record_outcome(1, 1.0, prefill=False)
-        return [b - a for a, b in zip(tries, tries[1:])]
-
-    weighed, alone = gaps(16), gaps(1)  # (at 1 the row is a whole unit: judged alone, as before)
-    assert weighed[:2] == [16, 32] and set(weighed[3:]) == {64}, weighed  # (the 3rd: a rare step came first)
-    assert alone.count(8) >= 10 and len(alone) > 2 * len(weighed), alone

@@ -394,7 +394,6 @@ def test_spec_trace_records_every_adaptive_decision(setup, tmp_path):
         assert r["rows"] >= 1 and r["seconds"] > 0 and 0 <= r["draft_s"] <= r["seconds"]
         assert (r["draft_s"] > 0) == (r["k"] > 0)  # the n-gram drafter proposes in every speculative step
         assert r["realized_tps"] == pytest.approx(r["tokens"] / r["seconds"], rel=1e-3)
-        assert 0.1 < r["pace"] < 10  # the machine's pace now over the cost tables' (1 until a size is known)
     assert sum(r["rows"] for r in records) == sum(stats.k_counts)  # every row-step the controller planned
     assert sum(r["tokens"] for r in records) <= stats.num_tokens
     assert any(r["predicted_tps"] is not None for r in records)

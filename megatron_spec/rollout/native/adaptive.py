@@ -7,8 +7,7 @@ only the rows with a history proposal drafting up to ``k_max`` tokens; with ``k_
 tree). The costs are measured online, nothing is tuned to one machine
 (:mod:`megatron_spec.rollout.native.measures`): :class:`CostTable` per verify size and per proposal,
 :class:`AcceptanceStats` per source, per batch (slow decay) and per request (shrunk towards the batch's
-rate with ``row_prior_weight`` pseudo-steps; a draft model's with ``model_row_prior_weight``, see
-:meth:`~DraftLengthController.row_alpha`). A proposal is not k equal passes (EAGLE-3's first pass
+rate with ``row_prior_weight`` pseudo-steps). A proposal is not k equal passes (EAGLE-3's first pass
 also extends over the tokens accepted in the last step), so it is measured per k; a k not measured yet is
 k average passes, one measured only at other row counts its nearest measurement scaled by how a pass
 scales. A batch wider than any verify measured (``B (k_main+1)`` tokens) first runs one step at
@@ -22,11 +21,6 @@ compute-bound CPU) each try costs a step's worth of rate. A neighbour whose last
 best plan's rate waits twice as long for the next (up to the rare steps' period; where it gave less than
 ``explore_margin`` of it, up to ``explore_rare_longest`` rare periods, and the rare steps wait too: a k = 1
 step at 16 rows on 2 cores costs ~2 plain steps, and tried every 64th step it cost ~2%).
-
-Pace: a 2-core VM's speed drifts within a second, and each table size is measured at its own moments; every
-step of a size the verify table knows moves :class:`~megatron_spec.rollout.native.measures.Pace` (how much
-slower or faster the machine runs now), and the tables, the calibration and the exploration keep seconds in
-its units, so a plan measured in a slow half-second is not priced as costly ever after.
 
 Calibration: what a plan really gave (tokens kept per second of the whole step) over the rate predicted when
 it was chosen, a running mean per plan and batch-size class (``rate_calibration``; then an EMA), multiplies
@@ -44,25 +38,15 @@ knows nothing about models, drafts or the engine's slots: it sees sizes, seconds
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.native import cost_model
 from megatron_spec.rollout.native.cost_model import DraftOption, size_class
-from megatron_spec.rollout.native.measures import (  # noqa: F401 (AcceptObservation, StepOutcome: re-exported)
-    AcceptanceStats,
-    AcceptObservation,
-    CostTable,
-    Pace,
-    StepOutcome,
-    SupportStats,
-    proposal_seconds,
-)
+from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats, proposal_seconds
 from megatron_spec.rollout.settings import HISTORY_TREE_MODES
-
-MODEL_SOURCES = frozenset({"eagle3", "mtp", "model"})
-"""Draft sources that are models (their acceptance a property of the model more than of the row)."""
 
 
 class StepPlan(NamedTuple):
@@ -76,15 +60,54 @@ class StepPlan(NamedTuple):
     m: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class AcceptObservation:
+    """One row's drafts from one source, verified (or, for a history proposal the row did not use,
+    compared with what it emitted): what that source's acceptance per position learns."""
+
+    source: str
+    """The draft source judged: the main drafter's kind, ``history``, ``live``."""
+    row: AcceptanceStats | None
+    """The request's own counts for that source (None: the batch's only)."""
+    drafted: int
+    accepted: int
+    support: list[tuple[int, int]] | None = None
+    """A live proposal's sibling support per token: what its support classes are worth learns too."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOutcome:
+    """What one verify step gave, handed to :meth:`DraftLengthController.observe` once per step."""
+
+    rows: int
+    k: int
+    m: int
+    """A tree step's second branch (its verify forward is ``B * (1+k+m)`` tokens wide); 0 otherwise."""
+    seconds: float
+    """The whole step: proposals, verify, host work."""
+    verify_s: float
+    """Everything but the drafters' proposals."""
+    draft_s: float
+    """The main drafter's proposal of k tokens (0: it did not run)."""
+    kept: int
+    """Tokens the rows kept."""
+    prefill: bool
+    """The step carried a prompt's prefill: its times are not the step's and are not learned."""
+    packed_tokens: int | None
+    """What a packed verify forward really ran (rows drafting fewer than k); None: unpacked."""
+    accepts: list[AcceptObservation]
+    tree: tuple[float, float] | None = None
+    """A tree step's rows with a second branch: drafted tokens accepted, predicted and emitted."""
+
+
 class DraftLengthController:
     """Chooses k per verify step (see the module docstring)."""
 
     def __init__(self, k_max: int, k_min: int = 0, explore_every: int = 8, explore_margin: float = 0.85,
                  explore_rare: int = 8, explore_rare_longest: int = 8, row_prior_weight: float = 4.0,
-                 model_row_prior_weight: float = 16.0,
                  support_weight: float = 2.0, batch_decay: float = 0.98, k_main: int | None = None,
                  k_tree: int = 0, tree: str = "auto", tree_calibration_ema: float = 0.05,
-                 rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16, pace_ema: float = 0.2):
+                 rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16):
         if not 0 <= k_min <= k_max or k_max < 1:
             raise ValueError(
                 f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}"
@@ -123,14 +146,11 @@ class DraftLengthController:
         self.explore_every = explore_every
         self.explore_margin, self.explore_rare = explore_margin, explore_rare
         self.explore_rare_longest = explore_rare_longest
-        self.row_prior_weight, self.model_row_prior_weight = row_prior_weight, model_row_prior_weight
+        self.row_prior_weight = row_prior_weight
         # SupportStats.alpha
         self.support, self.support_weight = SupportStats(decay=batch_decay), support_weight
         self.batch_decay = batch_decay
         self.batch: dict[str, AcceptanceStats] = {}  # per draft source (the drafter's kind, "history")
-        self.pace = Pace(pace_ema)
-        """The machine's pace now: the tables below keep seconds over it (``measures.Pace``), and so do the
-        realised rates the calibration and the exploration compare with predictions."""
         self.verify = CostTable()  # keyed by tokens in the step's target forward, B * (k+1)
         self.verify_over_plain: dict[int, CostTable] = {}
         """Per :func:`size_class`: a drafting step's verify over the plain step's at its rows, keyed by k: the
@@ -163,18 +183,11 @@ class DraftLengthController:
     def row_alpha(
         self, source: str, row: AcceptanceStats | None, base: list[float] | None = None
     ) -> list[float]:
-        """Acceptance per position of one row's drafts from ``source``: the row's own counts shrunk towards
-        the batch's by ``row_prior_weight`` pseudo-steps, or ``model_row_prior_weight`` for a draft model's
-        (``MODEL_SOURCES``): a text-matching source's proposals are the row's own, but a draft model's
-        acceptance is mostly the model's, and a row's few steps mostly noise (SmolLM2, EAGLE-3, one row,
-        greedy: rows estimated at 0.44 and at 0.75 both accepted 0.56-0.59; the noise chose low k where
-        k = 3 was best, 0.913 of fixed k = 3 at 4 pseudo-steps against 1.002 at 16). ``base``: the batch's
-        rates (:meth:`batch_alpha`) when the caller has them for every row."""
+        """Acceptance per position of one row's drafts from ``source``: the row's own counts
+        shrunk towards the batch's (``row_prior_weight`` pseudo-steps); ``base``: the batch's rates
+        (:meth:`batch_alpha`) when the caller has them for every row."""
         base = self.batch_alpha(source) if base is None else base
-        if row is None:
-            return base
-        weight = self.model_row_prior_weight if source in MODEL_SOURCES else self.row_prior_weight
-        return row.rates(prior=base, prior_weight=weight)
+        return base if row is None else row.rates(prior=base, prior_weight=self.row_prior_weight)
 
     def batch_alpha(self, source: str) -> list[float]:
         """The batch's acceptance per position for ``source``; optimistic for an untried one (rate 1 with
@@ -289,9 +302,7 @@ class DraftLengthController:
         """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last
         try on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next
         one (up to the rare steps' period, or longer where it lost badly: then the rare steps wait too); one
-        that did better is tried every ``explore_every``-th step again. Under ``rate_calibration_rows`` rows a
-        try's rate is its rows' share beside the plan's calibrated prediction (:meth:`record_outcome`): at one
-        row a lucky draw made a neighbour "better" every few tries; its tries cost 3% of a call at T=1."""
+        that did better is tried every ``explore_every``-th step again."""
         lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[
             best.mode
         ]
@@ -340,10 +351,7 @@ class DraftLengthController:
             key = (plan, size_class(b))
             wait = self._explore_wait.get(key, (self.explore_every, 0))[0]
             rare = self.explore_every * max(1, self.explore_rare)
-            rate, unit = tokens / self.pace.units(seconds), self.rate_calibration_rows
-            if chosen is not None and b < unit:  # under 16 rows a step is a few noisy draws (1..k+1 tokens a
-                # row): judged as its rows' share beside the plan's calibrated prediction, not alone
-                rate = (b * rate + (unit - b) * chosen[2] * self.calibration(plan, b)) / unit
+            rate = tokens / seconds
             longest = rare * (self.explore_rare_longest if rate < self.explore_margin * best_rate else 1)
             wait = min(2 * wait, longest) if rate < best_rate else self.explore_every
             self._explore_wait[key] = (wait, self._steps + wait)
@@ -352,7 +360,7 @@ class DraftLengthController:
         plan, b, predicted = chosen
         if predicted <= 0:
             return
-        ratio = min(2.0, max(0.25, tokens / self.pace.units(seconds) / predicted))
+        ratio = min(2.0, max(0.25, tokens / seconds / predicted))
         key = (plan, size_class(b))
         value, rows = self.rate_calibration.get(key, (1.0, 0))
         # a step weighs as its rows (each row's accepted count a draw of its own): a running mean with the
@@ -367,15 +375,12 @@ class DraftLengthController:
         of k tokens (0: it did not run); ``m``: a tree step's second branch (its verify forward is
         ``B * (1+k+m)`` tokens wide); ``tokens``: what a packed verify forward really ran (rows
         drafting fewer than k). A step that carried a prefill has no representative time and is not
-        recorded. Times are kept in the units of :attr:`pace`, which a known size's step moves first."""
+        recorded."""
         for stats in (*self.batch.values(), self.support):
             stats.decay_all()
         self.last_draft_s = draft_s  # for the trace (record_outcome follows)
         if prefill:
             return
-        if tokens is None:  # a size the table knows says how fast the machine runs now
-            self.pace.observe(step_s, self.verify, b * (k + 1 + m))
-        step_s, draft_s = self.pace.units(step_s), self.pace.units(draft_s)
         if tokens is None:
             plain = self.verify.seconds.get(b)
             if k > 0 and m == 0 and plain:

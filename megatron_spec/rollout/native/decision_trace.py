@@ -5,15 +5,14 @@ regression of adaptive speculation (a plan chosen where plain decoding would hav
 seen step by step rather than only in a benchmark's ratio::
 
     {"step": 41, "rows": 16, "plan": "all", "k": 0, "m": 0, "predicted_tps": 512.3, "calibration": 0.97,
-     "explored": false, "best_tps": 497.0, "pace": 1.02, "tokens": 16, "seconds": 0.0312, "draft_s": 0.0,
+     "explored": false, "best_tps": 497.0, "tokens": 16, "seconds": 0.0312, "draft_s": 0.0,
      "realized_tps": 512.8, "prefill": false, "pid": 4242}
 
-``predicted_tps`` is the cost model's rate for the plan at the machine's pace now (None for the steps it did
-not choose by rate: the first, the widest-batch measurement, a forced tree), ``pace`` that pace (the step's
-time over what the cost tables say, a slow moment above 1: ``measures.Pace``), ``calibration`` the
-realised-over-predicted factor it was multiplied by when chosen, ``best_tps`` the calibrated rate of the best
-plan (an exploring step ran another), ``tokens`` / ``seconds`` what the step kept and took (proposal, verify,
-host work), ``draft_s`` the main drafter's proposal within it (0 where it did not run).
+``predicted_tps`` is the cost model's rate for the plan (None for the steps it did not choose by rate: the
+first, the widest-batch measurement, a forced tree), ``calibration`` the realised-over-predicted factor it was
+multiplied by when chosen, ``best_tps`` the calibrated rate of the best plan (an exploring step ran another),
+``tokens`` / ``seconds`` what the step kept and took (proposal, verify, host work), ``draft_s`` the main
+drafter's proposal within it (0 where it did not run).
 Read it with ``pandas.read_json(path, lines=True)`` or line by line with ``json.loads``.
 """
 
@@ -35,14 +34,13 @@ class DecisionTrace:
     def __call__(self, controller: Any, tokens: int, seconds: float, prefill: bool, chosen: tuple | None,
                  explored: tuple | None) -> None:
         plan, rows = controller.last_plan
-        pace = controller.pace.value  # predictions are in the cost tables' units: at this pace, tokens/s
-        predicted = chosen[2] / pace if chosen is not None else None  # chosen: (plan, rows, predicted rate)
+        predicted = chosen[2] if chosen is not None else None  # chosen: (plan, rows, its predicted rate)
         record = {
             "step": controller.steps, "rows": rows, "plan": plan.mode, "k": plan.k, "m": plan.m,
             "predicted_tps": None if predicted is None else round(predicted, 3),
             "calibration": round(controller.calibration(plan, rows), 4),
             "explored": explored is not None,
-            "best_tps": None if explored is None else round(explored[2] / pace, 3), "pace": round(pace, 4),
+            "best_tps": None if explored is None else round(explored[2], 3),
             "tokens": int(tokens), "seconds": round(seconds, 6), "draft_s": round(controller.last_draft_s, 6),
             "realized_tps": round(tokens / seconds, 3) if seconds > 0 else None,
             "prefill": bool(prefill), "pid": self._pid,

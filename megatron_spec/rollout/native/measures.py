@@ -10,7 +10,6 @@ draft position, decayed, with a shrinking prior), used by :mod:`megatron_spec.ro
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -48,11 +47,6 @@ class CostTable:
 
     def __len__(self) -> int:
         return len(self.sizes)
-
-    def known(self, size: int) -> float | None:
-        """The estimate at ``size`` where it rests on ``trust`` measurements or more; None otherwise."""
-        window = self._samples.get(size)
-        return self.seconds[size] if window is not None and len(window) >= self.trust else None
 
     def estimate(self, size: int) -> float | None:
         """Seconds at ``size``: measured, interpolated, or extrapolated; None with no data.
@@ -122,79 +116,6 @@ class AcceptanceStats:
             p = prior[i] if prior is not None else (out[-1] if out else first_prior)
             out.append((a + prior_weight * p) / (t + prior_weight))
         return out
-
-
-class Pace:
-    """The machine's pace now, relative to the one the cost tables are kept at.
-
-    A 2-core VM's speed drifts by tens of percent within a second, and a table that keeps each size's own
-    recent seconds compares sizes measured at different moments: a k = 3 verify timed in a slow half-second
-    is priced as if k = 3 cost that much, and since it is then rarely chosen its price stays stale (SmolLM2 at
-    one row, Ice Lake: 58 ms for a 4-token verify against 25 ms for a 3-token one measured a second later).
-    Every step of a size the table knows (``trust`` measurements or more) says how much slower or faster the
-    machine runs now than when that size was learned; ``value`` follows those ratios (a geometric EMA, each
-    clamped to [1/``clamp``, ``clamp``]: one stall does not move it far), and the tables store seconds over
-    ``value``: sizes measured in a slow minute and a fast one compare as the machine would at one moment. The
-    choice between plans is a ratio of rates, so the common factor never matters, only that every entry is
-    kept in the same units. A size's first measurements (under ``trust``) do not move the pace."""
-
-    def __init__(self, ema: float = 0.2, clamp: float = 2.0):
-        if not 0.0 <= ema <= 1.0 or clamp < 1.0:
-            raise ValueError(f"need 0 <= ema <= 1 and clamp >= 1, got ema {ema}, clamp {clamp}")
-        self.value, self.ema, self.clamp = 1.0, ema, clamp
-
-    def observe(self, seconds: float, table: CostTable, size: int) -> None:
-        """A step of ``size`` took ``seconds``: move the pace towards what ``table`` (in the pace's units)
-        says it would have taken at pace 1, if the table knows that size well enough."""
-        known = table.known(size)
-        if self.ema and seconds > 0 and known:
-            ratio = seconds / (known * self.value)
-            self.value *= min(self.clamp, max(1.0 / self.clamp, ratio)) ** self.ema
-
-    def units(self, seconds: float) -> float:
-        """``seconds`` measured now, in the tables' units."""
-        return seconds / self.value
-
-
-
-@dataclasses.dataclass(frozen=True)
-class AcceptObservation:
-    """One row's drafts from one source, verified (or, for a history proposal the row did not use,
-    compared with what it emitted): what that source's acceptance per position learns."""
-
-    source: str
-    """The draft source judged: the main drafter's kind, ``history``, ``live``."""
-    row: AcceptanceStats | None
-    """The request's own counts for that source (None: the batch's only)."""
-    drafted: int
-    accepted: int
-    support: list[tuple[int, int]] | None = None
-    """A live proposal's sibling support per token: what its support classes are worth learns too."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StepOutcome:
-    """What one verify step gave, handed to :meth:`DraftLengthController.observe` once per step."""
-
-    rows: int
-    k: int
-    m: int
-    """A tree step's second branch (its verify forward is ``B * (1+k+m)`` tokens wide); 0 otherwise."""
-    seconds: float
-    """The whole step: proposals, verify, host work."""
-    verify_s: float
-    """Everything but the drafters' proposals."""
-    draft_s: float
-    """The main drafter's proposal of k tokens (0: it did not run)."""
-    kept: int
-    """Tokens the rows kept."""
-    prefill: bool
-    """The step carried a prompt's prefill: its times are not the step's and are not learned."""
-    packed_tokens: int | None
-    """What a packed verify forward really ran (rows drafting fewer than k); None: unpacked."""
-    accepts: list[AcceptObservation]
-    tree: tuple[float, float] | None = None
-    """A tree step's rows with a second branch: drafted tokens accepted, predicted and emitted."""
 
 
 SUPPORT_CLASSES = 10
