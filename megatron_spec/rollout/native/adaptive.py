@@ -22,15 +22,17 @@ best plan's rate waits twice as long for the next (up to the rare steps' period;
 ``explore_margin`` of it, up to ``explore_rare_longest`` rare periods, and the rare steps wait too: a k = 1
 step at 16 rows on 2 cores costs ~2 plain steps, and tried every 64th step it cost ~2%).
 
-Calibration: what a plan really gave (tokens kept per second of the whole step) over the rate predicted when
-it was chosen, a running mean per plan and batch-size class (``rate_calibration``; then an EMA), multiplies
-that plan's predicted rate from then on. A step weighs as many rows as it has: at one row the tokens a step
-keeps vary most (1 to k+1), and a few unlucky steps must not bury a plan. It catches what the model leaves
-out: the best of several noisy estimates is on average an optimistic one; EAGLE-3's first pass after plain
-steps extends over every token they emitted; a speculative step's host work grows with the drafts. Tree steps'
-drafted tokens are calibrated on their own (``tree_calibration``): the two sources are correlated and the
-independence estimate optimistic. The measurements behind these choices: docs/benchmark_log.md, "The
-adaptive controller's design, measured".
+Calibration: a factor per plan and batch-size class (``rate_calibration``: a running mean, then an EMA; a
+step weighs as many rows as it has) multiplies the plan's predicted rate. Where every row drafts from the main
+drafter alone it is the predicted over the real seconds of the step: what the cost tables leave out (EAGLE-3's
+first pass after plain steps extends over every token they emitted; a speculative step's host work grows with
+the drafts). The tokens come from the acceptance per position alone: at one row a step keeps 1 to k+1 of them,
+and a factor learned from them is noise that punishes the plans chosen when their estimate was high (the k
+explored least most). Where rows choose between sources (history), it is the real over the predicted rate:
+the best of several noisy estimates is on average an optimistic one. Tree steps' drafted tokens are
+calibrated on their own (``tree_calibration``): the two sources are correlated and the independence estimate
+optimistic. Acceptance counts decay only at the positions a step tried. The measurements:
+docs/benchmark_log.md, "The adaptive controller's design, measured" and "Calibrated on seconds".
 
 The choice never changes any output distribution: verification is exact for every plan. This module
 knows nothing about models, drafts or the engine's slots: it sees sizes, seconds and accepted counts.
@@ -109,15 +111,11 @@ class DraftLengthController:
                  k_tree: int = 0, tree: str = "auto", tree_calibration_ema: float = 0.05,
                  rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16):
         if not 0 <= k_min <= k_max or k_max < 1:
-            raise ValueError(
-                f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}"
-            )
+            raise ValueError(f"adaptive draft length needs 0 <= k_min <= k_max, k_max >= 1: {k_min}, {k_max}")
         k_main = k_max if k_main is None else k_main
         if not max(1, k_min) <= k_main <= k_max:
-            raise ValueError(
-                f"k_main (the main drafter's longest proposal) must be in {max(1, k_min)}..{k_max}, "
-                f"got {k_main}"
-            )
+            raise ValueError(f"k_main (the main drafter's longest proposal) must be in "
+                             f"{max(1, k_min)}..{k_max}, got {k_main}")
         if tree not in HISTORY_TREE_MODES:
             raise ValueError(f"tree must be one of {HISTORY_TREE_MODES}, got {tree!r}")
         if k_tree < 0:
@@ -135,10 +133,11 @@ class DraftLengthController:
         steps get tried, and falls to what they really give."""
         self.tree_calibration_ema = tree_calibration_ema
         self.rate_calibration: dict[tuple[StepPlan, int], tuple[float, int]] = {}
-        """Per (plan, :func:`size_class`): realised over predicted tokens per second and how many rows' steps
-        measured it (module docstring)."""
+        """Per (plan, :func:`size_class`): the factor on its predicted rate and how many rows' steps measured
+        it (module docstring)."""
         self.rate_calibration_ema, self.rate_calibration_rows = rate_calibration_ema, rate_calibration_rows
-        self._chosen: tuple[StepPlan, int, float] | None = None  # the last plan, its rows, its predicted rate
+        self._chosen: tuple[StepPlan, int, float, float | None] | None = None
+        """The last plan, its rows, its predicted rate and seconds (None: calibrated on its rate)."""
         self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step's plan, rows, best rate
         self._explore_wait: dict[tuple[StepPlan, int], tuple[int, int]] = {}
         """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the
@@ -272,14 +271,15 @@ class DraftLengthController:
             # history proposal its second branch (exercised past the drafter's tokens); only k is chosen
             m = max(min(o[1].limit or self.k_tree, self.k_tree) for o in options if len(o) > 1)
             return self._pick({}, {}, {km: r for km, r in trees.items() if km[1] == m}, b)
-        return self._pick(self.expected_rates(options), self.history_rates(options), trees, b)
+        mixed = any(len(o) > 1 for o in options)  # rows choose between sources: calibrated on the rate
+        return self._pick(self.expected_rates(options), self.history_rates(options), trees, b, mixed)
 
     def calibration(self, plan: StepPlan, b: int) -> float:
         """Realised over predicted tokens per second of ``plan`` at ``b`` rows (1 until measured)."""
         return self.rate_calibration.get((plan, size_class(b)), (1.0, 0))[0]
 
     def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
-              tree_rates: dict[tuple[int, int], float], b: int = 1) -> StepPlan:
+              tree_rates: dict[tuple[int, int], float], b: int = 1, mixed: bool = False) -> StepPlan:
         self._steps += 1
         self._chosen = self._explored = None
         if not len(self.draft) and self.k_main >= 1:
@@ -292,7 +292,8 @@ class DraftLengthController:
         cands = [(r * self.calibration(p, b), p) for p, r in model.items()]
         rate, best = max(cands, key=lambda c: c[0])
         plan = self._explore(best, rate, cands, b)
-        self._chosen = (plan, b, model[plan]) if plan in model else None
+        seconds = None if mixed or plan.mode != "all" else self.step_seconds(b, plan.k)
+        self._chosen = (plan, b, model[plan], seconds) if plan in model else None
         self._explored = (plan, b, rate) if plan != best else None
         return plan
 
@@ -328,10 +329,15 @@ class DraftLengthController:
     def observe(self, out: StepOutcome) -> None:
         """Everything one verify step teaches: each row's acceptance per source, the tree's calibration,
         the step's and the proposal's time, and what the plan gave against its prediction."""
+        reach: dict[str, int] = {}  # per source, the deepest position a row's drafts were tried at
         for a in out.accepts:
             self.record_accept(a.source, a.row, a.drafted, a.accepted)
+            reach[a.source] = max(reach.get(a.source, 0), min(a.drafted, a.accepted + 1))
             if a.support:
                 self.support.record_proposal(a.support, a.drafted, a.accepted)
+        for name, stats in self.batch.items():
+            stats.decay_all(reach.get(name, 0))
+        self.support.decay_all()
         if out.tree is not None:
             self.record_tree(*out.tree)
         self.record_step(out.rows, out.k, out.verify_s, out.draft_s, out.prefill, m=out.m,
@@ -339,9 +345,8 @@ class DraftLengthController:
         self.record_outcome(out.kept, out.seconds, out.prefill)
 
     def record_outcome(self, tokens: int, seconds: float, prefill: bool) -> None:
-        """What the last chosen step gave: ``tokens`` its rows kept in ``seconds`` (the whole step:
-        proposal, verify, host work). Moves the calibration of its plan and batch-size class towards
-        realised over predicted. A step that carried a prefill is not representative and is skipped."""
+        """What the last chosen step gave: ``tokens`` its rows kept in ``seconds`` (the whole step: proposal,
+        verify, host work); moves its plan's calibration (module docstring). A prefill's step is skipped."""
         chosen, self._chosen = self._chosen, None
         explored, self._explored = self._explored, None
         if self.trace is not None and self.last_plan is not None:
@@ -355,16 +360,13 @@ class DraftLengthController:
             longest = rare * (self.explore_rare_longest if rate < self.explore_margin * best_rate else 1)
             wait = min(2 * wait, longest) if rate < best_rate else self.explore_every
             self._explore_wait[key] = (wait, self._steps + wait)
-        if chosen is None or prefill or seconds <= 0 or tokens <= 0:
+        if chosen is None or prefill or seconds <= 0 or tokens <= 0 or chosen[2] <= 0:
             return
-        plan, b, predicted = chosen
-        if predicted <= 0:
-            return
-        ratio = min(2.0, max(0.25, tokens / seconds / predicted))
+        plan, b, predicted, predicted_s = chosen
+        ratio = min(2.0, max(0.25, predicted_s / seconds if predicted_s else tokens / seconds / predicted))
         key = (plan, size_class(b))
         value, rows = self.rate_calibration.get(key, (1.0, 0))
-        # a step weighs as its rows (each row's accepted count a draw of its own): a running mean with the
-        # prior 1 as ``rate_calibration_rows`` rows, then an EMA of ``rate_calibration_ema`` a step of as many
+        # a running mean (the prior 1 weighs ``rate_calibration_rows`` rows), then an EMA
         unit = self.rate_calibration_rows
         w = b / (b + unit + min(rows, unit / self.rate_calibration_ema))
         self.rate_calibration[key] = (value + w * (ratio - value), rows + b)
@@ -376,8 +378,6 @@ class DraftLengthController:
         ``B * (1+k+m)`` tokens wide); ``tokens``: what a packed verify forward really ran (rows
         drafting fewer than k). A step that carried a prefill has no representative time and is not
         recorded."""
-        for stats in (*self.batch.values(), self.support):
-            stats.decay_all()
         self.last_draft_s = draft_s  # for the trace (record_outcome follows)
         if prefill:
             return

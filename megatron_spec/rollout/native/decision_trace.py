@@ -9,8 +9,9 @@ seen step by step rather than only in a benchmark's ratio::
      "realized_tps": 512.8, "prefill": false, "pid": 4242}
 
 ``predicted_tps`` is the cost model's rate for the plan (None for the steps it did not choose by rate: the
-first, the widest-batch measurement, a forced tree), ``calibration`` the realised-over-predicted factor it was
-multiplied by when chosen, ``best_tps`` the calibrated rate of the best plan (an exploring step ran another),
+first, the widest-batch measurement, a forced tree), ``calibration`` the factor it was multiplied by when
+chosen (the plan's priced over its real seconds; where rows choose between sources, its realised over its
+predicted rate), ``best_tps`` the calibrated rate of the best plan (an exploring step ran another),
 ``tokens`` / ``seconds`` what the step kept and took (proposal, verify, host work), ``draft_s`` the main
 drafter's proposal within it (0 where it did not run).
 Read it with ``pandas.read_json(path, lines=True)`` or line by line with ``json.loads``.

@@ -102,10 +102,13 @@ class AcceptanceStats:
             if i < num_accepted:
                 self.accepted[i] += 1.0
 
-    def decay_all(self) -> None:
+    def decay_all(self, upto: int | None = None) -> None:
+        """Decay the counts of positions ``1..upto`` (None: all): the adaptive controller decays only the
+        positions a step tried, so a position tried rarely keeps its last tries instead of forgetting them."""
         if self.decay < 1.0:
-            self.tried = [t * self.decay for t in self.tried]
-            self.accepted = [a * self.decay for a in self.accepted]
+            n = len(self.tried) if upto is None else upto
+            self.tried[:n] = [t * self.decay for t in self.tried[:n]]
+            self.accepted[:n] = [a * self.decay for a in self.accepted[:n]]
 
     def rates(self, prior: Sequence[float] | None = None, prior_weight: float = 1.0,
               first_prior: float = 0.5) -> list[float]:
