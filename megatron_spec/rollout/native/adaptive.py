@@ -275,7 +275,7 @@ class DraftLengthController:
         return self._pick(self.expected_rates(options), self.history_rates(options), trees, b, mixed)
 
     def calibration(self, plan: StepPlan, b: int) -> float:
-        """Realised over predicted tokens per second of ``plan`` at ``b`` rows (1 until measured)."""
+        """The factor on ``plan``'s predicted rate at ``b`` rows (module docstring; 1 until measured)."""
         return self.rate_calibration.get((plan, size_class(b)), (1.0, 0))[0]
 
     def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
