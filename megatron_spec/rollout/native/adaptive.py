@@ -45,9 +45,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from megatron_spec.faults import test_hook
-from megatron_spec.rollout.native import cost_model
+from megatron_spec.rollout.native import cost_model, measures
 from megatron_spec.rollout.native.cost_model import DraftOption, size_class
-from megatron_spec.rollout.native.measures import AcceptanceStats, CostTable, SupportStats, proposal_seconds
+from megatron_spec.rollout.native.measures import AcceptanceStats, Calibration, CostTable, SupportStats
 from megatron_spec.rollout.settings import HISTORY_TREE_MODES
 
 
@@ -111,11 +111,15 @@ class DraftLengthController:
                  k_tree: int = 0, tree: str = "auto", tree_calibration_ema: float = 0.05,
                  rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16):
         if not 0 <= k_min <= k_max or k_max < 1:
-            raise ValueError(f"adaptive draft length needs 0 <= k_min <= k_max, k_max >= 1: {k_min}, {k_max}")
+            raise ValueError(
+                f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}"
+            )
         k_main = k_max if k_main is None else k_main
         if not max(1, k_min) <= k_main <= k_max:
-            raise ValueError(f"k_main (the main drafter's longest proposal) must be in "
-                             f"{max(1, k_min)}..{k_max}, got {k_main}")
+            raise ValueError(
+                f"k_main (the main drafter's longest proposal) must be in {max(1, k_min)}..{k_max}, "
+                f"got {k_main}"
+            )
         if tree not in HISTORY_TREE_MODES:
             raise ValueError(f"tree must be one of {HISTORY_TREE_MODES}, got {tree!r}")
         if k_tree < 0:
@@ -132,10 +136,8 @@ class DraftLengthController:
         """Tree rows' drafted tokens emitted over predicted (EMA over tree steps): starts at 1, so tree
         steps get tried, and falls to what they really give."""
         self.tree_calibration_ema = tree_calibration_ema
-        self.rate_calibration: dict[tuple[StepPlan, int], tuple[float, int]] = {}
-        """Per (plan, :func:`size_class`): the factor on its predicted rate and how many rows' steps measured
-        it (module docstring)."""
-        self.rate_calibration_ema, self.rate_calibration_rows = rate_calibration_ema, rate_calibration_rows
+        self.rate_calibration = Calibration(rate_calibration_rows, rate_calibration_ema)
+        """Per (plan, :func:`size_class`): the factor on its predicted rate (module docstring)."""
         self._chosen: tuple[StepPlan, int, float, float | None] | None = None
         """The last plan, its rows, its predicted rate and seconds (None: calibrated on its rate)."""
         self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step's plan, rows, best rate
@@ -213,7 +215,7 @@ class DraftLengthController:
 
     def proposal_seconds(self, b: int, k: int) -> float | None:
         """The main drafter's proposal of k tokens over b rows, seconds (``measures.proposal_seconds``)."""
-        return proposal_seconds(self.proposal, self.draft, b, k)
+        return measures.proposal_seconds(self.proposal, self.draft, b, k)
 
     def token_threshold(self, b: int) -> float | None:
         """:func:`~megatron_spec.rollout.native.cost_model.token_threshold` at ``b`` rows; None until the
@@ -276,7 +278,7 @@ class DraftLengthController:
 
     def calibration(self, plan: StepPlan, b: int) -> float:
         """The factor on ``plan``'s predicted rate at ``b`` rows (module docstring; 1 until measured)."""
-        return self.rate_calibration.get((plan, size_class(b)), (1.0, 0))[0]
+        return self.rate_calibration.factor((plan, size_class(b)))
 
     def _pick(self, rates: dict[int, float], hist_rates: dict[int, float],
               tree_rates: dict[tuple[int, int], float], b: int = 1, mixed: bool = False) -> StepPlan:
@@ -360,16 +362,13 @@ class DraftLengthController:
             longest = rare * (self.explore_rare_longest if rate < self.explore_margin * best_rate else 1)
             wait = min(2 * wait, longest) if rate < best_rate else self.explore_every
             self._explore_wait[key] = (wait, self._steps + wait)
-        if chosen is None or prefill or seconds <= 0 or tokens <= 0 or chosen[2] <= 0:
+        if chosen is None or prefill or seconds <= 0 or tokens <= 0:
             return
         plan, b, predicted, predicted_s = chosen
+        if predicted <= 0:
+            return
         ratio = min(2.0, max(0.25, predicted_s / seconds if predicted_s else tokens / seconds / predicted))
-        key = (plan, size_class(b))
-        value, rows = self.rate_calibration.get(key, (1.0, 0))
-        # a running mean (the prior 1 weighs ``rate_calibration_rows`` rows), then an EMA
-        unit = self.rate_calibration_rows
-        w = b / (b + unit + min(rows, unit / self.rate_calibration_ema))
-        self.rate_calibration[key] = (value + w * (ratio - value), rows + b)
+        self.rate_calibration.learn((plan, size_class(b)), ratio, b)
 
     def record_step(self, b: int, k: int, step_s: float, draft_s: float, prefill: bool, m: int = 0,
                     tokens: int | None = None) -> None:

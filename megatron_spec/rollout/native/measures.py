@@ -86,6 +86,26 @@ def proposal_seconds(proposal: dict[int, CostTable], draft: CostTable, b: int, k
     return table.seconds[near] * d / d_near if d is not None and d_near else table.estimate(b)
 
 
+class Calibration(dict):
+    """A factor per key (the adaptive controller's: per plan and batch-size class) learned from ratios of
+    real over predicted, ``key -> (factor, weight seen)``: a running mean from the prior 1 worth ``unit`` of
+    weight, then an EMA of ``ema`` per ``unit`` (a step weighs as its rows: at one row what a step gives
+    scatters most)."""
+
+    def __init__(self, unit: float = 16, ema: float = 0.1):
+        super().__init__()
+        self.unit, self.ema = unit, ema
+
+    def factor(self, key) -> float:
+        """The key's factor (1 until measured)."""
+        return self.get(key, (1.0, 0))[0]
+
+    def learn(self, key, ratio: float, weight: float) -> None:
+        value, seen = self.get(key, (1.0, 0))
+        w = weight / (weight + self.unit + min(seen, self.unit / self.ema))
+        self[key] = (value + w * (ratio - value), seen + weight)
+
+
 class AcceptanceStats:
     """Tried / accepted counts per draft position (1-based positions stored 0-based)."""
 
