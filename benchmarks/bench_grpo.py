@@ -10,6 +10,9 @@ EAGLE-3 draft at adaptive k plus the history drafter (``--spec-num-draft-tokens 
 
 * ``gen_speedup`` = mean AR generation time / mean speculative generation time (k=3);
   ``gen_speedup_adaptive_history`` the same for the adaptive + history run, with its
+  ``_median`` forms: the median over steps of a step's generation tokens/s over the AR run's at the same
+  step (same prompts; the runs go one after the other, so one stalled step of one run moves the means by
+  its whole stall and the median by nothing; the per-step ratios in ``gen_step_ratios*``), and
   ``step_speedup_adaptive_history``, ``accept_length_adaptive_history``, ``k_mean_adaptive_history``
   ``history_frac`` (share of request-steps drafted from finished responses) and ``live_frac`` (from
   the live group index: the running siblings' text);
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +57,17 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 from _grpo_runs import DEMO_CONFIG, add_run_args, ensure_models, grpo_cmd, mean, run_grpo
+
+
+def step_paired(suffix: str, runs: list[dict], ar: list[dict]) -> dict:
+    """``gen_speedup{suffix}_median`` and ``gen_step_ratios{suffix}``: each step's generation tokens/s over
+    the AR run's at the same step (the module docstring), their median; {} where a run lacks the metric."""
+    ratios = [r["gen/tokens_per_s"] / a["gen/tokens_per_s"] for r, a in zip(runs, ar)
+              if r.get("gen/tokens_per_s") and a.get("gen/tokens_per_s")]
+    if not ratios:
+        return {}
+    return {f"gen_speedup{suffix}_median": round(statistics.median(ratios), 3),
+            f"gen_step_ratios{suffix}": [round(x, 3) for x in ratios]}
 
 
 def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> dict[str, float]:
@@ -227,8 +242,10 @@ def main() -> int:
         **cpu_facts(),
         "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
     }
+    summary.update(step_paired("", spec, ar))
     if "spec_adaptive_history" in runs:
         ah = runs["spec_adaptive_history"][1:]
+        summary.update(step_paired("_adaptive_history", ah, ar))
         summary.update({
             "gen_speedup_adaptive_history": round(gen_a / mean([r["time/gen"] for r in ah]), 3),
             "step_speedup_adaptive_history": round(step_a / mean([r["time/step"] for r in ah]), 3),

@@ -143,14 +143,14 @@ def test_a_neighbour_that_keeps_losing_is_explored_less_often():
     tries, gaps = _k1_tries(ctl, 0.9, 400)
     assert gaps[:2] == [16, 32] and max(gaps) == 64, gaps
     assert sum(1 for t in tries if t >= 144) == 4, tries  # steps 144..399: the rare steps' 4 (was 32)
-    wait, _ = ctl._explore_wait[(StepPlan(1), size_class(16))]
+    wait, _ = ctl.exploration.wait[(StepPlan(1), size_class(16))]
     assert wait == 64
     for _ in range(64):  # now every try does better than plain decoding
         k = ctl._pick({0: 1.0, 1: 0.9}, {}, {}, 16).k
         ctl.record_outcome(16, 16 / (2.0 if k == 1 else 1.0), prefill=False)
-    assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == ctl.explore_every
+    assert ctl.exploration.wait[(StepPlan(1), size_class(16))][0] == ctl.exploration.every
     # the rare steps still try it whatever its record, and a batch-size class keeps its own
-    assert ctl._explore_wait.get((StepPlan(1), size_class(2))) is None
+    assert ctl.exploration.wait.get((StepPlan(1), size_class(2))) is None
 
 
 def test_a_packed_verify_is_priced_apart_from_unpacked_ones():
@@ -699,13 +699,13 @@ def test_the_rare_steps_try_a_neighbour_that_loses_badly_less_and_less_often():
     ctl = DraftLengthController(3)
     _, gaps = _k1_tries(ctl, 0.5, 3000)
     assert gaps[:6] == [64, 64, 64, 128, 256, 512] and set(gaps[6:]) == {512}, gaps
-    assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == 512
+    assert ctl.exploration.wait[(StepPlan(1), size_class(16))][0] == 512
     while ctl._pick({0: 1.0, 1: 0.5}, {}, {}, 16).k != 1:  # the next try does as well as plain decoding
         ctl.record_outcome(16, 16, prefill=False)
     ctl.record_outcome(16, 16, prefill=False)
-    assert ctl._explore_wait[(StepPlan(1), size_class(16))][0] == ctl.explore_every
+    assert ctl.exploration.wait[(StepPlan(1), size_class(16))][0] == ctl.exploration.every
     # a batch-size class keeps its own record
-    assert ctl._explore_wait.get((StepPlan(1), size_class(2))) is None
+    assert ctl.exploration.wait.get((StepPlan(1), size_class(2))) is None
 
 
 def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
@@ -731,3 +731,43 @@ def test_a_drafting_steps_price_follows_the_plain_step_measured_beside_it():
     # a k not measured at this batch-size class is priced from the table, as before
     assert ctl.step_seconds(16, 2) == pytest.approx(ctl.verify.estimate(48) + ctl.proposal_seconds(16, 2))
     assert 2 not in ctl.verify_over_plain[size_class(16)].seconds
+
+
+def _held_steps(ctl: DraftLengthController, opts, steps: int, seconds: float = 1.0) -> list[tuple[int, bool]]:
+    """``steps`` steps of ``opts`` through ``choose_step``: per step its k and whether it was held."""
+    plans = []
+    for _ in range(steps):
+        held = ctl.holds(len(opts))
+        plan = ctl.choose_step(opts)
+        assert held == ctl.last_held
+        plans.append((plan.k, held))
+        ctl.record_outcome(len(opts), seconds, prefill=False)
+    return plans
+
+
+def test_plain_decoding_leading_by_the_exploring_margin_is_held_until_the_next_full_choice(monkeypatch):
+    # at 16 rows a k = 1 step costs 2.5 plain steps and emits 1.5 tokens a row: 0.6 of plain decoding's rate,
+    # below explore_margin (0.85). After the first (widest) step and a full choice, the steps up to the next
+    # multiple of 8 keep plain decoding without pricing any plan; the held steps still teach the calibration
+    ctl = DraftLengthController(3)
+    _price(ctl, 16, {0: 1.0, 1: 2.5})
+    opts = [[O([0.5] * 3)]] * 16
+    priced = []
+    real = ctl.expected_rates
+    monkeypatch.setattr(ctl, "expected_rates", lambda o: priced.append(ctl.steps + 1) or real(o))
+    plans = _held_steps(ctl, opts, 24, seconds=1.25)  # every plain step takes 1.25 times its price
+    assert plans[0] == (3, False) and all(k == 0 for k, _ in plans[1:])
+    assert [i + 1 for i, (_, held) in enumerate(plans) if not held] == [1, 2, 8, 16, 24]
+    assert priced == [2, 8, 16, 24]
+    assert ctl.calibration(StepPlan(0), 16) < 0.9  # 19 held steps at 0.8 of their price
+    assert not ctl.holds(8)  # other rows: a full choice
+
+
+def test_no_hold_where_another_plan_is_within_the_margin_or_holding_is_off():
+    opts = [[O([0.5] * 3)]] * 16
+    near = DraftLengthController(3)  # k = 1 at 24 tokens / 1.65 s: 0.91 of plain decoding's 16 / s
+    _price(near, 16, {0: 1.0, 1: 1.65})
+    assert [k for k, held in _held_steps(near, opts, 12) if held] == []
+    off = DraftLengthController(3, hold_every=0)
+    _price(off, 16, {0: 1.0, 1: 2.0})
+    assert [k for k, held in _held_steps(off, opts, 12) if held] == []

@@ -399,3 +399,36 @@ def test_spec_trace_records_every_adaptive_decision(setup, tmp_path):
     assert any(r["predicted_tps"] is not None for r in records)
     with pytest.raises(ValueError, match="--spec-trace records the adaptive controller"):
         EngineConfig(model_path=setup.target, draft_kind="ngram", num_draft_tokens=3, spec_trace=str(path))
+
+
+def test_held_plain_steps_ask_the_history_for_nothing_and_keep_the_output(setup, greedy_reference,
+                                                                          monkeypatch):
+    """A step the adaptive controller holds at plain decoding (``exploration.Hold``, forced here on 3 steps in
+    4) asks the history drafter for no proposals (k = 0: the live index still reads the rows' new tokens), the
+    steps between still draft from it, and the output is still transformers' greedy output."""
+    from megatron_spec.rollout.native.adaptive import DraftLengthController
+    from megatron_spec.rollout.native.history_drafter import HistoryDrafter
+
+    prompts, ref = greedy_reference
+    monkeypatch.setattr(DraftLengthController, "holds", lambda self, b: self.steps > 2 and self.steps % 4)
+    asked = []
+    real = HistoryDrafter.propose_rows
+
+    def propose_rows(self, tokens, k):
+        asked.append(k)
+        out = real(self, tokens, k)
+        assert all(n == len(seq) for n, seq in zip(self.indexed, tokens) if n)  # the live index is current
+        return out
+
+    monkeypatch.setattr(HistoryDrafter, "propose_rows", propose_rows)
+    server = _server(setup, "eagle3", num_draft_tokens="auto", max_draft_tokens=3, max_batch_size=4,
+                     history=True)
+    reqs = [GenerateRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=40))
+            for i, p in enumerate(prompts)]
+    server.generate(reqs)
+    samples, stats = server.generate(reqs)  # the same prompts again: the history has their answers
+    for s in samples:
+        assert s.output_ids == ref[int(s.request_id[1:])], s.request_id
+    assert asked.count(0) > 2 * len(asked) // 3 and any(k > 0 for k in asked)
+    assert server.core.controller.steps > 8
+    assert stats.source_steps.get("history", 0) + stats.source_steps.get("live", 0) > 0

@@ -13,14 +13,12 @@ k average passes, one measured only at other row counts its nearest measurement 
 scales. A batch wider than any verify measured (``B (k_main+1)`` tokens) first runs one step at
 ``k_main``, so its costs are interpolated rather than extrapolated from smaller batches.
 
-Exploration: every ``explore_every``-th step the controller tries a neighbour of the best k
-(alternately above and below), so the costs and the deeper positions' acceptance keep being measured,
-but only a neighbour expected to give at least ``explore_margin`` of the best rate (or on every
-``explore_every * explore_rare``-th step): where speculation loses badly (a large batch on a
-compute-bound CPU) each try costs a step's worth of rate. A neighbour whose last try gave less than the
-best plan's rate waits twice as long for the next (up to the rare steps' period; where it gave less than
-``explore_margin`` of it, up to ``explore_rare_longest`` rare periods, and the rare steps wait too: a k = 1
-step at 16 rows on 2 cores costs ~2 plain steps, and tried every 64th step it cost ~2%).
+Exploration and holding (:mod:`megatron_spec.rollout.native.exploration`): every ``explore_every``-th step
+the controller may try a neighbour of the best k (one expected to give ``explore_margin`` of the best rate,
+or on the rare steps any); a neighbour that keeps losing waits longer between tries. Where plain decoding
+leads every other plan by more than that margin, the steps up to the next full choice (every
+``hold_every``-th step, and every exploring one) keep it without choosing, and without the history's
+proposals.
 
 Calibration: a factor per plan and batch-size class (``rate_calibration``: a running mean, then an EMA; a
 step weighs as many rows as it has) multiplies the plan's predicted rate. Where every row drafts from the main
@@ -47,6 +45,7 @@ from typing import NamedTuple
 from megatron_spec.faults import test_hook
 from megatron_spec.rollout.native import cost_model, measures
 from megatron_spec.rollout.native.cost_model import DraftOption, size_class
+from megatron_spec.rollout.native.exploration import Exploration, Hold
 from megatron_spec.rollout.native.measures import AcceptanceStats, Calibration, CostTable, SupportStats
 from megatron_spec.rollout.settings import HISTORY_TREE_MODES
 
@@ -109,7 +108,7 @@ class DraftLengthController:
                  explore_rare: int = 8, explore_rare_longest: int = 8, row_prior_weight: float = 4.0,
                  support_weight: float = 2.0, batch_decay: float = 0.98, k_main: int | None = None,
                  k_tree: int = 0, tree: str = "auto", tree_calibration_ema: float = 0.05,
-                 rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16):
+                 rate_calibration_ema: float = 0.1, rate_calibration_rows: int = 16, hold_every: int = 8):
         if not 0 <= k_min <= k_max or k_max < 1:
             raise ValueError(
                 f"adaptive draft length needs 0 <= k_min <= k_max and k_max >= 1, got {k_min}, {k_max}"
@@ -141,12 +140,9 @@ class DraftLengthController:
         self._chosen: tuple[StepPlan, int, float, float | None] | None = None
         """The last plan, its rows, its predicted rate and seconds (None: calibrated on its rate)."""
         self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step's plan, rows, best rate
-        self._explore_wait: dict[tuple[StepPlan, int], tuple[int, int]] = {}
-        """Per (plan, :func:`size_class`): steps between its tries on ``explore_margin``'s terms, and the
-        first step it may be tried again (:meth:`_explore`, :meth:`record_outcome`)."""
-        self.explore_every = explore_every
-        self.explore_margin, self.explore_rare = explore_margin, explore_rare
-        self.explore_rare_longest = explore_rare_longest
+        self.exploration = Exploration(explore_every, explore_margin, explore_rare, explore_rare_longest)
+        self.hold = Hold(hold_every)
+        self.last_held = False  # whether the last step kept a held plan (the trace's)
         self.row_prior_weight = row_prior_weight
         # SupportStats.alpha
         self.support, self.support_weight = SupportStats(decay=batch_decay), support_weight
@@ -169,7 +165,6 @@ class DraftLengthController:
         self.last_plan: tuple[StepPlan, int] | None = None  # the last plan chosen and its rows
         self.last_draft_s = 0.0  # the main drafter's proposal time in the last step (0: it did not run)
         self.trace = None  # a callable given each step's outcome (decision_trace.DecisionTrace), or None
-        self._explore_up = True
         self._measured_wide: set[int] = set()
 
     @property
@@ -208,7 +203,7 @@ class DraftLengthController:
             return v
         ratios, plain = self.verify_over_plain.get(size_class(b)), self.verify.seconds.get(b)
         age = self._measured_at.get(b, 0) - self._measured_at.get(b * (k + 1), 0)  # k's price's, in steps
-        if ratios and plain and k in ratios.seconds and age > self.explore_every * self.explore_rare:
+        if ratios and plain and k in ratios.seconds and age > self.exploration.every * self.exploration.rare:
             v = plain * ratios.seconds[k]
         p = self.proposal_seconds(b, k)
         return None if p is None else v + p
@@ -262,6 +257,12 @@ class DraftLengthController:
         interpolated between measurements, not extrapolated from small batches (where a verify's
         cost per token says little about a larger one's)."""
         b = len(options)
+        self.last_held = self.holds(b)
+        if self.last_held:
+            self._steps += 1
+            self._chosen, self._explored = self.hold.chosen, None
+            return StepPlan(0)
+        self.hold.clear()
         wide = self.verify.sizes and b * (self.k_main + 1) > self.verify.sizes[-1]
         if wide and len(self.draft) and b not in self._measured_wide:
             self._measured_wide.add(b)  # once per batch size (its step may carry a prefill, not recorded)
@@ -293,40 +294,20 @@ class DraftLengthController:
             return StepPlan(self.k_main)
         cands = [(r * self.calibration(p, b), p) for p, r in model.items()]
         rate, best = max(cands, key=lambda c: c[0])
-        plan = self._explore(best, rate, cands, b)
-        seconds = None if mixed or plan.mode != "all" else self.step_seconds(b, plan.k)
-        self._chosen = (plan, b, model[plan], seconds) if plan in model else None
-        self._explored = (plan, b, rate) if plan != best else None
-        return plan
-
-    def _explore(
-        self, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]], b: int = 1
-    ) -> StepPlan:
-        """``best``, or on an exploring step a neighbour of its k (module docstring). A neighbour whose last
-        try on ``explore_margin``'s terms gave less than the best plan's rate waits twice as long for the next
-        one (up to the rare steps' period, or longer where it lost badly: then the rare steps wait too); one
-        that did better is tried every ``explore_every``-th step again."""
         lo, hi = {"all": (self.k_min, self.k_main), "history": (1, self.k_max), "tree": (1, self.k_main)}[
             best.mode
         ]
-        if self.explore_every and self._steps % self.explore_every == 0:
-            step = 1 if self._explore_up else -1
-            self._explore_up = not self._explore_up
-            period = self.explore_every * max(1, self.explore_rare)
-            rare = self._steps % period == 0
-            same_mode = {p: r for r, p in cands}
-            for cand in (best.k + step, best.k - step):
-                plan = best._replace(k=cand)
-                wait, after = self._explore_wait.get((plan, size_class(b)), (0, 0))
-                if lo <= cand <= hi and (
-                    (rare and (wait <= period or self._steps >= after))
-                    or (
-                        same_mode.get(plan, 0.0) >= self.explore_margin * rate
-                        and self._steps >= after
-                    )
-                ):
-                    return plan
-        return best
+        plan = self.exploration.choose(best, rate, cands, b, self._steps, lo, hi)
+        seconds = None if mixed or plan.mode != "all" else self.step_seconds(b, plan.k)
+        self._chosen = (plan, b, model[plan], seconds) if plan in model else None
+        self._explored = (plan, b, rate) if plan != best else None
+        self.hold.set(StepPlan(0), b, cands, rate, self.exploration.margin, plan, self._chosen)
+        return plan
+
+    def holds(self, b: int) -> bool:
+        """Whether the next step at ``b`` rows keeps plain decoding without a choice (module docstring): the
+        engine then asks the history for no proposals."""
+        return self.hold.holds(b, self._steps + 1, self.exploration)
 
     def observe(self, out: StepOutcome) -> None:
         """Everything one verify step teaches: each row's acceptance per source, the tree's calibration,
@@ -355,13 +336,7 @@ class DraftLengthController:
             self.trace(self, tokens, seconds, prefill, chosen, explored)
         if explored is not None and not prefill and seconds > 0:
             plan, b, best_rate = explored
-            key = (plan, size_class(b))
-            wait = self._explore_wait.get(key, (self.explore_every, 0))[0]
-            rare = self.explore_every * max(1, self.explore_rare)
-            rate = tokens / seconds
-            longest = rare * (self.explore_rare_longest if rate < self.explore_margin * best_rate else 1)
-            wait = min(2 * wait, longest) if rate < best_rate else self.explore_every
-            self._explore_wait[key] = (wait, self._steps + wait)
+            self.exploration.record(plan, b, best_rate, tokens / seconds, self._steps)
         if chosen is None or prefill or seconds <= 0 or tokens <= 0:
             return
         plan, b, predicted, predicted_s = chosen

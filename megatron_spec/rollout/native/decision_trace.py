@@ -5,13 +5,15 @@ regression of adaptive speculation (a plan chosen where plain decoding would hav
 seen step by step rather than only in a benchmark's ratio::
 
     {"step": 41, "rows": 16, "plan": "all", "k": 0, "m": 0, "predicted_tps": 512.3, "calibration": 0.97,
-     "explored": false, "best_tps": 497.0, "tokens": 16, "seconds": 0.0312, "draft_s": 0.0,
+     "explored": false, "held": false, "best_tps": 497.0, "tokens": 16, "seconds": 0.0312, "draft_s": 0.0,
      "realized_tps": 512.8, "prefill": false, "pid": 4242}
 
 ``predicted_tps`` is the cost model's rate for the plan (None for the steps it did not choose by rate: the
 first, the widest-batch measurement, a forced tree), ``calibration`` the factor it was multiplied by when
 chosen (the plan's priced over its real seconds; where rows choose between sources, its realised over its
-predicted rate), ``best_tps`` the calibrated rate of the best plan (an exploring step ran another),
+predicted rate), ``held`` whether the step kept plain decoding without a choice
+(``megatron_spec.rollout.native.exploration.Hold``: its predicted rate is the last full
+choice's), ``best_tps`` the calibrated rate of the best plan (an exploring step ran another),
 ``tokens`` / ``seconds`` what the step kept and took (proposal, verify, host work), ``draft_s`` the main
 drafter's proposal within it (0 where it did not run).
 Read it with ``pandas.read_json(path, lines=True)`` or line by line with ``json.loads``.
@@ -40,7 +42,7 @@ class DecisionTrace:
             "step": controller.steps, "rows": rows, "plan": plan.mode, "k": plan.k, "m": plan.m,
             "predicted_tps": None if predicted is None else round(predicted, 3),
             "calibration": round(controller.calibration(plan, rows), 4),
-            "explored": explored is not None,
+            "explored": explored is not None, "held": bool(controller.last_held),
             "best_tps": None if explored is None else round(explored[2], 3),
             "tokens": int(tokens), "seconds": round(seconds, 6), "draft_s": round(controller.last_draft_s, 6),
             "realized_tps": round(tokens / seconds, 3) if seconds > 0 else None,

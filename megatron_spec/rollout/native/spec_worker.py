@@ -79,7 +79,8 @@ class SpeculativeWorker:
         tokens = [r.tokens for r in rows]
         hist = hist_full = srcs = support = None
         if core.history is not None:  # per row: the drafts, live index or finished responses, support
-            props = core.history.propose_rows(tokens, core.k_history)
+            held = core.controller is not None and core.controller.holds(b)  # plain decoding held: no drafts
+            props = core.history.propose_rows(tokens, 0 if held else core.k_history)
             hist = hist_full = [p.tokens for p in props]
             srcs, support = [p.source for p in props], [p.support for p in props]
         t_draft = time.perf_counter() - t0
