@@ -404,8 +404,9 @@ def test_spec_trace_records_every_adaptive_decision(setup, tmp_path):
 def test_held_plain_steps_ask_the_history_for_nothing_and_keep_the_output(setup, greedy_reference,
                                                                           monkeypatch):
     """A step the adaptive controller holds at plain decoding (``exploration.Hold``, forced here on 3 steps in
-    4) asks the history drafter for no proposals (k = 0: the live index still reads the rows' new tokens), the
-    steps between still draft from it, and the output is still transformers' greedy output."""
+    4) prices nothing and asks the history drafter for no proposals (its next call indexes the rows' tokens of
+    the held steps first), the steps between still draft from it, and the output is still transformers'
+    greedy output."""
     from megatron_spec.rollout.native.adaptive import DraftLengthController
     from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 
@@ -429,6 +430,6 @@ def test_held_plain_steps_ask_the_history_for_nothing_and_keep_the_output(setup,
     samples, stats = server.generate(reqs)  # the same prompts again: the history has their answers
     for s in samples:
         assert s.output_ids == ref[int(s.request_id[1:])], s.request_id
-    assert asked.count(0) > 2 * len(asked) // 3 and any(k > 0 for k in asked)
-    assert server.core.controller.steps > 8
+    steps = server.core.controller.steps
+    assert steps > 8 and 0 < len(asked) < steps // 2 and all(k > 0 for k in asked)
     assert stats.source_steps.get("history", 0) + stats.source_steps.get("live", 0) > 0

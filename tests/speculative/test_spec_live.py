@@ -198,3 +198,22 @@ def test_the_support_benchmark_replays_sibling_answers():
     first_majority = res["support_classes"]["majority, first"]
     # 7, written by 3 of the 4 texts
     assert first_majority["tried"] == 4 and first_majority["accepted"] == 1.0
+
+
+def test_history_drafter_catches_up_the_steps_that_asked_for_no_proposals():
+    """Steps the adaptive controller held at plain decoding ask the history drafter for nothing: the next call
+    first indexes every row's tokens since its last one (so a row reads a sibling's text of this step), and
+    a row finishing in between leaves its last tokens to its siblings."""
+    from megatron_spec.rollout.native.history_drafter import HistoryDrafter
+
+    d = HistoryDrafter()
+    d.allocate(2, 64)
+    d.begin_call()
+    prompt = [5, 6, 7]
+    d.start(0, prompt, 1, None)
+    d.start(1, prompt, 1, None)
+    d.propose_rows([prompt + [1], prompt + [1]], 2)
+    # three steps without a call; row 0 (behind) reads what row 1 wrote in them, indexed in this very call
+    assert d.propose_rows([prompt + [1, 2], prompt + [1, 2, 3, 4]], 2)[0][:2] == ([3, 4], "live")
+    d.finish(1, prompt, [1, 2, 3, 4, 8, 9])  # two more tokens, and row 1 is done without another call
+    assert d.propose_rows([prompt + [1, 2, 3, 4]], 2)[0][:2] == ([8, 9], "live")

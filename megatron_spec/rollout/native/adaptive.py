@@ -141,7 +141,8 @@ class DraftLengthController:
         """The last plan, its rows, its predicted rate and seconds (None: calibrated on its rate)."""
         self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step's plan, rows, best rate
         self.exploration = Exploration(explore_every, explore_margin, explore_rare, explore_rare_longest)
-        self.hold = Hold(hold_every)
+        # the test hooks choose every step (their plans are what a test runs, whatever the costs)
+        self.hold = Hold(0 if self.force_tree or self.force_history_rows else hold_every)
         self.last_held = False  # whether the last step kept a held plan (the trace's)
         self.row_prior_weight = row_prior_weight
         # SupportStats.alpha
@@ -259,9 +260,7 @@ class DraftLengthController:
         b = len(options)
         self.last_held = self.holds(b)
         if self.last_held:
-            self._steps += 1
-            self._chosen, self._explored = self.hold.chosen, None
-            return StepPlan(0)
+            return self.keep_held(b)
         self.hold.clear()
         wide = self.verify.sizes and b * (self.k_main + 1) > self.verify.sizes[-1]
         if wide and len(self.draft) and b not in self._measured_wide:
@@ -306,8 +305,16 @@ class DraftLengthController:
 
     def holds(self, b: int) -> bool:
         """Whether the next step at ``b`` rows keeps plain decoding without a choice (module docstring): the
-        engine then asks the history for no proposals."""
+        engine then asks the history for no proposals and prices nothing (:meth:`keep_held`)."""
         return self.hold.holds(b, self._steps + 1, self.exploration)
+
+    def keep_held(self, b: int) -> StepPlan:
+        """The next step's plan where :meth:`holds` says so: plain decoding, its calibration learning as the
+        full choice that set the hold recorded."""
+        self._steps += 1
+        self._chosen, self._explored, self.last_held = self.hold.chosen, None, True
+        self.last_plan = (StepPlan(0), b)
+        return StepPlan(0)
 
     def observe(self, out: StepOutcome) -> None:
         """Everything one verify step teaches: each row's acceptance per source, the tree's calibration,

@@ -15,7 +15,8 @@ per row (-1 padding ends the chain).
 
 Beside the finished responses, the *live group index* (``megatron_spec.speculative.live``, on by default)
 holds what the running rows of each prompt have emitted so far: every call to ``propose_rows``
-first appends each row's newly emitted tokens to its group's index (``O(new tokens)``), then a row
+first appends each row's newly emitted tokens to its group's index (``O(new tokens)``; those of the steps
+between calls too, and a finishing row's last ones), then a row
 gets the proposal of whichever of the two matched the longer suffix of its text (the live one on a
 tie: it is this step's own text). Each row's :class:`HistoryProposal` says which (``"live"`` or
 ``"history"``; ``None``: no proposal) and, for a live one, its sibling support per token; ``sources[b]``
@@ -106,12 +107,21 @@ class HistoryDrafter(Drafter):
         self.index.add(key, list(output), step=self.step)
         if self.live is not None and slot < len(self.rows) and self.rows[slot] is not None \
                 and self.prompts[slot] == key:
+            # what the row emitted since the last proposals (steps that asked for none) stays for its siblings
+            self.live.append(key, self.rows[slot], list(output)[max(0, self.indexed[slot] - len(prompt)):])
             self.live.finish(key, self.rows[slot])
             self.rows[slot] = None
 
     def propose_rows(self, tokens: Sequence[Sequence[int]], k: int) -> list[HistoryProposal]:
         """Per row of slots ``0..B-1``: up to ``k`` drafts (possibly none), whence, and a live proposal's
-        support."""
+        support. Every row's tokens since the last call enter the live index first (a step the engine asked
+        for no proposals did not call), so each row's proposal reads its siblings' text up to this step."""
+        live_rows = self.live is not None
+        if live_rows:
+            for b, seq in enumerate(tokens):
+                if self.rows[b] is not None:
+                    self.live.append(self.prompts[b], self.rows[b], seq[self.indexed[b]:])
+                    self.indexed[b] = len(seq)
         out = []
         for b, seq in enumerate(tokens):
             # the context is the whole sequence: its suffix is matched against the stored responses
@@ -119,14 +129,10 @@ class HistoryDrafter(Drafter):
             hist = hist[:k]
             src = "history" if hist else None
             support = None
-            if self.live is not None and self.rows[b] is not None:
-                key, row = self.prompts[b], self.rows[b]
-                self.live.append(key, row, seq[self.indexed[b]:])  # what the row emitted since the last call
-                self.indexed[b] = len(seq)
-                if k:
-                    live, n, sup = self.live.propose_with_support(key, row, k)
-                    if live and (not hist or n >= matched):
-                        hist, src, support = live, "live", sup
+            if live_rows and k and self.rows[b] is not None:
+                live, n, sup = self.live.propose_with_support(self.prompts[b], self.rows[b], k)
+                if live and (not hist or n >= matched):
+                    hist, src, support = live, "live", sup
             self.sources[b] = src
             out.append(HistoryProposal(hist, src, support))
         return out

@@ -78,14 +78,16 @@ class SpeculativeWorker:
         b, dev = len(rows), core.device
         tokens = [r.tokens for r in rows]
         hist = hist_full = srcs = support = None
-        if core.history is not None:  # per row: the drafts, live index or finished responses, support
-            held = core.controller is not None and core.controller.holds(b)  # plain decoding held: no drafts
-            props = core.history.propose_rows(tokens, 0 if held else core.k_history)
+        held = core.controller is not None and core.controller.holds(b)  # plain decoding held: no proposals
+        if core.history is not None and not held:  # per row: the drafts, live index or finished responses,
+            props = core.history.propose_rows(tokens, core.k_history)  # support
             hist = hist_full = [p.tokens for p in props]
             srcs, support = [p.source for p in props], [p.support for p in props]
         t_draft = time.perf_counter() - t0
         if core.controller is None:
             plan, use_hist, options = StepPlan(core.k), [False] * b, [None] * b
+        elif held:  # nothing priced (``exploration.Hold``)
+            plan, use_hist, options = core.controller.keep_held(b), [False] * b, [None] * b
         else:
             plan, use_hist, options = plan_step(
                 core.controller, core.drafter.kind, [r.acc for r in rows], hist, srcs, support
