@@ -153,15 +153,23 @@ def test_append_cost_does_not_grow_with_the_group():
     assert hits > 0.5 * 7 * 1000  # the rows behind the first find what their siblings wrote (85% shared)
 
 
-def test_history_drafter_runs_the_live_index_beside_the_finished_responses():
+def _two_rows(prompt: list[int]):
+    """A history drafter in a call, two rows of ``prompt`` started in slots 0 and 1."""
     from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 
     d = HistoryDrafter()
     d.allocate(4, 64)
     d.begin_call()
-    prompt = [5, 6, 7]
     d.start(0, prompt, 1, None)
     d.start(1, prompt, 1, None)
+    return d
+
+
+def test_history_drafter_runs_the_live_index_beside_the_finished_responses():
+    from megatron_spec.rollout.native.history_drafter import HistoryDrafter
+
+    prompt = [5, 6, 7]
+    d = _two_rows(prompt)
     seqs = [prompt + [1, 2, 3, 4, 8, 9], prompt + [1, 2, 3]]
     assert [p.tokens for p in d.propose_rows(seqs, 2)] == [[], [4, 8]]  # row 1 follows row 0's text
     assert d.sources[:2] == [None, "live"]
@@ -204,14 +212,8 @@ def test_history_drafter_catches_up_the_steps_that_asked_for_no_proposals():
     """Steps the adaptive controller held at plain decoding ask the history drafter for nothing: the next call
     first indexes every row's tokens since its last one (so a row reads a sibling's text of this step), and
     a row finishing in between leaves its last tokens to its siblings."""
-    from megatron_spec.rollout.native.history_drafter import HistoryDrafter
-
-    d = HistoryDrafter()
-    d.allocate(2, 64)
-    d.begin_call()
     prompt = [5, 6, 7]
-    d.start(0, prompt, 1, None)
-    d.start(1, prompt, 1, None)
+    d = _two_rows(prompt)
     d.propose_rows([prompt + [1], prompt + [1]], 2)
     # three steps without a call; row 0 (behind) reads what row 1 wrote in them, indexed in this very call
     assert d.propose_rows([prompt + [1, 2], prompt + [1, 2, 3, 4]], 2)[0][:2] == ([3, 4], "live")
