@@ -142,7 +142,7 @@ class DraftLengthController:
         self._explored: tuple[StepPlan, int, float] | None = None  # an exploring step's plan, rows, best rate
         self.exploration = Exploration(explore_every, explore_margin, explore_rare, explore_rare_longest)
         # the test hooks choose every step (their plans are what a test runs, whatever the costs)
-        self.hold = Hold(0 if self.force_tree or self.force_history_rows else hold_every)
+        self.hold = Hold(0 if self.force_tree or self.force_history_rows else hold_every, self.exploration)
         self.last_held = False  # whether the last step kept a held plan (the trace's)
         self.row_prior_weight = row_prior_weight
         # SupportStats.alpha
@@ -258,9 +258,9 @@ class DraftLengthController:
         interpolated between measurements, not extrapolated from small batches (where a verify's
         cost per token says little about a larger one's)."""
         b = len(options)
-        self.last_held = self.holds(b)
-        if self.last_held:
+        if self.holds(b):
             return self.keep_held(b)
+        self.last_held = False
         self.hold.clear()
         wide = self.verify.sizes and b * (self.k_main + 1) > self.verify.sizes[-1]
         if wide and len(self.draft) and b not in self._measured_wide:
@@ -300,13 +300,13 @@ class DraftLengthController:
         seconds = None if mixed or plan.mode != "all" else self.step_seconds(b, plan.k)
         self._chosen = (plan, b, model[plan], seconds) if plan in model else None
         self._explored = (plan, b, rate) if plan != best else None
-        self.hold.set(StepPlan(0), b, cands, rate, self.exploration.margin, plan, self._chosen)
+        self.hold.set(b, plan, rate, cands, self._chosen)
         return plan
 
     def holds(self, b: int) -> bool:
         """Whether the next step at ``b`` rows keeps plain decoding without a choice (module docstring): the
         engine then asks the history for no proposals and prices nothing (:meth:`keep_held`)."""
-        return self.hold.holds(b, self._steps + 1, self.exploration)
+        return self.hold.holds(b, self._steps + 1)
 
     def keep_held(self, b: int) -> StepPlan:
         """The next step's plan where :meth:`holds` says so: plain decoding, its calibration learning as the

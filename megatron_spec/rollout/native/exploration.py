@@ -73,27 +73,30 @@ class Exploration:
 
 class Hold:
     """Plain decoding held between full choices (module docstring). ``every``: a full choice at least every
-    ``every``-th step (0: every step chooses)."""
+    ``every``-th step (0: every step chooses), and on every step ``exploration`` explores; a plan leads by its
+    ``margin``."""
 
-    def __init__(self, every: int = 8):
-        self.every = every
+    def __init__(self, every: int, exploration: Exploration):
+        self.every, self.exploration = every, exploration
         self._held: tuple[int, tuple] | None = None  # rows, and what the full choice recorded
 
-    def set(self, plain: StepPlan, b: int, cands: list[tuple[float, StepPlan]], rate: float, margin: float,
-            best: StepPlan, chosen: tuple | None) -> None:
-        """After a full choice at ``b`` rows: hold ``best`` if it is plain decoding and every other plan's
-        rate is below ``margin`` of its ``rate``; ``chosen``: what held steps record for the calibration."""
-        lead = best == plain and all(r < margin * rate for r, p in cands if p != best)
+    def set(self, b: int, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]],
+            chosen: tuple | None) -> None:
+        """After a full choice of ``best`` (calibrated ``rate``) at ``b`` rows: hold it if it is plain
+        decoding and every other plan's rate is below the margin of its; ``chosen``: what held steps record
+        for the calibration."""
+        plain = best.k == 0 and best.mode == "all"
+        lead = plain and all(r < self.exploration.margin * rate for r, p in cands if p != best)
         self._held = (b, chosen) if self.every and lead else None
 
     def clear(self) -> None:
         self._held = None
 
-    def holds(self, b: int, step: int, exploration: Exploration) -> bool:
+    def holds(self, b: int, step: int) -> bool:
         """Whether ``step`` at ``b`` rows keeps the held plan: the rows unchanged, and neither a full choice's
         step nor an exploring one."""
         return (self._held is not None and self._held[0] == b and step % self.every != 0
-                and not exploration.is_exploring(step))
+                and not self.exploration.is_exploring(step))
 
     @property
     def chosen(self) -> tuple | None:

@@ -79,8 +79,9 @@ class SpeculativeWorker:
         tokens = [r.tokens for r in rows]
         hist = hist_full = srcs = support = None
         held = core.controller is not None and core.controller.holds(b)  # plain decoding held: no proposals
-        if core.history is not None and not held:  # per row: the drafts, live index or finished responses,
-            props = core.history.propose_rows(tokens, core.k_history)  # support
+        if core.history is not None and not held:
+            # per row: the drafts (live index or finished responses), whence, and a live proposal's support
+            props = core.history.propose_rows(tokens, core.k_history)
             hist = hist_full = [p.tokens for p in props]
             srcs, support = [p.source for p in props], [p.support for p in props]
         t_draft = time.perf_counter() - t0
