@@ -51,6 +51,22 @@ NO_NATIVE_BF16_TESTS=(
 # in both lanes, before any test: a second or two
 lint() { echo "[test] ruff check"; ruff check --quiet . && echo "[test] ruff: clean"; }
 
+# The full suite writes GBs into pytest's temporary folder (the real-model GRPO runs' checkpoints, ~2 GB each,
+# removed as their tests pass; the CUDA build test's torch). Said first, so that a disk that runs out reads
+# as that and not as the tests that happened to write last ('No space left on device', seen in CI once the
+# disk was nearly full).
+DISK_NEEDED_GB=12
+disk_room() {
+    local tmp free
+    tmp=$(python -c "import tempfile; print(tempfile.gettempdir())")
+    free=$(df -Pk "$tmp" | awk 'NR == 2 {print int($4 / 1048576)}')
+    echo "[test] $free GB free in $tmp"
+    if [ "$free" -lt "$DISK_NEEDED_GB" ]; then
+        echo "[test] WARNING: the suite needs about $DISK_NEEDED_GB GB free there at its peak; tests that write" \
+             "checkpoints may fail with 'No space left on device' (free some, or point TMPDIR elsewhere)"
+    fi
+}
+
 if [ "${1:-}" = "--fast" ]; then
     shift
     lint
@@ -72,6 +88,7 @@ if [ "$#" -gt 0 ]; then
 fi
 
 status=0
+disk_room
 lint || status=$?
 python -m pytest -q "${WORKERS[@]}" --durations=15 || status=$?
 
