@@ -760,14 +760,40 @@ def test_plain_decoding_leading_by_the_exploring_margin_is_held_until_the_next_f
     assert [i + 1 for i, (_, held) in enumerate(plans) if not held] == [1, 2, 8, 16, 24]
     assert priced == [2, 8, 16, 24]
     assert ctl.calibration(StepPlan(0), 16) < 0.9  # 19 held steps at 0.8 of their price
-    assert not ctl.holds(8)  # other rows: a full choice
+    assert ctl.holds(8) and not ctl.holds(7)  # under half the rows: a full choice
 
 
-def test_no_hold_where_another_plan_is_within_the_margin_or_holding_is_off():
+def test_a_main_drafter_plan_near_plain_decoding_is_held_a_history_plan_within_the_margin_is_not():
+    # a main-drafter plan's rate moves only with what the controller learns: k = 1 at 24 tokens / 1.65 s,
+    # 0.91 of plain decoding's 16 / s, is held like a far one (and explored on the exploring steps); a plan
+    # drafting from the history moves with the rows' proposals step by step: within the margin (0.9), a full
+    # choice every step; below it (0.8), held
     opts = [[O([0.5] * 3)]] * 16
-    near = DraftLengthController(3)  # k = 1 at 24 tokens / 1.65 s: 0.91 of plain decoding's 16 / s
+    near = DraftLengthController(3)
     _price(near, 16, {0: 1.0, 1: 1.65})
-    assert [k for k, held in _held_steps(near, opts, 12) if held] == []
+    plans = _held_steps(near, opts, 8)
+    assert [i + 1 for i, (_, held) in enumerate(plans) if not held] == [1, 2, 8] and plans[7] == (1, False)
+    for history_rate, held in [(0.9, False), (0.8, True)]:
+        ctl = DraftLengthController(3)
+        _price(ctl, 16, {0: 1.0, 3: 3.0})  # past the first (measuring) step
+        assert ctl._pick({0: 1.0, 1: 0.91}, {1: history_rate}, {}, 16) == StepPlan(0)
+        assert ctl.holds(16) is held
     off = DraftLengthController(3, hold_every=0)
     _price(off, 16, {0: 1.0, 1: 2.0})
     assert [k for k, held in _held_steps(off, opts, 12) if held] == []
+
+
+def test_a_hold_goes_on_within_twice_or_half_its_rows_and_teaches_only_at_its_rows():
+    # held at 12 rows: 6 to 24 rows keep it, 5 and 25 choose anew; a wider batch whose widest step is not
+    # measured yet runs it first (test_a_wider_batch_first_measures_k_max_then_chooses).
+    # A held step at other rows than the choice's teaches the calibration nothing (the price is for 12 rows)
+    ctl = DraftLengthController(3)
+    ctl.draft.update(12, 0.1)
+    assert ctl._pick({0: 1.0, 1: 0.5}, {}, {}, 12) == StepPlan(0) and ctl.steps == 1
+    assert [b for b in (5, 6, 12, 16, 24, 25) if ctl.holds(b)] == [6, 12, 16, 24]
+    assert ctl.choose_step([[O([0.5] * 3)]] * 9) == StepPlan(0) and ctl.last_held
+    ctl.record_outcome(9, 4.0, prefill=False)  # 9 tokens in 4 s where 12 in 12 s were priced: not learned
+    assert ctl.calibration(StepPlan(0), 9) == 1.0
+    assert ctl.choose_step([[O([0.5] * 3)]] * 12) == StepPlan(0) and ctl.last_held
+    ctl.record_outcome(12, 24.0, prefill=False)  # 12 tokens in 24 s where the choice priced 12 in 12 s
+    assert ctl.calibration(StepPlan(0), 12) < 1.0

@@ -16,9 +16,9 @@ scales. A batch wider than any verify measured (``B (k_main+1)`` tokens) first r
 Exploration and holding (:mod:`megatron_spec.rollout.native.exploration`): every ``explore_every``-th step
 the controller may try a neighbour of the best k (one expected to give ``explore_margin`` of the best rate,
 or on the rare steps any); a neighbour that keeps losing waits longer between tries. Where plain decoding
-leads every other plan by more than that margin, the steps up to the next full choice (every
-``hold_every``-th step, and every exploring one) keep it without choosing, and without the history's
-proposals.
+is the best plan and leads every plan drafting from the history by more than that margin, the steps up to the
+next full choice (every ``hold_every``-th step, and every exploring one) keep it without choosing, and without
+the history's proposals.
 
 Calibration: a factor per plan and batch-size class (``rate_calibration``: a running mean, then an EMA; a
 step weighs as many rows as it has) multiplies the plan's predicted rate. Where every row drafts from the main
@@ -262,8 +262,7 @@ class DraftLengthController:
             return self.keep_held(b)
         self.last_held = False
         self.hold.clear()
-        wide = self.verify.sizes and b * (self.k_main + 1) > self.verify.sizes[-1]
-        if wide and len(self.draft) and b not in self._measured_wide:
+        if self._unmeasured_wide(b):
             self._measured_wide.add(b)  # once per batch size (its step may carry a prefill, not recorded)
             self._steps += 1
             self._chosen = self._explored = None
@@ -306,13 +305,18 @@ class DraftLengthController:
     def holds(self, b: int) -> bool:
         """Whether the next step at ``b`` rows keeps plain decoding without a choice (module docstring): the
         engine then asks the history for no proposals and prices nothing (:meth:`keep_held`)."""
-        return self.hold.holds(b, self._steps + 1)
+        return self.hold.holds(b, self._steps + 1) and not self._unmeasured_wide(b)
+
+    def _unmeasured_wide(self, b: int) -> bool:
+        """Whether a batch of ``b`` rows first runs its widest step (:meth:`_choose`)."""
+        wide = bool(self.verify.sizes) and b * (self.k_main + 1) > self.verify.sizes[-1]
+        return wide and bool(len(self.draft)) and b not in self._measured_wide
 
     def keep_held(self, b: int) -> StepPlan:
         """The next step's plan where :meth:`holds` says so: plain decoding, its calibration learning as the
-        full choice that set the hold recorded."""
+        full choice that set the hold recorded (at its rows; ``Hold.chosen``)."""
         self._steps += 1
-        self._chosen, self._explored, self.last_held = self.hold.chosen, None, True
+        self._chosen, self._explored, self.last_held = self.hold.chosen(b), None, True
         self.last_plan = (StepPlan(0), b)
         return StepPlan(0)
 

@@ -8,10 +8,15 @@ to the rare steps' period; where it gave less than ``margin`` of it, up to ``rar
 and the rare steps wait too: a k = 1 step at 16 rows on 2 cores costs ~2 plain steps, and tried every 64th
 step it cost ~2%).
 
-:class:`Hold`: where plain decoding leads every other plan by more than the exploring margin (a large
-batch on a compute-bound CPU), the steps up to the next exploring step keep it without a new choice, and
-without the history's proposals (the live index still reads each row's new tokens): the choice and the
-proposals cost ~2 ms of a 50 ms plain step at 16 rows (docs/benchmark_log.md, "Plain decoding held").
+:class:`Hold`: where plain decoding is the best plan (a large batch on a compute-bound CPU), the steps up to
+the next exploring step keep it without a new choice, and without the history's proposals (the live index
+still reads each row's new tokens): a full choice costs ~2.5 ms of a ~48 ms plain step at 16 rows, the
+history's proposals half of it (docs/benchmark_log.md, "Plain decoding held"). A plan drafting from the
+history must trail it by more than the exploring margin: its rate moves step by step with the rows' proposals
+(siblings write new text). The main drafter's plans move only with what the controller learns, slowly, and the
+next exploring step prices them again. The hold goes on while the rows stay within a factor of two of those it
+was set at (rows finishing, rows admitted: at 16 rows they cross between 15 and 16 every few steps); its steps
+teach the calibration only at the rows it was priced for.
 
 Both see plans, rows, rates and step numbers only (:mod:`megatron_spec.rollout.native.adaptive`).
 """
@@ -83,21 +88,25 @@ class Hold:
     def set(self, b: int, best: StepPlan, rate: float, cands: list[tuple[float, StepPlan]],
             chosen: tuple | None) -> None:
         """After a full choice of ``best`` (calibrated ``rate``) at ``b`` rows: hold it if it is plain
-        decoding and every other plan's rate is below the margin of its; ``chosen``: what held steps record
-        for the calibration."""
+        decoding and every plan drafting from the history is below the margin of its rate (module
+        docstring); ``chosen``: what held steps at ``b`` rows record for the calibration."""
         plain = best.k == 0 and best.mode == "all"
-        lead = plain and all(r < self.exploration.margin * rate for r, p in cands if p != best)
+        margin = self.exploration.margin
+        lead = plain and all(r < margin * rate for r, p in cands if p.mode != "all")
         self._held = (b, chosen) if self.every and lead else None
 
     def clear(self) -> None:
         self._held = None
 
     def holds(self, b: int, step: int) -> bool:
-        """Whether ``step`` at ``b`` rows keeps the held plan: the rows unchanged, and neither a full choice's
-        step nor an exploring one."""
-        return (self._held is not None and self._held[0] == b and step % self.every != 0
-                and not self.exploration.is_exploring(step))
+        """Whether ``step`` at ``b`` rows keeps the held plan: the rows within a factor of two of the held
+        rows, and neither a full choice's step nor an exploring one."""
+        if self._held is None or step % self.every == 0 or self.exploration.is_exploring(step):
+            return False
+        rows = self._held[0]
+        return rows <= 2 * b and b <= 2 * rows
 
-    @property
-    def chosen(self) -> tuple | None:
-        return None if self._held is None else self._held[1]
+    def chosen(self, b: int) -> tuple | None:
+        """What a held step at ``b`` rows records for the calibration: the full choice's plan and prediction
+        at its own rows; None at other rows (its prediction is not theirs)."""
+        return None if self._held is None or self._held[0] != b else self._held[1]
