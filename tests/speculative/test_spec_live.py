@@ -153,11 +153,11 @@ def test_append_cost_does_not_grow_with_the_group():
     assert hits > 0.5 * 7 * 1000  # the rows behind the first find what their siblings wrote (85% shared)
 
 
-def _two_rows(prompt: list[int]):
-    """A history drafter in a call, two rows of ``prompt`` started in slots 0 and 1."""
+def _two_rows(prompt: list[int], **kw):
+    """A history drafter (``kw``: its settings) in a call, two rows of ``prompt`` started in slots 0 and 1."""
     from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 
-    d = HistoryDrafter()
+    d = HistoryDrafter(**kw)
     d.allocate(4, 64)
     d.begin_call()
     d.start(0, prompt, 1, None)
@@ -166,8 +166,6 @@ def _two_rows(prompt: list[int]):
 
 
 def test_history_drafter_runs_the_live_index_beside_the_finished_responses():
-    from megatron_spec.rollout.native.history_drafter import HistoryDrafter
-
     prompt = [5, 6, 7]
     d = _two_rows(prompt)
     seqs = [prompt + [1, 2, 3, 4, 8, 9], prompt + [1, 2, 3]]
@@ -183,11 +181,7 @@ def test_history_drafter_runs_the_live_index_beside_the_finished_responses():
     d.start(0, prompt, 1, None)
     assert d.propose_rows([prompt + [1, 2]], 3) == [([3, 4, 8], "history", None)]  # no support: finished text
     assert d.sources[0] == "history"
-    off = HistoryDrafter(live=False)
-    off.allocate(2, 64)
-    off.begin_call()
-    off.start(0, prompt, 1, None)
-    off.start(1, prompt, 1, None)
+    off = _two_rows(prompt, live=False)
     assert [p.tokens for p in off.propose_rows(seqs, 2)] == [[], []] and off.live is None
 
 
