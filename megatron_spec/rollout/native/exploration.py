@@ -78,8 +78,8 @@ class Exploration:
 
 class Hold:
     """Plain decoding held between full choices (module docstring). ``every``: a full choice at least every
-    ``every``-th step (0: every step chooses), and on every step ``exploration`` explores; a plan leads by its
-    ``margin``."""
+    ``every``-th step (0: every step chooses), and on every step ``exploration`` explores; a history or tree
+    plan must trail plain decoding by its ``margin``."""
 
     def __init__(self, every: int, exploration: Exploration):
         self.every, self.exploration = every, exploration
