@@ -69,8 +69,9 @@ def main() -> int:
     from megatron_spec import _ext
     from megatron_spec.isa import probe
 
-    # On an AVX-512 CPU the kernel's AVX-512 tile (the engine's) and its AVX2 tile (a CPU without AVX-512, or
-    # MEGATRON_SPEC_NO_NATIVE_BF16=1) run alternated, through the tests' switch: the same bits, other speeds.
+    # On an AVX-512 CPU the kernel's AVX-512 tile (the engine's, except on AMD Zen 4) and its AVX2 tile (a
+    # CPU without AVX-512, MEGATRON_SPEC_NO_NATIVE_BF16=1, AMD Zen 4) run alternated, through the tests'
+    # switches: the same bits, other speeds.
     isa = _ext.kernel_isa()
     tiles = [isa] + (["avx2"] if isa == "avx512" else [])
 
@@ -79,6 +80,8 @@ def main() -> int:
         xs = {576: torch.randn(m, 576), 1536: torch.randn(m, 1536)}
         if tile:
             _ext.set_kernel_isa(tile)
+            if tile == "avx512":  # its own tiles, also where the engine would run the AVX2 ones (AMD Zen 4)
+                _ext.set_fp32_avx512_tiles(True)
         t0 = time.perf_counter()
         for lin in layers:
             x = xs[lin.in_features]

@@ -167,8 +167,9 @@ using TileFn = void (*)(const float*, int64_t, const WT*, float*, int64_t, int64
 enum class Tile { kScalar, kAvx2, kAvx512 };
 
 Tile tile_kind() {
-  // The variant cap (MEGATRON_SPEC_NO_NATIVE_BF16, ATEN_CPU_CAPABILITY) applies as to every kernel here.
-  if (cpu::active_isa() >= cpu::Isa::kAvx512) return Tile::kAvx512;
+  // The variant cap (MEGATRON_SPEC_NO_NATIVE_BF16, ATEN_CPU_CAPABILITY) applies as to every kernel here; under the
+  // AVX-512 variant the AVX2 tiles where 512-bit vectors run as two halves (cpu::fp32_avx512_tiles_active).
+  if (cpu::fp32_avx512_tiles_active()) return Tile::kAvx512;
   return cpu::avx2_fma_active() ? Tile::kAvx2 : Tile::kScalar;
 }
 

@@ -109,6 +109,33 @@ def bf16_linear_kernel() -> str:
     return "avx512bf16" if bf16_dot_available() else "onednn"
 
 
+def fp32_linear_tiles() -> str | None:
+    """The tiles ``megatron_spec::linear_small_f32`` runs: ``avx512``, ``avx2`` or ``scalar`` (None without
+    ``_C``). Under the AVX-512 variant its AVX2 tiles (the same bits) where the CPU runs 512-bit vectors as
+    two 256-bit halves (AMD Zen 4), or where ``MEGATRON_SPEC_FP32_TILES=avx2`` says so."""
+    isa = kernel_isa()
+    if isa is None:
+        return None
+    from megatron_spec import _C
+
+    if _C.fp32_avx512_tiles():
+        return "avx512"
+    return "scalar" if isa == "default" else "avx2"
+
+
+def set_fp32_avx512_tiles(on: bool) -> None:
+    """Run ``linear_small_f32``'s AVX-512 tiles (True) or its AVX2 tiles (False) under the AVX-512 variant,
+    from now on in this process (tests run both). Raises ValueError where the CPU has no AVX-512,
+    RuntimeError without ``_C``."""
+    if not compiled_ops_available():
+        raise RuntimeError(
+            "megatron_spec._C is not built (or MEGATRON_SPEC_FORCE_REFERENCE=1): no AVX-512 tiles"
+        )
+    from megatron_spec import _C
+
+    _C.set_fp32_avx512_tiles(bool(on))
+
+
 def set_kernel_isa(name: str) -> None:
     """Run the CPU kernel variant ``name`` from now on, in this process (tests compare each with the
     references). Raises ValueError for a variant this CPU cannot run, RuntimeError without ``_C``."""
@@ -124,9 +151,13 @@ def set_kernel_isa(name: str) -> None:
 def cpu_facts() -> dict[str, object]:
     """What a benchmark's JSON line says of the machine and the kernels that ran: the CPU kind (``AVX2``,
     ``AVX-512``, ``AVX-512-BF16``, ``AMX``), its model and torch's capability, and the linear kernel of each
-    engine dtype (fp32: the panels' kernel variant, ``avx512`` its AVX-512 tiles)."""
+    engine dtype (fp32: the panels' kernel variant, and its tiles where they are not the variant's own:
+    ``avx512, avx2 tiles`` on AMD Zen 4)."""
     from megatron_spec.isa import probe
 
     info = probe()
+    isa, tiles = kernel_isa(), fp32_linear_tiles()
+    own = isa != "avx512" or tiles == "avx512"
+    fp32 = f"fp32 panels ({isa})" if own else f"fp32 panels ({isa}, {tiles} tiles)"
     return {"cpu_kind": info.kind, "cpu_model": info.model, "cpu_capability": info.capability,
-            "linear_kernel": {"bfloat16": bf16_linear_kernel(), "float32": f"fp32 panels ({kernel_isa()})"}}
+            "linear_kernel": {"bfloat16": bf16_linear_kernel(), "float32": fp32}}

@@ -9,6 +9,8 @@
 // both are read here too so the kernels follow the switch however the process was started.
 // set_active_isa() is the tests' hook for running every variant in one process. AMX (amx.h) is a switch of its
 // own above the AVX-512 variant: MEGATRON_SPEC_NO_AMX=1, or set_amx_enabled(false), keeps the vdpbf16ps kernel.
+// So is the fp32 linear kernel's tile under the AVX-512 variant (fp32_avx512_tiles_active()): its AVX-512 tiles,
+// or its AVX2 tiles (the same bits) on a CPU that runs 512-bit vectors as two 256-bit halves.
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,6 +21,9 @@
 #include "cpu/amx.h"
 #include "cpu/kernels.h"
 
+#if defined(MS_CPU_DISPATCH_X86) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -163,6 +168,50 @@ void set_amx_enabled(bool on) {
   if (on && !amx_bf16_supported())
     throw std::invalid_argument("megatron_spec kernels: this CPU (or its OS) does not run AMX-BF16 tiles");
   amx_enabled().store(on, std::memory_order_relaxed);
+}
+
+bool avx512_full_width() {
+#if defined(MS_CPU_DISPATCH_X86) && defined(__GNUC__)
+  // AMD family 0x19 with AVX-512 (Zen 4) splits every 512-bit operation into two 256-bit halves: there the fp32
+  // linear kernel's AVX2 tiles (one broadcast feeding two ymm FMAs, up to 6 rows) ran SmolLM2's projections in
+  // 0.90-0.93x the AVX-512 tiles' time at 4-16 rows, and its decode forward 0.97x (benchmarks/bench_linear_rows.py,
+  // docs/benchmark_log.md, 2026-12-07). Intel's AVX-512 CPUs (Ice Lake, Sapphire Rapids) run full-width vectors:
+  // 1.2-1.5x there.
+  static const bool full = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return true;
+    const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "AuthenticAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return true;
+    const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+    return family != 0x19;
+  }();
+  return full;
+#else
+  return false;
+#endif
+}
+
+namespace {
+std::atomic<bool>& fp32_avx512_tiles() {
+  // MEGATRON_SPEC_FP32_TILES=avx512|avx2 overrides what the CPU suggests (benchmarks compare both)
+  static std::atomic<bool> on{[] {
+    const char* v = getenv("MEGATRON_SPEC_FP32_TILES");
+    Isa forced;
+    if (v != nullptr && parse_isa(v, &forced)) return forced == Isa::kAvx512;
+    return avx512_full_width();
+  }()};
+  return on;
+}
+}  // namespace
+
+bool fp32_avx512_tiles_active() {
+  return fp32_avx512_tiles().load(std::memory_order_relaxed) && active_isa() >= Isa::kAvx512;
+}
+
+void set_fp32_avx512_tiles(bool on) {
+  if (on && best_supported_isa() < Isa::kAvx512)
+    throw std::invalid_argument("megatron_spec kernels: this CPU runs no AVX-512 tiles");
+  fp32_avx512_tiles().store(on, std::memory_order_relaxed);
 }
 
 void set_active_isa(Isa isa) {

@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         "native_bf16": cpu.native_bf16,
         "native_bf16_why_not": cpu.why_not_bf16() or None,
         "kernel_isa": kernel_isa() if kernel_isa is not None else None,
+        "fp32_linear_tiles": _ext.fp32_linear_tiles(),
         "cpu_kind": cpu.kind,
         "amx_bf16": cpu.amx_bf16,
         "bf16_linear_kernel": _ext.bf16_linear_kernel() if cpu.native_bf16 else None,

@@ -72,3 +72,55 @@ def test_info_reports_the_variant():
     )
     facts = json.loads(out.stdout.strip().splitlines()[-1])
     assert facts["kernel_isa"] in _ext.supported_kernel_isas()
+    assert facts["fp32_linear_tiles"] == _ext.fp32_linear_tiles()
+
+
+def fp32_tiles_in_child(**env: str) -> str:
+    """fp32_linear_tiles() and cpu_facts()'s fp32 kernel in a fresh interpreter, caps cleared, ``env`` set."""
+    child = {k: v for k, v in os.environ.items()
+             if k not in ("MEGATRON_SPEC_NO_NATIVE_BF16", "ATEN_CPU_CAPABILITY", "MEGATRON_SPEC_FP32_TILES")}
+    child.update(env)
+    code = ("from megatron_spec import _ext; "
+            "print(_ext.fp32_linear_tiles(), '|', _ext.cpu_facts()['linear_kernel']['float32'])")
+    out = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True, check=True,
+                         timeout=300)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def amd_zen4() -> bool:
+    """AMD family 0x19 (25) with AVX-512, from /proc/cpuinfo: 512-bit vectors run there as two halves."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            head = f.read().split("\n\n")[0]
+    except OSError:
+        return False
+    info = dict(line.split(":", 1) for line in head.splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    return (info.get("vendor_id") == "AuthenticAMD" and info.get("cpu family") == "25"
+            and "avx512f" in info.get("flags", "").split())
+
+
+@requires_ext
+def test_fp32_linear_tiles_follow_the_cpu_and_the_switches():
+    """Under the AVX-512 variant the fp32 linear kernel runs its AVX-512 tiles, except on AMD Zen 4 (its AVX2
+    tiles: the same bits, faster there); MEGATRON_SPEC_FP32_TILES forces either; a capped variant caps it."""
+    best = _ext.supported_kernel_isas()[-1]
+    if best != "avx512":
+        assert fp32_tiles_in_child() == f"{'avx2' if best == 'avx2' else 'scalar'} | fp32 panels ({best})"
+        with pytest.raises(ValueError, match="no AVX-512 tiles"):
+            _ext.set_fp32_avx512_tiles(True)
+        return
+    mine = "avx2" if amd_zen4() else "avx512"
+    assert fp32_tiles_in_child() == (
+        f"{mine} | fp32 panels (avx512{', avx2 tiles' if mine == 'avx2' else ''})")
+    assert fp32_tiles_in_child(MEGATRON_SPEC_FP32_TILES="avx512") == "avx512 | fp32 panels (avx512)"
+    assert fp32_tiles_in_child(MEGATRON_SPEC_FP32_TILES="avx2") == "avx2 | fp32 panels (avx512, avx2 tiles)"
+    assert fp32_tiles_in_child(MEGATRON_SPEC_NO_NATIVE_BF16="1") == "avx2 | fp32 panels (avx2)"
+    before = _ext.fp32_linear_tiles()
+    try:
+        _ext.set_fp32_avx512_tiles(False)
+        assert _ext.fp32_linear_tiles() == "avx2"
+        _ext.set_fp32_avx512_tiles(True)
+        assert _ext.fp32_linear_tiles() == "avx512"
+    finally:
+        _ext.set_fp32_avx512_tiles(before == "avx512")
