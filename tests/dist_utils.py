@@ -7,6 +7,7 @@ on failure. A free port is chosen per launch so tests can run back to back.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -16,7 +17,21 @@ SCRIPTS = Path(__file__).parent / "dist_scripts"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port torchrun's store can listen on, drawn below Linux's ephemeral range (32768-60999 by default).
+
+    Why: a port from ``bind(0)`` is an ephemeral one; released, it can be handed to another process's outgoing
+    connection before torchrun listens on it (CI, 2026-12-07: EADDRINUSE on 37269, other ranks connecting).
+    Below that range the OS gives out no port by itself, so only another test's draw could take it."""
+    draw = random.Random()  # seeded from os.urandom: xdist workers draw apart
+    for _ in range(200):
+        port = draw.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every draw taken: whatever the OS gives
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
