@@ -16,16 +16,17 @@ def kernel_variant(request):
     name = request.param
     if name not in _ext.supported_kernel_isas():
         pytest.skip(f"the {name} kernels do not run on this CPU (or _C is not built)")
-    before, tiles = _ext.kernel_isa(), _ext.fp32_linear_tiles() == "avx512"
+    before = _ext.kernel_isa()
     _ext.set_kernel_isa(name)
+    tiles = _ext.fp32_linear_tiles() == "avx512"  # under the AVX-512 variant: the switch as it was
     if name == "avx512":  # the fp32 linear kernel's AVX-512 tiles too, where the CPU would run its AVX2 tiles
         _ext.set_fp32_avx512_tiles(True)
     try:
         yield name
     finally:
-        _ext.set_kernel_isa(before)
-        if "avx512" in _ext.supported_kernel_isas():
+        if name == "avx512":
             _ext.set_fp32_avx512_tiles(tiles)
+        _ext.set_kernel_isa(before)
 
 
 @pytest.fixture(params=KERNEL_VARIANTS + ["amx"])

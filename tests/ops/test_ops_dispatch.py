@@ -116,11 +116,16 @@ def test_fp32_linear_tiles_follow_the_cpu_and_the_switches():
     assert fp32_tiles_in_child(MEGATRON_SPEC_FP32_TILES="avx512") == "avx512 | fp32 panels (avx512)"
     assert fp32_tiles_in_child(MEGATRON_SPEC_FP32_TILES="avx2") == "avx2 | fp32 panels (avx512, avx2 tiles)"
     assert fp32_tiles_in_child(MEGATRON_SPEC_NO_NATIVE_BF16="1") == "avx2 | fp32 panels (avx2)"
-    before = _ext.fp32_linear_tiles()
+    isa = _ext.kernel_isa()
+    _ext.set_kernel_isa("avx512")  # (this process may run capped: MEGATRON_SPEC_NO_NATIVE_BF16=1)
+    tiles = _ext.fp32_linear_tiles() == "avx512"  # the switch as it was, read under the AVX-512 variant
     try:
         _ext.set_fp32_avx512_tiles(False)
         assert _ext.fp32_linear_tiles() == "avx2"
         _ext.set_fp32_avx512_tiles(True)
         assert _ext.fp32_linear_tiles() == "avx512"
+        _ext.set_kernel_isa("avx2")  # the variant's cap caps the tiles
+        assert _ext.fp32_linear_tiles() == "avx2"
     finally:
-        _ext.set_fp32_avx512_tiles(before == "avx512")
+        _ext.set_fp32_avx512_tiles(tiles)
+        _ext.set_kernel_isa(isa)

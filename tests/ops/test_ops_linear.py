@@ -139,7 +139,9 @@ def test_avx512_tile_gives_the_bits_of_the_avx2_tile(n, k):
     from fp32 and bf16 panels; and a row's outputs do not depend on how many rows came with it."""
     g = torch.Generator().manual_seed(7 * n + k)
     w = torch.randn(n, k, generator=g).bfloat16().float()
-    before, tiles = _ext.kernel_isa(), _ext.fp32_linear_tiles() == "avx512"
+    before = _ext.kernel_isa()
+    _ext.set_kernel_isa("avx512")
+    tiles = _ext.fp32_linear_tiles() == "avx512"  # the switch as it was
     _ext.set_fp32_avx512_tiles(True)  # (where the CPU would run the AVX2 tiles under the AVX-512 variant)
     try:
         ops = torch.ops.megatron_spec
@@ -155,8 +157,9 @@ def test_avx512_tile_gives_the_bits_of_the_avx2_tile(n, k):
                 one = ops.linear_small_f32(x[m - 1:m], packed, bias, n)
                 assert torch.equal(out["avx512"][m - 1:], one), (m, packed.dtype)
     finally:
-        _ext.set_kernel_isa(before)
+        _ext.set_kernel_isa("avx512")
         _ext.set_fp32_avx512_tiles(tiles)
+        _ext.set_kernel_isa(before)
 
 
 def test_bf16_panels_refuse_weights_they_would_round():
