@@ -46,11 +46,14 @@ PyObject* py_bf16_dot_active(PyObject*, PyObject*) { return PyBool_FromLong(cpu:
 // Whether linear_small_bf16 runs on AMX tiles, whether it could here, and the tests' switch.
 PyObject* py_amx_active(PyObject*, PyObject*) { return PyBool_FromLong(cpu::amx_bf16_active()); }
 PyObject* py_amx_supported(PyObject*, PyObject*) { return PyBool_FromLong(cpu::amx_bf16_supported()); }
-PyObject* py_set_amx(PyObject*, PyObject* arg) {
+
+// A switch set from a Python truth value; one the CPU cannot run (std::invalid_argument) raises ValueError.
+template <void (*Set)(bool)>
+PyObject* py_set_switch(PyObject*, PyObject* arg) {
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return nullptr;
   try {
-    cpu::set_amx_enabled(on != 0);
+    Set(on != 0);
   } catch (const std::invalid_argument& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
     return nullptr;
@@ -58,19 +61,8 @@ PyObject* py_set_amx(PyObject*, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-// Whether linear_small_f32 runs its AVX-512 tiles (else its AVX2 or scalar tiles), and the switch.
+// Whether linear_small_f32 runs its AVX-512 tiles (else its AVX2 or scalar tiles).
 PyObject* py_fp32_avx512_tiles(PyObject*, PyObject*) { return PyBool_FromLong(cpu::fp32_avx512_tiles_active()); }
-PyObject* py_set_fp32_avx512_tiles(PyObject*, PyObject* arg) {
-  const int on = PyObject_IsTrue(arg);
-  if (on < 0) return nullptr;
-  try {
-    cpu::set_fp32_avx512_tiles(on != 0);
-  } catch (const std::invalid_argument& e) {
-    PyErr_SetString(PyExc_ValueError, e.what());
-    return nullptr;
-  }
-  Py_RETURN_NONE;
-}
 
 PyMethodDef methods[] = {
     {"kernel_isa", py_kernel_isa, METH_NOARGS, "CPU kernel variant in use: 'default', 'avx2' or 'avx512'."},
@@ -79,9 +71,10 @@ PyMethodDef methods[] = {
     {"bf16_dot_active", py_bf16_dot_active, METH_NOARGS, "Whether linear_small_bf16 runs AVX512-BF16 dot products."},
     {"amx_active", py_amx_active, METH_NOARGS, "Whether linear_small_bf16 runs on AMX tiles."},
     {"amx_supported", py_amx_supported, METH_NOARGS, "Whether this CPU and OS run AMX-BF16 tiles."},
-    {"set_amx", py_set_amx, METH_O, "Run linear_small_bf16 on AMX tiles (True) or AVX512-BF16 (False): tests."},
+    {"set_amx", py_set_switch<cpu::set_amx_enabled>, METH_O,
+     "Run linear_small_bf16 on AMX tiles (True) or AVX512-BF16 (False): tests."},
     {"fp32_avx512_tiles", py_fp32_avx512_tiles, METH_NOARGS, "Whether linear_small_f32 runs its AVX-512 tiles."},
-    {"set_fp32_avx512_tiles", py_set_fp32_avx512_tiles, METH_O,
+    {"set_fp32_avx512_tiles", py_set_switch<cpu::set_fp32_avx512_tiles>, METH_O,
      "Run linear_small_f32 on its AVX-512 tiles (True) or its AVX2 tiles (False) under the AVX-512 variant."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
