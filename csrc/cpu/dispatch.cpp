@@ -170,11 +170,13 @@ void set_amx_enabled(bool on) {
   amx_enabled().store(on, std::memory_order_relaxed);
 }
 
+namespace {
+// False where 512-bit vectors run as two 256-bit halves (AMD Zen 4): the fp32 linear kernel's default tiles.
 bool avx512_full_width() {
 #if defined(MS_CPU_DISPATCH_X86) && defined(__GNUC__)
   // AMD family 0x19 with AVX-512 (Zen 4) splits every 512-bit operation into two 256-bit halves: there the fp32
   // linear kernel's AVX2 tiles (one broadcast feeding two ymm FMAs, up to 6 rows) ran SmolLM2's projections in
-  // 0.90-0.93x the AVX-512 tiles' time at 4-16 rows, and its decode forward 0.97x (benchmarks/bench_linear_rows.py,
+  // 0.90-0.97x the AVX-512 tiles' time at 1-16 rows, and its decode forward 0.97x (benchmarks/bench_linear_rows.py,
   // docs/benchmark_log.md, 2026-12-07). Intel's AVX-512 CPUs (Ice Lake, Sapphire Rapids) run full-width vectors:
   // 1.2-1.5x there.
   static const bool full = [] {
@@ -191,7 +193,6 @@ bool avx512_full_width() {
 #endif
 }
 
-namespace {
 std::atomic<bool>& fp32_avx512_tiles() {
   // MEGATRON_SPEC_FP32_TILES=avx512|avx2 overrides what the CPU suggests (benchmarks compare both)
   static std::atomic<bool> on{[] {

@@ -106,7 +106,6 @@ bool avx2_fma_active();
 // bf16 dot products (AVX512-BF16's vdpbf16ps: linear_bf16_cpu.cpp) where the CPU has them and the AVX-512
 // variant is active (MEGATRON_SPEC_NO_NATIVE_BF16=1 caps the kernels at AVX2, and so turns this off).
 bool avx512_bf16_active();
-bool avx512_full_width();          // false where 512-bit vectors run as two 256-bit halves (AMD Zen 4)
 bool fp32_avx512_tiles_active();   // the fp32 linear kernel's AVX-512 tiles (else its AVX2 tiles, the same bits)
 void set_fp32_avx512_tiles(bool on);  // the tests' and benchmarks' hook; throws where there is no AVX-512
 
