@@ -797,3 +797,31 @@ def test_a_hold_goes_on_within_twice_or_half_its_rows_and_teaches_only_at_its_ro
     assert ctl.choose_step([[O([0.5] * 3)]] * 12) == StepPlan(0) and ctl.last_held
     ctl.record_outcome(12, 24.0, prefill=False)  # 12 tokens in 24 s where the choice priced 12 in 12 s
     assert ctl.calibration(StepPlan(0), 12) < 1.0
+
+
+def test_a_step_is_calibrated_against_the_tables_after_it_not_the_price_it_was_chosen_at():
+    """The first plain step at 32 rows is priced from a table that measured only the first (widest) step:
+    by extrapolation, at 0.79 of its real seconds. It, and the held steps after it (priced at that full
+    choice), must not teach plain decoding a calibration of 0.8: once the table holds plain steps' own times,
+    plain decoding at 533 tokens/s beats k = 1 at 512 (1.6 tokens a row in 0.1 s). On the real model's GRPO
+    loop the old rule (the price at the choice) made k = 1 win full choices it lost."""
+    from megatron_spec.rollout.native.adaptive import StepOutcome
+
+    ctl = DraftLengthController(1, explore_every=0)
+    opts = [[O([0.6])]] * 32
+
+    def step(k: int) -> None:
+        seconds, verify_s, draft_s = (0.1, 0.095, 0.005) if k else (0.06, 0.0588, 0.0)
+        ctl.observe(StepOutcome(rows=32, k=k, m=0, seconds=seconds, verify_s=verify_s, draft_s=draft_s,
+                                kept=round(32 * (1.6 if k else 1.0)), prefill=False, packed_tokens=None,
+                                accepts=[]))
+
+    assert ctl.choose_step(opts) == StepPlan(1)  # the first step: a draft pass and the widest verify measured
+    step(1)
+    assert ctl.step_seconds(32, 0) == pytest.approx(0.0475)  # 64 tokens' 0.095 s, scaled to 32
+    plans = []
+    for _ in range(16):
+        plans.append(ctl.choose_step(opts).k)
+        step(plans[-1])
+    assert plans == [0] * 16, plans
+    assert ctl.calibration(StepPlan(0), 32) == pytest.approx(0.0588 / 0.06, abs=0.01)
