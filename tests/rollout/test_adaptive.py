@@ -799,7 +799,7 @@ def test_a_hold_goes_on_within_twice_or_half_its_rows_and_teaches_only_at_its_ro
     assert ctl.calibration(StepPlan(0), 12) < 1.0
 
 
-def test_a_step_is_calibrated_against_the_tables_after_it_not_the_price_it_was_chosen_at():
+def test_plain_decoding_is_calibrated_against_its_table_after_the_step_not_its_price_at_the_choice():
     """The first plain step at 32 rows is priced from a table that measured only the first (widest) step:
     by extrapolation, at 0.79 of its real seconds. It, and the held steps after it (priced at that full
     choice), must not teach plain decoding a calibration of 0.8: once the table holds plain steps' own times,
