@@ -18,6 +18,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     (
         "__init__",
         "exit",
+        "host_memory",
         "dtypes",
         "faults",
         "isa",

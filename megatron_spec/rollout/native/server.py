@@ -27,6 +27,7 @@ import torch
 
 from megatron_spec.dtypes import torch_dtype
 from megatron_spec.exit import exit_now
+from megatron_spec.host_memory import keep_heap
 from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.layers.linear import pack_linears
 from megatron_spec.models import HFCheckpoint
@@ -98,6 +99,8 @@ class EngineServer(WeightSession, WeightReceiver):
         self.core.allocate()
         prepare_for_inference(self.target, self._draft_module(), self.core.cache, config, self.device,
                               self.dtype)
+        if self.device.type == "cpu":  # the weights and the cache in place: what the forwards allocate stays
+            keep_heap()  # on the heap (megatron_spec.host_memory)
         self._updating: dict[str, set[str]] | None = None
         self._session_groups: set[str] = set()  # the groups of the open (or last) weight-update session
         self._generate_calls = 0  # counts generate calls for the fault points (megatron_spec.faults)

@@ -1,0 +1,74 @@
+"""The C allocator's settings for a process that computes with large CPU tensors.
+
+torch allocates CPU tensors through the C library's ``posix_memalign``. With glibc's defaults an
+allocation above the *mmap threshold* (128 KiB at first, then raised to the largest block freed so far,
+at most 32 MiB) is a fresh ``mmap``, and free memory at the top of the heap beyond the *trim threshold*
+(twice the mmap threshold) goes back to the kernel. A forward's activations are such blocks (a 64-prompt
+prefill of SmolLM2 allocates 14-28 MB buffers per layer), so every forward faults its output pages in
+again, zeroed by the kernel, and a heap trimmed after one forward grows again in the next.
+
+:func:`keep_heap` turns both off for this process (``mallopt(M_MMAP_MAX, 0)``: large blocks come from the
+heap too, glibc falling back to ``mmap`` where a heap cannot hold one; ``mallopt(M_TRIM_THRESHOLD, INT_MAX)``:
+freed memory stays with the process for its next forward), as jemalloc and tcmalloc behave (PyTorch's CPU
+tuning guide and vLLM's CPU build preload one of those for this reason); mallopt is glibc's own switch, so
+nothing is preloaded. The process then holds the most its forwards ever used. On the real model (fp32, 16
+rows) a generate call took 85-123 thousand page faults and 0.21-0.27 s of kernel time with glibc's defaults,
+8 and 0.02 s with the heap kept (docs/benchmark_log.md, "The heap kept").
+
+The native engine calls it once its weights and KV cache are in place: they keep their own page-aligned
+mappings, as every kernel was tuned with (taken from the heap too, bf16 decoding at 16 rows read 0.91 of the
+default's speed in the one comparison made), and only what the forwards allocate moves.
+
+``MEGATRON_SPEC_DEFAULT_MALLOC=1`` keeps glibc's defaults (the benchmarks' comparison). Elsewhere than
+Linux with glibc it does nothing. This module does not know about models or engines.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MALLOC_ENV = "MEGATRON_SPEC_DEFAULT_MALLOC"
+"""Set to 1 to keep the C library's allocator settings (:func:`keep_heap` does nothing)."""
+
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's <malloc.h>
+_INT_MAX = 2**31 - 1
+
+_state: str | None = None  # what keep_heap did in this process ("kept", a reason it did not), once
+
+
+def keep_heap() -> str:
+    """Keep large blocks on the heap and freed memory in this process (module docstring), once per process.
+    Returns what it did: ``kept``, or why not (``default asked``, ``not glibc``, ``mallopt refused``)."""
+    global _state
+    if _state is None:
+        _state = _apply()
+        logger.debug("host memory: %s", _state)
+    return _state
+
+
+def _apply() -> str:
+    if os.environ.get(DEFAULT_MALLOC_ENV, "") not in ("", "0"):
+        return "default asked"
+    if not sys.platform.startswith("linux"):
+        return "not glibc"
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+        if not hasattr(libc, "gnu_get_libc_version"):  # glibc's own symbol: musl's mallopt is a stub
+            return "not glibc"
+    except (OSError, AttributeError):
+        return "not glibc"
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    if mallopt(_M_MMAP_MAX, 0) != 1 or mallopt(_M_TRIM_THRESHOLD, _INT_MAX) != 1:
+        return "mallopt refused"
+    return "kept"
+
+
+def state() -> str | None:
+    """What :func:`keep_heap` did in this process (None: not called); for the benchmarks' reports."""
+    return _state
