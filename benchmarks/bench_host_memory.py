@@ -1,0 +1,164 @@
+"""The native engine with the heap kept (``megatron_spec.host_memory``) against glibc's default allocator
+settings, on the real model, side by side.
+
+    python benchmarks/bench_host_memory.py [--model smollm2] [--dtypes auto,float32] [--batch-sizes 16,64]
+        [--rounds 3] [--new-tokens 64]
+
+The allocator's settings are a process's, so each round runs two child processes in turn (their order
+alternating round by round), one with ``MEGATRON_SPEC_DEFAULT_MALLOC=1`` (glibc's defaults) and one
+without (the engine keeps its heap, as it does in every run). Each child, per dtype and batch size B, builds a
+plain-decoding engine (``EngineServer``, as ``bench_vs_vllm.py`` builds ours) and times:
+
+* ``prefill``: the target's forward over B chat prompts (``CausalLM.forward`` on the engine's cache, logits at
+  the prompts' last positions), the median of 3 after one;
+* ``decode``: a decode forward of B rows after those prompts, the median of 12 after 3;
+* ``call``: ``generate`` of the B prompts, ``--new-tokens`` greedy tokens each (EOS respected), tokens/s, the
+  best of 2 calls after a warm-up call; and over those 2 calls, per call, the process's minor page faults,
+  its kernel (sys) CPU seconds and all its CPU seconds (``getrusage``): what the allocator's settings change
+  directly, and counted, not timed, so this VM's drift does not move the faults.
+
+Keys, each ``_{dtype}_b{B}``: ``kept_over_default_{prefill,decode,call}`` (the median over rounds of the
+kept process's speed over the default one's in the same round), ``kept_over_default_cpu`` (the same of CPU
+seconds a call: default over kept), ``faults_per_call_{kept,default}`` and ``sys_s_per_call_{kept,default}``
+(medians); the CPU kind and the linear kernels.
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def forward_seconds(model, cache, prompts: list[list[int]]) -> tuple[float, float]:
+    """A prefill of ``prompts`` (median of 3 after one) and a decode forward after them (median of 12
+    after 3), seconds, on ``cache`` (the engine's own)."""
+    import torch
+
+    from megatron_spec.rollout.native.rows import pad_rows
+
+    b, width = len(prompts), max(map(len, prompts))
+    ids, pos = pad_rows(prompts, width, 0, "cpu"), torch.arange(width).expand(b, width)
+    lens = torch.tensor([len(p) for p in prompts])
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    with torch.inference_mode():
+        pre = [timed(lambda: model.forward(ids, pos, cache, lens, logits_index=(lens - 1)[:, None]))
+               for _ in range(4)][1:]
+        dec = [timed(lambda j=j: model.forward(ids[:, :1], (lens + j)[:, None], cache, lens + j + 1))
+               for j in range(15)][3:]
+    return statistics.median(pre), statistics.median(dec)
+
+
+def child(args) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from _real_model import chat_prompts
+    from megatron_spec import host_memory
+    from megatron_spec.isa import resolve_dtype
+    from megatron_spec.models.fetch import resolve_model
+    from megatron_spec.rollout.config import EngineConfig
+    from megatron_spec.rollout.native.server import EngineServer
+    from megatron_spec.rollout.types import GenerateRequest, SamplingParams
+
+    torch.set_num_threads(2)
+    target = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(target)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens)
+    out: dict = {}
+    for dtype in dict.fromkeys(resolve_dtype(d) for d in args.dtypes.split(",")):
+        for b in (int(x) for x in args.batch_sizes.split(",")):
+            prompts = chat_prompts(tok, args.work_dir, b, 4242)
+            srv = EngineServer(EngineConfig(model_path=target, draft_kind="none", dtype=dtype,
+                                            max_batch_size=b, num_threads=2,
+                                            context_length=max(32, max(map(len, prompts))) + args.new_tokens))
+            prefill_s, decode_s = forward_seconds(srv.core.model, srv.core.cache, prompts)
+            reqs = [GenerateRequest(f"r{i}", p, greedy) for i, p in enumerate(prompts)]
+            srv.generate(reqs)
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
+            calls = [srv.core.generate(reqs, seed=0)[1].tokens_per_s for _ in range(2)]
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            out[f"{dtype}_b{b}"] = dict(
+                prefill_s=prefill_s, decode_s=decode_s, call_tokens_per_s=max(calls),
+                faults_per_call=(r1.ru_minflt - r0.ru_minflt) / 2,
+                sys_s_per_call=(r1.ru_stime - r0.ru_stime) / 2,
+                cpu_s_per_call=(r1.ru_stime + r1.ru_utime - r0.ru_stime - r0.ru_utime) / 2)
+            del srv
+    out["host_memory"] = host_memory.state()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtypes", default="auto,float32")
+    ap.add_argument("--batch-sizes", default="16,64")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
+    ap.add_argument("--child", choices=("kept", "default"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print("CHILD " + json.dumps(child(args)), flush=True)
+        return 0
+    from megatron_spec._ext import cpu_facts
+
+    runs: dict[str, list[dict]] = {"kept": [], "default": []}
+    for r in range(args.rounds):
+        for mode in (("kept", "default") if r % 2 == 0 else ("default", "kept")):
+            env = dict(os.environ)
+            env.pop("MEGATRON_SPEC_DEFAULT_MALLOC", None)
+            if mode == "default":
+                env["MEGATRON_SPEC_DEFAULT_MALLOC"] = "1"
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model,
+                   "--dtypes", args.dtypes, "--batch-sizes", args.batch_sizes, "--new-tokens",
+                   str(args.new_tokens), "--work-dir", args.work_dir]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("CHILD ")), None)
+            if proc.returncode or line is None:
+                sys.stderr.write(proc.stderr[-4000:])
+                raise SystemExit(f"the {mode} child failed (rc {proc.returncode})")
+            res = json.loads(line[len("CHILD "):])
+            expected = "kept" if mode == "kept" else "default asked"
+            if res["host_memory"] != expected:
+                raise SystemExit(f"the {mode} child's allocator: {res['host_memory']}, expected {expected}")
+            runs[mode].append(res)
+            print(f"[host_memory] round {r} {mode}: " + json.dumps(
+                {k: {a: round(v, 4) for a, v in x.items()} for k, x in res.items() if isinstance(x, dict)}),
+                file=sys.stderr, flush=True)
+    facts = cpu_facts()
+    result: dict = {"cpu_kind": facts["cpu_kind"], "cpu_model": facts["cpu_model"],
+                    "linear_kernel": facts["linear_kernel"], "rounds": args.rounds}
+    for cfg in (k for k in runs["kept"][0] if k != "host_memory"):
+        for key, speed in (("prefill", lambda x: 1 / x["prefill_s"]), ("decode", lambda x: 1 / x["decode_s"]),
+                           ("call", lambda x: x["call_tokens_per_s"])):
+            ratios = [speed(k[cfg]) / speed(d[cfg]) for k, d in zip(runs["kept"], runs["default"])]
+            result[f"kept_over_default_{key}_{cfg}"] = round(statistics.median(ratios), 3)
+            result[f"kept_over_default_{key}_{cfg}_rounds"] = [round(x, 3) for x in ratios]
+        cpu = [d[cfg]["cpu_s_per_call"] / k[cfg]["cpu_s_per_call"]
+               for k, d in zip(runs["kept"], runs["default"])]
+        result[f"kept_over_default_cpu_{cfg}"] = round(statistics.median(cpu), 3)
+        for mode in ("kept", "default"):
+            for key in ("faults_per_call", "sys_s_per_call"):
+                result[f"{key}_{mode}_{cfg}"] = round(statistics.median(x[cfg][key] for x in runs[mode]), 3)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
