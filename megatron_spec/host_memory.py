@@ -19,8 +19,8 @@ The native engine calls it once its weights and KV cache are in place: they keep
 mappings, as every kernel was tuned with (taken from the heap too, bf16 decoding at 16 rows read 0.91 of the
 default's speed in the one comparison made), and only what the forwards allocate moves.
 
-``MEGATRON_SPEC_DEFAULT_MALLOC=1`` keeps glibc's defaults (the benchmarks' comparison). Elsewhere than
-Linux with glibc it does nothing. This module does not know about models or engines.
+``MEGATRON_SPEC_DEFAULT_MALLOC=1`` keeps glibc's defaults (the benchmarks' comparison; the project's switch
+rule, ``isa.switch_on``). Without glibc it does nothing. This module does not know about models or engines.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import sys
+
+from megatron_spec.isa import switch_on
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +52,20 @@ def keep_heap() -> str:
     return _state
 
 
-def _apply() -> str:
-    if os.environ.get(DEFAULT_MALLOC_ENV, "") not in ("", "0"):
-        return "default asked"
-    if not sys.platform.startswith("linux"):
-        return "not glibc"
+def is_glibc() -> bool:
+    """Whether this process runs on glibc (musl's ``mallopt``, for one, is a stub)."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
-        if not hasattr(libc, "gnu_get_libc_version"):  # glibc's own symbol: musl's mallopt is a stub
-            return "not glibc"
-    except (OSError, AttributeError):
+        return "glibc" in (os.confstr("CS_GNU_LIBC_VERSION") or "")
+    except (AttributeError, ValueError, OSError):  # no confstr, or a C library without that name
+        return False
+
+
+def _apply() -> str:
+    if switch_on(DEFAULT_MALLOC_ENV):
+        return "default asked"
+    if not is_glibc():
         return "not glibc"
+    mallopt = ctypes.CDLL("libc.so.6").mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     if mallopt(_M_MMAP_MAX, 0) != 1 or mallopt(_M_TRIM_THRESHOLD, _INT_MAX) != 1:
         return "mallopt refused"

@@ -45,9 +45,15 @@ _X86_BF16_ARITH = ("avx512_bf16", "amx_bf16", "avx_ne_convert")
 _X86_BF16_PACK = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
 
 
+def switch_on(name: str) -> bool:
+    """Whether the environment switch ``name`` is on: ``1``, ``true``, ``yes`` or ``on`` (any case, spaces
+    trimmed), the rule the compiled kernels' own switches follow (``env_truthy``, csrc/cpu/dispatch.cpp)."""
+    return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
 def no_native_bf16_forced() -> bool:
     """True when ``MEGATRON_SPEC_NO_NATIVE_BF16`` asks for the no-native-bf16 path."""
-    return os.environ.get(NO_NATIVE_BF16_ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    return switch_on(NO_NATIVE_BF16_ENV)
 
 
 @dataclasses.dataclass(frozen=True)

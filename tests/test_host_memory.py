@@ -13,9 +13,9 @@ import textwrap
 
 import pytest
 
-glibc_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(os, "confstr")
-                                or "glibc" not in (os.confstr("CS_GNU_LIBC_VERSION") or ""),
-                                reason="glibc's allocator only")
+from megatron_spec.host_memory import DEFAULT_MALLOC_ENV, is_glibc
+
+glibc_only = pytest.mark.skipif(not is_glibc(), reason="glibc's allocator only")
 
 # 96 MiB: above glibc's largest dynamic mmap threshold (32 MiB), so by default a fresh mmap every time
 _PROBE = textwrap.dedent("""
@@ -40,12 +40,18 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(mode: str, **env) -> dict:
-    base = {k: v for k, v in os.environ.items() if k != "MEGATRON_SPEC_DEFAULT_MALLOC"}
-    proc = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, timeout=120,
+def _run(code: str, arg: str, **env):
+    """``code`` in a new Python process with ``arg``, the default-allocator switch off unless ``env`` sets it;
+    the JSON of its last line."""
+    base = {k: v for k, v in os.environ.items() if k != DEFAULT_MALLOC_ENV}
+    proc = subprocess.run([sys.executable, "-c", code, arg], capture_output=True, text=True, timeout=300,
                           env={**base, **env})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _probe(mode: str, **env) -> dict:
+    return _run(_PROBE, mode, **env)
 
 
 @glibc_only
@@ -63,7 +69,7 @@ def test_keep_heap_puts_a_large_tensor_on_the_heap_and_keeps_its_memory_after_it
 
 @glibc_only
 def test_the_default_allocator_switch_keeps_glibcs_settings():
-    out = _probe("keep", MEGATRON_SPEC_DEFAULT_MALLOC="1")
+    out = _probe("keep", **{DEFAULT_MALLOC_ENV: "1"})
     assert out["did"] == out["state"] == "default asked"
     assert out["mmapped_live"] >= 96 << 20
 
@@ -85,9 +91,5 @@ _ENGINE = textwrap.dedent("""
 
 @glibc_only
 def test_the_native_engine_keeps_its_heap_once_built(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_SPEC_DEFAULT_MALLOC"}
-    for extra, after in (({}, "kept"), ({"MEGATRON_SPEC_DEFAULT_MALLOC": "1"}, "default asked")):
-        proc = subprocess.run([sys.executable, "-c", _ENGINE, str(tmp_path / after.replace(" ", "_"))],
-                              capture_output=True, text=True, timeout=300, env={**env, **extra})
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout.strip().splitlines()[-1]) == [None, after]
+    for extra, after in (({}, "kept"), ({DEFAULT_MALLOC_ENV: "1"}, "default asked")):
+        assert _run(_ENGINE, str(tmp_path / after.replace(" ", "_")), **extra) == [None, after]
