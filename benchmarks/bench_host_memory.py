@@ -39,6 +39,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+DECODE_FORWARDS = 15
+"""Decode forwards :func:`forward_seconds` runs after the prompts (the first 3 not counted): room the
+engine's context must have beyond the longest prompt."""
+
 
 def forward_seconds(model, cache, prompts: list[list[int]]) -> tuple[float, float]:
     """A prefill of ``prompts`` (median of 3 after one) and a decode forward after them (median of 12
@@ -60,7 +64,7 @@ def forward_seconds(model, cache, prompts: list[list[int]]) -> tuple[float, floa
         pre = [timed(lambda: model.forward(ids, pos, cache, lens, logits_index=(lens - 1)[:, None]))
                for _ in range(4)][1:]
         dec = [timed(lambda j=j: model.forward(ids[:, :1], (lens + j)[:, None], cache, lens + j + 1))
-               for j in range(15)][3:]
+               for j in range(DECODE_FORWARDS)][3:]
     return statistics.median(pre), statistics.median(dec)
 
 
@@ -86,7 +90,8 @@ def child(args) -> dict:
             prompts = chat_prompts(tok, args.work_dir, b, 4242)
             srv = EngineServer(EngineConfig(model_path=target, draft_kind="none", dtype=dtype,
                                             max_batch_size=b, num_threads=2,
-                                            context_length=max(32, max(map(len, prompts))) + args.new_tokens))
+                                            context_length=max(32, max(map(len, prompts)))
+                                            + max(args.new_tokens, DECODE_FORWARDS)))
             prefill_s, decode_s = forward_seconds(srv.core.model, srv.core.cache, prompts)
             reqs = [GenerateRequest(f"r{i}", p, greedy) for i, p in enumerate(prompts)]
             srv.generate(reqs)
@@ -117,14 +122,14 @@ def main() -> int:
         print("CHILD " + json.dumps(child(args)), flush=True)
         return 0
     from megatron_spec._ext import cpu_facts
+    from megatron_spec.host_memory import DEFAULT_MALLOC_ENV
 
     runs: dict[str, list[dict]] = {"kept": [], "default": []}
     for r in range(args.rounds):
         for mode in (("kept", "default") if r % 2 == 0 else ("default", "kept")):
-            env = dict(os.environ)
-            env.pop("MEGATRON_SPEC_DEFAULT_MALLOC", None)
+            env = {k: v for k, v in os.environ.items() if k != DEFAULT_MALLOC_ENV}
             if mode == "default":
-                env["MEGATRON_SPEC_DEFAULT_MALLOC"] = "1"
+                env[DEFAULT_MALLOC_ENV] = "1"
             cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model,
                    "--dtypes", args.dtypes, "--batch-sizes", args.batch_sizes, "--new-tokens",
                    str(args.new_tokens), "--work-dir", args.work_dir]
