@@ -13,7 +13,11 @@ The same model directory, the same chat prompts (held-out ``algebra__linear_1d``
 ``bench_rollout.py --model smollm2``), greedy, EOS ignored, ``--new-tokens`` each, max batch B, 2
 threads each. Per dtype and batch size, each configuration is one long-lived engine (ours in this
 process, each vLLM one in its own worker process, ``benchmarks/_vllm_worker.py``), and every round
-runs all of them once, one after the other, so this machine's drift hits them alike. Before each call the
+runs all of them once, so this machine's drift hits them alike: ours step by step in turn (``--interleave
+steps``, the default: ``benchmarks/_lockstep.py``, each call's clock counting only its own steps, each of ours
+leading in turn; a call of 16 rows spends a third of its time in one prefill step, whose moment alone moved
+whole calls one after the other by +-5%), then vLLM's one after the other (``--interleave calls``: every
+configuration one whole call after the other, as before 2026-12-07). Before each call the
 benchmark waits for the machine to go quiet (``settle``): vLLM's engine keeps one core busy for ~1 s after a
 call returns, which slowed whichever configuration ran next (``settle_s_max`` / ``settle_s_mean``: the
 waits). Tokens/s is a
@@ -161,16 +165,26 @@ class OurEngine:
         self.compile_s = self.srv.info()["compile_seconds"]
         self.stats: list = []  # each generate call's GenerateStats
 
-    def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+    def _requests(self, prompts, max_tokens: int) -> list:
         from bench_rollout import _reset_history
         from megatron_spec.rollout.types import GenerateRequest, SamplingParams
 
         sp = SamplingParams(temperature=0.0, max_new_tokens=max_tokens, ignore_eos=True)
         # every round repeats the same prompts: the last round's greedy answers would replay
         _reset_history(self.srv)
-        samples, st = self.srv.core.generate(
-            [GenerateRequest(str(i), p, sp) for i, p in enumerate(prompts)], seed=0
-        )
+        return [GenerateRequest(str(i), p, sp) for i, p in enumerate(prompts)]
+
+    def generate(self, prompts, max_tokens: int) -> tuple[float, list[list[int]]]:
+        samples, st = self.srv.core.generate(self._requests(prompts, max_tokens), seed=0)
+        return self.finish(samples, st)
+
+    def start(self, prompts, max_tokens: int):
+        """The same call step by step (``EngineCore.generate_steps``), for ``_lockstep.run_in_turn``; its
+        result goes to :meth:`finish`."""
+        reqs = self._requests(prompts, max_tokens)
+        return lambda done: self.srv.core.generate_steps(reqs, done, seed=0)
+
+    def finish(self, samples, st) -> tuple[float, list[list[int]]]:
         self.stats.append(st)
         return st.wall_s, [list(s.output_ids) for s in samples]
 
@@ -323,6 +337,9 @@ def main() -> None:
     ap.add_argument("--vllm-spec", default="ngram,eagle3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
+    ap.add_argument("--interleave", choices=("steps", "calls"), default="steps",
+                    help="steps: our configurations of a round step by step in turn "
+                    "(benchmarks/_lockstep.py); calls: every configuration one whole call after the other")
     ap.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -358,6 +375,8 @@ def main() -> None:
                     "new_tokens": args.new_tokens, "prompts": args.prompts, "per_config": {}, "errors": {}}
     os.makedirs(os.path.join(args.work_dir, "vllm_logs"), exist_ok=True)
     result["compile"] = args.compile
+    result["interleave"] = args.interleave
+    from _lockstep import run_in_turn
     for dtype in dtypes:
         for b in (int(x) for x in args.batch_sizes.split(",")):
             tag = f"{dtype}_b{b}"
@@ -374,12 +393,23 @@ def main() -> None:
             outputs: dict[str, list] = {}
             first: dict[str, float] = {}
             settled: list[float] = []
+            # ours step by step in turn (--interleave steps): one group, led by each of them in turn
+            ours = [n for n, e in engines.items() if isinstance(e, OurEngine) and args.interleave == "steps"]
             try:
                 # round 0 warms every engine up (its time: the first-call cost)
                 for r in range(args.rounds + 1):
+                    calls = []  # (name, wall, outputs) of this round's calls
+                    if ours:
+                        settled.append(settle())
+                        lead = r % len(ours)
+                        got = run_in_turn({n: engines[n].start(prompts, args.new_tokens)
+                                           for n in ours[lead:] + ours[:lead]})
+                        calls += [(n, *engines[n].finish(*got[n][:2])) for n in ours]
                     for name, eng in engines.items():
-                        settled.append(settle())  # the last call's engine quiet again (vLLM polls for ~1 s)
-                        wall, out = eng.generate(prompts, args.new_tokens)
+                        if name not in ours:
+                            settled.append(settle())  # the last call's engine quiet again (vLLM polls ~1 s)
+                            calls.append((name, *eng.generate(prompts, args.new_tokens)))
+                    for name, wall, out in calls:
                         tokens = sum(len(o) for o in out)
                         if r == 0:
                             first[name] = wall

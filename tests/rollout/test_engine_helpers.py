@@ -294,6 +294,30 @@ def test_generate_steps_run_in_turn_give_each_engines_own_call(setup):
         assert len(finish) == len(samples) == 6 and finish == sorted(finish) and finish[-1] <= st.wall_s
 
 
+def test_bench_vs_vllm_runs_our_engines_in_turn_with_the_answers_of_whole_calls(setup):
+    """benchmarks/bench_vs_vllm.py's ``--interleave steps``: our engines' calls started by
+    ``OurEngine.start``, stepped in turn and closed by ``finish`` answer what ``generate`` (one whole call)
+    answers, greedy, plain and EAGLE-3, and each call's statistics are kept (the speculation ceiling reads
+    them)."""
+    from tests.benchmark_modules import load_benchmark
+
+    bench = load_benchmark("bench_vs_vllm")
+    lockstep = load_benchmark("_lockstep")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, setup.cfg.vocab_size, (n,), generator=g).tolist() for n in (6, 4, 8)]
+    draft = {"none": (None, {}), "eagle3": (setup.eagle3, {"num_draft_tokens": 2})}
+    ours = {kind: bench.OurEngine(setup.target, "float32", 4, 32, kind, path, 2, **kw)
+            for kind, (path, kw) in draft.items()}
+    alone = {kind: eng.generate(prompts, 9)[1] for kind, eng in ours.items()}
+    got = lockstep.run_in_turn({kind: eng.start(prompts, 9) for kind, eng in ours.items()})
+    together = {kind: eng.finish(*got[kind][:2]) for kind, eng in ours.items()}
+    assert {kind: out for kind, (_, out) in together.items()} == alone
+    assert all(len(out) == 3 and all(len(o) == 9 for o in out) for out in alone.values())
+    for kind, eng in ours.items():
+        assert len(eng.stats) == 2 and eng.stats[1] is got[kind][1]
+        assert together[kind][0] == eng.stats[1].wall_s > 0
+
+
 def test_the_fp32_engines_draft_computes_with_bf16_weights_and_the_samples_stay_the_targets(setup):
     """``draft_bf16`` (the default): the EAGLE-3 head's layers compute with their weights rounded to bf16
     (bf16 panels where the kernel runs), off: as loaded. Greedy outputs are the target's either way."""
