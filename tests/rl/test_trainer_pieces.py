@@ -290,3 +290,22 @@ def test_sglang_logprobs_are_renormalised_to_the_support(make_trainer, setup):
     assert native["mismatch/out_of_support_frac"] == 0 and sglang["mismatch/out_of_support_frac"] == 0
     assert native["mismatch/logprob_abs_diff_mean"] > 0.1  # |log Z|: the top 3 of ~100 near-equal logits
     assert sglang["mismatch/logprob_abs_diff_max"] < 1e-5
+
+
+def test_a_cpu_trainer_keeps_its_heap_once_it_is_built(make_trainer, monkeypatch):
+    # megatron_spec.host_memory.keep_heap (its effect is tested in tests/test_host_memory.py) is called once
+    # the policy, its reference and the engines exist, so they keep their own mappings and what the steps
+    # allocate stays on the heap
+    import megatron_spec.rl.trainer as trainer_module
+
+    calls = []
+    start = RolloutManager.start
+
+    def start_engines(self, *a):
+        calls.append("engines")
+        return start(self, *a)
+
+    monkeypatch.setattr(RolloutManager, "start", start_engines)
+    monkeypatch.setattr(trainer_module, "keep_heap", lambda: calls.append("keep_heap") or "kept")
+    trainer = make_trainer()
+    assert trainer.info.device.type == "cpu" and calls == ["engines", "keep_heap"]
