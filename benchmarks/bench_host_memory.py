@@ -3,6 +3,7 @@ settings, on the real model, side by side.
 
     python benchmarks/bench_host_memory.py [--model smollm2] [--dtypes auto,float32] [--batch-sizes 16,64]
         [--rounds 3] [--new-tokens 64]
+    python benchmarks/bench_host_memory.py --main-job 5 [--rounds 2]
 
 The allocator's settings are a process's, so each round runs two child processes in turn (their order
 alternating round by round), one with ``MEGATRON_SPEC_DEFAULT_MALLOC=1`` (glibc's defaults) and one
@@ -16,6 +17,14 @@ plain-decoding engine (``EngineServer``, as ``bench_vs_vllm.py`` builds ours) an
   best of 2 calls after a warm-up call; and over those 2 calls, per call, the process's minor page faults,
   its kernel (sys) CPU seconds and all its CPU seconds (``getrusage``): what the allocator's settings change
   directly, and counted, not timed, so this VM's drift does not move the faults.
+
+``--main-job STEPS`` instead runs the main job (``launch/pretrain_grpo_spec.py``, ``smollm2_algebra.yaml``,
+plain rollouts, STEPS steps) once per configuration and round, the order alternating, its trainer and engine
+both following the switch, and reads the trainer process's counters from ``/proc`` between the steps' metrics
+rows: keys ``trainer_faults_per_step_{kept,default}``, ``trainer_sys_s_per_step_*`` (medians over the steps
+after the first), ``trainer_rss_mb_*`` (the metrics' ``mem/rss_mb``, median after the first step) and
+``kept_over_default_{train,logprob,step}`` (the median over rounds of the default run's mean stage time over
+the kept run's, steps after the first).
 
 Keys, each ``_{dtype}_b{B}``: ``kept_over_default_{prefill,decode,call}`` (the median over rounds of the
 kept process's speed over the default one's in the same round), ``kept_over_default_cpu`` (the same of CPU
@@ -108,6 +117,80 @@ def child(args) -> dict:
     return out
 
 
+def trainer_counters(run_dir: str, proc: subprocess.Popen) -> list[tuple[int, int, float]]:
+    """While the main job ``proc`` runs: its trainer's minor faults, kernel and user seconds, sampled every
+    0.5 s with the number of metrics rows written; returns per step after the first the differences between
+    the samples where rows 1, 2, ... first appeared (faults, sys s, user s)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    metrics, samples = os.path.join(run_dir, "metrics.jsonl"), []
+    while proc.poll() is None:
+        for pid in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{pid}/cmdline") as f:
+                    cmd = f.read()
+                if "pretrain_grpo_spec.py" not in cmd or "torch.distributed.run" in cmd:
+                    continue
+                with open(f"/proc/{pid}/stat") as f:
+                    st = f.read().rsplit(")", 1)[1].split()  # fields 3.. of proc(5)
+                rows = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
+            except (OSError, ValueError):
+                continue
+            samples.append((rows, int(st[7]), int(st[12]) / tick, int(st[11]) / tick))  # minflt, stime, utime
+        time.sleep(0.5)
+    written = samples[-1][0] if samples else 0
+    marks = [m for m in (next((x for x in samples if x[0] >= i), None) for i in range(1, written + 1)) if m]
+    return [(b[1] - a[1], b[2] - a[2], b[3] - a[3]) for a, b in zip(marks, marks[1:])]
+
+
+def main_job(args) -> dict:
+    """``--main-job``: the trainer's counters and stage times, kept against default (module docstring)."""
+    from _grpo_runs import grpo_cmd, mean
+    from _real_model import MODULES, questions
+    from megatron_spec.host_memory import DEFAULT_MALLOC_ENV
+    from megatron_spec.models.fetch import resolve_model
+    from megatron_spec.telemetry import read_metrics
+
+    target = resolve_model(args.model)
+    questions(args.work_dir, "train-easy")
+    data = ("--prompt-data", os.path.join(args.work_dir, "math_task", MODULES, "train-easy.jsonl"))
+    config = os.path.join(ROOT, "launch", "configs", "smollm2_algebra.yaml")
+    runs: dict[str, list[tuple[list, list]]] = {"kept": [], "default": []}
+    for r in range(args.rounds):
+        for mode in (("kept", "default") if r % 2 == 0 else ("default", "kept")):
+            run_dir = os.path.join(args.work_dir, f"host_memory_{mode}")
+            subprocess.run(["rm", "-rf", run_dir], check=True)
+            env = {k: v for k, v in os.environ.items() if k != DEFAULT_MALLOC_ENV}
+            if mode == "default":
+                env[DEFAULT_MALLOC_ENV] = "1"
+            cmd = grpo_cmd(run_dir, target, args.main_job, draft_kind="none", config=config, port=29641,
+                           extra=data)
+            log = os.path.join(args.work_dir, f"host_memory_{mode}.log")  # (a pipe left unread could fill)
+            with open(log, "w") as err:
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+                counters = trainer_counters(run_dir, proc)
+            if proc.wait():
+                raise SystemExit(f"the {mode} main job failed (rc {proc.returncode}); its output: {log}")
+            rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+            runs[mode].append((rows, counters))
+            print(f"[host_memory] round {r} {mode}: per step (faults, sys s, user s) "
+                  f"{[(f, round(s_, 2), round(u, 1)) for f, s_, u in counters]}, train "
+                  f"{[round(x['time/train'], 2) for x in rows]}, "
+                  f"rss_mb {[round(x['mem/rss_mb']) for x in rows]}",
+                  file=sys.stderr, flush=True)
+    out: dict = {"main_job_steps": args.main_job}
+    for mode, got in runs.items():
+        out[f"trainer_faults_per_step_{mode}"] = statistics.median(c[0] for _, cs in got for c in cs)
+        out[f"trainer_sys_s_per_step_{mode}"] = round(statistics.median(c[1] for _, cs in got for c in cs), 3)
+        rss = [x["mem/rss_mb"] for rows, _ in got for x in rows[1:]]
+        out[f"trainer_rss_mb_{mode}"] = round(statistics.median(rss))
+    for stage in ("train", "logprob", "step"):
+        ratios = [mean([x[f"time/{stage}"] for x in d[1:]]) / mean([x[f"time/{stage}"] for x in k[1:]])
+                  for (k, _), (d, _) in zip(runs["kept"], runs["default"])]
+        out[f"kept_over_default_{stage}"] = round(statistics.median(ratios), 3)
+        out[f"kept_over_default_{stage}_rounds"] = [round(x, 3) for x in ratios]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -116,12 +199,22 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "bench_rollout"))
+    ap.add_argument("--main-job", type=int, default=0, metavar="STEPS",
+                    help="the main job's trainer instead of the engine (module docstring)")
     ap.add_argument("--child", choices=("kept", "default"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print("CHILD " + json.dumps(child(args)), flush=True)
         return 0
     from megatron_spec._ext import cpu_facts
+
+    if args.main_job:
+        if args.main_job < 2:
+            ap.error("--main-job needs 2 steps or more (the first is not counted)")
+        facts = cpu_facts()
+        facts = {k: facts[k] for k in ("cpu_kind", "cpu_model")}
+        print(json.dumps({**facts, "rounds": args.rounds, **main_job(args)}))
+        return 0
     from megatron_spec.host_memory import DEFAULT_MALLOC_ENV
 
     runs: dict[str, list[dict]] = {"kept": [], "default": []}
