@@ -17,11 +17,11 @@ rows) a generate call took 85-123 thousand page faults and 0.21-0.27 s of kernel
 
 The native engine calls it once its weights and KV cache are in place: they keep their own page-aligned
 mappings, as every kernel was tuned with (taken from the heap too, bf16 decoding at 16 rows read 0.91 of the
-default's speed in the one comparison made), and only what the forwards allocate moves. The trainer
-(``rl/trainer.py``) calls it on the CPU once its policy, reference and engines exist: the main job's trainer took
-2-3.7 million page faults and 4.4-7.4 s of kernel time a step with glibc's defaults, 0-0.9 million and 0.8-7.0 s
-kept, and held 7.4-10.6 GB (mostly 10.1-10.6) against 5.9-8.3 GB (a micro-batch's fp32 logits alone, 16 x up
-to 160 x 49152, are up to 0.5 GB).
+default's speed in the one comparison made), and only what the forwards allocate moves. The policy actor
+(``rl/actor.py``) calls it on the CPU once its policy, reference and optimizer exist: the main job's trainer
+took 2-3.7 million page faults and 4.4-7.4 s of kernel time a step with glibc's defaults, 0-0.9 million and
+0.8-7.0 s kept, and held 7.4-10.6 GB (mostly 10.1-10.6) against 5.9-8.3 GB (a micro-batch's fp32 logits alone,
+16 x up to 160 x 49152, are up to 0.5 GB).
 
 ``MEGATRON_SPEC_DEFAULT_MALLOC=1`` keeps glibc's defaults (the benchmarks' comparison; the project's switch
 rule, ``isa.switch_on``). Without glibc it does nothing. This module does not know about models or engines.

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from megatron_spec.config import RunConfig
+from megatron_spec.host_memory import keep_heap
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.models.gpt import build_gpt_model, load_hf_weights, unwrap
 from megatron_spec.parallel import ParallelInfo
@@ -100,6 +101,8 @@ class PolicyActor:
             load_hf_weights(self.ref, ckpt)
             self.ref.eval().requires_grad_(False)
         self.offload = self._colocate_offload()
+        if self.device.type == "cpu":  # the policy, its reference and optimizer in place: what the steps
+            keep_heap()  # allocate stays on this process's heap (megatron_spec.host_memory)
         per_step = g.prompts_per_step * g.grpo_group_size  # the rollouts of a step, split over the DP ranks
         if per_step % info.dp_size:
             raise ValueError(f"prompts-per-step x grpo-group-size = {per_step} rollouts do not split over "

@@ -22,7 +22,6 @@ import time
 from typing import Any
 
 from megatron_spec.config import RunConfig
-from megatron_spec.host_memory import keep_heap
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.parallel import init_parallel
 from megatron_spec.rl import checkpoint as ckpt_io
@@ -63,8 +62,6 @@ class GRPOTrainer:
             with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
                 f.write(cfg.to_yaml())
         self.rollout.start(self.task, self.actor)
-        if self.info.device.type == "cpu":  # the policy, its reference and the engines in place: what the
-            keep_heap()  # steps allocate stays on this process's heap (megatron_spec.host_memory)
 
     # ------------------------------------------------------------------ the step
     def train_step(self) -> dict[str, Any]:

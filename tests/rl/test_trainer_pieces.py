@@ -292,20 +292,20 @@ def test_sglang_logprobs_are_renormalised_to_the_support(make_trainer, setup):
     assert sglang["mismatch/logprob_abs_diff_max"] < 1e-5
 
 
-def test_a_cpu_trainer_keeps_its_heap_once_it_is_built(make_trainer, monkeypatch):
+def test_a_cpu_trainer_keeps_its_heap_once_its_policy_is_built(make_trainer, monkeypatch):
     # megatron_spec.host_memory.keep_heap (its effect is tested in tests/test_host_memory.py) is called once
-    # the policy, its reference and the engines exist, so they keep their own mappings and what the steps
+    # the actor's policy, reference and optimizer exist, so they keep their own mappings and what the steps
     # allocate stays on the heap
-    import megatron_spec.rl.trainer as trainer_module
+    import megatron_spec.rl.actor as actor_module
 
     calls = []
-    start = RolloutManager.start
+    plan = actor_module.PolicyActor._colocate_offload
 
-    def start_engines(self, *a):
-        calls.append("engines")
-        return start(self, *a)
+    def offload_plan(self):  # the actor's last piece before the call
+        calls.append(("built", self.optimizer is not None and self.model is not None))
+        return plan(self)
 
-    monkeypatch.setattr(RolloutManager, "start", start_engines)
-    monkeypatch.setattr(trainer_module, "keep_heap", lambda: calls.append("keep_heap") or "kept")
+    monkeypatch.setattr(actor_module.PolicyActor, "_colocate_offload", offload_plan)
+    monkeypatch.setattr(actor_module, "keep_heap", lambda: calls.append("keep_heap") or "kept")
     trainer = make_trainer()
-    assert trainer.info.device.type == "cpu" and calls == ["engines", "keep_heap"]
+    assert trainer.actor.device.type == "cpu" and calls == [("built", True), "keep_heap"]
