@@ -172,6 +172,7 @@ def main_job(args) -> dict:
                 raise SystemExit(f"the {mode} main job failed (rc {proc.returncode}); its output: {log}")
             rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
             runs[mode].append((rows, counters))
+            subprocess.run(["rm", "-rf", run_dir], check=True)  # its checkpoint and HF export: 2 GB a run
             print(f"[host_memory] round {r} {mode}: per step (faults, sys s, user s) "
                   f"{[(f, round(s_, 2), round(u, 1)) for f, s_, u in counters]}, train "
                   f"{[round(x['time/train'], 2) for x in rows]}, "
