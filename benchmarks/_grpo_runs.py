@@ -107,15 +107,15 @@ def grpo_cmd(
 
 
 def run_grpo(cmd: list[str], run_dir: str, tag: str, on_step: Callable[[dict], None] | None = None,
-             threads: int | None = None) -> list[dict]:
+             threads: int | None = None, env: dict[str, str] | None = None) -> list[dict]:
     """Run ``cmd`` (from :func:`grpo_cmd`) into a fresh ``run_dir``; returns its metrics rows.
     ``on_step(row)`` is called for each step's metrics as the run writes them. ``threads``: torch
     threads of the trainer and the engine (``OMP_NUM_THREADS`` and ``--rollout-num-threads``); on a
     machine shared with other jobs, 1 avoids OpenMP's spinning threads fighting over the cores
-    (measured here: a ModelOpt draft step 20 s with 2 threads under load, 0.8 s with 1)."""
-    env = None
+    (measured here: a ModelOpt draft step 20 s with 2 threads under load, 0.8 s with 1). ``env``: the run's
+    environment instead of this process's."""
     if threads is not None:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        env = dict(env or os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         cmd = list(cmd) + ["--rollout-num-threads", str(threads)]
     from megatron_spec.telemetry import read_metrics
 

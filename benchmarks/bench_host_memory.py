@@ -20,11 +20,11 @@ plain-decoding engine (``EngineServer``, as ``bench_vs_vllm.py`` builds ours) an
 
 ``--main-job STEPS`` instead runs the main job (``launch/pretrain_grpo_spec.py``, ``smollm2_algebra.yaml``,
 plain rollouts, STEPS steps) once per configuration and round, the order alternating, its trainer and engine
-both following the switch, and reads the trainer process's counters from ``/proc`` between the steps' metrics
-rows: keys ``trainer_faults_per_step_{kept,default}``, ``trainer_sys_s_per_step_*`` (medians over the steps
-after the first), ``trainer_rss_mb_*`` (the metrics' ``mem/rss_mb``, median after the first step) and
-``kept_over_default_{train,logprob,step}`` (the median over rounds of the default run's mean stage time over
-the kept run's, steps after the first).
+both following the switch, and reads the trainer process's counters from ``/proc`` as each step's metrics row
+appears (``_grpo_runs.run_grpo`` polls every second): keys ``trainer_faults_per_step_{kept,default}``,
+``trainer_sys_s_per_step_*`` (medians over the steps after the first), ``trainer_rss_mb_*`` (the metrics'
+``mem/rss_mb``, median after the first step) and ``kept_over_default_{train,logprob,step}`` (the median over
+rounds of the default run's mean stage time over the kept run's, steps after the first).
 
 Keys, each ``_{dtype}_b{B}``: ``kept_over_default_{prefill,decode,call}`` (the median over rounds of the
 kept process's speed over the default one's in the same round), ``kept_over_default_cpu`` (the same of CPU
@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -117,67 +118,61 @@ def child(args) -> dict:
     return out
 
 
-def trainer_counters(run_dir: str, proc: subprocess.Popen) -> list[tuple[int, int, float]]:
-    """While the main job ``proc`` runs: its trainer's minor faults, kernel and user seconds, sampled every
-    0.5 s with the number of metrics rows written; returns per step after the first the differences between
-    the samples where rows 1, 2, ... first appeared (faults, sys s, user s)."""
+def alternated(rounds: int):
+    """``(round, mode, environment)`` for each child run: ``kept`` and ``default`` (the switch set), their
+    order alternating round by round."""
+    from megatron_spec.host_memory import DEFAULT_MALLOC_ENV
+
+    for r in range(rounds):
+        for mode in (("kept", "default") if r % 2 == 0 else ("default", "kept")):
+            env = {k: v for k, v in os.environ.items() if k != DEFAULT_MALLOC_ENV}
+            if mode == "default":
+                env[DEFAULT_MALLOC_ENV] = "1"
+            yield r, mode, env
+
+
+def trainer_counters() -> tuple[int, float, float] | None:
+    """The running main job's trainer process (not torchrun's): its minor page faults, kernel and user CPU
+    seconds so far (``/proc/PID/stat``); None where there is none."""
     tick = os.sysconf("SC_CLK_TCK")
-    metrics, samples = os.path.join(run_dir, "metrics.jsonl"), []
-    while proc.poll() is None:
-        for pid in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{pid}/cmdline") as f:
-                    cmd = f.read()
-                if "pretrain_grpo_spec.py" not in cmd or "torch.distributed.run" in cmd:
-                    continue
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                cmd = f.read()
+            if "pretrain_grpo_spec.py" in cmd and "torch.distributed.run" not in cmd:
                 with open(f"/proc/{pid}/stat") as f:
                     st = f.read().rsplit(")", 1)[1].split()  # fields 3.. of proc(5)
-                rows = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
-            except (OSError, ValueError):
-                continue
-            samples.append((rows, int(st[7]), int(st[12]) / tick, int(st[11]) / tick))  # minflt, stime, utime
-        time.sleep(0.5)
-    written = samples[-1][0] if samples else 0
-    marks = [m for m in (next((x for x in samples if x[0] >= i), None) for i in range(1, written + 1)) if m]
-    return [(b[1] - a[1], b[2] - a[2], b[3] - a[3]) for a, b in zip(marks, marks[1:])]
+                return int(st[7]), int(st[12]) / tick, int(st[11]) / tick  # minflt, stime, utime
+        except OSError:  # the process ended meanwhile
+            continue
+    return None
 
 
 def main_job(args) -> dict:
     """``--main-job``: the trainer's counters and stage times, kept against default (module docstring)."""
-    from _grpo_runs import grpo_cmd, mean
+    from _grpo_runs import grpo_cmd, mean, run_grpo
     from _real_model import MODULES, questions
-    from megatron_spec.host_memory import DEFAULT_MALLOC_ENV
     from megatron_spec.models.fetch import resolve_model
-    from megatron_spec.telemetry import read_metrics
 
     target = resolve_model(args.model)
     questions(args.work_dir, "train-easy")
     data = ("--prompt-data", os.path.join(args.work_dir, "math_task", MODULES, "train-easy.jsonl"))
     config = os.path.join(ROOT, "launch", "configs", "smollm2_algebra.yaml")
     runs: dict[str, list[tuple[list, list]]] = {"kept": [], "default": []}
-    for r in range(args.rounds):
-        for mode in (("kept", "default") if r % 2 == 0 else ("default", "kept")):
-            run_dir = os.path.join(args.work_dir, f"host_memory_{mode}")
-            subprocess.run(["rm", "-rf", run_dir], check=True)
-            env = {k: v for k, v in os.environ.items() if k != DEFAULT_MALLOC_ENV}
-            if mode == "default":
-                env[DEFAULT_MALLOC_ENV] = "1"
-            cmd = grpo_cmd(run_dir, target, args.main_job, draft_kind="none", config=config, port=29641,
-                           extra=data)
-            log = os.path.join(args.work_dir, f"host_memory_{mode}.log")  # (a pipe left unread could fill)
-            with open(log, "w") as err:
-                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-                counters = trainer_counters(run_dir, proc)
-            if proc.wait():
-                raise SystemExit(f"the {mode} main job failed (rc {proc.returncode}); its output: {log}")
-            rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-            runs[mode].append((rows, counters))
-            subprocess.run(["rm", "-rf", run_dir], check=True)  # its checkpoint and HF export: 2 GB a run
-            print(f"[host_memory] round {r} {mode}: per step (faults, sys s, user s) "
-                  f"{[(f, round(s_, 2), round(u, 1)) for f, s_, u in counters]}, train "
-                  f"{[round(x['time/train'], 2) for x in rows]}, "
-                  f"rss_mb {[round(x['mem/rss_mb']) for x in rows]}",
-                  file=sys.stderr, flush=True)
+    for r, mode, env in alternated(args.rounds):
+        run_dir = os.path.join(args.work_dir, f"host_memory_{mode}")
+        cmd = grpo_cmd(run_dir, target, args.main_job, draft_kind="none", config=config, port=29641,
+                       extra=data)
+        marks: list = []  # the trainer's counters as each step's metrics row appears (None: it had ended)
+        rows = run_grpo(cmd, run_dir, "host_memory", env=env,
+                        on_step=lambda row, m=marks: m.append(trainer_counters()))
+        shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint and HF export: 2 GB a run
+        counters = [tuple(y - x for x, y in zip(a, b)) for a, b in zip(marks, marks[1:]) if a and b]
+        runs[mode].append((rows, counters))
+        print(f"[host_memory] round {r} {mode}: per step (faults, sys s, user s) "
+              f"{[(f, round(s_, 2), round(u, 1)) for f, s_, u in counters]}, train "
+              f"{[round(x['time/train'], 2) for x in rows]}, rss_mb {[round(x['mem/rss_mb']) for x in rows]}",
+              file=sys.stderr, flush=True)
     out: dict = {"main_job_steps": args.main_job}
     for mode, got in runs.items():
         out[f"trainer_faults_per_step_{mode}"] = statistics.median(c[0] for _, cs in got for c in cs)
@@ -216,30 +211,24 @@ def main() -> int:
         facts = {k: facts[k] for k in ("cpu_kind", "cpu_model")}
         print(json.dumps({**facts, "rounds": args.rounds, **main_job(args)}))
         return 0
-    from megatron_spec.host_memory import DEFAULT_MALLOC_ENV
-
     runs: dict[str, list[dict]] = {"kept": [], "default": []}
-    for r in range(args.rounds):
-        for mode in (("kept", "default") if r % 2 == 0 else ("default", "kept")):
-            env = {k: v for k, v in os.environ.items() if k != DEFAULT_MALLOC_ENV}
-            if mode == "default":
-                env[DEFAULT_MALLOC_ENV] = "1"
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model,
-                   "--dtypes", args.dtypes, "--batch-sizes", args.batch_sizes, "--new-tokens",
-                   str(args.new_tokens), "--work-dir", args.work_dir]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("CHILD ")), None)
-            if proc.returncode or line is None:
-                sys.stderr.write(proc.stderr[-4000:])
-                raise SystemExit(f"the {mode} child failed (rc {proc.returncode})")
-            res = json.loads(line[len("CHILD "):])
-            expected = "kept" if mode == "kept" else "default asked"
-            if res["host_memory"] != expected:
-                raise SystemExit(f"the {mode} child's allocator: {res['host_memory']}, expected {expected}")
-            runs[mode].append(res)
-            print(f"[host_memory] round {r} {mode}: " + json.dumps(
-                {k: {a: round(v, 4) for a, v in x.items()} for k, x in res.items() if isinstance(x, dict)}),
-                file=sys.stderr, flush=True)
+    for r, mode, env in alternated(args.rounds):
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--model", args.model,
+               "--dtypes", args.dtypes, "--batch-sizes", args.batch_sizes, "--new-tokens",
+               str(args.new_tokens), "--work-dir", args.work_dir]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("CHILD ")), None)
+        if proc.returncode or line is None:
+            sys.stderr.write(proc.stderr[-4000:])
+            raise SystemExit(f"the {mode} child failed (rc {proc.returncode})")
+        res = json.loads(line[len("CHILD "):])
+        expected = "kept" if mode == "kept" else "default asked"
+        if res["host_memory"] != expected:
+            raise SystemExit(f"the {mode} child's allocator: {res['host_memory']}, expected {expected}")
+        runs[mode].append(res)
+        print(f"[host_memory] round {r} {mode}: " + json.dumps(
+            {k: {a: round(v, 4) for a, v in x.items()} for k, x in res.items() if isinstance(x, dict)}),
+            file=sys.stderr, flush=True)
     facts = cpu_facts()
     result: dict = {"cpu_kind": facts["cpu_kind"], "cpu_model": facts["cpu_model"],
                     "linear_kernel": facts["linear_kernel"], "rounds": args.rounds}
