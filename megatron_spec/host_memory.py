@@ -79,3 +79,14 @@ def _apply() -> str:
 def state() -> str | None:
     """What :func:`keep_heap` did in this process (None: not called); for the benchmarks' reports."""
     return _state
+
+
+def setting() -> str:
+    """What :func:`keep_heap` did in this process or, not called yet, what it would do here and in the
+    processes started with this environment (``kept``, ``default asked``, ``not glibc``): the benchmarks'
+    JSON says which allocator setting their engines ran with."""
+    if _state is not None:
+        return _state
+    if switch_on(DEFAULT_MALLOC_ENV):
+        return "default asked"
+    return "kept" if is_glibc() else "not glibc"

@@ -29,13 +29,14 @@ _PROBE = textwrap.dedent("""
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = Mallinfo2
+    setting = host_memory.setting()
     did = host_memory.keep_heap() if sys.argv[1] == "keep" else None
     x = torch.ones(96 << 18)  # 96 MiB of float32, written
     live = libc.mallinfo2()
     del x
     freed = libc.mallinfo2()
-    print(json.dumps({"did": did, "state": host_memory.state(), "mmapped_live": live.hblkhd,
-                      "heap_live": live.arena, "heap_after_free": freed.arena,
+    print(json.dumps({"did": did, "state": host_memory.state(), "setting": setting,
+                      "mmapped_live": live.hblkhd, "heap_live": live.arena, "heap_after_free": freed.arena,
                       "mmapped_after_free": freed.hblkhd}))
 """)
 
@@ -58,7 +59,7 @@ def _probe(mode: str, **env) -> dict:
 def test_keep_heap_puts_a_large_tensor_on_the_heap_and_keeps_its_memory_after_it_is_freed():
     mib = 1 << 20
     default = _probe("default")
-    assert default["state"] is None
+    assert default["state"] is None and default["setting"] == "kept"  # what keep_heap would do, not called
     assert default["mmapped_live"] >= 96 * mib  # glibc's default: a fresh mapping ...
     assert default["mmapped_after_free"] < 96 * mib  # ... unmapped at free: the next one faults its pages in
     kept = _probe("keep")
@@ -70,7 +71,7 @@ def test_keep_heap_puts_a_large_tensor_on_the_heap_and_keeps_its_memory_after_it
 @glibc_only
 def test_the_default_allocator_switch_keeps_glibcs_settings():
     out = _probe("keep", **{DEFAULT_MALLOC_ENV: "1"})
-    assert out["did"] == out["state"] == "default asked"
+    assert out["did"] == out["state"] == out["setting"] == "default asked"
     assert out["mmapped_live"] >= 96 << 20
 
 
