@@ -1,7 +1,7 @@
 """The same short GRPO run with and without speculative rollouts, side by side.
 
     python benchmarks/bench_grpo.py [--base DIR --draft DIR] [--steps 12] [--nproc 1]
-    python benchmarks/bench_grpo.py --model smollm2 [--draft DIR] [--steps 4]
+    python benchmarks/bench_grpo.py --model smollm2 [--draft DIR] [--steps 4] [--rounds 1]
 
 Runs ``launch/pretrain_grpo_spec.py`` from the same base policy, seed and prompts: with the
 EAGLE-3 draft (k=3), with ``--spec-draft-kind none``, and (unless ``--no-adaptive``) with the
@@ -38,6 +38,11 @@ without, all greedy (``--rollout-temperature 0``: vLLM's CPU build refuses sampl
 and greedy groups carry no advantage, so this measures the rollout machinery, not learning). Its JSON line:
 per backend and run ``{backend}_{spec|ar}_gen_s`` / ``_prepare_s`` / ``_step_s`` / ``_accept_length``, and
 ``vllm_over_native_{gen|prepare|step}_{spec|ar}`` (vLLM's time over ours: above 1, ours is faster).
+
+``--rounds R`` runs them all R times, every other round in the reverse order (the machine's drift over
+the minutes a round takes falls on each run in turn): each number is then the median over the rounds of
+that round's value, the speed-ups also listed round by round (``{key}_rounds``), each list given once per
+round, and ``rounds`` says how many. The report is the last round's.
 
 The first step of each run is excluded from the timings (engine warm-up). The base policy
 and draft are made with launch/sft_base.py and launch/make_draft.py when not given (or
@@ -91,6 +96,90 @@ def decode_regime(base: str, draft: str, batch: int, dtype: str, k: int = 3) -> 
     )
     v, c, _ = forward_costs(srv, batch, k)
     return {"v_k3": v, "c": c}
+
+
+def print_runs(runs: dict[str, list[dict]]) -> None:
+    """One round's runs as a table: generation and step seconds (first step excluded), accept length and
+    reward."""
+    from megatron_spec.telemetry import start_end_means
+
+    print(f"{'':<22}{'gen s':>8}{'step s':>8}{'accept':>8}{'reward start->end':>20}")
+    for name, rows in runs.items():
+        print(f"{name:<22}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}"
+              f"{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
+              f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
+              "{:>10.3f} -> {:.3f}".format(*start_end_means(rows, "reward/mean")[:2]))
+
+
+def round_summary(runs: dict[str, list[dict]], regime: dict[str, float], engines: int | None,
+                  nproc: int) -> dict:
+    """The keys of one round's runs (the module docstring); the first step of each run excluded."""
+    from megatron_spec.telemetry import start_end_means
+
+    spec, ar = runs["spec"][1:], runs["ar"][1:]
+    gen_s, gen_a = mean([r["time/gen"] for r in spec]), mean([r["time/gen"] for r in ar])
+    step_s, step_a = mean([r["time/step"] for r in spec]), mean([r["time/step"] for r in ar])
+    f = gen_a / step_a
+    gen_speedup = gen_a / gen_s
+    amdahl = 1.0 / ((1.0 - f) + f / gen_speedup)
+    step_speedup = step_a / step_s
+    accept = mean([r["spec/accept_length"] for r in runs["spec"]])
+    reward = {name: start_end_means(rows, "reward/mean")[:2] for name, rows in runs.items()}
+    summary = {
+        "gen_speedup": round(gen_speedup, 3),
+        "step_speedup": round(step_speedup, 3),
+        "gen_fraction_ar": round(f, 3),
+        "amdahl_step_speedup": round(amdahl, 3),
+        "step_speedup_over_amdahl": round(step_speedup / amdahl, 3),
+        "accept_length": round(accept, 3),
+        "reward_start": round(reward["spec"][0], 3),
+        "reward_end": round(reward["spec"][1], 3),
+        "reward_start_ar": round(reward["ar"][0], 3),
+        "reward_end_ar": round(reward["ar"][1], 3),
+        "ceiling_k3": round(accept / (regime["v_k3"] + 3 * regime["c"]), 3),
+    }
+    summary.update(step_paired("", spec, ar))
+    if "spec_adaptive_history" in runs:
+        ah = runs["spec_adaptive_history"][1:]
+        summary.update(step_paired("_adaptive_history", ah, ar))
+        summary.update({
+            "gen_speedup_adaptive_history": round(gen_a / mean([r["time/gen"] for r in ah]), 3),
+            "step_speedup_adaptive_history": round(step_a / mean([r["time/step"] for r in ah]), 3),
+            "accept_length_adaptive_history": round(mean([r["spec/accept_length"] for r in ah]), 3),
+            "k_mean_adaptive_history": round(mean([r["spec/k_mean"] for r in ah
+                                                   if r.get("spec/k_mean") is not None]), 3),
+            "history_frac": round(mean([r.get("spec/history_frac", 0.0) for r in ah]), 3),
+            "live_frac": round(mean([r.get("spec/live_frac", 0.0) for r in ah]), 3),
+        })
+    if "spec_engines1" in runs:  # the same ranks, N engines against one (on 2 CPU cores: the mechanism)
+        one = runs["spec_engines1"][1:]
+        summary.update({
+            "rollout_num_engines": engines, "nproc": nproc,
+            "gen_s_per_step_engines": round(gen_s, 3),
+            "gen_s_per_step_engines1": round(mean([r["time/gen"] for r in one]), 3),
+            "engines_gen_speedup": round(mean([r["time/gen"] for r in one]) / gen_s, 3),
+            "engines_imbalance": round(mean([r["rollout/imbalance"] for r in spec]), 3),
+            "engine_samples_per_step": [round(mean([r[f"rollout/engine{e}/samples"] for r in spec]), 2)
+                                        for e in range(engines)],
+        })
+    return summary
+
+
+def over_rounds(summaries: list[dict]) -> dict:
+    """One round's keys as they are; over several, each number the median over rounds (the speed-ups also
+    listed per round, ``{key}_rounds``), each list one per round."""
+    if len(summaries) == 1:
+        return dict(summaries[0])
+    out: dict = {"rounds": len(summaries)}
+    for key, first in summaries[0].items():
+        values = [s.get(key) for s in summaries]
+        if isinstance(first, list) or not all(isinstance(v, (int, float)) for v in values):
+            out[key] = values
+            continue
+        out[key] = round(statistics.median(values), 3)
+        if "speedup" in key:
+            out[f"{key}_rounds"] = values
+    return out
 
 
 def compare_backends(args, data_flags: tuple[str, ...]) -> int:
@@ -150,6 +239,8 @@ def main() -> int:
     )
     ap.add_argument("--rollout-backend", choices=("native", "vllm"), default="native",
                     help="vllm: both backends side by side, greedy (see above)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="the runs this many times, in reverse order every other round (see above)")
     args = ap.parse_args()
     data_flags: tuple[str, ...] = ()
     if args.model:
@@ -171,9 +262,6 @@ def main() -> int:
 
     if args.rollout_backend == "vllm":
         return compare_backends(args, data_flags)
-    from megatron_spec.telemetry import start_end_means
-
-    runs = {}
     engines = args.rollout_num_engines
     adaptive = ("--spec-num-draft-tokens", "auto", "--spec-history")
     plan = [("spec", "eagle3", engines, ()), ("ar", "none", engines, ())]
@@ -181,12 +269,16 @@ def main() -> int:
         plan.append(("spec_adaptive_history", "eagle3", engines, adaptive))
     if engines and engines > 1:
         plan.append(("spec_engines1", "eagle3", 1, ()))
-    for name, kind, n, flags in plan:
-        run_dir = os.path.join(args.work_dir, name)
-        cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft, config=args.config,
-                       nproc=args.nproc, port=args.port,
-                       extra=(() if n is None else ("--rollout-num-engines", str(n))) + flags + data_flags)
-        runs[name] = run_grpo(cmd, run_dir, "bench_grpo")
+    rounds: list[dict[str, list[dict]]] = []
+    for r in range(args.rounds):
+        runs = {}
+        for name, kind, n, flags in plan if r % 2 == 0 else plan[::-1]:  # a drift falls on each run in turn
+            run_dir = os.path.join(args.work_dir, name)
+            extra = (() if n is None else ("--rollout-num-engines", str(n))) + flags + data_flags
+            cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft,
+                           config=args.config, nproc=args.nproc, port=args.port, extra=extra)
+            runs[name] = run_grpo(cmd, run_dir, f"bench_grpo round {r + 1}/{args.rounds}")
+        rounds.append(dict(sorted(runs.items(), key=lambda kv: [p[0] for p in plan].index(kv[0]))))
     import yaml
 
     with open(args.config) as fh:
@@ -195,77 +287,29 @@ def main() -> int:
     batch = int(rollout_cfg.get("rollout_max_batch_size", 16))
     from megatron_spec._ext import cpu_facts
     from megatron_spec.isa import resolve_dtype
+    from megatron_spec.rl.report import write_report
 
     dtype = resolve_dtype(rollout_cfg.get("rollout_dtype", "auto"))  # what the launcher's engine ran in
     regime = decode_regime(args.base, args.draft, batch, dtype)
-    spec, ar = runs["spec"][1:], runs["ar"][1:]
-    gen_s, gen_a = mean([r["time/gen"] for r in spec]), mean([r["time/gen"] for r in ar])
-    step_s, step_a = mean([r["time/step"] for r in spec]), mean([r["time/step"] for r in ar])
-    f = gen_a / step_a
-    gen_speedup = gen_a / gen_s
-    amdahl = 1.0 / ((1.0 - f) + f / gen_speedup)
-    step_speedup = step_a / step_s
-    from megatron_spec.rl.report import write_report
-
-    write_report(os.path.join(args.work_dir, "spec"), os.path.join(args.work_dir, "ar"))
-    print(f"{'':<14}{'gen s':>8}{'step s':>8}{'accept':>8}{'reward start->end':>20}")
-    reward = {name: start_end_means(rows, "reward/mean")[:2] for name, rows in runs.items()}
-    for name, rows in runs.items():
-        print(
-            f"{name:<14}{mean([r['time/gen'] for r in rows[1:]]):>8.2f}"
-            f"{mean([r['time/step'] for r in rows[1:]]):>8.2f}"
-            f"{mean([r['spec/accept_length'] for r in rows]):>8.2f}"
-            "{:>10.3f} -> {:.3f}".format(*reward[name])
-        )
-    summary = {
-        "gen_speedup": round(gen_speedup, 3),
-        "step_speedup": round(step_speedup, 3),
-        "gen_fraction_ar": round(f, 3),
-        "amdahl_step_speedup": round(amdahl, 3),
-        "step_speedup_over_amdahl": round(step_speedup / amdahl, 3),
-        "accept_length": round(mean([r["spec/accept_length"] for r in runs["spec"]]), 3),
-        "reward_start": round(reward["spec"][0], 3),
-        "reward_end": round(reward["spec"][1], 3),
-        "reward_start_ar": round(reward["ar"][0], 3),
-        "reward_end_ar": round(reward["ar"][1], 3),
+    write_report(os.path.join(args.work_dir, "spec"), os.path.join(args.work_dir, "ar"))  # the last round's
+    summaries = []
+    for r, runs in enumerate(rounds):
+        print(f"round {r + 1}/{len(rounds)}")
+        print_runs(runs)
+        summaries.append(round_summary(runs, regime, engines, args.nproc))
+    summary = over_rounds(summaries)
+    summary.update({
         "prompts_per_step": grpo_cfg.get("prompts_per_step"),
         "group_size": grpo_cfg.get("grpo_group_size"),
         "rollout_batch": batch,
         "v_k3": round(regime["v_k3"], 3),
         "c": round(regime["c"], 3),
-        "ceiling_k3": round(
-            mean([r["spec/accept_length"] for r in runs["spec"]]) / (regime["v_k3"] + 3 * regime["c"]), 3
-        ),
         "steps": args.steps,
         "dtype": dtype,
         "real_model": args.base if args.model else None,
         **cpu_facts(),
         "report": os.path.join(args.work_dir, "spec", "report", "summary.md"),
-    }
-    summary.update(step_paired("", spec, ar))
-    if "spec_adaptive_history" in runs:
-        ah = runs["spec_adaptive_history"][1:]
-        summary.update(step_paired("_adaptive_history", ah, ar))
-        summary.update({
-            "gen_speedup_adaptive_history": round(gen_a / mean([r["time/gen"] for r in ah]), 3),
-            "step_speedup_adaptive_history": round(step_a / mean([r["time/step"] for r in ah]), 3),
-            "accept_length_adaptive_history": round(mean([r["spec/accept_length"] for r in ah]), 3),
-            "k_mean_adaptive_history": round(mean([r["spec/k_mean"] for r in ah
-                                                   if r.get("spec/k_mean") is not None]), 3),
-            "history_frac": round(mean([r.get("spec/history_frac", 0.0) for r in ah]), 3),
-            "live_frac": round(mean([r.get("spec/live_frac", 0.0) for r in ah]), 3),
-        })
-    if "spec_engines1" in runs:  # the same ranks, N engines against one (on 2 CPU cores: the mechanism)
-        one = runs["spec_engines1"][1:]
-        summary.update({
-            "rollout_num_engines": engines, "nproc": args.nproc,
-            "gen_s_per_step_engines": round(gen_s, 3),
-            "gen_s_per_step_engines1": round(mean([r["time/gen"] for r in one]), 3),
-            "engines_gen_speedup": round(mean([r["time/gen"] for r in one]) / gen_s, 3),
-            "engines_imbalance": round(mean([r["rollout/imbalance"] for r in spec]), 3),
-            "engine_samples_per_step": [round(mean([r[f"rollout/engine{e}/samples"] for r in spec]), 2)
-                                        for e in range(engines)],
-        })
+    })
     print(json.dumps(summary))
     return 0
 
