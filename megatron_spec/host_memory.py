@@ -21,7 +21,8 @@ default's speed in the one comparison made), and only what the forwards allocate
 (``rl/actor.py``) calls it on the CPU once its policy, reference and optimizer exist: the main job's trainer
 took 2-3.7 million page faults and 4.4-7.4 s of kernel time a step with glibc's defaults, 0-0.9 million and
 0.8-7.0 s kept, and held 7.4-10.6 GB (mostly 10.1-10.6) against 5.9-8.3 GB (a micro-batch's fp32 logits alone,
-16 x up to 160 x 49152, are up to 0.5 GB).
+16 x up to 160 x 49152, are up to 0.5 GB); its steps ran 1.13x as fast (train 1.17x, logprob 1.08x; 4 rounds
+alternated, ``benchmarks/bench_host_memory.py --main-job``).
 
 ``MEGATRON_SPEC_DEFAULT_MALLOC=1`` keeps glibc's defaults (the benchmarks' comparison; the project's switch
 rule, ``isa.switch_on``). Without glibc it does nothing. This module does not know about models or engines.
