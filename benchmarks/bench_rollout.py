@@ -331,23 +331,29 @@ def timed_rounds(
 INTERLEAVE = "steps"  # --interleave: how the configs of a round share the machine
 
 
-def run_calls(calls: dict, turn: int, engines: dict) -> dict:
+def run_calls(calls: dict, turn: int, engines: dict, together: dict | None = None) -> dict:
     """``calls`` (name -> a function of ``on_sample_done`` starting ``generate_steps`` on ``engines[name]``)
     run step by step in turn (``INTERLEAVE`` ``steps``), in waves: calls on one engine (a config at two
     temperatures) never run at once, so they go in successive waves, made in the configs' own order (every
     engine's first config together, whatever the round), each wave's order turned by ``turn`` (a round's
-    number: each config leads in turn). With ``calls``, one whole call after the other in the configs' own
-    order, as before. Per name ``(samples, stats, finish times)``, each call's time its own."""
+    number: each config leads in turn). ``together``: name -> a key (the config's temperature); configs of
+    different keys never share a wave, so the ones a ratio compares run together (until session 54 the
+    adaptive T=1 engine, an engine of its own, joined the first wave, beside the greedy configs, a wave apart
+    from the T=1 ones its keys are read against). With ``calls``, one whole call after the other in the
+    configs' own order, as before. Per name ``(samples, stats, finish times)``, each call's time its own."""
     from _lockstep import run_in_turn
 
-    waves: list[list[str]] = []
+    keys = together or {}
+    waves: list[tuple[object, list[str]]] = []
     for name in calls:
-        wave = next((w for w in waves if all(engines[n] is not engines[name] for n in w)), None)
+        key = keys.get(name)
+        free = (w for k, w in waves if k == key and all(engines[n] is not engines[name] for n in w))
+        wave = next(free, None)
         if wave is None or INTERLEAVE != "steps":
-            waves.append(wave := [])
+            waves.append((key, wave := []))
         wave.append(name)
     out = {}
-    for wave in waves:
+    for _, wave in waves:
         wave = wave[turn % len(wave):] + wave[:turn % len(wave)]
         out.update(run_in_turn({name: calls[name] for name in wave}))
     return {name: out[name] for name in calls}
@@ -545,7 +551,7 @@ def run_interleaved(configs: dict, prompts, new_tokens: int, repeats: int = 5) -
         # of its sampled texts (their acceptance and lengths) every round, another config other draws
         calls = {name: (lambda done, c=srv.core, q=reqs[t], s=r: c.generate_steps(q, done, seed=s))
                  for name, (srv, t) in configs.items()}
-        for name, (_, st, _) in run_calls(calls, r, engines).items():
+        for name, (_, st, _) in run_calls(calls, r, engines, {n: t for n, (_, t) in configs.items()}).items():
             runs[name].append(st)
     return runs
 

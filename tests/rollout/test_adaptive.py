@@ -580,6 +580,14 @@ def test_the_benchmarks_calls_run_step_by_step_one_engine_at_a_time():
     finally:
         bench.INTERLEAVE = "steps"
     assert log == ["ar", "ar", "k3", "k3", "ar_t1", "ar_t1", "k3_t1", "k3_t1"]
+    # grouped by temperature, a config on an engine of its own (the adaptive T=1 engine) runs with its
+    # temperature's configs, not in the first wave its engine is free in; listed pair by pair, the same waves
+    temps = {"ar": 0.0, "k3": 0.0, "auto": 0.0, "ar_t1": 1.0, "k3_t1": 1.0, "auto_t1": 1.0}
+    engines = {"ar": a, "k3": b, "auto": object(), "ar_t1": a, "k3_t1": b, "auto_t1": object()}
+    for order in (list(temps), ["ar", "ar_t1", "k3", "k3_t1", "auto", "auto_t1"]):
+        log.clear()
+        bench.run_calls({n: call(n) for n in order}, 0, engines, temps)
+        assert log == ["ar", "k3", "auto"] * 2 + ["ar_t1", "k3_t1", "auto_t1"] * 2, order
 
 
 def test_the_benchmarks_rounds_sample_with_a_seed_each_and_adaptive_keys_at_each_temperature():
