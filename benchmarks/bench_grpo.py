@@ -242,6 +242,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="the runs this many times, in reverse order every other round (see above)")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     data_flags: tuple[str, ...] = ()
     if args.model:
         from _real_model import MODULES, questions, real_model_paths
