@@ -280,7 +280,7 @@ def main() -> int:
             cmd = grpo_cmd(run_dir, args.base, args.steps, draft_kind=kind, draft=args.draft,
                            config=args.config, nproc=args.nproc, port=args.port, extra=extra)
             runs[name] = run_grpo(cmd, run_dir, f"bench_grpo round {r + 1}/{args.rounds}")
-        rounds.append(dict(sorted(runs.items(), key=lambda kv: [p[0] for p in plan].index(kv[0]))))
+        rounds.append({name: runs[name] for name, *_ in plan})  # in the plan's order, whatever the round's
     import yaml
 
     with open(args.config) as fh:
