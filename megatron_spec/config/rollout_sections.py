@@ -34,6 +34,7 @@ class RolloutConfig(Section):
     rollout_min_p: float = setting("rollout_min_p")
     rollout_num_threads: int = setting("rollout_num_threads")
     rollout_compile: bool = setting("rollout_compile")
+    rollout_share_prefix: bool = setting("rollout_share_prefix")
     rollout_vllm_python: str = setting("rollout_vllm_python")
     rollout_startup_timeout_s: float = setting("rollout_startup_timeout_s")
     rollout_call_timeout_s: float = setting("rollout_call_timeout_s")

@@ -104,6 +104,9 @@ class EngineConfig:
     history's as two branches of one verify, ``megatron_spec.speculative.verify_tree``): ``auto`` where the
     controller expects them to pay, or ``off`` (the tests force them with the test hook
     ``history_tree_always``, ``megatron_spec.faults``)."""
+    share_prefix: bool = True
+    """Native engine: prompts prefilled together run a beginning they share once
+    (:mod:`megatron_spec.rollout.native.prefix_share`)."""
     spec_trace: str | None = None
     """A JSON-lines file the adaptive controller appends its decision of every verify step to
     (:mod:`megatron_spec.rollout.native.decision_trace`), or None."""

@@ -217,6 +217,16 @@ SETTINGS: tuple[Setting, ...] = (
         alias="--compile",
     ),
     Setting(
+        "rollout_share_prefix",
+        "rollout",
+        True,
+        "native engine: prompts prefilled together that begin alike (a chat template's system turn, a task's "
+        "instructions) run their common beginning once and copy its cache, where that saves at least "
+        "prefix_share.MIN_SAVED_TOKENS tokens (SGLang's radix cache and vLLM's prefix caching do this across "
+        "requests); the tokens are the same either way",
+        engine="share_prefix",
+    ),
+    Setting(
         "spec_draft_kind",
         "draft",
         "none",

@@ -2,13 +2,14 @@
 
 One :meth:`EngineCore.generate` call runs a list of requests to completion:
 
-* **Admission.** Waiting prompts join whenever enough slots are free. Their prompts are
-  prefilled together (padded batch), then each prompt's cache is copied into the slots of its
-  ``n`` samples, whose first tokens are sampled from the shared prefill logits. A prompt with more
-  samples than the batch has slots starts as many as are free; its prefill waits in a parking slot
-  beyond the batch's for the others, which start from it as slots free up (``admission.py``). While
-  other rows are running, the prefill rides along with their next step: one target forward over
-  both (``CausalLM.forward_segments``) reads the weights once for the step and the prompts.
+* **Admission.** Waiting prompts join whenever enough slots are free. Their prompts are prefilled
+  together (padded batch; a beginning they share runs once: ``prefix_share.py``), then each prompt's
+  cache is copied into the slots of its ``n`` samples, whose first tokens are sampled from the shared
+  prefill logits. A prompt with more samples than the batch has slots starts as many as are free; its
+  prefill waits in a parking slot beyond the batch's for the others, which start from it as slots free
+  up (``admission.py``). While other rows are running, the prefill rides along with their next step:
+  one target forward over both (``CausalLM.forward_segments``) reads the weights once for the step and
+  the prompts.
 * **Steps.** Every step advances all running rows at once: a plain step decodes one token;
   a speculative step asks the drafter for k tokens per row, runs the target once over the
   k+1 positions, and verifies with ``megatron_spec.speculative.verify_chain`` (accept with
@@ -50,7 +51,8 @@ from megatron_spec.rollout.native.admission import ParkedPrompt, plan_admission
 from megatron_spec.rollout.native.drafters import Drafter
 from megatron_spec.rollout.native.history_drafter import HistoryDrafter
 from megatron_spec.rollout.native.model import CausalLM, Segment
-from megatron_spec.rollout.native.rows import Admission, Row
+from megatron_spec.rollout.native.prefix_share import admit
+from megatron_spec.rollout.native.rows import Admission, Row, sampling_of
 from megatron_spec.rollout.native.spec_worker import SpeculativeWorker
 from megatron_spec.rollout.types import GenerateRequest, GenerateStats, SampleOutput
 from megatron_spec.speculative import SamplingTensors, process_logits
@@ -70,7 +72,7 @@ class EngineCore:
                  max_batch_size: int = 32, context_length: int = 2048, seed: int = 0,
                  prefill_token_budget: int = 8192, eos_token_ids: Sequence[int] = (), adaptive: bool = False,
                  history: HistoryDrafter | None = None, history_max_draft_tokens: int | None = None,
-                 history_tree: str = "auto"):
+                 history_tree: str = "auto", share_prefix: bool = True):
         if drafter is not None and num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1 with a drafter, got {num_draft_tokens}")
         if history is not None and (drafter is None or not adaptive):
@@ -95,6 +97,8 @@ class EngineCore:
             self.controller = DraftLengthController(
                 self.k_all, k_min=k_min, k_main=self.k, k_tree=self.k_tree, tree=history_tree
             )
+        self.share_prefix = share_prefix
+        """Prompts admitted together run a beginning they share once (``prefix_share.py``) where it pays."""
         self.max_batch_size = max_batch_size
         self.context_length = context_length
         self.prefill_token_budget = prefill_token_budget
@@ -209,7 +213,7 @@ class EngineCore:
                 yield
                 continue
             if sampling is None:
-                sampling = self._sampling(rows)
+                sampling = sampling_of(rows, self.device)
             adm = self._take(waiting, rows)  # prefilled in this step's forward, joins after it
             if self.spec_enabled and self.spec is not None:
                 self.spec.step(rows, sampling, stats, adm)
@@ -226,13 +230,6 @@ class EngineCore:
         return done, stats
 
     # ------------------------------------------------------------------ internals
-    def _sampling(self, rows: Sequence[Row]) -> SamplingTensors:
-        if not rows:
-            return SamplingTensors.from_values(1.0, 0, 1.0, 0.0, batch_size=0, device=self.device)
-        sp = [r.req.sampling for r in rows]
-        return SamplingTensors.from_values([s.temperature for s in sp], [s.top_k for s in sp],
-                                           [s.top_p for s in sp], [s.min_p for s in sp], device=self.device)
-
     def sync(self) -> None:
         """Wait for the device's queued kernels (a GPU runs them after the host returns); before a
         timing the adaptive controller learns from. Nothing to wait for on the CPU."""
@@ -262,17 +259,16 @@ class EngineCore:
         samples than the batch has slots may start some of them, the others parked."""
         batch, counts = plan_admission(waiting, self.max_batch_size - len(rows), self.prefill_token_budget,
                                        may_split=self._parked is None, slots=self.max_batch_size)
-        return Admission.of(batch, len(rows), self.device, counts) if batch else None
+        return (admit(self.model, self.cache, batch, len(rows), counts, self._aux_layers(), self.share_prefix)
+                if batch else None)
 
     def forward(self, seg: Segment, adm: Admission | None, aux_layers: Sequence[int]):
         """The step's forward, with ``adm``'s prefill riding along; returns the step's (logits,
         aux) and the prefill's (None without ``adm``)."""
         if adm is None:
             return self.model.forward_segments([seg], self.cache, aux_layers=aux_layers)[0], None
-        step, pre = self.model.forward_segments([seg, adm.segment], self.cache,
-                                                # the drafter's prefill reads them
-                                                aux_layers=self._aux_layers())
-        return step, pre
+        aux = self._aux_layers()  # the drafter's prefill reads them
+        return tuple(self.model.forward_segments([seg, adm.segment], self.cache, aux_layers=aux))
 
     def start(self, adm: Admission, rows: list[Row], logits: torch.Tensor, aux: torch.Tensor | None) -> None:
         """After ``adm``'s prefill forward (``logits [P, 1, V]`` at each prompt's last position,
@@ -282,6 +278,7 @@ class EngineCore:
                                          adm.counts)
         p = len(batch)
         self.cache.lens[base:base + p] = lens  # the sampled first token is the next step's input
+        aux = adm.whole_aux(aux)
         if self.drafter is not None:
             self.drafter.prefill(base, [r.input_ids for r in batch], aux)
         last_aux = [aux[i, n[i] - 1] if aux is not None else None for i in range(p)]  # [A] per prompt
@@ -334,7 +331,7 @@ class EngineCore:
         last-position logits (``first_logits [N, V]``), the drafters told (``last_aux``: each one's ``[A]``);
         appended to ``rows``."""
         base = len(rows)
-        sampling = self._sampling(new_rows)
+        sampling = sampling_of(new_rows, self.device)
         lp = process_logits(first_logits, sampling)
         tok = sample_from_logprobs(lp, sampling.greedy, generator=self.generator)
         tok_lp = self.token_logprobs(first_logits, lp, tok, sampling.greedy)

@@ -17,6 +17,7 @@ from megatron_spec.layers.linear import SMALL_MAX_ROWS
 from megatron_spec.rollout.native.measures import AcceptanceStats
 from megatron_spec.rollout.native.model import Segment
 from megatron_spec.rollout.types import FINISH_LENGTH, FINISH_STOP, GenerateRequest
+from megatron_spec.speculative import SamplingTensors
 
 
 def pad_rows(
@@ -28,6 +29,15 @@ def pad_rows(
         if len(row):
             out[i, :len(row)] = torch.tensor(list(row), dtype=torch.long, device="cpu")
     return out.to(device)
+
+
+def sampling_of(rows: Sequence[Row], device: torch.device) -> SamplingTensors:
+    """The sampling parameters of ``rows`` (one entry each) as tensors on ``device``."""
+    if not rows:
+        return SamplingTensors.from_values(1.0, 0, 1.0, 0.0, batch_size=0, device=device)
+    sp = [r.req.sampling for r in rows]
+    return SamplingTensors.from_values([s.temperature for s in sp], [s.top_k for s in sp],
+                                       [s.top_p for s in sp], [s.min_p for s in sp], device=device)
 
 
 @dataclasses.dataclass
@@ -63,7 +73,11 @@ class Row:
 @dataclasses.dataclass
 class Admission:
     """Requests taken from the queue and their prefill (into slots ``segment.slot_offset..``,
-    prompt lengths ``segment.kv_lens``; see ``_take``)."""
+    prompt lengths ``segment.kv_lens``; see ``_take``).
+
+    With ``shared`` > 0 the prompts begin with the same ``shared`` tokens (``prefix_share.py``): those
+    run once, in a forward of their own (:meth:`prefix_segment`) whose cache is copied into every
+    prompt's slot, and ``segment`` holds the rest of each prompt (positions ``shared..``)."""
 
     batch: list[GenerateRequest]
     segment: Segment
@@ -72,19 +86,43 @@ class Admission:
     counts: list[int]
     """The samples each prompt starts now: its ``n``, but for a last one whose other samples park
     (``admission.plan_admission``)."""
+    shared: int = 0
+    """How many first tokens all the prompts share and ``segment`` leaves out."""
+    prefix_aux: torch.Tensor | None = None
+    """``[1, shared, A]``: the aux states of the shared tokens' forward, once it ran (None: no aux asked)."""
 
     @classmethod
     def of(cls, batch: list[GenerateRequest], base: int, device: torch.device,
-           counts: list[int] | None = None) -> Admission:
-        """``batch``'s prompts as one prefill segment into slots ``base..``, padded to the longest; packed
-        (the prompts' tokens, not the padding) where the forward runs its layers in Python anyway: beside
-        running rows (``base > 0``), or too many rows for the C++ layers
-        (``layers.fused_layers.fused_input``)."""
+           counts: list[int] | None = None, shared: int = 0) -> Admission:
+        """``batch``'s prompts (past their first ``shared`` tokens) as one prefill segment into slots
+        ``base..``, padded to the longest; packed (the prompts' tokens, not the padding) where the forward
+        runs its layers in Python anyway: beside running rows (``base > 0``), or too many rows for the C++
+        layers (``layers.fused_layers.fused_input``)."""
         p, n = len(batch), [len(r.input_ids) for r in batch]
-        t = max(n)
-        ids = pad_rows([r.input_ids for r in batch], t, 0, device)
+        if not 0 <= shared < min(n):
+            raise ValueError(f"a shared prefix of {shared} tokens must leave every prompt a token to run "
+                             f"(shortest prompt: {min(n)})")
+        t = max(n) - shared
+        ids = pad_rows([r.input_ids[shared:] for r in batch], t, 0, device)
         lens = torch.tensor(n, device=device)
-        pos = torch.arange(t, device=device).expand(p, t)
-        pack = pos < lens.unsqueeze(1) if sum(n) < p * t and (base or p * t > SMALL_MAX_ROWS) else None
-        segment = Segment(ids, pos, lens, base, (lens - 1).unsqueeze(1), pack=pack)
-        return cls(batch, segment, n, counts if counts is not None else [r.n for r in batch])
+        pos = torch.arange(shared, shared + t, device=device).expand(p, t)
+        pack = (pos < lens.unsqueeze(1) if sum(n) - p * shared < p * t and (base or p * t > SMALL_MAX_ROWS)
+                else None)
+        segment = Segment(ids, pos, lens, base, (lens - 1 - shared).unsqueeze(1), pack=pack)
+        return cls(batch, segment, n, counts if counts is not None else [r.n for r in batch], shared)
+
+    def prefix_segment(self) -> Segment:
+        """The shared tokens as a segment of one row, into the first prompt's slot (only the last position's
+        logits asked: nothing reads them)."""
+        c, device = self.shared, self.segment.input_ids.device
+        ids = torch.tensor([self.batch[0].input_ids[:c]], dtype=torch.long, device=device)
+        pos = torch.arange(c, device=device).unsqueeze(0)
+        return Segment(ids, pos, torch.tensor([c], device=device), self.segment.slot_offset,
+                       torch.tensor([[c - 1]], device=device))
+
+    def whole_aux(self, aux: torch.Tensor | None) -> torch.Tensor | None:
+        """The prefill's aux states over whole prompts, ``[P, T, A]`` (``aux``: ``segment``'s), the shared
+        tokens' in front."""
+        if aux is None or not self.shared:
+            return aux
+        return torch.cat([self.prefix_aux.expand(aux.shape[0], -1, -1), aux], 1)

@@ -134,7 +134,7 @@ class EngineServer(WeightSession, WeightReceiver):
             history = HistoryDrafter(live=config.history_live)
         core = EngineCore(self.target, self.drafter, num_draft_tokens=config.k, adaptive=config.adaptive,
                           history=history, history_max_draft_tokens=config.history_max_draft_tokens,
-                          history_tree=config.history_tree,
+                          history_tree=config.history_tree, share_prefix=config.share_prefix,
                           max_batch_size=config.max_batch_size, context_length=config.context_length,
                           seed=config.seed, eos_token_ids=self.target_cfg.eos_token_ids)
         if config.spec_trace and core.controller is not None:
