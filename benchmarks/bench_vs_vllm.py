@@ -3,6 +3,7 @@
     python benchmarks/bench_vs_vllm.py --vllm-python PATH [--model smollm2]
         [--draft runs/smollm2_eagle3_refined | none] [--dtypes auto,float32] [--batch-sizes 1,16]
         [--rounds 3] [--new-tokens 64] [--prompts 16] [--vllm-spec ngram,eagle3] [--no-compile]
+        [--whole-prefill]
 
 ``PATH`` is the Python of an environment with vLLM's CPU build, made as its users make it::
 
@@ -27,7 +28,11 @@ Configurations: ours plain (``ar``), EAGLE-3 k=3 and EAGLE-3 adaptive + history,
 compiled by torch.compile unless ``--no-compile`` (``compile_s``: what compiling cost each at start-up,
 inside ``load_s``; vLLM compiles its model too, inside its load time); vLLM plain and each
 of ``--vllm-spec`` (``ngram``: prompt lookup, k=3, n 1..4; ``eagle3``: the same ModelOpt export, k=3;
-a configuration vLLM refuses is reported with its error and left out). ``--draft none``, without a trained
+a configuration vLLM refuses is reported with its error and left out). The chat prompts share their first
+26 tokens (the template's system turn): our engine runs them once per admission (``--share-prefix``,
+``rollout/native/prefix_share.py``); vLLM's prefix cache shares whole blocks only, which these prompts do
+not fill. ``--whole-prefill`` adds ours plain without the sharing (``ours_ar_whole_prefill``, key
+``share_prefix_speedup_{dtype}_b{B}``: ``ours_ar`` over it, paired). ``--draft none``, without a trained
 export: ours speculate by prompt lookup k=3 and by the adaptive history drafter, vLLM by n-gram; the key
 ``draft`` says which. Greedy outputs are compared
 token for token between ours and vLLM's plain decoding (``greedy_match``: the share of prompts whose
@@ -57,6 +62,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 WORKER = os.path.join(ROOT, "benchmarks", "_vllm_worker.py")
+WHOLE = "ours_ar_whole_prefill"
+"""``--whole-prefill``'s configuration: ours plain, every prompt prefilled whole (``--no-share-prefix``)."""
 VLLM_SPEC = {
     "ngram": lambda draft, k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                                "prompt_lookup_max": 4},
@@ -294,6 +301,8 @@ def engine_makers(args, model: str, dtype, b: int, max_len: int, tag: str) -> di
                                  **kw)
 
     makers = {"ours_ar": ours("none")}
+    if args.whole_prefill:
+        makers[WHOLE] = ours("none", share_prefix=False)
     if args.draft == "none":
         makers["ours_ngram_k3"] = ours("ngram", num_draft_tokens=args.k)
         makers["ours_history_auto"] = ours("history", num_draft_tokens="auto")
@@ -340,6 +349,9 @@ def main() -> None:
     ap.add_argument("--interleave", choices=("steps", "calls"), default="steps",
                     help="steps: our configurations of a round step by step in turn "
                     "(benchmarks/_lockstep.py); calls: every configuration one whole call after the other")
+    ap.add_argument("--whole-prefill", action="store_true",
+                    help="also ours plain with --no-share-prefix (ours_ar_whole_prefill: prompts prefilled "
+                    "whole), stepped in turn with the others; key share_prefix_speedup_{dtype}_b{B}")
     ap.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
@@ -423,13 +435,15 @@ def main() -> None:
                     eng.close()
             per = {n: max(v) for n, v in times.items()}
 
-            ours_spec = [n for n in times if n.startswith("ours_") and n != "ours_ar"]
+            ours_spec = [n for n in times if n.startswith("ours_") and n not in ("ours_ar", WHOLE)]
             vllm_all = [n for n in times if n.startswith("vllm_")]
             best_ours = max(ours_spec, key=lambda n: per[n]) if ours_spec else None
             result[f"ar_over_vllm_{tag}"] = paired(times, "ours_ar", ["vllm_ar"], args.rounds)
             result[f"spec_over_vllm_{tag}"] = (
                 paired(times, best_ours, vllm_all, args.rounds) if best_ours else None
             )
+            if args.whole_prefill:
+                result[f"share_prefix_speedup_{tag}"] = paired(times, "ours_ar", [WHOLE], args.rounds)
             over_ar = ceiling["over_ar"] if ceiling else None
             ar = result[f"ar_over_vllm_{tag}"]
             result[f"spec_ceiling_over_ar_{tag}"] = over_ar
