@@ -105,8 +105,9 @@ class EngineConfig:
     controller expects them to pay, or ``off`` (the tests force them with the test hook
     ``history_tree_always``, ``megatron_spec.faults``)."""
     share_prefix: bool = True
-    """Native engine: prompts prefilled together run a beginning they share once
-    (:mod:`megatron_spec.rollout.native.prefix_share`)."""
+    """Prompts share the prefill of a beginning they share: the native engine's admissions
+    (:mod:`megatron_spec.rollout.native.prefix_share`), vLLM's ``enable_prefix_caching``, SGLang's radix cache
+    (``disable_radix_cache`` when off)."""
     spec_trace: str | None = None
     """A JSON-lines file the adaptive controller appends its decision of every verify step to
     (:mod:`megatron_spec.rollout.native.decision_trace`), or None."""

@@ -220,10 +220,10 @@ SETTINGS: tuple[Setting, ...] = (
         "rollout_share_prefix",
         "rollout",
         True,
-        "native engine: prompts prefilled together that begin alike (a chat template's system turn, a task's "
-        "instructions) run their common beginning once and copy its cache, where that saves at least "
-        "prefix_share.MIN_SAVED_TOKENS tokens (SGLang's radix cache and vLLM's prefix caching do this across "
-        "requests); the tokens are the same either way",
+        "share the prefill of prompts that begin alike: the native engine runs the beginning the prompts it "
+        "prefills together share once and copies its cache, where that saves at least "
+        "prefix_share.MIN_SAVED_TOKENS tokens; vLLM's prefix caching (enable_prefix_caching) and SGLang's "
+        "radix cache (disable_radix_cache) follow this flag",
         engine="share_prefix",
     ),
     Setting(

@@ -192,6 +192,8 @@ def server_kwargs(config: EngineConfig, *, tp_size: int = 1, speculation: bool =
         "weight_version": INITIAL_VERSION,  # what the native engine calls checkpoint weights
         "nccl_port": nccl_port(config.engine_index),  # engines started together on a node do not race for one
     }
+    if not config.share_prefix:  # --no-rollout-share-prefix: SGLang's prefix cache off too
+        kw["disable_radix_cache"] = True
     if gpu_ids is not None:
         kw.update(gpu_placement(gpu_ids, tp_size))
     if speculation:

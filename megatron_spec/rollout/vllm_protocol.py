@@ -129,7 +129,7 @@ def llm_kwargs(config: EngineConfig, *, speculation: bool, draft_dir: str | None
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": False,
         "enforce_eager": not config.compile,
-        "enable_prefix_caching": True,
+        "enable_prefix_caching": config.share_prefix,  # --[no-]rollout-share-prefix
     }
     spec = speculative_config(config, draft_dir) if speculation else None
     if spec is not None:  # vLLM refuses per-request counters without a speculative method

@@ -3,6 +3,7 @@ builds from ours, and how a vLLM completion becomes a SampleOutput."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from types import SimpleNamespace
@@ -64,6 +65,9 @@ def test_llm_arguments(model_dir, tmp_path):
         "prompt_lookup_max": 4,
     }
     assert kw["per_request_spec_decode_metrics"] == "detailed"
+    assert kw["enable_prefix_caching"] is True
+    unshared = dataclasses.replace(cfg, share_prefix=False)  # --no-rollout-share-prefix
+    assert proto.llm_kwargs(unshared, speculation=True, draft_dir=None)["enable_prefix_caching"] is False
     plain = proto.llm_kwargs(cfg, speculation=False, draft_dir=None)
     # vLLM refuses it
     assert "speculative_config" not in plain and "per_request_spec_decode_metrics" not in plain

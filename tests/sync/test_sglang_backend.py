@@ -18,6 +18,7 @@ The real engine needs a GPU: ``test_real_sglang_engine`` (marked gpu).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import json
 
@@ -257,6 +258,9 @@ def test_server_args_pass_sglangs_own_validation_and_are_lossless(ckpts):
             view.speculative_num_draft_tokens) == ("EAGLE3", 3, 1, 4)
     assert view.speculative_use_rejection_sampling and view.enable_memory_saver and view.tp_size == 2
     assert view.speculative_accept_threshold_single == view.speculative_accept_threshold_acc == 1.0
+    assert not view.disable_radix_cache
+    unshared, _ = _resolved(proto.server_kwargs(dataclasses.replace(cfg, share_prefix=False), tp_size=2))
+    assert unshared.disable_radix_cache  # --no-rollout-share-prefix
     # SGLang refuses
     with pytest.raises(ValueError, match="rejection sampling ignores the accept thresholds"):
         _resolved(proto.server_kwargs(cfg, overrides={"speculative_accept_threshold_acc": 0.5}))
