@@ -190,9 +190,7 @@ SETTINGS: tuple[Setting, ...] = (
         alias="--temperature",
     ),
     Setting("rollout_top_p", "rollout", 1.0, "nucleus sampling (1 = off)", sampling="top_p", alias="--top-p"),
-    Setting(
-        "rollout_top_k", "rollout", 0, "top-k sampling (0 or -1 = off)", sampling="top_k", alias="--top-k"
-    ),
+    Setting("rollout_top_k", "rollout", 0, "top-k sampling (0, -1: off)", sampling="top_k", alias="--top-k"),
     Setting("rollout_min_p", "rollout", 0.0, "min-p sampling (0 = off)", sampling="min_p", alias="--min-p"),
     Setting(
         "rollout_num_threads",
@@ -207,12 +205,10 @@ SETTINGS: tuple[Setting, ...] = (
         "rollout_compile",
         "rollout",
         False,
-        "native engine on a CPU: run its decoder layer compiled by "
-        "torch.compile (inductor; fused norms, rotation, activation): faster steps, after a compile of "
-        "seconds "
-        "per step shape on first use (cached on disk for later runs); not where the extension's C++ decoder "
-        "layers "
-        "run for the engine's dtype (they are faster: layers.compiled.compiling_pays)",
+        "native engine on a CPU: run its decoder layer compiled by torch.compile (inductor; fused norms, "
+        "rotation, activation): faster steps, after a compile of seconds per step shape on first use (cached "
+        "on disk for later runs); not where the extension's C++ decoder layers run for the engine's dtype "
+        "(they are faster: layers.compiled.compiling_pays)",
         engine="compile",
         alias="--compile",
     ),
@@ -220,10 +216,9 @@ SETTINGS: tuple[Setting, ...] = (
         "rollout_share_prefix",
         "rollout",
         True,
-        "share the prefill of prompts that begin alike: the native engine runs the beginning the prompts it "
-        "prefills together share once and copies its cache, where that saves at least "
-        "prefix_share.MIN_SAVED_TOKENS tokens; vLLM's prefix caching (enable_prefix_caching) and SGLang's "
-        "radix cache (disable_radix_cache) follow this flag",
+        "prompts that begin alike share that prefill: the native engine runs it once per admission where "
+        "that saves >= 64 tokens (rollout/native/prefix_share.py); vLLM's enable_prefix_caching and "
+        "SGLang's radix cache follow this flag",
         engine="share_prefix",
     ),
     Setting(
