@@ -29,7 +29,7 @@ compiled by torch.compile unless ``--no-compile`` (``compile_s``: what compiling
 inside ``load_s``; vLLM compiles its model too, inside its load time); vLLM plain and each
 of ``--vllm-spec`` (``ngram``: prompt lookup, k=3, n 1..4; ``eagle3``: the same ModelOpt export, k=3;
 a configuration vLLM refuses is reported with its error and left out). The chat prompts share their first
-26 tokens (the template's system turn): our engine runs them once per admission (``--share-prefix``,
+26 tokens (the template's system turn): our engine runs them once per admission (``--rollout-share-prefix``,
 ``rollout/native/prefix_share.py``); vLLM's prefix cache shares whole blocks only, which these prompts do
 not fill. ``--whole-prefill`` adds ours plain without the sharing (``ours_ar_whole_prefill``, key
 ``share_prefix_speedup_{dtype}_b{B}``: ``ours_ar`` over it, paired). ``--draft none``, without a trained
@@ -63,7 +63,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 WORKER = os.path.join(ROOT, "benchmarks", "_vllm_worker.py")
 WHOLE = "ours_ar_whole_prefill"
-"""``--whole-prefill``'s configuration: ours plain, every prompt prefilled whole (``--no-share-prefix``)."""
+"""``--whole-prefill``'s configuration: ours plain, every prompt prefilled whole
+(``--no-rollout-share-prefix``)."""
 VLLM_SPEC = {
     "ngram": lambda draft, k: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                                "prompt_lookup_max": 4},
@@ -350,8 +351,9 @@ def main() -> None:
                     help="steps: our configurations of a round step by step in turn "
                     "(benchmarks/_lockstep.py); calls: every configuration one whole call after the other")
     ap.add_argument("--whole-prefill", action="store_true",
-                    help="also ours plain with --no-share-prefix (ours_ar_whole_prefill: prompts prefilled "
-                    "whole), stepped in turn with the others; key share_prefix_speedup_{dtype}_b{B}")
+                    help="also ours plain with --no-rollout-share-prefix (ours_ar_whole_prefill: prompts "
+                    "prefilled whole), stepped in turn with the others; key "
+                    "share_prefix_speedup_{dtype}_b{B}")
     ap.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,

@@ -48,7 +48,7 @@ def test_shared_beginnings_give_the_tokens_of_whole_prefills(setup, monkeypatch,
     samples, news = (1, 2, 1, 1, 5, 1, 1), (4, 6, 4, 8, 8, 5, 7)
     runs = []
     monkeypatch.setattr(prefix_share, "MIN_SAVED_TOKENS", 0)  # every common beginning shared
-    for share in (False, True):  # whole prompts (--no-share-prefix) / shared beginnings
+    for share in (False, True):  # whole prompts (--no-rollout-share-prefix) / shared beginnings
         server = EngineServer(EngineConfig(model_path=setup.target, draft_kind=draft,
                                            draft_path=setup.eagle3 if draft == "eagle3" else None,
                                            num_draft_tokens=2, context_length=64, max_batch_size=4,
