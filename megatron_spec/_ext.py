@@ -153,8 +153,8 @@ def cpu_facts() -> dict[str, object]:
     ``AVX-512``, ``AVX-512-BF16``, ``AMX``), its model and torch's capability, and the linear kernel of each
     engine dtype (fp32: the panels' kernel variant, and its tiles where they are not the variant's own:
     ``avx512, avx2 tiles`` on AMD Zen 4), and the engines' allocator setting (``host_heap``:
-    ``host_memory.setting()``)."""
-    from megatron_spec.host_memory import setting
+    ``host_memory.setting()``) and whether their panels go to huge pages (``huge_pages``)."""
+    from megatron_spec.host_memory import huge_pages, setting
     from megatron_spec.isa import probe
 
     info = probe()
@@ -162,4 +162,5 @@ def cpu_facts() -> dict[str, object]:
     own = isa != "avx512" or tiles == "avx512"
     fp32 = f"fp32 panels ({isa})" if own else f"fp32 panels ({isa}, {tiles} tiles)"
     return {"cpu_kind": info.kind, "cpu_model": info.model, "cpu_capability": info.capability,
-            "linear_kernel": {"bfloat16": bf16_linear_kernel(), "float32": fp32}, "host_heap": setting()}
+            "linear_kernel": {"bfloat16": bf16_linear_kernel(), "float32": fp32}, "host_heap": setting(),
+            "huge_pages": huge_pages()}

@@ -21,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_spec.compat import compat_active
     from megatron_spec.compat.fallbacks import fallback_line
     from megatron_spec.compat.fallbacks import installed_version as _version
-    from megatron_spec.host_memory import setting
+    from megatron_spec.host_memory import huge_pages, setting
     from megatron_spec.isa import probe, resolve_dtype
 
     cpu = probe()
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         "bf16_linear_kernel": _ext.bf16_linear_kernel() if cpu.native_bf16 else None,
         "rollout_dtype_auto": resolve_dtype("auto"),
         "host_heap": setting(),  # the engines' and trainer's allocator setting (megatron_spec.host_memory)
+        "huge_pages": huge_pages(),  # whether the engines' panels go to huge pages (host_memory.huge_pages)
     }
     if args.json:
         print(json.dumps(facts))

@@ -97,8 +97,8 @@ class EngineServer(WeightSession, WeightReceiver):
         self.versions["draft"] = built.version
         self.core = self._build_core()
         self.core.allocate()
-        prepare_for_inference(self.target, self._draft_module(), self.core.cache, config, self.device,
-                              self.dtype)
+        self.huge_page_bytes = prepare_for_inference(self.target, self._draft_module(), self.core.cache,
+                                                     config, self.device, self.dtype)  # the panels moved there
         if self.device.type == "cpu":  # the weights and the cache in place: what the forwards allocate stays
             keep_heap()  # on the heap (megatron_spec.host_memory)
         self._updating: dict[str, set[str]] | None = None
@@ -160,6 +160,7 @@ class EngineServer(WeightSession, WeightReceiver):
             "max_batch_size": self.config.max_batch_size,
             "context_length": self.config.context_length,
             "torch_threads": torch.get_num_threads(),
+            "panels_on_huge_pages_mb": round(self.huge_page_bytes / 1e6, 1),
             "compiled_graphs": self.target.compiled.compiles if self.target.compiled else 0,
             "compile_seconds": round(self.target.compiled.compile_seconds, 2)
             if self.target.compiled

@@ -1,6 +1,7 @@
 """Readies the native engine's modules for inference before its first call: linear weights pre-packed for
-oneDNN, each packed linear called once per decode-sized row count (``EngineConfig.warm_up``), and with
-``EngineConfig.compile`` the target's decoder layers compiled, one graph per step-shape class.
+oneDNN (their panels moved to huge pages), each packed linear called once per decode-sized row count
+(``EngineConfig.warm_up``), and with ``EngineConfig.compile`` the target's decoder layers compiled, one graph
+per step-shape class.
 
 This module does not know about requests, drafting or weight updates; it runs dummy forwards on the
 engine's own cache, whose entries the next prefill overwrites.
@@ -17,6 +18,7 @@ from megatron_spec.layers.compiled import compiling_pays
 from megatron_spec.layers.decoder import use_fused_attention
 from megatron_spec.layers.kv_cache import KVCache
 from megatron_spec.layers.linear import pack_linears, warm_linears
+from megatron_spec.layers.panel_memory import place_panels
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.model import CausalLM
 
@@ -24,12 +26,15 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_for_inference(target: CausalLM, draft: torch.nn.Module | None, cache: KVCache,
-                          config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
-    """Pack the target's and the draft's linears, warm them up, and compile the target's layers where
-    ``config`` asks for it and compiling pays (:func:`~megatron_spec.layers.compiled.compiling_pays`)."""
+                          config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """Pack the target's and the draft's linears, their panels on huge pages (``layers.panel_memory``), warm
+    them up, and compile the target's layers where ``config`` asks for it and compiling pays
+    (:func:`~megatron_spec.layers.compiled.compiling_pays`). Returns the panels' bytes on huge pages."""
     for module in (target, draft):
         if module is not None:
             pack_linears(module)  # oneDNN-prepacked weights for inference (model.Linear)
+    placed = place_panels((target, draft))  # the decode kernels' panels on huge pages
+    logger.info("engine panels: %.0f MB on huge pages", placed / 1e6)
     if config.warm_up:
         t0 = time.perf_counter()
         calls = warm_linears([m for m in (target, draft) if m is not None],
@@ -48,6 +53,7 @@ def prepare_for_inference(target: CausalLM, draft: torch.nn.Module | None, cache
                 target.compiled.compiles,
                 time.perf_counter() - t0,
             )
+    return placed
 
 
 def warm_compiled(target: CausalLM, cache: KVCache, config: EngineConfig, device: torch.device,
