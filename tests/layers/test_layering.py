@@ -131,7 +131,8 @@ def test_draft_does_not_import_the_rollout_engine():
 def test_layers_import_only_the_model_config():
     inside = imports_of("layers", "megatron_spec")
     # _ext: the kernels' loader; host_memory: the huge-page memory the panels move to (layers.panel_memory)
-    allowed = ("megatron_spec.layers", "megatron_spec.models", "megatron_spec._ext", "megatron_spec.host_memory")
+    allowed = ("megatron_spec.layers", "megatron_spec.models", "megatron_spec._ext",
+               "megatron_spec.host_memory")
     assert [v for v in inside if not v.split(": ")[1].startswith(allowed)] == []
     assert inside, "expected the layers to import each other (is ROOT right?)"
 

@@ -97,8 +97,9 @@ class EngineServer(WeightSession, WeightReceiver):
         self.versions["draft"] = built.version
         self.core = self._build_core()
         self.core.allocate()
+        # the panels' bytes moved to huge pages
         self.huge_page_bytes = prepare_for_inference(self.target, self._draft_module(), self.core.cache,
-                                                     config, self.device, self.dtype)  # the panels moved there
+                                                     config, self.device, self.dtype)
         if self.device.type == "cpu":  # the weights and the cache in place: what the forwards allocate stays
             keep_heap()  # on the heap (megatron_spec.host_memory)
         self._updating: dict[str, set[str]] | None = None
