@@ -6,7 +6,7 @@ only a neighbour expected to give at least ``margin`` of the best rate (or on ev
 step). A neighbour whose last try gave less than the best plan's rate waits twice as long for the next (up
 to the rare steps' period; where it gave less than ``margin`` of it, up to ``rare_longest`` rare periods,
 and the rare steps wait too: a k = 1 step at 16 rows on 2 cores costs ~2 plain steps, and tried every 64th
-step it cost ~2%).
+step it cost ~2%); one whose try gave more waits half as long (down to ``every``).
 
 :class:`Hold`: where plain decoding is the best plan (a large batch on a compute-bound CPU), the steps up to
 the next exploring step keep it without a new choice, and without the history's proposals (the live index
@@ -66,13 +66,16 @@ class Exploration:
 
     def record(self, plan: StepPlan, b: int, best_rate: float, rate: float, step: int) -> None:
         """An exploring step's ``plan`` at ``b`` rows gave ``rate`` where the best plan was expected to give
-        ``best_rate``: its wait doubles where it gave less (module docstring), and is ``every`` again where
-        it did better."""
+        ``best_rate``: its wait doubles where it gave less (module docstring), and halves (down to ``every``)
+        where it did better: one step's rate is noisy (at 16 rows a k = 1 step's accepted tokens alone vary
+        by a fifth), and a neighbour that won and lost in turn, put back to every ``every``-th step by each
+        win, cost the adaptive engine 3-5% of plain decoding at 16 bf16 rows (docs/benchmark_log.md, "Huge
+        pages")."""
         key = (plan, size_class(b))
         wait = self.wait.get(key, (self.every, 0))[0]
         period = self.every * max(1, self.rare)
         longest = period * (self.rare_longest if rate < self.margin * best_rate else 1)
-        wait = min(2 * wait, longest) if rate < best_rate else self.every
+        wait = min(2 * wait, longest) if rate < best_rate else max(self.every, wait // 2)
         self.wait[key] = (wait, step + wait)
 
 
