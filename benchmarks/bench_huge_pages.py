@@ -68,9 +68,10 @@ def rounds_of(engines: dict, prompts, new_tokens: int, rounds: int, tag: str) ->
         line = []
         for n in names:
             wall, out = engines[n].finish(*got[n][:2])
+            rate = sum(map(len, out)) / wall
             if r:
-                speed[n].append(sum(map(len, out)) / wall)
-            line.append(f"{n} {sum(map(len, out)) / wall:.1f}")
+                speed[n].append(rate)
+            line.append(f"{n} {rate:.1f}")
         print(f"[{tag}] round {r}: " + ", ".join(line), file=sys.stderr, flush=True)
     return speed
 

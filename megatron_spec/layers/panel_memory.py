@@ -36,17 +36,24 @@ def place_panels(modules: Iterable[nn.Module | None]) -> int:
     """Copy the panels of every :func:`placeable` linear in ``modules`` into one new huge-page mapping and
     compute from there; returns the bytes moved (0 where ``huge_page_memory`` gives none: the panels stay)."""
     layers = [m for module in modules if module is not None for m in placeable(module)]
-    sizes = [-(-m._small.numel() * m._small.element_size() // ALIGN) * ALIGN for m in layers]
+    sizes = [-(-m._small.nbytes // ALIGN) * ALIGN for m in layers]
     memory = huge_page_memory(sum(sizes))
     if memory is None:
         return 0
     offset = 0
     for m, size in zip(layers, sizes):
         old = m._small
-        new = memory[offset:offset + old.numel() * old.element_size()].view(old.dtype).view(old.shape)
+        new = memory[offset:offset + old.nbytes].view(old.dtype).view(old.shape)
         new.copy_(old)
         new.placed = True  # a weight update re-packs into this very tensor
         m._small, m._packed = new, (new if m._packed is old else m._packed)
         offset += size
     linear.PACK_EPOCH += 1  # lists of the old panels (fused_layers.fused_stack's, cached) are stale
     return offset
+
+
+def placed_bytes(modules: Iterable[nn.Module | None]) -> int:
+    """Bytes of the panels of ``modules`` that lie on huge pages now (a release and a later pack put them back
+    on the heap)."""
+    return sum(m._small.nbytes for module in modules if module is not None for m in module.modules()
+               if isinstance(m, linear.Linear) and getattr(m._small, "placed", False))

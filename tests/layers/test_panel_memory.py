@@ -152,3 +152,5 @@ def test_the_engine_moves_its_target_and_draft_panels_and_samples_the_same(setup
     for module in (on.target, on._draft_module()):
         assert placeable(module) == []  # every panel of the target and of the draft moved
     assert got == want
+    on.release_memory()  # the main job, while it trains: the panels go, and the engine says so
+    assert on.info()["panels_on_huge_pages_mb"] == 0

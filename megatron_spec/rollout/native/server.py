@@ -30,6 +30,7 @@ from megatron_spec.exit import exit_now
 from megatron_spec.host_memory import keep_heap
 from megatron_spec.interfaces import WeightReceiver
 from megatron_spec.layers.linear import pack_linears
+from megatron_spec.layers.panel_memory import placed_bytes
 from megatron_spec.models import HFCheckpoint
 from megatron_spec.rollout.config import EngineConfig
 from megatron_spec.rollout.native.drafter_factory import build_drafter, draft_module
@@ -97,9 +98,8 @@ class EngineServer(WeightSession, WeightReceiver):
         self.versions["draft"] = built.version
         self.core = self._build_core()
         self.core.allocate()
-        # the panels' bytes moved to huge pages
-        self.huge_page_bytes = prepare_for_inference(self.target, self._draft_module(), self.core.cache,
-                                                     config, self.device, self.dtype)
+        prepare_for_inference(self.target, self._draft_module(), self.core.cache, config, self.device,
+                              self.dtype)
         if self.device.type == "cpu":  # the weights and the cache in place: what the forwards allocate stays
             keep_heap()  # on the heap (megatron_spec.host_memory)
         self._updating: dict[str, set[str]] | None = None
@@ -161,7 +161,7 @@ class EngineServer(WeightSession, WeightReceiver):
             "max_batch_size": self.config.max_batch_size,
             "context_length": self.config.context_length,
             "torch_threads": torch.get_num_threads(),
-            "panels_on_huge_pages_mb": round(self.huge_page_bytes / 1e6, 1),
+            "panels_on_huge_pages_mb": round(placed_bytes((self.target, self._draft_module())) / 1e6, 1),
             "compiled_graphs": self.target.compiled.compiles if self.target.compiled else 0,
             "compile_seconds": round(self.target.compiled.compile_seconds, 2)
             if self.target.compiled

@@ -26,10 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 def prepare_for_inference(target: CausalLM, draft: torch.nn.Module | None, cache: KVCache,
-                          config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
+                          config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
     """Pack the target's and the draft's linears, their panels on huge pages (``layers.panel_memory``), warm
     them up, and compile the target's layers where ``config`` asks for it and compiling pays
-    (:func:`~megatron_spec.layers.compiled.compiling_pays`). Returns the panels' bytes on huge pages."""
+    (:func:`~megatron_spec.layers.compiled.compiling_pays`)."""
     for module in (target, draft):
         if module is not None:
             pack_linears(module)  # oneDNN-prepacked weights for inference (model.Linear)
@@ -53,7 +53,6 @@ def prepare_for_inference(target: CausalLM, draft: torch.nn.Module | None, cache
                 target.compiled.compiles,
                 time.perf_counter() - t0,
             )
-    return placed
 
 
 def warm_compiled(target: CausalLM, cache: KVCache, config: EngineConfig, device: torch.device,
